@@ -1,0 +1,308 @@
+"""Model configuration: one frozen, hashable value read from an HF ``config.json``.
+
+Dimension letters used across the package (see README "Glossary"):
+  B batch/streams, S sequence (cache capacity), T new tokens in a block (tree nodes incl. root),
+  D model width, H query heads, N nope head dim, R rope head dim, V value head dim,
+  L kv latent rank (512), Q q latent rank, E routed experts, K experts per token, F expert FFN width,
+  W vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any
+
+SUPPORTED_TEXT_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
+SUPPORTED_WRAPPER_TYPES = ("kimi_k25",)
+
+
+class ConfigError(ValueError):
+    """A config.json this package cannot represent."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """RoPE frequencies for the 64-dim rope part of MLA (YaRN or plain)."""
+
+    theta: float = 50000.0
+    kind: str = "yarn"  # "yarn" or "default"
+    factor: float = 64.0
+    original_max_position: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantConfig:
+    """compressed-tensors ``pack-quantized`` INT4 settings of the routed experts."""
+
+    num_bits: int = 4
+    group_size: int = 32
+    symmetric: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Static description of a DeepSeek-V3-architecture (Kimi K2.x) text model."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int  # dense MLP width (first_k_dense_replace layers)
+    moe_intermediate_size: int
+    num_layers: int
+    num_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    n_group: int
+    topk_group: int
+    first_k_dense_replace: int
+    routed_scaling_factor: float
+    norm_topk_prob: bool
+    rms_norm_eps: float
+    latent_norm_eps: float = 1e-6  # HF builds q_a/kv_a layernorms with eps 1e-6
+    rope: RopeConfig = RopeConfig()
+    max_position_embeddings: int = 262144
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    pad_token_id: int | None = None
+    quant: QuantConfig | None = None
+    # Name prefix of the text model's tensors in the HF checkpoint ("" or "language_model.").
+    weight_prefix: str = ""
+    dtype: str = "bfloat16"  # activation / non-expert weight dtype
+
+    def __post_init__(self):
+        problems = []
+        if self.num_experts_per_tok > self.n_routed_experts:
+            problems.append("num_experts_per_tok > n_routed_experts")
+        if self.n_group < 1 or self.n_routed_experts % self.n_group:
+            problems.append(f"n_routed_experts={self.n_routed_experts} not divisible by n_group={self.n_group}")
+        if not 1 <= self.topk_group <= self.n_group:
+            problems.append(f"topk_group={self.topk_group} must be in [1, n_group={self.n_group}]")
+        if self.qk_rope_head_dim % 2:
+            problems.append("qk_rope_head_dim must be even")
+        if not 0 <= self.first_k_dense_replace <= self.num_layers:
+            problems.append("first_k_dense_replace outside [0, num_layers]")
+        if self.dtype not in ("bfloat16", "float32", "float16"):
+            problems.append(f"dtype {self.dtype!r} not in bfloat16/float32/float16")
+        if problems:
+            raise ConfigError("invalid ModelConfig: " + "; ".join(problems))
+
+    # ----- derived sizes -----
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Width of one cached token per layer in absorbed MLA: L + R (576 for K2.6)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers - self.first_k_dense_replace
+
+    @property
+    def shared_intermediate_size(self) -> int:
+        return self.moe_intermediate_size * self.n_shared_experts
+
+    @property
+    def softmax_scale(self) -> float:
+        """192^-0.5 times the YaRN mscale squared (0.14468 for K2.6)."""
+        scale = self.qk_head_dim**-0.5
+        if self.rope.kind == "yarn" and self.rope.mscale_all_dim:
+            m = yarn_mscale(self.rope.factor, self.rope.mscale_all_dim)
+            scale *= m * m
+        return scale
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    # ----- HF config.json -----
+    @classmethod
+    def from_hf_dict(cls, raw: dict[str, Any], *, dtype: str = "bfloat16") -> "ModelConfig":
+        """Builds a config from the dict of an HF ``config.json``.
+
+        Accepts plain DeepseekV3 / kimi_k2 configs and the K2.5/K2.6 ``kimi_k25`` wrapper (text model
+        under ``text_config``, tensors prefixed ``language_model.``). Anything else is refused.
+        """
+        model_type = raw.get("model_type")
+        prefix = ""
+        top = raw
+        if model_type in SUPPORTED_WRAPPER_TYPES:
+            if "text_config" not in raw:
+                raise ConfigError(f"model_type {model_type!r} needs a 'text_config' section")
+            raw = raw["text_config"]
+            prefix = "language_model."
+            model_type = raw.get("model_type", "deepseek_v3")
+        if model_type not in SUPPORTED_TEXT_MODEL_TYPES:
+            known = SUPPORTED_TEXT_MODEL_TYPES + SUPPORTED_WRAPPER_TYPES
+            raise ConfigError(f"unsupported architecture model_type={model_type!r}; supported: {known}")
+
+        def need(key):
+            if key not in raw or raw[key] is None:
+                raise ConfigError(f"config.json lacks required field {key!r}")
+            return raw[key]
+
+        rope_raw = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        theta = float(rope_raw.get("rope_theta", raw.get("rope_theta", 10000.0)))
+        kind = rope_raw.get("rope_type", rope_raw.get("type", "default"))
+        if kind not in ("yarn", "default"):
+            raise ConfigError(f"unsupported rope type {kind!r} (supported: yarn, default)")
+        rope = RopeConfig(
+            theta=theta,
+            kind=kind,
+            factor=float(rope_raw.get("factor", 1.0)),
+            original_max_position=int(
+                rope_raw.get("original_max_position_embeddings", raw.get("max_position_embeddings", 4096))
+            ),
+            beta_fast=float(rope_raw.get("beta_fast", 32.0)),
+            beta_slow=float(rope_raw.get("beta_slow", 1.0)),
+            mscale=float(rope_raw.get("mscale", 1.0)),
+            mscale_all_dim=float(rope_raw.get("mscale_all_dim", 0.0)),
+        )
+        if kind == "yarn" and rope_raw.get("attention_factor") is not None:
+            raise ConfigError("rope attention_factor overrides are not supported")
+
+        eos = top.get("eos_token_id", raw.get("eos_token_id"))
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+        quant_raw = raw.get("quantization_config") or top.get("quantization_config")
+        n_group = raw.get("n_group") or 1
+        topk_group = raw.get("topk_group") or 1
+        if raw.get("topk_method", "noaux_tc") not in ("noaux_tc",):
+            raise ConfigError(f"unsupported topk_method {raw.get('topk_method')!r} (only noaux_tc)")
+        if raw.get("scoring_func", "sigmoid") != "sigmoid":
+            raise ConfigError(f"unsupported scoring_func {raw.get('scoring_func')!r} (only sigmoid)")
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"unsupported hidden_act {raw.get('hidden_act')!r} (only silu)")
+        if raw.get("attention_bias", False):
+            raise ConfigError("attention_bias=true is not supported")
+        if raw.get("tie_word_embeddings", False) or top.get("tie_word_embeddings", False):
+            raise ConfigError("tied embeddings are not supported (K2 models have an untied lm_head)")
+        if raw.get("moe_layer_freq", 1) != 1:
+            raise ConfigError("moe_layer_freq != 1 is not supported")
+
+        from ddtree_jax.quant import parse_quantization_config  # local import: quant imports config
+
+        return cls(
+            vocab_size=int(need("vocab_size")),
+            hidden_size=int(need("hidden_size")),
+            intermediate_size=int(need("intermediate_size")),
+            moe_intermediate_size=int(need("moe_intermediate_size")),
+            num_layers=int(need("num_hidden_layers")),
+            num_heads=int(need("num_attention_heads")),
+            q_lora_rank=None if raw.get("q_lora_rank") is None else int(raw["q_lora_rank"]),
+            kv_lora_rank=int(need("kv_lora_rank")),
+            qk_nope_head_dim=int(need("qk_nope_head_dim")),
+            qk_rope_head_dim=int(need("qk_rope_head_dim")),
+            v_head_dim=int(need("v_head_dim")),
+            n_routed_experts=int(need("n_routed_experts")),
+            n_shared_experts=int(raw.get("n_shared_experts") or 0),
+            num_experts_per_tok=int(need("num_experts_per_tok")),
+            n_group=int(n_group),
+            topk_group=int(topk_group),
+            first_k_dense_replace=int(raw.get("first_k_dense_replace") or 0),
+            routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+            norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+            rms_norm_eps=float(need("rms_norm_eps")),
+            rope=rope,
+            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+            eos_token_ids=eos_ids,
+            bos_token_id=top.get("bos_token_id", raw.get("bos_token_id")),
+            pad_token_id=top.get("pad_token_id", raw.get("pad_token_id")),
+            quant=parse_quantization_config(quant_raw),
+            weight_prefix=prefix,
+            dtype=dtype,
+        )
+
+    @classmethod
+    def from_hf_dir(cls, path: str, *, dtype: str = "bfloat16") -> "ModelConfig":
+        file = os.path.join(path, "config.json")
+        if not os.path.exists(file):
+            raise ConfigError(f"no config.json in {path!r}")
+        with open(file) as f:
+            return cls.from_hf_dict(json.load(f), dtype=dtype)
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    if scale <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+
+def k26_config(dtype: str = "bfloat16", quantized: bool = True) -> ModelConfig:
+    """Full Kimi K2.6 text-model dimensions (values as in its config.json)."""
+    return ModelConfig(
+        vocab_size=163840,
+        hidden_size=7168,
+        intermediate_size=18432,
+        moe_intermediate_size=2048,
+        num_layers=61,
+        num_heads=64,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        n_routed_experts=384,
+        n_shared_experts=1,
+        num_experts_per_tok=8,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.827,
+        norm_topk_prob=True,
+        rms_norm_eps=1e-5,
+        rope=RopeConfig(theta=50000.0, kind="yarn", factor=64.0, original_max_position=4096,
+                        beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
+        max_position_embeddings=262144,
+        eos_token_ids=(163586,),
+        bos_token_id=163584,
+        pad_token_id=163839,
+        quant=QuantConfig() if quantized else None,
+        weight_prefix="language_model.",
+        dtype=dtype,
+    )
+
+
+def tiny_config(dtype: str = "float32", **overrides) -> ModelConfig:
+    """Tiny dims with the K2.6 structure, for tests on CPU."""
+    base = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_layers=3,
+        num_heads=4,
+        q_lora_rank=48,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        rms_norm_eps=1e-5,
+        rope=RopeConfig(theta=50000.0, kind="yarn", factor=64.0, original_max_position=32,
+                        beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
+        max_position_embeddings=2048,
+        eos_token_ids=(1,),
+        dtype=dtype,
+    )
+    base.update(overrides)
+    return ModelConfig(**base)

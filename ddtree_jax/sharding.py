@@ -1,0 +1,103 @@
+"""Logical axes -> mesh axes: the one table that decides where every array lives.
+
+Code names dimensions by logical axis ("experts", "heads", "batch", ...). Only this module knows mesh
+axis names. The default 8-GPU layout is one ``model`` axis of size 8 that serves both as the
+expert-parallel axis (routed experts split 384/8 = 48 per GPU) and as the tensor-parallel axis of
+attention heads, dense FFN width and vocabulary; a ``data`` axis splits streams.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "model")
+
+# Logical axis names used in parameter / cache declarations.
+LOGICAL_AXES = (
+    "batch",  # streams
+    "seq",  # cache slots / sequence
+    "embed",  # model width D
+    "vocab",  # W
+    "heads",  # attention heads H
+    "q_lora",  # Q
+    "kv_lora",  # L (+R): the latent width
+    "head_dim",  # N / R / V
+    "ffn",  # dense / shared-expert FFN width
+    "experts",  # E
+    "expert_ffn",  # F inside one routed expert
+    "expert_in",  # packed/grouped input dim of a routed expert (int4 words or scale groups)
+    "layers",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingRules:
+    """Maps each logical axis to a mesh axis (or None = replicated)."""
+
+    rules: tuple[tuple[str, str | None], ...]
+
+    def __post_init__(self):
+        names = [name for name, _ in self.rules]
+        unknown = set(names) - set(LOGICAL_AXES)
+        if unknown:
+            raise ValueError(f"unknown logical axes {sorted(unknown)}; known: {LOGICAL_AXES}")
+        for _, mesh_axis in self.rules:
+            if mesh_axis is not None and mesh_axis not in MESH_AXES:
+                raise ValueError(f"unknown mesh axis {mesh_axis!r}; known: {MESH_AXES}")
+
+    def mesh_axis(self, logical: str | None) -> str | None:
+        if logical is None:
+            return None
+        for name, mesh_axis in self.rules:
+            if name == logical:
+                return mesh_axis
+        if logical not in LOGICAL_AXES:
+            raise ValueError(f"unknown logical axis {logical!r}")
+        return None
+
+    def spec(self, logical_axes: Sequence[str | None]) -> PartitionSpec:
+        """PartitionSpec for an array whose dims carry ``logical_axes``; a mesh axis is used once."""
+        physical = [self.mesh_axis(a) for a in logical_axes]
+        seen = set()
+        for i, axis in enumerate(physical):
+            if axis is None:
+                continue
+            if axis in seen:
+                raise ValueError(f"mesh axis {axis!r} used twice by logical axes {tuple(logical_axes)}")
+            seen.add(axis)
+        return PartitionSpec(*physical)
+
+
+DEFAULT_RULES = ShardingRules(
+    rules=(
+        ("batch", "data"),
+        ("experts", "model"),
+        ("heads", "model"),
+        ("ffn", "model"),
+        ("vocab", "model"),
+    )
+)
+
+REPLICATED_RULES = ShardingRules(rules=())
+
+
+def make_mesh(data: int = 1, model: int | None = None, devices=None) -> Mesh:
+    """A ("data", "model") mesh; ``model`` defaults to all devices not used by ``data``."""
+    devices = list(jax.devices() if devices is None else devices)
+    if model is None:
+        if len(devices) % data:
+            raise ValueError(f"{len(devices)} devices do not split into data={data}")
+        model = len(devices) // data
+    if data * model > len(devices):
+        raise ValueError(f"mesh {data}x{model} needs {data * model} devices, have {len(devices)}")
+    grid = np.array(devices[: data * model]).reshape(data, model)
+    return Mesh(grid, MESH_AXES)
+
+
+def named_sharding(mesh: Mesh, rules: ShardingRules, logical_axes: Sequence[str | None]) -> NamedSharding:
+    return NamedSharding(mesh, rules.spec(logical_axes))
