@@ -1,0 +1,122 @@
+"""Shared benchmark plumbing: timing, measured roofline, and result files with provenance.
+
+Every benchmark writes ``experiments/results/<name>.json`` (or ``$OUT``-style ``--out`` path) with
+hardware, JAX version, commit, config and the median of repeats, and prints a table.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def git_commit() -> str:
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
+                             timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return out.stdout.strip() + ("-dirty" if dirty else "") if out.returncode == 0 else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def hardware() -> dict[str, Any]:
+    dev = jax.devices()[0]
+    return {
+        "platform": dev.platform,
+        "device_kind": getattr(dev, "device_kind", "unknown"),
+        "device_count": jax.device_count(),
+        "host": platform.node(),
+        "cpu": platform.processor() or platform.machine(),
+        "jax": jax.__version__,
+        "jaxlib": getattr(jax.lib, "__version__", None) or jax.__version__,
+    }
+
+
+def block(x):
+    return jax.tree.map(lambda a: a.block_until_ready() if hasattr(a, "block_until_ready") else a, x)
+
+
+def time_fn(fn: Callable, *args, repeats: int = 20, warmup: int = 2) -> dict[str, float]:
+    """Median/min wall time in seconds of ``fn(*args)`` (results blocked on), after warmup calls."""
+    for _ in range(warmup):
+        block(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        block(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return {"median_s": statistics.median(times), "min_s": min(times), "repeats": repeats}
+
+
+def measure_copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 20) -> float:
+    """Device-to-device copy bandwidth in bytes/s (reads + writes counted), the roofline we quote."""
+    n = nbytes // 4
+    x = jnp.arange(n, dtype=jnp.float32)
+    copy = jax.jit(lambda a: a + 1.0)  # one read + one write per element
+    t = time_fn(copy, x, repeats=repeats)["median_s"]
+    return 2 * nbytes / t
+
+
+def measure_bf16_peak(n: int = 8192, repeats: int = 10) -> float:
+    """Dense bf16 matmul throughput in FLOP/s (the compute roofline we quote)."""
+    k1, k2 = jax.random.split(jax.random.key(0))
+    a = jax.random.normal(k1, (n, n), jnp.bfloat16)
+    b = jax.random.normal(k2, (n, n), jnp.bfloat16)
+    mm = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
+    t = time_fn(mm, a, b, repeats=repeats)["median_s"]
+    return 2 * n**3 / t
+
+
+def write_result(name: str, payload: dict[str, Any], out_dir: str | None = None) -> str:
+    """Writes ``<out_dir>/<name>.json`` with provenance fields added; returns the path."""
+    out_dir = out_dir or RESULTS_DIR
+    os.makedirs(out_dir, exist_ok=True)
+    record = {
+        "name": name,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": git_commit(),
+        "hardware": hardware(),
+        **payload,
+    }
+    path = os.path.join(out_dir, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1, default=_json_default)
+    return path
+
+
+def _json_default(o):
+    if isinstance(o, (np.integer,)):
+        return int(o)
+    if isinstance(o, (np.floating,)):
+        return float(o)
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    raise TypeError(f"not JSON serializable: {type(o)}")
+
+
+def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
+    """Plain fixed-width table on stdout."""
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        return str(v)
+    cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) if cells else len(c) for i, c in enumerate(columns)]
+    print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
+    for row in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
