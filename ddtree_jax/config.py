@@ -35,6 +35,7 @@ class RopeConfig:
     beta_slow: float = 1.0
     mscale: float = 1.0
     mscale_all_dim: float = 1.0
+    attention_factor: float | None = None  # cos/sin amplitude override; None = derived as HF does
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,9 +171,10 @@ class ModelConfig:
             beta_slow=float(rope_raw.get("beta_slow", 1.0)),
             mscale=float(rope_raw.get("mscale", 1.0)),
             mscale_all_dim=float(rope_raw.get("mscale_all_dim", 0.0)),
+            attention_factor=None if rope_raw.get("attention_factor") is None else float(rope_raw["attention_factor"]),
         )
-        if kind == "yarn" and rope_raw.get("attention_factor") is not None:
-            raise ConfigError("rope attention_factor overrides are not supported")
+        if rope_raw.get("truncate", True) is not True:
+            raise ConfigError("rope 'truncate: false' is not supported")
 
         eos = top.get("eos_token_id", raw.get("eos_token_id"))
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))

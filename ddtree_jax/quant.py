@@ -11,6 +11,7 @@ Routed experts keep this layout in memory, stacked over experts: packed [E, O, I
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -60,18 +61,17 @@ def parse_quantization_config(raw: dict[str, Any] | None):
 # ----------------------------------------------------------------------------------------------
 # Pack / unpack (numpy on the host, jnp on the device: same bit layout)
 # ----------------------------------------------------------------------------------------------
-def pack_int4(q: np.ndarray) -> np.ndarray:
-    """Packs int values in [-8, 7] of shape [..., I] (I % 8 == 0) into int32 [..., I/8]."""
-    q = np.asarray(q)
+def pack_int4(q):
+    """Packs int values in [-8, 7] of shape [..., I] (I % 8 == 0) into int32 [..., I/8] (numpy or jax)."""
+    xp = np if isinstance(q, np.ndarray) else jnp
     if q.shape[-1] % PACK_FACTOR:
         raise ValueError(f"last dim {q.shape[-1]} is not a multiple of {PACK_FACTOR}")
-    if q.size and (q.min() < -8 or q.max() > 7):
+    if xp is np and q.size and (q.min() < -8 or q.max() > 7):
         raise ValueError(f"int4 values must lie in [-8, 7], got [{q.min()}, {q.max()}]")
-    u = (q.astype(np.int64) + INT4_OFFSET).astype(np.uint32)
+    u = (q.astype(xp.int32) + INT4_OFFSET).astype(xp.uint32)
     u = u.reshape(*q.shape[:-1], q.shape[-1] // PACK_FACTOR, PACK_FACTOR)
-    shifts = (4 * np.arange(PACK_FACTOR, dtype=np.uint32))
-    words = np.bitwise_or.reduce(u << shifts, axis=-1)
-    return words.view(np.int32)
+    words = (u << (4 * xp.arange(PACK_FACTOR, dtype=xp.uint32))).sum(axis=-1, dtype=xp.uint32)  # disjoint bits
+    return words.view(xp.int32) if xp is np else jax.lax.bitcast_convert_type(words, jnp.int32)
 
 
 def unpack_int4(packed) -> jax.Array:
@@ -93,17 +93,65 @@ def dequantize_int4(packed, scale, dtype=jnp.float32) -> jax.Array:
     return w.reshape(q.shape).astype(dtype)
 
 
-def quantize_int4(w: np.ndarray, group_size: int = 32):
-    """Symmetric group quantization of w [..., O, I]: returns (packed int32, scale float32).
+def quantize_int4(w, group_size: int = 32):
+    """Symmetric group quantization of w [..., O, I] (numpy or jax): returns (packed int32, scale f32).
 
-    scale = max|w| / 7.5 rounded as compressed-tensors does is not needed here: this is our own
-    quantizer (used for tests and for training-to-INT4), q = clamp(round(w / s), -8, 7), s = max|w|/7.
+    Our own quantizer (tests, trained-model export): s = max|w| / 7 per group, q = clamp(round(w/s), -8, 7).
     """
-    w = np.asarray(w, np.float32)
+    xp = np if isinstance(w, np.ndarray) else jnp
+    w = w.astype(xp.float32)
     if w.shape[-1] % group_size:
         raise ValueError(f"in-dim {w.shape[-1]} is not a multiple of group_size {group_size}")
     g = w.reshape(*w.shape[:-1], w.shape[-1] // group_size, group_size)
-    scale = np.abs(g).max(-1) / 7.0
-    scale = np.where(scale == 0, 1.0, scale).astype(np.float32)
-    q = np.clip(np.round(g / scale[..., None]), -8, 7).astype(np.int8).reshape(w.shape)
+    scale = xp.abs(g).max(-1) / 7.0
+    scale = xp.where(scale == 0, 1.0, scale).astype(xp.float32)
+    q = xp.clip(xp.round(g / scale[..., None]), -8, 7).astype(xp.int8).reshape(w.shape)
     return pack_int4(q), scale
+
+
+# ----------------------------------------------------------------------------------------------
+# The quantized-array pytree consumed by the expert matmuls
+# ----------------------------------------------------------------------------------------------
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantArray:
+    """INT4 weight stack in the compressed-tensors layout.
+
+    packed int32 [..., O, I/8]; scale [..., O, I/G] (bf16 in checkpoints). ``shape`` is the logical
+    [..., O, I] shape. Leading dims (e.g. experts) index both arrays alike.
+    """
+
+    packed: jax.Array
+    scale: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.packed.shape[:-1]) + (self.packed.shape[-1] * PACK_FACTOR,)
+
+    @property
+    def group_size(self) -> int:
+        return self.shape[-1] // self.scale.shape[-1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.size * 4 + self.scale.size * self.scale.dtype.itemsize
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        return dequantize_int4(self.packed, self.scale, dtype)
+
+
+def expert_slice(w, e, dtype) -> jax.Array:
+    """The [O, I] weight of expert ``e`` (a traced index) of a float stack or a QuantArray, in ``dtype``."""
+    if isinstance(w, QuantArray):
+        return dequantize_int4(w.packed[e], w.scale[e], dtype)
+    return w[e].astype(dtype)
+
+
+def quantize_array(w, group_size: int = 32, scale_dtype=jnp.bfloat16) -> QuantArray:
+    """Float weight [..., O, I] -> QuantArray (our symmetric group quantizer)."""
+    scale = quantize_int4(w, group_size)[1].astype(scale_dtype)
+    # quantize against the stored (rounded) scale so dequantisation reproduces exactly what we packed
+    xp = np if isinstance(w, np.ndarray) else jnp
+    g = w.astype(xp.float32).reshape(*w.shape[:-1], scale.shape[-1], group_size)
+    q = xp.clip(xp.round(g / scale.astype(xp.float32)[..., None]), -8, 7).astype(xp.int8).reshape(w.shape)
+    return QuantArray(jnp.asarray(pack_int4(q)), jnp.asarray(scale))

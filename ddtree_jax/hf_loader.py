@@ -1,0 +1,235 @@
+"""Load an HF checkpoint directory (config.json + *.safetensors) into a ``KimiModel``.
+
+Public entry point: ``load_hf_model(path, dtype=..., mesh=..., rules=...)``. Reads shard by shard,
+one memory-mapped tensor at a time; each finished parameter goes straight to its device sharding.
+Accepts the plain DeepseekV3 layout (``model.*``, ``lm_head.weight``), the K2.5/K2.6 wrapper
+(``language_model.`` prefix, vision tensors skipped), per-expert or fused expert tensors, and the
+compressed-tensors INT4 expert layout (``weight_packed`` / ``weight_scale`` / ``weight_shape``).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from ddtree_jax.config import ModelConfig
+from ddtree_jax.model import KimiModel
+from ddtree_jax.quant import QuantArray
+from ddtree_jax.safetensors_io import CheckpointError, iter_tensors
+from ddtree_jax.sharding import ShardingRules, named_sharding
+
+Path = tuple
+
+
+def _attn_rules(cfg: ModelConfig):
+    h, n, r, v = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    return {
+        "self_attn.q_a_proj.weight": (("attn", "q_a"), lambda w: w.T),
+        "self_attn.q_a_layernorm.weight": (("attn", "q_a_norm", "weight"), None),
+        "self_attn.q_b_proj.weight": (("attn", "q_b"), lambda w: w.T.reshape(w.shape[1], h, n + r)),
+        "self_attn.q_proj.weight": (("attn", "q_b"), lambda w: w.T.reshape(w.shape[1], h, n + r)),
+        "self_attn.kv_a_proj_with_mqa.weight": (("attn", "kv_a"), lambda w: w.T),
+        "self_attn.kv_a_layernorm.weight": (("attn", "kv_a_norm", "weight"), None),
+        "self_attn.kv_b_proj.weight": (("attn", "kv_b"), lambda w: w.T.reshape(w.shape[1], h, n + v)),
+        "self_attn.o_proj.weight": (("attn", "o"), lambda w: w.T.reshape(h, v, w.shape[0])),
+        "input_layernorm.weight": (("input_norm", "weight"), None),
+        "post_attention_layernorm.weight": (("post_norm", "weight"), None),
+        "mlp.gate_proj.weight": (("mlp", "gate"), lambda w: w.T),
+        "mlp.up_proj.weight": (("mlp", "up"), lambda w: w.T),
+        "mlp.down_proj.weight": (("mlp", "down"), lambda w: w.T),
+        "mlp.shared_experts.gate_proj.weight": (("mlp", "shared", "gate"), lambda w: w.T),
+        "mlp.shared_experts.up_proj.weight": (("mlp", "shared", "up"), lambda w: w.T),
+        "mlp.shared_experts.down_proj.weight": (("mlp", "shared", "down"), lambda w: w.T),
+        "mlp.gate.weight": (("mlp", "router"), None),
+        "mlp.gate.e_score_correction_bias": (("mlp", "router_bias"), None),
+    }
+
+
+_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_packed|weight_scale|weight_shape)$")
+_FUSED = re.compile(r"^mlp\.experts\.(gate_up_proj|down_proj)$")
+_IGNORED = re.compile(r"(rotary_emb\.inv_freq$)")
+
+
+class _ExpertStack:
+    """Assembles one layer's per-expert tensors into stacked [E, ...] arrays, checking completeness."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        self.cfg, self.layer = cfg, layer
+        e, d, f = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.shapes = {"gate_proj": (f, d), "up_proj": (f, d), "down_proj": (d, f)}
+        self.parts: dict[tuple[str, str], np.ndarray] = {}
+        self.seen: set[tuple[int, str, str]] = set()
+        self.num_experts = e
+
+    def _buffer(self, proj: str, kind: str, shape, dtype) -> np.ndarray:
+        key = ("w13" if proj != "down_proj" else "w2", kind)
+        if key not in self.parts:
+            e, d, f = self.num_experts, self.cfg.hidden_size, self.cfg.moe_intermediate_size
+            full = (e, 2 * f, shape[-1]) if key[0] == "w13" else (e, d, shape[-1])
+            self.parts[key] = np.zeros(full, dtype)
+        return self.parts[key]
+
+    def add(self, name: str, expert: int, proj: str, kind: str, value: np.ndarray) -> None:
+        if expert >= self.num_experts:
+            raise CheckpointError(f"{name}: expert index {expert} >= n_routed_experts={self.num_experts}")
+        out_dim, in_dim = self.shapes[proj]
+        if kind == "weight_shape":
+            if [int(x) for x in np.asarray(value).reshape(-1)] != [out_dim, in_dim]:
+                raise CheckpointError(f"{name}: weight_shape {np.asarray(value).tolist()} != expected "
+                                      f"{[out_dim, in_dim]}")
+            self.seen.add((expert, proj, kind))
+            return
+        if kind == "weight":
+            expected = (out_dim, in_dim)
+        else:
+            if self.cfg.quant is None:
+                raise CheckpointError(f"{name}: quantized expert tensor but config.json has no quantization_config")
+            group = self.cfg.quant.group_size
+            expected = (out_dim, in_dim // 8) if kind == "weight_packed" else (out_dim, in_dim // group)
+            if kind == "weight_packed" and value.dtype != np.int32:
+                raise CheckpointError(f"{name}: dtype {value.dtype} != int32")
+        if tuple(value.shape) != expected:
+            raise CheckpointError(f"{name}: shape {tuple(value.shape)} != expected {expected}")
+        buffer = self._buffer(proj, kind, value.shape, value.dtype)
+        rows = slice(out_dim, 2 * out_dim) if proj == "up_proj" else slice(0, out_dim)
+        buffer[expert, rows] = value
+        self.seen.add((expert, proj, kind))
+
+    def add_fused(self, name: str, which: str, value: np.ndarray) -> None:
+        e, d, f = self.num_experts, self.cfg.hidden_size, self.cfg.moe_intermediate_size
+        expected = (e, 2 * f, d) if which == "gate_up_proj" else (e, d, f)
+        if tuple(value.shape) != expected:
+            raise CheckpointError(f"{name}: shape {tuple(value.shape)} != expected {expected}")
+        key = ("w13" if which == "gate_up_proj" else "w2", "weight")
+        self.parts[key] = np.asarray(value)
+        for ex in range(e):
+            for proj in (("gate_proj", "up_proj") if which == "gate_up_proj" else ("down_proj",)):
+                self.seen.add((ex, proj, "weight"))
+
+    def finish(self, prefix: str) -> dict[str, Any]:
+        quantized = self.cfg.quant is not None
+        kinds = ("weight_packed", "weight_scale") if quantized else ("weight",)
+        missing = [f"{prefix}mlp.experts.{ex}.{proj}.{kind}" for ex in range(self.num_experts)
+                   for proj in ("gate_proj", "up_proj", "down_proj") for kind in kinds
+                   if (ex, proj, kind) not in self.seen]
+        if missing:
+            more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
+            raise CheckpointError(f"checkpoint is missing tensors: {missing[:3]}{more}")
+        if quantized:
+            return {name: QuantArray(self.parts[(name, "weight_packed")], self.parts[(name, "weight_scale")])
+                    for name in ("w13", "w2")}
+        return {name: self.parts[(name, "weight")] for name in ("w13", "w2")}
+
+
+def abstract_model(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
+    """Graph definition and abstract (ShapeDtypeStruct) state of the model; nothing is allocated."""
+    abstract = nnx.eval_shape(lambda: KimiModel(cfg, nnx.Rngs(0)))
+    return nnx.split(abstract)
+
+
+def param_shardings(state: nnx.State, mesh: Mesh, rules: ShardingRules):
+    """NamedSharding per leaf, derived from each Param's logical axes."""
+    def one(variable):
+        axes = variable.get_metadata().get("logical_axes")
+        return jax.tree.map(lambda leaf: named_sharding(mesh, rules, axes), variable.value)
+    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def load_hf_model(path: str, *, dtype: str = "bfloat16", mesh: Mesh | None = None,
+                  rules: ShardingRules | None = None, progress: Callable[[str], None] | None = None) -> KimiModel:
+    """Reads an HF checkpoint directory into a KimiModel (sharded when a mesh is given).
+
+    Raises ``ConfigError`` for an unsupported config and ``CheckpointError`` (naming the tensor) for a
+    missing, unexpected, wrongly shaped or truncated tensor.
+    """
+    cfg = ModelConfig.from_hf_dir(path, dtype=dtype)
+    graphdef, abstract = abstract_model(cfg)
+    flat_abstract = {tuple(k): v for k, v in abstract.flat_state()}
+    placed: dict[tuple, Any] = {}
+    attn_rules = _attn_rules(cfg)
+    stacks: dict[int, _ExpertStack] = {}
+    text_prefix = cfg.weight_prefix
+
+    def place(key: tuple, value, tensor_name: str):
+        if key not in flat_abstract:
+            raise CheckpointError(f"{tensor_name}: maps to {key}, which this model does not have")
+        variable = flat_abstract[key]
+        target = variable.value
+        if isinstance(value, QuantArray) != isinstance(target, QuantArray):
+            raise CheckpointError(f"{tensor_name}: quantized/float layout does not match the config")
+        def put(leaf, abstract_leaf):
+            if tuple(leaf.shape) != tuple(abstract_leaf.shape):
+                raise CheckpointError(f"{tensor_name}: shape {tuple(leaf.shape)} != expected {tuple(abstract_leaf.shape)}")
+            array = np.asarray(leaf)
+            if abstract_leaf.dtype == jnp.int32 and array.dtype != np.int32:
+                raise CheckpointError(f"{tensor_name}: dtype {array.dtype} != int32")
+            array = array.astype(abstract_leaf.dtype)
+            if mesh is not None:
+                return jax.device_put(array, named_sharding(mesh, rules, variable.get_metadata()["logical_axes"]))
+            return jnp.asarray(array)
+        placed[key] = jax.tree.map(put, value, target)
+
+    for name, file in iter_tensors(path):
+        if not name.startswith(text_prefix):
+            continue  # e.g. the K2.5/K2.6 vision tower and projector
+        local = name[len(text_prefix):]
+        if _IGNORED.search(local):
+            continue
+        if progress:
+            progress(name)
+        if local == "lm_head.weight":
+            place(("lm_head",), file.get(name).T, name)
+            continue
+        if not local.startswith("model."):
+            raise CheckpointError(f"unexpected tensor {name!r}")
+        local = local[len("model."):]
+        if local == "embed_tokens.weight":
+            place(("embed",), file.get(name), name)
+            continue
+        if local == "norm.weight":
+            place(("norm", "weight"), file.get(name), name)
+            continue
+        match = _LAYER.match(local)
+        if not match:
+            raise CheckpointError(f"unexpected tensor {name!r}")
+        layer, rest = int(match.group(1)), match.group(2)
+        if layer >= cfg.num_layers:
+            continue  # multi-token-prediction layers (index >= num_hidden_layers) are not used
+        if rest in attn_rules:
+            sub, transform = attn_rules[rest]
+            value = file.get(name)
+            place(("layers", layer) + sub, transform(value) if transform else value, name)
+            continue
+        expert = _EXPERT.match(rest)
+        fused = _FUSED.match(rest)
+        if expert or fused:
+            if layer < cfg.first_k_dense_replace:
+                raise CheckpointError(f"{name}: layer {layer} is dense (first_k_dense_replace="
+                                      f"{cfg.first_k_dense_replace}) but has expert tensors")
+            stack = stacks.setdefault(layer, _ExpertStack(cfg, layer))
+            if expert:
+                stack.add(name, int(expert.group(1)), expert.group(2), expert.group(3), file.get(name))
+            else:
+                stack.add_fused(name, fused.group(1), file.get(name))
+            continue
+        raise CheckpointError(f"unexpected tensor {name!r}")
+
+    for layer in range(cfg.first_k_dense_replace, cfg.num_layers):
+        if layer not in stacks:
+            raise CheckpointError(f"checkpoint has no routed-expert tensors for layer {layer}")
+        for which, value in stacks.pop(layer).finish(f"{text_prefix}model.layers.{layer}.").items():
+            place(("layers", layer, "mlp", which), value, f"layer {layer} experts {which}")
+
+    missing = [k for k in flat_abstract if k not in placed]
+    if missing:
+        names = [".".join(str(p) for p in k) for k in missing[:5]]
+        raise CheckpointError(f"checkpoint is missing {len(missing)} parameters, e.g. {names}")
+    state = nnx.State.from_flat_path({k: flat_abstract[k].replace(placed[k]) for k in flat_abstract})
+    return nnx.merge(graphdef, state)

@@ -1,0 +1,227 @@
+"""Kimi K2.6 text model (DeepSeek-V3 architecture) in Flax NNX.
+
+One forward serves three uses: prefill of padded prompts, one-token decode, and a *tree block*
+(T new tokens with arbitrary positions and an arbitrary T x T visibility mask) on top of the
+committed latent cache. The forward never writes the cache; it returns the block's latents and the
+caller commits the rows it keeps (``ddtree_jax.cache.commit``).
+
+Dimension letters: B streams, T block tokens, S cache capacity, D model, H heads, N nope head dim,
+R rope head dim, V value head dim, L kv latent, C = L + R, Q q latent, W vocab, NL layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+
+from ddtree_jax.cache import LatentCache
+from ddtree_jax.config import ModelConfig
+from ddtree_jax.layers import RMSNorm, SwiGLU, declare, dot, rms_norm
+from ddtree_jax.moe import MoE
+from ddtree_jax.rope import apply_rope_interleaved, rope_cos_sin
+from ddtree_jax.sharding import ShardingRules
+
+
+@dataclasses.dataclass(frozen=True)
+class Runtime:
+    """Static execution choices of a forward (hashable; part of the jit key)."""
+
+    mesh: Mesh | None = None
+    rules: ShardingRules | None = None
+    attention: str = "absorbed"  # "absorbed" (latent cache, production) or "naive" (per-head K/V)
+    attention_fn: Callable | None = None  # overrides the latent attention (e.g. the Pallas kernel)
+    routed_fn: Callable | None = None  # overrides the routed-expert compute (e.g. the Pallas kernel)
+
+
+def latent_attention_xla(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, kv_lora_rank):
+    """Absorbed MLA attention in XLA (dense over the cache; reference for the Pallas kernel).
+
+    q [B, T, H, C]; cache_kv [B, S, C] (rows >= prefix_len[b] ignored); prefix_len [B];
+    tree_kv [B, T, C]; tree_mask [B, T, T] bool. Returns [B, T, H, L] in q.dtype.
+    """
+    f32 = jnp.float32
+    s_prefix = jnp.einsum("bthc,bsc->bths", q, cache_kv, preferred_element_type=f32) * scale
+    s_tree = jnp.einsum("bthc,buc->bthu", q, tree_kv, preferred_element_type=f32) * scale
+    valid_prefix = jnp.arange(cache_kv.shape[1])[None, :] < prefix_len[:, None]  # [B, S]
+    s_prefix = jnp.where(valid_prefix[:, None, None, :], s_prefix, -jnp.inf)
+    s_tree = jnp.where(tree_mask[:, :, None, :], s_tree, -jnp.inf)
+    m = jnp.maximum(s_prefix.max(-1, initial=-jnp.inf), s_tree.max(-1))[..., None]
+    p_prefix, p_tree = jnp.exp(s_prefix - m), jnp.exp(s_tree - m)
+    denom = p_prefix.sum(-1) + p_tree.sum(-1)
+    v_prefix = jnp.where(valid_prefix[..., None], cache_kv[..., :kv_lora_rank], 0)
+    out = jnp.einsum("bths,bsl->bthl", p_prefix.astype(q.dtype), v_prefix, preferred_element_type=f32)
+    out += jnp.einsum("bthu,bul->bthl", p_tree.astype(q.dtype), tree_kv[..., :kv_lora_rank],
+                      preferred_element_type=f32)
+    return (out / denom[..., None]).astype(q.dtype)
+
+
+class MLA(nnx.Module):
+    """Multi-head latent attention with q_lora / kv_lora, naive and absorbed forms."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        dtype = jnp.dtype(cfg.dtype)
+        d, h = cfg.hidden_size, cfg.num_heads
+        n, r, v, lat = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        if cfg.q_lora_rank is None:
+            self.q_a, self.q_a_norm = None, None
+            self.q_b = declare(rngs, (d, h, n + r), ("embed", "heads", "head_dim"), dtype)
+        else:
+            self.q_a = declare(rngs, (d, cfg.q_lora_rank), ("embed", "q_lora"), dtype)
+            self.q_a_norm = RMSNorm(cfg.q_lora_rank, cfg.latent_norm_eps, dtype, "q_lora")
+            self.q_b = declare(rngs, (cfg.q_lora_rank, h, n + r), ("q_lora", "heads", "head_dim"), dtype)
+        self.kv_a = declare(rngs, (d, lat + r), ("embed", "kv_lora"), dtype)
+        self.kv_a_norm = RMSNorm(lat, cfg.latent_norm_eps, dtype, "kv_lora")
+        self.kv_b = declare(rngs, (lat, h, n + v), ("kv_lora", "heads", "head_dim"), dtype)
+        self.o = declare(rngs, (h, v, d), ("heads", "head_dim", "embed"), dtype)
+        self.cfg = cfg
+
+    def project(self, x, cos, sin):
+        """x [B, T, D] -> q_nope [B,T,H,N], q_pe [B,T,H,R] (rotated), latents [B,T,C] (normed + rotated)."""
+        cfg = self.cfg
+        if self.q_a is None:
+            q = dot(x, self.q_b.value, "btd,dhk->bthk")
+        else:
+            q = dot(self.q_a_norm(dot(x, self.q_a.value, "btd,dq->btq")), self.q_b.value, "btq,qhk->bthk")
+        q_nope, q_pe = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim:]
+        q_pe = apply_rope_interleaved(q_pe, cos, sin)
+        kv = dot(x, self.kv_a.value, "btd,dc->btc")
+        latent = self.kv_a_norm(kv[..., : cfg.kv_lora_rank])
+        k_pe = apply_rope_interleaved(kv[..., cfg.kv_lora_rank:], cos, sin)
+        return q_nope, q_pe, jnp.concatenate([latent, k_pe], axis=-1)
+
+    def __call__(self, x, cos, sin, cache_kv, prefix_len, tree_mask, runtime: Runtime):
+        """x [B,T,D]; cache_kv [B,S,C] of this layer. Returns (out [B,T,D], block latents [B,T,C])."""
+        cfg = self.cfg
+        q_nope, q_pe, block_kv = self.project(x, cos, sin)
+        w_uk = self.kv_b.value[..., : cfg.qk_nope_head_dim]  # [L, H, N]
+        w_uv = self.kv_b.value[..., cfg.qk_nope_head_dim:]  # [L, H, V]
+        if runtime.attention == "absorbed":
+            q_latent = dot(q_nope, w_uk, "bthn,lhn->bthl")
+            q_abs = jnp.concatenate([q_latent, q_pe], axis=-1)  # [B,T,H,C]
+            attend = runtime.attention_fn or latent_attention_xla
+            o_latent = attend(q_abs, cache_kv, prefix_len, block_kv, tree_mask,
+                              scale=cfg.softmax_scale, kv_lora_rank=cfg.kv_lora_rank)
+            o = dot(o_latent, w_uv, "bthl,lhv->bthv")
+        elif runtime.attention == "naive":
+            o = self._naive_attention(q_nope, q_pe, cache_kv, prefix_len, block_kv, tree_mask, w_uk, w_uv)
+        else:
+            raise ValueError(f"unknown attention {runtime.attention!r}")
+        return dot(o, self.o.value, "bthv,hvd->btd"), block_kv
+
+    def _naive_attention(self, q_nope, q_pe, cache_kv, prefix_len, block_kv, tree_mask, w_uk, w_uv):
+        """Per-head keys/values expanded from the latents, as the HF reference computes them."""
+        cfg = self.cfg
+        kv_all = jnp.concatenate([cache_kv, block_kv.astype(cache_kv.dtype)], axis=1)  # [B, S+T, C]
+        latent, k_pe = kv_all[..., : cfg.kv_lora_rank], kv_all[..., cfg.kv_lora_rank:]
+        k_nope = dot(latent, w_uk, "bsl,lhn->bshn")
+        values = dot(latent, w_uv, "bsl,lhv->bshv")
+        scores = (dot(q_nope, k_nope, "bthn,bshn->bths").astype(jnp.float32)
+                  + jnp.einsum("bthr,bsr->bths", q_pe, k_pe, preferred_element_type=jnp.float32))
+        scores = scores * cfg.softmax_scale
+        s = cache_kv.shape[1]
+        visible_prefix = jnp.arange(s)[None, None, :] < prefix_len[:, None, None]  # [B,1,S]
+        visible_prefix = jnp.broadcast_to(visible_prefix, tree_mask.shape[:2] + (s,))
+        visible = jnp.concatenate([visible_prefix, tree_mask], axis=-1)  # [B,T,S+T]
+        scores = jnp.where(visible[:, :, None, :], scores, -jnp.inf)
+        probs = jax.nn.softmax(scores, axis=-1).astype(q_nope.dtype)
+        return dot(probs, values, "bths,bshv->bthv")
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rngs: nnx.Rngs):
+        dtype = jnp.dtype(cfg.dtype)
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, "embed")
+        self.attn = MLA(cfg, rngs)
+        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, "embed")
+        if layer_idx < cfg.first_k_dense_replace:
+            self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, dtype, rngs)
+        else:
+            self.mlp = MoE(cfg, rngs)
+
+    def __call__(self, x, cos, sin, cache_kv, prefix_len, tree_mask, runtime: Runtime):
+        attn_out, block_kv = self.attn(self.input_norm(x), cos, sin, cache_kv, prefix_len, tree_mask, runtime)
+        h = x + attn_out
+        normed = self.post_norm(h)
+        if isinstance(self.mlp, MoE):
+            mlp_out = self.mlp(normed, mesh=runtime.mesh, rules=runtime.rules, routed_fn=runtime.routed_fn)
+        else:
+            mlp_out = self.mlp(normed)
+        return h + mlp_out, block_kv
+
+
+@dataclasses.dataclass
+class ForwardOutput:
+    logits: jax.Array  # [B, T, W] f32
+    block_kv: jax.Array  # [NL, B, T, C]: latents of the block tokens, to commit
+    taps: jax.Array | None  # [n_taps, B, T, D]: outputs of the requested layers (pre final norm)
+
+
+class KimiModel(nnx.Module):
+    """Embedding, NL decoder layers, final norm, untied lm_head."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        dtype = jnp.dtype(cfg.dtype)
+        self.embed = declare(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)
+        self.layers = nnx.List([DecoderLayer(cfg, i, rngs) for i in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, "embed")
+        self.lm_head = declare(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dtype)
+        self.cfg = cfg
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array, cache: LatentCache, tree_mask: jax.Array,
+                 *, tap_layers: Sequence[int] = (), runtime: Runtime = Runtime()) -> ForwardOutput:
+        """A block of T tokens per stream on top of each stream's committed cache.
+
+        tokens, positions [B, T] int32; cache: committed latents (lengths = visible prefix);
+        tree_mask [B, T, T] bool (causal for prefill/chains, ancestor-or-self for trees).
+        tap_layers: 0-based layer indices whose outputs are returned in ``taps``.
+        Token ids must lie in [0, W): callers validate on the host (``check_tokens``).
+        """
+        cfg = self.cfg
+        for layer in tap_layers:
+            if not 0 <= layer < cfg.num_layers:
+                raise ValueError(f"tap layer {layer} outside [0, {cfg.num_layers})")
+        x = jnp.take(self.embed.value, tokens, axis=0)
+        cos, sin = rope_cos_sin(positions, cfg.rope, cfg.qk_rope_head_dim)
+        block_kv, taps = [], []
+        for i, layer in enumerate(self.layers):
+            x, kv = layer(x, cos, sin, cache.kv[i], cache.lengths, tree_mask, runtime)
+            block_kv.append(kv)
+            if i in tap_layers:
+                taps.append(x)
+        if taps:
+            taps = jnp.stack([taps[sorted(tap_layers).index(i)] for i in tap_layers])
+        else:
+            taps = None
+        logits = jnp.einsum("btd,dw->btw", self.norm(x), self.lm_head.value.astype(x.dtype),
+                            preferred_element_type=jnp.float32)
+        return ForwardOutput(logits=logits, block_kv=jnp.stack(block_kv), taps=taps)
+
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        return jnp.take(self.embed.value, tokens, axis=0)
+
+    def head(self, hidden: jax.Array) -> jax.Array:
+        """Final-normed hidden [..., D] -> logits [..., W] f32 (shared with the drafter)."""
+        return jnp.einsum("...d,dw->...w", hidden, self.lm_head.value.astype(hidden.dtype),
+                          preferred_element_type=jnp.float32)
+
+
+def check_tokens(tokens, vocab_size: int) -> None:
+    """Host-side validation of token ids (jit cannot raise; jnp.take would clamp silently)."""
+    import numpy as np
+
+    arr = np.asarray(tokens)
+    if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
+        raise ValueError(f"token ids must lie in [0, {vocab_size}); got min {arr.min()} max {arr.max()}")
+
+
+def causal_mask(batch: int, t: int) -> jax.Array:
+    return jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (batch, t, t))
+
+
+__all__ = ["KimiModel", "Runtime", "ForwardOutput", "check_tokens", "causal_mask", "latent_attention_xla",
+           "rms_norm"]
