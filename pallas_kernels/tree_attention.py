@@ -1,0 +1,410 @@
+"""MLA tree-verify attention over the absorbed latent cache (Pallas-Triton kernel + pure-JAX twin).
+
+Absorbed ("MQA-mode") MLA: every token stores one C-wide latent key row (C = L latent + rope; 512 + 64
+= 576 for K2.6), shared by all H query heads; its value is the first L dims of the same row. Verifying
+T new tokens (a draft tree, a DFlash chain, or one decode token) means each new token attends to
+
+* the committed prefix, rows ``[0, prefix_len[b])`` of the per-stream cache, without any mask, and
+* the T new tokens' own latents (``tree_kv``), restricted by ``tree_mask`` (ancestor-or-self).
+
+Dimension letters: B streams, T tree nodes, H heads, S cache slots (capacity), C latent+rope width,
+L latent width (``kv_lora_rank``, the value width).
+
+Entry points (all share one signature)::
+
+    tree_attention(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, kv_lora_rank,
+                   interpret=False, return_lse=False, **tuning)      # Pallas-Triton kernel
+    tree_attention_ref(...)                                           # pure-JAX twin (any platform)
+    mla_attention(...)                                                # kernel on CUDA, twin elsewhere
+
+Arguments
+    q          [B, T, H, C]  absorbed queries (bf16 or f32).
+    cache_kv   [B, S, C]     latent cache; only rows < prefix_len[b] are read into the result (rows
+                             beyond may hold anything, NaN included).
+    prefix_len [B] int32     committed length per stream, 0 <= prefix_len <= S (clamped to S).
+    tree_kv    [B, T, C]     latents of the T new tokens.
+    tree_mask  [B, T, T]     bool, tree_mask[b, i, j]: node i may see node j. The diagonal must be True.
+    scale      float         softmax scale applied to the full C-wide dot (K2.6: 0.14468, not C^-0.5).
+    kv_lora_rank int         L; the value is the first L dims of each key row.
+Returns
+    out [B, T, H, L] in q.dtype, and with ``return_lse`` also lse [B, T, H] f32 (natural log).
+
+Kernel design (Pallas-Triton backend; the Mosaic-GPU backend is not used, see notes at the bottom):
+
+* Heads are folded into query rows: q becomes [B, T*H, C], row = node*H + head. A tile of R rows
+  (R = 64 by default, 16..64) holds R/H nodes x H heads (H <= R) or one node and R heads (H >= R),
+  so the tree mask of a tile is one [R/H, block] slab broadcast over heads (one key vector per tile
+  when H >= R).
+* The C-wide dot is split as L + rope (Triton needs power-of-two tiles): s = q_lat.k_lat + q_rope.k_rope,
+  and the value dot reuses the k_lat tile already loaded (V = first L dims of K).
+* The prefix is streamed in blocks of ``block_k`` keys without any mask; only the one partial block
+  at the end of a ragged prefix is masked, with the key/value rows zeroed so NaN garbage beyond
+  prefix_len cannot reach the result. The tree tail is a second short loop with the mask.
+* Split-KV (flash-decoding): with few query tiles and a long prefix the prefix is cut into
+  ``num_splits`` contiguous ranges (per stream, from its own prefix_len), each program writes a
+  normalised partial output and its LSE, and XLA merges them with a log-sum-exp combine. The tree
+  tail and the ragged last block are done by the last split.
+* Online softmax in f32 with exp2 (scale*log2(e) folded into the scores); p is cast to the input
+  dtype for the value dot, as in flash attention.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+__all__ = ["tree_attention", "tree_attention_ref", "mla_attention", "default_config"]
+
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+# Finite "minus infinity" for running maxima: keeps exp2(m_old - m_new) finite when a whole key block
+# is masked out for some row (no -inf - -inf = NaN).
+_NEG_BIG = -1e30
+_NUM_SMS_H200 = 132
+
+
+def _pow2_ceil(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def _is_pow2(x: int) -> bool:
+    return x > 0 and (x & (x - 1)) == 0
+
+
+def _check_shapes(q, cache_kv, prefix_len, tree_kv, tree_mask, kv_lora_rank):
+    if q.ndim != 4:
+        raise ValueError(f"q must be [B, T, H, C], got {q.shape}")
+    B, T, H, C = q.shape
+    if cache_kv.ndim != 3 or cache_kv.shape[0] != B or cache_kv.shape[2] != C:
+        raise ValueError(f"cache_kv must be [B, S, C]={B, 'S', C}, got {cache_kv.shape}")
+    if prefix_len.shape != (B,):
+        raise ValueError(f"prefix_len must be [B]={B}, got {prefix_len.shape}")
+    if tree_kv.shape != (B, T, C):
+        raise ValueError(f"tree_kv must be [B, T, C]={(B, T, C)}, got {tree_kv.shape}")
+    if tree_mask.shape != (B, T, T):
+        raise ValueError(f"tree_mask must be [B, T, T]={(B, T, T)}, got {tree_mask.shape}")
+    if not 0 < kv_lora_rank <= C:
+        raise ValueError(f"kv_lora_rank={kv_lora_rank} must be in (0, C={C}]")
+    return B, T, H, C, cache_kv.shape[1]
+
+
+# ----------------------------------------------------------------------------------------------
+# Pure-JAX twin
+# ----------------------------------------------------------------------------------------------
+
+def _twin_chunk(B, T, H, S, budget_bytes=1 << 28):
+    """Prefix chunk length so one f32 score block [B, T, H, chunk] stays under ``budget_bytes``."""
+    rows = max(1, B * T * H)
+    chunk = budget_bytes // (4 * rows)
+    chunk = 1 << max(4, min(12, int(chunk).bit_length() - 1))
+    return max(1, min(chunk, S))
+
+
+def tree_attention_ref(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, kv_lora_rank,
+                       interpret=False, return_lse=False, chunk=None, **unused_tuning):
+    """Pure-JAX twin of :func:`tree_attention` (same signature; ``interpret``/tuning are ignored).
+
+    Memory: the prefix is scanned in chunks of ``chunk`` slots (default: the largest power of two,
+    16..4096, with an f32 score block [B, T, H, chunk] <= 256 MiB) with an online softmax, up to the
+    longest prefix in the batch (a while loop with a data-dependent trip count), so it never
+    materialises [B, H, T, S] scores. The tree tail is one dense [B, T, H, T] masked block. Dots take
+    the inputs' dtype with f32 accumulation (HIGHEST precision for f32 inputs); softmax is f32.
+    Rows at or beyond prefix_len are zeroed before use, so NaN garbage there cannot leak.
+    """
+    del interpret, unused_tuning
+    B, T, H, C, S = _check_shapes(q, cache_kv, prefix_len, tree_kv, tree_mask, kv_lora_rank)
+    L = kv_lora_rank
+    f32 = jnp.float32
+    prec = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    plen = jnp.clip(prefix_len.astype(jnp.int32), 0, S)
+    chunk = int(chunk) if chunk else _twin_chunk(B, T, H, S)
+    chunk = min(chunk, S) if S > 0 else 1
+    cdt = cache_kv.dtype
+    qc = q.astype(cdt)
+
+    m0 = jnp.full((B, T, H), _NEG_BIG, f32)
+    l0 = jnp.zeros((B, T, H), f32)
+    a0 = jnp.zeros((B, T, H, L), f32)
+
+    def update(carry, s, v):
+        # s: [B, T, H, K] f32 scores (masked entries -inf); v: [B, K, L] or [B, T?, K, L]
+        m, l, acc = carry
+        m_new = jnp.maximum(m, s.max(-1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.exp(s - m_new[..., None])
+        pv = jnp.einsum("bthk,bkl->bthl", p, v.astype(f32), precision=lax.Precision.HIGHEST)
+        return m_new, l * alpha + p.sum(-1), acc * alpha[..., None] + pv
+
+    def body(i, carry):
+        start = jnp.minimum(i * chunk, S - chunk)  # dynamic_slice clamps; do it explicitly
+        kc = lax.dynamic_slice_in_dim(cache_kv, start, chunk, axis=1)  # [B, chunk, C]
+        pos = start + jnp.arange(chunk)
+        # a clamped last chunk overlaps rows already counted: keep only pos >= i*chunk
+        valid = (pos[None, :] >= i * chunk) & (pos[None, :] < plen[:, None])  # [B, chunk]
+        kc = jnp.where(valid[..., None], kc, jnp.zeros((), cdt))
+        s = jnp.einsum("bthc,bkc->bthk", qc, kc, preferred_element_type=f32, precision=prec) * scale
+        s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
+        return update(carry, s, kc[..., :L])
+
+    carry = (m0, l0, a0)
+    if S > 0:
+        n_chunks = (jnp.max(plen, initial=0) + chunk - 1) // chunk
+        carry = lax.fori_loop(0, n_chunks, body, carry)
+
+    tk = tree_kv.astype(cdt)
+    s_t = jnp.einsum("bthc,bkc->bthk", qc, tk, preferred_element_type=f32, precision=prec) * scale
+    s_t = jnp.where(tree_mask[:, :, None, :], s_t, -jnp.inf)
+    m, l, acc = update(carry, s_t, tk[..., :L])
+
+    out = (acc / l[..., None]).astype(q.dtype)
+    if return_lse:
+        return out, m + jnp.log(l)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Pallas-Triton kernel
+# ----------------------------------------------------------------------------------------------
+
+def default_config(B, T, H, S, C, L, dtype=jnp.bfloat16, num_sms=_NUM_SMS_H200):
+    """Heuristic tuning for :func:`tree_attention` (all values can be overridden by keyword).
+
+    block_rows: query rows per program (heads folded into rows), 64 unless T*H is smaller (min 16).
+    block_k: prefix keys per step. block_t: tree-tail keys per step (<= 64, >= 16).
+    num_splits: split-KV factor so that programs >= ~2 waves of SMs, each split >= 8 blocks.
+    """
+    N = T * H
+    block_rows = min(64, max(16, _pow2_ceil(N)))
+    if H < block_rows and block_rows % H:
+        raise ValueError(f"H={H} must divide block_rows={block_rows} or be a multiple of it")
+    block_k = 64 if jnp.dtype(dtype).itemsize <= 2 else 32
+    tiles = -(-N // block_rows)
+    progs = tiles * B
+    nblk = max(1, S // block_k)
+    num_splits = max(1, min(-(-2 * num_sms // progs), nblk // 8, 64))
+    return dict(block_rows=block_rows, block_k=block_k, block_t=min(64, max(16, _pow2_ceil(T))),
+                num_splits=num_splits, num_warps=8 if block_rows >= 64 else 4, num_stages=2)
+
+
+def _kernel(plen_ref, q_ref, cache_ref, tkv_ref, mask_ref, *out_refs, R, H, L, RD, BK, BT, NT,
+            NS, scale_log2):
+    """One program: R query rows (R/H nodes x H heads, or 1 node x R heads) of one stream, one split.
+
+    Refs (leading stream dim squeezed): plen [1]; q [R, C]; cache [S, C]; tkv [Tk, C] (Tk = NT*BT);
+    mask [Tn, Tk] int32; outputs o [R, L] (+ lse [R]) or partial o [R, L] f32 + lse [R] f32.
+    """
+    o_ref, lse_ref = out_refs
+    t = pl.program_id(0)
+    s_id = pl.program_id(1)
+    f32 = jnp.float32
+    dt = q_ref.dtype
+
+    q_lat = q_ref[:, pl.ds(0, L)]
+    q_rope = q_ref[:, pl.ds(L, RD)]
+    plen = plen_ref[0]
+
+    def scores(k_lat, k_rope):
+        dn = (((1,), (1,)), ((), ()))
+        s = lax.dot_general(q_lat, k_lat, dn, preferred_element_type=f32)
+        s = s + lax.dot_general(q_rope, k_rope, dn, preferred_element_type=f32)
+        return s * scale_log2
+
+    def online(carry, s, v):
+        m, l, acc = carry
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(s - m_new[:, None])
+        l = l * alpha + jnp.sum(p, axis=1)
+        acc = acc * alpha[:, None] + lax.dot_general(
+            p.astype(dt), v, (((1,), (0,)), ((), ())), preferred_element_type=f32)
+        return m_new, l, acc
+
+    # --- prefix: full blocks of this split, no mask ---
+    n_full = plen // BK
+    rem = plen - n_full * BK
+    per = (n_full + NS - 1) // NS
+    lo = jnp.minimum(s_id * per, n_full)
+    hi = jnp.minimum(lo + per, n_full)
+
+    def prefix_block(j, carry):
+        k0 = pl.multiple_of(j * BK, BK)
+        k_lat = cache_ref[pl.ds(k0, BK), pl.ds(0, L)]
+        k_rope = cache_ref[pl.ds(k0, BK), pl.ds(L, RD)]
+        return online(carry, scores(k_lat, k_rope), k_lat)
+
+    carry = (jnp.full((R,), _NEG_BIG, f32), jnp.zeros((R,), f32), jnp.zeros((R, L), f32))
+    carry = lax.fori_loop(lo, hi, prefix_block, carry)
+
+    is_last = s_id == NS - 1
+
+    # --- ragged last prefix block (last split only): zero rows >= plen, mask their scores ---
+    def partial_block(_, carry):
+        k0 = pl.multiple_of(n_full * BK, BK)
+        valid = (lax.broadcasted_iota(jnp.int32, (BK,), 0) < rem)
+        k_lat = cache_ref[pl.ds(k0, BK), pl.ds(0, L)]
+        k_rope = cache_ref[pl.ds(k0, BK), pl.ds(L, RD)]
+        k_lat = jnp.where(valid[:, None], k_lat, jnp.zeros((), dt))
+        k_rope = jnp.where(valid[:, None], k_rope, jnp.zeros((), dt))
+        s = jnp.where(valid[None, :], scores(k_lat, k_rope), -jnp.inf)
+        return online(carry, s, k_lat)
+
+    n_part = jnp.where(is_last & (rem > 0), 1, 0)
+    carry = lax.fori_loop(0, n_part, partial_block, carry)
+
+    # --- tree tail (last split only), with the ancestor mask ---
+    npt = max(1, R // H)          # nodes per tile
+    n0 = (t * R) // H             # first node of this tile
+
+    def tail_block(j, carry):
+        j0 = pl.multiple_of(j * BT, BT)
+        k_lat = tkv_ref[pl.ds(j0, BT), pl.ds(0, L)]
+        k_rope = tkv_ref[pl.ds(j0, BT), pl.ds(L, RD)]
+        mk = mask_ref[pl.ds(n0, npt), pl.ds(j0, BT)] != 0                     # [npt, BT]
+        mk = jnp.broadcast_to(mk[:, None, :], (npt, R // npt, BT)).reshape(R, BT)
+        s = jnp.where(mk, scores(k_lat, k_rope), -jnp.inf)
+        return online(carry, s, k_lat)
+
+    n_tail = jnp.where(is_last, NT, 0)
+    m, l, acc = lax.fori_loop(0, n_tail, tail_block, carry)
+
+    # --- write ---
+    l_safe = jnp.where(l == 0.0, 1.0, l)
+    o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
+    lse = jnp.where(l == 0.0, -jnp.inf, (m + jnp.log2(l_safe)) * _LN2)
+    lse_ref[...] = lse
+
+
+def tree_attention(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, kv_lora_rank,
+                   interpret=False, return_lse=False, block_rows=None, block_k=None, block_t=None,
+                   num_splits=None, num_warps=None, num_stages=None):
+    """MLA tree-verify attention, Pallas-Triton kernel. Shapes and semantics: module docstring.
+
+    Tuning keywords (defaults from :func:`default_config`): block_rows (16..64, power of two; H must
+    divide it or be a multiple of it), block_k (prefix keys per step), block_t (tail keys per step),
+    num_splits (split-KV factor; 1 = no combine pass), num_warps, num_stages.
+    Requirements: L and C - L are powers of two >= 16 (K2.6: 512 and 64). S need not be a multiple
+    of block_k (the cache is then padded, which costs a copy; keep capacity a multiple of 64).
+    ``interpret=True`` runs the kernel through the Pallas HLO interpreter (CPU tests).
+    """
+    B, T, H, C, S = _check_shapes(q, cache_kv, prefix_len, tree_kv, tree_mask, kv_lora_rank)
+    L = kv_lora_rank
+    RD = C - L
+    if not (_is_pow2(L) and _is_pow2(RD) and L >= 16 and RD >= 16):
+        raise ValueError(f"kernel needs power-of-two L={L} and C-L={RD}, both >= 16; use the twin")
+    cfg = default_config(B, T, H, S, C, L, cache_kv.dtype)
+    for k, v in dict(block_rows=block_rows, block_k=block_k, block_t=block_t, num_splits=num_splits,
+                     num_warps=num_warps, num_stages=num_stages).items():
+        if v is not None:
+            cfg[k] = int(v)
+    R, BK, BT, NS = cfg["block_rows"], cfg["block_k"], cfg["block_t"], cfg["num_splits"]
+    if not (_is_pow2(R) and R >= 16 and (H % R == 0 or R % H == 0)):
+        raise ValueError(f"block_rows={R} must be a power of two >= 16 dividing or divided by H={H}")
+    if not (_is_pow2(BK) and _is_pow2(BT) and BK >= 16 and BT >= 16):
+        raise ValueError("block_k and block_t must be powers of two >= 16")
+    dt = cache_kv.dtype
+    f32 = jnp.float32
+
+    # queries: heads folded into rows, padded to whole tiles (padded rows are dropped at the end)
+    N = T * H
+    n_tiles = -(-N // R)
+    Np = n_tiles * R
+    qr = q.astype(dt).reshape(B, N, C)
+    if Np != N:
+        qr = jnp.pad(qr, ((0, 0), (0, Np - N), (0, 0)))
+    # cache: keep S a multiple of BK so that no block reads past the array (padding copies it)
+    Sp = max(BK, -(-S // BK) * BK)
+    cache = cache_kv if Sp == S else jnp.pad(cache_kv, ((0, 0), (0, Sp - S), (0, 0)))
+    plen = jnp.clip(prefix_len.astype(jnp.int32), 0, S)
+    # tree tail: keys padded to NT*BT with zeros, mask columns beyond T are False; mask rows padded
+    # to cover every tile's nodes (padded nodes see key 0 only so no row is empty)
+    NT = -(-T // BT)
+    Tk = NT * BT
+    Tn = max(T, -(-Np // H))
+    tkv = tree_kv.astype(dt)
+    if Tk != T:
+        tkv = jnp.pad(tkv, ((0, 0), (0, Tk - T), (0, 0)))
+    mask = tree_mask.astype(jnp.int32)
+    mask = jnp.pad(mask, ((0, 0), (0, Tn - T), (0, Tk - T)))
+    if Tn != T:
+        mask = mask.at[:, T:, 0].set(1)
+
+    grid = (n_tiles, NS, B)
+    in_specs = [
+        pl.BlockSpec((1,), lambda t, s, b: (b,)),
+        pl.BlockSpec((None, R, C), lambda t, s, b: (b, t, 0)),
+        pl.BlockSpec((None, Sp, C), lambda t, s, b: (b, 0, 0)),
+        pl.BlockSpec((None, Tk, C), lambda t, s, b: (b, 0, 0)),
+        pl.BlockSpec((None, Tn, Tk), lambda t, s, b: (b, 0, 0)),
+    ]
+    if NS == 1:
+        out_shape = [jax.ShapeDtypeStruct((B, Np, L), q.dtype), jax.ShapeDtypeStruct((B, Np), f32)]
+        out_specs = [pl.BlockSpec((None, R, L), lambda t, s, b: (b, t, 0)),
+                     pl.BlockSpec((None, R), lambda t, s, b: (b, t))]
+    else:
+        out_shape = [jax.ShapeDtypeStruct((B, NS, Np, L), f32),
+                     jax.ShapeDtypeStruct((B, NS, Np), f32)]
+        out_specs = [pl.BlockSpec((None, None, R, L), lambda t, s, b: (b, s, t, 0)),
+                     pl.BlockSpec((None, None, R), lambda t, s, b: (b, s, t))]
+    kernel = functools.partial(_kernel, R=R, H=H, L=L, RD=RD, BK=BK, BT=BT, NT=NT, NS=NS,
+                               scale_log2=float(scale) * _LOG2E)
+    flops = 2 * B * Np * (Sp + Tk) * (C + L)
+    bytes_accessed = (B * Sp * C + B * Np * C + B * Tk * C) * jnp.dtype(dt).itemsize + \
+        B * Np * L * (4 * NS if NS > 1 else jnp.dtype(q.dtype).itemsize)
+    o, lse = pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=pltriton.CompilerParams(num_warps=cfg["num_warps"],
+                                                num_stages=cfg["num_stages"]),
+        interpret=interpret,
+        cost_estimate=pl.CostEstimate(flops=int(flops), transcendentals=int(B * Np * (Sp + Tk)),
+                                      bytes_accessed=int(bytes_accessed)),
+        name="mla_tree_attention",
+    )(plen, qr, cache, tkv, mask)
+
+    if NS > 1:  # log-sum-exp combine of the splits
+        lse_all = jnp.max(lse, axis=1)
+        lse_all = jnp.where(jnp.isfinite(lse_all), lse_all, 0.0)
+        w = jnp.exp(lse - lse_all[:, None])                        # [B, NS, Np]
+        tot = jnp.sum(w, axis=1)                                   # [B, Np]
+        o = jnp.einsum("bsn,bsnl->bnl", w, o, precision=lax.Precision.HIGHEST) / tot[..., None]
+        lse = lse_all + jnp.log(tot)
+        o = o.astype(q.dtype)
+    out = o[:, :N].reshape(B, T, H, L)
+    if return_lse:
+        return out, lse[:, :N].reshape(B, T, H)
+    return out
+
+
+def mla_attention(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, kv_lora_rank,
+                  interpret=False, return_lse=False, **tuning):
+    """Dispatcher: the Pallas kernel when lowered for CUDA, the pure-JAX twin on any other platform.
+
+    The choice is made per lowering platform (``lax.platform_dependent``), not from environment or
+    global state, so the same jitted function runs on a CPU host and on the H200. ``interpret=True``
+    forces the kernel through the Pallas interpreter on every platform (tests).
+    """
+    kw = dict(scale=scale, kv_lora_rank=kv_lora_rank, return_lse=return_lse)
+    args = (q, cache_kv, prefix_len, tree_kv, tree_mask)
+    if interpret:
+        return tree_attention(*args, interpret=True, **kw, **tuning)
+    return lax.platform_dependent(
+        *args,
+        cuda=lambda *a: tree_attention(*a, **kw, **tuning),
+        default=lambda *a: tree_attention_ref(*a, **kw))
+
+
+# Notes on the backend choice (measured on the H200, see experiments/bench_tree_attention.py):
+# JAX 0.11.2's default Pallas GPU backend is Mosaic GPU, but a plain pallas_call with Mosaic GPU
+# params failed on the H200 in the project's first probe, and Mosaic kernels need plgpu.kernel with
+# hand-written wgmma/TMA pipelines and cannot be tested in the CPU interpreter at these layouts.
+# The Triton backend (deprecated, still shipped in 0.11.x) lowers jnp dots to wgmma and is fully
+# testable with interpret=True, so it carries this kernel.

@@ -1,0 +1,197 @@
+"""MLA tree-verify attention: twin vs a dense numpy reference, interpret-mode kernel vs both, CUDA
+lowering on CPU, and GPU parity at K2.6 dims (``gpu`` marker; skipped without a GPU)."""
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.tree_attention import (default_config, mla_attention, tree_attention,
+                                           tree_attention_ref)
+
+
+def dense_reference(q, cache, plen, tkv, mask, scale, L):
+    """float64 numpy: softmax over [valid prefix rows | visible tree nodes]; returns (out, lse)."""
+    q, cache, tkv = (np.asarray(a, np.float64) for a in (q, cache, tkv))
+    mask, plen = np.asarray(mask), np.asarray(plen)
+    B, T, H, _ = q.shape
+    out, lse = np.zeros((B, T, H, L)), np.zeros((B, T, H))
+    for b in range(B):
+        p = int(plen[b])
+        keys = np.concatenate([cache[b, :p], tkv[b]], 0)
+        vis = np.concatenate([np.ones((T, p), bool), mask[b]], 1)
+        s = np.einsum("thc,kc->thk", q[b], keys) * scale
+        s = np.where(vis[:, None, :], s, -np.inf)
+        m = s.max(-1, keepdims=True)
+        e = np.exp(s - m)
+        tot = e.sum(-1, keepdims=True)
+        out[b] = np.einsum("thk,kl->thl", e / tot, keys[:, :L])
+        lse[b] = (m + np.log(tot))[..., 0]
+    return out, lse
+
+
+def tree_masks(rng, B, T, kind):
+    """[B, T, T] bool ancestor-or-self masks: 'tree' (random parent arrays), 'chain', 'star'."""
+    out = np.zeros((B, T, T), bool)
+    for b in range(B):
+        if kind == "chain":
+            parent = [i - 1 for i in range(T)]
+        elif kind == "star":
+            parent = [-1] + [0] * (T - 1)
+        else:
+            parent = [-1] + [int(rng.integers(0, i)) for i in range(1, T)]
+        for i in range(T):
+            j = i
+            while j >= 0:
+                out[b, i, j] = True
+                j = parent[j]
+    return out
+
+
+def make_case(seed, B, T, H, L, RD, S, plens, kind="tree", dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    C = L + RD
+    q = rng.standard_normal((B, T, H, C)).astype(np.float32)
+    cache = rng.standard_normal((B, S, C)).astype(np.float32)
+    plen = np.asarray(plens, np.int32)
+    for b in range(B):
+        cache[b, plen[b]:] = np.nan  # garbage beyond the prefix must never reach the result
+    tkv = rng.standard_normal((B, T, C)).astype(np.float32)
+    mask = tree_masks(rng, B, T, kind)
+    return q, cache, plen, tkv, mask
+
+
+def as_jax(case, dtype=jnp.float32):
+    q, cache, plen, tkv, mask = case
+    return (jnp.asarray(q, dtype), jnp.asarray(cache, dtype), jnp.asarray(plen),
+            jnp.asarray(tkv, dtype), jnp.asarray(mask))
+
+
+SCALE = 0.27
+
+
+@pytest.mark.parametrize("B,T,H,S,plens,kind,chunk", [
+    (3, 6, 4, 100, [0, 37, 100], "tree", 16),
+    (2, 1, 4, 64, [0, 63], "chain", None),       # plain decode, T = 1
+    (2, 9, 2, 50, [50, 7], "chain", 8),          # DFlash chain, chunk does not divide S
+    (1, 12, 3, 33, [20], "star", 32),             # H not a power of two is fine for the twin
+])
+def test_twin_matches_dense(B, T, H, S, plens, kind, chunk):
+    L, RD = 32, 16
+    case = make_case(1, B, T, H, L, RD, S, plens, kind)
+    ref_o, ref_l = dense_reference(*case, SCALE, L)
+    o, lse = tree_attention_ref(*as_jax(case), scale=SCALE, kv_lora_rank=L, return_lse=True,
+                                chunk=chunk)
+    assert np.all(np.isfinite(np.asarray(o)))
+    np.testing.assert_allclose(np.asarray(o), ref_o, atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(np.asarray(lse), ref_l, atol=2e-5, rtol=2e-5)
+
+
+def test_twin_bf16_close_to_dense():
+    L, RD = 32, 16
+    case = make_case(2, 2, 5, 4, L, RD, 80, [0, 71], "tree")
+    args = as_jax(case, jnp.bfloat16)
+    rounded = [np.asarray(a, np.float32) if a.dtype == jnp.bfloat16 else np.asarray(a) for a in args]
+    ref_o, _ = dense_reference(*rounded, SCALE, L)
+    o = tree_attention_ref(*args, scale=SCALE, kv_lora_rank=L)
+    assert o.dtype == jnp.bfloat16
+    err = np.linalg.norm(np.asarray(o, np.float32) - ref_o) / np.linalg.norm(ref_o)
+    assert err < 1e-2
+
+
+# Interpret-mode kernel. Each case: (B, T, H, S, prefix lens, mask kind, tuning).
+KERNEL_CASES = [
+    (3, 6, 4, 100, [0, 37, 100], "tree", dict(block_rows=16, block_k=16)),        # S % block_k != 0
+    (3, 6, 4, 96, [0, 37, 96], "tree", dict(block_rows=16, block_k=16, num_splits=3)),
+    (2, 1, 8, 64, [0, 50], "chain", dict()),                                        # T = 1, H=8 < 16
+    (2, 1, 32, 64, [64, 3], "chain", dict(block_rows=16, num_splits=2)),           # H > block_rows
+    (2, 11, 2, 48, [17, 0], "chain", dict(block_rows=16, block_k=16, block_t=16)),  # causal chain
+    (2, 20, 4, 64, [33, 64], "tree", dict(block_rows=32, block_k=32, block_t=16, num_splits=2)),
+    (1, 7, 16, 32, [0], "star", dict(block_rows=16, block_k=16)),                   # no prefix at all
+]
+
+
+@pytest.mark.parametrize("B,T,H,S,plens,kind,tuning", KERNEL_CASES)
+def test_kernel_interpret_matches_twin_and_dense(B, T, H, S, plens, kind, tuning):
+    L, RD = 32, 16
+    case = make_case(3, B, T, H, L, RD, S, plens, kind)
+    args = as_jax(case)
+    ref_o, ref_l = dense_reference(*case, SCALE, L)
+    tw_o, tw_l = tree_attention_ref(*args, scale=SCALE, kv_lora_rank=L, return_lse=True)
+    o, lse = tree_attention(*args, scale=SCALE, kv_lora_rank=L, return_lse=True, interpret=True,
+                            **tuning)
+    assert o.shape == (B, T, H, L) and lse.shape == (B, T, H)
+    assert np.all(np.isfinite(np.asarray(o)))
+    np.testing.assert_allclose(np.asarray(o), np.asarray(tw_o), atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(tw_l), atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(np.asarray(o), ref_o, atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(np.asarray(lse), ref_l, atol=2e-5, rtol=2e-5)
+
+
+def test_kernel_interpret_bf16():
+    L, RD = 32, 16
+    case = make_case(4, 2, 4, 4, L, RD, 64, [40, 5], "tree")
+    args = as_jax(case, jnp.bfloat16)
+    tw = tree_attention_ref(*args, scale=SCALE, kv_lora_rank=L)
+    o = tree_attention(*args, scale=SCALE, kv_lora_rank=L, interpret=True, block_rows=16,
+                       block_k=16, num_splits=2)
+    assert o.dtype == jnp.bfloat16
+    err = np.linalg.norm(np.asarray(o, np.float32) - np.asarray(tw, np.float32))
+    assert err / np.linalg.norm(np.asarray(tw, np.float32)) < 1e-2
+
+
+def test_dispatcher_uses_twin_on_cpu_and_interprets_on_request():
+    L, RD = 32, 16
+    case = make_case(5, 2, 3, 4, L, RD, 40, [9, 40], "tree")
+    args = as_jax(case)
+    ref_o, _ = dense_reference(*case, SCALE, L)
+    o = jax.jit(lambda *a: mla_attention(*a, scale=SCALE, kv_lora_rank=L))(*args)
+    np.testing.assert_allclose(np.asarray(o), ref_o, atol=2e-5, rtol=2e-5)
+    o = mla_attention(*args, scale=SCALE, kv_lora_rank=L, interpret=True, block_rows=16)
+    np.testing.assert_allclose(np.asarray(o), ref_o, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("T,H,num_splits", [(1, 64, 4), (8, 8, 1), (64, 64, 1)])
+def test_kernel_lowers_for_cuda_on_cpu(T, H, num_splits):
+    """Triton lowering at K2.6 dims (no GPU needed): catches unsupported ops / non-pow2 tiles."""
+    B, S, L, C = 2, 1024, 512, 576
+    spec = (jax.ShapeDtypeStruct((B, T, H, C), jnp.bfloat16), jax.ShapeDtypeStruct((B, S, C), jnp.bfloat16),
+            jax.ShapeDtypeStruct((B,), jnp.int32), jax.ShapeDtypeStruct((B, T, C), jnp.bfloat16),
+            jax.ShapeDtypeStruct((B, T, T), jnp.bool_))
+    f = jax.jit(lambda *a: mla_attention(*a, scale=0.14468, kv_lora_rank=L, num_splits=num_splits))
+    text = f.trace(*spec).lower(lowering_platforms=("cuda",)).as_text()
+    assert "triton" in text
+
+
+def test_default_config_splits_only_when_few_programs():
+    small = default_config(1, 1, 64, 65536, 576, 512)
+    big = default_config(16, 256, 64, 8192, 576, 512)
+    assert small["num_splits"] > 1 and big["num_splits"] == 1
+    assert default_config(4, 1, 8, 4096, 576, 512)["block_rows"] == 16
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU parity at K2.6 dims (C = 576, L = 512, scale 0.14468), bf16, vs the twin on f32-upcast inputs.
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,T,H,S,kind", [
+    (2, 1, 64, 4096, "chain"), (3, 1, 8, 4096, "chain"), (2, 8, 8, 2048, "chain"),
+    (2, 64, 64, 2048, "tree"), (1, 256, 8, 1024, "tree"), (2, 33, 64, 1000, "tree"),
+])
+def test_gpu_parity_k26(B, T, H, S, kind):
+    L, RD = 512, 64
+    rng = np.random.default_rng(7)
+    plens = [int(x) for x in rng.integers(0, S + 1, size=B)]
+    plens[0] = 0 if B > 1 else S
+    case = make_case(11, B, T, H, L, RD, S, plens, kind)
+    args = as_jax(case, jnp.bfloat16)
+    o, lse = jax.jit(lambda *a: mla_attention(*a, scale=0.14468, kv_lora_rank=L, return_lse=True))(*args)
+    up = [a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args]
+    r_o, r_l = jax.jit(lambda *a: tree_attention_ref(*a, scale=0.14468, kv_lora_rank=L,
+                                                     return_lse=True))(*up)
+    o, r_o = np.asarray(o, np.float32), np.asarray(r_o)
+    assert np.all(np.isfinite(o))
+    assert np.linalg.norm(o - r_o) / np.linalg.norm(r_o) < 1e-2
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(r_l), atol=3e-2, rtol=1e-2)
