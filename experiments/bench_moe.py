@@ -1,0 +1,230 @@
+"""INT4 MoE routed experts at K2.6 dims on one GPU: Pallas kernel vs XLA twin vs XLA ragged_dot (bf16).
+
+    PYTHONPATH=. python3 experiments/bench_moe.py [--ms 1,9,32,90,256,512,1024] [--explore] [--out DIR]
+
+Reports per (M, routing): ms per call, us per token, active experts, weight bytes read (INT4 words +
+bf16 scales of the active experts), effective TB/s = bytes / time, and % of the device copy bandwidth
+measured in the same run (XLA elementwise a+1 over 1 GiB, read+write counted; PyTorch's
+device-to-device copy is reported beside it when torch is importable). Timing: back-to-back calls,
+blocked once at the end, median over several such batches. Weights are random (words are uniformly
+random nibbles, scales in [0.01, 0.03]); routing is uniform (distinct random top-8 per token) or skewed
+(Zipf-like expert popularity, exponent 1.2, top-8 without replacement via Gumbel top-k).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from experiments import bench_util
+from pallas_kernels.int4_moe import Int4ExpertWeights, default_tile, int4_moe, int4_moe_ref
+
+E, D, F, K, G = 384, 7168, 2048, 8, 32
+
+
+def random_weights(key, e=E, d=D, f=F):
+    k1, k2, k3, k4 = jax.random.split(key, 4)
+    w13 = jax.lax.bitcast_convert_type(jax.random.bits(k1, (e, 2 * f, d // 8), jnp.uint32), jnp.int32)
+    w2 = jax.lax.bitcast_convert_type(jax.random.bits(k2, (e, d, f // 8), jnp.uint32), jnp.int32)
+    s13 = jax.random.uniform(k3, (e, d // G, 2 * f), jnp.float32, 0.01, 0.03).astype(jnp.bfloat16)
+    s2 = jax.random.uniform(k4, (e, f // G, d), jnp.float32, 0.01, 0.03).astype(jnp.bfloat16)
+    return Int4ExpertWeights(w13=w13, w13_scale=s13, w2=w2, w2_scale=s2, group_size=G,
+                             w13_block_words=32, w2_block_words=32)
+
+
+def routing(m, kind, seed, e=E, k=K):
+    r = np.random.default_rng(seed)
+    if kind == "uniform":
+        logits = np.zeros((m, e))
+    else:  # skewed: popularity ~ 1/(rank+1)^1.2 over a random expert permutation
+        logits = np.broadcast_to(-1.2 * np.log1p(r.permutation(e)), (m, e))
+    g = logits + r.gumbel(size=(m, e))
+    ids = np.argsort(-g, axis=1)[:, :k].astype(np.int32)
+    w = r.random((m, k)).astype(np.float32)
+    w = w / w.sum(1, keepdims=True) * 2.5
+    return jnp.asarray(ids), jnp.asarray(w)
+
+
+def time_calls(fn, args, calls=10, batches=5, budget_s=None):
+    """Median seconds per call over `batches` batches of `calls` back-to-back calls."""
+    out = fn(*args)
+    jax.block_until_ready(out)
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    one = time.perf_counter() - t0
+    if budget_s is not None:  # shrink to fit a time budget
+        calls = max(1, min(calls, int(budget_s / max(one, 1e-6) / batches)))
+    ts = []
+    for _ in range(batches):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        ts.append((time.perf_counter() - t0) / calls)
+    return statistics.median(ts), min(ts)
+
+
+def torch_copy_bw():
+    try:
+        import torch
+        if not torch.cuda.is_available():
+            return None
+        a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+        b = torch.empty_like(a)
+        for _ in range(3):
+            b.copy_(a)
+        torch.cuda.synchronize()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(20):
+            b.copy_(a)
+        e.record()
+        torch.cuda.synchronize()
+        bw = 2 * a.numel() * 20 / (s.elapsed_time(e) * 1e-3)
+        del a, b
+        torch.cuda.empty_cache()
+        return bw
+    except Exception as ex:  # noqa: BLE001 - reporting only
+        print("torch copy failed:", ex)
+        return None
+
+
+def ragged_moe_fn():
+    """bf16 MoE with jax.lax.ragged_dot (gate+up fused [E, D, 2F], down [E, F, D])."""
+    def fn(x, ids, w, w13, w2):
+        m, k = ids.shape
+        flat = ids.reshape(-1)
+        order = jnp.argsort(flat)
+        xs = x[order // k]
+        sizes = jnp.zeros((w13.shape[0],), jnp.int32).at[flat].add(1)
+        gu = jax.lax.ragged_dot(xs, w13, sizes, preferred_element_type=jnp.float32)
+        g, u = gu[:, :F], gu[:, F:]
+        h = (jax.nn.silu(g) * u).astype(x.dtype)
+        yo = jax.lax.ragged_dot(h, w2, sizes, preferred_element_type=jnp.float32)
+        ys = jnp.zeros_like(yo).at[order].set(yo).reshape(m, k, -1)
+        return jnp.einsum("mkd,mk->md", ys, w).astype(x.dtype)
+    return jax.jit(fn)
+
+
+def rel_err(a, b):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ms", default="1,9,32,90,256,512,1024")
+    ap.add_argument("--routings", default="uniform,skewed")
+    ap.add_argument("--explore", action="store_true", help="sweep kernel variants at a few M")
+    ap.add_argument("--configs", default="", help="semicolon list of k=v,... kernel configs for the main run")
+    ap.add_argument("--ragged-max-m", type=int, default=256)
+    ap.add_argument("--twin-max-m", type=int, default=1024)
+    ap.add_argument("--budget-s", type=float, default=1.0, help="timing budget per measurement")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--name", default="bench_moe")
+    ap.add_argument("--dims", default="", help="E,D,F,K override (CPU smoke tests)")
+    ap.add_argument("--interpret", action="store_true", help="run the kernel in interpret mode (CPU smoke)")
+    args = ap.parse_args(argv)
+    global E, D, F, K
+    if args.dims:
+        E, D, F, K = (int(v) for v in args.dims.split(","))
+    ms = [int(v) for v in args.ms.split(",")]
+    routings = args.routings.split(",")
+
+    print("devices:", jax.devices(), "jax", jax.__version__, flush=True)
+    copy_bw = bench_util.measure_copy_bandwidth()
+    tcopy = torch_copy_bw()
+    print(f"copy bandwidth: XLA a+1 {copy_bw / 1e12:.3f} TB/s; torch copy "
+          f"{(tcopy or 0) / 1e12:.3f} TB/s", flush=True)
+
+    wts = random_weights(jax.random.key(0), E, D, F)
+    per_expert = wts.nbytes_per_expert()
+    rows = []
+
+    def parse_cfg(s):
+        cfg = {}
+        for kv in filter(None, s.split(",")):
+            k_, v = kv.split("=")
+            cfg[k_] = v if k_ in ("dequant", "probe") else int(v)
+        return cfg
+
+    configs = [parse_cfg(c) for c in args.configs.split(";")] if args.configs else [{}]
+    if args.explore:
+        configs = [parse_cfg(c) for c in (
+            "dequant=asm", "dequant=magic", "dequant=int", "dequant=asm,probe=dq_once",
+            "dequant=asm,block_n1=16,block_n2=16", "dequant=asm,block_n1=64,block_n2=64",
+            "dequant=asm,num_warps=8", "dequant=asm,num_stages=4,block_n1=64,block_n2=64,num_warps=8",
+        )]
+        if args.interpret:
+            configs = [parse_cfg("dequant=magic"), parse_cfg("dequant=int"), parse_cfg("dequant=magic,probe=dq_once")]
+
+    twin = jax.jit(int4_moe_ref)
+    ragged = ragged_moe_fn()
+    rw13 = rw2 = None
+    for m in ms:
+        for kind in routings:
+            ids, w = routing(m, kind, seed=m, e=E, k=K)
+            x = jax.random.normal(jax.random.key(m), (m, D), jnp.float32).astype(jnp.bfloat16)
+            active = int(np.unique(np.asarray(ids)).size)
+            nbytes = active * per_expert
+            base = dict(M=m, routing=kind, active=active, GB=nbytes / 1e9, tile=default_tile(m, K, E))
+            y_ref = None
+            if m <= args.twin_max_m:
+                try:
+                    y_ref = twin(x, ids, w, wts)
+                    t, _ = time_calls(twin, (x, ids, w, wts), calls=3, batches=3, budget_s=args.budget_s)
+                    rows.append(dict(base, impl="twin", ms=t * 1e3, us_tok=t * 1e6 / m, TBps=nbytes / t / 1e12,
+                                     pct_copy=100 * nbytes / t / copy_bw, err=0.0))
+                    print(rows[-1], flush=True)
+                except Exception as ex:  # noqa: BLE001
+                    print(f"twin M={m} failed: {type(ex).__name__}: {str(ex)[:300]}", flush=True)
+            for cfg in configs:
+                name = "pallas[" + ",".join(f"{k_}={v}" for k_, v in cfg.items()) + "]"
+                try:
+                    if args.interpret:
+                        cfg = dict(cfg, interpret=True)
+                    fn = jax.jit(functools.partial(int4_moe, **cfg))
+                    t0 = time.perf_counter()
+                    y = fn(x, ids, w, wts)
+                    jax.block_until_ready(y)
+                    comp = time.perf_counter() - t0
+                    err = rel_err(y, y_ref) if y_ref is not None else float("nan")
+                    t, tmin = time_calls(fn, (x, ids, w, wts), calls=20, batches=5, budget_s=args.budget_s)
+                    rows.append(dict(base, impl=name, ms=t * 1e3, ms_min=tmin * 1e3, us_tok=t * 1e6 / m,
+                                     TBps=nbytes / t / 1e12, pct_copy=100 * nbytes / t / copy_bw, err=err,
+                                     first_call_s=comp))
+                    print(rows[-1], flush=True)
+                except Exception as ex:  # noqa: BLE001
+                    print(f"{name} M={m} failed: {type(ex).__name__}: {str(ex)[-1500:]}", flush=True)
+            if m <= args.ragged_max_m and kind == "uniform":
+                try:
+                    if rw13 is None:
+                        kk = jax.random.split(jax.random.key(7))
+                        rw13 = (jax.random.normal(kk[0], (E, D, 2 * F), jnp.bfloat16) * 0.02)
+                        rw2 = (jax.random.normal(kk[1], (E, F, D), jnp.bfloat16) * 0.02)
+                    t, _ = time_calls(ragged, (x, ids, w, rw13, rw2), calls=2, batches=3, budget_s=args.budget_s)
+                    bf16_bytes = active * (3 * D * F * 2)
+                    rows.append(dict(base, impl="ragged_dot_bf16", ms=t * 1e3, us_tok=t * 1e6 / m,
+                                     TBps=nbytes / t / 1e12, pct_copy=100 * nbytes / t / copy_bw,
+                                     bf16_GB=bf16_bytes / 1e9))
+                    print(rows[-1], flush=True)
+                except Exception as ex:  # noqa: BLE001
+                    print(f"ragged_dot M={m} failed: {type(ex).__name__}: {str(ex)[:300]}", flush=True)
+
+    payload = dict(config=dict(E=E, D=D, F=F, K=K, G=G, bytes_per_expert=per_expert, ms=ms, routings=routings,
+                               configs=configs, argv=sys.argv[1:]),
+                   copy_bw_Bps=copy_bw, torch_copy_bw_Bps=tcopy, rows=rows)
+    path = bench_util.write_result(args.name, payload, args.out)
+    print("wrote", path)
+    bench_util.print_table(rows, ["M", "routing", "impl", "active", "GB", "ms", "us_tok", "TBps", "pct_copy", "err"])
+
+
+if __name__ == "__main__":
+    main()

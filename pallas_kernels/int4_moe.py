@@ -1,0 +1,408 @@
+"""Routed experts of one MoE layer with INT4 (group-32, symmetric) weights: Pallas kernel + XLA twin.
+
+Dimension letters: M tokens, K top-k, E experts, D model width, F expert FFN width, G scale group (32),
+T tokens per tile, P = (number of tiles) * T padded (expert-sorted) token rows.
+
+    y[m] = sum_k w[m, k] * down_e( silu(gate_e(x_m)) * up_e(x_m) ),   e = expert_ids[m, k]
+
+with f32 accumulation; the intermediate h = silu(gate) * up is rounded to x.dtype (bf16 in production).
+
+Weight layout ("planar", made once at load time by ``Int4ExpertWeights.from_compressed_tensors``)
+-------------------------------------------------------------------------------------------
+compressed-tensors stores a linear W [O, I] as int32 [O, I/8], word j holding columns 8j..8j+7 (nibble n
+at bits 4n, value q + 8). We keep int32 words and the same bytes per row, but permute which column
+each nibble holds: the I columns are cut into blocks of 8*W columns (W = words per block-row, 32 at
+K2.6 dims, i.e. blocks of 256 columns) and
+
+    word (block b, index w), nibble s  <->  column b*8W + s*W + w.
+
+So extracting nibble s from a contiguous [rows, W] tile of words yields the contiguous column slice
+[s*W, (s+1)*W) of the block: no reshape/interleave is ever needed in the kernel, every nibble plane is a
+ready [rows, W] dot operand, and with W == G each plane is exactly one scale group, so scales are applied
+to the [rows, T] dot result (exact f32 post-scaling). Scales are stored group-major, [E, I/G, O], so one
+group's scales for a row block are one contiguous load.
+
+Kernel (Pallas, Triton backend)
+-------------------------------
+Routing metadata is computed in XLA (``_route``): the M*K (token, slot) pairs are sorted by expert and
+each expert's run is padded to a multiple of T rows, so that a tile of T rows belongs to one expert
+(tile_expert[i] = -1 for unused tiles). Activations travel transposed ([D, P], [F, P]) so the token tile
+is the N side of the dot and the weights are the M side ("swap AB": one token per expert wastes no
+weight reads). Kernel 1 (grid tiles x F/BN1) streams gate and up rows of the tile's expert, does the
+SiLU*up epilogue and writes h^T [F, P]; kernel 2 (grid tiles x D/BN2) streams down rows and multiplies by
+the routing weight, writing y^T [D, P] (f32); XLA adds the pair rows into y [M, D]. No work is done for
+experts with no tokens.
+
+Dequantisation modes (``dequant=``): "asm" (GPU only: prmt + lop3 + one bf16x2 fma per two values, the
+0x4300 magic-exponent trick), "magic" (jnp: nibble | 0x4B000000 bitcast to f32 minus 2^23+8, no int->float
+conversion), "int" (jnp shifts and an int->float convert). "magic"/"int" run in interpret mode on CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+try:  # Triton backend params (present in 0.10.2 and 0.11.x, deprecated in 0.11).
+    from jax.experimental.pallas import triton as pltriton
+except ImportError:  # pragma: no cover
+    pltriton = None
+
+PACK = 8  # nibbles per int32 word
+
+
+# ----------------------------------------------------------------------------------------------
+# Weight container and the one-time repack
+# ----------------------------------------------------------------------------------------------
+def _block_words(in_dim: int, group: int) -> int:
+    """Words per block-row W: W == group when possible (one scale group per nibble plane), else the
+    largest power of two w <= group with group % w == 0 and in_dim % (8w) == 0 (tiny test shapes)."""
+    w = group
+    while w > 1 and (in_dim % (PACK * w) or group % w):
+        w //= 2
+    if in_dim % (PACK * w) or group % w:
+        raise ValueError(f"in_dim {in_dim} and group {group} admit no planar block")
+    return w
+
+
+def _nibbles(words):
+    """int32 [..., n] -> uint32 [..., n, 8] (nibble s at index s)."""
+    u = jax.lax.bitcast_convert_type(words, jnp.uint32)
+    return (u[..., None] >> (4 * jnp.arange(PACK, dtype=jnp.uint32))) & 0xF
+
+
+def _pack_nibbles(nib):
+    """uint32 [..., n, 8] -> int32 [..., n]."""
+    w = jnp.sum(nib << (4 * jnp.arange(PACK, dtype=jnp.uint32)), axis=-1, dtype=jnp.uint32)
+    return jax.lax.bitcast_convert_type(w, jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("bw",))
+def _to_planar(packed, bw: int):
+    """compressed-tensors int32 [O, I/8] -> planar int32 [O, I/8] (blocks of bw words)."""
+    o, n = packed.shape
+    nib = _nibbles(packed).reshape(o, n // bw, PACK, bw)  # canonical column order = (s, w) within block
+    return _pack_nibbles(jnp.swapaxes(nib, -1, -2)).reshape(o, n)
+
+
+@functools.partial(jax.jit, static_argnames=("bw",))
+def _from_planar(planar, bw: int):
+    o, n = planar.shape
+    nib = _nibbles(planar).reshape(o, n // bw, bw, PACK)  # (w, s) -> columns s*bw + w
+    return _pack_nibbles(jnp.swapaxes(nib, -1, -2).reshape(o, n, PACK))
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["w13", "w13_scale", "w2", "w2_scale"],
+                   meta_fields=["group_size", "w13_block_words", "w2_block_words"])
+@dataclasses.dataclass(frozen=True)
+class Int4ExpertWeights:
+    """INT4 routed-expert weights of one layer in the kernel's planar layout.
+
+    w13        int32 [E, 2F, D/8]   gate rows 0..F-1, up rows F..2F-1 (planar nibble order, module doc)
+    w13_scale  bf16  [E, D/G, 2F]   group-major scales
+    w2         int32 [E, D, F/8]
+    w2_scale   bf16  [E, F/G, D]
+    """
+    w13: jax.Array
+    w13_scale: jax.Array
+    w2: jax.Array
+    w2_scale: jax.Array
+    group_size: int = 32
+    w13_block_words: int = 32
+    w2_block_words: int = 32
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13.shape[0]
+
+    @property
+    def d_model(self) -> int:
+        return self.w2.shape[1]
+
+    @property
+    def d_ff(self) -> int:
+        return self.w13.shape[1] // 2
+
+    @classmethod
+    def from_compressed_tensors(cls, w13_packed, w13_scale, w2_packed, w2_scale) -> "Int4ExpertWeights":
+        """One-time repack. w13_packed int32 [E, 2F, D/8], w13_scale [E, 2F, D/G], w2_packed int32
+        [E, D, F/8], w2_scale [E, D, F/G] (compressed-tensors layout, stacked over experts)."""
+        e, two_f, d8 = w13_packed.shape
+        d = d8 * PACK
+        f = two_f // 2
+        group = d // w13_scale.shape[-1]
+        if f // w2_scale.shape[-1] != group or w2_packed.shape != (e, d, f // PACK):
+            raise ValueError("inconsistent expert weight shapes")
+        b13, b2 = _block_words(d, group), _block_words(f, group)
+        w13 = jax.lax.map(lambda p: _to_planar(p, b13), jnp.asarray(w13_packed))  # per expert: bounded memory
+        w2 = jax.lax.map(lambda p: _to_planar(p, b2), jnp.asarray(w2_packed))
+        return cls(w13=w13, w13_scale=jnp.swapaxes(jnp.asarray(w13_scale, jnp.bfloat16), 1, 2),
+                   w2=w2, w2_scale=jnp.swapaxes(jnp.asarray(w2_scale, jnp.bfloat16), 1, 2),
+                   group_size=group, w13_block_words=b13, w2_block_words=b2)
+
+    def to_compressed_tensors(self):
+        """Inverse of ``from_compressed_tensors``: (w13_packed, w13_scale, w2_packed, w2_scale)."""
+        w13 = jax.lax.map(lambda p: _from_planar(p, self.w13_block_words), self.w13)
+        w2 = jax.lax.map(lambda p: _from_planar(p, self.w2_block_words), self.w2)
+        return w13, jnp.swapaxes(self.w13_scale, 1, 2), w2, jnp.swapaxes(self.w2_scale, 1, 2)
+
+    def nbytes_per_expert(self) -> int:
+        return sum(a[0].size * a.dtype.itemsize for a in (self.w13, self.w13_scale, self.w2, self.w2_scale))
+
+
+def _dequant_planar(planar, scale_gm, bw: int, dtype):
+    """planar int32 [O, I/8], group-major scale [I/G, O] -> W [O, I] in ``dtype`` (canonical order)."""
+    o, n = planar.shape
+    nib = _nibbles(planar).reshape(o, n // bw, bw, PACK)
+    q = jnp.swapaxes(nib, -1, -2).reshape(o, n * PACK).astype(jnp.int32) - 8
+    s = jnp.swapaxes(scale_gm, 0, 1).astype(jnp.float32)  # [O, I/G]
+    w = q.reshape(o, s.shape[1], -1).astype(jnp.float32) * s[:, :, None]
+    return w.reshape(o, n * PACK).astype(dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Routing metadata (XLA), shared by kernel and twin
+# ----------------------------------------------------------------------------------------------
+def max_tiles(m: int, k: int, e: int, t: int) -> int:
+    """Static upper bound on sum_e ceil(count_e / t) for m*k pairs over e experts."""
+    pairs = m * k
+    return max(1, (pairs + min(e, pairs) * (t - 1)) // t)
+
+
+def default_tile(m: int, k: int, e: int) -> int:
+    """Tokens per tile: about the mean pairs per active expert, a power of two in [16, 64]."""
+    mean = m * k / min(e, m * k)
+    return int(min(64, max(16, 1 << max(0, math.ceil(math.log2(max(mean, 1.0)))))))
+
+
+def _route(expert_ids, expert_weights, num_experts: int, tile: int):
+    """Sorts the M*K pairs by expert, padding each expert's run to a multiple of ``tile`` rows.
+
+    Returns row_token int32 [P] (M for padding rows), row_weight f32 [P] (0 for padding rows),
+    tile_expert int32 [NT] (-1 for unused tiles), num_tiles int32 []; P = NT * tile.
+    """
+    m, k = expert_ids.shape
+    pairs = m * k
+    nt = max_tiles(m, k, num_experts, tile)
+    flat = expert_ids.reshape(-1).astype(jnp.int32)
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+    sorted_e = flat[order]
+    counts = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
+    tiles_e = (counts + tile - 1) // tile
+    tile_end = jnp.cumsum(tiles_e)
+    tile_start = tile_end - tiles_e
+    pair_start = jnp.cumsum(counts) - counts
+    rank = jnp.arange(pairs, dtype=jnp.int32) - pair_start[sorted_e]
+    pos = tile_start[sorted_e] * tile + rank
+    row_pair = jnp.full((nt * tile,), pairs, jnp.int32).at[pos].set(order, mode="drop")
+    row_token = jnp.where(row_pair < pairs, row_pair // k, m).astype(jnp.int32)
+    w_flat = jnp.concatenate([expert_weights.reshape(-1).astype(jnp.float32), jnp.zeros((1,), jnp.float32)])
+    row_weight = w_flat[row_pair]
+    num_tiles = tile_end[-1]
+    tidx = jnp.arange(nt, dtype=jnp.int32)
+    tile_expert = jnp.searchsorted(tile_end, tidx, side="right").astype(jnp.int32)
+    tile_expert = jnp.where(tidx < num_tiles, tile_expert, -1)
+    return row_token, row_weight, tile_expert, num_tiles
+
+
+def _combine(y_rows, row_token, m: int, dtype):
+    """y_rows f32 [P, D] (already weighted) -> y [M, D]: sum of each token's pair rows."""
+    y = jnp.zeros((m + 1, y_rows.shape[-1]), jnp.float32).at[row_token].add(y_rows)
+    return y[:m].astype(dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Pure-JAX twin (also the CPU production path)
+# ----------------------------------------------------------------------------------------------
+def int4_moe_ref(x, expert_ids, expert_weights, weights: Int4ExpertWeights, *, tile: int | None = None):
+    """XLA twin of ``int4_moe``: same routing and tiling, one loop step per non-empty tile; an expert's
+    weights are dequantised once per run of tiles (cached in the loop carry), never for idle experts.
+
+    x [M, D], expert_ids int32 [M, K], expert_weights f32 [M, K] -> y [M, D] in x.dtype.
+    """
+    m, d = x.shape
+    k = expert_ids.shape[1]
+    e_n, f = weights.num_experts, weights.d_ff
+    t = tile or default_tile(m, k, e_n)
+    row_token, row_weight, tile_expert, num_tiles = _route(expert_ids, expert_weights, e_n, t)
+    x_pad = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)])[row_token]  # [P, D]
+    dt = x.dtype
+
+    def deq(e):
+        w13 = _dequant_planar(weights.w13[e], weights.w13_scale[e], weights.w13_block_words, dt)
+        w2 = _dequant_planar(weights.w2[e], weights.w2_scale[e], weights.w2_block_words, dt)
+        return w13, w2
+
+    def body(i, carry):
+        y, prev_e, w13, w2 = carry
+        e = tile_expert[i]
+        w13, w2 = jax.lax.cond(e != prev_e, lambda: deq(e), lambda: (w13, w2))
+        xt = jax.lax.dynamic_slice_in_dim(x_pad, i * t, t)  # [T, D]
+        gu = jnp.dot(xt, w13.T, preferred_element_type=jnp.float32)  # [T, 2F]
+        g, u = gu[:, :f], gu[:, f:]
+        h = (g * jax.nn.sigmoid(g) * u).astype(dt)
+        yt = jnp.dot(h, w2.T, preferred_element_type=jnp.float32)  # [T, D]
+        yt = yt * jax.lax.dynamic_slice_in_dim(row_weight, i * t, t)[:, None]
+        y = y.at[jax.lax.dynamic_slice_in_dim(row_token, i * t, t)].add(yt)
+        return y, e, w13, w2
+
+    init = (jnp.zeros((m + 1, d), jnp.float32), jnp.int32(-1),
+            jnp.zeros((2 * f, d), dt), jnp.zeros((d, f), dt))
+    y = jax.lax.fori_loop(0, num_tiles, body, init)[0]
+    return y[:m].astype(dt)
+
+
+# ----------------------------------------------------------------------------------------------
+# Pallas kernels (Triton backend)
+# ----------------------------------------------------------------------------------------------
+def _asm_plane(words, s: int):
+    """GPU: nibble plane s of int32 words [R, W] -> bf16 [R, W] (values q in [-8, 7]).
+
+    Two words per asm instance: prmt gathers byte s//2 of each word into halves 0 and 1, (shift by 4 for
+    odd s), lop3 keeps the nibbles and ORs in bf16 128.0, one bf16x2 fma subtracts 136."""
+    bi = s // 2
+    sel = bi | (bi << 4) | ((4 + bi) << 8) | ((4 + bi) << 12)
+    shift = "shr.b32 t, t, 4;" if s % 2 else ""
+    asm = ("{ .reg .b32 t, one, bias; "
+           f"prmt.b32 t, $1, $2, {sel:#06x}; {shift} "
+           "lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA; "
+           "mov.b32 one, 0x3F803F80; mov.b32 bias, 0xC308C308; "
+           "fma.rn.bf16x2 $0, t, one, bias; }")
+    [out] = pltriton.elementwise_inline_asm(
+        asm, args=[words], constraints="=r,r,r", pack=2,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(words.shape, jnp.bfloat16)])
+    return out
+
+
+def _plane(words, s: int, mode: str, dtype):
+    """Nibble plane s of int32 words [R, W] as dtype values q = nibble - 8."""
+    if mode == "asm":
+        return _asm_plane(words, s).astype(dtype)
+    nib = jax.lax.shift_right_logical(words, jnp.int32(4 * s)) & 0xF if s else words & 0xF
+    if mode == "magic":
+        f = jax.lax.bitcast_convert_type(nib | 0x4B000000, jnp.float32) - jnp.float32(8388616.0)
+        return f.astype(dtype)
+    if mode == "int":
+        return (nib - 8).astype(dtype)
+    raise ValueError(f"unknown dequant mode {mode!r}")
+
+
+def _stream_rows(w_ref, s_ref, a_ref, e, row0, col0, nrows: int, in_dim: int, bw: int, group: int,
+                 t: int, mode: str, dtype, acc_rows: tuple[int, ...], probe: str):
+    """acc[j] [nrows, T] f32 = W_e[row0 + acc_rows[j] + (0..nrows)] @ A[:, col0:col0+T] over the whole in_dim.
+
+    w_ref int32 [E, O, I/8] planar, s_ref [E, I/G, O] group-major, a_ref [I, P] transposed activations.
+    probe (benchmark only): "" normal; "dq_once" dequantises one plane per block and reuses it for all 8.
+    """
+    nblk = in_dim // (PACK * bw)
+
+    def body(b, accs):
+        accs = list(accs)
+        for j, r in enumerate(acc_rows):
+            words = w_ref[e, pl.ds(row0 + r, nrows), pl.ds(b * bw, bw)]  # [R, W] int32
+            q0 = None
+            for s in range(PACK):
+                if probe == "dq_once":
+                    q0 = _plane(words, 0, mode, dtype) if q0 is None else q0
+                    q = q0
+                else:
+                    q = _plane(words, s, mode, dtype)
+                a = a_ref[pl.ds(b * PACK * bw + s * bw, bw), pl.ds(col0, t)].astype(dtype)  # [W, T]
+                part = jnp.dot(q, a, preferred_element_type=jnp.float32)  # [R, T]
+                g = (b * PACK * bw + s * bw) // group
+                sc = s_ref[e, g, pl.ds(row0 + r, nrows)].astype(jnp.float32)  # [R]
+                accs[j] = accs[j] + part * sc[:, None]
+        return tuple(accs)
+
+    init = tuple(jnp.zeros((nrows, t), jnp.float32) for _ in acc_rows)
+    return jax.lax.fori_loop(0, nblk, body, init)
+
+
+def _gate_up_kernel(te_ref, x_ref, w_ref, s_ref, h_ref, *, f, d, bn, t, bw, group, mode, dtype, probe):
+    i, j = pl.program_id(0), pl.program_id(1)
+    e = te_ref[i]
+
+    @pl.when(e >= 0)
+    def _():
+        g, u = _stream_rows(w_ref, s_ref, x_ref, e, j * bn, i * t, bn, d, bw, group, t, mode, dtype,
+                            (0, f), probe)
+        h = g / (1.0 + jnp.exp(-g)) * u
+        h_ref[pl.ds(j * bn, bn), pl.ds(i * t, t)] = h.astype(h_ref.dtype)
+
+
+def _down_kernel(te_ref, rw_ref, h_ref, w_ref, s_ref, y_ref, *, f, bn, t, bw, group, mode, dtype, probe):
+    i, j = pl.program_id(0), pl.program_id(1)
+    e = te_ref[i]
+
+    @pl.when(e >= 0)
+    def _():
+        (acc,) = _stream_rows(w_ref, s_ref, h_ref, e, j * bn, i * t, bn, f, bw, group, t, mode, dtype,
+                              (0,), probe)
+        rw = rw_ref[pl.ds(i * t, t)]
+        y_ref[pl.ds(j * bn, bn), pl.ds(i * t, t)] = acc * rw[None, :]
+
+
+def int4_moe(x, expert_ids, expert_weights, weights: Int4ExpertWeights, *, interpret: bool = False,
+             tile: int | None = None, block_n1: int = 32, block_n2: int = 32, num_warps: int = 4,
+             num_stages: int = 3, dequant: str | None = None, probe: str = ""):
+    """Routed experts with the Pallas kernels. Same contract as ``int4_moe_ref``.
+
+    x [M, D] (bf16; f32 allowed in interpret mode), expert_ids int32 [M, K], expert_weights f32 [M, K],
+    weights: Int4ExpertWeights -> y [M, D] in x.dtype.
+
+    Tuning: tile (T, tokens per tile; default from M), block_n1 (gate/up rows per program, each of gate
+    and up), block_n2 (down rows per program), num_warps, num_stages, dequant ("asm" on GPU, "magic" in
+    interpret mode by default), probe ("" or "dq_once", a stage-removed benchmark variant, wrong results).
+    """
+    m, d = x.shape
+    k = expert_ids.shape[1]
+    e_n, f, grp = weights.num_experts, weights.d_ff, weights.group_size
+    t = tile or default_tile(m, k, e_n)
+    mode = dequant or ("magic" if interpret else "asm")
+    if interpret and mode == "asm":
+        raise ValueError("dequant='asm' needs a GPU (inline PTX); use 'magic' or 'int' in interpret mode")
+    dt = jnp.bfloat16 if x.dtype == jnp.bfloat16 else jnp.float32
+    bn1, bn2 = min(block_n1, f), min(block_n2, d)
+    if f % bn1 or d % bn2:
+        raise ValueError(f"block_n1={bn1} must divide F={f} and block_n2={bn2} must divide D={d}")
+    row_token, row_weight, tile_expert, _ = _route(expert_ids, expert_weights, e_n, t)
+    nt = tile_expert.shape[0]
+    p = nt * t
+    x_t = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)])[row_token].T  # [D, P]
+    params = None if interpret else pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    common = dict(t=t, group=grp, mode=mode, dtype=dt, probe=probe)
+
+    h_t = pl.pallas_call(
+        functools.partial(_gate_up_kernel, f=f, d=d, bn=bn1, bw=weights.w13_block_words, **common),
+        out_shape=jax.ShapeDtypeStruct((f, p), x.dtype),
+        grid=(nt, f // bn1), interpret=interpret, compiler_params=params,
+        name="int4_moe_gate_up",
+    )(tile_expert, x_t, weights.w13, weights.w13_scale)
+
+    y_t = pl.pallas_call(
+        functools.partial(_down_kernel, f=f, bn=bn2, bw=weights.w2_block_words, **common),
+        out_shape=jax.ShapeDtypeStruct((d, p), jnp.float32),
+        grid=(nt, d // bn2), interpret=interpret, compiler_params=params,
+        name="int4_moe_down",
+    )(tile_expert, row_weight, h_t, weights.w2, weights.w2_scale)
+    return _combine(y_t.T, row_token, m, x.dtype)
+
+
+def routed_experts(x, expert_ids, expert_weights, weights: Int4ExpertWeights):
+    """The model's entry point: the Pallas kernel on GPU, the XLA twin elsewhere (chosen by platform)."""
+    if jax.default_backend() == "gpu":
+        return int4_moe(x, expert_ids, expert_weights, weights)
+    return int4_moe_ref(x, expert_ids, expert_weights, weights)
+
+
+def weight_bytes_read(expert_ids, weights: Int4ExpertWeights) -> tuple[int, int]:
+    """(active experts, bytes of INT4 weights + scales the active experts occupy) for a routing."""
+    active = int(np.unique(np.asarray(expert_ids)).size)
+    return active, active * weights.nbytes_per_expert()
