@@ -254,8 +254,10 @@ def _kernel(plen_ref, q_ref, cache_ref, tkv_ref, mask_ref, *out_refs, R, H, L, R
         s = jnp.where(valid[None, :], scores(k_lat, k_rope), -jnp.inf)
         return online(carry, s, k_lat)
 
-    n_part = jnp.where(is_last & (rem > 0), 1, 0)
-    carry = lax.fori_loop(0, n_part, partial_block, carry)
+    # loop bounds must share one integer type in scf.for: derive both from int32 scalars
+    zero = jnp.minimum(plen, 0)
+    n_part = (is_last & (rem > 0)).astype(jnp.int32)
+    carry = lax.fori_loop(zero, n_part, partial_block, carry)
 
     # --- tree tail (last split only), with the ancestor mask ---
     npt = max(1, R // H)          # nodes per tile
@@ -270,8 +272,8 @@ def _kernel(plen_ref, q_ref, cache_ref, tkv_ref, mask_ref, *out_refs, R, H, L, R
         s = jnp.where(mk, scores(k_lat, k_rope), -jnp.inf)
         return online(carry, s, k_lat)
 
-    n_tail = jnp.where(is_last, NT, 0)
-    m, l, acc = lax.fori_loop(0, n_tail, tail_block, carry)
+    n_tail = is_last.astype(jnp.int32) * NT
+    m, l, acc = lax.fori_loop(zero, n_tail, tail_block, carry)
 
     # --- write ---
     l_safe = jnp.where(l == 0.0, 1.0, l)

@@ -153,8 +153,20 @@ def test_dispatcher_uses_twin_on_cpu_and_interprets_on_request():
 
 
 @pytest.mark.parametrize("T,H,num_splits", [(1, 64, 4), (8, 8, 1), (64, 64, 1)])
-def test_kernel_lowers_for_cuda_on_cpu(T, H, num_splits):
-    """Triton lowering at K2.6 dims (no GPU needed): catches unsupported ops / non-pow2 tiles."""
+def test_kernel_lowers_for_cuda_on_cpu(T, H, num_splits, monkeypatch):
+    """Triton lowering at K2.6 dims (no GPU needed), with MLIR verification of the Triton module:
+    catches unsupported ops, non-pow2 tiles and ill-typed loops before any GPU time is spent."""
+    from jax._src.pallas.triton import pallas_call_registration as reg
+
+    lower = reg.lowering.lower_jaxpr_to_triton_module
+
+    def verified(*a, **k):
+        res = lower(*a, **k)
+        with res.module.context:
+            res.module.operation.verify()
+        return res
+
+    monkeypatch.setattr(reg.lowering, "lower_jaxpr_to_triton_module", verified)
     B, S, L, C = 2, 1024, 512, 576
     spec = (jax.ShapeDtypeStruct((B, T, H, C), jnp.bfloat16), jax.ShapeDtypeStruct((B, S, C), jnp.bfloat16),
             jax.ShapeDtypeStruct((B,), jnp.int32), jax.ShapeDtypeStruct((B, T, C), jnp.bfloat16),

@@ -1,0 +1,257 @@
+"""Benchmark: MLA tree-verify attention (Pallas-Triton kernel) vs XLA masked attention, K2.6 dims.
+
+K2.6 absorbed MLA: C = 576 (512 latent + 64 rope), L = 512, scale 0.14468, bf16 inputs, H = 64 (whole
+model) or 8 (one GPU under TP-8). Every stream has the same prefix P (cache capacity S = P) and a
+random tree of T nodes (random parent array -> ancestor-or-self mask).
+
+Modes
+  --mode sweep  tuning configs on a few shapes, each checked against the twin (f32) first.
+  --mode grid   the trimmed grid below with the library's default config (or --cfg JSON).
+
+Timing: one jitted program runs the op n times back to back (each call's prefix_len depends on the
+previous output through a NaN check, so calls cannot overlap or be elided; all outputs are returned),
+rotating over enough cache copies that the working set is > 2x the 60 MB L2 where it is small; the
+median wall time of that program over repeats / n is the per-call time.
+Roofline: bytes = valid cache rows + q + tree_kv + output, read/written once; FLOPs = 2*B*T*H*(P+T)*(C+L).
+Floors use the copy bandwidth and bf16 matmul rate measured in the same run (bench_util).
+
+    PYTHONPATH=. python3 experiments/bench_tree_attention.py --mode grid --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import traceback
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from experiments import bench_util  # noqa: E402
+from pallas_kernels.tree_attention import default_config, tree_attention, tree_attention_ref  # noqa: E402
+
+C, L, SCALE = 576, 512, 0.14468
+L2_BYTES = 60 * 2**20
+
+# (H, B, T, P): trimmed from H in {64, 8} x P 1K..64K x T {1,8,32,64,128,256} x B {1,4,16}.
+GRID = [  # in priority order: a run that hits its budget keeps the most useful points
+    (64, 1, 1, 8192), (8, 16, 1, 8192), (64, 1, 256, 8192), (8, 4, 64, 8192),
+    (8, 1, 1, 65536), (64, 16, 1, 65536), (8, 16, 8, 8192), (64, 16, 64, 8192),
+    (8, 16, 256, 8192), (64, 1, 64, 8192), (64, 4, 32, 8192), (8, 1, 8, 65536),
+    (64, 1, 1, 65536), (64, 16, 1, 8192), (8, 16, 1, 65536), (64, 1, 8, 65536), (64, 16, 8, 8192),
+    (8, 4, 32, 8192), (8, 1, 64, 8192), (64, 4, 64, 65536), (8, 4, 128, 8192), (64, 4, 128, 8192),
+    (8, 1, 256, 1024), (64, 1, 256, 1024), (64, 1, 256, 65536), (64, 16, 256, 8192),
+    (8, 1, 256, 65536),
+]
+
+SWEEP_SHAPES = [(64, 1, 1, 32768), (8, 16, 1, 8192), (64, 1, 256, 8192), (8, 4, 64, 8192)]
+SWEEP_CFGS = [
+    dict(block_k=64, num_warps=8, num_stages=2), dict(block_k=32, num_warps=8, num_stages=2),
+    dict(block_k=32, num_warps=4, num_stages=2),
+]
+# extra split-KV variants tried on the T = 1 sweep shapes
+SWEEP_SPLITS = [0.25, 4.0]
+
+
+def make_inputs(key, H, B, T, P, copies):
+    ks = jax.random.split(key, 4 + copies)
+    q = jax.random.normal(ks[0], (B, T, H, C), jnp.bfloat16)
+    tkv = jax.random.normal(ks[1], (B, T, C), jnp.bfloat16)
+    rng = np.random.default_rng(T * 1000 + B)
+    anc = np.zeros((B, T, T), bool)
+    for b in range(B):
+        parent = [-1] + [int(rng.integers(0, i)) for i in range(1, T)]
+        for i in range(T):
+            j = i
+            while j >= 0:
+                anc[b, i, j] = True
+                j = parent[j]
+    anc = jnp.asarray(anc)
+    caches = [jax.random.normal(k, (B, P, C), jnp.bfloat16) for k in ks[4:]]
+    plen = jnp.full((B,), P, jnp.int32)
+    return q, caches, plen, tkv, anc
+
+
+def xla_masked(q, cache, plen, tkv, mask):
+    """Plain XLA: concatenated keys, dense f32 scores, masked softmax, value einsum."""
+    B, T, H, _ = q.shape
+    P = cache.shape[1]
+    keys = jnp.concatenate([cache, tkv], axis=1)
+    vis_prefix = jnp.broadcast_to((jnp.arange(P)[None, :] < plen[:, None])[:, None, :], (B, T, P))
+    vis = jnp.concatenate([vis_prefix, mask], axis=2)
+    s = jnp.einsum("bthc,bkc->bthk", q, keys, preferred_element_type=jnp.float32) * SCALE
+    s = jnp.where(vis[:, :, None, :], s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    return jnp.einsum("bthk,bkl->bthl", p.astype(q.dtype), keys[..., :L],
+                      preferred_element_type=jnp.float32).astype(q.dtype)
+
+
+def chained(fn, n):
+    def run(q, caches, plen, tkv, mask):
+        outs, p = [], plen
+        for i in range(n):
+            o = fn(q, caches[i % len(caches)], p, tkv, mask)
+            outs.append(o)
+            p = plen + (o[0, 0, 0, 0] != o[0, 0, 0, 0]).astype(jnp.int32)
+        return outs
+    return jax.jit(run)
+
+
+def roofline(H, B, T, P, bw, peak):
+    nbytes = 2 * (B * P * C + B * T * H * C + B * T * C + B * T * H * L)
+    flops = 2 * B * T * H * (P + T) * (C + L)
+    t_mem, t_cmp = nbytes / bw, flops / peak
+    return nbytes, flops, ("memory" if t_mem >= t_cmp else "compute"), max(t_mem, t_cmp)
+
+
+def time_op(fn, inputs, est_s, repeats):
+    n = int(min(16, max(2, math.ceil(5e-3 / max(est_s, 1e-7)))))
+    f = chained(fn, n)
+    q, caches, plen, tkv, mask = inputs
+    t = bench_util.time_fn(f, q, caches, plen, tkv, mask, repeats=repeats, warmup=1)
+    return t["median_s"] / n, n
+
+
+def parity(fn, inputs):
+    q, caches, plen, tkv, mask = inputs
+    o = np.asarray(jax.jit(fn)(q, caches[0], plen, tkv, mask), np.float32)
+    up = lambda a: a.astype(jnp.float32)  # noqa: E731
+    r = np.asarray(jax.jit(lambda *a: tree_attention_ref(*a, scale=SCALE, kv_lora_rank=L))(
+        up(q), up(caches[0]), plen, up(tkv), mask))
+    if not np.all(np.isfinite(o)):
+        return float("nan")
+    return float(np.linalg.norm(o - r) / np.linalg.norm(r))
+
+
+def bench_point(H, B, T, P, cfg, bw, peak, with_xla=True, check=True, repeats=5):
+    nbytes, flops, bound, floor_s = roofline(H, B, T, P, bw, peak)
+    cache_bytes = 2 * B * P * C
+    copies = int(min(16, max(1, math.ceil(2 * L2_BYTES / cache_bytes))))
+    inputs = make_inputs(jax.random.key(H * 7 + B * 131 + T * 17 + P), H, B, T, P, copies)
+    row = dict(H=H, B=B, T=T, P=P, bound=bound, bytes=nbytes, flops=flops, floor_ms=floor_s * 1e3,
+               cfg=cfg, cache_copies=copies)
+    kern = lambda *a: tree_attention(*a, scale=SCALE, kv_lora_rank=L, **cfg)  # noqa: E731
+    if check:
+        row["rel_err"] = parity(kern, inputs)
+    t, n = time_op(kern, inputs, floor_s, repeats)
+    row.update(ms=t * 1e3, calls_per_program=n, tflops=flops / t / 1e12, tbps=nbytes / t / 1e12,
+               pct_bw=100 * nbytes / t / bw, pct_peak=100 * flops / t / peak,
+               pct_floor=100 * floor_s / t)
+    scores_bytes = 4 * B * T * H * (P + T)
+    if with_xla and scores_bytes <= (4 << 30):
+        try:
+            tx, _ = time_op(xla_masked, inputs, floor_s, repeats)
+            row.update(xla_ms=tx * 1e3, speedup=tx / t)
+        except Exception as e:  # noqa: BLE001 - out of memory etc.
+            row["xla_error"] = type(e).__name__
+    del inputs
+    return row
+
+
+def torch_copy_bw():
+    try:
+        import torch
+        x = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+        y = torch.empty_like(x)
+        for _ in range(3):
+            y.copy_(x)
+        torch.cuda.synchronize()
+        ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        ev0.record()
+        for _ in range(20):
+            y.copy_(x)
+        ev1.record()
+        torch.cuda.synchronize()
+        bw = 2 * 2**30 * 20 / (ev0.elapsed_time(ev1) * 1e-3)
+        del x, y
+        torch.cuda.empty_cache()
+        return bw
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mode", choices=["sweep", "grid"], default="grid")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--budget-s", type=float, default=150.0)
+    ap.add_argument("--cfg", default=None, help="JSON dict of tuning overrides for grid mode")
+    ap.add_argument("--start", type=int, default=0, help="skip the first N grid points")
+    ap.add_argument("--smoke", action="store_true", help="CPU smoke: tiny shapes, interpret mode")
+    ap.add_argument("--no-check-above", type=int, default=8192, help="skip parity for P above this")
+    args = ap.parse_args()
+    t_start = time.time()
+    print("jax", jax.__version__, jax.devices()[0].device_kind, flush=True)
+    if args.smoke:
+        global GRID, SWEEP_SHAPES, SWEEP_CFGS
+        GRID, SWEEP_SHAPES = [(8, 1, 1, 128), (8, 2, 8, 128)], [(8, 1, 1, 128)]
+        SWEEP_CFGS = [dict(block_k=32, interpret=True)]
+        tbw, bw, peak = None, 1e11, 1e12
+    else:
+        tbw = torch_copy_bw()
+        bw = bench_util.measure_copy_bandwidth()
+        peak = bench_util.measure_bf16_peak()
+    print(f"copy bw (jax) {bw/1e12:.2f} TB/s, torch copy {(tbw or 0)/1e12:.2f} TB/s, "
+          f"bf16 peak {peak/1e12:.0f} TFLOP/s", flush=True)
+    rows = []
+    extra = json.loads(args.cfg) if args.cfg else {}
+
+    def save():
+        name = f"bench_tree_attention_{args.mode}" + (f"_from{args.start}" if args.start else "")
+        payload = dict(mode=args.mode, copy_bw_Bps=bw, torch_copy_bw_Bps=tbw, bf16_peak_flops=peak,
+                       dims=dict(C=C, L=L, scale=SCALE), rows=rows)
+        bench_util.write_result(name, payload, out_dir=args.out)
+
+    if args.mode == "sweep":
+        points = [(shape, cfg) for shape in SWEEP_SHAPES for cfg in SWEEP_CFGS]
+        for (H, B, T, P) in SWEEP_SHAPES:
+            if T == 1 and not args.smoke:
+                ns = default_config(B, T, H, P, C, L)["num_splits"]
+                for f in SWEEP_SPLITS:
+                    points.append(((H, B, T, P), dict(block_k=64, num_warps=8, num_stages=2,
+                                                      num_splits=max(1, min(128, round(ns * f))))))
+    else:
+        points = [(shape, dict(extra, **({"interpret": True} if args.smoke else {})))
+                  for shape in GRID[args.start:]]
+    for (H, B, T, P), cfg in points:
+        if time.time() - t_start > args.budget_s:
+            print("budget reached; skipping the rest", flush=True)
+            break
+        t0 = time.time()
+        try:
+            row = bench_point(H, B, T, P, cfg, bw, peak, with_xla=(args.mode == "grid"),
+                              check=(args.mode == "sweep" or P <= args.no_check_above))
+        except Exception as e:  # noqa: BLE001
+            row = dict(H=H, B=B, T=T, P=P, cfg=cfg, error=f"{type(e).__name__}: {str(e)[:300]}")
+            traceback.print_exc(limit=2)
+        row["wall_s"] = round(time.time() - t0, 1)
+        row["default_cfg"] = default_config(B, T, H, P, C, L)
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k not in ("default_cfg",)}, default=str),
+              flush=True)
+        save()
+    save()
+    cols = ["H", "B", "T", "P", "bound", "ms", "floor_ms", "pct_bw", "pct_peak", "tflops", "tbps",
+            "xla_ms", "speedup", "rel_err"]
+    if args.mode == "sweep":
+        cols = ["H", "B", "T", "P", "cfg", "ms", "pct_bw", "pct_peak", "rel_err", "wall_s"]
+    for r in rows:
+        r["cfg"] = json.dumps(r.get("cfg", {})).replace(" ", "") if args.mode == "sweep" else r.get("cfg")
+        if "error" in r:
+            r["ms"] = "ERR"
+    bench_util.print_table(rows, cols)
+    for r in rows:
+        if "error" in r:
+            print("error", r["H"], r["B"], r["T"], r["P"], r["cfg"], r["error"][:200])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
