@@ -295,71 +295,91 @@ def _plane(words, s: int, mode: str, dtype):
 
 
 def _stream_rows(w_ref, s_ref, a_ref, e, row0, col0, nrows: int, in_dim: int, bw: int, group: int,
-                 t: int, mode: str, dtype, acc_rows: tuple[int, ...], probe: str):
-    """acc[j] [nrows, T] f32 = W_e[row0 + acc_rows[j] + (0..nrows)] @ A[:, col0:col0+T] over the whole in_dim.
+                 t: int, mode: str, dtype, acc_rows: tuple[int, ...], probe: str, split: int = 1, part=0):
+    """acc[j] [nrows, T] f32 = W_e[row0 + acc_rows[j] + (0..nrows)] @ A[:, col0:col0+T] over in_dim (or over
+    its part ``part`` of ``split`` equal parts of whole blocks: split-K).
 
     w_ref int32 [E, O, I/8] planar, s_ref [E, I/G, O] group-major, a_ref [I, P] transposed activations.
     probe (benchmark only): "" normal; "dq_once" dequantises one plane per block and reuses it for all 8.
     """
-    nblk = in_dim // (PACK * bw)
+    nblk = in_dim // (PACK * bw) // split
 
     def body(b, accs):
+        b = b + part * nblk
         accs = list(accs)
-        for j, r in enumerate(acc_rows):
-            words = w_ref[e, pl.ds(row0 + r, nrows), pl.ds(b * bw, bw)]  # [R, W] int32
-            q0 = None
-            for s in range(PACK):
+        words = [w_ref[e, pl.ds(row0 + r, nrows), pl.ds(b * bw, bw)] for r in acc_rows]  # [R, W] int32
+        q0 = [None] * len(acc_rows)
+        for s in range(PACK):
+            a = a_ref[pl.ds(b * PACK * bw + s * bw, bw), pl.ds(col0, t)].astype(dtype)  # [W, T], shared
+            g = (b * PACK * bw + s * bw) // group
+            for j, r in enumerate(acc_rows):
                 if probe == "dq_once":
-                    q0 = _plane(words, 0, mode, dtype) if q0 is None else q0
-                    q = q0
+                    q0[j] = _plane(words[j], 0, mode, dtype) if q0[j] is None else q0[j]
+                    q = q0[j]
                 else:
-                    q = _plane(words, s, mode, dtype)
-                a = a_ref[pl.ds(b * PACK * bw + s * bw, bw), pl.ds(col0, t)].astype(dtype)  # [W, T]
-                part = jnp.dot(q, a, preferred_element_type=jnp.float32)  # [R, T]
-                g = (b * PACK * bw + s * bw) // group
+                    q = _plane(words[j], s, mode, dtype)
+                pdot = jnp.dot(q, a, preferred_element_type=jnp.float32)  # [R, T]
                 sc = s_ref[e, g, pl.ds(row0 + r, nrows)].astype(jnp.float32)  # [R]
-                accs[j] = accs[j] + part * sc[:, None]
+                accs[j] = accs[j] + pdot * sc[:, None]
         return tuple(accs)
 
     init = tuple(jnp.zeros((nrows, t), jnp.float32) for _ in acc_rows)
     return jax.lax.fori_loop(0, nblk, body, init)
 
 
-def _gate_up_kernel(te_ref, x_ref, w_ref, s_ref, h_ref, *, f, d, bn, t, bw, group, mode, dtype, probe):
+def _gate_up_kernel(te_ref, x_ref, w_ref, s_ref, h_ref, *, f, d, bn, t, bw, group, mode, dtype, probe, split):
     i, j = pl.program_id(0), pl.program_id(1)
+    part = pl.program_id(2) if split > 1 else 0
     e = te_ref[i]
 
     @pl.when(e >= 0)
     def _():
         g, u = _stream_rows(w_ref, s_ref, x_ref, e, j * bn, i * t, bn, d, bw, group, t, mode, dtype,
-                            (0, f), probe)
-        h = g / (1.0 + jnp.exp(-g)) * u
-        h_ref[pl.ds(j * bn, bn), pl.ds(i * t, t)] = h.astype(h_ref.dtype)
+                            (0, f), probe, split, part)
+        if split == 1:  # fused SiLU*up epilogue; h^T [F, P]
+            h = g / (1.0 + jnp.exp(-g)) * u
+            h_ref[pl.ds(j * bn, bn), pl.ds(i * t, t)] = h.astype(h_ref.dtype)
+        else:  # split-K partial sums [S, 2, F, P] f32, epilogue in XLA
+            h_ref[part, 0, pl.ds(j * bn, bn), pl.ds(i * t, t)] = g
+            h_ref[part, 1, pl.ds(j * bn, bn), pl.ds(i * t, t)] = u
 
 
-def _down_kernel(te_ref, rw_ref, h_ref, w_ref, s_ref, y_ref, *, f, bn, t, bw, group, mode, dtype, probe):
+def _down_kernel(te_ref, rw_ref, h_ref, w_ref, s_ref, y_ref, *, f, bn, t, bw, group, mode, dtype, probe, split):
     i, j = pl.program_id(0), pl.program_id(1)
+    part = pl.program_id(2) if split > 1 else 0
     e = te_ref[i]
 
     @pl.when(e >= 0)
     def _():
         (acc,) = _stream_rows(w_ref, s_ref, h_ref, e, j * bn, i * t, bn, f, bw, group, t, mode, dtype,
-                              (0,), probe)
+                              (0,), probe, split, part)
         rw = rw_ref[pl.ds(i * t, t)]
-        y_ref[pl.ds(j * bn, bn), pl.ds(i * t, t)] = acc * rw[None, :]
+        y_ref[part, pl.ds(j * bn, bn), pl.ds(i * t, t)] = acc * rw[None, :]
+
+
+def _default_split(programs: int, nblk: int, target: int = 528) -> int:
+    """Smallest split-K factor (a divisor of the block count) giving >= target programs (4 per SM)."""
+    for sp in range(1, nblk + 1):
+        if nblk % sp == 0 and programs * sp >= target:
+            return sp
+    return nblk
 
 
 def int4_moe(x, expert_ids, expert_weights, weights: Int4ExpertWeights, *, interpret: bool = False,
-             tile: int | None = None, block_n1: int = 32, block_n2: int = 32, num_warps: int = 4,
-             num_stages: int = 3, dequant: str | None = None, probe: str = ""):
+             tile: int | None = None, block_n1: int = 64, block_n2: int = 64, num_warps: int = 4,
+             num_stages: int = 3, split1: int | None = None, split2: int | None = None,
+             dequant: str | None = None, probe: str = ""):
     """Routed experts with the Pallas kernels. Same contract as ``int4_moe_ref``.
 
     x [M, D] (bf16; f32 allowed in interpret mode), expert_ids int32 [M, K], expert_weights f32 [M, K],
     weights: Int4ExpertWeights -> y [M, D] in x.dtype.
 
     Tuning: tile (T, tokens per tile; default from M), block_n1 (gate/up rows per program, each of gate
-    and up), block_n2 (down rows per program), num_warps, num_stages, dequant ("asm" on GPU, "magic" in
-    interpret mode by default), probe ("" or "dq_once", a stage-removed benchmark variant, wrong results).
+    and up), block_n2 (down rows per program), num_warps, num_stages, split1/split2 (split-K factors of
+    the two GEMMs, dividing their 256-column block counts; default: smallest giving >= 528 programs;
+    partial sums are added in XLA), dequant ("asm" on GPU, "magic" in interpret mode by default), probe
+    (benchmark only, wrong results: "dq_once" dequantises one nibble plane per block, "glue" runs only
+    the XLA routing/gather/combine).
     """
     m, d = x.shape
     k = expert_ids.shape[1]
@@ -375,24 +395,38 @@ def int4_moe(x, expert_ids, expert_weights, weights: Int4ExpertWeights, *, inter
     row_token, row_weight, tile_expert, _ = _route(expert_ids, expert_weights, e_n, t)
     nt = tile_expert.shape[0]
     p = nt * t
+    bw13, bw2 = weights.w13_block_words, weights.w2_block_words
+    busy = min(e_n, m * k)  # tiles expected to have work
+    s1 = split1 or _default_split(busy * (f // bn1), d // (PACK * bw13))
+    s2 = split2 or _default_split(busy * (d // bn2), f // (PACK * bw2))
+    if (d // (PACK * bw13)) % s1 or (f // (PACK * bw2)) % s2:
+        raise ValueError(f"split1={s1} / split2={s2} must divide the K-block counts")
     x_t = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)])[row_token].T  # [D, P]
     params = None if interpret else pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     common = dict(t=t, group=grp, mode=mode, dtype=dt, probe=probe)
+    if probe == "glue":  # benchmark only: the XLA routing/gather/combine around the kernels, no kernels
+        h_t = (x_t[:f] * 0).astype(x.dtype) if d >= f else jnp.zeros((f, p), x.dtype)
+        y_t = (x_t * tile_expert.sum()).astype(jnp.float32)[None]
+        return _combine(y_t.sum(0).T, row_token, m, x.dtype)
 
+    h_shape = (f, p) if s1 == 1 else (s1, 2, f, p)
     h_t = pl.pallas_call(
-        functools.partial(_gate_up_kernel, f=f, d=d, bn=bn1, bw=weights.w13_block_words, **common),
-        out_shape=jax.ShapeDtypeStruct((f, p), x.dtype),
-        grid=(nt, f // bn1), interpret=interpret, compiler_params=params,
+        functools.partial(_gate_up_kernel, f=f, d=d, bn=bn1, bw=bw13, split=s1, **common),
+        out_shape=jax.ShapeDtypeStruct(h_shape, x.dtype if s1 == 1 else jnp.float32),
+        grid=(nt, f // bn1, s1), interpret=interpret, compiler_params=params,
         name="int4_moe_gate_up",
     )(tile_expert, x_t, weights.w13, weights.w13_scale)
+    if s1 > 1:
+        gu = h_t.sum(0)
+        h_t = (gu[0] * jax.nn.sigmoid(gu[0]) * gu[1]).astype(x.dtype)
 
     y_t = pl.pallas_call(
-        functools.partial(_down_kernel, f=f, bn=bn2, bw=weights.w2_block_words, **common),
-        out_shape=jax.ShapeDtypeStruct((d, p), jnp.float32),
-        grid=(nt, d // bn2), interpret=interpret, compiler_params=params,
+        functools.partial(_down_kernel, f=f, bn=bn2, bw=bw2, split=s2, **common),
+        out_shape=jax.ShapeDtypeStruct((s2, d, p), jnp.float32),
+        grid=(nt, d // bn2, s2), interpret=interpret, compiler_params=params,
         name="int4_moe_down",
     )(tile_expert, row_weight, h_t, weights.w2, weights.w2_scale)
-    return _combine(y_t.T, row_token, m, x.dtype)
+    return _combine(y_t.sum(0).T, row_token, m, x.dtype)
 
 
 def routed_experts(x, expert_ids, expert_weights, weights: Int4ExpertWeights):

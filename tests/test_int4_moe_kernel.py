@@ -1,0 +1,234 @@
+"""INT4 routed-experts kernel (pallas_kernels/int4_moe.py): repack, XLA twin, interpret-mode kernel, GPU parity.
+
+Letters: M tokens, K top-k, E experts, D model, F expert FFN. The reference is a plain float64 numpy MoE on
+weights dequantised with ddtree_jax.quant.dequantize_int4 from the compressed-tensors layout.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ddtree_jax.quant import dequantize_int4, pack_int4
+from pallas_kernels.int4_moe import (Int4ExpertWeights, _dequant_planar, _route, int4_moe, int4_moe_ref,
+                                     routed_experts)
+
+
+def make_ct(e, d, f, seed=0, group=32):
+    """Random compressed-tensors expert weights: (w13_packed, w13_scale, w2_packed, w2_scale)."""
+    r = np.random.default_rng(seed)
+    q13 = r.integers(-8, 8, (e, 2 * f, d))
+    q2 = r.integers(-8, 8, (e, d, f))
+    s13 = jnp.asarray(r.uniform(0.01, 0.03, (e, 2 * f, d // group)), jnp.bfloat16)
+    s2 = jnp.asarray(r.uniform(0.01, 0.03, (e, d, f // group)), jnp.bfloat16)
+    return pack_int4(q13), np.asarray(s13), pack_int4(q2), np.asarray(s2)
+
+
+def dense_moe(x, ids, w, ct):
+    """float64 numpy y [M, D] = sum_k w[m,k] * W2_e (silu(Wg_e x) * (Wu_e x))."""
+    w13 = np.asarray(dequantize_int4(ct[0], jnp.asarray(ct[1], jnp.float32)), np.float64)
+    w2 = np.asarray(dequantize_int4(ct[2], jnp.asarray(ct[3], jnp.float32)), np.float64)
+    f = w13.shape[1] // 2
+    x = np.asarray(x, np.float64)
+    y = np.zeros((x.shape[0], w2.shape[1]))
+    for m in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            e = ids[m, k]
+            gu = w13[e] @ x[m]
+            g, u = gu[:f], gu[f:]
+            y[m] += w[m, k] * (w2[e] @ (g / (1 + np.exp(-g)) * u))
+    return y
+
+
+def make_routing(m, k, e, seed, skew=False):
+    """Distinct top-k expert ids per token. skew=True: tokens crowd onto experts 0..k (some get none)."""
+    r = np.random.default_rng(seed)
+    if skew:
+        p = np.array([1.0 / (i + 1) ** 3 for i in range(e)])
+        p[e // 2:] = 0.0  # the upper half of the experts never gets a token
+        ids = np.stack([r.choice(e, k, replace=False, p=p / p.sum()) for _ in range(m)])
+    else:
+        ids = np.stack([r.choice(e, k, replace=False) for _ in range(m)])
+    w = r.uniform(0.1, 1.0, (m, k)).astype(np.float32)
+    return ids.astype(np.int32), w
+
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+TINY = (8, 64, 32)  # E, D, F: the tiny test config (planar blocks of 8 / 4 words)
+KSHAPE = (4, 256, 256)  # kernel test shape with the production block of 32 words (one group per plane)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    ct = make_ct(*TINY, seed=0)
+    return ct, Int4ExpertWeights.from_compressed_tensors(*ct)
+
+
+@pytest.fixture(scope="module")
+def kshape():
+    ct = make_ct(*KSHAPE, seed=1)
+    return ct, Int4ExpertWeights.from_compressed_tensors(*ct)
+
+
+@pytest.mark.parametrize("shape", [TINY, KSHAPE, (2, 512, 512)])
+def test_repack_roundtrip_bit_exact(shape):
+    ct = make_ct(*shape, seed=3)
+    wts = Int4ExpertWeights.from_compressed_tensors(*ct)
+    back = wts.to_compressed_tensors()
+    for a, b in zip(ct, back):
+        a, b = np.asarray(a), np.asarray(b)
+        assert a.shape == b.shape
+        assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
+    # the planar layout dequantises to exactly the compressed-tensors weights
+    e = shape[0] - 1
+    got = _dequant_planar(wts.w13[e], wts.w13_scale[e], wts.w13_block_words, jnp.float32)
+    want = dequantize_int4(ct[0][e], jnp.asarray(ct[1][e], jnp.float32))
+    assert np.array_equal(np.asarray(got), np.asarray(want))
+    got2 = _dequant_planar(wts.w2[e], wts.w2_scale[e], wts.w2_block_words, jnp.float32)
+    want2 = dequantize_int4(ct[2][e], jnp.asarray(ct[3][e], jnp.float32))
+    assert np.array_equal(np.asarray(got2), np.asarray(want2))
+
+
+def test_weights_are_a_pytree(tiny):
+    _, wts = tiny
+    leaves, tdef = jax.tree_util.tree_flatten(wts)
+    assert len(leaves) == 4
+    again = jax.tree_util.tree_unflatten(tdef, leaves)
+    assert again.w13_block_words == wts.w13_block_words and again.group_size == 32
+
+
+def test_route_metadata():
+    m, k, e, t = 17, 4, 8, 4
+    ids, w = make_routing(m, k, e, seed=5, skew=True)
+    row_token, row_weight, tile_expert, num_tiles = map(np.asarray, _route(jnp.asarray(ids), jnp.asarray(w), e, t))
+    counts = np.bincount(ids.reshape(-1), minlength=e)
+    assert int(num_tiles) == int(np.sum((counts + t - 1) // t))
+    assert np.all(tile_expert[int(num_tiles):] == -1)
+    seen = []
+    for i in range(int(num_tiles)):
+        ex = tile_expert[i]
+        for r in range(i * t, (i + 1) * t):
+            if row_token[r] < m:
+                assert ex in ids[row_token[r]]
+                kk = list(ids[row_token[r]]).index(ex)
+                assert row_weight[r] == w[row_token[r], kk]
+                seen.append((row_token[r], ex))
+            else:
+                assert row_weight[r] == 0
+    assert sorted(seen) == sorted((mm, ids[mm, kk]) for mm in range(m) for kk in range(k))
+    assert set(tile_expert[:int(num_tiles)]) == set(np.nonzero(counts)[0])  # no tile for idle experts
+
+
+@pytest.mark.parametrize("m", [1, 3, 17, 64])
+@pytest.mark.parametrize("skew", [False, True])
+def test_twin_matches_dense(tiny, m, skew):
+    ct, wts = tiny
+    ids, w = make_routing(m, 2, TINY[0], seed=m, skew=skew)
+    x = np.random.default_rng(m).standard_normal((m, TINY[1])).astype(np.float32)
+    y = jax.jit(int4_moe_ref)(jnp.asarray(x), jnp.asarray(ids), jnp.asarray(w), wts)
+    assert y.dtype == jnp.float32 and y.shape == (m, TINY[1])
+    assert rel(y, dense_moe(x, ids, w, ct)) < 1e-5
+
+
+def test_twin_bf16_and_tile_sizes(tiny):
+    ct, wts = tiny
+    m = 33
+    ids, w = make_routing(m, 4, TINY[0], seed=11, skew=True)
+    x = np.random.default_rng(0).standard_normal((m, TINY[1])).astype(np.float32)
+    ref = dense_moe(x, ids, w, ct)
+    for t in (1, 8, 64):
+        y = jax.jit(functools.partial(int4_moe_ref, tile=t))(jnp.asarray(x), jnp.asarray(ids), jnp.asarray(w), wts)
+        assert rel(y, ref) < 1e-5
+    yb = jax.jit(int4_moe_ref)(jnp.asarray(x, jnp.bfloat16), jnp.asarray(ids), jnp.asarray(w), wts)
+    assert yb.dtype == jnp.bfloat16
+    assert rel(yb.astype(jnp.float32), ref) < 2e-2
+
+
+def test_dispatcher_uses_twin_on_cpu(tiny):
+    _, wts = tiny
+    if jax.default_backend() == "gpu":
+        pytest.skip("CPU dispatch test")
+    ids, w = make_routing(5, 2, TINY[0], seed=2)
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((5, TINY[1])), jnp.float32)
+    a = jax.jit(routed_experts)(x, jnp.asarray(ids), jnp.asarray(w), wts)
+    b = jax.jit(int4_moe_ref)(x, jnp.asarray(ids), jnp.asarray(w), wts)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# --- interpret-mode kernel vs twin (CPU) -------------------------------------------------------------
+@pytest.mark.parametrize("mode,m,skew", [("magic", 1, False), ("int", 5, True)])
+def test_kernel_interpret_matches_twin(kshape, mode, m, skew):
+    ct, wts = kshape
+    ids, w = make_routing(m, 2, KSHAPE[0], seed=20 + m, skew=skew)
+    x = jnp.asarray(np.random.default_rng(m).standard_normal((m, KSHAPE[1])), jnp.float32)
+    y = int4_moe(x, jnp.asarray(ids), jnp.asarray(w), wts, interpret=True, dequant=mode, block_n1=128,
+                 block_n2=128)
+    twin = jax.jit(int4_moe_ref)(x, jnp.asarray(ids), jnp.asarray(w), wts)
+    assert rel(y, twin) < 1e-5
+    assert rel(y, dense_moe(np.asarray(x), ids, w, ct)) < 1e-5
+
+
+def test_kernel_interpret_split_k_and_tiny_blocks(tiny):
+    ct, wts = tiny  # planar blocks of 8 (w13) and 4 (w2) words: several nibble planes share one scale group
+    m = 6
+    ids, w = make_routing(m, 2, TINY[0], seed=7, skew=True)
+    x = jnp.asarray(np.random.default_rng(7).standard_normal((m, TINY[1])), jnp.float32)
+    y = int4_moe(x, jnp.asarray(ids), jnp.asarray(w), wts, interpret=True, tile=4, split1=1, split2=1)
+    assert rel(y, dense_moe(np.asarray(x), ids, w, ct)) < 1e-5
+    ct2 = make_ct(2, 512, 512, seed=9)
+    w2 = Int4ExpertWeights.from_compressed_tensors(*ct2)
+    ids2, rw2 = make_routing(3, 1, 2, seed=9)
+    x2 = jnp.asarray(np.random.default_rng(9).standard_normal((3, 512)), jnp.float32)
+    y2 = int4_moe(x2, jnp.asarray(ids2), jnp.asarray(rw2), w2, interpret=True, split1=2, split2=2,
+                  block_n1=256, block_n2=512)
+    assert rel(y2, dense_moe(np.asarray(x2), ids2, rw2, ct2)) < 1e-5
+
+
+# --- GPU parity at K2.6 shapes (skipped without a GPU) ---------------------------------------------------
+def _k26_weights(seed=0, e=384, d=7168, f=2048):
+    k1, k2, k3, k4 = jax.random.split(jax.random.key(seed), 4)
+    bits = lambda k, s: jax.lax.bitcast_convert_type(jax.random.bits(k, s, jnp.uint32), jnp.int32)
+    return Int4ExpertWeights(
+        w13=bits(k1, (e, 2 * f, d // 8)), w2=bits(k2, (e, d, f // 8)),
+        w13_scale=jax.random.uniform(k3, (e, d // 32, 2 * f), jnp.float32, 0.01, 0.03).astype(jnp.bfloat16),
+        w2_scale=jax.random.uniform(k4, (e, f // 32, d), jnp.float32, 0.01, 0.03).astype(jnp.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,skew", [(1, False), (9, True), (90, False), (300, True)])
+def test_gpu_kernel_matches_twin_k26(m, skew):
+    wts = _k26_weights()
+    ids, w = make_routing(m, 8, 384, seed=m, skew=skew)
+    x = jax.random.normal(jax.random.key(m), (m, 7168), jnp.bfloat16)
+    twin = jax.jit(int4_moe_ref)(x, jnp.asarray(ids), jnp.asarray(w), wts)
+    for mode in ("asm", "magic"):
+        y = jax.jit(functools.partial(int4_moe, dequant=mode))(x, jnp.asarray(ids), jnp.asarray(w), wts)
+        assert y.dtype == jnp.bfloat16 and bool(jnp.all(jnp.isfinite(y.astype(jnp.float32))))
+        assert rel(y.astype(jnp.float32), twin.astype(jnp.float32)) < 1e-2, mode
+    yd = jax.jit(routed_experts)(x, jnp.asarray(ids), jnp.asarray(w), wts)
+    assert rel(yd.astype(jnp.float32), twin.astype(jnp.float32)) < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_matches_dense_f32_one_token():
+    """M=1 at K2.6 dims against an f32 dense evaluation of the 8 routed experts (dequantised in XLA)."""
+    wts = _k26_weights(seed=1)
+    ids, w = make_routing(1, 8, 384, seed=1)
+    x = jax.random.normal(jax.random.key(1), (1, 7168), jnp.bfloat16)
+    y = jax.jit(int4_moe)(x, jnp.asarray(ids), jnp.asarray(w), wts)
+    xf = x.astype(jnp.float32)[0]
+    ref = jnp.zeros((7168,), jnp.float32)
+    for k in range(8):
+        e = int(ids[0, k])
+        w13 = _dequant_planar(wts.w13[e], wts.w13_scale[e], 32, jnp.float32)
+        w2 = _dequant_planar(wts.w2[e], wts.w2_scale[e], 32, jnp.float32)
+        gu = jnp.dot(w13, xf, precision="highest")
+        h = (jax.nn.silu(gu[:2048]) * gu[2048:]).astype(jnp.bfloat16).astype(jnp.float32)
+        ref = ref + w[0, k] * jnp.dot(w2, h, precision="highest")
+    assert rel(y[0].astype(jnp.float32), ref) < 1e-2
