@@ -154,6 +154,7 @@ class DecoderLayer(nnx.Module):
         return h + mlp_out, block_kv
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class ForwardOutput:
     logits: jax.Array  # [B, T, W] f32

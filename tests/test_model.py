@@ -21,23 +21,40 @@ def rel_err(a, b):
     return float(np.abs(a - b).max() / np.abs(b).max())
 
 
-@pytest.fixture(scope="module", params=[dict(), dict(n_group=2, topk_group=1)], ids=["k2", "grouped"])
-def pair(request, tmp_path_factory):
-    hf = tiny_hf_model(seed=1, **request.param)
+def _load_pair(tmp_path_factory, **overrides):
+    hf = tiny_hf_model(seed=1, **overrides)
     path = tmp_path_factory.mktemp("hf")
     hf.save_pretrained(path)
     return hf, load_hf_model(str(path), dtype="float32")
 
 
-def full_forward(model, tokens, runtime=Runtime(), taps=()):
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return _load_pair(tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=[dict(), dict(n_group=2, topk_group=1)], ids=["k2", "grouped"])
+def any_pair(request, tmp_path_factory):
+    return _load_pair(tmp_path_factory, **request.param)
+
+
+@jax.jit(static_argnames=("graphdef", "runtime", "taps"))
+def _full_forward(graphdef, state, tokens, runtime, taps):
+    model = nnx.merge(graphdef, state)
     b, t = tokens.shape
     cache = init_cache(model.cfg, b, t)
     positions = jnp.broadcast_to(jnp.arange(t), (b, t))
-    return model(jnp.asarray(tokens), positions, cache, causal_mask(b, t), tap_layers=taps, runtime=runtime)
+    return model(tokens, positions, cache, causal_mask(b, t), tap_layers=taps, runtime=runtime)
 
 
-def test_config_read_from_file(pair):
-    hf, model = pair
+def full_forward(model, tokens, runtime=Runtime(), taps=()):
+    """Plain causal forward of whole sequences [B, T] from an empty cache (jitted)."""
+    graphdef, state = nnx.split(model)
+    return _full_forward(graphdef, state, jnp.asarray(tokens), runtime, tuple(taps))
+
+
+def test_config_read_from_file(any_pair):
+    hf, model = any_pair
     cfg = model.cfg
     assert cfg.rope.kind == "yarn" and cfg.rope.factor == 64.0 and cfg.rope.beta_fast == 32.0
     assert cfg.n_group == hf.config.n_group and cfg.eos_token_ids == (1,)
@@ -45,8 +62,8 @@ def test_config_read_from_file(pair):
 
 
 @pytest.mark.parametrize("attention", ["absorbed", "naive"])
-def test_logits_and_hidden_states_match_torch(pair, attention):
-    hf, model = pair
+def test_logits_and_hidden_states_match_torch(any_pair, attention):
+    hf, model = any_pair
     tokens = np.random.default_rng(0).integers(0, hf.config.vocab_size, (2, 11))
     ref_logits, ref_hidden = hf_logits_and_hidden(hf, tokens)
     n = model.cfg.num_layers
@@ -86,9 +103,11 @@ def test_cached_decode_equals_full_forward(pair):
         logits, cache, overflow = decode_step(graphdef, state, cache, nxt)
         for b in range(3):
             got[b].append(np.asarray(logits[b]))
+    width = max(len(s) for s in seqs)
+    padded = np.asarray([s + [0] * (width - len(s)) for s in seqs])  # causal: padding after is invisible
+    full = np.asarray(full_forward(model, padded).logits)
     for b, (s, n) in enumerate(zip(seqs, prompt_lens)):
-        full = np.asarray(full_forward(model, np.asarray([s[: n + 6]])).logits[0])
-        assert rel_err(np.stack(got[b]), full[n - 1: n + 6]) <= 1e-4, f"stream {b}"
+        assert rel_err(np.stack(got[b]), full[b, n - 1: n + 6]) <= 1e-4, f"stream {b}"
 
 
 def random_tree(rng, t):
@@ -119,14 +138,18 @@ def test_tree_block_equals_sequential_paths(pair):
     tokens, lengths = pad_prompts([prefix], vocab_size=cfg.vocab_size, capacity=32)
     _, cache, _, _ = prefill(graphdef, state, cache, jnp.asarray(tokens), jnp.asarray(lengths))
     positions = jnp.asarray(len(prefix) + depth)[None]
-    out = model(jnp.asarray(node_tokens)[None], positions, cache, jnp.asarray(vis)[None])
+    block = jax.jit(lambda st, c, tok, pos, v: nnx.merge(graphdef, st)(tok, pos, c, v).logits)
+    logits = np.asarray(block(state, cache, jnp.asarray(node_tokens)[None], positions, jnp.asarray(vis)[None]))[0]
+    paths = []
     for i in range(t):
         path = [i]
         while parents[path[-1]] >= 0:
             path.append(parents[path[-1]])
-        seq = prefix + [int(node_tokens[j]) for j in reversed(path)]
-        ref = np.asarray(full_forward(model, np.asarray([seq])).logits[0, -1])
-        assert rel_err(out.logits[0, i], ref) <= 1e-4, f"node {i}"
+        paths.append(prefix + [int(node_tokens[j]) for j in reversed(path)])
+    width = max(len(p) for p in paths)
+    ref = np.asarray(full_forward(model, np.asarray([p + [0] * (width - len(p)) for p in paths])).logits)
+    for i, p in enumerate(paths):
+        assert rel_err(logits[i], ref[i, len(p) - 1]) <= 1e-4, f"node {i}"
 
 
 def test_sharded_equals_unsharded(pair):
