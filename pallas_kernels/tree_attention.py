@@ -42,7 +42,8 @@ Kernel design (Pallas-Triton backend; the Mosaic-GPU backend is not used, see no
   prefix_len cannot reach the result. The tree tail is a second short loop with the mask.
 * Split-KV (flash-decoding): with few query tiles and a long prefix the prefix is cut into
   ``num_splits`` contiguous ranges (per stream, from its own prefix_len), each program writes a
-  normalised partial output and its LSE, and XLA merges them with a log-sum-exp combine. The tree
+  normalised partial output (16-bit inputs: in that dtype) and its f32 LSE, and XLA merges them
+  with a log-sum-exp combine. The tree
   tail and the ragged last block are done by the last split.
 * Online softmax in f32 with exp2 (scale*log2(e) folded into the scores); p is cast to the input
   dtype for the value dot, as in flash attention.
@@ -349,7 +350,10 @@ def tree_attention(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, kv_lor
         out_specs = [pl.BlockSpec((None, R, L), lambda t, s, b: (b, t, 0)),
                      pl.BlockSpec((None, R), lambda t, s, b: (b, t))]
     else:
-        out_shape = [jax.ShapeDtypeStruct((B, NS, Np, L), f32),
+        # normalised partial outputs in the input dtype when 16-bit (halves split-KV traffic; each
+        # partial is rounded once, like the final output), f32 otherwise; LSEs always f32
+        part_dt = q.dtype if jnp.dtype(q.dtype).itemsize <= 2 else f32
+        out_shape = [jax.ShapeDtypeStruct((B, NS, Np, L), part_dt),
                      jax.ShapeDtypeStruct((B, NS, Np), f32)]
         out_specs = [pl.BlockSpec((None, None, R, L), lambda t, s, b: (b, s, t, 0)),
                      pl.BlockSpec((None, None, R), lambda t, s, b: (b, s, t))]
@@ -357,7 +361,7 @@ def tree_attention(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, kv_lor
                                scale_log2=float(scale) * _LOG2E)
     flops = 2 * B * Np * (Sp + Tk) * (C + L)
     bytes_accessed = (B * Sp * C + B * Np * C + B * Tk * C) * jnp.dtype(dt).itemsize + \
-        B * Np * L * (4 * NS if NS > 1 else jnp.dtype(q.dtype).itemsize)
+        B * Np * L * NS * jnp.dtype(q.dtype).itemsize
     o, lse = pl.pallas_call(
         kernel,
         grid=grid,
@@ -377,7 +381,8 @@ def tree_attention(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, kv_lor
         lse_all = jnp.where(jnp.isfinite(lse_all), lse_all, 0.0)
         w = jnp.exp(lse - lse_all[:, None])                        # [B, NS, Np]
         tot = jnp.sum(w, axis=1)                                   # [B, Np]
-        o = jnp.einsum("bsn,bsnl->bnl", w, o, precision=lax.Precision.HIGHEST) / tot[..., None]
+        o = jnp.einsum("bsn,bsnl->bnl", w, o.astype(f32),
+                       precision=lax.Precision.HIGHEST) / tot[..., None]
         lse = lse_all + jnp.log(tot)
         o = o.astype(q.dtype)
     out = o[:, :N].reshape(B, T, H, L)
