@@ -17,10 +17,15 @@ K2.6 dims, i.e. blocks of 256 columns) and
     word (block b, index w), nibble s  <->  column b*8W + s*W + w.
 
 So extracting nibble s from a contiguous [rows, W] tile of words yields the contiguous column slice
-[s*W, (s+1)*W) of the block: no reshape/interleave is ever needed in the kernel, every nibble plane is a
-ready [rows, W] dot operand, and with W == G each plane is exactly one scale group, so scales are applied
-to the [rows, T] dot result (exact f32 post-scaling). Scales are stored group-major, [E, I/G, O], so one
-group's scales for a row block are one contiguous load.
+[s*W, (s+1)*W) of the block ("nibble plane" s), and with W == G each plane is exactly one scale group:
+a plane is scaled by one per-row scale vector. The kernel ("join" design) scales the 8 planes and
+interleaves them with three levels of register joins (stack on a new minor axis + merge) into one
+[rows, 8W] bf16 operand whose column order is w*8 + s, i.e. the block's columns permuted by
+``join_perm``; one dot of K = 8W per block follows. The activations are permuted the same way in XLA
+(a free gather) and, so that h comes out of the gate/up kernel already in the down kernel's order, the
+gate rows and the up rows of w13 (and their scales) are stored permuted by ``join_perm(F, W2)``.
+Scales are stored group-major, [E, I/G, O], so one group's scales for a row block are one contiguous
+load. ``to_compressed_tensors`` undoes all of it, bit-exact.
 
 Kernel (Pallas, Triton backend)
 -------------------------------
@@ -28,14 +33,15 @@ Routing metadata is computed in XLA (``_route``): the M*K (token, slot) pairs ar
 each expert's run is padded to a multiple of T rows, so that a tile of T rows belongs to one expert
 (tile_expert[i] = -1 for unused tiles). Activations travel transposed ([D, P], [F, P]) so the token tile
 is the N side of the dot and the weights are the M side ("swap AB": one token per expert wastes no
-weight reads). Kernel 1 (grid tiles x F/BN1) streams gate and up rows of the tile's expert, does the
+weight reads). Kernel 1 (grid tiles x F/BN1 x split-K) streams gate and up rows of the tile's expert, does the
 SiLU*up epilogue and writes h^T [F, P]; kernel 2 (grid tiles x D/BN2) streams down rows and multiplies by
 the routing weight, writing y^T [D, P] (f32); XLA adds the pair rows into y [M, D]. No work is done for
 experts with no tokens.
 
-Dequantisation modes (``dequant=``): "asm" (GPU only: prmt + lop3 + one bf16x2 fma per two values, the
-0x4300 magic-exponent trick), "magic" (jnp: nibble | 0x4B000000 bitcast to f32 minus 2^23+8, no int->float
+Dequantisation modes (``dequant=``): "asm" (GPU only: prmt + lop3 + two bf16x2 fma per two values, the
+0x4300 magic-exponent trick, the second fma applying the scale), "magic" (jnp: nibble | 0x4B000000 bitcast to f32 minus 2^23+8, no int->float
 conversion), "int" (jnp shifts and an int->float convert). "magic"/"int" run in interpret mode on CPU.
+``design="planes"`` keeps the first version (one K=W dot per plane, f32 post-scaling) for comparison.
 """
 
 from __future__ import annotations
@@ -81,6 +87,13 @@ def _pack_nibbles(nib):
     """uint32 [..., n, 8] -> int32 [..., n]."""
     w = jnp.sum(nib << (4 * jnp.arange(PACK, dtype=jnp.uint32)), axis=-1, dtype=jnp.uint32)
     return jax.lax.bitcast_convert_type(w, jnp.int32)
+
+
+def join_perm(n: int, bw: int) -> np.ndarray:
+    """Column order of a joined operand: position b*8W + w*8 + s holds original column b*8W + s*W + w."""
+    c = np.arange(n)
+    b, r = c // (PACK * bw), c % (PACK * bw)
+    return (b * PACK * bw + (r % PACK) * bw + r // PACK).astype(np.int32)
 
 
 @functools.partial(jax.jit, static_argnames=("bw",))
@@ -141,17 +154,26 @@ class Int4ExpertWeights:
         if f // w2_scale.shape[-1] != group or w2_packed.shape != (e, d, f // PACK):
             raise ValueError("inconsistent expert weight shapes")
         b13, b2 = _block_words(d, group), _block_words(f, group)
-        w13 = jax.lax.map(lambda p: _to_planar(p, b13), jnp.asarray(w13_packed))  # per expert: bounded memory
+        rows = jnp.asarray(np.concatenate([join_perm(f, b2), f + join_perm(f, b2)]))  # gate/up rows -> h order
+        w13 = jax.lax.map(lambda p: _to_planar(p[rows], b13), jnp.asarray(w13_packed))  # per expert
         w2 = jax.lax.map(lambda p: _to_planar(p, b2), jnp.asarray(w2_packed))
-        return cls(w13=w13, w13_scale=jnp.swapaxes(jnp.asarray(w13_scale, jnp.bfloat16), 1, 2),
+        s13 = jnp.asarray(w13_scale, jnp.bfloat16)[:, rows]
+        return cls(w13=w13, w13_scale=jnp.swapaxes(s13, 1, 2),
                    w2=w2, w2_scale=jnp.swapaxes(jnp.asarray(w2_scale, jnp.bfloat16), 1, 2),
                    group_size=group, w13_block_words=b13, w2_block_words=b2)
 
     def to_compressed_tensors(self):
         """Inverse of ``from_compressed_tensors``: (w13_packed, w13_scale, w2_packed, w2_scale)."""
-        w13 = jax.lax.map(lambda p: _from_planar(p, self.w13_block_words), self.w13)
+        inv = self._w13_row_inverse()
+        w13 = jax.lax.map(lambda p: _from_planar(p, self.w13_block_words)[inv], self.w13)
         w2 = jax.lax.map(lambda p: _from_planar(p, self.w2_block_words), self.w2)
-        return w13, jnp.swapaxes(self.w13_scale, 1, 2), w2, jnp.swapaxes(self.w2_scale, 1, 2)
+        return w13, jnp.swapaxes(self.w13_scale, 1, 2)[:, inv], w2, jnp.swapaxes(self.w2_scale, 1, 2)
+
+    def _w13_row_inverse(self):
+        """Stored w13 row index of each natural (gate 0..F-1, up F..2F-1) row."""
+        f = self.d_ff
+        inv = np.argsort(join_perm(f, self.w2_block_words)).astype(np.int32)
+        return jnp.asarray(np.concatenate([inv, f + inv]))
 
     def nbytes_per_expert(self) -> int:
         return sum(a[0].size * a.dtype.itemsize for a in (self.w13, self.w13_scale, self.w2, self.w2_scale))
@@ -207,7 +229,7 @@ def _route(expert_ids, expert_weights, num_experts: int, tile: int):
     row_weight = w_flat[row_pair]
     num_tiles = tile_end[-1]
     tidx = jnp.arange(nt, dtype=jnp.int32)
-    tile_expert = jnp.searchsorted(tile_end, tidx, side="right").astype(jnp.int32)
+    tile_expert = jnp.sum(tile_end[None, :] <= tidx[:, None], axis=1, dtype=jnp.int32)  # no while loop
     tile_expert = jnp.where(tidx < num_tiles, tile_expert, -1)
     return row_token, row_weight, tile_expert, num_tiles
 
@@ -235,8 +257,10 @@ def int4_moe_ref(x, expert_ids, expert_weights, weights: Int4ExpertWeights, *, t
     x_pad = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)])[row_token]  # [P, D]
     dt = x.dtype
 
+    inv = weights._w13_row_inverse()
+
     def deq(e):
-        w13 = _dequant_planar(weights.w13[e], weights.w13_scale[e], weights.w13_block_words, dt)
+        w13 = _dequant_planar(weights.w13[e], weights.w13_scale[e], weights.w13_block_words, dt)[inv]
         w2 = _dequant_planar(weights.w2[e], weights.w2_scale[e], weights.w2_block_words, dt)
         return w13, w2
 
@@ -262,45 +286,69 @@ def int4_moe_ref(x, expert_ids, expert_weights, weights: Int4ExpertWeights, *, t
 # ----------------------------------------------------------------------------------------------
 # Pallas kernels (Triton backend)
 # ----------------------------------------------------------------------------------------------
-def _asm_plane(words, s: int):
-    """GPU: nibble plane s of int32 words [R, W] -> bf16 [R, W] (values q in [-8, 7]).
+def _asm_plane(words, s: int, scale=None):
+    """GPU: nibble plane s of int32 words [R, W] -> bf16 [R, W]: q in [-8, 7], times scale [R, W] if given.
 
-    Two words per asm instance: prmt gathers byte s//2 of each word into halves 0 and 1, (shift by 4 for
-    odd s), lop3 keeps the nibbles and ORs in bf16 128.0, one bf16x2 fma subtracts 136."""
+    Two words per asm instance: prmt gathers byte s//2 of each word into halves 0 and 1 (shift by 4 for
+    odd s), lop3 keeps the nibbles and ORs in bf16 128.0, a bf16x2 fma subtracts 136 (exact), a second
+    fma multiplies by the scale pair (one rounding of the exact product, as a bf16 dequantisation)."""
     bi = s // 2
     sel = bi | (bi << 4) | ((4 + bi) << 8) | ((4 + bi) << 12)
     shift = "shr.b32 t, t, 4;" if s % 2 else ""
-    asm = ("{ .reg .b32 t, one, bias; "
+    tail = ("fma.rn.bf16x2 t, t, one, bias; mov.b32 z, 0x80008000; fma.rn.bf16x2 $0, t, $3, z; }"
+            if scale is not None else "fma.rn.bf16x2 $0, t, one, bias; }")
+    asm = ("{ .reg .b32 t, one, bias, z; "
            f"prmt.b32 t, $1, $2, {sel:#06x}; {shift} "
            "lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA; "
-           "mov.b32 one, 0x3F803F80; mov.b32 bias, 0xC308C308; "
-           "fma.rn.bf16x2 $0, t, one, bias; }")
+           "mov.b32 one, 0x3F803F80; mov.b32 bias, 0xC308C308; " + tail)
+    args = [words] if scale is None else [words, scale]
     [out] = pltriton.elementwise_inline_asm(
-        asm, args=[words], constraints="=r,r,r", pack=2,
+        asm, args=args, constraints="=r,r,r" + (",r" if scale is not None else ""), pack=2,
         result_shape_dtypes=[jax.ShapeDtypeStruct(words.shape, jnp.bfloat16)])
     return out
 
 
-def _plane(words, s: int, mode: str, dtype):
-    """Nibble plane s of int32 words [R, W] as dtype values q = nibble - 8."""
+def _plane(words, s: int, mode: str, dtype, scale=None):
+    """Nibble plane s of int32 words [R, W] as dtype values q = nibble - 8 (times scale [R] if given)."""
     if mode == "asm":
-        return _asm_plane(words, s).astype(dtype)
+        if scale is None:
+            return _asm_plane(words, s).astype(dtype)
+        sc = jnp.broadcast_to(scale.astype(jnp.bfloat16)[:, None], words.shape)
+        return _asm_plane(words, s, sc).astype(dtype)
     nib = jax.lax.shift_right_logical(words, jnp.int32(4 * s)) & 0xF if s else words & 0xF
     if mode == "magic":
-        f = jax.lax.bitcast_convert_type(nib | 0x4B000000, jnp.float32) - jnp.float32(8388616.0)
-        return f.astype(dtype)
-    if mode == "int":
-        return (nib - 8).astype(dtype)
-    raise ValueError(f"unknown dequant mode {mode!r}")
+        q = jax.lax.bitcast_convert_type(nib | 0x4B000000, jnp.float32) - jnp.float32(8388616.0)
+    elif mode == "int":
+        q = (nib - 8).astype(jnp.float32)
+    else:
+        raise ValueError(f"unknown dequant mode {mode!r}")
+    if scale is not None:
+        q = q * scale.astype(jnp.float32)[:, None]
+    return q.astype(dtype)
+
+
+def _join8(planes):
+    """8 planes [R, W] -> [R, 8W] with column w*8 + s holding planes[s][:, w] (three levels of joins)."""
+    r, w = planes[0].shape
+
+    def join(a, b):  # [R, n] x2 -> [R, 2n], column 2c + i from (a, b)[i][:, c]
+        return jnp.stack([a, b], axis=-1).reshape(r, 2 * a.shape[1])
+
+    l1 = {(j, k): join(planes[2 * j + k], planes[4 + 2 * j + k]) for j in (0, 1) for k in (0, 1)}
+    l2 = {k: join(l1[(0, k)], l1[(1, k)]) for k in (0, 1)}
+    return join(l2[0], l2[1])
 
 
 def _stream_rows(w_ref, s_ref, a_ref, e, row0, col0, nrows: int, in_dim: int, bw: int, group: int,
-                 t: int, mode: str, dtype, acc_rows: tuple[int, ...], probe: str, split: int = 1, part=0):
+                 t: int, mode: str, dtype, acc_rows: tuple[int, ...], probe: str, split: int = 1, part=0,
+                 design: str = "join"):
     """acc[j] [nrows, T] f32 = W_e[row0 + acc_rows[j] + (0..nrows)] @ A[:, col0:col0+T] over in_dim (or over
     its part ``part`` of ``split`` equal parts of whole blocks: split-K).
 
-    w_ref int32 [E, O, I/8] planar, s_ref [E, I/G, O] group-major, a_ref [I, P] transposed activations.
-    probe (benchmark only): "" normal; "dq_once" dequantises one plane per block and reuses it for all 8.
+    w_ref int32 [E, O, I/8] planar, s_ref [E, I/G, O] group-major, a_ref [I, P] transposed activations
+    (rows in ``join_perm`` order for design "join", natural order for "planes").
+    probe (benchmark only, wrong results): "dq_once" dequantises one plane per block and reuses it for all
+    8; "no_dot" replaces the dot by a row sum of the operand.
     """
     nblk = in_dim // (PACK * bw) // split
 
@@ -308,8 +356,24 @@ def _stream_rows(w_ref, s_ref, a_ref, e, row0, col0, nrows: int, in_dim: int, bw
         b = b + part * nblk
         accs = list(accs)
         words = [w_ref[e, pl.ds(row0 + r, nrows), pl.ds(b * bw, bw)] for r in acc_rows]  # [R, W] int32
+        if design == "join":
+            a = a_ref[pl.ds(b * PACK * bw, PACK * bw), pl.ds(col0, t)].astype(dtype)  # [8W, T]
+            for j, r in enumerate(acc_rows):
+                planes = []
+                for s in range(PACK):
+                    sc = s_ref[e, (b * PACK * bw + s * bw) // group, pl.ds(row0 + r, nrows)]  # [R]
+                    if probe == "dq_once" and s:
+                        planes.append(planes[0])
+                    else:
+                        planes.append(_plane(words[j], s, mode, dtype, sc))
+                op = _join8(planes)  # [R, 8W]
+                if probe == "no_dot":
+                    accs[j] = accs[j] + jnp.sum(op.astype(jnp.float32), axis=1, keepdims=True)
+                else:
+                    accs[j] = accs[j] + jnp.dot(op, a, preferred_element_type=jnp.float32)
+            return tuple(accs)
         q0 = [None] * len(acc_rows)
-        for s in range(PACK):
+        for s in range(PACK):  # design "planes": one K=W dot per plane, f32 post-scaling
             a = a_ref[pl.ds(b * PACK * bw + s * bw, bw), pl.ds(col0, t)].astype(dtype)  # [W, T], shared
             g = (b * PACK * bw + s * bw) // group
             for j, r in enumerate(acc_rows):
@@ -327,7 +391,8 @@ def _stream_rows(w_ref, s_ref, a_ref, e, row0, col0, nrows: int, in_dim: int, bw
     return jax.lax.fori_loop(0, nblk, body, init)
 
 
-def _gate_up_kernel(te_ref, x_ref, w_ref, s_ref, h_ref, *, f, d, bn, t, bw, group, mode, dtype, probe, split):
+def _gate_up_kernel(te_ref, x_ref, w_ref, s_ref, h_ref, *, f, d, bn, t, bw, group, mode, dtype, probe, split,
+                    design):
     i, j = pl.program_id(0), pl.program_id(1)
     part = pl.program_id(2) if split > 1 else 0
     e = te_ref[i]
@@ -335,7 +400,7 @@ def _gate_up_kernel(te_ref, x_ref, w_ref, s_ref, h_ref, *, f, d, bn, t, bw, grou
     @pl.when(e >= 0)
     def _():
         g, u = _stream_rows(w_ref, s_ref, x_ref, e, j * bn, i * t, bn, d, bw, group, t, mode, dtype,
-                            (0, f), probe, split, part)
+                            (0, f), probe, split, part, design)
         if split == 1:  # fused SiLU*up epilogue; h^T [F, P]
             h = g / (1.0 + jnp.exp(-g)) * u
             h_ref[pl.ds(j * bn, bn), pl.ds(i * t, t)] = h.astype(h_ref.dtype)
@@ -344,7 +409,8 @@ def _gate_up_kernel(te_ref, x_ref, w_ref, s_ref, h_ref, *, f, d, bn, t, bw, grou
             h_ref[part, 1, pl.ds(j * bn, bn), pl.ds(i * t, t)] = u
 
 
-def _down_kernel(te_ref, rw_ref, h_ref, w_ref, s_ref, y_ref, *, f, bn, t, bw, group, mode, dtype, probe, split):
+def _down_kernel(te_ref, rw_ref, h_ref, w_ref, s_ref, y_ref, *, f, bn, t, bw, group, mode, dtype, probe, split,
+                 design):
     i, j = pl.program_id(0), pl.program_id(1)
     part = pl.program_id(2) if split > 1 else 0
     e = te_ref[i]
@@ -352,7 +418,7 @@ def _down_kernel(te_ref, rw_ref, h_ref, w_ref, s_ref, y_ref, *, f, bn, t, bw, gr
     @pl.when(e >= 0)
     def _():
         (acc,) = _stream_rows(w_ref, s_ref, h_ref, e, j * bn, i * t, bn, f, bw, group, t, mode, dtype,
-                              (0,), probe, split, part)
+                              (0,), probe, split, part, design)
         rw = rw_ref[pl.ds(i * t, t)]
         y_ref[part, pl.ds(j * bn, bn), pl.ds(i * t, t)] = acc * rw[None, :]
 
@@ -368,7 +434,7 @@ def _default_split(programs: int, nblk: int, target: int = 528) -> int:
 def int4_moe(x, expert_ids, expert_weights, weights: Int4ExpertWeights, *, interpret: bool = False,
              tile: int | None = None, block_n1: int = 64, block_n2: int = 64, num_warps: int = 4,
              num_stages: int = 3, split1: int | None = None, split2: int | None = None,
-             dequant: str | None = None, probe: str = ""):
+             dequant: str | None = None, design: str = "join", probe: str = ""):
     """Routed experts with the Pallas kernels. Same contract as ``int4_moe_ref``.
 
     x [M, D] (bf16; f32 allowed in interpret mode), expert_ids int32 [M, K], expert_weights f32 [M, K],
@@ -378,8 +444,9 @@ def int4_moe(x, expert_ids, expert_weights, weights: Int4ExpertWeights, *, inter
     and up), block_n2 (down rows per program), num_warps, num_stages, split1/split2 (split-K factors of
     the two GEMMs, dividing their 256-column block counts; default: smallest giving >= 528 programs;
     partial sums are added in XLA), dequant ("asm" on GPU, "magic" in interpret mode by default), probe
-    (benchmark only, wrong results: "dq_once" dequantises one nibble plane per block, "glue" runs only
-    the XLA routing/gather/combine).
+    (benchmark only, wrong results: "dq_once" dequantises one nibble plane per block, "no_dot" replaces
+    the dots by row sums, "glue" runs only the XLA routing/gather/combine), design ("join": one K=256 dot
+    per block on the joined, pre-scaled planes; "planes": the first version, eight K=32 dots per block).
     """
     m, d = x.shape
     k = expert_ids.shape[1]
@@ -401,9 +468,15 @@ def int4_moe(x, expert_ids, expert_weights, weights: Int4ExpertWeights, *, inter
     s2 = split2 or _default_split(busy * (d // bn2), f // (PACK * bw2))
     if (d // (PACK * bw13)) % s1 or (f // (PACK * bw2)) % s2:
         raise ValueError(f"split1={s1} / split2={s2} must divide the K-block counts")
-    x_t = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)])[row_token].T  # [D, P]
+    if design not in ("join", "planes"):
+        raise ValueError(f"unknown design {design!r}")
+    x_pad = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)])
+    if design == "join":  # activations in the joined column order (one gather)
+        x_t = x_pad[row_token[:, None], jnp.asarray(join_perm(d, bw13))[None, :]].T  # [D, P]
+    else:
+        x_t = x_pad[row_token].T
     params = None if interpret else pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-    common = dict(t=t, group=grp, mode=mode, dtype=dt, probe=probe)
+    common = dict(t=t, group=grp, mode=mode, dtype=dt, probe=probe, design=design)
     if probe == "glue":  # benchmark only: the XLA routing/gather/combine around the kernels, no kernels
         h_t = (x_t[:f] * 0).astype(x.dtype) if d >= f else jnp.zeros((f, p), x.dtype)
         y_t = (x_t * tile_expert.sum()).astype(jnp.float32)[None]
@@ -419,6 +492,8 @@ def int4_moe(x, expert_ids, expert_weights, weights: Int4ExpertWeights, *, inter
     if s1 > 1:
         gu = h_t.sum(0)
         h_t = (gu[0] * jax.nn.sigmoid(gu[0]) * gu[1]).astype(x.dtype)
+    if design == "planes":  # h comes out in the stored (joined) row order: back to natural for "planes"
+        h_t = h_t[jnp.asarray(np.argsort(join_perm(f, bw2)))]
 
     y_t = pl.pallas_call(
         functools.partial(_down_kernel, f=f, bn=bn2, bw=bw2, split=s2, **common),

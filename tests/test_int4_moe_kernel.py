@@ -87,7 +87,7 @@ def test_repack_roundtrip_bit_exact(shape):
         assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
     # the planar layout dequantises to exactly the compressed-tensors weights
     e = shape[0] - 1
-    got = _dequant_planar(wts.w13[e], wts.w13_scale[e], wts.w13_block_words, jnp.float32)
+    got = _dequant_planar(wts.w13[e], wts.w13_scale[e], wts.w13_block_words, jnp.float32)[wts._w13_row_inverse()]
     want = dequantize_int4(ct[0][e], jnp.asarray(ct[1][e], jnp.float32))
     assert np.array_equal(np.asarray(got), np.asarray(want))
     got2 = _dequant_planar(wts.w2[e], wts.w2_scale[e], wts.w2_block_words, jnp.float32)
@@ -226,7 +226,7 @@ def test_gpu_kernel_matches_dense_f32_one_token():
     ref = jnp.zeros((7168,), jnp.float32)
     for k in range(8):
         e = int(ids[0, k])
-        w13 = _dequant_planar(wts.w13[e], wts.w13_scale[e], 32, jnp.float32)
+        w13 = _dequant_planar(wts.w13[e], wts.w13_scale[e], 32, jnp.float32)[wts._w13_row_inverse()]
         w2 = _dequant_planar(wts.w2[e], wts.w2_scale[e], 32, jnp.float32)
         gu = jnp.dot(w13, xf, precision="highest")
         h = (jax.nn.silu(gu[:2048]) * gu[2048:]).astype(jnp.bfloat16).astype(jnp.float32)
