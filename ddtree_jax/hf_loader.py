@@ -10,7 +10,7 @@ compressed-tensors INT4 expert layout (``weight_packed`` / ``weight_scale`` / ``
 from __future__ import annotations
 
 import re
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +22,7 @@ from ddtree_jax.config import ModelConfig
 from ddtree_jax.model import KimiModel
 from ddtree_jax.quant import QuantArray
 from ddtree_jax.safetensors_io import CheckpointError, iter_tensors
-from ddtree_jax.sharding import ShardingRules, named_sharding
+from ddtree_jax.sharding import DEFAULT_RULES, ShardingRules, named_sharding, param_shardings  # noqa: F401
 
 Path = tuple
 
@@ -80,21 +80,29 @@ class _ExpertStack:
         if expert >= self.num_experts:
             raise CheckpointError(f"{name}: expert index {expert} >= n_routed_experts={self.num_experts}")
         out_dim, in_dim = self.shapes[proj]
+        if (expert, proj, kind) in self.seen:
+            raise CheckpointError(f"{name}: duplicate tensor")
+        if kind != "weight" and self.cfg.quant is None:
+            raise CheckpointError(f"{name}: quantized expert tensor but config.json has no quantization_config")
         if kind == "weight_shape":
+            if not np.issubdtype(value.dtype, np.integer):
+                raise CheckpointError(f"{name}: dtype {value.dtype} is not an integer type (int32/int64 expected)")
             if [int(x) for x in np.asarray(value).reshape(-1)] != [out_dim, in_dim]:
                 raise CheckpointError(f"{name}: weight_shape {np.asarray(value).tolist()} != expected "
                                       f"{[out_dim, in_dim]}")
             self.seen.add((expert, proj, kind))
             return
         if kind == "weight":
+            if self.cfg.quant is not None:
+                raise CheckpointError(f"{name}: float expert weight but quantization_config declares INT4 experts")
             expected = (out_dim, in_dim)
         else:
-            if self.cfg.quant is None:
-                raise CheckpointError(f"{name}: quantized expert tensor but config.json has no quantization_config")
             group = self.cfg.quant.group_size
             expected = (out_dim, in_dim // 8) if kind == "weight_packed" else (out_dim, in_dim // group)
             if kind == "weight_packed" and value.dtype != np.int32:
                 raise CheckpointError(f"{name}: dtype {value.dtype} != int32")
+            if kind == "weight_scale" and not np.issubdtype(value.dtype, np.floating):
+                raise CheckpointError(f"{name}: dtype {value.dtype} is not a float type (bf16 expected)")
         if tuple(value.shape) != expected:
             raise CheckpointError(f"{name}: shape {tuple(value.shape)} != expected {expected}")
         buffer = self._buffer(proj, kind, value.shape, value.dtype)
@@ -107,17 +115,26 @@ class _ExpertStack:
         expected = (e, 2 * f, d) if which == "gate_up_proj" else (e, d, f)
         if tuple(value.shape) != expected:
             raise CheckpointError(f"{name}: shape {tuple(value.shape)} != expected {expected}")
+        if self.cfg.quant is not None:
+            raise CheckpointError(f"{name}: fused float experts but quantization_config declares INT4 experts")
         key = ("w13" if which == "gate_up_proj" else "w2", "weight")
-        self.parts[key] = np.asarray(value)
+        self.parts[key] = np.array(value)
         for ex in range(e):
             for proj in (("gate_proj", "up_proj") if which == "gate_up_proj" else ("down_proj",)):
                 self.seen.add((ex, proj, "weight"))
 
+    def _required(self):
+        kinds = ("weight_packed", "weight_scale", "weight_shape") if self.cfg.quant is not None else ("weight",)
+        return [(ex, proj, kind) for ex in range(self.num_experts) for proj in ("gate_proj", "up_proj", "down_proj")
+                for kind in kinds]
+
+    def complete(self) -> bool:
+        """True once every expert tensor of the layer has arrived."""
+        return all(r in self.seen for r in self._required())
+
     def finish(self, prefix: str) -> dict[str, Any]:
         quantized = self.cfg.quant is not None
-        kinds = ("weight_packed", "weight_scale") if quantized else ("weight",)
-        missing = [f"{prefix}mlp.experts.{ex}.{proj}.{kind}" for ex in range(self.num_experts)
-                   for proj in ("gate_proj", "up_proj", "down_proj") for kind in kinds
+        missing = [f"{prefix}mlp.experts.{ex}.{proj}.{kind}" for ex, proj, kind in self._required()
                    if (ex, proj, kind) not in self.seen]
         if missing:
             more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
@@ -134,47 +151,50 @@ def abstract_model(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
     return nnx.split(abstract)
 
 
-def param_shardings(state: nnx.State, mesh: Mesh, rules: ShardingRules):
-    """NamedSharding per leaf, derived from each Param's logical axes."""
-    def one(variable):
-        axes = variable.get_metadata().get("logical_axes")
-        return jax.tree.map(lambda leaf: named_sharding(mesh, rules, axes), variable.value)
-    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+def flat_params(state: nnx.State) -> dict[tuple, nnx.Variable]:
+    """{path tuple: Variable} of a (possibly abstract) model state, in declaration order."""
+    return {tuple(k): v for k, v in state.flat_state()}
 
 
-def load_hf_model(path: str, *, dtype: str = "bfloat16", mesh: Mesh | None = None,
-                  rules: ShardingRules | None = None, progress: Callable[[str], None] | None = None) -> KimiModel:
-    """Reads an HF checkpoint directory into a KimiModel (sharded when a mesh is given).
+def _check_leaf(tensor_name: str, leaf, abstract_leaf) -> np.ndarray:
+    """Shape/dtype check of one host array against its abstract leaf; returns a C-contiguous copy in the
+    target dtype (the memory map is not kept)."""
+    if tuple(leaf.shape) != tuple(abstract_leaf.shape):
+        raise CheckpointError(f"{tensor_name}: shape {tuple(leaf.shape)} != expected {tuple(abstract_leaf.shape)}")
+    if abstract_leaf.dtype == jnp.int32 and leaf.dtype != np.int32:
+        raise CheckpointError(f"{tensor_name}: dtype {leaf.dtype} != int32")
+    if abstract_leaf.dtype != jnp.int32 and not np.issubdtype(leaf.dtype, np.floating):
+        raise CheckpointError(f"{tensor_name}: dtype {leaf.dtype} is not a float type")
+    return np.ascontiguousarray(leaf, dtype=abstract_leaf.dtype)
 
-    Raises ``ConfigError`` for an unsupported config and ``CheckpointError`` (naming the tensor) for a
-    missing, unexpected, wrongly shaped or truncated tensor.
+
+def iter_hf_params(path: str, cfg: ModelConfig, flat_abstract: dict[tuple, nnx.Variable],
+                   progress: Callable[[str], None] | None = None) -> Iterator[tuple[tuple, Any]]:
+    """Streams the parameters of an HF checkpoint directory as host numpy values, one finished
+    parameter at a time: yields (state path, value) with value an ndarray in the target dtype or a
+    QuantArray of ndarrays (packed int32 [E, O, I/8], scale [E, O, I/G]).
+
+    Host memory stays near one tensor for ordinary weights and one layer's expert stack for the routed
+    experts (a layer's experts are yielded as soon as all of them have arrived). Every tensor is checked
+    (name, shape, dtype) against ``flat_abstract``; after the last tensor, a parameter that never
+    arrived raises ``CheckpointError`` naming it.
     """
-    cfg = ModelConfig.from_hf_dir(path, dtype=dtype)
-    graphdef, abstract = abstract_model(cfg)
-    flat_abstract = {tuple(k): v for k, v in abstract.flat_state()}
-    placed: dict[tuple, Any] = {}
     attn_rules = _attn_rules(cfg)
     stacks: dict[int, _ExpertStack] = {}
+    finished_layers: set[int] = set()
+    done: set[tuple] = set()
     text_prefix = cfg.weight_prefix
 
-    def place(key: tuple, value, tensor_name: str):
+    def prepare(key: tuple, value, tensor_name: str):
         if key not in flat_abstract:
             raise CheckpointError(f"{tensor_name}: maps to {key}, which this model does not have")
-        variable = flat_abstract[key]
-        target = variable.value
+        target = flat_abstract[key].value
         if isinstance(value, QuantArray) != isinstance(target, QuantArray):
             raise CheckpointError(f"{tensor_name}: quantized/float layout does not match the config")
-        def put(leaf, abstract_leaf):
-            if tuple(leaf.shape) != tuple(abstract_leaf.shape):
-                raise CheckpointError(f"{tensor_name}: shape {tuple(leaf.shape)} != expected {tuple(abstract_leaf.shape)}")
-            array = np.asarray(leaf)
-            if abstract_leaf.dtype == jnp.int32 and array.dtype != np.int32:
-                raise CheckpointError(f"{tensor_name}: dtype {array.dtype} != int32")
-            array = array.astype(abstract_leaf.dtype)
-            if mesh is not None:
-                return jax.device_put(array, named_sharding(mesh, rules, variable.get_metadata()["logical_axes"]))
-            return jnp.asarray(array)
-        placed[key] = jax.tree.map(put, value, target)
+        if key in done:
+            raise CheckpointError(f"{tensor_name}: duplicate tensor (maps to {key} again)")
+        done.add(key)
+        return key, jax.tree.map(lambda leaf, ab: _check_leaf(tensor_name, leaf, ab), value, target)
 
     for name, file in iter_tensors(path):
         if not name.startswith(text_prefix):
@@ -185,16 +205,16 @@ def load_hf_model(path: str, *, dtype: str = "bfloat16", mesh: Mesh | None = Non
         if progress:
             progress(name)
         if local == "lm_head.weight":
-            place(("lm_head",), file.get(name).T, name)
+            yield prepare(("lm_head",), file.get(name).T, name)
             continue
         if not local.startswith("model."):
             raise CheckpointError(f"unexpected tensor {name!r}")
         local = local[len("model."):]
         if local == "embed_tokens.weight":
-            place(("embed",), file.get(name), name)
+            yield prepare(("embed",), file.get(name), name)
             continue
         if local == "norm.weight":
-            place(("norm", "weight"), file.get(name), name)
+            yield prepare(("norm", "weight"), file.get(name), name)
             continue
         match = _LAYER.match(local)
         if not match:
@@ -205,7 +225,7 @@ def load_hf_model(path: str, *, dtype: str = "bfloat16", mesh: Mesh | None = Non
         if rest in attn_rules:
             sub, transform = attn_rules[rest]
             value = file.get(name)
-            place(("layers", layer) + sub, transform(value) if transform else value, name)
+            yield prepare(("layers", layer) + sub, transform(value) if transform else value, name)
             continue
         expert = _EXPERT.match(rest)
         fused = _FUSED.match(rest)
@@ -213,23 +233,54 @@ def load_hf_model(path: str, *, dtype: str = "bfloat16", mesh: Mesh | None = Non
             if layer < cfg.first_k_dense_replace:
                 raise CheckpointError(f"{name}: layer {layer} is dense (first_k_dense_replace="
                                       f"{cfg.first_k_dense_replace}) but has expert tensors")
+            if layer in finished_layers:
+                raise CheckpointError(f"{name}: duplicate tensor (layer {layer} experts already complete)")
             stack = stacks.setdefault(layer, _ExpertStack(cfg, layer))
             if expert:
                 stack.add(name, int(expert.group(1)), expert.group(2), expert.group(3), file.get(name))
             else:
                 stack.add_fused(name, fused.group(1), file.get(name))
+            if stack.complete():
+                finished_layers.add(layer)
+                for which, value in stacks.pop(layer).finish(f"{text_prefix}model.layers.{layer}.").items():
+                    yield prepare(("layers", layer, "mlp", which), value, f"{text_prefix}model.layers.{layer}.mlp."
+                                  f"experts ({which})")
             continue
+        if rest.endswith((".weight_packed", ".weight_scale", ".weight_shape")):
+            raise CheckpointError(f"{name}: quantized tensor for a module this engine keeps in float (only the "
+                                  "routed experts may be INT4; see quantization_config.ignore)")
         raise CheckpointError(f"unexpected tensor {name!r}")
 
     for layer in range(cfg.first_k_dense_replace, cfg.num_layers):
+        if layer in finished_layers:
+            continue
         if layer not in stacks:
             raise CheckpointError(f"checkpoint has no routed-expert tensors for layer {layer}")
-        for which, value in stacks.pop(layer).finish(f"{text_prefix}model.layers.{layer}.").items():
-            place(("layers", layer, "mlp", which), value, f"layer {layer} experts {which}")
+        stacks.pop(layer).finish(f"{text_prefix}model.layers.{layer}.")  # raises, naming the missing tensors
 
-    missing = [k for k in flat_abstract if k not in placed]
+    missing = [k for k in flat_abstract if k not in done]
     if missing:
         names = [".".join(str(p) for p in k) for k in missing[:5]]
         raise CheckpointError(f"checkpoint is missing {len(missing)} parameters, e.g. {names}")
+
+
+def load_hf_model(path: str, *, dtype: str = "bfloat16", mesh: Mesh | None = None,
+                  rules: ShardingRules | None = None, progress: Callable[[str], None] | None = None) -> KimiModel:
+    """Reads an HF checkpoint directory into a KimiModel (sharded when a mesh is given).
+
+    Raises ``ConfigError`` for an unsupported config and ``CheckpointError`` (naming the tensor) for a
+    missing, unexpected, wrongly shaped/typed, duplicated or truncated tensor.
+    """
+    cfg = ModelConfig.from_hf_dir(path, dtype=dtype)
+    graphdef, abstract = abstract_model(cfg)
+    flat_abstract = flat_params(abstract)
+    placed: dict[tuple, Any] = {}
+    for key, value in iter_hf_params(path, cfg, flat_abstract, progress):
+        variable = flat_abstract[key]
+        if mesh is not None:
+            sharding = named_sharding(mesh, rules or DEFAULT_RULES, variable.get_metadata()["logical_axes"])
+            placed[key] = jax.tree.map(lambda a: jax.device_put(a, sharding), value)
+        else:
+            placed[key] = jax.tree.map(jnp.asarray, value)
     state = nnx.State.from_flat_path({k: flat_abstract[k].replace(placed[k]) for k in flat_abstract})
     return nnx.merge(graphdef, state)

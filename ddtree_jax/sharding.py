@@ -13,6 +13,7 @@ from typing import Sequence
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "model")
@@ -101,3 +102,27 @@ def make_mesh(data: int = 1, model: int | None = None, devices=None) -> Mesh:
 
 def named_sharding(mesh: Mesh, rules: ShardingRules, logical_axes: Sequence[str | None]) -> NamedSharding:
     return NamedSharding(mesh, rules.spec(logical_axes))
+
+
+def param_shardings(state: nnx.State, mesh: Mesh, rules: ShardingRules):
+    """NamedSharding for every leaf of an ``nnx.State``, from each Param's ``logical_axes``."""
+    def one(variable):
+        axes = variable.get_metadata().get("logical_axes")
+        if axes is None:
+            raise ValueError(f"parameter without logical_axes metadata: {variable}")
+        return jax.tree.map(lambda leaf: named_sharding(mesh, rules, axes), variable.value)
+    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def shard_state(state: nnx.State, mesh: Mesh | None, rules: ShardingRules | None) -> nnx.State:
+    """Places a state on the mesh by its logical axes (no-op without a mesh)."""
+    if mesh is None:
+        return state
+    return jax.device_put(state, param_shardings(state, mesh, rules or DEFAULT_RULES))
+
+
+def constrain(x, mesh: Mesh | None, rules: ShardingRules | None, logical_axes):
+    """with_sharding_constraint by logical axes inside jit (no-op without a mesh)."""
+    if mesh is None:
+        return x
+    return jax.lax.with_sharding_constraint(x, named_sharding(mesh, rules or DEFAULT_RULES, logical_axes))
