@@ -178,19 +178,24 @@ def default_config(B, T, H, S, C, L, dtype=jnp.bfloat16, num_sms=_NUM_SMS_H200):
 
     block_rows: query rows per program (heads folded into rows), 64 unless T*H is smaller (min 16).
     block_k: prefix keys per step. block_t: tree-tail keys per step (<= 64, >= 16).
-    num_splits: split-KV factor so that programs >= ~2 waves of SMs, each split >= 8 blocks.
+    num_splits: split-KV factor so that programs >= ~2 waves of SMs, each split >= 4 blocks (64-row
+    tiles) or 8 blocks (smaller tiles).
     """
     N = T * H
     block_rows = min(64, max(16, _pow2_ceil(N)))
     if H < block_rows and block_rows % H:
         raise ValueError(f"H={H} must divide block_rows={block_rows} or be a multiple of it")
-    block_k = 64 if jnp.dtype(dtype).itemsize <= 2 else 32
+    # H200 sweep (experiments/bench_tree_attention.py): 64-row tiles want 8 warps (the 64x512 f32
+    # accumulator is split over two warpgroups) and 64-key blocks; 16-row decode tiles 4 warps, 32 keys.
+    wide = block_rows >= 64
+    block_k = (64 if wide else 32) if jnp.dtype(dtype).itemsize <= 2 else 32
     tiles = -(-N // block_rows)
     progs = tiles * B
     nblk = max(1, S // block_k)
-    num_splits = max(1, min(-(-2 * num_sms // progs), nblk // 8, 64))
+    min_blocks = 4 if wide else 8
+    num_splits = max(1, min(-(-2 * num_sms // progs), nblk // min_blocks, 64))
     return dict(block_rows=block_rows, block_k=block_k, block_t=min(64, max(16, _pow2_ceil(T))),
-                num_splits=num_splits, num_warps=8 if block_rows >= 64 else 4, num_stages=2)
+                num_splits=num_splits, num_warps=8 if wide else 4, num_stages=2)
 
 
 def _kernel(plen_ref, q_ref, cache_ref, tkv_ref, mask_ref, *out_refs, R, H, L, RD, BK, BT, NT,
