@@ -20,13 +20,17 @@ global top-``budget`` over all depths. Log-probs are clamped to <= 0, so a child
 above its parent and the set is prefix-closed.
 
 **Tie rule** (deterministic; the heap reference in tests/test_tree.py uses the same key).
-Prefixes are ranked by the key ``(-score, depth, parent_rank, token_id)`` ascending, where
+Prefixes are ranked by the key ``(-score, depth, parent_rank, token_rank)`` ascending, where
 ``parent_rank`` is the rank of the parent among all prefixes of the parent's depth under the same
-rule (the root has rank 0). I.e. higher score first; on equal score the shallower prefix; then the
-one whose parent ranks better; then the smaller token id. NaN log-probs are treated as -inf and
--inf prefixes are ordinary (lowest-scoring) prefixes: they fill the budget when fewer finite
-prefixes exist. Per-depth token ranking relies on ``lax.top_k``'s documented contract that equal
-values come out lower index first.
+rule (the root has rank 0) and ``token_rank`` is the token's rank at its depth by
+``(-log_prob, token_id)``. I.e. higher score first; on equal score the shallower prefix; then the
+one whose parent ranks better; then the token with the higher own log-prob, then the smaller token
+id. (With a finite parent score, equal score and equal parent imply equal own log-prob, so the
+last step is simply "smaller token id"; the own log-prob only matters under a -inf parent, where
+every child scores -inf.) NaN log-probs are treated as -inf; -inf prefixes are ordinary
+(lowest-scoring) prefixes and fill the budget when fewer finite prefixes exist. Per-depth token
+ranking relies on ``lax.top_k``'s documented contract that equal values come out lower index
+first.
 
 Node order: node 0 is the root; node n >= 1 is the n-th best prefix under the key above (the
 order a best-first heap pops them). Hence parents precede children, ``logprob`` is
@@ -213,7 +217,7 @@ def make_tree(tokens, parents, max_depth: int, logprob=None) -> Tree:
       tokens:    [B, T] int  node tokens, node 0 = root.
       parents:   [B, T] int  parent indices with ``parents[:, t] < t`` and ``parents[:, 0] == -1``.
       max_depth: static int D >= every node depth (deeper nodes would get wrong depths; not checked
-                 on device).
+                 on device). May exceed the true depth, e.g. to keep Acceptance shapes fixed.
       logprob:   optional [B, T] f32 cumulative draft log-probs (default zeros).
     """
     tokens = jnp.asarray(tokens, jnp.int32)
@@ -221,8 +225,8 @@ def make_tree(tokens, parents, max_depth: int, logprob=None) -> Tree:
     if tokens.ndim != 2 or tokens.shape != parents.shape:
         raise ValueError(f"tokens and parents must both be [B, T], got {tokens.shape}, {parents.shape}")
     max_depth = int(max_depth)
-    if max_depth < 0 or max_depth > tokens.shape[1] - 1:
-        raise ValueError(f"max_depth must be in [0, T-1] = [0, {tokens.shape[1] - 1}], got {max_depth}")
+    if max_depth < 0:
+        raise ValueError(f"max_depth must be >= 0, got {max_depth}")
     depths, vis = _ancestry(parents, max_depth)
     if logprob is None:
         logprob = jnp.zeros(tokens.shape, jnp.float32)

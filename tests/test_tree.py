@@ -1,0 +1,531 @@
+"""Tests for ddtree_jax.tree: DDTree build vs a heapq reference, invariants, acceptance walk,
+lossless sampling (chi-square), compaction, budget validation. CPU, fast."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ddtree_jax import tree as tr
+
+build_jit = jax.jit(tr.build_tree, static_argnums=2)
+greedy_jit = jax.jit(tr.accept_greedy)
+sample_jit = jax.jit(tr.accept_sample)
+
+
+# --------------------------------------------------------------------------------------------------
+# Plain-Python references
+# --------------------------------------------------------------------------------------------------
+
+
+def sanitize(lp):
+    """Same input sanitation as build_tree: NaN -> -inf, clamp to <= 0, -0.0 -> +0.0 (float32)."""
+    lp = np.asarray(lp, np.float32)
+    lp = np.where(np.isnan(lp), np.float32(-np.inf), np.minimum(lp, np.float32(0)))
+    return (lp + np.float32(0)).astype(np.float32)
+
+
+def ref_build(lp, root, budget):
+    """Best-first heap over draft prefixes of ONE stream (lp [Dp, W] float32).
+
+    Pops prefixes in order of the key (-score, depth, parent_rank, -token_lp, token_id), where score
+    is the float32 sum of log-probs along the path (root to leaf), parent_rank is the parent's pop
+    rank among the nodes of its depth (root: 0) and token_lp the token's own log-prob at its depth
+    (it only matters under a -inf parent; otherwise equal score and parent imply equal token_lp).
+    Every popped prefix pushes all its W children.
+    Returns tokens, parents, depths, logprob (node 0 = root) in pop order.
+    """
+    lp = sanitize(lp)
+    dp, w = lp.shape
+    tokens, parents, depths, scores = [int(root)], [-1], [0], [np.float32(0)]
+    rank_count = [1] + [0] * dp  # nodes popped so far per depth (root has rank 0)
+    heap = []
+
+    def push_children(node, score, depth, rank):
+        if depth == dp:
+            return
+        for tok in range(w):
+            s = np.float32(score + lp[depth, tok])
+            heapq.heappush(heap, (-float(s), depth + 1, rank, -float(lp[depth, tok]), tok, node, s))
+
+    push_children(0, np.float32(0), 0, 0)
+    while len(tokens) < budget + 1:
+        _, depth, _, _, tok, parent, s = heapq.heappop(heap)
+        node = len(tokens)
+        tokens.append(tok)
+        parents.append(parent)
+        depths.append(depth)
+        scores.append(s)
+        rank = rank_count[depth]
+        rank_count[depth] += 1
+        push_children(node, s, depth, rank)
+    return (np.array(tokens), np.array(parents), np.array(depths), np.array(scores, np.float32))
+
+
+def ref_walk(tokens, parents, target):
+    """Greedy/sampled acceptance walk for ONE stream: returns (path, next_token)."""
+    cur, path = 0, [0]
+    while True:
+        kids = [c for c in range(len(tokens)) if parents[c] == cur and tokens[c] == target[cur]]
+        if not kids:
+            return path, int(target[cur])
+        cur = kids[0]
+        path.append(cur)
+
+
+def node_paths(tokens, parents):
+    """Token path (tuple, root excluded) of every node of one stream."""
+    paths = []
+    for t in range(len(tokens)):
+        p = () if parents[t] < 0 else paths[parents[t]] + (int(tokens[t]),)
+        paths.append(p)
+    return paths
+
+
+def canonical(tokens, parents, depths):
+    """Order-free form: sorted (depth, path, parent path) of all nodes."""
+    paths = node_paths(tokens, parents)
+    return sorted(
+        (int(depths[t]), paths[t], paths[parents[t]] if parents[t] >= 0 else None)
+        for t in range(len(tokens))
+    )
+
+
+def check_invariants(tree, lp=None):
+    tokens, parents, depths = map(np.asarray, (tree.tokens, tree.parents, tree.depths))
+    vis, logprob = np.asarray(tree.visibility), np.asarray(tree.logprob)
+    b, t = tokens.shape
+    assert vis.shape == (b, t, t)
+    clean = None if lp is None else sanitize(lp)
+    for s in range(b):
+        assert parents[s, 0] == -1 and depths[s, 0] == 0
+        for n in range(1, t):
+            p = parents[s, n]
+            assert 0 <= p < n
+            assert depths[s, p] + 1 == depths[s, n]
+            if lp is not None:
+                want = np.float32(logprob[s, p] + clean[s, depths[s, n] - 1, tokens[s, n]])
+                assert logprob[s, n] == want
+        assert depths[s].max() <= tree.max_depth
+        # visibility == naive ancestor-or-self closure
+        naive = np.zeros((t, t), bool)
+        for n in range(t):
+            a = n
+            while a >= 0:
+                naive[n, a] = True
+                a = parents[s, a]
+        np.testing.assert_array_equal(vis[s], naive)
+        # siblings carry distinct tokens
+        pairs = [(parents[s, n], tokens[s, n]) for n in range(1, t)]
+        assert len(set(pairs)) == len(pairs)
+
+
+# --------------------------------------------------------------------------------------------------
+# build_tree == heapq reference
+# --------------------------------------------------------------------------------------------------
+
+
+def compare_with_ref(lp, roots, budget):
+    lp = np.asarray(lp, np.float32)
+    tree = build_jit(jnp.asarray(lp), jnp.asarray(roots, jnp.int32), budget)
+    assert tree.tokens.shape == (lp.shape[0], budget + 1)
+    assert tree.max_depth == min(lp.shape[1], budget)
+    check_invariants(tree, lp)
+    for s in range(lp.shape[0]):
+        r_tok, r_par, r_dep, r_lp = ref_build(lp[s], roots[s], budget)
+        got = (np.asarray(tree.tokens[s]), np.asarray(tree.parents[s]), np.asarray(tree.depths[s]))
+        assert canonical(*got) == canonical(r_tok, r_par, r_dep)  # same node set and structure
+        # Same tie rule => identical best-first order, bit-identical scores.
+        np.testing.assert_array_equal(got[0], r_tok)
+        np.testing.assert_array_equal(got[1], r_par)
+        np.testing.assert_array_equal(got[2], r_dep)
+        np.testing.assert_array_equal(np.asarray(tree.logprob[s]), r_lp)
+    return tree
+
+
+@pytest.mark.parametrize("budget", [1, 2, 3, 8, 32, 128, 1024])
+@pytest.mark.parametrize("vocab", [16, 64])
+def test_build_matches_heap_random(budget, vocab):
+    for seed in range(3):
+        rng = np.random.default_rng(1000 * seed + vocab + budget)
+        logits = rng.normal(size=(3, 7, vocab)) * rng.uniform(0.5, 4.0, size=(3, 7, 1))
+        lp = np.asarray(jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1))
+        roots = rng.integers(0, vocab, size=3)
+        compare_with_ref(lp, roots, budget)
+
+
+@pytest.mark.parametrize("budget", [1, 3, 8, 32, 128, 1024])
+def test_build_matches_heap_ties(budget):
+    rng = np.random.default_rng(budget)
+    # (a) normalised log-probs of logits quantised to 3 levels: many equal tokens per depth.
+    q = rng.integers(0, 3, size=(2, 7, 16)).astype(np.float32)
+    lp_a = np.asarray(jax.nn.log_softmax(jnp.asarray(q), axis=-1))
+    # (b) exact dyadic log-probs incl. 0: path sums tie across paths and across depths
+    #     (a child with lp 0 ties its parent -> the depth rule decides).
+    lp_b = -0.5 * rng.integers(0, 4, size=(2, 7, 16)).astype(np.float32)
+    # (c) a fully uniform depth and an all-zero depth.
+    lp_c = lp_b.copy()
+    lp_c[:, 2] = -np.log(16.0)
+    lp_c[:, 4] = 0.0
+    lp_c[1, 5] = -0.0
+    for lp in (lp_a, lp_b, lp_c):
+        compare_with_ref(lp, rng.integers(0, 16, size=2), budget)
+
+
+@pytest.mark.parametrize("budget", [1, 8, 32, 128, 1024])
+def test_build_matches_heap_inf_nan_positive(budget):
+    rng = np.random.default_rng(7 + budget)
+    lp = np.array(jax.nn.log_softmax(jnp.asarray(rng.normal(size=(3, 7, 16)), jnp.float32), -1))
+    lp[rng.random(lp.shape) < 0.4] = -np.inf  # many impossible tokens
+    lp[0, 1, :] = -np.inf  # a whole depth impossible: every depth>=2 prefix scores -inf
+    lp[1, 0, :13] = -np.inf  # only 3 possible first tokens
+    lp[2, 3, 5] = np.nan  # treated as -inf
+    lp[2, 4, 6] = 0.25  # > 0: clamped to 0
+    tree = compare_with_ref(lp, np.array([1, 2, 3]), budget)
+    assert not np.isnan(np.asarray(tree.logprob)).any()
+
+
+def test_build_budget_nesting_and_order():
+    """Best-first order: the budget-k tree is the first k+1 nodes of the budget-K tree."""
+    rng = np.random.default_rng(3)
+    lp = jax.nn.log_softmax(jnp.asarray(rng.normal(size=(2, 7, 32)) * 2, jnp.float32), -1)
+    roots = jnp.array([4, 9])
+    big = build_jit(lp, roots, 200)
+    assert np.all(np.diff(np.asarray(big.logprob[:, 1:]), axis=1) <= 0)
+    for k in (1, 5, 17, 64):
+        small = build_jit(lp, roots, k)
+        for f in ("tokens", "parents", "depths", "logprob"):
+            np.testing.assert_array_equal(getattr(small, f), getattr(big, f)[:, : k + 1])
+        np.testing.assert_array_equal(small.visibility, big.visibility[:, : k + 1, : k + 1])
+
+
+def test_build_deep_chain_when_draft_is_certain():
+    """A one-hot drafter gives a chain first (children with lp 0 tie their parent: depth first)."""
+    dp, w = 7, 8
+    toks = np.arange(dp) % w
+    lp = np.full((1, dp, w), -np.inf, np.float32)
+    lp[0, np.arange(dp), toks] = 0.0
+    tree = build_jit(jnp.asarray(lp), jnp.array([3]), 10)
+    np.testing.assert_array_equal(tree.tokens[0, 1 : dp + 1], toks)
+    np.testing.assert_array_equal(tree.depths[0, : dp + 1], np.arange(dp + 1))
+    np.testing.assert_array_equal(tree.parents[0, 1 : dp + 1], np.arange(dp))
+    compare_with_ref(lp, np.array([3]), 10)
+
+
+def test_positions_and_chain_tree():
+    roots = jnp.array([5, 6])
+    drafts = jnp.array([[1, 2, 3], [4, 5, 6]])
+    chain = tr.chain_tree(drafts, roots, token_logprobs=-jnp.ones((2, 3)))
+    check_invariants(chain)
+    assert chain.max_depth == 3
+    np.testing.assert_array_equal(chain.tokens, [[5, 1, 2, 3], [6, 4, 5, 6]])
+    np.testing.assert_array_equal(chain.visibility[0], np.tril(np.ones((4, 4), bool)))
+    np.testing.assert_array_equal(chain.logprob[1], [0, -1, -2, -3])
+    np.testing.assert_array_equal(chain.positions(jnp.array([10, 20])), [[10, 11, 12, 13], [20, 21, 22, 23]])
+    lp = jax.nn.log_softmax(jax.random.normal(jax.random.key(0), (2, 7, 16)), -1)
+    tree = build_jit(lp, roots, 32)
+    np.testing.assert_array_equal(tree.positions(jnp.array([3, 7])), jnp.array([[3], [7]]) + tree.depths)
+    # make_tree derives the same depths/visibility
+    again = tr.make_tree(tree.tokens, tree.parents, tree.max_depth, tree.logprob)
+    np.testing.assert_array_equal(again.depths, tree.depths)
+    np.testing.assert_array_equal(again.visibility, tree.visibility)
+    # pytree round trip (the engine carries trees through jit / while_loop)
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    assert len(leaves) == 5 and jax.tree_util.tree_unflatten(treedef, leaves).max_depth == tree.max_depth
+
+
+# --------------------------------------------------------------------------------------------------
+# Budget validation
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "budget,match",
+    [
+        (0, "must be >= 1"),
+        (-3, "must be >= 1"),
+        (tr.MAX_BUDGET + 1, "supported maximum"),
+        (10**9, "supported maximum"),
+        (2.0, "static Python int"),
+        (True, "static Python int"),
+        (None, "static Python int"),
+    ],
+)
+def test_bad_budget(budget, match):
+    lp = jnp.zeros((1, 7, 16))
+    with pytest.raises(ValueError, match=match):
+        tr.build_tree(lp, jnp.array([0]), budget)
+    with pytest.raises(ValueError, match=match):
+        tr.check_budget(budget)
+
+
+def test_budget_above_distinct_prefixes():
+    lp = jnp.zeros((1, 2, 2))  # 2 + 4 = 6 distinct prefixes
+    assert build_jit(lp, jnp.array([0]), 6).tokens.shape == (1, 7)
+    with pytest.raises(ValueError, match="distinct draft prefixes"):
+        tr.build_tree(lp, jnp.array([0]), 7)
+    assert tr.check_budget(tr.MAX_BUDGET, 7, 163840) == tr.MAX_BUDGET
+    with pytest.raises(ValueError, match="draft_logprobs must be"):
+        tr.build_tree(jnp.zeros((7, 16)), jnp.array([0]), 4)
+
+
+# --------------------------------------------------------------------------------------------------
+# Acceptance walk
+# --------------------------------------------------------------------------------------------------
+
+
+def random_tree(rng, b, t, w, max_depth):
+    """Random trees (parents < index, depth <= max_depth, distinct sibling tokens) via make_tree."""
+    tokens = np.zeros((b, t), np.int32)
+    parents = np.full((b, t), -1, np.int32)
+    for s in range(b):
+        depth = [0]
+        used = {}
+        tokens[s, 0] = rng.integers(w)
+        for n in range(1, t):
+            ok = [p for p in range(n) if depth[p] < max_depth and len(used.get(p, ())) < w]
+            assert ok, "tree too large for this depth / vocab"
+            p = int(rng.choice(ok))
+            tok = int(rng.choice([x for x in range(w) if x not in used.get(p, set())]))
+            used.setdefault(p, set()).add(tok)
+            parents[s, n], tokens[s, n] = p, tok
+            depth.append(depth[p] + 1)
+    return tr.make_tree(tokens, parents, max_depth)
+
+
+def check_acceptance(tree, acc, target):
+    tokens, parents = np.asarray(tree.tokens), np.asarray(tree.parents)
+    d = tree.max_depth
+    assert acc.path.shape == (tokens.shape[0], d + 1) and acc.accepted_tokens.shape == (tokens.shape[0], d)
+    for s in range(tokens.shape[0]):
+        path, nxt = ref_walk(tokens[s], parents[s], target[s])
+        n = len(path) - 1
+        assert int(acc.num_accepted[s]) == n
+        assert int(acc.next_token[s]) == nxt
+        np.testing.assert_array_equal(acc.path[s], path + [tr.PAD] * (d - n))
+        np.testing.assert_array_equal(acc.accepted_tokens[s], [tokens[s, c] for c in path[1:]] + [tr.PAD] * (d - n))
+        np.testing.assert_array_equal(acc.emitted[s], list(acc.accepted_tokens[s, :n]) + [nxt] + [tr.PAD] * (d - n))
+
+
+def forced_logits(rng, tree, w, targets):
+    """Random target logits, then force the walk of stream s along root -> targets[s] (node index;
+    0 = force zero acceptance by making the root's argmax a token no root child carries)."""
+    tokens, parents = np.asarray(tree.tokens), np.asarray(tree.parents)
+    b, t = tokens.shape
+    logits = rng.normal(size=(b, t, w)).astype(np.float32)
+    for s, x in enumerate(targets):
+        if x == 0:
+            kids = {tokens[s, c] for c in range(1, t) if parents[s, c] == 0}
+            logits[s, 0, min(set(range(w)) - kids)] = 50.0
+        while x > 0:
+            logits[s, parents[s, x], tokens[s, x]] = 50.0
+            x = parents[s, x]
+    return logits
+
+
+def test_accept_greedy_vs_reference():
+    rng = np.random.default_rng(0)
+    w = 24
+    lp = jax.nn.log_softmax(jnp.asarray(rng.normal(size=(4, 7, w)) * 3, jnp.float32), -1)
+    tree = build_jit(lp, jnp.array([1, 2, 3, 4]), 32)
+    depths = np.asarray(tree.depths)
+    deepest = [int(np.argmax(depths[s])) for s in range(4)]
+    mid = [int(np.flatnonzero(depths[s] == 2)[0]) for s in range(4)]
+    cases = [
+        deepest,  # full acceptance to max depth on every stream
+        [0, 0, 0, 0],  # zero acceptance everywhere
+        [deepest[0], 0, mid[2], -1],  # B>1 with different outcomes (-1: untouched random)
+    ]
+    for targets in cases:
+        logits = forced_logits(rng, tree, w, [max(x, 0) for x in targets])
+        for s, x in enumerate(targets):
+            if x == -1:
+                logits[s] = rng.normal(size=logits[s].shape)
+        acc = greedy_jit(tree, jnp.asarray(logits))
+        check_acceptance(tree, acc, np.argmax(logits, -1))
+        for s, x in enumerate(targets):
+            if x >= 0:
+                assert int(acc.num_accepted[s]) >= depths[s, x]
+    full = greedy_jit(tree, jnp.asarray(forced_logits(rng, tree, w, deepest)))
+    np.testing.assert_array_equal(full.num_accepted, depths.max(axis=1))
+    zero = greedy_jit(tree, jnp.asarray(forced_logits(rng, tree, w, [0, 0, 0, 0])))
+    np.testing.assert_array_equal(zero.num_accepted, 0)
+
+
+def test_accept_greedy_random_trees_chain_and_ar():
+    rng = np.random.default_rng(1)
+    w = 6
+    for t, d in [(1, 0), (4, 1), (7, 1), (9, 3), (33, 7)]:  # few shapes: few compiles
+        for _ in range(4):
+            tree = random_tree(rng, 3, t, w, d)
+            check_invariants(tree)
+            logits = rng.normal(size=(3, t, w)).astype(np.float32)
+            logits[0, 0, tree.tokens[0, 1:][np.asarray(tree.parents[0, 1:]) == 0][:1]] = 50  # >= 1 acc
+            acc = greedy_jit(tree, jnp.asarray(logits))
+            check_acceptance(tree, acc, np.argmax(logits, -1))
+    # DFlash chain: accept the longest prefix where draft d[i+1] == argmax at node i
+    drafts = rng.integers(0, w, size=(3, 7))
+    chain = tr.chain_tree(drafts, np.array([0, 1, 2]))
+    logits = rng.normal(size=(3, 8, w)).astype(np.float32)
+    logits[0, np.arange(7), drafts[0]] = 50  # full: tau = 8
+    logits[1, np.arange(3), drafts[1, :3]] = 50  # >= 3 accepted
+    acc = greedy_jit(chain, jnp.asarray(logits))
+    check_acceptance(chain, acc, np.argmax(logits, -1))
+    assert int(acc.num_accepted[0]) == 7 and int(acc.num_accepted[1]) >= 3
+    # AR: T = 1, next token = argmax at the root
+    ar = tr.chain_tree(np.zeros((3, 0), np.int32), np.array([0, 1, 2]))
+    lg = rng.normal(size=(3, 1, w)).astype(np.float32)
+    acc = greedy_jit(ar, jnp.asarray(lg))
+    np.testing.assert_array_equal(acc.num_accepted, 0)
+    np.testing.assert_array_equal(acc.next_token, np.argmax(lg[:, 0], -1))
+    np.testing.assert_array_equal(acc.emitted, np.argmax(lg[:, 0], -1)[:, None])
+
+
+def test_accept_sample_cold_equals_greedy():
+    rng = np.random.default_rng(2)
+    w = 32
+    lp = jax.nn.log_softmax(jnp.asarray(rng.normal(size=(3, 7, w)) * 3, jnp.float32), -1)
+    tree = build_jit(lp, jnp.array([1, 2, 3]), 64)
+    depths = np.asarray(tree.depths)
+    deepest = [int(np.argmax(depths[s])) for s in range(3)]
+    logits = forced_logits(rng, tree, w, deepest)
+    logits[2] = rng.normal(size=logits[2].shape)
+    g = greedy_jit(tree, jnp.asarray(logits))
+    for temp in (0.0, 1e-6, jnp.array([0.0, 1e-6, 0.0])):
+        for seed in range(3):
+            s = sample_jit(tree, jnp.asarray(logits), temp, jax.random.key(seed))
+            for f in ("num_accepted", "path", "next_token", "accepted_tokens", "emitted", "target_tokens"):
+                np.testing.assert_array_equal(getattr(s, f), getattr(g, f))
+    # per-stream temperature: stream 0 greedy, the others sampled
+    s = sample_jit(tree, jnp.asarray(logits), jnp.array([0.0, 1.0, 1.0]), jax.random.key(0))
+    np.testing.assert_array_equal(s.target_tokens[0], g.target_tokens[0])
+
+
+# --------------------------------------------------------------------------------------------------
+# Lossless: chi-square of the emitted continuation vs direct target sampling
+# --------------------------------------------------------------------------------------------------
+
+
+W_TINY, DP_TINY, L_CONT, TEMP = 3, 3, 3, 0.8
+
+
+def cond_logits(prefix):
+    """The toy target: fixed logits for the next token given the whole context (root + path)."""
+    rng = np.random.default_rng([12345, len(prefix), *prefix])
+    return (1.5 * rng.normal(size=W_TINY)).astype(np.float32)
+
+
+def cond_probs(prefix, temp=TEMP):
+    z = cond_logits(prefix).astype(np.float64) / temp
+    p = np.exp(z - z.max())
+    return p / p.sum()
+
+
+def toy_tree(kind, roots, rng):
+    """Draft tree correlated with the target (noisy target along the greedy path)."""
+    lps = []
+    for r in roots:
+        prefix, rows = (r,), []
+        for _ in range(DP_TINY):
+            z = cond_logits(prefix) + rng.normal(size=W_TINY).astype(np.float32)
+            rows.append(z - np.log(np.exp(z).sum()))
+            prefix = prefix + (int(np.argmax(z)),)
+        lps.append(rows)
+    lp = jnp.asarray(np.array(lps, np.float32))
+    if kind == "chain":
+        return tr.chain_tree(jnp.argmax(lp, -1), jnp.asarray(roots))
+    return build_jit(lp, jnp.asarray(roots, jnp.int32), 7)
+
+
+def chi2_pvalue(counts, probs):
+    n = counts.sum()
+    exp = n * probs
+    stat = float(((counts - exp) ** 2 / exp).sum())
+    df = len(probs) - 1
+    return float(jax.scipy.special.gammaincc(df / 2.0, stat / 2.0))
+
+
+@pytest.mark.parametrize("kind", ["ddtree", "chain"])
+def test_accept_sample_lossless_chi2(kind):
+    rng = np.random.default_rng(11)
+    roots = [0, 2]
+    tree = toy_tree(kind, roots, rng)
+    tokens, parents = np.asarray(tree.tokens), np.asarray(tree.parents)
+    logits = np.zeros((2, tree.num_nodes, W_TINY), np.float32)
+    for s, r in enumerate(roots):
+        for t, path in enumerate(node_paths(tokens[s], parents[s])):
+            logits[s, t] = cond_logits((r,) + path)
+    n_samples = 120_000
+    keys = jax.random.split(jax.random.key(2024), n_samples)
+    run = jax.jit(jax.vmap(lambda k: tr.accept_sample(tree, jnp.asarray(logits), TEMP, k)))
+    acc = run(keys)
+    emitted, n_acc = np.asarray(acc.emitted), np.asarray(acc.num_accepted)  # [N, B, D+1], [N, B]
+    assert n_acc.mean() > 0.5  # the tree really gets accepted, not just the bonus token
+    cells = list(itertools.product(range(W_TINY), repeat=L_CONT))
+    for s, r in enumerate(roots):
+        # Continue each round's output to L_CONT tokens by sampling the target directly
+        # (what the next rounds would do), then compare the joint law of the first L_CONT tokens.
+        seq = np.full((n_samples, L_CONT), -1, np.int64)
+        m = min(L_CONT, emitted.shape[2])
+        seq[:, :m] = emitted[:, s, :m]
+        for k in range(L_CONT):
+            need = seq[:, k] < 0
+            for pre in set(map(tuple, seq[need, :k])):
+                rows = need & np.all(seq[:, :k] == np.array(pre, np.int64), axis=1)
+                seq[rows, k] = rng.choice(W_TINY, size=rows.sum(), p=cond_probs((r,) + pre))
+        codes = seq @ (W_TINY ** np.arange(L_CONT - 1, -1, -1))
+        counts = np.bincount(codes, minlength=W_TINY**L_CONT).astype(np.float64)
+        exact = np.array(
+            [np.prod([cond_probs((r,) + c[:k])[c[k]] for k in range(L_CONT)]) for c in cells]
+        )
+        assert abs(exact.sum() - 1) < 1e-9
+        p = chi2_pvalue(counts, exact)
+        assert p > 1e-4, (kind, s, p)
+        # the test has power: the same samples reject a slightly different temperature
+        wrong = np.array(
+            [np.prod([cond_probs((r,) + c[:k], 1.0)[c[k]] for k in range(L_CONT)]) for c in cells]
+        )
+        assert chi2_pvalue(counts, wrong) < 1e-6
+
+
+# --------------------------------------------------------------------------------------------------
+# Compaction
+# --------------------------------------------------------------------------------------------------
+
+
+def test_compaction_indices():
+    rng = np.random.default_rng(5)
+    w = 8
+    lp = jax.nn.log_softmax(jnp.asarray(rng.normal(size=(3, 7, w)) * 3, jnp.float32), -1)
+    tree = build_jit(lp, jnp.array([1, 2, 3]), 24)
+    depths = np.asarray(tree.depths)
+    logits = forced_logits(rng, tree, w, [int(np.argmax(depths[0])), 0, int(np.flatnonzero(depths[2] == 2)[0])])
+    acc = greedy_jit(tree, jnp.asarray(logits))
+    start = np.array([0, 5, 17])
+    src, dst, valid = map(np.asarray, tr.compaction_indices(acc, jnp.asarray(start)))
+    t = tree.num_nodes
+    for s in range(3):
+        n = int(acc.num_accepted[s])
+        path = np.asarray(acc.path[s, : n + 1])
+        np.testing.assert_array_equal(valid[s], np.arange(tree.max_depth + 1) <= n)
+        np.testing.assert_array_equal(src[s, : n + 1], start[s] + path)
+        np.testing.assert_array_equal(dst[s], start[s] + np.arange(tree.max_depth + 1))
+        np.testing.assert_array_equal(src[s, n + 1 :], dst[s, n + 1 :])
+        assert np.all(src[s] >= dst[s])
+        # apply to a fake cache whose rows hold (node index) for the tree block
+        cache = np.full(start[s] + t + 4, -7)
+        cache[start[s] : start[s] + t] = np.arange(t)
+        before = cache.copy()
+        cache[dst[s]] = cache[src[s]]  # gather all, then scatter, unconditionally
+        np.testing.assert_array_equal(cache[start[s] : start[s] + n + 1], path)
+        np.testing.assert_array_equal(cache[: start[s]], before[: start[s]])
+        seq = before.copy()  # in-place copies in increasing k give the same result
+        for k in range(tree.max_depth + 1):
+            seq[dst[s, k]] = seq[src[s, k]]
+        np.testing.assert_array_equal(seq[start[s] : start[s] + n + 1], path)
+    assert int(acc.num_accepted[0]) == depths[0].max() and int(acc.num_accepted[1]) == 0
