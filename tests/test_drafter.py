@@ -1,0 +1,425 @@
+"""DFlash drafter: parity with a plain PyTorch reference (transformers' Qwen3 components + KV injection),
+multi-round context appends == whole context at once, bidirectional block, positions, cache overflow,
+config and checkpoint errors."""
+
+import copy
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from torch import nn
+from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
+
+from ddtree_jax.config import ConfigError, tiny_config, yarn_mscale
+from ddtree_jax.drafter import (DFlashDrafter, DrafterConfig, build_target_layer_ids, check_drafter_target,
+                                draft_cache_axes, draft_logits, init_draft_cache, k26_drafter_config,
+                                load_hf_drafter, tiny_drafter_config)
+from ddtree_jax.model import KimiModel
+from ddtree_jax.rope import rope_cos_sin, rope_inv_freq
+from ddtree_jax.safetensors_io import CheckpointError, save_file
+from ddtree_jax.sharding import DEFAULT_RULES, make_mesh, named_sharding
+
+YARN = {"rope_type": "yarn", "factor": 64.0, "original_max_position_embeddings": 32, "beta_fast": 32.0,
+        "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+HF_CONFIG = dict(
+    architectures=["DFlashDraftModel"], model_type="qwen3", hidden_size=64, intermediate_size=96,
+    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+    vocab_size=256, max_position_embeddings=2048, num_target_layers=3, rope_theta=50000.0, rope_scaling=YARN,
+    block_size=4, hidden_act="silu", attention_bias=False,
+    dflash_config={"target_layer_ids": [0, 2], "mask_token_id": 255},
+)
+N_TAPS, BLOCK, MASK = 2, 4, 255
+
+
+def rel_err(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+# ----- the PyTorch reference ------------------------------------------------------------------------
+
+class RefAttention(nn.Module):
+    """Qwen3 attention with DFlash KV injection: keys/values = [context features | block], non-causal."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.h, self.kvh, self.hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, self.h * self.hd, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, self.kvh * self.hd, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, self.kvh * self.hd, bias=False)
+        self.o_proj = nn.Linear(self.h * self.hd, c.hidden_size, bias=False)
+        self.q_norm = Qwen3RMSNorm(self.hd, eps=c.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.hd, eps=c.rms_norm_eps)
+
+    def forward(self, x, ctx, cos, sin):
+        b, tb, _ = x.shape
+        tc = ctx.shape[1]
+        q = self.q_norm(self.q_proj(x).view(b, tb, self.h, self.hd)).transpose(1, 2)
+        k = torch.cat([self.k_proj(ctx), self.k_proj(x)], 1).view(b, tc + tb, self.kvh, self.hd)
+        v = torch.cat([self.v_proj(ctx), self.v_proj(x)], 1).view(b, tc + tb, self.kvh, self.hd)
+        k, v = self.k_norm(k).transpose(1, 2), v.transpose(1, 2)
+        cos, sin = cos[:, None], sin[:, None]  # [B, 1, Tc+Tb, hd]
+        q = q * cos[..., -tb:, :] + rotate_half(q) * sin[..., -tb:, :]
+        k = k * cos + rotate_half(k) * sin
+        groups = self.h // self.kvh
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        w = torch.softmax(q @ k.transpose(-1, -2) * self.hd ** -0.5, dim=-1)
+        return self.o_proj((w @ v).transpose(1, 2).reshape(b, tb, self.h * self.hd))
+
+
+class RefLayer(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.self_attn = RefAttention(c)
+        self.mlp = Qwen3MLP(c)
+        self.input_layernorm = Qwen3RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+
+    def forward(self, x, ctx, cos, sin):
+        x = x + self.self_attn(self.input_layernorm(x), ctx, cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class RefDrafter(nn.Module):
+    def __init__(self, c, n_taps):
+        super().__init__()
+        self.layers = nn.ModuleList([RefLayer(c) for _ in range(c.num_hidden_layers)])
+        self.norm = Qwen3RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.fc = nn.Linear(n_taps * c.hidden_size, c.hidden_size, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(c)
+
+    def forward(self, target_hidden, noise, position_ids):
+        """target_hidden [B, Tc, n*D], noise [B, Tb, D], position_ids [B, Tc+Tb] -> [B, Tb, D]."""
+        ctx = self.hidden_norm(self.fc(target_hidden))
+        cos, sin = self.rotary_emb(noise, position_ids)
+        x = noise
+        for layer in self.layers:
+            x = layer(x, ctx, cos, sin)
+        return self.norm(x)
+
+
+def torch_config(raw=HF_CONFIG):
+    keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "head_dim", "rms_norm_eps", "vocab_size", "max_position_embeddings", "hidden_act")
+    return Qwen3Config(**{k: raw[k] for k in keys}, rope_parameters={**raw["rope_scaling"],
+                                                                      "rope_theta": raw["rope_theta"]})
+
+
+def random_reference(seed=0):
+    torch.manual_seed(seed)
+    ref = RefDrafter(torch_config(), N_TAPS).float().eval()
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            p.copy_(1.0 + 0.1 * torch.randn_like(p) if p.ndim == 1 else 0.1 * torch.randn_like(p))
+    return ref
+
+
+def export(tensors, directory, config=HF_CONFIG):
+    os.makedirs(directory, exist_ok=True)
+    save_file(tensors, os.path.join(directory, "model.safetensors"))
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f)
+    return str(directory)
+
+
+def ref_tensors(ref, prefix=""):
+    return {prefix + k: v.detach().numpy().copy() for k, v in ref.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    ref = random_reference()
+    return ref, export(ref_tensors(ref, prefix="model."), tmp_path_factory.mktemp("drafter"))
+
+
+@pytest.fixture(scope="module")
+def setup(exported):
+    ref, path = exported
+    drafter = load_hf_drafter(path, dtype="float32")
+    return ref, drafter, random_target()
+
+
+def random_target(seed=3):
+    """A tiny KimiModel with random weights, filled from numpy (eager NNX init is slow on CPU)."""
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: KimiModel(tiny_config(), nnx.Rngs(0))))
+    rng = np.random.default_rng(seed)
+    state = jax.tree.map(lambda s: jnp.asarray((0.1 * rng.standard_normal(s.shape)).astype(s.dtype)), abstract)
+    return nnx.merge(graphdef, state)
+
+
+# ----- jitted entry points --------------------------------------------------------------------------
+
+@jax.jit(static_argnames=("graphdef",))
+def _append(graphdef, state, cache, taps, positions, counts):
+    return nnx.merge(graphdef, state).append_context(cache, taps, positions, counts)
+
+
+@jax.jit(static_argnames=("graphdef",))
+def _forward(graphdef, state, cache, embeds, positions):
+    return nnx.merge(graphdef, state)(cache, embeds, positions)
+
+
+@jax.jit(static_argnames=("dgraph", "tgraph"))
+def _draft_logits(dgraph, dstate, tgraph, tstate, cache, bonus, start):
+    return draft_logits(nnx.merge(dgraph, dstate), nnx.merge(tgraph, tstate), cache, bonus, start)
+
+
+def append(drafter, cache, taps, positions, counts):
+    g, s = nnx.split(drafter)
+    return _append(g, s, cache, jnp.asarray(taps, jnp.float32), jnp.asarray(positions, jnp.int32),
+                   jnp.asarray(counts, jnp.int32))
+
+
+def forward(drafter, cache, embeds, positions):
+    g, s = nnx.split(drafter)
+    return np.asarray(_forward(g, s, cache, jnp.asarray(embeds, jnp.float32), jnp.asarray(positions, jnp.int32)))
+
+
+def logits(drafter, target, cache, bonus, start):
+    (dg, ds), (tg, ts) = nnx.split(drafter), nnx.split(target)
+    return np.asarray(_draft_logits(dg, ds, tg, ts, cache, jnp.asarray(bonus, jnp.int32),
+                                    jnp.asarray(start, jnp.int32)))
+
+
+def torch_logits(ref, target, taps, positions, bonus):
+    """taps [n, B, Tc, D], positions [B, Tc+Tb], bonus [B] -> logits [B, Tb-1, W] via the target's tables."""
+    embed = np.asarray(target.embed.value)
+    head = torch.from_numpy(np.array(target.lm_head.value))
+    tokens = np.concatenate([np.asarray(bonus)[:, None], np.full((len(bonus), BLOCK - 1), MASK)], axis=1)
+    with torch.no_grad():
+        hidden = ref(torch.from_numpy(np.concatenate(list(taps), axis=-1)).float(),
+                     torch.from_numpy(embed[tokens]), torch.from_numpy(np.asarray(positions, np.int64)))
+    return (hidden[:, 1:] @ head).numpy()
+
+
+# ----- parity ---------------------------------------------------------------------------------------
+
+def test_one_round_matches_torch(setup):
+    ref, drafter, target = setup
+    rng = np.random.default_rng(0)
+    b, tc = 2, 6
+    taps = rng.standard_normal((N_TAPS, b, tc, 64)).astype(np.float32)
+    base = np.array([0, 37])
+    ctx_pos = base[:, None] + np.arange(tc)
+    start = base + tc
+    bonus = np.array([5, 77])
+    cache, overflow = append(drafter, init_draft_cache(drafter.cfg, b, 16), taps, ctx_pos, [tc, tc])
+    assert not np.asarray(overflow).any() and np.asarray(cache.lengths).tolist() == [tc, tc]
+    got = logits(drafter, target, cache, bonus, start)
+    want = torch_logits(ref, target, taps, base[:, None] + np.arange(tc + BLOCK), bonus)
+    assert got.shape == (b, BLOCK - 1, 256) and got.dtype == np.float32
+    assert rel_err(got, want) <= 1e-4
+
+
+def test_multi_round_appends_equal_whole_context(setup):
+    """Two ragged appends with padding rows (junk) per stream == torch over the whole context at once."""
+    ref, drafter, target = setup
+    rng = np.random.default_rng(1)
+    lengths, offsets, bonus = [7, 5], [0, 11], np.array([3, 200])
+    full = [rng.standard_normal((N_TAPS, n, 64)).astype(np.float32) for n in lengths]
+    cache = init_draft_cache(drafter.cfg, 2, 12)
+    done = [0, 0]
+    for tc, counts in ((4, [4, 2]), (5, [3, 3])):
+        taps = 100 * rng.standard_normal((N_TAPS, 2, tc, 64)).astype(np.float32)  # junk in padding rows
+        pos = rng.integers(500, 900, (2, tc))
+        for s in range(2):
+            rows = slice(done[s], done[s] + counts[s])
+            taps[:, s, : counts[s]] = full[s][:, rows]
+            pos[s, : counts[s]] = offsets[s] + np.arange(done[s], done[s] + counts[s])
+            done[s] += counts[s]
+        cache, overflow = append(drafter, cache, taps, pos, counts)
+        assert not np.asarray(overflow).any()
+    assert np.asarray(cache.lengths).tolist() == lengths
+    start = np.asarray(offsets) + np.asarray(lengths)
+    got = logits(drafter, target, cache, bonus, start)
+    for s in range(2):
+        want = torch_logits(ref, target, full[s][:, None], (offsets[s] + np.arange(lengths[s] + BLOCK))[None],
+                            bonus[s:s + 1])
+        assert rel_err(got[s], want[0]) <= 1e-4, f"stream {s}"
+
+
+def test_block_is_bidirectional_and_positions_matter(setup):
+    _, drafter, _ = setup
+    rng = np.random.default_rng(2)
+    taps = rng.standard_normal((N_TAPS, 1, 5, 64)).astype(np.float32)
+    cache, _ = append(drafter, init_draft_cache(drafter.cfg, 1, 8), taps, np.arange(5)[None], [5])
+    embeds = rng.standard_normal((1, BLOCK, 64)).astype(np.float32)
+    pos = (5 + np.arange(BLOCK))[None]
+    base = forward(drafter, cache, embeds, pos)
+    changed = embeds.copy()
+    changed[:, -1] = rng.standard_normal(64)
+    out = forward(drafter, cache, changed, pos)
+    assert (np.abs(out - base)[0, :-1].max(axis=-1) > 1e-3).all(), "earlier slots must see the last block token"
+    assert np.abs(forward(drafter, cache, embeds, pos + 3) - base).max() > 1e-3, "block positions must matter"
+    moved, _ = append(drafter, init_draft_cache(drafter.cfg, 1, 8), taps, np.arange(5)[None] + 2, [5])
+    assert np.abs(forward(drafter, moved, embeds, pos) - base).max() > 1e-3, "context positions must matter"
+    # rows past lengths are invisible
+    junk = cache.k.at[:, :, 5:].set(1e3), cache.v.at[:, :, 5:].set(-1e3)
+    dirty = type(cache)(k=junk[0], v=junk[1], lengths=cache.lengths)
+    np.testing.assert_allclose(forward(drafter, dirty, embeds, pos), base, rtol=1e-6, atol=1e-6)
+
+
+def test_cache_overflow_is_flagged_not_clamped(setup):
+    _, drafter, _ = setup
+    rng = np.random.default_rng(3)
+    cache = init_draft_cache(drafter.cfg, 2, 8)
+    cache, overflow = append(drafter, cache, rng.standard_normal((N_TAPS, 2, 6, 64)), np.tile(np.arange(6), (2, 1)),
+                             [6, 2])
+    assert not np.asarray(overflow).any()
+    before = jax.tree.map(np.asarray, cache)
+    taps = rng.standard_normal((N_TAPS, 2, 3, 64))
+    after, overflow = append(drafter, cache, taps, np.tile(np.arange(6, 9), (2, 1)), [3, 1])
+    assert np.asarray(overflow).tolist() == [True, False]
+    assert np.asarray(after.lengths).tolist() == [6, 3]
+    np.testing.assert_array_equal(np.asarray(after.k)[:, 0], before.k[:, 0])
+    np.testing.assert_array_equal(np.asarray(after.v)[:, 0], before.v[:, 0])
+    assert np.abs(np.asarray(after.k)[:, 1, 2]).max() > 0 and np.abs(np.asarray(after.k)[:, 1, 3:]).max() == 0
+    _, overflow = append(drafter, cache, taps, np.zeros((2, 3)), [4, -1])  # counts outside [0, Tc]
+    assert np.asarray(overflow).tolist() == [True, True]
+
+
+# ----- config, rope amplitude, loading errors ----------------------------------------------------------
+
+def kimi_hf_dict():
+    """The published Kimi-K2.5-DFlash config.json fields (notes §1.1) plus MLP width and block size."""
+    return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": 7168,
+            "intermediate_size": 18432, "vocab_size": 163840, "head_dim": 128, "num_attention_heads": 64,
+            "num_key_value_heads": 8, "num_hidden_layers": 6, "num_target_layers": 61, "block_size": 8,
+            "max_position_embeddings": 262144, "rope_theta": 50000.0,
+            "dflash_config": {"target_layer_ids": [1, 12, 24, 35, 47, 58], "mask_token_id": 163838},
+            "rope_scaling": {"rope_type": "yarn", "factor": 64.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                             "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0}}
+
+
+def test_kimi_config_and_preset():
+    cfg = DrafterConfig.from_hf_dict(kimi_hf_dict())
+    assert cfg == k26_drafter_config()
+    assert hash(cfg) == hash(k26_drafter_config())
+    raw = kimi_hf_dict()
+    del raw["dflash_config"]["target_layer_ids"]
+    assert DrafterConfig.from_hf_dict(raw).target_layer_ids == (1, 12, 24, 35, 47, 58)
+    assert build_target_layer_ids(36, 5) == (1, 9, 17, 25, 33)
+    legacy = DrafterConfig.from_hf_dict(kimi_hf_dict(), legacy_yarn_amplitude=True)
+    assert legacy == k26_drafter_config(legacy_yarn_amplitude=True)
+    assert abs(legacy.rope.attention_factor - (1 + 0.1 * np.log(64))) < 1e-9
+    explicit = kimi_hf_dict()
+    explicit["rope_scaling"]["attention_factor"] = 1.25
+    assert DrafterConfig.from_hf_dict(explicit, legacy_yarn_amplitude=True).rope.attention_factor == 1.25
+    tiny = tiny_drafter_config(tiny_config())
+    assert tiny.hidden_size == 64 and tiny.target_layer_ids == (0, 2) and tiny.mask_token_id == 255
+    assert DrafterConfig.from_hf_dict(HF_CONFIG, dtype="float32") == tiny_drafter_config(tiny_config()).replace(
+        rope=DrafterConfig.from_hf_dict(HF_CONFIG).rope)
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_yarn_amplitude_matches_transformers(legacy):
+    """cos/sin (amplitude included) of the K2.6 drafter's YaRN == Qwen3RotaryEmbedding; the legacy option
+    equals transformers with an explicit attention_factor 1 + 0.1 ln 64 (notes §1.5)."""
+    raw = kimi_hf_dict()
+    rope = dict(raw["rope_scaling"], rope_theta=50000.0)
+    if legacy:
+        rope["attention_factor"] = yarn_mscale(64.0)
+    hf = Qwen3RotaryEmbedding(Qwen3Config(hidden_size=7168, num_attention_heads=64, head_dim=128,
+                                          max_position_embeddings=262144, rope_parameters=rope))
+    assert abs(hf.attention_scaling - (yarn_mscale(64.0) if legacy else 1.0)) < 1e-6
+    cfg = k26_drafter_config(legacy_yarn_amplitude=legacy)
+    # float32 pow differs from torch's by <= 1 ulp on a couple of frequencies; at position p that is an
+    # angle error of about p * 1e-8 rad, so the table comparison below stays at moderate positions
+    inv_freq, amplitude = rope_inv_freq(cfg.rope, cfg.head_dim)
+    np.testing.assert_allclose(inv_freq, hf.inv_freq.numpy(), rtol=2e-7)
+    assert abs(amplitude - hf.attention_scaling) < 1e-7
+    pos = np.array([[0, 1, 7, 300, 1000]])
+    cos_hf, sin_hf = hf(torch.zeros(1, dtype=torch.float32), torch.from_numpy(pos))
+    cos, sin = rope_cos_sin(jnp.asarray(pos), cfg.rope, cfg.head_dim)
+    np.testing.assert_allclose(np.asarray(cos), cos_hf.numpy()[..., :64], atol=2e-5)
+    np.testing.assert_allclose(np.asarray(sin), sin_hf.numpy()[..., :64], atol=2e-5)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"num_key_value_heads": 3}, "not divisible by num_kv_heads"),
+    ({"dflash_config": {"target_layer_ids": [0, 2], "mask_token_id": 256}}, "mask_token_id=256 outside"),
+    ({"dflash_config": {"target_layer_ids": [0, 2]}}, "lacks dflash_config.mask_token_id"),
+    ({"dflash_config": {"mask_token_id": 3}, "num_target_layers": None}, "neither dflash_config.target_layer_ids"),
+    ({"dflash_config": {"target_layer_ids": [0, 3], "mask_token_id": 3}}, "outside \\[0, num_target_layers=3\\)"),
+    ({"block_size": 1}, "block_size=1 must be >= 2"),
+    ({"layer_types": ["sliding_attention", "full_attention"]}, "sliding-window"),
+    ({"architectures": ["DFlash2DraftModel"]}, "unsupported drafter architectures"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "unsupported drafter rope type"),
+    ({"intermediate_size": None}, "lacks required field 'intermediate_size'"),
+])
+def test_bad_config_raises(change, message):
+    raw = {**copy.deepcopy(HF_CONFIG), **change}
+    with pytest.raises(ConfigError, match=message):
+        DrafterConfig.from_hf_dict(raw)
+
+
+def test_drafter_target_mismatch_raises():
+    with pytest.raises(ConfigError, match="vocab_size 300 != target vocab_size 256"):
+        check_drafter_target(tiny_drafter_config(tiny_config(), vocab_size=300, mask_token_id=1), tiny_config())
+    with pytest.raises(ConfigError, match="outside the target's 3 layers"):
+        check_drafter_target(tiny_drafter_config(tiny_config(), target_layer_ids=(0, 5), num_target_layers=None),
+                             tiny_config())
+
+
+def test_loader_errors_name_the_tensor(setup, tmp_path):
+    ref = setup[0]
+    good = ref_tensors(ref)
+    assert isinstance(load_hf_drafter(export(good, tmp_path / "plain"), dtype="float32"), DFlashDrafter)
+    missing = dict(good)
+    del missing["layers.1.self_attn.k_norm.weight"]
+    with pytest.raises(CheckpointError, match="missing tensors \\['layers.1.self_attn.k_norm.weight'\\]"):
+        load_hf_drafter(export(missing, tmp_path / "missing"), dtype="float32")
+    extra = {**good, "layers.2.mlp.up_proj.weight": good["layers.1.mlp.up_proj.weight"]}
+    with pytest.raises(CheckpointError, match="unexpected tensor 'layers.2.mlp.up_proj.weight'"):
+        load_hf_drafter(export(extra, tmp_path / "extra"), dtype="float32")
+    wrong = {**good, "fc.weight": good["fc.weight"][:, :64]}
+    with pytest.raises(CheckpointError, match="fc.weight: shape \\(64, 64\\) != expected \\(64, 128\\)"):
+        load_hf_drafter(export(wrong, tmp_path / "wrong"), dtype="float32")
+    twice = {**good, "model.norm.weight": good["norm.weight"]}
+    with pytest.raises(CheckpointError, match="duplicates"):
+        load_hf_drafter(export(twice, tmp_path / "twice"), dtype="float32")
+
+
+def test_bfloat16_drafter_runs(setup):
+    """bf16 weights and cache: one round stays close to the f32 drafter (smoke test of the dtype path)."""
+    _, drafter, target = setup
+    g, s = nnx.split(drafter)
+    cfg16 = drafter.cfg.replace(dtype="bfloat16")
+    s16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), s)
+    d16 = nnx.merge(nnx.split(nnx.eval_shape(lambda: DFlashDrafter(cfg16, nnx.Rngs(0))))[0], s16)
+    rng = np.random.default_rng(4)
+    taps = rng.standard_normal((N_TAPS, 1, 5, 64)).astype(np.float32)
+    c32, _ = append(drafter, init_draft_cache(drafter.cfg, 1, 8), taps, np.arange(5)[None], [5])
+    c16, _ = append(d16, init_draft_cache(cfg16, 1, 8), taps, np.arange(5)[None], [5])
+    assert c16.k.dtype == jnp.bfloat16
+    a = logits(drafter, target, c32, [9], [5])
+    b = logits(d16, target, c16, [9], [5])
+    assert b.dtype == np.float32 and rel_err(b, a) <= 0.05
+
+
+def test_sharded_equals_unsharded(exported, setup):
+    """Weights loaded onto a 2x2 (data, model) mesh and a cache laid out by its logical axes give the same
+    hidden states as the single-device drafter."""
+    _, path = exported
+    _, drafter, _ = setup
+    mesh = make_mesh(data=2, model=2)
+    sharded = load_hf_drafter(path, dtype="float32", mesh=mesh)
+    assert sharded.layers[0].attn.k.value.sharding.spec == jax.sharding.PartitionSpec(None, "model", None)
+    cache = jax.tree.map(lambda x, axes: jax.device_put(x, named_sharding(mesh, DEFAULT_RULES, axes)),
+                         init_draft_cache(drafter.cfg, 2, 16), draft_cache_axes(),
+                         is_leaf=lambda x: isinstance(x, tuple))
+    rng = np.random.default_rng(5)
+    taps = rng.standard_normal((N_TAPS, 2, 6, 64)).astype(np.float32)
+    pos = np.tile(np.arange(6), (2, 1))
+    embeds = rng.standard_normal((2, BLOCK, 64)).astype(np.float32)
+    c1, _ = append(sharded, cache, taps, pos, [6, 4])
+    c2, _ = append(drafter, init_draft_cache(drafter.cfg, 2, 16), taps, pos, [6, 4])
+    block_pos = np.array([6, 4])[:, None] + np.arange(BLOCK)
+    assert rel_err(forward(sharded, c1, embeds, block_pos), forward(drafter, c2, embeds, block_pos)) <= 1e-5
