@@ -60,7 +60,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-__all__ = ["tree_attention", "tree_attention_ref", "mla_attention", "default_config"]
+__all__ = ["tree_attention", "tree_attention_ref", "mla_attention", "default_config", "kernel_supports"]
 
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
@@ -396,27 +396,50 @@ def tree_attention(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, kv_lor
     return out
 
 
+def kernel_supports(q_shape, kv_lora_rank, block_rows=None) -> bool:
+    """Whether :func:`tree_attention` accepts these dims (else the dispatcher uses the twin)."""
+    _, T, H, C = q_shape
+    L, RD = kv_lora_rank, C - kv_lora_rank
+    R = block_rows or min(64, max(16, _pow2_ceil(T * H)))
+    return (_is_pow2(L) and _is_pow2(RD) and L >= 16 and RD >= 16 and _is_pow2(R) and R >= 16
+            and (H % R == 0 or R % H == 0))
+
+
 def mla_attention(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, kv_lora_rank,
                   interpret=False, return_lse=False, **tuning):
     """Dispatcher: the Pallas kernel when lowered for CUDA, the pure-JAX twin on any other platform.
 
     The choice is made per lowering platform (``lax.platform_dependent``), not from environment or
-    global state, so the same jitted function runs on a CPU host and on the H200. ``interpret=True``
-    forces the kernel through the Pallas interpreter on every platform (tests).
+    global state, so the same jitted function runs on a CPU host and on the H200. Dims the kernel does
+    not take (see :func:`kernel_supports`) use the twin everywhere. ``interpret=True`` forces the
+    kernel through the Pallas interpreter on every platform (tests).
     """
     kw = dict(scale=scale, kv_lora_rank=kv_lora_rank, return_lse=return_lse)
     args = (q, cache_kv, prefix_len, tree_kv, tree_mask)
     if interpret:
         return tree_attention(*args, interpret=True, **kw, **tuning)
+    if not kernel_supports(q.shape, kv_lora_rank, tuning.get("block_rows")):
+        return tree_attention_ref(*args, **kw)
     return lax.platform_dependent(
         *args,
         cuda=lambda *a: tree_attention(*a, **kw, **tuning),
         default=lambda *a: tree_attention_ref(*a, **kw))
 
 
-# Notes on the backend choice (measured on the H200, see experiments/bench_tree_attention.py):
-# JAX 0.11.2's default Pallas GPU backend is Mosaic GPU, but a plain pallas_call with Mosaic GPU
-# params failed on the H200 in the project's first probe, and Mosaic kernels need plgpu.kernel with
-# hand-written wgmma/TMA pipelines and cannot be tested in the CPU interpreter at these layouts.
-# The Triton backend (deprecated, still shipped in 0.11.x) lowers jnp dots to wgmma and is fully
-# testable with interpret=True, so it carries this kernel.
+# Notes (measured on one H200, JAX 0.11.2, experiments/results/bench_tree_attention_run{2,3}_*.json):
+# * Backend: JAX 0.11.2's default Pallas GPU backend is Mosaic GPU, but a plain pallas_call with
+#   Mosaic params failed on the H200 in the project's first probe, and a Mosaic kernel needs
+#   hand-written wgmma/TMA pipelines that the CPU interpreter cannot run at these layouts. The
+#   Triton backend (deprecated, still in 0.11.x) lowers the dots to wgmma, compiled here and is
+#   testable with interpret=True, so it carries this kernel.
+# * Triton's scf.for needs both loop bounds of one integer type: a Python-int bound next to a traced
+#   int32 passed CPU lowering but failed the H200's Triton parse (tests verify the module on CPU now).
+# * Compute-bound (T >= 32, H = 64; T >= 64, H = 8): 240-260 TFLOP/s = 41-44 % of the measured bf16
+#   matmul rate; XLA's dense masked attention (cuBLAS GEMMs, materialised scores) is 1.4-2x faster
+#   at these shapes. Tiles of 64 rows use 8 warps, so Triton splits N between the two warpgroups:
+#   the 64-key QK product runs as n=32 wgmmas re-reading the 64x576 q tile from SMEM per key block,
+#   and the softmax between the QK and PV products is not overlapped (no ping-pong as in FlashMLA).
+#   4 warps (one warpgroup owning the 64x512 f32 accumulator) spills and ran 2x slower.
+# * Memory-bound decode (T = 1, H = 8): 1.5-1.7 TB/s = 35-40 % of PyTorch's 4.2 TB/s device copy
+#   (bench_util's jitted a+1 measured only 2.1-2.7 TB/s). Split-KV partials plus the XLA combine cost
+#   a few small launches per call (~10 % at 8K prefix, ~2 % at 64K).

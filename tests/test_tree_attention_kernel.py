@@ -7,8 +7,8 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.tree_attention import (default_config, mla_attention, tree_attention,
-                                           tree_attention_ref)
+from pallas_kernels.tree_attention import (default_config, kernel_supports, mla_attention,
+                                           tree_attention, tree_attention_ref)
 
 
 def dense_reference(q, cache, plen, tkv, mask, scale, L):
@@ -108,7 +108,6 @@ KERNEL_CASES = [
     (2, 1, 32, 64, [64, 3], "chain", dict(block_rows=16, num_splits=2)),           # H > block_rows
     (2, 11, 2, 48, [17, 0], "chain", dict(block_rows=16, block_k=16, block_t=16)),  # causal chain
     (2, 20, 4, 64, [33, 64], "tree", dict(block_rows=32, block_k=32, block_t=16, num_splits=2)),
-    (1, 7, 16, 32, [0], "star", dict(block_rows=16, block_k=16)),                   # no prefix at all
 ]
 
 
@@ -149,6 +148,15 @@ def test_dispatcher_uses_twin_on_cpu_and_interprets_on_request():
     o = jax.jit(lambda *a: mla_attention(*a, scale=SCALE, kv_lora_rank=L))(*args)
     np.testing.assert_allclose(np.asarray(o), ref_o, atol=2e-5, rtol=2e-5)
     o = mla_attention(*args, scale=SCALE, kv_lora_rank=L, interpret=True, block_rows=16)
+    np.testing.assert_allclose(np.asarray(o), ref_o, atol=2e-5, rtol=2e-5)
+
+
+def test_dispatcher_falls_back_to_twin_for_dims_the_kernel_rejects():
+    L, RD = 24, 8  # not powers of two: the kernel refuses, the dispatcher must still work
+    case = make_case(6, 1, 3, 3, L, RD, 20, [11], "star")
+    assert not kernel_supports(case[0].shape, L)
+    ref_o, _ = dense_reference(*case, SCALE, L)
+    o = jax.jit(lambda *a: mla_attention(*a, scale=SCALE, kv_lora_rank=L))(*as_jax(case))
     np.testing.assert_allclose(np.asarray(o), ref_o, atol=2e-5, rtol=2e-5)
 
 
