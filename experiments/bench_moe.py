@@ -1,11 +1,13 @@
 """INT4 MoE routed experts at K2.6 dims on one GPU: Pallas kernel vs XLA twin vs XLA ragged_dot (bf16).
 
-    PYTHONPATH=. python3 experiments/bench_moe.py [--ms 1,9,32,90,256,512,1024] [--explore] [--out DIR]
+    PYTHONPATH=. python3 experiments/bench_moe.py [--ms 1,9,32,90,256,512,1024] [--out DIR]
+        [--configs "k=v,...;..."] [--sweep "k=v,...;..." --sweep-ms 1,256]
 
 Reports per (M, routing): ms per call, us per token, active experts, weight bytes read (INT4 words +
 bf16 scales of the active experts), effective TB/s = bytes / time, and % of the device copy bandwidth
-measured in the same run (XLA elementwise a+1 over 1 GiB, read+write counted; PyTorch's
-device-to-device copy is reported beside it when torch is importable). Timing: back-to-back calls,
+measured in the same run: pct_copy against PyTorch's device-to-device copy of 1 GiB (read + write
+counted; the yardstick of issue #5's goal), pct_xla_copy against XLA's elementwise a+1 over 1 GiB
+(bench_util.measure_copy_bandwidth, lower on this machine). Timing: back-to-back calls,
 blocked once at the end, median over several such batches. Weights are random (words are uniformly
 random nibbles, scales in [0.01, 0.03]); routing is uniform (distinct random top-8 per token) or skewed
 (Zipf-like expert popularity, exponent 1.2, top-8 without replacement via Gumbel top-k).
@@ -122,8 +124,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--ms", default="1,9,32,90,256,512,1024")
     ap.add_argument("--routings", default="uniform,skewed")
-    ap.add_argument("--explore", action="store_true", help="sweep kernel variants at a few M")
-    ap.add_argument("--configs", default="", help="semicolon list of k=v,... kernel configs for the main run")
+    ap.add_argument("--configs", default="", help="semicolon list of k=v,... kernel configs for the table")
+    ap.add_argument("--sweep", default="", help="semicolon list of k=v,... configs timed at --sweep-ms")
+    ap.add_argument("--sweep-ms", default="1,256")
     ap.add_argument("--ragged-max-m", type=int, default=256)
     ap.add_argument("--twin-max-m", type=int, default=1024)
     ap.add_argument("--budget-s", type=float, default=1.0, help="timing budget per measurement")
@@ -146,83 +149,94 @@ def main(argv=None):
 
     wts = random_weights(jax.random.key(0), E, D, F)
     per_expert = wts.nbytes_per_expert()
+    ref_bw = tcopy or copy_bw  # the goal's yardstick: the device copy (PyTorch), else XLA's a+1
     rows = []
 
     def parse_cfg(s):
         cfg = {}
         for kv in filter(None, s.split(",")):
             k_, v = kv.split("=")
-            cfg[k_] = v if k_ in ("dequant", "probe") else int(v)
+            cfg[k_] = int(v) if v.lstrip("-").isdigit() else v
         return cfg
 
     configs = [parse_cfg(c) for c in args.configs.split(";")] if args.configs else [{}]
-    if args.explore:
-        configs = [parse_cfg(c) for c in (
-            "dequant=asm", "dequant=magic", "dequant=int", "dequant=asm,probe=dq_once",
-            "dequant=asm,block_n1=16,block_n2=16", "dequant=asm,block_n1=64,block_n2=64",
-            "dequant=asm,num_warps=8", "dequant=asm,num_stages=4,block_n1=64,block_n2=64,num_warps=8",
-        )]
-        if args.interpret:
-            configs = [parse_cfg("dequant=magic"), parse_cfg("dequant=int"), parse_cfg("dequant=magic,probe=dq_once")]
+    sweep = [parse_cfg(c) for c in args.sweep.split(";")] if args.sweep else []
+    if args.interpret:
+        configs = [dict(c, interpret=True) for c in configs]
+        sweep = [dict(c, interpret=True) for c in sweep]
+
+    def save():
+        payload = dict(config=dict(E=E, D=D, F=F, K=K, G=G, bytes_per_expert=per_expert, ms=ms,
+                                   routings=routings, configs=configs, sweep=sweep, argv=sys.argv[1:]),
+                       copy_bw_Bps=copy_bw, torch_copy_bw_Bps=tcopy, ref_bw_Bps=ref_bw, rows=rows)
+        return bench_util.write_result(args.name, payload, args.out)
+
+    def record(base, impl, t, nbytes, **extra):
+        rows.append(dict(base, impl=impl, ms=t * 1e3, us_tok=t * 1e6 / base["M"], TBps=nbytes / t / 1e12,
+                         pct_copy=100 * nbytes / t / ref_bw, pct_xla_copy=100 * nbytes / t / copy_bw, **extra))
+        print({k_: (round(v, 4) if isinstance(v, float) else v) for k_, v in rows[-1].items()}, flush=True)
 
     twin = jax.jit(int4_moe_ref)
     ragged = ragged_moe_fn()
-    rw13 = rw2 = None
+    state = {}
+
+    def case(m, kind):
+        ids, w = routing(m, kind, seed=m, e=E, k=K)
+        x = jax.random.normal(jax.random.key(m), (m, D), jnp.float32).astype(jnp.bfloat16)
+        active = int(np.unique(np.asarray(ids)).size)
+        base = dict(M=m, routing=kind, active=active, GB=active * per_expert / 1e9, tile=default_tile(m, K, E))
+        return x, ids, w, base, active * per_expert
+
+    def run_kernel(cfg, x, ids, w, base, nbytes, y_ref, phase):
+        name = "pallas[" + ",".join(f"{k_}={v}" for k_, v in cfg.items() if k_ != "interpret") + "]"
+        try:
+            fn = jax.jit(functools.partial(int4_moe, **cfg))
+            t0 = time.perf_counter()
+            y = jax.block_until_ready(fn(x, ids, w, wts))
+            comp = time.perf_counter() - t0
+            err = rel_err(y, y_ref) if y_ref is not None else float("nan")
+            t, tmin = time_calls(fn, (x, ids, w, wts), calls=20, batches=5, budget_s=args.budget_s)
+            record(base, name, t, nbytes, ms_min=tmin * 1e3, err=err, first_call_s=comp, phase=phase)
+        except Exception as ex:  # noqa: BLE001
+            print(f"{name} M={base['M']} failed: {type(ex).__name__}: {str(ex)[-1500:]}", flush=True)
+
+    # phase 1: the table (kernel configs, twin, ragged_dot) at every M and routing
     for m in ms:
         for kind in routings:
-            ids, w = routing(m, kind, seed=m, e=E, k=K)
-            x = jax.random.normal(jax.random.key(m), (m, D), jnp.float32).astype(jnp.bfloat16)
-            active = int(np.unique(np.asarray(ids)).size)
-            nbytes = active * per_expert
-            base = dict(M=m, routing=kind, active=active, GB=nbytes / 1e9, tile=default_tile(m, K, E))
+            x, ids, w, base, nbytes = case(m, kind)
             y_ref = None
             if m <= args.twin_max_m:
                 try:
-                    y_ref = twin(x, ids, w, wts)
-                    t, _ = time_calls(twin, (x, ids, w, wts), calls=3, batches=3, budget_s=args.budget_s)
-                    rows.append(dict(base, impl="twin", ms=t * 1e3, us_tok=t * 1e6 / m, TBps=nbytes / t / 1e12,
-                                     pct_copy=100 * nbytes / t / copy_bw, err=0.0))
-                    print(rows[-1], flush=True)
+                    y_ref = jax.block_until_ready(twin(x, ids, w, wts))
+                    t, _ = time_calls(twin, (x, ids, w, wts), calls=2, batches=2, budget_s=args.budget_s)
+                    record(base, "twin", t, nbytes, err=0.0, phase="table")
                 except Exception as ex:  # noqa: BLE001
                     print(f"twin M={m} failed: {type(ex).__name__}: {str(ex)[:300]}", flush=True)
             for cfg in configs:
-                name = "pallas[" + ",".join(f"{k_}={v}" for k_, v in cfg.items()) + "]"
-                try:
-                    if args.interpret:
-                        cfg = dict(cfg, interpret=True)
-                    fn = jax.jit(functools.partial(int4_moe, **cfg))
-                    t0 = time.perf_counter()
-                    y = fn(x, ids, w, wts)
-                    jax.block_until_ready(y)
-                    comp = time.perf_counter() - t0
-                    err = rel_err(y, y_ref) if y_ref is not None else float("nan")
-                    t, tmin = time_calls(fn, (x, ids, w, wts), calls=20, batches=5, budget_s=args.budget_s)
-                    rows.append(dict(base, impl=name, ms=t * 1e3, ms_min=tmin * 1e3, us_tok=t * 1e6 / m,
-                                     TBps=nbytes / t / 1e12, pct_copy=100 * nbytes / t / copy_bw, err=err,
-                                     first_call_s=comp))
-                    print(rows[-1], flush=True)
-                except Exception as ex:  # noqa: BLE001
-                    print(f"{name} M={m} failed: {type(ex).__name__}: {str(ex)[-1500:]}", flush=True)
+                run_kernel(cfg, x, ids, w, base, nbytes, y_ref, "table")
             if m <= args.ragged_max_m and kind == "uniform":
                 try:
-                    if rw13 is None:
+                    if "w13" not in state:
                         kk = jax.random.split(jax.random.key(7))
-                        rw13 = (jax.random.normal(kk[0], (E, D, 2 * F), jnp.bfloat16) * 0.02)
-                        rw2 = (jax.random.normal(kk[1], (E, F, D), jnp.bfloat16) * 0.02)
-                    t, _ = time_calls(ragged, (x, ids, w, rw13, rw2), calls=2, batches=3, budget_s=args.budget_s)
-                    bf16_bytes = active * (3 * D * F * 2)
-                    rows.append(dict(base, impl="ragged_dot_bf16", ms=t * 1e3, us_tok=t * 1e6 / m,
-                                     TBps=nbytes / t / 1e12, pct_copy=100 * nbytes / t / copy_bw,
-                                     bf16_GB=bf16_bytes / 1e9))
-                    print(rows[-1], flush=True)
+                        state["w13"] = jax.random.normal(kk[0], (E, D, 2 * F), jnp.bfloat16) * 0.02
+                        state["w2"] = jax.random.normal(kk[1], (E, F, D), jnp.bfloat16) * 0.02
+                    t, _ = time_calls(ragged, (x, ids, w, state["w13"], state["w2"]), calls=2, batches=2,
+                                      budget_s=args.budget_s)
+                    record(base, "ragged_dot_bf16", t, nbytes, bf16_GB=base["active"] * 3 * D * F * 2 / 1e9, phase="table")
                 except Exception as ex:  # noqa: BLE001
                     print(f"ragged_dot M={m} failed: {type(ex).__name__}: {str(ex)[:300]}", flush=True)
+            save()
+    state.clear()
+    # phase 2: variants (tuning and stage-removed probes) at a few M, uniform routing
+    for m in [int(v) for v in args.sweep_ms.split(",") if v] if sweep else []:
+        x, ids, w, base, nbytes = case(m, "uniform")
+        y_ref = jax.block_until_ready(jax.jit(functools.partial(int4_moe, **configs[0]))(x, ids, w, wts))
+        for cfg in sweep:
+            run_kernel(cfg, x, ids, w, base, nbytes, y_ref, "sweep")
+        save()
 
-    payload = dict(config=dict(E=E, D=D, F=F, K=K, G=G, bytes_per_expert=per_expert, ms=ms, routings=routings,
-                               configs=configs, argv=sys.argv[1:]),
-                   copy_bw_Bps=copy_bw, torch_copy_bw_Bps=tcopy, rows=rows)
-    path = bench_util.write_result(args.name, payload, args.out)
-    print("wrote", path)
+    print("wrote", save())
+    print(f"copy bandwidth: torch {(tcopy or 0) / 1e12:.3f} TB/s (pct_copy), XLA a+1 {copy_bw / 1e12:.3f} TB/s")
     bench_util.print_table(rows, ["M", "routing", "impl", "active", "GB", "ms", "us_tok", "TBps", "pct_copy", "err"])
 
 
