@@ -199,6 +199,8 @@ def main():
     ap.add_argument("--start", type=int, default=0, help="skip the first N grid points")
     ap.add_argument("--extra-s", type=float, default=0.0,
                     help="after the grid, this many seconds of EXTRA tuning points (sweep rows)")
+    ap.add_argument("--commit", default=None,
+                    help="code commit to record (the device copy of the tree has no .git)")
     ap.add_argument("--smoke", action="store_true", help="CPU smoke: tiny shapes, interpret mode")
     ap.add_argument("--no-check-above", type=int, default=8192, help="skip parity for P above this")
     args = ap.parse_args()
@@ -228,7 +230,7 @@ def main():
     def save():
         name = f"bench_tree_attention_{args.mode}" + (f"_from{args.start}" if args.start else "")
         payload = dict(mode=args.mode, copy_bw_Bps=bw, jax_copy_bw_Bps=bw_jax, torch_copy_bw_Bps=tbw, bf16_peak_flops=peak,
-                       dims=dict(C=C, L=L, scale=SCALE), rows=rows)
+                       dims=dict(C=C, L=L, scale=SCALE), code_commit=args.commit, rows=rows)
         bench_util.write_result(name, payload, out_dir=args.out)
 
     def run_points(points, mode, budget):
