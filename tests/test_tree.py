@@ -13,8 +13,11 @@ import pytest
 
 from ddtree_jax import tree as tr
 
+# Most tests use draft shape (3, 7, 16) and budgets from BUDGETS so build_tree compiles are shared.
 build_jit = jax.jit(tr.build_tree, static_argnums=2)
 greedy_jit = jax.jit(tr.accept_greedy)
+make_tree_jit = jax.jit(tr.make_tree, static_argnums=2)
+BUDGETS = [1, 2, 3, 8, 32, 128, 1024]
 sample_jit = jax.jit(tr.accept_sample)
 
 
@@ -148,9 +151,10 @@ def compare_with_ref(lp, roots, budget):
     return tree
 
 
-@pytest.mark.parametrize("budget", [1, 2, 3, 8, 32, 128, 1024])
-@pytest.mark.parametrize("vocab", [16, 64])
-def test_build_matches_heap_random(budget, vocab):
+@pytest.mark.parametrize(
+    "vocab,budget", [(16, b) for b in BUDGETS] + [(64, 2), (64, 32), (64, 1024)]
+)
+def test_build_matches_heap_random(vocab, budget):
     for seed in range(3):
         rng = np.random.default_rng(1000 * seed + vocab + budget)
         logits = rng.normal(size=(3, 7, vocab)) * rng.uniform(0.5, 4.0, size=(3, 7, 1))
@@ -159,22 +163,22 @@ def test_build_matches_heap_random(budget, vocab):
         compare_with_ref(lp, roots, budget)
 
 
-@pytest.mark.parametrize("budget", [1, 3, 8, 32, 128, 1024])
+@pytest.mark.parametrize("budget", BUDGETS)
 def test_build_matches_heap_ties(budget):
     rng = np.random.default_rng(budget)
     # (a) normalised log-probs of logits quantised to 3 levels: many equal tokens per depth.
-    q = rng.integers(0, 3, size=(2, 7, 16)).astype(np.float32)
+    q = rng.integers(0, 3, size=(3, 7, 16)).astype(np.float32)
     lp_a = np.asarray(jax.nn.log_softmax(jnp.asarray(q), axis=-1))
     # (b) exact dyadic log-probs incl. 0: path sums tie across paths and across depths
     #     (a child with lp 0 ties its parent -> the depth rule decides).
-    lp_b = -0.5 * rng.integers(0, 4, size=(2, 7, 16)).astype(np.float32)
+    lp_b = -0.5 * rng.integers(0, 4, size=(3, 7, 16)).astype(np.float32)
     # (c) a fully uniform depth and an all-zero depth.
     lp_c = lp_b.copy()
     lp_c[:, 2] = -np.log(16.0)
     lp_c[:, 4] = 0.0
     lp_c[1, 5] = -0.0
     for lp in (lp_a, lp_b, lp_c):
-        compare_with_ref(lp, rng.integers(0, 16, size=2), budget)
+        compare_with_ref(lp, rng.integers(0, 16, size=3), budget)
 
 
 @pytest.mark.parametrize("budget", [1, 8, 32, 128, 1024])
@@ -193,11 +197,11 @@ def test_build_matches_heap_inf_nan_positive(budget):
 def test_build_budget_nesting_and_order():
     """Best-first order: the budget-k tree is the first k+1 nodes of the budget-K tree."""
     rng = np.random.default_rng(3)
-    lp = jax.nn.log_softmax(jnp.asarray(rng.normal(size=(2, 7, 32)) * 2, jnp.float32), -1)
-    roots = jnp.array([4, 9])
-    big = build_jit(lp, roots, 200)
+    lp = jax.nn.log_softmax(jnp.asarray(rng.normal(size=(3, 7, 16)) * 2, jnp.float32), -1)
+    roots = jnp.array([4, 9, 0])
+    big = build_jit(lp, roots, 1024)
     assert np.all(np.diff(np.asarray(big.logprob[:, 1:]), axis=1) <= 0)
-    for k in (1, 5, 17, 64):
+    for k in (1, 8, 32, 128):
         small = build_jit(lp, roots, k)
         for f in ("tokens", "parents", "depths", "logprob"):
             np.testing.assert_array_equal(getattr(small, f), getattr(big, f)[:, : k + 1])
@@ -206,15 +210,15 @@ def test_build_budget_nesting_and_order():
 
 def test_build_deep_chain_when_draft_is_certain():
     """A one-hot drafter gives a chain first (children with lp 0 tie their parent: depth first)."""
-    dp, w = 7, 8
-    toks = np.arange(dp) % w
-    lp = np.full((1, dp, w), -np.inf, np.float32)
-    lp[0, np.arange(dp), toks] = 0.0
-    tree = build_jit(jnp.asarray(lp), jnp.array([3]), 10)
+    dp, w = 7, 16
+    toks = (5 * np.arange(dp) + 3) % w
+    lp = np.full((3, dp, w), -np.inf, np.float32)
+    lp[:, np.arange(dp), toks] = 0.0
+    tree = compare_with_ref(lp, np.array([3, 4, 5]), 8)
     np.testing.assert_array_equal(tree.tokens[0, 1 : dp + 1], toks)
     np.testing.assert_array_equal(tree.depths[0, : dp + 1], np.arange(dp + 1))
     np.testing.assert_array_equal(tree.parents[0, 1 : dp + 1], np.arange(dp))
-    compare_with_ref(lp, np.array([3]), 10)
+    assert tree.logprob[0, dp] == 0 and tree.logprob[0, dp + 1] == -np.inf
 
 
 def test_positions_and_chain_tree():
@@ -227,11 +231,12 @@ def test_positions_and_chain_tree():
     np.testing.assert_array_equal(chain.visibility[0], np.tril(np.ones((4, 4), bool)))
     np.testing.assert_array_equal(chain.logprob[1], [0, -1, -2, -3])
     np.testing.assert_array_equal(chain.positions(jnp.array([10, 20])), [[10, 11, 12, 13], [20, 21, 22, 23]])
-    lp = jax.nn.log_softmax(jax.random.normal(jax.random.key(0), (2, 7, 16)), -1)
-    tree = build_jit(lp, roots, 32)
-    np.testing.assert_array_equal(tree.positions(jnp.array([3, 7])), jnp.array([[3], [7]]) + tree.depths)
+    lp = jax.nn.log_softmax(jax.random.normal(jax.random.key(0), (3, 7, 16)), -1)
+    tree = build_jit(lp, jnp.array([5, 6, 7]), 32)
+    start = jnp.array([3, 7, 0])
+    np.testing.assert_array_equal(tree.positions(start), start[:, None] + tree.depths)
     # make_tree derives the same depths/visibility
-    again = tr.make_tree(tree.tokens, tree.parents, tree.max_depth, tree.logprob)
+    again = make_tree_jit(tree.tokens, tree.parents, tree.max_depth, tree.logprob)
     np.testing.assert_array_equal(again.depths, tree.depths)
     np.testing.assert_array_equal(again.visibility, tree.visibility)
     # pytree round trip (the engine carries trees through jit / while_loop)
@@ -295,7 +300,7 @@ def random_tree(rng, b, t, w, max_depth):
             used.setdefault(p, set()).add(tok)
             parents[s, n], tokens[s, n] = p, tok
             depth.append(depth[p] + 1)
-    return tr.make_tree(tokens, parents, max_depth)
+    return make_tree_jit(tokens, parents, max_depth)
 
 
 def check_acceptance(tree, acc, target):
@@ -330,16 +335,18 @@ def forced_logits(rng, tree, w, targets):
 
 def test_accept_greedy_vs_reference():
     rng = np.random.default_rng(0)
-    w = 24
-    lp = jax.nn.log_softmax(jnp.asarray(rng.normal(size=(4, 7, w)) * 3, jnp.float32), -1)
-    tree = build_jit(lp, jnp.array([1, 2, 3, 4]), 32)
+    w = 16
+    lp = jax.nn.log_softmax(jnp.asarray(rng.normal(size=(3, 7, w)) * 3, jnp.float32), -1)
+    tree = build_jit(lp, jnp.array([1, 2, 3]), 32)
     depths = np.asarray(tree.depths)
-    deepest = [int(np.argmax(depths[s])) for s in range(4)]
-    mid = [int(np.flatnonzero(depths[s] == 2)[0]) for s in range(4)]
+    assert depths.max(axis=1).min() >= 3
+    deepest = [int(np.argmax(depths[s])) for s in range(3)]
+    mid = [int(np.flatnonzero(depths[s] == 2)[0]) for s in range(3)]
     cases = [
         deepest,  # full acceptance to max depth on every stream
-        [0, 0, 0, 0],  # zero acceptance everywhere
-        [deepest[0], 0, mid[2], -1],  # B>1 with different outcomes (-1: untouched random)
+        [0, 0, 0],  # zero acceptance everywhere
+        [deepest[0], 0, mid[2]],  # B>1 with different outcomes
+        [mid[0], -1, deepest[2]],  # (-1: plain random target logits)
     ]
     for targets in cases:
         logits = forced_logits(rng, tree, w, [max(x, 0) for x in targets])
@@ -353,7 +360,7 @@ def test_accept_greedy_vs_reference():
                 assert int(acc.num_accepted[s]) >= depths[s, x]
     full = greedy_jit(tree, jnp.asarray(forced_logits(rng, tree, w, deepest)))
     np.testing.assert_array_equal(full.num_accepted, depths.max(axis=1))
-    zero = greedy_jit(tree, jnp.asarray(forced_logits(rng, tree, w, [0, 0, 0, 0])))
+    zero = greedy_jit(tree, jnp.asarray(forced_logits(rng, tree, w, [0, 0, 0])))
     np.testing.assert_array_equal(zero.num_accepted, 0)
 
 
@@ -388,9 +395,9 @@ def test_accept_greedy_random_trees_chain_and_ar():
 
 def test_accept_sample_cold_equals_greedy():
     rng = np.random.default_rng(2)
-    w = 32
+    w = 16
     lp = jax.nn.log_softmax(jnp.asarray(rng.normal(size=(3, 7, w)) * 3, jnp.float32), -1)
-    tree = build_jit(lp, jnp.array([1, 2, 3]), 64)
+    tree = build_jit(lp, jnp.array([1, 2, 3]), 32)
     depths = np.asarray(tree.depths)
     deepest = [int(np.argmax(depths[s])) for s in range(3)]
     logits = forced_logits(rng, tree, w, deepest)
@@ -500,9 +507,9 @@ def test_accept_sample_lossless_chi2(kind):
 
 def test_compaction_indices():
     rng = np.random.default_rng(5)
-    w = 8
+    w = 16
     lp = jax.nn.log_softmax(jnp.asarray(rng.normal(size=(3, 7, w)) * 3, jnp.float32), -1)
-    tree = build_jit(lp, jnp.array([1, 2, 3]), 24)
+    tree = build_jit(lp, jnp.array([1, 2, 3]), 32)
     depths = np.asarray(tree.depths)
     logits = forced_logits(rng, tree, w, [int(np.argmax(depths[0])), 0, int(np.flatnonzero(depths[2] == 2)[0])])
     acc = greedy_jit(tree, jnp.asarray(logits))
@@ -529,3 +536,56 @@ def test_compaction_indices():
             seq[dst[s, k]] = seq[src[s, k]]
         np.testing.assert_array_equal(seq[start[s] : start[s] + n + 1], path)
     assert int(acc.num_accepted[0]) == depths[0].max() and int(acc.num_accepted[1]) == 0
+
+
+# --------------------------------------------------------------------------------------------------
+# One jitted round; streams sharded over the 8 fake CPU devices
+# --------------------------------------------------------------------------------------------------
+
+
+def test_round_in_jit_while_loop_and_sharded():
+    """build -> accept -> compaction in one jitted program (Tree carried through while_loop), and
+    streams sharded over devices give the same result as one device."""
+    rng = np.random.default_rng(9)
+    b, w, budget = 8, 16, 32
+    lp = jax.nn.log_softmax(jnp.asarray(rng.normal(size=(b, 7, w)) * 3, jnp.float32), -1)
+    roots = jnp.asarray(rng.integers(0, w, size=b), jnp.int32)
+    logits = jnp.asarray(rng.normal(size=(b, budget + 1, w)), jnp.float32)
+    start = jnp.arange(b, dtype=jnp.int32) * 3
+
+    @jax.jit
+    def round_fn(lp, roots, logits, start, key):
+        tree0 = tr.build_tree(lp, roots, budget)
+
+        def body(carry):
+            i, tree = carry
+            return i + 1, tr.make_tree(tree.tokens, tree.parents, tree.max_depth, tree.logprob)
+
+        _, tree = jax.lax.while_loop(lambda c: c[0] < 2, body, (0, tree0))
+        acc = tr.accept_sample(tree, logits, jnp.where(jnp.arange(b) % 2 == 0, 0.0, 1.0), key)
+        return tree, acc, tr.compaction_indices(acc, start)
+
+    key = jax.random.key(0)
+    tree, acc, comp = round_fn(lp, roots, logits, start, key)
+    check_invariants(tree, np.asarray(lp))
+    ref_tree = build_jit(lp, roots, budget)
+    for f in ("tokens", "parents", "depths", "logprob", "visibility"):
+        np.testing.assert_array_equal(getattr(tree, f), getattr(ref_tree, f))
+    g = greedy_jit(tree, logits)
+    np.testing.assert_array_equal(acc.emitted[0::2], g.emitted[0::2])  # T = 0 streams are greedy
+    check_acceptance(tree, acc, np.asarray(acc.target_tokens))
+
+    devices = jax.devices()
+    if len(devices) < 2 or b % len(devices):
+        pytest.skip("needs several devices dividing the number of streams")
+    mesh = jax.sharding.Mesh(np.array(devices), ("data",))
+    spec = lambda *rest: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data", *rest))
+    sharded = round_fn(
+        jax.device_put(lp, spec(None, None)),
+        jax.device_put(roots, spec()),
+        jax.device_put(logits, spec(None, None)),
+        jax.device_put(start, spec()),
+        key,
+    )
+    for x, y in zip(jax.tree_util.tree_leaves((tree, acc, comp)), jax.tree_util.tree_leaves(sharded)):
+        np.testing.assert_array_equal(x, y)
