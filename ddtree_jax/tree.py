@@ -37,8 +37,8 @@ order a best-first heap pops them). Hence parents precede children, ``logprob`` 
 non-increasing along the node axis, and the first k+1 nodes of a budget-B tree are the budget-k
 tree.
 
-Acceptance (notes §3.6). One target token per node (argmax at T = 0; one independent sample from
-softmax(logits / temperature) at T > 0); from the root follow the child whose token equals the
+Acceptance (notes §3.6). One target token per node (argmax at temperature 0; one independent sample from
+softmax(logits / temperature) otherwise); from the root follow the child whose token equals the
 target's token at the current node; the target's token at the last accepted node is the new bonus
 token. Every emitted token is then a target sample given exactly the committed prefix, so the
 output distribution equals the target's (lossless). Do NOT use min(1, p/q) with draft marginals.
@@ -342,8 +342,8 @@ def build_tree(draft_logprobs, root_token, budget: int) -> Tree:
         offset += n_keep
         n_prev = n_keep
 
-    # Global top-`budget` over all depths; entries are concatenated in (depth, rank) order, so a
-    # stable sort on score alone realises the key (-score, depth, rank).
+    # Global top-`budget` over all depths; entries are concatenated in (depth, rank) order, so
+    # sorting by (-score, entry index) realises the key (-score, depth, rank).
     all_score = jnp.concatenate(scores, axis=1)  # [B, E]
     all_token = jnp.concatenate(tokens, axis=1)
     all_parent = jnp.concatenate(parent_entry, axis=1)
@@ -413,7 +413,7 @@ def accept_tokens(tree: Tree, target_tokens) -> Acceptance:
 
 
 def accept_greedy(tree: Tree, target_logits) -> Acceptance:
-    """Greedy (T = 0) acceptance: target token per node = argmax of ``target_logits`` [B, T, W]."""
+    """Greedy (temperature 0) acceptance: target token per node = argmax of ``target_logits`` [B, T, W]."""
     logits = jnp.asarray(target_logits)
     return accept_tokens(tree, jnp.argmax(logits, axis=-1).astype(jnp.int32))
 

@@ -572,7 +572,7 @@ def test_round_in_jit_while_loop_and_sharded():
     for f in ("tokens", "parents", "depths", "logprob", "visibility"):
         np.testing.assert_array_equal(getattr(tree, f), getattr(ref_tree, f))
     g = greedy_jit(tree, logits)
-    np.testing.assert_array_equal(acc.emitted[0::2], g.emitted[0::2])  # T = 0 streams are greedy
+    np.testing.assert_array_equal(acc.emitted[0::2], g.emitted[0::2])  # temperature-0 streams are greedy
     check_acceptance(tree, acc, np.asarray(acc.target_tokens))
 
     devices = jax.devices()
