@@ -48,12 +48,12 @@ def commit(cache: LatentCache, new_kv: jax.Array, rows: jax.Array, counts: jax.A
     """Appends chosen rows of a block's latents to each stream.
 
     new_kv [NL, B, T, C]: the latents the forward computed for the T block tokens.
-    rows [B, T] int32: for stream b, rows[b, i] (i < counts[b]) is the block row written to slot
-      lengths[b] + i (identity rows for prefill/decode; the accepted path for a verified tree).
-    counts [B] int32 in [0, T].
+    rows [B, R] int32 in [0, T): for stream b, rows[b, i] (i < counts[b]) is the block row written to
+      slot lengths[b] + i (identity rows for prefill/decode; the accepted path for a verified tree).
+    counts [B] int32 in [0, R].
     Returns (cache, overflow [B] bool). An overflowing stream is left unchanged.
     """
-    nl, b, t, c = new_kv.shape
+    b, t = rows.shape
     overflow = cache.lengths + counts > cache.capacity
     i = jnp.arange(t)[None, :]
     write = (i < counts[:, None]) & ~overflow[:, None]  # [B, T]

@@ -25,6 +25,7 @@ from ddtree_jax.layers import RMSNorm, SwiGLU, declare, dot, rms_norm
 from ddtree_jax.moe import MoE
 from ddtree_jax.rope import apply_rope_interleaved, rope_cos_sin
 from ddtree_jax.sharding import ShardingRules
+from pallas_kernels.tree_attention import mla_attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,30 +35,8 @@ class Runtime:
     mesh: Mesh | None = None
     rules: ShardingRules | None = None
     attention: str = "absorbed"  # "absorbed" (latent cache, production) or "naive" (per-head K/V)
-    attention_fn: Callable | None = None  # overrides the latent attention (e.g. the Pallas kernel)
+    attention_fn: Callable | None = None  # overrides the latent attention (default: mla_attention)
     routed_fn: Callable | None = None  # overrides the routed-expert compute (e.g. the Pallas kernel)
-
-
-def latent_attention_xla(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, kv_lora_rank):
-    """Absorbed MLA attention in XLA (dense over the cache; reference for the Pallas kernel).
-
-    q [B, T, H, C]; cache_kv [B, S, C] (rows >= prefix_len[b] ignored); prefix_len [B];
-    tree_kv [B, T, C]; tree_mask [B, T, T] bool. Returns [B, T, H, L] in q.dtype.
-    """
-    f32 = jnp.float32
-    s_prefix = jnp.einsum("bthc,bsc->bths", q, cache_kv, preferred_element_type=f32) * scale
-    s_tree = jnp.einsum("bthc,buc->bthu", q, tree_kv, preferred_element_type=f32) * scale
-    valid_prefix = jnp.arange(cache_kv.shape[1])[None, :] < prefix_len[:, None]  # [B, S]
-    s_prefix = jnp.where(valid_prefix[:, None, None, :], s_prefix, -jnp.inf)
-    s_tree = jnp.where(tree_mask[:, :, None, :], s_tree, -jnp.inf)
-    m = jnp.maximum(s_prefix.max(-1, initial=-jnp.inf), s_tree.max(-1))[..., None]
-    p_prefix, p_tree = jnp.exp(s_prefix - m), jnp.exp(s_tree - m)
-    denom = p_prefix.sum(-1) + p_tree.sum(-1)
-    v_prefix = jnp.where(valid_prefix[..., None], cache_kv[..., :kv_lora_rank], 0)
-    out = jnp.einsum("bths,bsl->bthl", p_prefix.astype(q.dtype), v_prefix, preferred_element_type=f32)
-    out += jnp.einsum("bthu,bul->bthl", p_tree.astype(q.dtype), tree_kv[..., :kv_lora_rank],
-                      preferred_element_type=f32)
-    return (out / denom[..., None]).astype(q.dtype)
 
 
 class MLA(nnx.Module):
@@ -103,7 +82,7 @@ class MLA(nnx.Module):
         if runtime.attention == "absorbed":
             q_latent = dot(q_nope, w_uk, "bthn,lhn->bthl")
             q_abs = jnp.concatenate([q_latent, q_pe], axis=-1)  # [B,T,H,C]
-            attend = runtime.attention_fn or latent_attention_xla
+            attend = runtime.attention_fn or mla_attention  # Pallas kernel on GPU, JAX twin elsewhere
             o_latent = attend(q_abs, cache_kv, prefix_len, block_kv, tree_mask,
                               scale=cfg.softmax_scale, kv_lora_rank=cfg.kv_lora_rank)
             o = dot(o_latent, w_uv, "bthl,lhv->bthv")
@@ -224,5 +203,4 @@ def causal_mask(batch: int, t: int) -> jax.Array:
     return jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (batch, t, t))
 
 
-__all__ = ["KimiModel", "Runtime", "ForwardOutput", "check_tokens", "causal_mask", "latent_attention_xla",
-           "rms_norm"]
+__all__ = ["KimiModel", "Runtime", "ForwardOutput", "check_tokens", "causal_mask", "rms_norm"]

@@ -1,0 +1,327 @@
+"""The speculative decoding engine: draft -> build -> verify -> accept, many rounds per dispatch.
+
+One round (``_round``) for B streams:
+  1. the drafter appends last round's accepted target features to its context cache and drafts
+     the next block in one pass: [bonus, MASK x (b-1)] -> per-position logits [B, Dp, W];
+  2. the tree: DDTree's best ``budget`` prefixes, the DFlash chain (argmax per position), or for
+     AR just the bonus token;
+  3. one target forward over the tree (ancestor-only mask) on top of the latent cache;
+  4. the lossless walk (greedy or one target sample per node); the accepted path's latents are
+     committed to contiguous cache slots, its tapped features become the drafter's next context,
+     and the target token at the last accepted node is the next bonus.
+
+``_run_rounds`` wraps rounds in ``lax.while_loop``: up to ``rounds_per_dispatch`` rounds per jit
+call with the whole state donated, so there is no host round-trip between rounds. Streams stop
+independently (EOS, token limit, cache capacity) and carry their status.
+
+Shapes: B streams, P padded prompt, T tree nodes, Dp = block_size - 1 draft depth, D tree depth,
+NT tapped layers, Dm model width, W vocab, N max new tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ddtree_jax.cache import CACHE_AXES, LatentCache, commit, init_cache
+from ddtree_jax.decode import pad_prompts
+from ddtree_jax.drafter import DFlashDrafter, DraftCache, init_draft_cache
+from ddtree_jax.model import KimiModel, Runtime, causal_mask
+from ddtree_jax.sharding import DEFAULT_RULES, named_sharding, shard_state
+from ddtree_jax.tree import PAD, Tree, accept_tokens, build_tree, chain_tree, check_budget, sample_target_tokens
+
+MODES = ("ar", "dflash", "ddtree")
+RUNNING, EOS, MAX_TOKENS, CACHE_FULL = 0, 1, 2, 3
+STATUS_NAMES = {RUNNING: "running", EOS: "eos", MAX_TOKENS: "max_new_tokens", CACHE_FULL: "cache_full"}
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Static decoding choices (part of the compiled program's key)."""
+
+    mode: str = "ddtree"
+    budget: int = 32  # DDTree node budget (tree has budget + 1 nodes); ignored by ar/dflash
+    max_new_tokens: int = 64
+    capacity: int = 1024  # target / draft cache slots per stream
+    rounds_per_dispatch: int = 64
+    eos_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.mode == "ddtree":
+            check_budget(self.budget)
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.rounds_per_dispatch < 1:
+            raise ValueError("rounds_per_dispatch must be >= 1")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+    """Everything that changes between rounds (donated across dispatches)."""
+
+    cache: LatentCache
+    draft_cache: DraftCache | None
+    bonus: jax.Array  # [B] int32: sampled by the target, not yet in the cache (sits at position lengths)
+    ctx_taps: jax.Array  # [NT, B, D+1, Dm]: target features of last round's accepted rows
+    ctx_counts: jax.Array  # [B]
+    ctx_start: jax.Array  # [B]: position of the first pending context row
+    out_tokens: jax.Array  # [B, N] int32 generated tokens
+    num_out: jax.Array  # [B] int32
+    status: jax.Array  # [B] int32 (RUNNING / EOS / MAX_TOKENS / CACHE_FULL)
+    rounds: jax.Array  # [B] int32: rounds in which the stream was active
+    tau_hist: jax.Array  # [B, D+2] int32: histogram of tokens emitted per round
+    key: jax.Array
+
+
+def tree_depth(ecfg: EngineConfig, block_size: int) -> int:
+    if ecfg.mode == "ar":
+        return 0
+    if ecfg.mode == "dflash":
+        return block_size - 1
+    return min(block_size - 1, ecfg.budget)
+
+
+def _stop_and_emit(state: DecodeState, emitted, n_emit, active, eos_ids, max_new):
+    """Truncates each stream's emitted tokens at EOS / the token limit and updates status."""
+    b, width = emitted.shape
+    k = jnp.arange(width)[None, :]
+    in_round = k < n_emit[:, None]
+    room = max_new - state.num_out
+    if eos_ids:
+        is_eos = jnp.isin(emitted, jnp.asarray(eos_ids, jnp.int32)) & in_round
+        first_eos = jnp.where(is_eos.any(1), jnp.argmax(is_eos, axis=1), width)
+        hit_eos = first_eos < room  # an EOS past the token limit is never emitted
+        n_emit = jnp.where(hit_eos, first_eos + 1, n_emit)
+    else:
+        hit_eos = jnp.zeros((b,), bool)
+    hit_limit = n_emit >= room
+    n_emit = jnp.where(active, jnp.minimum(n_emit, room), 0)
+    slots = jnp.where(k < n_emit[:, None], state.num_out[:, None] + k, max_new)
+    out = state.out_tokens.at[jnp.arange(b)[:, None], slots].set(emitted, mode="drop")
+    status = jnp.where(active & hit_eos, EOS, jnp.where(active & hit_limit, MAX_TOKENS, state.status))
+    return out, state.num_out + n_emit, status
+
+
+class Engine:
+    """Holds the split target (and drafter) and the compiled programs for one EngineConfig.
+
+    ``generate(prompts, temperature, seed)`` runs prefill then rounds until every stream stops.
+    """
+
+    def __init__(self, target: KimiModel, drafter: DFlashDrafter | None, ecfg: EngineConfig, *,
+                 runtime: Runtime = Runtime()):
+        if ecfg.mode != "ar" and drafter is None:
+            raise ValueError(f"mode {ecfg.mode!r} needs a drafter")
+        self.target_def, target_state = nnx.split(target)
+        self.target_state = shard_state(target_state, runtime.mesh, runtime.rules)
+        self.drafter_def, self.drafter_state = None, None
+        if drafter is not None:
+            self.drafter_def, drafter_state = nnx.split(drafter)
+            self.drafter_state = shard_state(drafter_state, runtime.mesh, runtime.rules)
+        self.cfg = target.cfg
+        self.dcfg = drafter.cfg if drafter is not None else None
+        self.ecfg = ecfg
+        self.runtime = runtime
+        self.block_size = self.dcfg.block_size if self.dcfg else 1
+        self.depth = tree_depth(ecfg, self.block_size)
+        if ecfg.mode == "ddtree":
+            check_budget(ecfg.budget, self.block_size - 1, self.cfg.vocab_size)
+        self.taps = tuple(self.dcfg.target_layer_ids) if self.dcfg and ecfg.mode != "ar" else ()
+
+    # ------------------------------------------------------------------ prefill
+    def prefill(self, prompts: Sequence[Sequence[int]], temperature: float = 0.0, seed: int = 0) -> DecodeState:
+        ecfg = self.ecfg
+        tokens, lengths = pad_prompts(prompts, vocab_size=self.cfg.vocab_size, capacity=ecfg.capacity,
+                                      reserve=self.depth + 1)
+        b = len(prompts)
+        # Caches are made outside jit: zeros built inside would be constant-folded through attention.
+        cache = init_cache(self.cfg, b, ecfg.capacity)
+        draft_cache = init_draft_cache(self.dcfg, b, ecfg.capacity) if self.taps else None
+        if self.runtime.mesh is not None:
+            cache = dataclasses.replace(cache, kv=jax.device_put(cache.kv, named_sharding(
+                self.runtime.mesh, self.runtime.rules or DEFAULT_RULES, CACHE_AXES)))
+        return _prefill(self.target_def, self.target_state, self.drafter_def, self.drafter_state, cache, draft_cache,
+                        jnp.asarray(tokens), jnp.asarray(lengths), jnp.float32(temperature), jax.random.key(seed),
+                        ecfg=ecfg, runtime=self.runtime, taps=self.taps, depth=self.depth)
+
+    def run(self, state: DecodeState, temperature: float = 0.0) -> DecodeState:
+        """Dispatches rounds (``rounds_per_dispatch`` per call) until every stream has stopped."""
+        while True:
+            state = _run_rounds(self.target_def, self.target_state, self.drafter_def, self.drafter_state, state,
+                                jnp.float32(temperature), ecfg=self.ecfg, runtime=self.runtime, taps=self.taps,
+                                depth=self.depth)
+            if not bool((state.status == RUNNING).any()):
+                return state
+
+    def generate(self, prompts: Sequence[Sequence[int]], temperature: float = 0.0, seed: int = 0) -> dict:
+        """Returns per-stream tokens, statuses and metrics (compile time is separate from run time)."""
+        t0 = time.perf_counter()
+        state = self.prefill(prompts, temperature, seed)
+        jax.block_until_ready(state.bonus)
+        t1 = time.perf_counter()
+        state = self.run(state, temperature)
+        jax.block_until_ready(state.out_tokens)
+        t2 = time.perf_counter()
+        return summarize(state, prefill_s=t1 - t0, decode_s=t2 - t1)
+
+
+def summarize(state: DecodeState, prefill_s: float, decode_s: float) -> dict:
+    out = np.asarray(state.out_tokens)
+    num = np.asarray(state.num_out)
+    rounds = np.asarray(state.rounds)
+    hist = np.asarray(state.tau_hist)
+    emitted_in_rounds = num - 1  # the first token comes from prefill
+    return {
+        "tokens": [out[b, : num[b]].tolist() for b in range(out.shape[0])],
+        "status": [STATUS_NAMES[int(s)] for s in np.asarray(state.status)],
+        "rounds": rounds.tolist(),
+        "tau_mean": float(emitted_in_rounds.sum() / max(rounds.sum(), 1)),
+        "tau_per_stream": (emitted_in_rounds / np.maximum(rounds, 1)).tolist(),
+        "tau_hist": hist.sum(0).tolist(),
+        "new_tokens": int(num.sum()),
+        "prefill_s": prefill_s,
+        "decode_s": decode_s,
+        "tokens_per_s": float(num.sum() / decode_s) if decode_s > 0 else float("nan"),
+    }
+
+
+def _sample(logits, temperature, key):
+    """logits [B, W] -> [B] int32; argmax when temperature <= 0."""
+    return sample_target_tokens(logits[:, None, :], temperature, key)[:, 0]
+
+
+@functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "ecfg", "runtime", "taps", "depth"),
+                   donate_argnames=("cache", "draft_cache"))
+def _prefill(target_def, target_state, drafter_def, drafter_state, cache, draft_cache, tokens, lengths, temperature,
+             key, *, ecfg: EngineConfig, runtime: Runtime, taps: tuple[int, ...], depth: int) -> DecodeState:
+    target = nnx.merge(target_def, target_state)
+    cfg = target.cfg
+    b, p = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    out = target(tokens, positions, cache, causal_mask(b, p), tap_layers=taps, runtime=runtime)
+    cache, _ = commit(cache, out.block_kv, positions, lengths)  # capacity checked on the host
+    last = jnp.take_along_axis(out.logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    key, sub = jax.random.split(key)
+    bonus = _sample(last, temperature, sub)
+    dm = cfg.hidden_size
+    if draft_cache is not None:
+        drafter = nnx.merge(drafter_def, drafter_state)
+        draft_cache, _ = drafter.append_context(draft_cache, out.taps, positions, lengths)
+    n_taps = max(len(taps), 1)
+    state = DecodeState(
+        cache=cache, draft_cache=draft_cache, bonus=bonus,
+        ctx_taps=jnp.zeros((n_taps, b, depth + 1, dm), jnp.dtype(cfg.dtype)),
+        ctx_counts=jnp.zeros((b,), jnp.int32), ctx_start=lengths,
+        out_tokens=jnp.full((b, ecfg.max_new_tokens), PAD, jnp.int32), num_out=jnp.zeros((b,), jnp.int32),
+        status=jnp.full((b,), RUNNING, jnp.int32), rounds=jnp.zeros((b,), jnp.int32),
+        tau_hist=jnp.zeros((b, depth + 2), jnp.int32), key=key,
+    )
+    out_tokens, num_out, status = _stop_and_emit(state, bonus[:, None], jnp.ones((b,), jnp.int32),
+                                                 jnp.ones((b,), bool), ecfg.eos_ids, ecfg.max_new_tokens)
+    return dataclasses.replace(state, out_tokens=out_tokens, num_out=num_out, status=status)
+
+
+def _draft_tree(target, drafter, state: DecodeState, start, active, ecfg: EngineConfig, depth: int):
+    """Steps 1-2 of a round: returns (tree, draft_cache)."""
+    b = state.bonus.shape[0]
+    if ecfg.mode == "ar":
+        return chain_tree(jnp.zeros((b, 0), jnp.int32), state.bonus), state.draft_cache
+    dcfg = drafter.cfg
+    positions = state.ctx_start[:, None] + jnp.arange(depth + 1, dtype=jnp.int32)[None, :]
+    draft_cache, _ = drafter.append_context(state.draft_cache, state.ctx_taps, positions,
+                                            jnp.where(active, state.ctx_counts, 0))
+    block = jnp.concatenate([state.bonus[:, None],
+                             jnp.full((b, dcfg.block_size - 1), dcfg.mask_token_id, jnp.int32)], axis=1)
+    block_pos = start[:, None] + jnp.arange(dcfg.block_size, dtype=jnp.int32)[None, :]
+    hidden = drafter(draft_cache, target.embed_tokens(block), block_pos)
+    logits = target.head(hidden[:, 1:])  # [B, Dp, W]
+    if ecfg.mode == "dflash":
+        tree = chain_tree(jnp.argmax(logits, -1).astype(jnp.int32), state.bonus)
+    else:
+        tree = build_tree(jax.nn.log_softmax(logits, axis=-1), state.bonus, ecfg.budget)
+    return tree, draft_cache
+
+
+def _round(target, drafter, state: DecodeState, temperature, ecfg: EngineConfig, runtime: Runtime,
+           taps: tuple[int, ...], depth: int) -> DecodeState:
+    b = state.bonus.shape[0]
+    start = state.cache.lengths  # position of the bonus token = committed length
+    room_target = start + depth + 1 <= state.cache.capacity
+    room_draft = True if state.draft_cache is None else (
+        state.draft_cache.lengths + depth + 1 <= state.draft_cache.k.shape[2])
+    status = jnp.where((state.status == RUNNING) & ~(room_target & room_draft), CACHE_FULL, state.status)
+    active = status == RUNNING
+
+    tree, draft_cache = _draft_tree(target, drafter, state, start, active, ecfg, depth)
+    out = target(tree.tokens, tree.positions(start), state.cache, tree.visibility, tap_layers=taps, runtime=runtime)
+    key, sub = jax.random.split(state.key)
+    acc = accept_tokens(tree, sample_target_tokens(out.logits, temperature, sub))
+
+    n_commit = jnp.where(active, acc.num_accepted + 1, 0)
+    rows = jnp.maximum(acc.path, 0)
+    cache, _ = commit(state.cache, out.block_kv, rows, n_commit)  # room was checked above
+    if taps:
+        ctx_taps = jnp.take_along_axis(out.taps, rows[None, :, :, None], axis=2).astype(state.ctx_taps.dtype)
+    else:
+        ctx_taps = state.ctx_taps
+    out_tokens, num_out, status = _stop_and_emit(
+        dataclasses.replace(state, status=status), acc.emitted, acc.num_accepted + 1, active,
+        ecfg.eos_ids, ecfg.max_new_tokens)
+    tau_hist = state.tau_hist.at[jnp.arange(b), acc.num_accepted + 1].add(active.astype(jnp.int32))
+    return DecodeState(
+        cache=cache, draft_cache=draft_cache, bonus=jnp.where(active, acc.next_token, state.bonus),
+        ctx_taps=ctx_taps, ctx_counts=n_commit, ctx_start=start, out_tokens=out_tokens, num_out=num_out,
+        status=status, rounds=state.rounds + active.astype(jnp.int32), tau_hist=tau_hist, key=key,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "ecfg", "runtime", "taps", "depth"),
+                   donate_argnames=("state",))
+def _run_rounds(target_def, target_state, drafter_def, drafter_state, state: DecodeState, temperature, *,
+                ecfg: EngineConfig, runtime: Runtime, taps: tuple[int, ...], depth: int) -> DecodeState:
+    target = nnx.merge(target_def, target_state)
+    drafter = nnx.merge(drafter_def, drafter_state) if drafter_def is not None else None
+
+    def cond(carry):
+        i, st = carry
+        return (i < ecfg.rounds_per_dispatch) & (st.status == RUNNING).any()
+
+    def body(carry):
+        i, st = carry
+        return i + 1, _round(target, drafter, st, temperature, ecfg, runtime, taps, depth)
+
+    _, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
+    return state
+
+
+def inspect_round(engine: Engine, prompts: Sequence[Sequence[int]], temperature: float = 0.0, seed: int = 0):
+    """Prefill, then one round whose tree and acceptance are returned (numpy) for display."""
+    state = engine.prefill(prompts, temperature, seed)
+    tree, acc = _inspect(engine.target_def, engine.target_state, engine.drafter_def, engine.drafter_state, state,
+                         jnp.float32(temperature), ecfg=engine.ecfg, runtime=engine.runtime, taps=engine.taps,
+                         depth=engine.depth)
+    tree = {"tokens": np.asarray(tree.tokens[0]), "parents": np.asarray(tree.parents[0]),
+            "depths": np.asarray(tree.depths[0])}
+    return tree, {"path": np.asarray(acc.path[0]), "num_accepted": int(acc.num_accepted[0])}
+
+
+@functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "ecfg", "runtime", "taps", "depth"))
+def _inspect(target_def, target_state, drafter_def, drafter_state, state, temperature, *, ecfg, runtime, taps, depth):
+    target = nnx.merge(target_def, target_state)
+    drafter = nnx.merge(drafter_def, drafter_state) if drafter_def is not None else None
+    start = state.cache.lengths
+    active = state.status == RUNNING
+    tree, _ = _draft_tree(target, drafter, state, start, active, ecfg, depth)
+    out = target(tree.tokens, tree.positions(start), state.cache, tree.visibility, runtime=runtime)
+    acc = accept_tokens(tree, sample_target_tokens(out.logits, temperature, state.key))
+    return tree, acc

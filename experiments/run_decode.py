@@ -1,0 +1,184 @@
+"""Decode prompts with the target alone (AR), DFlash chains, or DDTree, and report acceptance and speed.
+
+    python experiments/run_decode.py                       # shipped default, DDTree vs AR
+    python experiments/run_decode.py --target DIR --drafter DIR --mode ddtree --budget 64 --compare
+    python experiments/run_decode.py --target random --drafter random --prompt-ids "1 2 3" --json out.json
+
+``--target``: an HF checkpoint directory (config.json + safetensors) or ``random`` (a tiny random
+K2-architecture model with INT4 experts). ``--drafter``: an HF DFlash drafter directory or ``random``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import jax  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from ddtree_jax.config import QuantConfig, tiny_config  # noqa: E402
+from ddtree_jax.drafter import DFlashDrafter, load_hf_drafter, tiny_drafter_config  # noqa: E402
+from ddtree_jax.engine import Engine, EngineConfig, inspect_round  # noqa: E402
+from ddtree_jax.hf_loader import load_hf_model  # noqa: E402
+from ddtree_jax.model import KimiModel  # noqa: E402
+from ddtree_jax.tokenizer import load_tokenizer  # noqa: E402
+
+DEFAULT_PROMPTS = [
+    "def fibonacci(n):\n    ",
+    "import os\nimport sys\n\n",
+    "class Stack:\n    def __init__(self):\n",
+    "for i in range(10):\n    print(",
+]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default="random", help="HF checkpoint dir, or 'random' (tiny random INT4 model)")
+    p.add_argument("--drafter", default="random", help="HF DFlash drafter dir, or 'random'")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", action="append", help="prompt text (repeatable)")
+    src.add_argument("--prompt-ids", action="append", help="space-separated token ids (repeatable)")
+    src.add_argument("--prompts-file", help="file with one prompt per line")
+    p.add_argument("--mode", choices=["ar", "dflash", "ddtree"], default="ddtree")
+    p.add_argument("--budget", type=int, default=32, help="DDTree node budget")
+    p.add_argument("--streams", type=int, default=None, help="streams decoded together (default: #prompts)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--capacity", type=int, default=512, help="cache slots per stream")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--compare", action="store_true", help="also run AR and report the speedup")
+    p.add_argument("--json", help="write generated ids and metrics here")
+    return p.parse_args(argv)
+
+
+def load_models(args):
+    if args.target == "random":
+        cfg = tiny_config(dtype=args.dtype, quant=QuantConfig(group_size=32), vocab_size=512, num_layers=4)
+        target = KimiModel(cfg, nnx.Rngs(args.seed))
+    else:
+        target = load_hf_model(args.target, dtype=args.dtype)
+    drafter = None
+    if args.mode != "ar" or args.compare:
+        if args.drafter == "random":
+            drafter = DFlashDrafter(tiny_drafter_config(target.cfg), nnx.Rngs(args.seed + 1))
+        else:
+            drafter = load_hf_drafter(args.drafter, dtype=args.dtype)
+    return target, drafter
+
+
+def read_prompts(args, tokenizer):
+    if args.prompt_ids:
+        return [[int(t) for t in s.split()] for s in args.prompt_ids]
+    if args.prompts_file:
+        with open(args.prompts_file) as f:
+            texts = [line.rstrip("\n").replace("\\n", "\n") for line in f if line.strip()]
+    else:
+        texts = args.prompt or DEFAULT_PROMPTS
+    return [tokenizer.encode(t) for t in texts]
+
+
+def draw_tree(tree_tokens, parents, accepted_path, tokenizer, max_children=4):
+    """A small text picture of one verified tree; accepted nodes are marked with '*'."""
+    children = {i: [] for i in range(len(parents))}
+    for node, parent in enumerate(parents):
+        if parent >= 0:
+            children[parent].append(node)
+    accepted = set(int(n) for n in accepted_path if n >= 0)
+    lines = []
+
+    def visit(node, prefix, last, depth):
+        mark = "*" if node in accepted else " "
+        label = repr(tokenizer.decode([int(tree_tokens[node])]))
+        branch = "" if depth == 0 else ("└─ " if last else "├─ ")
+        lines.append(f"{prefix}{branch}{mark}{label}")
+        kids = children[node]
+        shown = sorted(kids, key=lambda k: (k not in accepted, k))[:max_children]
+        for i, kid in enumerate(shown):
+            more = "" if depth == 0 else ("   " if last else "│  ")
+            visit(kid, prefix + more, i == len(shown) - 1, depth + 1)
+        if len(kids) > len(shown):
+            lines.append(f"{prefix}{'' if depth == 0 else ('   ' if last else '│  ')}└─ … {len(kids) - len(shown)} more")
+
+    visit(0, "", True, 0)
+    return "\n".join(lines)
+
+
+def run_mode(target, drafter, mode, args, prompts, tokenizer, eos_ids):
+    ecfg = EngineConfig(mode=mode, budget=args.budget, max_new_tokens=args.max_new_tokens, capacity=args.capacity,
+                        eos_ids=eos_ids)
+    engine = Engine(target, drafter if mode != "ar" else None, ecfg)
+    streams = args.streams or len(prompts)
+    batches = [prompts[i:i + streams] for i in range(0, len(prompts), streams)]
+    t0 = time.perf_counter()
+    engine.generate(batches[0], args.temperature, args.seed)  # compile (and warm) once
+    compile_s = time.perf_counter() - t0
+    results = [engine.generate(batch, args.temperature, args.seed + i) for i, batch in enumerate(batches)]
+    tokens = [t for r in results for t in r["tokens"]]
+    status = [s for r in results for s in r["status"]]
+    rounds = sum(sum(r["rounds"]) for r in results)
+    emitted = sum(r["new_tokens"] - len(r["tokens"]) for r in results)  # minus the prefill token per stream
+    decode_s = sum(r["decode_s"] for r in results)
+    metrics = {
+        "mode": mode, "budget": args.budget if mode == "ddtree" else None, "streams": streams,
+        "tau": emitted / max(rounds, 1), "rounds": rounds,
+        "tokens_per_round_batch": sum(r["new_tokens"] for r in results) / max(
+            sum(max(r["rounds"]) for r in results), 1),
+        "tokens_per_s": sum(r["new_tokens"] for r in results) / decode_s if decode_s else float("nan"),
+        "compile_and_first_run_s": compile_s, "decode_s": decode_s,
+        "tau_hist": np.sum([r["tau_hist"] for r in results], axis=0).tolist(),
+    }
+    picture = None
+    if mode != "ar":
+        tree, acc = inspect_round(engine, prompts[:1], args.temperature, args.seed)
+        picture = draw_tree(tree["tokens"], tree["parents"], acc["path"], tokenizer)
+    return {"metrics": metrics, "tokens": tokens, "status": status, "tree_picture": picture}
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    target, drafter = load_models(args)
+    tokenizer = load_tokenizer(None if args.target == "random" else args.target, target.cfg.vocab_size)
+    prompts = read_prompts(args, tokenizer)
+    eos_ids = tuple(target.cfg.eos_token_ids) if args.target != "random" else ()
+    print(f"target: {args.target}  layers={target.cfg.num_layers} hidden={target.cfg.hidden_size} "
+          f"experts={target.cfg.n_routed_experts} int4={target.cfg.quant is not None}  drafter: {args.drafter}  "
+          f"device: {jax.devices()[0].device_kind}  jax {jax.__version__}")
+    modes = ["ar", args.mode] if args.compare and args.mode != "ar" else [args.mode]
+    report = {"args": vars(args), "runs": {}}
+    for mode in modes:
+        report["runs"][mode] = run_mode(target, drafter, mode, args, prompts, tokenizer, eos_ids)
+    print()
+    print(f"{'mode':>8} {'tau':>6} {'tok/round':>10} {'tok/s':>9} {'rounds':>7} {'compile s':>10}")
+    for mode, run in report["runs"].items():
+        m = run["metrics"]
+        print(f"{mode:>8} {m['tau']:6.2f} {m['tokens_per_round_batch']:10.2f} {m['tokens_per_s']:9.1f} "
+              f"{m['rounds']:7d} {m['compile_and_first_run_s']:10.1f}")
+    if len(modes) == 2:
+        a, b = (report["runs"][m]["metrics"]["tokens_per_s"] for m in modes)
+        same = report["runs"]["ar"]["tokens"] == report["runs"][args.mode]["tokens"]
+        report["speedup"] = b / a
+        print(f"speedup {args.mode} vs ar: {b / a:.2f}x   outputs identical to AR: {same}"
+              + ("" if args.temperature == 0 else " (sampling: not expected to match)"))
+    last = report["runs"][modes[-1]]
+    print("\nfirst stream:", repr(tokenizer.decode(last["tokens"][0])))
+    if last["tree_picture"]:
+        print("\none verified tree (stream 0, first round; * = accepted path):")
+        print(last["tree_picture"])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"\nwrote {args.json}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
