@@ -17,15 +17,10 @@ K2.6 dims, i.e. blocks of 256 columns) and
     word (block b, index w), nibble s  <->  column b*8W + s*W + w.
 
 So extracting nibble s from a contiguous [rows, W] tile of words yields the contiguous column slice
-[s*W, (s+1)*W) of the block ("nibble plane" s), and with W == G each plane is exactly one scale group:
-a plane is scaled by one per-row scale vector. The kernel ("join" design) scales the 8 planes and
-interleaves them with three levels of register joins (stack on a new minor axis + merge) into one
-[rows, 8W] bf16 operand whose column order is w*8 + s, i.e. the block's columns permuted by
-``join_perm``; one dot of K = 8W per block follows. The activations are permuted the same way in XLA
-(a free gather) and, so that h comes out of the gate/up kernel already in the down kernel's order, the
-gate rows and the up rows of w13 (and their scales) are stored permuted by ``join_perm(F, W2)``.
+[s*W, (s+1)*W) of the block ("nibble plane" s), and with W == G each plane is exactly one scale group.
 Scales are stored group-major, [E, I/G, O], so one group's scales for a row block are one contiguous
-load. ``to_compressed_tensors`` undoes all of it, bit-exact.
+load. The gate rows and the up rows of w13 (and their scales) are stored permuted by
+``join_perm(F, W2)`` (for the "join" design below). ``to_compressed_tensors`` undoes all of it, bit-exact.
 
 Kernel (Pallas, Triton backend)
 -------------------------------
@@ -33,15 +28,24 @@ Routing metadata is computed in XLA (``_route``): the M*K (token, slot) pairs ar
 each expert's run is padded to a multiple of T rows, so that a tile of T rows belongs to one expert
 (tile_expert[i] = -1 for unused tiles). Activations travel transposed ([D, P], [F, P]) so the token tile
 is the N side of the dot and the weights are the M side ("swap AB": one token per expert wastes no
-weight reads). Kernel 1 (grid tiles x F/BN1 x split-K) streams gate and up rows of the tile's expert, does the
-SiLU*up epilogue and writes h^T [F, P]; kernel 2 (grid tiles x D/BN2) streams down rows and multiplies by
-the routing weight, writing y^T [D, P] (f32); XLA adds the pair rows into y [M, D]. No work is done for
-experts with no tokens.
+weight reads). Kernel 1 (grid tiles x F/BN1 x split-K) streams gate and up rows of the tile's expert,
+does the SiLU*up epilogue and writes h^T [F, P]; kernel 2 (grid tiles x D/BN2 x split-K) streams down rows
+and multiplies by the routing weight, writing y^T [D, P] (f32); XLA adds the pair rows into y [M, D]
+(and split-K partial sums). No work is done for experts with no tokens.
 
-Dequantisation modes (``dequant=``): "asm" (GPU only: prmt + lop3 + two bf16x2 fma per two values, the
-0x4300 magic-exponent trick, the second fma applying the scale), "magic" (jnp: nibble | 0x4B000000 bitcast to f32 minus 2^23+8, no int->float
-conversion), "int" (jnp shifts and an int->float convert). "magic"/"int" run in interpret mode on CPU.
-``design="planes"`` keeps the first version (one K=W dot per plane, f32 post-scaling) for comparison.
+Two inner loops (``design=``), measured on one H200 (experiments/results/bench_moe_h200.md):
+  "planes" (default): per 256-column block, eight K=32 dots, one per nibble plane, each scaled in f32 by
+      the plane's per-row scale vector (exact post-scaling).
+  "join": the eight planes are dequantised *with* their scales (bf16) and interleaved with three levels
+      of register joins (stack on a new minor axis + merge) into one [rows, 256] operand whose column
+      order is w*8 + s (``join_perm``); one K=256 dot per block. Activations are permuted alike in XLA
+      and h comes out of kernel 1 already in kernel 2's order (the w13 row permutation). Slower on the
+      H200 (1.7-1.8x at M >= 32): the joined operand's conversion to the dot layout dominates.
+
+Dequantisation modes (``dequant=``): "asm" (GPU only: prmt + lop3 + a bf16x2 fma per two values, the
+0x4300 magic-exponent trick; a second fma applies the scale in "join"), "magic" (jnp: nibble | 0x4B000000
+bitcast to f32 minus 2^23+8, no int->float conversion), "int" (jnp shifts and an int->float convert).
+"magic"/"int" run in interpret mode on CPU.
 """
 
 from __future__ import annotations
@@ -341,7 +345,7 @@ def _join8(planes):
 
 def _stream_rows(w_ref, s_ref, a_ref, e, row0, col0, nrows: int, in_dim: int, bw: int, group: int,
                  t: int, mode: str, dtype, acc_rows: tuple[int, ...], probe: str, split: int = 1, part=0,
-                 design: str = "join"):
+                 design: str = "planes"):
     """acc[j] [nrows, T] f32 = W_e[row0 + acc_rows[j] + (0..nrows)] @ A[:, col0:col0+T] over in_dim (or over
     its part ``part`` of ``split`` equal parts of whole blocks: split-K).
 
@@ -434,7 +438,7 @@ def _default_split(programs: int, nblk: int, target: int = 528) -> int:
 def int4_moe(x, expert_ids, expert_weights, weights: Int4ExpertWeights, *, interpret: bool = False,
              tile: int | None = None, block_n1: int = 64, block_n2: int = 64, num_warps: int = 4,
              num_stages: int = 3, split1: int | None = None, split2: int | None = None,
-             dequant: str | None = None, design: str = "join", probe: str = ""):
+             dequant: str | None = None, design: str = "planes", probe: str = ""):
     """Routed experts with the Pallas kernels. Same contract as ``int4_moe_ref``.
 
     x [M, D] (bf16; f32 allowed in interpret mode), expert_ids int32 [M, K], expert_weights f32 [M, K],
@@ -445,8 +449,9 @@ def int4_moe(x, expert_ids, expert_weights, weights: Int4ExpertWeights, *, inter
     the two GEMMs, dividing their 256-column block counts; default: smallest giving >= 528 programs;
     partial sums are added in XLA), dequant ("asm" on GPU, "magic" in interpret mode by default), probe
     (benchmark only, wrong results: "dq_once" dequantises one nibble plane per block, "no_dot" replaces
-    the dots by row sums, "glue" runs only the XLA routing/gather/combine), design ("join": one K=256 dot
-    per block on the joined, pre-scaled planes; "planes": the first version, eight K=32 dots per block).
+    the dots by row sums, "glue" runs only the XLA routing/gather/combine), design ("planes": eight K=32
+    dots per 256-column block with f32 post-scaling, the default; "join": one K=256 dot per block on the
+    joined, pre-scaled planes, slower on the H200).
     """
     m, d = x.shape
     k = expert_ids.shape[1]

@@ -162,13 +162,13 @@ def test_dispatcher_uses_twin_on_cpu(tiny):
 
 
 # --- interpret-mode kernel vs twin (CPU) -------------------------------------------------------------
-@pytest.mark.parametrize("mode,m,skew", [("magic", 1, False), ("int", 5, True)])
-def test_kernel_interpret_matches_twin(kshape, mode, m, skew):
+@pytest.mark.parametrize("mode,m,skew,design", [("magic", 1, False, "planes"), ("int", 5, True, "join")])
+def test_kernel_interpret_matches_twin(kshape, mode, m, skew, design):
     ct, wts = kshape
     ids, w = make_routing(m, 2, KSHAPE[0], seed=20 + m, skew=skew)
     x = jnp.asarray(np.random.default_rng(m).standard_normal((m, KSHAPE[1])), jnp.float32)
     y = int4_moe(x, jnp.asarray(ids), jnp.asarray(w), wts, interpret=True, dequant=mode, block_n1=128,
-                 block_n2=128)
+                 block_n2=128, design=design)
     twin = jax.jit(int4_moe_ref)(x, jnp.asarray(ids), jnp.asarray(w), wts)
     assert rel(y, twin) < 1e-5
     assert rel(y, dense_moe(np.asarray(x), ids, w, ct)) < 1e-5
@@ -179,14 +179,16 @@ def test_kernel_interpret_split_k_and_tiny_blocks(tiny):
     m = 6
     ids, w = make_routing(m, 2, TINY[0], seed=7, skew=True)
     x = jnp.asarray(np.random.default_rng(7).standard_normal((m, TINY[1])), jnp.float32)
-    y = int4_moe(x, jnp.asarray(ids), jnp.asarray(w), wts, interpret=True, tile=4, split1=1, split2=1)
-    assert rel(y, dense_moe(np.asarray(x), ids, w, ct)) < 1e-5
+    for design in ("planes", "join"):
+        y = int4_moe(x, jnp.asarray(ids), jnp.asarray(w), wts, interpret=True, tile=4, split1=1, split2=1,
+                     design=design)
+        assert rel(y, dense_moe(np.asarray(x), ids, w, ct)) < 1e-5, design
     ct2 = make_ct(2, 512, 512, seed=9)
     w2 = Int4ExpertWeights.from_compressed_tensors(*ct2)
     ids2, rw2 = make_routing(3, 1, 2, seed=9)
     x2 = jnp.asarray(np.random.default_rng(9).standard_normal((3, 512)), jnp.float32)
     y2 = int4_moe(x2, jnp.asarray(ids2), jnp.asarray(rw2), w2, interpret=True, split1=2, split2=2,
-                  block_n1=256, block_n2=512)
+                  block_n1=256, block_n2=512, design="join")
     assert rel(y2, dense_moe(np.asarray(x2), ids2, rw2, ct2)) < 1e-5
 
 
@@ -207,10 +209,11 @@ def test_gpu_kernel_matches_twin_k26(m, skew):
     ids, w = make_routing(m, 8, 384, seed=m, skew=skew)
     x = jax.random.normal(jax.random.key(m), (m, 7168), jnp.bfloat16)
     twin = jax.jit(int4_moe_ref)(x, jnp.asarray(ids), jnp.asarray(w), wts)
-    for mode in ("asm", "magic"):
-        y = jax.jit(functools.partial(int4_moe, dequant=mode))(x, jnp.asarray(ids), jnp.asarray(w), wts)
+    for design, mode in (("planes", "asm"), ("join", "asm"), ("planes", "magic")):
+        fn = jax.jit(functools.partial(int4_moe, dequant=mode, design=design))
+        y = fn(x, jnp.asarray(ids), jnp.asarray(w), wts)
         assert y.dtype == jnp.bfloat16 and bool(jnp.all(jnp.isfinite(y.astype(jnp.float32))))
-        assert rel(y.astype(jnp.float32), twin.astype(jnp.float32)) < 1e-2, mode
+        assert rel(y.astype(jnp.float32), twin.astype(jnp.float32)) < 1e-2, (design, mode)
     yd = jax.jit(routed_experts)(x, jnp.asarray(ids), jnp.asarray(w), wts)
     assert rel(yd.astype(jnp.float32), twin.astype(jnp.float32)) < 1e-2
 
