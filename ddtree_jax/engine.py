@@ -99,8 +99,8 @@ def _stop_and_emit(state: DecodeState, emitted, n_emit, active, eos_ids, max_new
     room = max_new - state.num_out
     if eos_ids:
         is_eos = jnp.isin(emitted, jnp.asarray(eos_ids, jnp.int32)) & in_round
-        first_eos = jnp.where(is_eos.any(1), jnp.argmax(is_eos, axis=1), width)
-        hit_eos = first_eos < room  # an EOS past the token limit is never emitted
+        first_eos = jnp.argmax(is_eos, axis=1)
+        hit_eos = is_eos.any(1) & (first_eos < room)  # an EOS past the token limit is never emitted
         n_emit = jnp.where(hit_eos, first_eos + 1, n_emit)
     else:
         hit_eos = jnp.zeros((b,), bool)

@@ -41,19 +41,20 @@ def generate_all(target, drafter, ecfg, prompts, streams, temperature=0.0, runti
     return out
 
 
-PROMPTS = make_prompts(200, seed=0)
+PROMPTS = make_prompts(96, seed=0)
 
 
 @pytest.fixture(scope="module")
 def ar_reference(models):
     target, _ = models
-    return generate_all(target, None, EngineConfig(mode="ar", max_new_tokens=NEW, capacity=64), PROMPTS, 8)
+    return generate_all(target, None, EngineConfig(mode="ar", max_new_tokens=NEW, capacity=64), PROMPTS, 16)
 
 
+# 272 prompt decodes in all compared token for token with AR (96 distinct prompts).
 @pytest.mark.parametrize("mode,budget,streams,count", [
-    ("ddtree", 32, 4, 200), ("dflash", 0, 4, 200),
-    ("ddtree", 1, 4, 48), ("ddtree", 8, 4, 48), ("ddtree", 128, 4, 48),
-    ("ddtree", 8, 1, 12), ("ddtree", 128, 1, 12), ("dflash", 0, 1, 12),
+    ("ddtree", 32, 4, 96), ("dflash", 0, 4, 48),
+    ("ddtree", 1, 4, 24), ("ddtree", 8, 4, 24), ("ddtree", 128, 4, 32),
+    ("ddtree", 8, 1, 16), ("ddtree", 128, 1, 16), ("dflash", 0, 1, 16),
 ])
 def test_greedy_equals_ar(models, ar_reference, mode, budget, streams, count):
     target, drafter = models
