@@ -101,7 +101,7 @@ class _ExpertStack:
             expected = (out_dim, in_dim // 8) if kind == "weight_packed" else (out_dim, in_dim // group)
             if kind == "weight_packed" and value.dtype != np.int32:
                 raise CheckpointError(f"{name}: dtype {value.dtype} != int32")
-            if kind == "weight_scale" and not np.issubdtype(value.dtype, np.floating):
+            if kind == "weight_scale" and not jnp.issubdtype(value.dtype, jnp.floating):
                 raise CheckpointError(f"{name}: dtype {value.dtype} is not a float type (bf16 expected)")
         if tuple(value.shape) != expected:
             raise CheckpointError(f"{name}: shape {tuple(value.shape)} != expected {expected}")
@@ -145,9 +145,18 @@ class _ExpertStack:
         return {name: self.parts[(name, "weight")] for name in ("w13", "w2")}
 
 
+class ShapeOnlyRngs:
+    """Stand-in for ``nnx.Rngs`` when only shapes matter (under ``nnx.eval_shape``): ``params()`` returns
+    one fixed key. nnx.Rngs would bump a traced counter per parameter, and each bump costs a walk over
+    the whole trace (quadratic: ~1 min for full K2.6); the values are never computed here anyway."""
+
+    def params(self) -> jax.Array:
+        return jax.random.key(0)
+
+
 def abstract_model(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
     """Graph definition and abstract (ShapeDtypeStruct) state of the model; nothing is allocated."""
-    abstract = nnx.eval_shape(lambda: KimiModel(cfg, nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: KimiModel(cfg, ShapeOnlyRngs()))
     return nnx.split(abstract)
 
 
@@ -163,9 +172,18 @@ def _check_leaf(tensor_name: str, leaf, abstract_leaf) -> np.ndarray:
         raise CheckpointError(f"{tensor_name}: shape {tuple(leaf.shape)} != expected {tuple(abstract_leaf.shape)}")
     if abstract_leaf.dtype == jnp.int32 and leaf.dtype != np.int32:
         raise CheckpointError(f"{tensor_name}: dtype {leaf.dtype} != int32")
-    if abstract_leaf.dtype != jnp.int32 and not np.issubdtype(leaf.dtype, np.floating):
+    if abstract_leaf.dtype != jnp.int32 and not jnp.issubdtype(leaf.dtype, jnp.floating):
         raise CheckpointError(f"{tensor_name}: dtype {leaf.dtype} is not a float type")
     return np.ascontiguousarray(leaf, dtype=abstract_leaf.dtype)
+
+
+def _check_file_complete(file) -> None:
+    """Raises CheckpointError naming the first tensor that lies past the end of a (truncated) shard."""
+    for name in file.keys():
+        end = file.data_start + file.header[name]["data_offsets"][1]
+        if end > file.size:
+            raise CheckpointError(f"{file.path}: truncated file: tensor {name!r} ends at byte {end} but the file "
+                                  f"has {file.size}")
 
 
 def iter_hf_params(path: str, cfg: ModelConfig, flat_abstract: dict[tuple, nnx.Variable],
@@ -196,7 +214,11 @@ def iter_hf_params(path: str, cfg: ModelConfig, flat_abstract: dict[tuple, nnx.V
         done.add(key)
         return key, jax.tree.map(lambda leaf, ab: _check_leaf(tensor_name, leaf, ab), value, target)
 
+    checked_files: set[str] = set()
     for name, file in iter_tensors(path):
+        if file.path not in checked_files:  # a truncated shard fails before any of it is used
+            checked_files.add(file.path)
+            _check_file_complete(file)
         if not name.startswith(text_prefix):
             continue  # e.g. the K2.5/K2.6 vision tower and projector
         local = name[len(text_prefix):]

@@ -1,0 +1,328 @@
+"""Our own checkpoints: the model's param tree (INT4 ``QuantArray`` experts included) in Orbax, plus the
+``ModelConfig`` as JSON, so that a checkpoint directory is self-describing.
+
+Layout of a checkpoint directory ``path``::
+
+    path/ddtree_checkpoint.json     the commit record: format, ModelConfig, user metadata, data dir, parts
+    path/data-<hex>/<part>/         one Orbax (StandardCheckpointer) checkpoint per part: "layer_000" ...
+                                    "layer_NNN" (one decoder layer each), "embed", "norm", "lm_head"
+
+A QuantArray leaf is stored as its two arrays, ``.../w13/packed`` (int32 [E, O, I/8]) and
+``.../w13/scale`` ([E, O, I/G]); every other parameter as one array, under its NNX state path.
+
+Atomicity: a save writes all parts into a fresh ``data-<hex>`` directory that nothing references, then
+replaces ``ddtree_checkpoint.json`` with one ``os.replace`` (the commit point), then deletes older data
+directories. A save that fails or is killed before the commit leaves the previous checkpoint intact and
+restorable; its orphan data directory is removed by the next successful save.
+
+Per-part files also bound host memory for conversion: ``convert_hf_checkpoint`` streams an HF directory
+(``hf_loader.iter_hf_params``) and writes each layer as soon as all of its tensors have arrived.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import uuid
+from typing import Any, Callable
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+from jax.sharding import Mesh, SingleDeviceSharding
+
+from ddtree_jax.config import ModelConfig, QuantConfig, RopeConfig
+from ddtree_jax.hf_loader import abstract_model, flat_params, iter_hf_params
+from ddtree_jax.model import KimiModel
+from ddtree_jax.quant import QuantArray
+from ddtree_jax.safetensors_io import CheckpointError
+from ddtree_jax.sharding import DEFAULT_RULES, ShardingRules, named_sharding
+
+FORMAT = "ddtree-jax-checkpoint/1"
+INDEX_FILE = "ddtree_checkpoint.json"
+_DATA_DIR = re.compile(r"^data-[0-9a-f]{32}$")
+# Fields that decide parameter shapes; a restore config must agree with the stored one on these.
+SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_layers",
+                "num_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                "n_routed_experts", "n_shared_experts", "first_k_dense_replace", "quant")
+
+
+# ----------------------------------------------------------------------------------------------
+# ModelConfig <-> JSON
+# ----------------------------------------------------------------------------------------------
+def config_to_dict(cfg: ModelConfig) -> dict[str, Any]:
+    """A JSON-ready dict of every ModelConfig field (nested rope / quant as dicts)."""
+    out = dataclasses.asdict(cfg)
+    out["eos_token_ids"] = list(cfg.eos_token_ids)
+    return out
+
+
+def config_from_dict(raw: dict[str, Any]) -> ModelConfig:
+    """Inverse of ``config_to_dict``."""
+    raw = dict(raw)
+    raw["rope"] = RopeConfig(**raw["rope"])
+    raw["quant"] = None if raw.get("quant") is None else QuantConfig(**raw["quant"])
+    raw["eos_token_ids"] = tuple(raw.get("eos_token_ids", ()))
+    names = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = set(raw) - names
+    if unknown:
+        raise CheckpointError(f"stored model config has unknown fields {sorted(unknown)}")
+    return ModelConfig(**raw)
+
+
+# ----------------------------------------------------------------------------------------------
+# Param tree <-> parts of nested str-keyed dicts
+# ----------------------------------------------------------------------------------------------
+def part_name(path: tuple) -> str:
+    """The part a parameter is stored in: ``layer_007`` for ("layers", 7, ...), else its top-level name
+    (``embed``, ``norm``, ``lm_head``: written as soon as they arrive, never held through a conversion)."""
+    if path and path[0] == "layers":
+        return f"layer_{int(path[1]):03d}"
+    return str(path[0])
+
+
+def _leaf_items(path: tuple, value) -> list[tuple[tuple[str, ...], Any]]:
+    """(string path, array) pairs of one parameter value (a QuantArray gives two)."""
+    base = tuple(str(p) for p in path)
+    if isinstance(value, QuantArray):
+        return [(base + ("packed",), value.packed), (base + ("scale",), value.scale)]
+    return [(base, value)]
+
+
+def _nest(items) -> dict:
+    tree: dict = {}
+    for path, leaf in items:
+        node = tree
+        for p in path[:-1]:
+            node = node.setdefault(p, {})
+        node[path[-1]] = leaf
+    return tree
+
+
+def _lookup(tree: dict, path: tuple[str, ...]):
+    for p in path:
+        tree = tree[p]
+    return tree
+
+
+def _tree_bytes(values) -> int:
+    return int(sum(leaf.size * np.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(values)))
+
+
+# ----------------------------------------------------------------------------------------------
+# Writing
+# ----------------------------------------------------------------------------------------------
+def _write_json_atomic(path: str, payload: dict[str, Any]) -> None:
+    tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+    with open(tmp, "w") as f:
+        json.dump(payload, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_index(path: str) -> dict[str, Any]:
+    """The commit record of a checkpoint directory (format, model_config, metadata, data, parts)."""
+    file = os.path.join(path, INDEX_FILE)
+    if not os.path.exists(file):
+        raise CheckpointError(f"{path}: not a ddtree-jax checkpoint (no {INDEX_FILE})")
+    with open(file) as f:
+        index = json.load(f)
+    if index.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: unknown checkpoint format {index.get('format')!r} (expected {FORMAT!r})")
+    return index
+
+
+class CheckpointWriter:
+    """Writes one checkpoint part by part; nothing is visible until ``commit()``.
+
+    Use as a context manager: leaving the block with an exception deletes the uncommitted data and
+    leaves any previous checkpoint at ``path`` untouched.
+    """
+
+    def __init__(self, path: str, cfg: ModelConfig, metadata: dict[str, Any] | None = None):
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise CheckpointError(f"{path}: exists and is not a directory")
+        os.makedirs(path, exist_ok=True)
+        self.path, self.cfg, self.metadata = path, cfg, dict(metadata or {})
+        json.dumps(self.metadata)  # fail early on metadata that JSON cannot store
+        self.data = f"data-{uuid.uuid4().hex}"
+        self.parts: dict[str, list[str]] = {}
+        self.bytes = 0
+        self._checkpointer = ocp.StandardCheckpointer()
+        self._committed = False
+
+    def write_part(self, name: str, params: dict[tuple, Any]) -> None:
+        """Saves one part: params {state path: array or QuantArray} (host numpy or jax arrays)."""
+        if name in self.parts:
+            raise ValueError(f"part {name!r} written twice")
+        items = [item for path, value in params.items() for item in _leaf_items(path, value)]
+        target = os.path.abspath(os.path.join(self.path, self.data, name))
+        self._checkpointer.save(target, _nest(items))
+        self._checkpointer.wait_until_finished()  # bounded memory: the part is on disk before the next one
+        self.parts[name] = [".".join(str(p) for p in path) for path in params]
+        self.bytes += _tree_bytes(list(params.values()))
+
+    def commit(self) -> None:
+        """Makes the written parts the checkpoint at ``path`` (atomic), then removes older data dirs."""
+        self._checkpointer.close()
+        index = {"format": FORMAT, "model_config": config_to_dict(self.cfg), "metadata": self.metadata,
+                 "data": self.data, "parts": self.parts, "param_bytes": self.bytes}
+        _write_json_atomic(os.path.join(self.path, INDEX_FILE), index)
+        self._committed = True
+        for entry in os.listdir(self.path):
+            if _DATA_DIR.match(entry) and entry != self.data:
+                shutil.rmtree(os.path.join(self.path, entry), ignore_errors=True)
+
+    def abort(self) -> None:
+        self._checkpointer.close()
+        shutil.rmtree(os.path.join(self.path, self.data), ignore_errors=True)
+
+    def __enter__(self) -> "CheckpointWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None and not self._committed:
+            self.abort()
+
+
+def save_model(model_or_state: KimiModel | nnx.State, path: str, metadata: dict[str, Any] | None = None, *,
+               cfg: ModelConfig | None = None) -> None:
+    """Saves a KimiModel (or its ``nnx.State`` plus ``cfg``) to ``path`` atomically.
+
+    Arrays may be sharded over a mesh; every shard is written. ``metadata`` (JSON-serializable) is
+    stored in the commit record next to the ModelConfig.
+    """
+    if isinstance(model_or_state, nnx.Module):
+        cfg = cfg or model_or_state.cfg
+        state = nnx.state(model_or_state)
+    else:
+        state = model_or_state
+        if cfg is None:
+            raise ValueError("save_model of a bare nnx.State needs cfg=")
+    grouped: dict[str, dict[tuple, Any]] = {}
+    for key, variable in flat_params(state).items():
+        grouped.setdefault(part_name(key), {})[key] = variable.value
+    with CheckpointWriter(path, cfg, metadata) as writer:
+        for name, params in grouped.items():
+            _save_part(writer, name, params)
+        writer.commit()
+
+
+def _save_part(writer: CheckpointWriter, name: str, params: dict[tuple, Any]) -> None:
+    """One part of ``save_model`` (a seam for tests that interrupt a save)."""
+    writer.write_part(name, params)
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading
+# ----------------------------------------------------------------------------------------------
+def checkpoint_config(path: str) -> ModelConfig:
+    """The ModelConfig stored in a checkpoint directory."""
+    return config_from_dict(read_index(path)["model_config"])
+
+
+def restore_model(path: str, cfg: ModelConfig | None = None, mesh: Mesh | None = None,
+                  rules: ShardingRules | None = None) -> KimiModel:
+    """Restores a checkpoint into a KimiModel built from abstract shapes (nothing is allocated twice).
+
+    cfg: None = the stored config; otherwise it must agree with the stored one on every shape field
+    (``SHAPE_FIELDS``); its ``dtype`` may differ (float parameters are cast on restore).
+    mesh / rules: each array is read directly into its NamedSharding from the logical axes
+    (default rules ``DEFAULT_RULES``); without a mesh everything goes to the first device.
+    """
+    index = read_index(path)
+    stored = config_from_dict(index["model_config"])
+    if cfg is None:
+        cfg = stored
+    else:
+        diff = [f for f in SHAPE_FIELDS if getattr(cfg, f) != getattr(stored, f)]
+        if diff:
+            raise CheckpointError(f"{path}: config differs from the stored one in " + ", ".join(
+                f"{f} ({getattr(cfg, f)!r} != stored {getattr(stored, f)!r})" for f in diff))
+    rules = rules or DEFAULT_RULES
+    graphdef, abstract = abstract_model(cfg)
+    flat_abstract = flat_params(abstract)
+    by_part: dict[str, list[tuple]] = {}
+    for key in flat_abstract:
+        by_part.setdefault(part_name(key), []).append(key)
+    stored_params = {p for names in index["parts"].values() for p in names}
+    missing = [".".join(str(p) for p in k) for k in flat_abstract if ".".join(str(p) for p in k) not in stored_params]
+    if missing:
+        raise CheckpointError(f"{path}: checkpoint lacks {len(missing)} parameters, e.g. {missing[:5]}")
+    placed: dict[tuple, Any] = {}
+    checkpointer = ocp.StandardCheckpointer()
+    try:
+        for name, keys in by_part.items():
+            if name not in index["parts"]:
+                raise CheckpointError(f"{path}: checkpoint has no part {name!r}")
+
+            def spec(key, leaf):
+                if mesh is None:
+                    sharding = SingleDeviceSharding(jax.devices()[0])
+                else:
+                    sharding = named_sharding(mesh, rules, flat_abstract[key].get_metadata()["logical_axes"])
+                return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+
+            target_items = [item for key in keys
+                            for item in _leaf_items(key, jax.tree.map(lambda leaf, k=key: spec(k, leaf),
+                                                                      flat_abstract[key].value))]
+            part_dir = os.path.abspath(os.path.join(path, index["data"], name))
+            if not os.path.isdir(part_dir):
+                raise CheckpointError(f"{path}: part directory {part_dir} is missing")
+            restored = checkpointer.restore(part_dir, _nest(target_items))
+            for key in keys:
+                value = flat_abstract[key].value
+                base = tuple(str(p) for p in key)
+                if isinstance(value, QuantArray):
+                    placed[key] = QuantArray(_lookup(restored, base + ("packed",)), _lookup(restored, base + ("scale",)))
+                else:
+                    placed[key] = _lookup(restored, base)
+    finally:
+        checkpointer.close()
+    state = nnx.State.from_flat_path({k: flat_abstract[k].replace(placed[k]) for k in flat_abstract})
+    return nnx.merge(graphdef, state)
+
+
+# ----------------------------------------------------------------------------------------------
+# Streaming conversion of an HF directory
+# ----------------------------------------------------------------------------------------------
+def convert_hf_checkpoint(hf_dir: str, out_dir: str, *, dtype: str = "bfloat16",
+                          metadata: dict[str, Any] | None = None,
+                          progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Converts an HF checkpoint directory into our checkpoint at ``out_dir`` with bounded host memory.
+
+    Tensors are read memory-mapped one at a time; finished parameters are buffered per part and each
+    part (one decoder layer, or the globals) is written and freed as soon as all of its parameters
+    have arrived, so host memory stays near the largest in-flight layer(s), not the whole model.
+    ``progress(tensor_name)`` is called per tensor. Returns stats: parameter bytes written, the
+    largest number of bytes buffered at once, and the number of parts.
+    """
+    cfg = ModelConfig.from_hf_dir(hf_dir, dtype=dtype)
+    _, abstract = abstract_model(cfg)
+    flat_abstract = flat_params(abstract)
+    expected: dict[str, set[tuple]] = {}
+    for key in flat_abstract:
+        expected.setdefault(part_name(key), set()).add(key)
+    buffers: dict[str, dict[tuple, Any]] = {}
+    buffered = peak_buffered = 0
+    meta = {"source": os.path.abspath(hf_dir), **(metadata or {})}
+    with CheckpointWriter(out_dir, cfg, meta) as writer:
+        for key, value in iter_hf_params(hf_dir, cfg, flat_abstract, progress):
+            name = part_name(key)
+            buffers.setdefault(name, {})[key] = value
+            buffered += _tree_bytes(value)
+            peak_buffered = max(peak_buffered, buffered)
+            if set(buffers[name]) == expected[name]:
+                params = buffers.pop(name)
+                writer.write_part(name, {k: params[k] for k in flat_abstract if k in params})
+                buffered -= _tree_bytes(list(params.values()))
+                del params
+        if buffers:  # iter_hf_params raises on missing tensors; this guards the bookkeeping
+            raise CheckpointError(f"incomplete parts after conversion: {sorted(buffers)}")
+        writer.commit()
+        return {"param_bytes": writer.bytes, "peak_buffered_bytes": peak_buffered, "parts": len(writer.parts)}

@@ -1,0 +1,148 @@
+"""Bytes per device from abstract shapes only: weights, latent cache and drafter, for a mesh.
+
+Nothing is allocated: parameter shapes come from ``nnx.eval_shape`` of the modules, and the bytes a
+device holds come from each array's logical axes mapped through the sharding rules onto a mesh *shape*
+(no devices needed), exactly as ``ddtree_jax.sharding`` would place them. A dimension split n ways
+holds ceil(dim / n) per device (the largest shard).
+
+Cache sizes are per token of one stream: the target's latent cache is NL x C values (C = L + R = 576
+for K2.6) and the drafter's K/V cache is NLd x 2 x KVH x hd values, both in the activation dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ddtree_jax.cache import CACHE_AXES
+from ddtree_jax.config import ModelConfig
+from ddtree_jax.quant import QuantArray
+from ddtree_jax.sharding import DEFAULT_RULES, MESH_AXES, ShardingRules
+
+CATEGORIES = ("experts_int4", "expert_scales", "attention", "mlp", "router", "embed_head", "norms")
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """"DxM" (e.g. "1x8") -> {"data": D, "model": M}."""
+    try:
+        sizes = [int(x) for x in text.lower().split("x")]
+    except ValueError:
+        sizes = []
+    if len(sizes) != len(MESH_AXES) or min(sizes) < 1:
+        raise ValueError(f"mesh {text!r} must look like 'DATAxMODEL', e.g. '1x8'")
+    return dict(zip(MESH_AXES, sizes))
+
+
+def bytes_per_device(shape: Sequence[int], dtype, logical_axes: Sequence[str | None], mesh_shape: dict[str, int],
+                     rules: ShardingRules) -> int:
+    """Bytes of the largest shard of an array [shape] with ``logical_axes`` on a mesh of ``mesh_shape``."""
+    spec = rules.spec(logical_axes)
+    local = [math.ceil(d / mesh_shape[a]) if a is not None else d for d, a in zip(shape, tuple(spec) + (None,) * 8)]
+    return int(np.prod(local, dtype=np.int64)) * jnp.dtype(dtype).itemsize
+
+
+def _category(path: tuple, value) -> str:
+    names = [str(p) for p in path]
+    if names[-1] in ("embed", "lm_head"):
+        return "embed_head"
+    if names[-1] == "weight":  # RMSNorm weights (input_norm, post_norm, q_a_norm, final norm, ...)
+        return "norms"
+    if "attn" in names:
+        return "attention"
+    if names[-1] in ("router", "router_bias"):
+        return "router"
+    return "mlp"
+
+
+def param_bytes(state: nnx.State, mesh_shape: dict[str, int], rules: ShardingRules) -> dict[str, dict[str, int]]:
+    """{category: {"total": bytes, "per_device": bytes}} of an abstract (or real) ``nnx.State``.
+
+    INT4 QuantArray leaves count as "experts_int4" (packed words) and "expert_scales"; the rest is split
+    by module kind (attention, mlp = dense and shared-expert FFNs, router, embed_head, norms).
+    """
+    out = {c: {"total": 0, "per_device": 0} for c in CATEGORIES}
+    for path, variable in state.flat_state():
+        axes = variable.get_metadata().get("logical_axes")
+        if axes is None:
+            raise ValueError(f"parameter {path} has no logical_axes")
+        value = variable.value
+        if isinstance(value, QuantArray):
+            parts = [("experts_int4", value.packed), ("expert_scales", value.scale)]
+        else:
+            parts = [(_category(tuple(path), value), value)]
+        for cat, leaf in parts:
+            out[cat]["total"] += int(np.prod(leaf.shape, dtype=np.int64)) * jnp.dtype(leaf.dtype).itemsize
+            out[cat]["per_device"] += bytes_per_device(leaf.shape, leaf.dtype, axes, mesh_shape, rules)
+    return out
+
+
+def target_cache_bytes_per_token(cfg: ModelConfig, mesh_shape: dict[str, int], rules: ShardingRules,
+                                 dtype=None) -> dict[str, int]:
+    """Latent cache of one token of one stream: total bytes and bytes on one device."""
+    dtype = jnp.dtype(dtype or cfg.dtype)
+    shape = (cfg.num_layers, 1, 1, cfg.latent_dim)  # [NL, B=1, S=1, C]
+    total = int(np.prod(shape)) * dtype.itemsize
+    return {"total": total, "per_device": bytes_per_device(shape, dtype, CACHE_AXES, mesh_shape, rules)}
+
+
+def drafter_plan(drafter_cfg, mesh_shape: dict[str, int], rules: ShardingRules) -> dict[str, Any]:
+    """Drafter weights (from ``DFlashDrafter`` abstractly) and its K/V cache per token of one stream."""
+    from ddtree_jax.drafter import DRAFT_CACHE_AXES, DFlashDrafter
+    from ddtree_jax.hf_loader import ShapeOnlyRngs
+
+    abstract = nnx.eval_shape(lambda: DFlashDrafter(drafter_cfg, ShapeOnlyRngs()))
+    weights = param_bytes(nnx.state(abstract), mesh_shape, rules)
+    dtype = jnp.dtype(drafter_cfg.dtype)
+    one = (drafter_cfg.num_layers, 1, 1, drafter_cfg.num_kv_heads, drafter_cfg.head_dim)  # k or v of one token
+    total = 2 * int(np.prod(one)) * dtype.itemsize
+    per_device = 2 * bytes_per_device(one, dtype, DRAFT_CACHE_AXES, mesh_shape, rules)
+    return {"weights": weights, "cache_per_token": {"total": total, "per_device": per_device}}
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes for one mesh: ``weights`` / ``drafter_weights`` {category: {total, per_device}};
+    caches per token of one stream {total, per_device}."""
+
+    mesh_shape: dict
+    weights: dict
+    cache_per_token: dict
+    drafter_weights: dict | None = None
+    drafter_cache_per_token: dict | None = None
+
+    def weight_bytes(self, key: str = "per_device") -> int:
+        total = sum(v[key] for v in self.weights.values())
+        if self.drafter_weights:
+            total += sum(v[key] for v in self.drafter_weights.values())
+        return total
+
+    def cache_bytes(self, capacity: int, streams: int, key: str = "per_device") -> int:
+        """Target + drafter caches of ``streams`` streams of ``capacity`` tokens (streams split over data)."""
+        per_token = self.cache_per_token[key] + (self.drafter_cache_per_token or {key: 0})[key]
+        local_streams = math.ceil(streams / self.mesh_shape["data"]) if key == "per_device" else streams
+        return per_token * capacity * local_streams
+
+
+def plan_memory(cfg: ModelConfig, mesh_shape: dict[str, int], rules: ShardingRules = DEFAULT_RULES,
+                drafter_cfg=None) -> MemoryPlan:
+    """The MemoryPlan of a target config (and optionally a drafter) on a mesh shape; allocates nothing."""
+    from ddtree_jax.hf_loader import abstract_model
+
+    _, abstract = abstract_model(cfg)
+    plan = MemoryPlan(mesh_shape=dict(mesh_shape), weights=param_bytes(abstract, mesh_shape, rules),
+                      cache_per_token=target_cache_bytes_per_token(cfg, mesh_shape, rules))
+    if drafter_cfg is not None:
+        d = drafter_plan(drafter_cfg, mesh_shape, rules)
+        plan = dataclasses.replace(plan, drafter_weights=d["weights"], drafter_cache_per_token=d["cache_per_token"])
+    return plan
+
+
+def state_bytes(state: nnx.State) -> int:
+    """Actual bytes of a state's arrays (all leaves, QuantArray parts included)."""
+    return int(sum(leaf.nbytes for leaf in jax.tree.leaves(state)))

@@ -1,0 +1,163 @@
+"""Our Orbax checkpoints: bit-exact roundtrip (float and INT4), atomic saves, sharded restore on 8 fake
+devices, streaming conversion of a multi-shard HF checkpoint, and the memory planner against real bytes."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from ddtree_jax import checkpoint as ckpt
+from ddtree_jax.cache import init_cache
+from ddtree_jax.checkpoint import (INDEX_FILE, checkpoint_config, read_index, restore_model, save_model)
+from ddtree_jax.config import QuantConfig, tiny_config
+from ddtree_jax.hf_loader import abstract_model, load_hf_model
+from ddtree_jax.memory_plan import parse_mesh, plan_memory, state_bytes
+from ddtree_jax.model import causal_mask
+from ddtree_jax.quant import QuantArray
+from ddtree_jax.safetensors_io import CheckpointError
+from ddtree_jax.sharding import DEFAULT_RULES, make_mesh, param_shardings
+from experiments.convert_checkpoint import main as convert_main
+from experiments.convert_checkpoint import random_hf_checkpoint
+
+TINY_HF_DIMS = dict(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                    num_hidden_layers=3, num_attention_heads=4, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16,
+                    qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+                    first_k_dense_replace=1)
+
+
+def random_model(cfg, seed=0):
+    """A KimiModel with random values in every leaf (int32 words: all 32 bits random), built from the
+    abstract state in numpy (no XLA init)."""
+    graphdef, abstract = abstract_model(cfg)
+    rng = np.random.default_rng(seed)
+
+    def fill(leaf):
+        if leaf.dtype == jnp.int32:
+            return jnp.asarray(rng.integers(-2**31, 2**31, leaf.shape, dtype=np.int64).astype(np.int32))
+        return jnp.asarray(rng.standard_normal(leaf.shape, np.float32), leaf.dtype)
+
+    return nnx.merge(graphdef, jax.tree.map(fill, abstract))
+
+
+def assert_same_state(a, b):
+    fa, fb = dict(nnx.state(a).flat_state()), dict(nnx.state(b).flat_state())
+    assert fa.keys() == fb.keys()
+    for key in fa:
+        va, vb = fa[key].value, fb[key].value
+        assert isinstance(va, QuantArray) == isinstance(vb, QuantArray), key
+        for x, y in zip(jax.tree.leaves(va), jax.tree.leaves(vb)):
+            assert x.dtype == y.dtype and x.shape == y.shape, key
+            np.testing.assert_array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8), err_msg=str(key))
+
+
+@pytest.mark.parametrize("quant", [None, QuantConfig()], ids=["float", "int4"])
+def test_roundtrip_bit_exact(tmp_path, quant):
+    cfg = tiny_config(dtype="bfloat16", quant=quant)
+    model = random_model(cfg)
+    save_model(model, str(tmp_path / "ck"), {"step": 7, "note": "x"})
+    restored = restore_model(str(tmp_path / "ck"))
+    assert_same_state(model, restored)
+    assert restored.cfg == cfg and checkpoint_config(str(tmp_path / "ck")) == cfg
+    assert read_index(str(tmp_path / "ck"))["metadata"] == {"step": 7, "note": "x"}
+    if quant:
+        assert isinstance(restored.layers[1].mlp.w13.value, QuantArray)
+
+
+def test_interrupted_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
+    cfg = tiny_config(quant=QuantConfig())
+    path = str(tmp_path / "ck")
+    first, second = random_model(cfg, seed=1), random_model(cfg, seed=2)
+    save_model(first, path, {"step": 1})
+    calls = []
+    real_save_part = ckpt._save_part
+
+    def failing(writer, name, params):
+        calls.append(name)
+        if len(calls) == 3:
+            raise OSError("disk full (simulated)")
+        real_save_part(writer, name, params)
+
+    monkeypatch.setattr(ckpt, "_save_part", failing)
+    with pytest.raises(OSError, match="simulated"):
+        save_model(second, path, {"step": 2})
+    monkeypatch.setattr(ckpt, "_save_part", real_save_part)
+    assert read_index(path)["metadata"] == {"step": 1}
+    assert_same_state(first, restore_model(path))
+    # a save killed without cleanup leaves an orphan data dir: still the old checkpoint, removed by the next save
+    orphan = os.path.join(path, "data-" + "0" * 32)
+    os.makedirs(os.path.join(orphan, "layer_000"))
+    assert_same_state(first, restore_model(path))
+    save_model(second, path, {"step": 2})
+    assert sorted(os.listdir(path)) == sorted([INDEX_FILE, read_index(path)["data"]])
+    assert_same_state(second, restore_model(path))
+
+
+def test_restore_sharded_on_8_devices_and_planner(tmp_path):
+    assert jax.device_count() == 8
+    cfg = tiny_config(num_heads=8, quant=QuantConfig())  # heads/experts/vocab/ffn split 8 ways
+    model = random_model(cfg, seed=3)
+    save_model(model, str(tmp_path / "ck"))
+    mesh = make_mesh(data=1, model=8)
+    restored = restore_model(str(tmp_path / "ck"), mesh=mesh, rules=DEFAULT_RULES)
+    assert_same_state(model, restored)
+    state = nnx.state(restored)
+    expected = param_shardings(state, mesh, DEFAULT_RULES)
+    for leaf, sharding in zip(jax.tree.leaves(state), jax.tree.leaves(expected)):
+        assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
+    w13 = restored.layers[1].mlp.w13.value
+    assert w13.packed.addressable_shards[0].data.shape[0] == cfg.n_routed_experts // 8
+    # planner from abstract shapes == real bytes: whole model, and what device 0 holds on the 1x8 mesh
+    plan = plan_memory(cfg, parse_mesh("1x8"))
+    assert plan.weight_bytes("total") == state_bytes(state)
+    device0 = jax.devices()[0]
+    on_device0 = sum(s.data.nbytes for leaf in jax.tree.leaves(state) for s in leaf.addressable_shards
+                     if s.device == device0)
+    assert plan.weight_bytes("per_device") == on_device0
+    assert plan.weights["experts_int4"]["total"] == 2 * (cfg.num_layers - 1) * cfg.n_routed_experts * (
+        3 * cfg.moe_intermediate_size * cfg.hidden_size // 8) * 4 // 2
+    assert plan.cache_per_token["total"] == cfg.num_layers * cfg.latent_dim * 4  # float32 tiny config
+
+
+def test_restore_config_checks(tmp_path):
+    cfg = tiny_config()
+    save_model(random_model(cfg), str(tmp_path / "ck"))
+    with pytest.raises(CheckpointError, match=r"hidden_size \(128 != stored 64\)"):
+        restore_model(str(tmp_path / "ck"), cfg.replace(hidden_size=128))
+    as_bf16 = restore_model(str(tmp_path / "ck"), cfg.replace(dtype="bfloat16"))  # float params cast on restore
+    assert as_bf16.embed.value.dtype == jnp.bfloat16
+    with pytest.raises(CheckpointError, match="not a ddtree-jax checkpoint"):
+        restore_model(str(tmp_path))
+
+
+@jax.jit(static_argnames=("graphdef",))
+def _logits(graphdef, state, tokens):
+    model = nnx.merge(graphdef, state)
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+    return model(tokens, positions, init_cache(model.cfg, b, t), causal_mask(b, t)).logits
+
+
+def logits(model, tokens):
+    graphdef, state = nnx.split(model)
+    return np.asarray(_logits(graphdef, state, jnp.asarray(tokens)))
+
+
+def test_convert_multi_shard_checkpoint(tmp_path):
+    hf_dir, out = str(tmp_path / "hf"), str(tmp_path / "out")
+    files = random_hf_checkpoint(hf_dir, dims=TINY_HF_DIMS, shards=4)
+    assert len(files) == 4 and os.path.exists(os.path.join(hf_dir, "model.safetensors.index.json"))
+    report = convert_main(["--hf", hf_dir, "--out", out, "--dtype", "float32", "--no-progress"])
+    assert report["shards"] == 4 and report["parts"] == 3 + 3  # 3 layers + embed, norm, lm_head
+    direct = load_hf_model(hf_dir, dtype="float32")
+    converted = restore_model(out)
+    assert converted.cfg == direct.cfg and converted.cfg.weight_prefix == "language_model."
+    assert_same_state(direct, converted)
+    tokens = np.random.default_rng(0).integers(0, direct.cfg.vocab_size, (2, 7))
+    a, b = logits(direct, tokens), logits(converted, tokens)
+    assert np.isfinite(a).all()
+    np.testing.assert_array_equal(a, b)
+    # the planner's total for this config is the loaded model's real size
+    assert plan_memory(direct.cfg, parse_mesh("1x1")).weight_bytes("total") == state_bytes(nnx.state(direct))
