@@ -4,8 +4,8 @@
     python experiments/convert_checkpoint.py --make-random DIR [--shards 8]   # a K2.6-layout test input
     python experiments/convert_checkpoint.py --sweep WORKDIR [--result convert_rss]
 
---sweep writes random K2.6-layout checkpoints of 4/8/16/32 layers (~40 MB per shard, one layer or so per
-shard), converts each in a fresh process and, for contrast, loads each whole into host memory with
+--sweep writes random K2.6-layout checkpoints of 4/8/16/32 layers (32 experts: ~33 MB per layer, one layer or
+so per shard) and of 4 layers with 64/128 experts (bigger layers), converts each in a fresh process and, for contrast, loads each whole into host memory with
 ``load_hf_model`` in a fresh process, recording peak RSS of both against the largest shard and the total.
 
 Streams shard by shard, one memory-mapped tensor at a time; each decoder layer is written as soon as all
@@ -178,23 +178,28 @@ print("RSS", base, peak_rss_bytes())
 """
 
 
-def sweep(workdir: str, layer_counts=(4, 8, 16, 32)) -> dict:
-    """Peak RSS of streaming conversion vs. a whole-model load, over model sizes (fresh process each)."""
+SWEEP = ((4, 32), (8, 32), (16, 32), (32, 32), (4, 64), (4, 128))  # (layers, routed experts)
+
+
+def sweep(workdir: str, points=SWEEP) -> dict:
+    """Peak RSS of streaming conversion vs. a whole-model load, over model sizes (more layers: bigger
+    model, same layer size; more experts: bigger layers), each in a fresh process."""
     rows = []
     here = os.path.abspath(__file__)
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(here)))
-    for layers in layer_counts:
-        hf, out = os.path.join(workdir, f"hf_{layers}"), os.path.join(workdir, f"out_{layers}")
+    for layers, experts in points:
+        hf, out = os.path.join(workdir, f"hf_{layers}_{experts}"), os.path.join(workdir, f"out_{layers}_{experts}")
         shutil.rmtree(hf, ignore_errors=True)
         shutil.rmtree(out, ignore_errors=True)
-        files = random_hf_checkpoint(hf, dims={"num_hidden_layers": layers}, shards=layers + 2)
+        files = random_hf_checkpoint(hf, dims={"num_hidden_layers": layers, "n_routed_experts": experts},
+                                     shards=layers + 2)
         proc = subprocess.run([sys.executable, here, "--hf", hf, "--out", out, "--no-progress", "--json-line"],
                               capture_output=True, text=True, env=env, check=True)
         conv = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
         proc = subprocess.run([sys.executable, "-c", _FULL_LOAD, hf], capture_output=True, text=True, env=env,
                               check=True)
         base, peak = (int(x) for x in proc.stdout.split("RSS")[-1].split())
-        rows.append({"layers": layers, "shards": len(files), "hf_total_mib": conv["hf_total_bytes"] / MIB,
+        rows.append({"layers": layers, "experts": experts, "shards": len(files), "hf_total_mib": conv["hf_total_bytes"] / MIB,
                      "largest_shard_mib": conv["largest_shard_bytes"] / MIB,
                      "convert_peak_rss_mib": conv["peak_rss_bytes"] / MIB,
                      "convert_baseline_rss_mib": conv["peak_rss_before_bytes"] / MIB,
