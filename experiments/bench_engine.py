@@ -1,0 +1,264 @@
+"""Engine benchmark: tokens/s of AR, DFlash and DDTree, one round split into its phases, the
+no-host-sync check, and per-layer step cost vs tokens per step (for full-size projections).
+
+    PYTHONPATH=. python experiments/bench_engine.py --size full --layers 4 --out DIR   # H200
+    PYTHONPATH=. python experiments/bench_engine.py --size tiny                        # CPU smoke run
+
+Weights are random and generated on the device (INT4 experts as random nibbles + scales), so the
+acceptance length here means nothing (a random drafter); the timings do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from ddtree_jax.cache import commit, init_cache  # noqa: E402
+from ddtree_jax.config import QuantConfig, k26_config, tiny_config  # noqa: E402
+from ddtree_jax.drafter import DFlashDrafter, k26_drafter_config, tiny_drafter_config  # noqa: E402
+from ddtree_jax.engine import Engine, EngineConfig, RUNNING, _draft_tree, _run_rounds  # noqa: E402
+from ddtree_jax.model import KimiModel, causal_mask  # noqa: E402
+from ddtree_jax.hf_loader import ShapeOnlyRngs  # noqa: E402
+from ddtree_jax.quant import QuantArray  # noqa: E402
+from ddtree_jax.tree import accept_tokens, build_tree, sample_target_tokens  # noqa: E402
+from experiments.bench_util import measure_copy_bandwidth, print_table, time_fn, write_result  # noqa: E402
+
+
+def random_state(abstract_state, seed: int):
+    """Random weights made on the device, leaf by leaf (norm weights = 1, INT4 = random nibbles)."""
+    flat = list(abstract_state.flat_state())
+    keys = jax.random.split(jax.random.key(seed), len(flat))
+    out = {}
+    for (path, variable), key in zip(flat, keys):
+        value = variable.value
+        name = path[-1] if isinstance(path[-1], str) else ""
+        if isinstance(value, QuantArray):
+            k1, k2 = jax.random.split(key)
+            packed = jax.jit(lambda k, s=value.packed.shape: jax.lax.bitcast_convert_type(
+                jax.random.bits(k, s, jnp.uint32), jnp.int32))(k1)
+            scale = jax.jit(lambda k, s=value.scale.shape, d=value.scale.dtype: jax.random.uniform(
+                k, s, jnp.float32, 0.001, 0.003).astype(d))(k2)
+            new = QuantArray(packed, scale)
+        elif name == "weight" or path[-2:] == ("router_bias",):
+            new = jnp.ones(value.shape, value.dtype) if name == "weight" else jnp.zeros(value.shape, value.dtype)
+        else:
+            new = jax.jit(lambda k, s=value.shape, d=value.dtype: (0.02 * jax.random.normal(k, s, jnp.float32)).astype(d))(key)
+        out[tuple(path)] = variable.replace(new)
+    return nnx.State.from_flat_path(out)
+
+
+def build_models(args):
+    if args.size == "full":
+        cfg = k26_config(dtype="bfloat16").replace(num_layers=args.layers)
+        taps = tuple(range(1, args.layers))[:6] or (0,)
+        dcfg = dataclasses.replace(k26_drafter_config(dtype="bfloat16"), target_layer_ids=taps,
+                                   num_target_layers=args.layers)
+    else:
+        cfg = tiny_config(dtype="float32", quant=QuantConfig(group_size=32), vocab_size=512, num_layers=4)
+        dcfg = tiny_drafter_config(cfg, block_size=8)
+    target_def, target_abs = nnx.split(nnx.eval_shape(lambda: KimiModel(cfg, ShapeOnlyRngs())))
+    drafter_def, drafter_abs = nnx.split(nnx.eval_shape(lambda: DFlashDrafter(dcfg, ShapeOnlyRngs())))
+    target = nnx.merge(target_def, random_state(target_abs, 0))
+    drafter = nnx.merge(drafter_def, random_state(drafter_abs, 1))
+    return target, drafter
+
+
+def bytes_of(tree) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(tree))
+
+
+def bench_engine(target, drafter, args, deadline, rows):
+    rng = np.random.default_rng(0)
+    vocab = target.cfg.vocab_size
+    runs = [("ar", 1, 1), ("dflash", 1, 1), ("ddtree", args.budget, 1), ("ddtree", args.budget, 4),
+            ("ar", 1, 4)]
+    for mode, budget, streams in runs:
+        if time.time() > deadline:
+            print(f"skipping {mode} streams={streams}: time budget")
+            continue
+        ecfg = EngineConfig(mode=mode, budget=max(budget, 1), max_new_tokens=args.new_tokens,
+                            capacity=args.prompt_len + args.new_tokens + 64, rounds_per_dispatch=args.new_tokens)
+        engine = Engine(target, drafter if mode != "ar" else None, ecfg)
+        prompts = [rng.integers(0, vocab, args.prompt_len).tolist() for _ in range(streams)]
+        t0 = time.perf_counter()
+        engine.generate(prompts)  # compile
+        compile_s = time.perf_counter() - t0
+        res = engine.generate(prompts, seed=1)
+        rounds = max(res["rounds"])
+        rows.append({"bench": "engine", "mode": mode, "budget": budget if mode == "ddtree" else None,
+                     "streams": streams, "tokens": res["new_tokens"], "rounds": rounds,
+                     "tau": res["tau_mean"], "decode_s": res["decode_s"],
+                     "tok_per_s": res["new_tokens"] / res["decode_s"], "ms_per_round": 1e3 * res["decode_s"] / max(rounds, 1),
+                     "compile_s": compile_s})
+        print(rows[-1], flush=True)
+
+
+def bench_round_split(target, drafter, args, rows):
+    """One DDTree round split into draft / build / verify / accept(+commit), each jitted alone."""
+    ecfg = EngineConfig(mode="ddtree", budget=args.budget, max_new_tokens=8,
+                        capacity=args.prompt_len + 128, rounds_per_dispatch=1)
+    engine = Engine(target, drafter, ecfg)
+    rng = np.random.default_rng(1)
+    state = engine.prefill([rng.integers(0, target.cfg.vocab_size, args.prompt_len).tolist()])
+    tdef, tstate, ddef, dstate = engine.target_def, engine.target_state, engine.drafter_def, engine.drafter_state
+    taps, depth = engine.taps, engine.depth
+
+    @jax.jit
+    def draft(tstate, dstate, state):
+        t, d = nnx.merge(tdef, tstate), nnx.merge(ddef, dstate)
+        dc, _ = d.append_context(state.draft_cache, state.ctx_taps, state.ctx_start[:, None] + jnp.arange(depth + 1),
+                                 state.ctx_counts)
+        block = jnp.concatenate([state.bonus[:, None], jnp.full((1, d.cfg.block_size - 1), d.cfg.mask_token_id)], 1)
+        hidden = d(dc, t.embed_tokens(block), state.cache.lengths[:, None] + jnp.arange(d.cfg.block_size))
+        return jax.nn.log_softmax(t.head(hidden[:, 1:]), -1)
+
+    build = jax.jit(lambda lp, root: build_tree(lp, root, args.budget))
+
+    @jax.jit
+    def verify(tstate, tree, cache):
+        t = nnx.merge(tdef, tstate)
+        out = t(tree.tokens, tree.positions(cache.lengths), cache, tree.visibility, tap_layers=taps)
+        return out.logits, out.block_kv, out.taps
+
+    @jax.jit
+    def accept(tree, logits, block_kv, cache, key):
+        acc = accept_tokens(tree, sample_target_tokens(logits, 0.0, key))
+        cache, _ = commit(cache, block_kv, jnp.maximum(acc.path, 0), acc.num_accepted + 1)
+        return acc.num_accepted, cache.lengths
+
+    logprobs = draft(tstate, dstate, state)
+    tree = build(logprobs, state.bonus)
+    logits, block_kv, _ = verify(tstate, tree, state.cache)
+    phases = {
+        "draft": time_fn(draft, tstate, dstate, state, repeats=args.repeats),
+        "build": time_fn(build, logprobs, state.bonus, repeats=args.repeats),
+        "verify": time_fn(verify, tstate, tree, state.cache, repeats=args.repeats),
+        "accept+commit": time_fn(accept, tree, logits, block_kv, state.cache, jax.random.key(0), repeats=args.repeats),
+    }
+    for name, t in phases.items():
+        rows.append({"bench": "round_split", "phase": name, "budget": args.budget, "ms": 1e3 * t["median_s"]})
+        print(rows[-1], flush=True)
+    return engine, state
+
+
+def bench_no_host_sync(engine, args, rows):
+    """Rounds inside one dispatch run under a transfer guard that forbids implicit host transfers,
+    and N rounds in one dispatch cost about N rounds (no per-round host round-trip)."""
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, engine.cfg.vocab_size, args.prompt_len).tolist()]
+    n = 16
+    ecfg = dataclasses.replace(engine.ecfg, rounds_per_dispatch=n, max_new_tokens=10 * n)
+    engine16 = Engine.__new__(Engine)
+    engine16.__dict__.update(engine.__dict__, ecfg=ecfg)
+    state = engine16.prefill(prompts)
+    temperature = jnp.float32(0.0)  # made before the guard: the dispatch itself must move nothing
+    run = lambda st: _run_rounds(engine16.target_def, engine16.target_state, engine16.drafter_def,  # noqa: E731
+                                 engine16.drafter_state, st, temperature, ecfg=ecfg, runtime=engine16.runtime,
+                                 taps=engine16.taps, depth=engine16.depth)
+    state = run(state)  # compile
+    jax.block_until_ready(state.bonus)
+    with jax.transfer_guard("disallow"):
+        t0 = time.perf_counter()
+        state = run(state)
+        jax.block_until_ready(state.bonus)
+        elapsed = time.perf_counter() - t0
+    rounds = int(np.asarray(state.rounds)[0])
+    rows.append({"bench": "no_host_sync", "rounds_in_dispatch": n, "dispatch_ms": 1e3 * elapsed,
+                 "ms_per_round": 1e3 * elapsed / n, "transfer_guard": "disallow (passed)",
+                 "still_running": bool(np.asarray(state.status)[0] == RUNNING), "rounds_total": rounds})
+    print(rows[-1], flush=True)
+
+
+def bench_layer_cost(target, args, deadline, rows, bandwidth):
+    """One MoE decoder layer at M tokens per step (B=1 stream, T=M block, 1K-token prefix)."""
+    cfg = target.cfg
+    layer = target.layers[cfg.first_k_dense_replace]
+    ldef, lstate = nnx.split(layer)
+    prefix = 1024
+    layer_bytes = bytes_of(lstate)
+    for m in (1, 9, 33, 65, 264, 528):
+        if time.time() > deadline:
+            break
+        x = 0.1 * jax.random.normal(jax.random.key(m), (1, m, cfg.hidden_size), jnp.dtype(cfg.dtype))
+        kv = jnp.zeros((1, prefix + m, cfg.latent_dim), jnp.dtype(cfg.dtype))
+        from ddtree_jax.rope import rope_cos_sin
+        cos, sin = rope_cos_sin(prefix + jnp.arange(m)[None], cfg.rope, cfg.qk_rope_head_dim)
+
+        @jax.jit
+        def step(lstate, x, kv):
+            lay = nnx.merge(ldef, lstate)
+            from ddtree_jax.model import Runtime
+            return lay(x, cos, sin, kv, jnp.array([prefix]), causal_mask(1, m), Runtime())[0]
+
+        t = time_fn(step, lstate, x, kv, repeats=args.repeats)["median_s"]
+        experts = 384 * (1 - (1 - 8 / 384) ** m) if cfg.n_routed_experts == 384 else cfg.n_routed_experts
+        moved = (layer_bytes - bytes_of(nnx.state(layer.mlp)) + experts / cfg.n_routed_experts *
+                 bytes_of(nnx.state(layer.mlp)))
+        rows.append({"bench": "layer", "M": m, "ms": 1e3 * t, "bytes_floor_MB": moved / 1e6,
+                     "floor_ms": 1e3 * moved / bandwidth, "pct_of_bw": 100 * moved / bandwidth / t,
+                     "projected_61_layers_ms": 61 * 1e3 * t})
+        print(rows[-1], flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--size", choices=["full", "tiny"], default="tiny")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--budget", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--time-budget-s", type=float, default=400)
+    p.add_argument("--sections", default="layer,round_split,no_host_sync,engine")
+    p.add_argument("--commit", default=None, help="commit hash to record (the device copy has no git)")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    start = time.time()
+    deadline = start + args.time_budget_s
+    rows = []
+    bandwidth = measure_copy_bandwidth(1 << 28 if args.size == "tiny" else 1 << 30)
+    target, drafter = build_models(args)
+    print(f"built: target {bytes_of(nnx.state(target)) / 1e9:.2f} GB, drafter {bytes_of(nnx.state(drafter)) / 1e9:.2f} GB,"
+          f" copy bandwidth {bandwidth / 1e12:.2f} TB/s, {time.time() - start:.0f}s", flush=True)
+    engines = {}
+    sections = {
+        "layer": lambda: bench_layer_cost(target, args, deadline, rows, bandwidth),
+        "round_split": lambda: engines.update(ddtree=bench_round_split(target, drafter, args, rows)[0]),
+        "no_host_sync": lambda: bench_no_host_sync(engines["ddtree"], args, rows),
+        "engine": lambda: bench_engine(target, drafter, args, deadline, rows),
+    }
+    for name in args.sections.split(","):
+        if time.time() > deadline:
+            print(f"skipping {name}: time budget")
+            continue
+        try:
+            sections[name]()
+        except Exception as e:  # keep what was measured; report the failure
+            rows.append({"bench": name, "error": f"{type(e).__name__}: {e}"[:500]})
+            print(rows[-1], flush=True)
+    payload = {"config": vars(args), "copy_bandwidth_Bps": bandwidth, "rows": rows,
+               "target_bytes": bytes_of(nnx.state(target)), "drafter_bytes": bytes_of(nnx.state(drafter))}
+    if args.commit:
+        payload["commit_override"] = args.commit
+    path = write_result(f"bench_engine_{args.size}", payload, args.out)
+    for bench in ("layer", "round_split", "engine", "no_host_sync"):
+        sel = [r for r in rows if r.get("bench") == bench]
+        if sel:
+            print(f"\n== {bench}")
+            print_table(sel, [k for k in sel[0] if k != "bench"])
+    print(f"\nwrote {path}; total {time.time() - start:.0f}s")
+
+
+if __name__ == "__main__":
+    main()
