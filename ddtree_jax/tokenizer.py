@@ -1,8 +1,11 @@
 """Tokenizers: a trained BPE (``tokenizer.json`` via the ``tokenizers`` package) when the model
-directory ships one, otherwise plain UTF-8 bytes (ids 0..255) for random/tiny models."""
+directory ships one, K2.x's tiktoken-format BPE (``tiktoken.model``) when it ships that, otherwise
+plain UTF-8 bytes (ids 0..255) for random/tiny models."""
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 
 
@@ -44,9 +47,127 @@ class HFTokenizer:
         return self._tok.decode([int(i) for i in ids])
 
 
+# Pre-tokenization pattern of Kimi K2.x (``pat_str`` of its ``tokenization_kimi.py``): Han runs,
+# words with optional English contractions (Han excluded through set intersection, a ``regex``
+# module feature), 1-3 digit groups, punctuation runs, newlines, whitespace.
+KIMI_PATTERN = "|".join([
+    r"[\p{Han}]+",
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"\p{N}{1,3}",
+    r" ?[^\s\p{L}\p{N}]+[\r\n]*",
+    r"\s*[\r\n]+",
+    r"\s+(?!\S)",
+    r"\s+",
+])
+KIMI_NUM_RESERVED_SPECIAL = 256  # K2.x reserves this many ids after the ranks for special tokens
+
+
+def read_tiktoken_ranks(path: str) -> dict[bytes, int]:
+    """A tiktoken BPE file: one ``<base64 token bytes> <rank>`` per line -> {bytes: rank}."""
+    ranks: dict[bytes, int] = {}
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            parts = line.split()
+            if len(parts) != 2:
+                raise ValueError(f"{path}:{lineno}: expected '<base64> <rank>', got {line[:60]!r}")
+            ranks[base64.b64decode(parts[0])] = int(parts[1])
+    return ranks
+
+
+class TiktokenTokenizer:
+    """Byte-level BPE from tiktoken-format ranks (K2.x's ``tiktoken.model``), in pure Python.
+
+    ranks: {token bytes: id}; special: {id: text} (ids after the ranks; K2.x names them in
+    ``tokenizer_config.json``'s ``added_tokens_decoder``, the rest are ``<|reserved_token_i|>``).
+    Encoding: the text is split by ``pattern`` (needs the ``regex`` package for K2's pattern); each
+    piece is a token if its bytes are one, else its bytes are merged pairwise, always the adjacent
+    pair whose joined bytes have the lowest rank, until no joined pair is a token.
+    ``encode(text, allow_special=True)`` also maps the special-token texts found in ``text`` to ids.
+    """
+
+    def __init__(self, ranks: dict[bytes, int], special: dict[int, str] | None = None,
+                 pattern: str = KIMI_PATTERN):
+        import regex
+
+        self.ranks = ranks
+        self.special = dict(special or {})
+        self.special_ids = {v: k for k, v in self.special.items()}
+        self._bytes = {i: b for b, i in ranks.items()}
+        self._pattern = regex.compile(pattern, flags=regex.V1)  # V1: set intersection (&&)
+        self._special_split = regex.compile("(" + "|".join(regex.escape(t) for t in sorted(
+            self.special_ids, key=len, reverse=True)) + ")") if self.special_ids else None
+        self.vocab_size = max([*ranks.values(), *self.special, -1]) + 1
+
+    @classmethod
+    def from_dir(cls, model_dir: str, pattern: str = KIMI_PATTERN) -> "TiktokenTokenizer":
+        ranks = read_tiktoken_ranks(os.path.join(model_dir, "tiktoken.model"))
+        base = len(ranks)
+        special = {base + i: f"<|reserved_token_{i}|>" for i in range(KIMI_NUM_RESERVED_SPECIAL)}
+        config = os.path.join(model_dir, "tokenizer_config.json")
+        if os.path.exists(config):
+            with open(config) as f:
+                added = json.load(f).get("added_tokens_decoder") or {}
+            for i, entry in added.items():
+                special[int(i)] = entry["content"] if isinstance(entry, dict) else str(entry)
+        return cls(ranks, special, pattern)
+
+    def _merge(self, piece: bytes) -> list[int]:
+        if piece in self.ranks:
+            return [self.ranks[piece]]
+        parts = [piece[i:i + 1] for i in range(len(piece))]
+        while len(parts) > 1:
+            best, best_rank = -1, None
+            for i in range(len(parts) - 1):
+                r = self.ranks.get(parts[i] + parts[i + 1])
+                if r is not None and (best_rank is None or r < best_rank):
+                    best, best_rank = i, r
+            if best < 0:
+                break
+            parts[best:best + 2] = [parts[best] + parts[best + 1]]
+        missing = [p for p in parts if p not in self.ranks]
+        if missing:
+            raise ValueError(f"bytes {missing[0]!r} have no rank (not a byte-complete tiktoken file)")
+        return [self.ranks[p] for p in parts]
+
+    def encode(self, text: str, allow_special: bool = False) -> list[int]:
+        chunks = self._special_split.split(text) if allow_special and self._special_split else [text]
+        ids: list[int] = []
+        for chunk in chunks:
+            if not chunk:
+                continue
+            if allow_special and chunk in self.special_ids:
+                ids.append(self.special_ids[chunk])
+                continue
+            for piece in self._pattern.findall(chunk):
+                ids.extend(self._merge(piece.encode("utf-8")))
+        return ids
+
+    def decode(self, ids) -> str:
+        out = bytearray()
+        for i in ids:
+            i = int(i)
+            if i in self._bytes:
+                out += self._bytes[i]
+            elif i in self.special:
+                out += self.special[i].encode("utf-8")
+            else:
+                out += f"<{i}>".encode()
+        return out.decode("utf-8", errors="replace")
+
+
 def load_tokenizer(model_dir: str | None, vocab_size: int):
+    """``tokenizer.json`` (HF tokenizers) if ``model_dir`` has one, else ``tiktoken.model`` (K2.x
+    format), else UTF-8 bytes."""
     if model_dir is not None:
         path = os.path.join(model_dir, "tokenizer.json")
         if os.path.exists(path):
             return HFTokenizer(path)
+        if os.path.exists(os.path.join(model_dir, "tiktoken.model")):
+            return TiktokenTokenizer.from_dir(model_dir)
     return ByteTokenizer(vocab_size)

@@ -1,0 +1,272 @@
+"""Training text every machine has offline: the running interpreter's standard-library ``.py`` sources.
+
+The corpus is pinned by ``experiments/data_manifest.json``: the sorted relative file list, a SHA-256 per
+file, and one SHA-256 over the concatenated contents (in list order), plus the Python version that
+produced it. Loading verifies every hash and raises ``DataMismatch`` naming the first differing files;
+scripts may pass ``--allow-mismatch`` to proceed (with a warning) on a different Python build, using
+the local files that the rules select.
+
+Split: a file is held out iff ``int(sha256(relpath)[:8], 16) % 10 == 0`` (deterministic, by file, never
+trained on). Eval prompts are cut from held-out files at line boundaries.
+
+Commands::
+
+    python experiments/data.py manifest              # (re)write experiments/data_manifest.json
+    python experiments/data.py verify [--allow-mismatch]
+    python experiments/data.py tokenizer --vocab 4096 --out checkpoints/tokenizer
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import sys
+import sysconfig
+import warnings
+from typing import Sequence
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MANIFEST_PATH = os.path.join(ROOT, "experiments", "data_manifest.json")
+MANIFEST_FORMAT = "ddtree-jax-stdlib-corpus/1"
+# Directory names never taken: tests, the IDE, installed/vendored packages, generated tables, demos.
+EXCLUDED_DIRS = frozenset({
+    "test", "tests", "idle_test", "idlelib", "site-packages", "dist-packages", "__pycache__", "ensurepip",
+    "pydoc_data", "encodings", "turtledemo", "lib-dynload",
+})
+EXCLUDED_DIR_PREFIXES = ("config-",)  # e.g. config-3.11-x86_64-linux-gnu (build files)
+EXCLUDED_FILE_PREFIXES = ("_sysconfigdata",)  # generated at build time
+SPECIAL_TOKENS = ("<|endoftext|>", "<|mask|>")  # ids 0 and 1 of the trained tokenizer
+EOS_TOKEN, MASK_TOKEN = SPECIAL_TOKENS
+
+
+class DataMismatch(RuntimeError):
+    """The local standard library differs from the pinned manifest."""
+
+
+def stdlib_dir() -> str:
+    return sysconfig.get_paths()["stdlib"]
+
+
+def python_version() -> str:
+    return ".".join(str(v) for v in sys.version_info[:3])
+
+
+def list_files(root: str) -> list[str]:
+    """Sorted relative POSIX paths of the ``.py`` files under ``root`` that the rules select."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames
+                       if d not in EXCLUDED_DIRS and not d.startswith(EXCLUDED_DIR_PREFIXES)]
+        for name in filenames:
+            if name.endswith(".py") and not name.startswith(EXCLUDED_FILE_PREFIXES):
+                out.append(os.path.relpath(os.path.join(dirpath, name), root).replace(os.sep, "/"))
+    return sorted(out)
+
+
+def _read(root: str, rel: str) -> bytes:
+    with open(os.path.join(root, rel), "rb") as f:
+        return f.read()
+
+
+def is_heldout(rel: str) -> bool:
+    """The held-out rule: about 1 file in 10, decided by the hash of its relative path."""
+    return int(hashlib.sha256(rel.encode()).hexdigest()[:8], 16) % 10 == 0
+
+
+def build_manifest(root: str | None = None) -> dict:
+    """The manifest of the corpus under ``root`` (default: this interpreter's stdlib)."""
+    root = root or stdlib_dir()
+    total = hashlib.sha256()
+    files = []
+    for rel in list_files(root):
+        data = _read(root, rel)
+        total.update(data)
+        files.append({"path": rel, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data),
+                      "heldout": is_heldout(rel)})
+    return {"format": MANIFEST_FORMAT, "python_version": python_version(), "source": "sysconfig stdlib",
+            "rules": {"excluded_dirs": sorted(EXCLUDED_DIRS), "excluded_dir_prefixes": list(EXCLUDED_DIR_PREFIXES),
+                      "excluded_file_prefixes": list(EXCLUDED_FILE_PREFIXES),
+                      "heldout": "int(sha256(relpath)[:8], 16) % 10 == 0"},
+            "num_files": len(files), "num_heldout": sum(f["heldout"] for f in files),
+            "total_bytes": sum(f["bytes"] for f in files), "total_sha256": total.hexdigest(), "files": files}
+
+
+def load_manifest(path: str = MANIFEST_PATH) -> dict:
+    if not os.path.exists(path):
+        raise DataMismatch(f"no data manifest at {path}; run `python experiments/data.py manifest`")
+    with open(path) as f:
+        manifest = json.load(f)
+    if manifest.get("format") != MANIFEST_FORMAT:
+        raise DataMismatch(f"{path}: unknown manifest format {manifest.get('format')!r}")
+    return manifest
+
+
+def verify(manifest: dict, root: str | None = None, *, allow_mismatch: bool = False) -> list[dict]:
+    """Checks the local files against the manifest; returns the file entries to use.
+
+    Raises DataMismatch naming missing / changed / extra files and the Python versions, unless
+    ``allow_mismatch``: then it warns and returns the local selection (hashes recomputed, split rule
+    unchanged), so training proceeds on this machine's stdlib with a different data hash.
+    """
+    root = root or stdlib_dir()
+    local = build_manifest(root)
+    if local["total_sha256"] == manifest["total_sha256"] and \
+            [f["path"] for f in local["files"]] == [f["path"] for f in manifest["files"]]:
+        return manifest["files"]
+    pinned = {f["path"]: f["sha256"] for f in manifest["files"]}
+    here = {f["path"]: f["sha256"] for f in local["files"]}
+    missing = sorted(set(pinned) - set(here))
+    extra = sorted(set(here) - set(pinned))
+    changed = sorted(p for p in set(pinned) & set(here) if pinned[p] != here[p])
+    msg = (f"local stdlib at {root} (Python {local['python_version']}) differs from the manifest "
+           f"(Python {manifest['python_version']}): {len(changed)} changed e.g. {changed[:3]}, "
+           f"{len(missing)} missing e.g. {missing[:3]}, {len(extra)} extra e.g. {extra[:3]}; "
+           f"total sha256 {local['total_sha256'][:12]} != {manifest['total_sha256'][:12]}")
+    if not allow_mismatch:
+        raise DataMismatch(msg + " (pass --allow-mismatch to train on the local files anyway)")
+    warnings.warn(msg + "; proceeding on the local files (--allow-mismatch)", stacklevel=2)
+    return local["files"]
+
+
+def data_hash(files: Sequence[dict]) -> str:
+    """SHA-256 over the per-file hashes in order (equals nothing else; identifies a file selection)."""
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f["sha256"].encode())
+    return h.hexdigest()
+
+
+def load_texts(split: str, *, manifest_path: str = MANIFEST_PATH, root: str | None = None,
+               allow_mismatch: bool = False) -> tuple[list[tuple[str, str]], dict]:
+    """(relpath, text) of the ``split`` ("train" or "heldout") after verification, and an info dict
+    (python_version, total_sha256 of the manifest, data_hash of the files used, num_files)."""
+    if split not in ("train", "heldout"):
+        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+    root = root or stdlib_dir()
+    manifest = load_manifest(manifest_path)
+    files = verify(manifest, root, allow_mismatch=allow_mismatch)
+    chosen = [f for f in files if f["heldout"] == (split == "heldout")]
+    texts = [(f["path"], _read(root, f["path"]).decode("utf-8", errors="replace")) for f in chosen]
+    info = {"python_version": manifest["python_version"], "manifest_total_sha256": manifest["total_sha256"],
+            "data_hash": data_hash(files), "split": split, "num_files": len(chosen)}
+    return texts, info
+
+
+# ----------------------------------------------------------------------------------------------------
+# Tokenizer
+# ----------------------------------------------------------------------------------------------------
+def train_tokenizer(texts: Sequence[str], vocab_size: int = 4096):
+    """A byte-level BPE (``tokenizers``) trained on ``texts``; special tokens <|endoftext|>=0, <|mask|>=1."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(list(texts), trainer=trainer)
+    return tok
+
+
+def encode_docs(tokenizer, texts: Sequence[str]) -> list[np.ndarray]:
+    """Token ids (int32) of each text; ``tokenizer`` is a ``tokenizers.Tokenizer`` or has ``encode``."""
+    if hasattr(tokenizer, "encode_batch"):
+        return [np.asarray(e.ids, np.int32) for e in tokenizer.encode_batch(list(texts))]
+    return [np.asarray(tokenizer.encode(t), np.int32) for t in texts]
+
+
+def pack(docs: Sequence[np.ndarray], seq_len: int, eos_id: int) -> np.ndarray:
+    """Sequence packing: docs joined with EOS after each, cut into rows of ``seq_len + 1`` tokens
+    (inputs = row[:-1], labels = row[1:]); the ragged tail is dropped. Returns int32 [N, seq_len + 1]."""
+    stream = np.concatenate([np.append(d, eos_id) for d in docs]).astype(np.int32)
+    n = len(stream) // (seq_len + 1)
+    return stream[: n * (seq_len + 1)].reshape(n, seq_len + 1)
+
+
+def eval_prompts(tokenizer, texts: Sequence[tuple[str, str]], n: int = 64, min_tokens: int = 64,
+                 max_tokens: int = 256, seed: int = 0) -> list[dict]:
+    """``n`` prompts cut from held-out texts at line boundaries, each ``min_tokens..max_tokens`` tokens.
+
+    Deterministic for a given (texts, tokenizer, seed): a seeded RNG picks a file and a start line, and
+    lines are added while the prompt stays <= max_tokens. Returns [{"path", "line", "text", "ids"}].
+    """
+    rng = random.Random(seed)
+    files = [(p, t.splitlines(keepends=True)) for p, t in texts]
+    files = [(p, lines) for p, lines in files if len(lines) > 8]
+    out, tries = [], 0
+    while len(out) < n and tries < 50 * n:
+        tries += 1
+        path, lines = files[rng.randrange(len(files))]
+        start = rng.randrange(len(lines))
+        text, ids = "", []
+        for line in lines[start:]:
+            cand = text + line
+            cand_ids = tokenizer.encode(cand)
+            cand_ids = cand_ids.ids if hasattr(cand_ids, "ids") else cand_ids
+            if len(cand_ids) > max_tokens:
+                break
+            text, ids = cand, cand_ids
+        if len(ids) >= min_tokens:
+            out.append({"path": path, "line": start, "text": text, "ids": list(map(int, ids))})
+    if len(out) < n:
+        raise ValueError(f"could only cut {len(out)} of {n} prompts of {min_tokens}-{max_tokens} tokens")
+    return out
+
+
+def git_commit() -> str:
+    import subprocess
+
+    try:
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True).stdout.strip()
+        return rev.stdout.strip() + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("manifest", help="write experiments/data_manifest.json from this interpreter's stdlib")
+    v = sub.add_parser("verify")
+    v.add_argument("--allow-mismatch", action="store_true")
+    t = sub.add_parser("tokenizer", help="train the byte-level BPE on the training split")
+    t.add_argument("--vocab", type=int, default=4096)
+    t.add_argument("--out", default=os.path.join(ROOT, "checkpoints", "tokenizer"))
+    t.add_argument("--allow-mismatch", action="store_true")
+    args = p.parse_args(argv)
+    if args.cmd == "manifest":
+        manifest = build_manifest()
+        with open(MANIFEST_PATH, "w") as f:
+            json.dump(manifest, f, indent=0)
+            f.write("\n")
+        print(f"wrote {MANIFEST_PATH}: {manifest['num_files']} files ({manifest['num_heldout']} held out), "
+              f"{manifest['total_bytes'] / 1e6:.1f} MB, sha256 {manifest['total_sha256']}")
+    elif args.cmd == "verify":
+        files = verify(load_manifest(), allow_mismatch=args.allow_mismatch)
+        print(f"ok: {len(files)} files, data hash {data_hash(files)}")
+    elif args.cmd == "tokenizer":
+        texts, info = load_texts("train", allow_mismatch=args.allow_mismatch)
+        tok = train_tokenizer([t for _, t in texts], args.vocab)
+        os.makedirs(args.out, exist_ok=True)
+        tok.save(os.path.join(args.out, "tokenizer.json"))
+        sample = "def f(x):\n    return x + 1\n"
+        assert tok.decode(tok.encode(sample).ids) == sample
+        docs = encode_docs(tok, [t for _, t in texts])
+        meta = {"command": " ".join([os.path.relpath(sys.argv[0], ROOT)] + (argv or sys.argv[1:])),
+                "commit": git_commit(), "vocab_size": tok.get_vocab_size(), "special_tokens": list(SPECIAL_TOKENS),
+                "train_tokens": int(sum(len(d) for d in docs)), "train_bytes": int(sum(len(t) for _, t in texts)),
+                **info}
+        with open(os.path.join(args.out, "manifest.json"), "w") as f:
+            json.dump(meta, f, indent=1)
+        print(json.dumps(meta, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,427 @@
+"""Trains a small Kimi-K2-architecture target (MLA + noaux_tc MoE) on the pinned stdlib corpus, then
+quantizes its routed experts to INT4 and reports held-out perplexity before and after.
+
+    python experiments/train_target.py --steps 300 --batch 8 --seq 256 --out checkpoints/target
+
+Outputs in ``--out``: the INT4 model (``ddtree_jax.checkpoint.save_model``: ddtree_checkpoint.json +
+data-*/), ``tokenizer.json`` (copied), ``manifest.json`` (exact command, commit, data hash, metrics),
+``loss_curve.json`` (+ ``loss_curve.png`` when matplotlib is installed). The resumable training state
+(float params + AdamW state + step) lives in ``--state-dir`` (default ``<out>.train_state``; not for the repo).
+
+Training specifics (CPU-friendly, differentiable):
+  * attention: ``Runtime(attention="naive")`` (plain masked softmax; the absorbed twin scans the prefix
+    in a data-dependent while loop, which reverse-mode AD cannot go through);
+  * routed experts: ``routed_experts_dense`` below: every expert on every token, combined with the
+    routing weights (zero for experts not chosen). Gradients flow to the router through the selected
+    experts' weights (as DeepSeek-V3), never through the top-k choice. Fine for small E.
+  * the noaux_tc selection bias is updated without gradients (DeepSeek-V3's load balancing):
+    bias_e += rate * sign(mean load - load_e) per MoE layer per step (``--bias-rate``, 0 disables).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from typing import Any, Callable
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+import orbax.checkpoint as ocp  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from ddtree_jax.cache import init_cache  # noqa: E402
+from ddtree_jax.config import ModelConfig, QuantConfig, RopeConfig  # noqa: E402
+from ddtree_jax.model import KimiModel, Runtime, causal_mask  # noqa: E402
+from ddtree_jax.moe import MoE, route  # noqa: E402
+from ddtree_jax.quant import QuantArray, quantize_array  # noqa: E402
+from experiments import data as data_lib  # noqa: E402
+
+
+# ----------------------------------------------------------------------------------------------------
+# Model config and the training-only forward pieces
+# ----------------------------------------------------------------------------------------------------
+def small_target_config(vocab_size: int, dtype: str = "float32", **overrides) -> ModelConfig:
+    """A few-million-parameter K2.6-shaped config: 4 layers (first dense), width 256, MLA with q/kv
+    LoRA, 8 routed experts top-2 + 1 shared, K2.6's YaRN RoPE; EOS = token 0 (<|endoftext|>)."""
+    base = dict(
+        vocab_size=vocab_size, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_layers=4,
+        num_heads=4, q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
+        first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, rms_norm_eps=1e-5,
+        rope=RopeConfig(theta=50000.0, kind="yarn", factor=64.0, original_max_position=4096, beta_fast=32.0,
+                        beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
+        max_position_embeddings=262144, eos_token_ids=(0,), dtype=dtype,
+    )
+    base.update(overrides)
+    return ModelConfig(**base)
+
+
+def routed_experts_dense(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array, w13, w2, *,
+                         expert_offset: int | jax.Array = 0) -> jax.Array:
+    """Training path of the routed experts (same signature as ``moe.routed_experts_xla``).
+
+    x [M, D]; expert_ids [M, K]; expert_weights [M, K] f32; w13 [E, 2F, D], w2 [E, D, F] (float or
+    QuantArray, dequantised whole). Runs all E experts on all M tokens and combines with
+    combine[m, e] = sum_k weights[m, k] * (ids[m, k] == e): differentiable in x, the weights and the
+    experts. Cost E/K times the routed FLOPs. Returns y [M, D] f32.
+    """
+    if isinstance(w13, QuantArray):
+        w13 = w13.dequantize(x.dtype)
+    if isinstance(w2, QuantArray):
+        w2 = w2.dequantize(x.dtype)
+    e, f = w13.shape[0], w2.shape[-1]
+    onehot = jax.nn.one_hot(expert_ids - expert_offset, e, dtype=jnp.float32)  # [M, K, E]; non-local -> 0
+    combine = jnp.einsum("mke,mk->me", onehot, expert_weights.astype(jnp.float32))
+    h = jnp.einsum("md,efd->emf", x, w13.astype(x.dtype), preferred_element_type=jnp.float32)
+    act = (jax.nn.silu(h[..., :f]) * h[..., f:]).astype(x.dtype)
+    out = jnp.einsum("emf,edf->emd", act, w2.astype(x.dtype), preferred_element_type=jnp.float32)
+    return jnp.einsum("emd,me->md", out, combine)
+
+
+TRAIN_RUNTIME = Runtime(attention="naive", routed_fn=routed_experts_dense)
+
+
+def lm_forward(model: KimiModel, tokens: jax.Array, runtime: Runtime = TRAIN_RUNTIME, tap_layers=()):
+    """Plain causal forward of rows tokens [B, T] at positions 0..T-1 (a 1-slot empty cache)."""
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    cache = init_cache(model.cfg, b, 1)
+    return model(tokens, positions, cache, causal_mask(b, t), tap_layers=tap_layers, runtime=runtime)
+
+
+def token_nll(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """logits [B, T, W] f32, labels [B, T] -> per-token negative log-likelihood [B, T] f32."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
+
+
+def expert_load(model: KimiModel, tokens: jax.Array, runtime: Runtime = TRAIN_RUNTIME) -> jax.Array:
+    """Fraction of routed slots per expert in each MoE layer for rows tokens [B, T] -> [num_moe, E]
+    (one more forward, layer by layer, reading the router's choice)."""
+    from ddtree_jax.rope import rope_cos_sin
+
+    cfg = model.cfg
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    cos, sin = rope_cos_sin(positions, cfg.rope, cfg.qk_rope_head_dim)
+    cache, mask = init_cache(cfg, b, 1), causal_mask(b, t)
+    x = model.embed_tokens(tokens)
+    loads = []
+    for i, layer in enumerate(model.layers):
+        attn, _ = layer.attn(layer.input_norm(x), cos, sin, cache.kv[i], cache.lengths, mask, runtime)
+        h = x + attn
+        normed = layer.post_norm(h)
+        if isinstance(layer.mlp, MoE):
+            ids, _ = route(normed.reshape(-1, cfg.hidden_size), layer.mlp.router.value,
+                           layer.mlp.router_bias.value, cfg)
+            loads.append(jax.nn.one_hot(ids, cfg.n_routed_experts).sum((0, 1)) / ids.size)
+            x = h + layer.mlp(normed, routed_fn=runtime.routed_fn)
+        else:
+            x = h + layer.mlp(normed)
+    return jnp.stack(loads)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Optimizer and one step
+# ----------------------------------------------------------------------------------------------------
+def make_optimizer(steps: int, lr: float, warmup: int, weight_decay: float = 0.1, clip: float = 1.0):
+    """AdamW (b2 0.95) with linear warmup + cosine decay to lr/10, global-norm clipping; weight decay
+    only on matrices (ndim >= 2)."""
+    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, max(warmup, 1), max(steps, warmup + 1), lr * 0.1)
+    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
+    tx = optax.chain(optax.clip_by_global_norm(clip),
+                     optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=weight_decay, mask=decay_mask))
+    return tx, schedule
+
+
+def _is_router_bias(path) -> bool:
+    return any(getattr(k, "key", None) == "router_bias" for k in path)
+
+
+def make_train_step(graphdef, tx, runtime: Runtime = TRAIN_RUNTIME):
+    """Returns jitted step(params, opt_state, rows [B, T+1]) -> (params, opt_state, loss).
+
+    params: the model's ``nnx.Param`` state. router_bias gets no gradient update (see ``make_bias_update``)."""
+
+    def loss_fn(params, rows):
+        model = nnx.merge(graphdef, params)
+        out = lm_forward(model, rows[:, :-1], runtime)
+        return token_nll(out.logits, rows[:, 1:]).mean()
+
+    @jax.jit
+    def step(params, opt_state, rows):
+        loss, grads = jax.value_and_grad(loss_fn)(params, rows)
+        grads = jax.tree_util.tree_map_with_path(lambda p, g: jnp.zeros_like(g) if _is_router_bias(p) else g, grads)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return params, opt_state, loss
+
+    return step
+
+
+def make_bias_update(graphdef, rate: float, runtime: Runtime = TRAIN_RUNTIME):
+    """Returns jitted update(params, rows [B, T+1]) -> (params, loads [num_moe, E]): DeepSeek-V3's
+    gradient-free balancing, bias_e += rate * sign(mean load - load_e), per MoE layer."""
+
+    @jax.jit
+    def update(params, rows):
+        model = nnx.merge(graphdef, params)
+        loads = expert_load(model, rows[:, :-1], runtime)
+        moe = [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE)]
+        for j, mlp in enumerate(moe):
+            mlp.router_bias.value = mlp.router_bias.value + rate * jnp.sign(loads[j].mean() - loads[j])
+        return nnx.state(model), loads
+
+    return update
+
+
+def eval_nll(model: KimiModel, rows: np.ndarray, batch: int = 8, runtime: Runtime = TRAIN_RUNTIME) -> float:
+    """Mean per-token NLL (nats) over rows [N, T+1] (inputs rows[:, :-1], labels rows[:, 1:])."""
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def nll(state, chunk):
+        m = nnx.merge(graphdef, state)
+        return token_nll(lm_forward(m, chunk[:, :-1], runtime).logits, chunk[:, 1:]).sum()
+
+    total, count = 0.0, 0
+    for i in range(0, len(rows) - batch + 1, batch):
+        chunk = jnp.asarray(rows[i:i + batch])
+        total += float(nll(state, chunk))
+        count += chunk.shape[0] * (chunk.shape[1] - 1)
+    return total / max(count, 1)
+
+
+# ----------------------------------------------------------------------------------------------------
+# INT4 export
+# ----------------------------------------------------------------------------------------------------
+def quantize_experts(model: KimiModel, group_size: int = 32) -> KimiModel:
+    """A copy of ``model`` whose routed experts are INT4 ``QuantArray`` (config gets ``quant``)."""
+    cfg = model.cfg.replace(quant=QuantConfig(group_size=group_size))
+    qmodel = nnx.eval_shape(lambda: KimiModel(cfg, nnx.Rngs(0)))
+    graphdef, abstract = nnx.split(qmodel)
+    src = {tuple(k): v for k, v in nnx.state(model).flat_state()}
+    flat = {}
+    for k, var in abstract.flat_state():
+        k = tuple(k)
+        value = src[k].value
+        if isinstance(var.value, QuantArray):
+            value = quantize_array(value, group_size)
+        flat[k] = var.replace(value)
+    return nnx.merge(graphdef, nnx.State.from_flat_path(flat))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Resumable training state (a thin Orbax wrapper; swap for ddtree_jax.checkpoint when it grows one)
+# ----------------------------------------------------------------------------------------------------
+def save_train_state(path: str, tree: Any, step: int) -> None:
+    """Saves any pytree of arrays (params, optimizer state, ...) at ``path/step_<n>``; older steps are
+    removed after the new one is complete (Orbax writes to a temporary directory and renames)."""
+    leaves = jax.tree.leaves(tree)
+    payload = {f"{i:05d}": np.asarray(leaf) for i, leaf in enumerate(leaves)}
+    os.makedirs(path, exist_ok=True)
+    target = os.path.abspath(os.path.join(path, f"step_{step:07d}"))
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(target, payload, force=True)
+    ckpt.wait_until_finished()
+    ckpt.close()
+    with open(os.path.join(path, "latest.json.tmp"), "w") as f:
+        json.dump({"step": step, "dir": os.path.basename(target), "num_leaves": len(leaves),
+                   "treedef": str(jax.tree.structure(tree))}, f)
+    os.replace(os.path.join(path, "latest.json.tmp"), os.path.join(path, "latest.json"))
+    for entry in os.listdir(path):
+        if entry.startswith("step_") and entry != os.path.basename(target):
+            shutil.rmtree(os.path.join(path, entry), ignore_errors=True)
+
+
+def restore_train_state(path: str, like: Any) -> tuple[Any, int] | None:
+    """The latest state saved by ``save_train_state`` with the structure of ``like``; None if absent.
+    Raises ValueError if the stored structure differs (a different config or optimizer)."""
+    index = os.path.join(path, "latest.json")
+    if not os.path.exists(index):
+        return None
+    with open(index) as f:
+        meta = json.load(f)
+    leaves, treedef = jax.tree.flatten(like)
+    if meta["num_leaves"] != len(leaves) or meta["treedef"] != str(treedef):
+        raise ValueError(f"{path}: stored training state has a different structure; use a fresh --state-dir")
+    abstract = {f"{i:05d}": jax.ShapeDtypeStruct(np.shape(x), x.dtype) for i, x in enumerate(leaves)}
+    ckpt = ocp.StandardCheckpointer()
+    restored = ckpt.restore(os.path.abspath(os.path.join(path, meta["dir"])), abstract)
+    ckpt.close()
+    return jax.tree.unflatten(treedef, [jnp.asarray(restored[f"{i:05d}"]) for i in range(len(leaves))]), meta["step"]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Data
+# ----------------------------------------------------------------------------------------------------
+def load_tokenizer_json(path: str):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(path)
+
+
+def prepare_rows(tokenizer, seq: int, allow_mismatch: bool, cache_dir: str | None = None):
+    """Packed training rows [N, seq+1] and held-out rows, plus data info (hashes)."""
+    train, info = data_lib.load_texts("train", allow_mismatch=allow_mismatch)
+    held, held_info = data_lib.load_texts("heldout", allow_mismatch=allow_mismatch)
+    eos = tokenizer.token_to_id(data_lib.EOS_TOKEN)
+    train_rows = data_lib.pack(data_lib.encode_docs(tokenizer, [t for _, t in train]), seq, eos)
+    held_rows = data_lib.pack(data_lib.encode_docs(tokenizer, [t for _, t in held]), seq, eos)
+    info = dict(info, heldout_files=held_info["num_files"], train_rows=len(train_rows), heldout_rows=len(held_rows))
+    return train_rows, held_rows, info
+
+
+def batch_rows(rows: np.ndarray, step: int, batch: int, seed: int) -> np.ndarray:
+    """Rows of ``step``: epochs are seeded permutations, so a resumed run sees the same batches."""
+    per_epoch = len(rows) // batch
+    epoch, i = divmod(step, per_epoch)
+    order = np.random.default_rng(seed + epoch).permutation(len(rows))
+    return rows[order[i * batch:(i + 1) * batch]]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Main
+# ----------------------------------------------------------------------------------------------------
+def write_curve(out: str, curve: list[dict], title: str, key: str = "loss") -> None:
+    with open(os.path.join(out, "loss_curve.json"), "w") as f:
+        json.dump(curve, f)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([c["step"] for c in curve], [c[key] for c in curve], lw=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"train {key} (nats/token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "loss_curve.png"), dpi=100)
+    plt.close(fig)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup", type=int, default=30)
+    p.add_argument("--bias-rate", type=float, default=1e-2)
+    p.add_argument("--bias-every", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--out", default=os.path.join(ROOT, "checkpoints", "target"))
+    p.add_argument("--state-dir", default=None, help="resumable training state (default <out>.train_state)")
+    p.add_argument("--tokenizer", default=os.path.join(ROOT, "checkpoints", "tokenizer", "tokenizer.json"))
+    p.add_argument("--save-every", type=int, default=100)
+    p.add_argument("--eval-rows", type=int, default=64, help="held-out rows for perplexity")
+    p.add_argument("--max-minutes", type=float, default=None, help="stop training after this wall time")
+    p.add_argument("--allow-mismatch", action="store_true")
+    p.add_argument("--config", default="{}", help="JSON overrides of the model config, e.g. '{\"num_layers\": 2}'")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    from tqdm import tqdm
+
+    args = parse_args(argv)
+    state_dir = args.state_dir or args.out.rstrip("/") + ".train_state"
+    tokenizer = load_tokenizer_json(args.tokenizer)
+    train_rows, held_rows, info = prepare_rows(tokenizer, args.seq, args.allow_mismatch)
+    cfg = small_target_config(tokenizer.get_vocab_size(), args.dtype, **json.loads(args.config))
+    model = KimiModel(cfg, nnx.Rngs(args.seed))
+    graphdef, params = nnx.split(model)  # every variable is an nnx.Param
+    n_params = sum(x.size for x in jax.tree.leaves(params))
+    tx, schedule = make_optimizer(args.steps, args.lr, args.warmup)
+    opt_state = tx.init(params)
+    start, curve = 0, []
+    restored = restore_train_state(state_dir, (params, opt_state))
+    if restored is not None:
+        (params, opt_state), start = restored
+        curve_file = os.path.join(state_dir, "curve.json")
+        if os.path.exists(curve_file):
+            with open(curve_file) as f:
+                curve = [c for c in json.load(f) if c["step"] < start]
+        print(f"resumed from {state_dir} at step {start}")
+    print(f"target: {n_params / 1e6:.2f}M params, {info['train_rows']} train rows x {args.seq + 1}, "
+          f"{info['heldout_rows']} held-out rows; data hash {info['data_hash'][:12]}")
+    step_fn = make_train_step(graphdef, tx, TRAIN_RUNTIME)
+    bias_fn = make_bias_update(graphdef, args.bias_rate) if args.bias_rate > 0 else None
+    max_load = float("nan")
+    t0 = time.perf_counter()
+    bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="target", mininterval=5)
+    step = start
+    for step in bar:
+        rows = jnp.asarray(batch_rows(train_rows, step, args.batch, args.seed))
+        params, opt_state, loss = step_fn(params, opt_state, rows)
+        loss = float(loss)
+        if bias_fn is not None and step % args.bias_every == 0:
+            params, loads = bias_fn(params, rows)
+            max_load = float(loads.max()) * cfg.n_routed_experts  # 1.0 = perfectly balanced
+        curve.append({"step": step, "loss": loss, "max_load_x_mean": max_load, "lr": float(schedule(step)), "time_s": time.perf_counter() - t0,
+                      "tokens": (step + 1) * args.batch * args.seq})
+        bar.set_postfix(loss=f"{loss:.3f}")
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"loss {loss} at step {step}")
+        done = step + 1 == args.steps or (args.max_minutes and time.perf_counter() - t0 > 60 * args.max_minutes)
+        if (step + 1) % args.save_every == 0 or done:
+            save_train_state(state_dir, (params, opt_state), step + 1)
+            with open(os.path.join(state_dir, "curve.json"), "w") as f:
+                json.dump(curve, f)
+        if done:
+            break
+    bar.close()
+    steps_done = step + 1
+    train_s = time.perf_counter() - t0
+    model = nnx.merge(graphdef, params)
+
+    eval_rows = held_rows[: args.eval_rows]
+    nll_float = eval_nll(model, eval_rows)
+    qmodel = quantize_experts(model)
+    nll_int4 = eval_nll(qmodel, eval_rows)
+    nll_int4_infer = eval_nll(qmodel, eval_rows[:16], runtime=Runtime())  # the shipped inference path
+    metrics = {"steps": steps_done, "train_seconds": train_s,
+               "tokens_seen": steps_done * args.batch * args.seq,
+               "final_train_loss": float(np.mean([c["loss"] for c in curve[-20:]])),
+               "heldout_rows": len(eval_rows), "heldout_tokens": int(eval_rows[:, 1:].size),
+               "heldout_nll_float": nll_float, "heldout_ppl_float": math.exp(nll_float),
+               "heldout_nll_int4": nll_int4, "heldout_ppl_int4": math.exp(nll_int4),
+               "heldout_nll_int4_inference_path_16rows": nll_int4_infer,
+               "params": int(n_params)}
+    print(json.dumps(metrics, indent=1))
+
+    from ddtree_jax.checkpoint import save_model
+
+    os.makedirs(args.out, exist_ok=True)
+    manifest = {"command": "python " + " ".join([os.path.relpath(os.path.abspath(sys.argv[0]), ROOT)]
+                                                + (argv if argv is not None else sys.argv[1:])),
+                "commit": data_lib.git_commit(), "args": vars(args), "data": info,
+                "tokenizer": os.path.relpath(args.tokenizer, ROOT), "metrics": metrics,
+                "model_config": json.loads(json.dumps(dataclasses.asdict(qmodel.cfg)))}
+    save_model(qmodel, args.out, metadata={"trained_by": "experiments/train_target.py", "metrics": metrics})
+    shutil.copy(args.tokenizer, os.path.join(args.out, "tokenizer.json"))
+    with open(os.path.join(args.out, "manifest.json"), "w") as f:
+        json.dump(manifest, f, indent=1)
+    write_curve(args.out, curve, f"target {n_params / 1e6:.1f}M, batch {args.batch}x{args.seq}")
+    print(f"wrote {args.out}")
+    return metrics
+
+
+if __name__ == "__main__":
+    main()

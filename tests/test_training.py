@@ -1,0 +1,219 @@
+"""Training pieces on CPU: pinned corpus, tokenizers, one step of each trainer, the DFlash training mask
+and its equivalence with the drafter's inference forward."""
+
+import json
+import os
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from ddtree_jax.cache import init_cache
+from ddtree_jax.config import tiny_config
+from ddtree_jax.drafter import DFlashDrafter, init_draft_cache, tiny_drafter_config
+from ddtree_jax.model import KimiModel, Runtime, causal_mask
+from ddtree_jax.moe import routed_experts_xla
+from ddtree_jax.tokenizer import HFTokenizer, TiktokenTokenizer, load_tokenizer
+from experiments import data as data_lib
+from experiments import train_drafter as td
+from experiments import train_target as tt
+
+
+# ------------------------------------------------------------------------------------------- data
+def _fake_stdlib(root):
+    files = {"os.py": "import sys\n", "json/__init__.py": "x = 1\n", "json/decoder.py": "def f():\n    pass\n",
+             "test/test_os.py": "assert 1\n", "site-packages/pkg.py": "y = 2\n",
+             "_sysconfigdata_x.py": "build = {}\n", "README.txt": "not python\n"}
+    for rel, text in files.items():
+        path = os.path.join(root, rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(text)
+
+
+def test_manifest_pins_files_and_catches_a_changed_file(tmp_path):
+    root = str(tmp_path / "lib")
+    _fake_stdlib(root)
+    manifest = data_lib.build_manifest(root)
+    assert [f["path"] for f in manifest["files"]] == ["json/__init__.py", "json/decoder.py", "os.py"]
+    assert data_lib.verify(manifest, root) == manifest["files"]
+    with open(os.path.join(root, "json", "decoder.py"), "a") as f:
+        f.write("# edited\n")
+    with pytest.raises(data_lib.DataMismatch, match="json/decoder.py"):
+        data_lib.verify(manifest, root)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        files = data_lib.verify(manifest, root, allow_mismatch=True)
+    assert caught and "allow-mismatch" in str(caught[0].message)
+    assert data_lib.data_hash(files) != data_lib.data_hash(manifest["files"])
+    os.remove(os.path.join(root, "os.py"))
+    with pytest.raises(data_lib.DataMismatch, match="1 missing"):
+        data_lib.verify(manifest, root)
+
+
+def test_heldout_split_is_by_file_and_deterministic():
+    manifest = data_lib.load_manifest()
+    held = [f["path"] for f in manifest["files"] if f["heldout"]]
+    assert held and len(held) < len(manifest["files"]) // 5
+    assert all(data_lib.is_heldout(p) for p in held)
+    rows = data_lib.pack([np.arange(5), np.arange(7)], seq_len=3, eos_id=0)
+    assert rows.shape == (3, 4) and rows[1, 1] == 0  # EOS after the first doc
+
+
+def test_shipped_manifest_matches_this_python():
+    manifest = data_lib.load_manifest()
+    if manifest["python_version"] != data_lib.python_version():
+        pytest.skip(f"manifest pinned on Python {manifest['python_version']}")
+    data_lib.verify(manifest)
+
+
+# ------------------------------------------------------------------------------------------- tokenizers
+def test_bpe_round_trip_and_prompts(tmp_path):
+    texts = ["def add(a, b):\n    return a + b\n", "class Foo:\n    pass\n", "import os\nprint('héllo')\n"] * 20
+    tok = data_lib.train_tokenizer(texts, vocab_size=300)
+    assert tok.token_to_id(data_lib.EOS_TOKEN) == 0 and tok.token_to_id(data_lib.MASK_TOKEN) == 1
+    tok.save(str(tmp_path / "tokenizer.json"))
+    loaded = load_tokenizer(str(tmp_path), 300)
+    assert isinstance(loaded, HFTokenizer)
+    for text in texts[:3] + ["  unseen\tté✓ 12345\n"]:
+        assert loaded.decode(loaded.encode(text)) == text
+    prompts = data_lib.eval_prompts(tok, [("a.py", "\n".join(texts))], n=3, min_tokens=8, max_tokens=40)
+    assert len(prompts) == 3 and all(8 <= len(p["ids"]) <= 40 and p["text"].endswith("\n") for p in prompts)
+
+
+def test_tiktoken_format_tokenizer(tmp_path):
+    import base64
+
+    merges = [b"he", b"ll", b"hell", b"hello", b" w", b"or", b" wor"]
+    ranks = {bytes([i]): i for i in range(256)}
+    ranks.update({m: 256 + j for j, m in enumerate(merges)})
+    with open(tmp_path / "tiktoken.model", "w") as f:
+        for token, rank in ranks.items():
+            f.write(f"{base64.b64encode(token).decode()} {rank}\n")
+    with open(tmp_path / "tokenizer_config.json", "w") as f:
+        json.dump({"added_tokens_decoder": {str(len(ranks)): {"content": "[BOS]", "special": True}}}, f)
+    tok = load_tokenizer(str(tmp_path), 1000)
+    assert isinstance(tok, TiktokenTokenizer)
+    ids = tok.encode("hello world")
+    # "hello" -> one token; " world" -> " wor" (lowest-rank merges first) + "l" + "d"
+    assert ids == [ranks[b"hello"], ranks[b" wor"], ord("l"), ord("d")]
+    for text in ["hello world", "héllo 世界 12345\n\n  x", ""]:
+        assert tok.decode(tok.encode(text)) == text
+    assert tok.encode("[BOS]hello", allow_special=True) == [len(ranks), ranks[b"hello"]]
+    assert tok.decode([len(ranks)]) == "[BOS]" and tok.vocab_size == len(ranks) + 256
+
+
+# ------------------------------------------------------------------------------------------- target
+def _tiny_target(**kw):
+    cfg = tiny_config(vocab_size=64, num_layers=2, **kw)
+    return KimiModel(cfg, nnx.Rngs(0))
+
+
+def test_dense_routed_path_matches_xla_and_is_differentiable():
+    key = jax.random.PRNGKey(0)
+    m, d, e, f, k = 12, 16, 4, 8, 2
+    x = jax.random.normal(key, (m, d))
+    ids = jax.random.randint(jax.random.PRNGKey(1), (m, k), 0, e)
+    ids = ids.at[:, 1].set((ids[:, 0] + 1) % e)  # distinct experts per token
+    w = jax.random.uniform(jax.random.PRNGKey(2), (m, k))
+    w13 = jax.random.normal(jax.random.PRNGKey(3), (e, 2 * f, d)) * 0.1
+    w2 = jax.random.normal(jax.random.PRNGKey(4), (e, d, f)) * 0.1
+    np.testing.assert_allclose(tt.routed_experts_dense(x, ids, w, w13, w2), routed_experts_xla(x, ids, w, w13, w2),
+                               rtol=1e-5, atol=1e-5)
+    g = jax.grad(lambda w: tt.routed_experts_dense(x, ids, w, w13, w2).sum())(w)
+    assert np.isfinite(np.asarray(g)).all() and np.abs(np.asarray(g)).sum() > 0
+
+
+def test_target_training_step_decreases_loss(tmp_path):
+    model = _tiny_target()
+    graphdef, params = nnx.split(model)
+    tx = optax.adam(1e-2)
+    opt_state = tx.init(params)
+    step = tt.make_train_step(graphdef, tx)
+    rows = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 17)), jnp.int32)
+    params2, opt_state2, loss0 = step(params, opt_state, rows)
+    _, _, loss1 = step(params2, opt_state2, rows)
+    assert float(loss1) < float(loss0)
+    # router bias: no gradient update, but the balancing rule moves it
+    bias = [v for k, v in params2.flat_state() if k[-1] == "router_bias"]
+    assert all(np.all(np.asarray(b.value) == 0) for b in bias)
+    params3, loads = tt.make_bias_update(graphdef, 0.1)(params2, rows)
+    assert loads.shape == (1, 8) and np.isclose(float(loads.sum()), 1.0)
+    # the training forward equals the inference forward (absorbed attention, XLA experts)
+    trained = nnx.merge(graphdef, params3)
+    b, t = 2, 16
+    pos = jnp.broadcast_to(jnp.arange(t), (b, t))
+    ref = trained(rows[:, :-1], pos, init_cache(trained.cfg, b, 1), causal_mask(b, t)).logits
+    np.testing.assert_allclose(tt.lm_forward(trained, rows[:, :-1]).logits, ref, rtol=2e-4, atol=2e-4)
+    # resumable state round trip
+    tt.save_train_state(str(tmp_path / "state"), (params3, opt_state2), 7)
+    (p, o), s = tt.restore_train_state(str(tmp_path / "state"), (params, opt_state))
+    assert s == 7
+    for a, c in zip(jax.tree.leaves((p, o)), jax.tree.leaves((params3, opt_state2))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
+    # INT4 export keeps the model close
+    q = tt.quantize_experts(trained)
+    assert q.cfg.quant is not None
+    nll = tt.eval_nll(trained, np.asarray(rows), batch=2)
+    nll_q = tt.eval_nll(q, np.asarray(rows), batch=2, runtime=Runtime())
+    assert abs(nll - nll_q) < 0.05
+
+
+# ------------------------------------------------------------------------------------------- drafter
+def test_training_mask_matches_the_spec():
+    # S = 6 context rows, two blocks of 3 at anchors 2 and 4
+    mask = np.asarray(td.training_mask(jnp.asarray([[2, 4]]), 6, 3))[0]
+    ctx = [[1, 1, 0, 0, 0, 0]] * 3 + [[1, 1, 1, 1, 0, 0]] * 3
+    own = [[1, 1, 1, 0, 0, 0]] * 3 + [[0, 0, 0, 1, 1, 1]] * 3
+    np.testing.assert_array_equal(mask, np.concatenate([np.asarray(ctx), np.asarray(own)], 1).astype(bool))
+
+
+def _tiny_pair():
+    target = _tiny_target()
+    dcfg = tiny_drafter_config(target.cfg, block_size=4)
+    return target, DFlashDrafter(dcfg, nnx.Rngs(1))
+
+
+def test_training_forward_equals_inference_forward():
+    target, drafter = _tiny_pair()
+    cfg = drafter.cfg
+    s, anchors = 12, jnp.asarray([[3, 7]])
+    seqs = jnp.asarray(np.random.default_rng(0).integers(2, 63, (1, s)), jnp.int32)
+    taps = tt.lm_forward(target, seqs, tap_layers=cfg.target_layer_ids).taps
+    tokens, _ = td.block_inputs(seqs, anchors, cfg.block_size, cfg.mask_token_id)
+    hidden = td.drafter_train_hidden(drafter, taps, target.embed_tokens(tokens), anchors)
+    for n, a in enumerate(np.asarray(anchors[0])):
+        cache = init_draft_cache(cfg, 1, 16)
+        cache, _ = drafter.append_context(cache, taps, jnp.arange(s)[None], jnp.asarray([a]))
+        blk = tokens[:, n * cfg.block_size:(n + 1) * cfg.block_size]
+        ref = drafter(cache, target.embed_tokens(blk), a + jnp.arange(cfg.block_size)[None])
+        np.testing.assert_allclose(hidden[:, n * cfg.block_size:(n + 1) * cfg.block_size], ref, rtol=2e-4, atol=2e-4)
+
+
+def test_drafter_training_step_decreases_loss(tmp_path):
+    target, drafter = _tiny_pair()
+    cfg = drafter.cfg
+    seqs = jnp.asarray(np.random.default_rng(0).integers(2, 63, (2, 16)), jnp.int32)
+    taps = tt.lm_forward(target, seqs, tap_layers=cfg.target_layer_ids).taps
+    anchors = jnp.asarray(td.sample_anchors(np.random.default_rng(0), 2, 3, 4, 16 - cfg.block_size))
+    d_def, params = nnx.split(drafter)
+    t_def, t_state = nnx.split(target)
+    tx = optax.adam(1e-2)
+    weights = jnp.asarray(td.decay_weights(cfg.block_size, 4.0))
+    assert weights[0] == 0 and np.isclose(weights[2], np.exp(-1 / 4.0))
+    step = td.make_train_step(d_def, t_def, tx, weights)
+    frozen = [np.asarray(x) for x in jax.tree.leaves(t_state)]
+    p1, o1, loss0, _ = step(params, tx.init(params), t_state, taps, seqs, anchors)
+    _, _, loss1, acc = step(p1, o1, t_state, taps, seqs, anchors)
+    assert float(loss1) < float(loss0) and acc.shape == (cfg.block_size,)
+    assert all(np.array_equal(a, np.asarray(b)) for a, b in zip(frozen, jax.tree.leaves(t_state)))
+    trained = nnx.merge(d_def, p1)
+    td.save_drafter(trained, str(tmp_path / "d"))
+    back = td.restore_drafter(str(tmp_path / "d"))
+    assert back.cfg == cfg
+    for a, b in zip(jax.tree.leaves(nnx.state(back)), jax.tree.leaves(nnx.state(trained))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
