@@ -110,7 +110,7 @@ def param_shardings(state: nnx.State, mesh: Mesh, rules: ShardingRules):
         axes = variable.get_metadata().get("logical_axes")
         if axes is None:
             raise ValueError(f"parameter without logical_axes metadata: {variable}")
-        return jax.tree.map(lambda leaf: named_sharding(mesh, rules, axes), variable.value)
+        return variable.replace(jax.tree.map(lambda leaf: named_sharding(mesh, rules, axes), variable.get_value()))
     return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
