@@ -368,12 +368,15 @@ def main(argv=None):
     tx, schedule = make_optimizer(args.steps, args.lr, args.warmup, weight_decay=0.01)
     opt_state = tx.init(params)
     start, curve = 0, []
-    restored = restore_train_state(state_dir, (params, opt_state))
+    resume_key = {k: getattr(args, k) for k in ("steps", "batch", "lr", "warmup", "block_size", "gamma", "num_anchors",
+                                               "num_seqs", "prompt_len", "new_tokens", "seed", "config")}
+    resume_key["target_commit"] = os.path.getmtime(os.path.join(args.target, "ddtree_checkpoint.json"))
+    restored = restore_train_state(state_dir, (params, opt_state), resume_key)
     if restored is not None:
         (params, opt_state), start = restored
         print(f"resumed from {state_dir} at step {start}")
     step_fn = make_train_step(d_def, t_def, tx, weights)
-    rng = np.random.default_rng(args.seed + 1000 + start)
+    rng = np.random.default_rng(args.seed + 1000 + start)  # a resumed run draws fresh (not replayed) batches
     t1 = time.perf_counter()
     bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="drafter", mininterval=5)
     step = start
@@ -390,7 +393,7 @@ def main(argv=None):
             raise FloatingPointError(f"loss {loss} at step {step}")
         done = step + 1 == args.steps or (args.max_minutes and time.perf_counter() - t1 > 60 * args.max_minutes)
         if (step + 1) % args.save_every == 0 or done:
-            save_train_state(state_dir, (params, opt_state), step + 1)
+            save_train_state(state_dir, (params, opt_state), step + 1, {"resume_key": resume_key})
         if done:
             break
     bar.close()

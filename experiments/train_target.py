@@ -225,9 +225,10 @@ def quantize_experts(model: KimiModel, group_size: int = 32) -> KimiModel:
 # ----------------------------------------------------------------------------------------------------
 # Resumable training state (a thin Orbax wrapper; swap for ddtree_jax.checkpoint when it grows one)
 # ----------------------------------------------------------------------------------------------------
-def save_train_state(path: str, tree: Any, step: int) -> None:
+def save_train_state(path: str, tree: Any, step: int, meta: dict | None = None) -> None:
     """Saves any pytree of arrays (params, optimizer state, ...) at ``path/step_<n>``; older steps are
-    removed after the new one is complete (Orbax writes to a temporary directory and renames)."""
+    removed after the new one is complete (Orbax writes to a temporary directory and renames).
+    ``meta`` (JSON): what a resume must agree with (schedule, data, config), and the run history."""
     leaves = jax.tree.leaves(tree)
     payload = {f"{i:05d}": np.asarray(leaf) for i, leaf in enumerate(leaves)}
     os.makedirs(path, exist_ok=True)
@@ -238,21 +239,32 @@ def save_train_state(path: str, tree: Any, step: int) -> None:
     ckpt.close()
     with open(os.path.join(path, "latest.json.tmp"), "w") as f:
         json.dump({"step": step, "dir": os.path.basename(target), "num_leaves": len(leaves),
-                   "treedef": str(jax.tree.structure(tree))}, f)
+                   "treedef": str(jax.tree.structure(tree)), "meta": meta or {}}, f)
     os.replace(os.path.join(path, "latest.json.tmp"), os.path.join(path, "latest.json"))
     for entry in os.listdir(path):
         if entry.startswith("step_") and entry != os.path.basename(target):
             shutil.rmtree(os.path.join(path, entry), ignore_errors=True)
 
 
-def restore_train_state(path: str, like: Any) -> tuple[Any, int] | None:
-    """The latest state saved by ``save_train_state`` with the structure of ``like``; None if absent.
-    Raises ValueError if the stored structure differs (a different config or optimizer)."""
+def read_train_meta(path: str) -> dict | None:
     index = os.path.join(path, "latest.json")
     if not os.path.exists(index):
         return None
     with open(index) as f:
-        meta = json.load(f)
+        return json.load(f)
+
+
+def restore_train_state(path: str, like: Any, expect: dict | None = None) -> tuple[Any, int] | None:
+    """The latest state saved by ``save_train_state`` with the structure of ``like``; None if absent.
+    Raises ValueError if the stored structure differs (a different config or optimizer) or if any key
+    of ``expect`` differs from the stored ``meta["resume_key"]``."""
+    meta = read_train_meta(path)
+    if meta is None:
+        return None
+    stored_key = meta.get("meta", {}).get("resume_key")
+    if expect is not None and stored_key != expect:
+        raise ValueError(f"{path}: stored training state was made with {stored_key}, this run has {expect}; "
+                         "use a fresh --state-dir (or the same arguments) to resume")
     leaves, treedef = jax.tree.flatten(like)
     if meta["num_leaves"] != len(leaves) or meta["treedef"] != str(treedef):
         raise ValueError(f"{path}: stored training state has a different structure; use a fresh --state-dir")
@@ -331,7 +343,8 @@ def parse_args(argv=None):
     p.add_argument("--tokenizer", default=os.path.join(ROOT, "checkpoints", "tokenizer", "tokenizer.json"))
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--eval-rows", type=int, default=64, help="held-out rows for perplexity")
-    p.add_argument("--max-minutes", type=float, default=None, help="stop training after this wall time")
+    p.add_argument("--max-minutes", type=float, default=None,
+                   help="stop (and save) after this wall time; rerun the same command to resume")
     p.add_argument("--allow-mismatch", action="store_true")
     p.add_argument("--config", default="{}", help="JSON overrides of the model config, e.g. '{\"num_layers\": 2}'")
     return p.parse_args(argv)
@@ -351,7 +364,12 @@ def main(argv=None):
     tx, schedule = make_optimizer(args.steps, args.lr, args.warmup)
     opt_state = tx.init(params)
     start, curve = 0, []
-    restored = restore_train_state(state_dir, (params, opt_state))
+    resume_key = {k: getattr(args, k) for k in ("steps", "batch", "seq", "lr", "warmup", "bias_rate", "bias_every",
+                                               "seed", "dtype", "config")}
+    resume_key["data_hash"] = info["data_hash"]
+    previous = read_train_meta(state_dir)
+    history = previous["meta"].get("history", []) if previous else []
+    restored = restore_train_state(state_dir, (params, opt_state), resume_key)
     if restored is not None:
         (params, opt_state), start = restored
         curve_file = os.path.join(state_dir, "curve.json")
@@ -381,7 +399,9 @@ def main(argv=None):
             raise FloatingPointError(f"loss {loss} at step {step}")
         done = step + 1 == args.steps or (args.max_minutes and time.perf_counter() - t0 > 60 * args.max_minutes)
         if (step + 1) % args.save_every == 0 or done:
-            save_train_state(state_dir, (params, opt_state), step + 1)
+            run = {"start_step": start, "end_step": step + 1, "seconds": time.perf_counter() - t0}
+            save_train_state(state_dir, (params, opt_state), step + 1,
+                             {"resume_key": resume_key, "history": history + [run]})
             with open(os.path.join(state_dir, "curve.json"), "w") as f:
                 json.dump(curve, f)
         if done:
@@ -389,6 +409,10 @@ def main(argv=None):
     bar.close()
     steps_done = step + 1
     train_s = time.perf_counter() - t0
+    if steps_done < args.steps:
+        print(f"stopped at step {steps_done} of {args.steps} (--max-minutes); state in {state_dir}; "
+              "rerun the same command to resume")
+        return None
     model = nnx.merge(graphdef, params)
 
     eval_rows = held_rows[: args.eval_rows]
@@ -396,7 +420,8 @@ def main(argv=None):
     qmodel = quantize_experts(model)
     nll_int4 = eval_nll(qmodel, eval_rows)
     nll_int4_infer = eval_nll(qmodel, eval_rows[:16], runtime=Runtime())  # the shipped inference path
-    metrics = {"steps": steps_done, "train_seconds": train_s,
+    history = history + [{"start_step": start, "end_step": steps_done, "seconds": train_s}]
+    metrics = {"steps": steps_done, "train_seconds": sum(h["seconds"] for h in history), "runs": history,
                "tokens_seen": steps_done * args.batch * args.seq,
                "final_train_loss": float(np.mean([c["loss"] for c in curve[-20:]])),
                "heldout_rows": len(eval_rows), "heldout_tokens": int(eval_rows[:, 1:].size),

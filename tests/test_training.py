@@ -122,9 +122,9 @@ def test_dense_routed_path_matches_xla_and_is_differentiable():
     w = jax.random.uniform(jax.random.PRNGKey(2), (m, k))
     w13 = jax.random.normal(jax.random.PRNGKey(3), (e, 2 * f, d)) * 0.1
     w2 = jax.random.normal(jax.random.PRNGKey(4), (e, d, f)) * 0.1
-    np.testing.assert_allclose(tt.routed_experts_dense(x, ids, w, w13, w2), routed_experts_xla(x, ids, w, w13, w2),
-                               rtol=1e-5, atol=1e-5)
-    g = jax.grad(lambda w: tt.routed_experts_dense(x, ids, w, w13, w2).sum())(w)
+    np.testing.assert_allclose(jax.jit(tt.routed_experts_dense)(x, ids, w, w13, w2),
+                               jax.jit(routed_experts_xla)(x, ids, w, w13, w2), rtol=1e-5, atol=1e-5)
+    g = jax.jit(jax.grad(lambda w: tt.routed_experts_dense(x, ids, w, w13, w2).sum()))(w)
     assert np.isfinite(np.asarray(g)).all() and np.abs(np.asarray(g)).sum() > 0
 
 
@@ -144,23 +144,33 @@ def test_target_training_step_decreases_loss(tmp_path):
     params3, loads = tt.make_bias_update(graphdef, 0.1)(params2, rows)
     assert loads.shape == (1, 8) and np.isclose(float(loads.sum()), 1.0)
     # the training forward equals the inference forward (absorbed attention, XLA experts)
-    trained = nnx.merge(graphdef, params3)
     b, t = 2, 16
-    pos = jnp.broadcast_to(jnp.arange(t), (b, t))
-    ref = trained(rows[:, :-1], pos, init_cache(trained.cfg, b, 1), causal_mask(b, t)).logits
-    np.testing.assert_allclose(tt.lm_forward(trained, rows[:, :-1]).logits, ref, rtol=2e-4, atol=2e-4)
-    # resumable state round trip
-    tt.save_train_state(str(tmp_path / "state"), (params3, opt_state2), 7)
-    (p, o), s = tt.restore_train_state(str(tmp_path / "state"), (params, opt_state))
+
+    @jax.jit
+    def both(state, tokens):
+        m = nnx.merge(graphdef, state)
+        pos = jnp.broadcast_to(jnp.arange(t), (b, t))
+        ref = m(tokens, pos, init_cache(m.cfg, b, 1), causal_mask(b, t)).logits
+        return tt.lm_forward(m, tokens).logits, ref
+
+    train_logits, ref = both(params3, rows[:, :-1])
+    np.testing.assert_allclose(train_logits, ref, rtol=2e-4, atol=2e-4)
+    # resumable state round trip; a resume with other arguments is refused
+    tt.save_train_state(str(tmp_path / "state"), (params3, opt_state2), 7, {"resume_key": {"lr": 1}})
+    (p, o), s = tt.restore_train_state(str(tmp_path / "state"), (params, opt_state), {"lr": 1})
     assert s == 7
     for a, c in zip(jax.tree.leaves((p, o)), jax.tree.leaves((params3, opt_state2))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
-    # INT4 export keeps the model close
+    with pytest.raises(ValueError, match="fresh --state-dir"):
+        tt.restore_train_state(str(tmp_path / "state"), (params, opt_state), {"lr": 2})
+    # INT4 export: experts become QuantArrays within the quantization error, the rest is unchanged
+    trained = nnx.merge(graphdef, params3)
     q = tt.quantize_experts(trained)
     assert q.cfg.quant is not None
-    nll = tt.eval_nll(trained, np.asarray(rows), batch=2)
-    nll_q = tt.eval_nll(q, np.asarray(rows), batch=2, runtime=Runtime())
-    assert abs(nll - nll_q) < 0.05
+    w13, qw13 = trained.layers[1].mlp.w13.value, q.layers[1].mlp.w13.value
+    err = np.abs(np.asarray(qw13.dequantize()) - np.asarray(w13)).max()
+    assert 0 < err <= np.abs(np.asarray(w13)).max() / 7 * 0.51 + 1e-6
+    np.testing.assert_array_equal(np.asarray(q.embed.value), np.asarray(trained.embed.value))
 
 
 # ------------------------------------------------------------------------------------------- drafter
@@ -183,15 +193,26 @@ def test_training_forward_equals_inference_forward():
     cfg = drafter.cfg
     s, anchors = 12, jnp.asarray([[3, 7]])
     seqs = jnp.asarray(np.random.default_rng(0).integers(2, 63, (1, s)), jnp.int32)
-    taps = tt.lm_forward(target, seqs, tap_layers=cfg.target_layer_ids).taps
-    tokens, _ = td.block_inputs(seqs, anchors, cfg.block_size, cfg.mask_token_id)
-    hidden = td.drafter_train_hidden(drafter, taps, target.embed_tokens(tokens), anchors)
-    for n, a in enumerate(np.asarray(anchors[0])):
-        cache = init_draft_cache(cfg, 1, 16)
-        cache, _ = drafter.append_context(cache, taps, jnp.arange(s)[None], jnp.asarray([a]))
-        blk = tokens[:, n * cfg.block_size:(n + 1) * cfg.block_size]
-        ref = drafter(cache, target.embed_tokens(blk), a + jnp.arange(cfg.block_size)[None])
-        np.testing.assert_allclose(hidden[:, n * cfg.block_size:(n + 1) * cfg.block_size], ref, rtol=2e-4, atol=2e-4)
+    t_def, t_state = nnx.split(target)
+    d_def, d_state = nnx.split(drafter)
+    bs = cfg.block_size
+
+    @jax.jit
+    def run(t_state, d_state, cache):
+        target, drafter = nnx.merge(t_def, t_state), nnx.merge(d_def, d_state)
+        taps = tt.lm_forward(target, seqs, tap_layers=cfg.target_layer_ids).taps
+        tokens, _ = td.block_inputs(seqs, anchors, bs, cfg.mask_token_id)
+        hidden = td.drafter_train_hidden(drafter, taps, target.embed_tokens(tokens), anchors)
+        refs = []
+        for n in range(anchors.shape[1]):  # inference: a cache holding context rows < anchor, one block
+            a = anchors[0, n]
+            c, _ = drafter.append_context(cache, taps, jnp.arange(s)[None], a[None])
+            blk = tokens[:, n * bs:(n + 1) * bs]
+            refs.append(drafter(c, target.embed_tokens(blk), a + jnp.arange(bs)[None]))
+        return hidden, jnp.concatenate(refs, axis=1)
+
+    hidden, ref = run(t_state, d_state, init_draft_cache(cfg, 1, 16))
+    np.testing.assert_allclose(hidden, ref, rtol=2e-4, atol=2e-4)
 
 
 def test_drafter_training_step_decreases_loss(tmp_path):
