@@ -23,6 +23,7 @@ NEW = 10
 def models():
     cfg = tiny_config(vocab_size=VOCAB, quant=QuantConfig(group_size=32), eos_token_ids=())
     target = KimiModel(cfg, nnx.Rngs(0))
+    target.lm_head.value = target.lm_head.value * 8  # peaked next-token distributions, like a trained model
     drafter = DFlashDrafter(tiny_drafter_config(cfg), nnx.Rngs(1))
     return target, drafter
 
@@ -107,15 +108,59 @@ def test_prompt_past_capacity_refused(models):
     target, drafter = models
     engine = Engine(target, drafter, EngineConfig(mode="ddtree", budget=8, capacity=16))
     with pytest.raises(ValueError, match="does not fit the cache capacity 16"):
-        engine.generate([[1] * 12])
+        engine.generate([[1] * 14])  # 14 + one tree of depth 3 does not fit 16 slots
 
 
 def test_sharded_engine_matches(models):
     target, drafter = models
-    mesh = make_mesh(data=2, model=4)
+    mesh = make_mesh(data=4, model=2)  # the tiny drafter has 2 kv heads
     runtime = Runtime(mesh=mesh, rules=DEFAULT_RULES)
     ecfg = EngineConfig(mode="ddtree", budget=16, max_new_tokens=NEW, capacity=64)
     prompts = PROMPTS[:4]
     plain = generate_all(target, drafter, ecfg, prompts, 4)
     sharded = generate_all(target, drafter, ecfg, prompts, 4, runtime=runtime)
     assert plain == sharded
+
+
+def chi2_two_sample_pvalue(a, b, categories):
+    """Two-sample chi-squared homogeneity test over integer categories; returns the p-value."""
+    from jax.scipy.special import gammaincc
+
+    ca = np.bincount(a, minlength=categories).astype(float)
+    cb = np.bincount(b, minlength=categories).astype(float)
+    rare = (ca + cb) < 10  # pool rare categories so every expected count is reasonable
+    ca = np.append(ca[~rare], ca[rare].sum())
+    cb = np.append(cb[~rare], cb[rare].sum())
+    keep = (ca + cb) > 0
+    ca, cb = ca[keep], cb[keep]
+    na, nb = ca.sum(), cb.sum()
+    total = ca + cb
+    ea, eb = total * na / (na + nb), total * nb / (na + nb)
+    stat = ((ca - ea) ** 2 / ea).sum() + ((cb - eb) ** 2 / eb).sum()
+    dof = keep.sum() - 1
+    return float(gammaincc(dof / 2.0, stat / 2.0))
+
+
+def test_sampling_distribution_equals_ar(models):
+    """T=1: the 2nd and 3rd generated tokens (the first ones speculation decides) have the same
+    distribution under DDTree as under AR sampling (two-sample chi-squared, many streams)."""
+    target, drafter = models
+    prompt = PROMPTS[5]
+    streams, calls = 256, 6
+
+    def samples(mode):
+        ecfg = EngineConfig(mode=mode, budget=32, max_new_tokens=3, capacity=64)
+        engine = Engine(target, drafter if mode != "ar" else None, ecfg)
+        toks = []
+        for seed in range(calls):
+            res = engine.generate([prompt] * streams, temperature=1.0, seed=100 + seed + (0 if mode == "ar" else 50))
+            toks.extend(res["tokens"])
+        return np.asarray(toks)
+
+    ar, dd = samples("ar"), samples("ddtree")
+    for position in (1, 2):
+        p = chi2_two_sample_pvalue(ar[:, position], dd[:, position], VOCAB)
+        assert p > 1e-3, f"token {position}: p = {p}"
+    # the drafts were actually used: most rounds accepted something
+    engine = Engine(target, drafter, EngineConfig(mode="ddtree", budget=32, max_new_tokens=3, capacity=64))
+    assert engine.generate([prompt] * 64, temperature=1.0, seed=7)["tau_mean"] > 1.2
