@@ -32,7 +32,8 @@ from ddtree_jax.model import KimiModel, causal_mask  # noqa: E402
 from ddtree_jax.hf_loader import ShapeOnlyRngs  # noqa: E402
 from ddtree_jax.quant import QuantArray  # noqa: E402
 from ddtree_jax.tree import accept_tokens, build_tree, sample_target_tokens  # noqa: E402
-from experiments.bench_util import measure_copy_bandwidth, print_table, time_fn, write_result  # noqa: E402
+from experiments.bench_util import (measure_copy_bandwidth, measure_torch_copy_bandwidth, print_table,  # noqa: E402
+                                    time_fn, write_result)
 
 
 def random_state(abstract_state, seed: int):
@@ -227,7 +228,7 @@ def main():
     start = time.time()
     deadline = start + args.time_budget_s
     rows = []
-    bandwidth = measure_copy_bandwidth(1 << 28 if args.size == "tiny" else 1 << 30)
+    bandwidth = measure_torch_copy_bandwidth() or measure_copy_bandwidth(1 << 28 if args.size == "tiny" else 1 << 30)
     target, drafter = build_models(args)
     print(f"built: target {bytes_of(nnx.state(target)) / 1e9:.2f} GB, drafter {bytes_of(nnx.state(drafter)) / 1e9:.2f} GB,"
           f" copy bandwidth {bandwidth / 1e12:.2f} TB/s, {time.time() - start:.0f}s", flush=True)

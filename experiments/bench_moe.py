@@ -73,31 +73,6 @@ def time_calls(fn, args, calls=10, batches=5, budget_s=None):
     return statistics.median(ts), min(ts)
 
 
-def torch_copy_bw():
-    try:
-        import torch
-        if not torch.cuda.is_available():
-            return None
-        a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-        b = torch.empty_like(a)
-        for _ in range(3):
-            b.copy_(a)
-        torch.cuda.synchronize()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(20):
-            b.copy_(a)
-        e.record()
-        torch.cuda.synchronize()
-        bw = 2 * a.numel() * 20 / (s.elapsed_time(e) * 1e-3)
-        del a, b
-        torch.cuda.empty_cache()
-        return bw
-    except Exception as ex:  # noqa: BLE001 - reporting only
-        print("torch copy failed:", ex)
-        return None
-
-
 def ragged_moe_fn():
     """bf16 MoE with jax.lax.ragged_dot (gate+up fused [E, D, 2F], down [E, F, D])."""
     def fn(x, ids, w, w13, w2):
@@ -143,7 +118,7 @@ def main(argv=None):
 
     print("devices:", jax.devices(), "jax", jax.__version__, flush=True)
     copy_bw = bench_util.measure_copy_bandwidth()
-    tcopy = torch_copy_bw()
+    tcopy = bench_util.measure_torch_copy_bandwidth()
     print(f"copy bandwidth: XLA a+1 {copy_bw / 1e12:.3f} TB/s; torch copy "
           f"{(tcopy or 0) / 1e12:.3f} TB/s", flush=True)
 

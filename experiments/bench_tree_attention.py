@@ -168,28 +168,6 @@ def bench_point(H, B, T, P, cfg, bw, peak, with_xla=True, check=True, repeats=5,
     return row
 
 
-def torch_copy_bw():
-    try:
-        import torch
-        x = torch.empty(2**30, dtype=torch.uint8, device="cuda")
-        y = torch.empty_like(x)
-        for _ in range(3):
-            y.copy_(x)
-        torch.cuda.synchronize()
-        ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        ev0.record()
-        for _ in range(20):
-            y.copy_(x)
-        ev1.record()
-        torch.cuda.synchronize()
-        bw = 2 * 2**30 * 20 / (ev0.elapsed_time(ev1) * 1e-3)
-        del x, y
-        torch.cuda.empty_cache()
-        return bw
-    except Exception:  # noqa: BLE001
-        return None
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", choices=["sweep", "grid", "both"], default="grid")
@@ -213,7 +191,7 @@ def main():
         tbw, bw, peak = None, 1e11, 1e12
         EXTRA.clear()
     else:
-        tbw = torch_copy_bw()
+        tbw = bench_util.measure_torch_copy_bandwidth()
         bw = bench_util.measure_copy_bandwidth()
         peak = bench_util.measure_bf16_peak()
     print(f"copy bw (jax) {bw/1e12:.2f} TB/s, torch copy {(tbw or 0)/1e12:.2f} TB/s, "
