@@ -206,7 +206,7 @@ def save_model(model_or_state: KimiModel | nnx.State, path: str, metadata: dict[
             raise ValueError("save_model of a bare nnx.State needs cfg=")
     grouped: dict[str, dict[tuple, Any]] = {}
     for key, variable in flat_params(state).items():
-        grouped.setdefault(part_name(key), {})[key] = variable.value
+        grouped.setdefault(part_name(key), {})[key] = variable.get_value()
     with CheckpointWriter(path, cfg, metadata) as writer:
         for name, params in grouped.items():
             _save_part(writer, name, params)
@@ -270,13 +270,13 @@ def restore_model(path: str, cfg: ModelConfig | None = None, mesh: Mesh | None =
 
             target_items = [item for key in keys
                             for item in _leaf_items(key, jax.tree.map(lambda leaf, k=key: spec(k, leaf),
-                                                                      flat_abstract[key].value))]
+                                                                      flat_abstract[key].get_value()))]
             part_dir = os.path.abspath(os.path.join(path, index["data"], name))
             if not os.path.isdir(part_dir):
                 raise CheckpointError(f"{path}: part directory {part_dir} is missing")
             restored = checkpointer.restore(part_dir, _nest(target_items))
             for key in keys:
-                value = flat_abstract[key].value
+                value = flat_abstract[key].get_value()
                 base = tuple(str(p) for p in key)
                 if isinstance(value, QuantArray):
                     placed[key] = QuantArray(_lookup(restored, base + ("packed",)), _lookup(restored, base + ("scale",)))

@@ -348,16 +348,16 @@ class DraftAttention(nnx.Module):
 
     def key_value(self, x, cos, sin):
         """x [B, T, D] (normed block states or context features) -> k (normed, rotated), v [B, T, KVH, hd]."""
-        k = apply_rope_half(self.k_norm(dot(x, self.k.value, "btd,dkh->btkh")), cos, sin)
-        return k, dot(x, self.v.value, "btd,dkh->btkh")
+        k = apply_rope_half(self.k_norm(dot(x, self.k.get_value(), "btd,dkh->btkh")), cos, sin)
+        return k, dot(x, self.v.get_value(), "btd,dkh->btkh")
 
     def __call__(self, x, cos, sin, cache_k, cache_v, lengths, attention_fn=None):
         """x [B, Tb, D] (input-normed); cache_k/v [B, S, KVH, hd] of this layer. Returns [B, Tb, D]."""
-        q = apply_rope_half(self.q_norm(dot(x, self.q.value, "btd,dhk->bthk")), cos, sin)
+        q = apply_rope_half(self.q_norm(dot(x, self.q.get_value(), "btd,dhk->bthk")), cos, sin)
         k, v = self.key_value(x, cos, sin)
         attend = attention_fn or draft_attention_xla
         o = attend(q, cache_k, cache_v, lengths, k, v, scale=self.cfg.softmax_scale)
-        return dot(o, self.o.value, "bthk,hkd->btd")
+        return dot(o, self.o.get_value(), "bthk,hkd->btd")
 
 
 class DraftLayer(nnx.Module):
@@ -393,7 +393,7 @@ class DFlashDrafter(nnx.Module):
         if n != cfg.num_taps or d != cfg.hidden_size:
             raise ValueError(f"taps of shape {taps.shape}: expected [{cfg.num_taps}, B, Tc, {cfg.hidden_size}]")
         x = jnp.moveaxis(taps.astype(jnp.dtype(cfg.dtype)), 0, 2).reshape(b, t, n * d)
-        return self.hidden_norm(dot(x, self.fc.value, "btf,fd->btd"))
+        return self.hidden_norm(dot(x, self.fc.get_value(), "btf,fd->btd"))
 
     def context_kv(self, taps: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """taps [n, B, Tc, D], positions [B, Tc] -> k, v [NLd, B, Tc, KVH, hd] (k normed and rotated)."""
@@ -524,7 +524,7 @@ def load_hf_drafter(path: str, *, dtype: str = "bfloat16", legacy_yarn_amplitude
             raise CheckpointError(f"{name}: shape {file.shape(name)} != expected {shape}")
         variable = flat_abstract[key]
         value = file.get(name)
-        array = np.asarray(transform(value) if transform else value).astype(variable.value.dtype)
+        array = np.asarray(transform(value) if transform else value).astype(variable.get_value().dtype)
         if mesh is not None:
             placed[key] = jax.device_put(array, named_sharding(mesh, rules, variable.get_metadata()["logical_axes"]))
         else:

@@ -206,7 +206,7 @@ def iter_hf_params(path: str, cfg: ModelConfig, flat_abstract: dict[tuple, nnx.V
     def prepare(key: tuple, value, tensor_name: str):
         if key not in flat_abstract:
             raise CheckpointError(f"{tensor_name}: maps to {key}, which this model does not have")
-        target = flat_abstract[key].value
+        target = flat_abstract[key].get_value()
         if isinstance(value, QuantArray) != isinstance(target, QuantArray):
             raise CheckpointError(f"{tensor_name}: quantized/float layout does not match the config")
         if key in done:

@@ -43,7 +43,7 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return rms_norm(x, self.weight.value, self.eps)
+        return rms_norm(x, self.weight.get_value(), self.eps)
 
 
 def dot(x: jax.Array, w: jax.Array, spec: str) -> jax.Array:
@@ -60,6 +60,6 @@ class SwiGLU(nnx.Module):
         self.down = declare(rngs, (hidden, dim), ("ffn", "embed"), dtype, std=std)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        gate = dot(x, self.gate.value, "...d,df->...f")
-        up = dot(x, self.up.value, "...d,df->...f")
-        return dot(jax.nn.silu(gate) * up, self.down.value, "...f,fd->...d")
+        gate = dot(x, self.gate.get_value(), "...d,df->...f")
+        up = dot(x, self.up.get_value(), "...d,df->...f")
+        return dot(jax.nn.silu(gate) * up, self.down.get_value(), "...f,fd->...d")

@@ -71,7 +71,7 @@ def param_bytes(state: nnx.State, mesh_shape: dict[str, int], rules: ShardingRul
         axes = variable.get_metadata().get("logical_axes")
         if axes is None:
             raise ValueError(f"parameter {path} has no logical_axes")
-        value = variable.value
+        value = variable.get_value()
         if isinstance(value, QuantArray):
             parts = [("experts_int4", value.packed), ("expert_scales", value.scale)]
         else:

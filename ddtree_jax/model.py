@@ -63,12 +63,12 @@ class MLA(nnx.Module):
         """x [B, T, D] -> q_nope [B,T,H,N], q_pe [B,T,H,R] (rotated), latents [B,T,C] (normed + rotated)."""
         cfg = self.cfg
         if self.q_a is None:
-            q = dot(x, self.q_b.value, "btd,dhk->bthk")
+            q = dot(x, self.q_b.get_value(), "btd,dhk->bthk")
         else:
-            q = dot(self.q_a_norm(dot(x, self.q_a.value, "btd,dq->btq")), self.q_b.value, "btq,qhk->bthk")
+            q = dot(self.q_a_norm(dot(x, self.q_a.get_value(), "btd,dq->btq")), self.q_b.get_value(), "btq,qhk->bthk")
         q_nope, q_pe = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim:]
         q_pe = apply_rope_interleaved(q_pe, cos, sin)
-        kv = dot(x, self.kv_a.value, "btd,dc->btc")
+        kv = dot(x, self.kv_a.get_value(), "btd,dc->btc")
         latent = self.kv_a_norm(kv[..., : cfg.kv_lora_rank])
         k_pe = apply_rope_interleaved(kv[..., cfg.kv_lora_rank:], cos, sin)
         return q_nope, q_pe, jnp.concatenate([latent, k_pe], axis=-1)
@@ -77,8 +77,8 @@ class MLA(nnx.Module):
         """x [B,T,D]; cache_kv [B,S,C] of this layer. Returns (out [B,T,D], block latents [B,T,C])."""
         cfg = self.cfg
         q_nope, q_pe, block_kv = self.project(x, cos, sin)
-        w_uk = self.kv_b.value[..., : cfg.qk_nope_head_dim]  # [L, H, N]
-        w_uv = self.kv_b.value[..., cfg.qk_nope_head_dim:]  # [L, H, V]
+        w_uk = self.kv_b.get_value()[..., : cfg.qk_nope_head_dim]  # [L, H, N]
+        w_uv = self.kv_b.get_value()[..., cfg.qk_nope_head_dim:]  # [L, H, V]
         if runtime.attention == "absorbed":
             q_latent = dot(q_nope, w_uk, "bthn,lhn->bthl")
             q_abs = jnp.concatenate([q_latent, q_pe], axis=-1)  # [B,T,H,C]
@@ -90,7 +90,7 @@ class MLA(nnx.Module):
             o = self._naive_attention(q_nope, q_pe, cache_kv, prefix_len, block_kv, tree_mask, w_uk, w_uv)
         else:
             raise ValueError(f"unknown attention {runtime.attention!r}")
-        return dot(o, self.o.value, "bthv,hvd->btd"), block_kv
+        return dot(o, self.o.get_value(), "bthv,hvd->btd"), block_kv
 
     def _naive_attention(self, q_nope, q_pe, cache_kv, prefix_len, block_kv, tree_mask, w_uk, w_uv):
         """Per-head keys/values expanded from the latents, as the HF reference computes them."""
@@ -165,7 +165,7 @@ class KimiModel(nnx.Module):
         for layer in tap_layers:
             if not 0 <= layer < cfg.num_layers:
                 raise ValueError(f"tap layer {layer} outside [0, {cfg.num_layers})")
-        x = jnp.take(self.embed.value, tokens, axis=0)
+        x = jnp.take(self.embed.get_value(), tokens, axis=0)
         cos, sin = rope_cos_sin(positions, cfg.rope, cfg.qk_rope_head_dim)
         block_kv, taps = [], []
         for i, layer in enumerate(self.layers):
@@ -177,16 +177,16 @@ class KimiModel(nnx.Module):
             taps = jnp.stack([taps[sorted(tap_layers).index(i)] for i in tap_layers])
         else:
             taps = None
-        logits = jnp.einsum("btd,dw->btw", self.norm(x), self.lm_head.value.astype(x.dtype),
+        logits = jnp.einsum("btd,dw->btw", self.norm(x), self.lm_head.get_value().astype(x.dtype),
                             preferred_element_type=jnp.float32)
         return ForwardOutput(logits=logits, block_kv=jnp.stack(block_kv), taps=taps)
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
-        return jnp.take(self.embed.value, tokens, axis=0)
+        return jnp.take(self.embed.get_value(), tokens, axis=0)
 
     def head(self, hidden: jax.Array) -> jax.Array:
         """Final-normed hidden [..., D] -> logits [..., W] f32 (shared with the drafter)."""
-        return jnp.einsum("...d,dw->...w", hidden, self.lm_head.value.astype(hidden.dtype),
+        return jnp.einsum("...d,dw->...w", hidden, self.lm_head.get_value().astype(hidden.dtype),
                           preferred_element_type=jnp.float32)
 
 

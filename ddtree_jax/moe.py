@@ -100,8 +100,8 @@ class MoE(nnx.Module):
         self.w13 = declare(rngs, (e, 2 * f, d), ("experts", "expert_ffn", "embed"), dtype)
         self.w2 = declare(rngs, (e, d, f), ("experts", "embed", "expert_ffn"), dtype)
         if cfg.quant is not None:  # INT4 experts: the same declaration, quantized
-            self.w13 = nnx.Param(quantize_array(self.w13.value, cfg.quant.group_size), logical_axes=self.w13.logical_axes)
-            self.w2 = nnx.Param(quantize_array(self.w2.value, cfg.quant.group_size), logical_axes=self.w2.logical_axes)
+            self.w13 = nnx.Param(quantize_array(self.w13.get_value(), cfg.quant.group_size), logical_axes=self.w13.logical_axes)
+            self.w2 = nnx.Param(quantize_array(self.w2.get_value(), cfg.quant.group_size), logical_axes=self.w2.logical_axes)
         self.shared = SwiGLU(d, cfg.shared_intermediate_size, dtype, rngs) if cfg.n_shared_experts else None
         self.cfg = cfg
 
@@ -110,8 +110,8 @@ class MoE(nnx.Module):
         """x [..., D] -> [..., D]."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        ids, weights = route(flat, self.router.value, self.router_bias.value, self.cfg)
-        y = routed_experts(flat, ids, weights, self.w13.value, self.w2.value, mesh=mesh, rules=rules,
+        ids, weights = route(flat, self.router.get_value(), self.router_bias.get_value(), self.cfg)
+        y = routed_experts(flat, ids, weights, self.w13.get_value(), self.w2.get_value(), mesh=mesh, rules=rules,
                            routed_fn=routed_fn).astype(x.dtype)
         if self.shared is not None:
             y = y + self.shared(flat)
