@@ -191,6 +191,8 @@ class ModelConfig:
             raise ConfigError("attention_bias=true is not supported")
         if raw.get("tie_word_embeddings", False) or top.get("tie_word_embeddings", False):
             raise ConfigError("tied embeddings are not supported (K2 models have an untied lm_head)")
+        if raw.get("rope_interleave", True) is not True:
+            raise ConfigError("rope_interleave=false is not supported (DeepSeek/Kimi rotate interleaved pairs)")
         if raw.get("moe_layer_freq", 1) != 1:
             raise ConfigError("moe_layer_freq != 1 is not supported")
 

@@ -44,6 +44,13 @@ def test_missing_config_field(hf_dir):
         ModelConfig.from_hf_dict(raw)
 
 
+def test_non_interleaved_rope_refused(hf_dir):
+    raw = json.load(open(os.path.join(hf_dir, "config.json")))
+    raw["rope_interleave"] = False
+    with pytest.raises(ConfigError, match="rope_interleave"):
+        ModelConfig.from_hf_dict(raw)
+
+
 def test_unsupported_quantization_refused(hf_dir):
     raw = json.load(open(os.path.join(hf_dir, "config.json")))
     raw["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
