@@ -169,7 +169,7 @@ class ModelConfig:
             ),
             beta_fast=float(rope_raw.get("beta_fast", 32.0)),
             beta_slow=float(rope_raw.get("beta_slow", 1.0)),
-            mscale=float(rope_raw.get("mscale", 1.0)),
+            mscale=float(rope_raw.get("mscale") or 0.0),  # absent = 0: HF then derives the amplitude from factor alone
             mscale_all_dim=float(rope_raw.get("mscale_all_dim", 0.0)),
             attention_factor=None if rope_raw.get("attention_factor") is None else float(rope_raw["attention_factor"]),
         )
