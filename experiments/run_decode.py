@@ -4,8 +4,9 @@
     python experiments/run_decode.py --target DIR --drafter DIR --mode ddtree --budget 64 --compare
     python experiments/run_decode.py --target random --drafter random --prompt-ids "1 2 3" --json out.json
 
-``--target``: an HF checkpoint directory (config.json + safetensors) or ``random`` (a tiny random
-K2-architecture model with INT4 experts). ``--drafter``: an HF DFlash drafter directory or ``random``.
+``--target``: an HF checkpoint directory (config.json + safetensors), a ddtree-jax Orbax checkpoint
+(``experiments/convert_checkpoint.py``), or ``random`` (a tiny random K2-architecture model with INT4
+experts). ``--drafter``: an HF DFlash drafter directory or ``random``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ sys.path.insert(0, ROOT)
 import jax  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from ddtree_jax.checkpoint import INDEX_FILE, checkpoint_config, restore_model  # noqa: E402
 from ddtree_jax.config import QuantConfig, tiny_config  # noqa: E402
 from ddtree_jax.drafter import DFlashDrafter, load_hf_drafter, tiny_drafter_config  # noqa: E402
 from ddtree_jax.engine import Engine, EngineConfig, inspect_round  # noqa: E402
@@ -64,7 +66,9 @@ def load_models(args):
     if args.target == "random":
         cfg = tiny_config(dtype=args.dtype, quant=QuantConfig(group_size=32), vocab_size=512, num_layers=4)
         target = KimiModel(cfg, nnx.Rngs(args.seed))
-    else:
+    elif os.path.exists(os.path.join(args.target, INDEX_FILE)):  # our Orbax checkpoint
+        target = restore_model(args.target, checkpoint_config(args.target).replace(dtype=args.dtype))
+    else:  # an HF directory
         target = load_hf_model(args.target, dtype=args.dtype)
     drafter = None
     if args.mode != "ar" or args.compare:
