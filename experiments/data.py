@@ -259,7 +259,8 @@ def main(argv=None):
         sample = "def f(x):\n    return x + 1\n"
         assert tok.decode(tok.encode(sample).ids) == sample
         docs = encode_docs(tok, [t for _, t in texts])
-        meta = {"command": " ".join([os.path.relpath(sys.argv[0], ROOT)] + (argv or sys.argv[1:])),
+        meta = {"command": " ".join(["python", os.path.relpath(os.path.abspath(sys.argv[0]), ROOT)]
+                                    + (argv if argv is not None else sys.argv[1:])),
                 "commit": git_commit(), "vocab_size": tok.get_vocab_size(), "special_tokens": list(SPECIAL_TOKENS),
                 "train_tokens": int(sum(len(d) for d in docs)), "train_bytes": int(sum(len(t) for _, t in texts)),
                 **info}
