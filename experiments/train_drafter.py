@@ -42,7 +42,7 @@ from ddtree_jax.config import RopeConfig  # noqa: E402
 from ddtree_jax.drafter import DFlashDrafter, DrafterConfig, check_drafter_target  # noqa: E402
 from ddtree_jax.engine import Engine, EngineConfig  # noqa: E402
 from ddtree_jax.layers import dot  # noqa: E402
-from ddtree_jax.model import KimiModel, Runtime  # noqa: E402
+from ddtree_jax.model import KimiModel  # noqa: E402
 from ddtree_jax.rope import apply_rope_half, rope_cos_sin  # noqa: E402
 from experiments import data as data_lib  # noqa: E402
 from experiments.train_target import (TRAIN_RUNTIME, lm_forward, load_tokenizer_json, make_optimizer,  # noqa: E402

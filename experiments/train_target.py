@@ -28,7 +28,7 @@ import os
 import shutil
 import sys
 import time
-from typing import Any, Callable
+from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -392,7 +392,8 @@ def main(argv=None):
         if bias_fn is not None and step % args.bias_every == 0:
             params, loads = bias_fn(params, rows)
             max_load = float(loads.max()) * cfg.n_routed_experts  # 1.0 = perfectly balanced
-        curve.append({"step": step, "loss": loss, "max_load_x_mean": max_load, "lr": float(schedule(step)), "time_s": time.perf_counter() - t0,
+        curve.append({"step": step, "loss": loss, "max_load_x_mean": max_load, "lr": float(schedule(step)),
+                      "time_s": time.perf_counter() - t0,
                       "tokens": (step + 1) * args.batch * args.seq})
         bar.set_postfix(loss=f"{loss:.3f}")
         if not math.isfinite(loss):

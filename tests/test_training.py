@@ -15,7 +15,7 @@ from flax import nnx
 from ddtree_jax.cache import init_cache
 from ddtree_jax.config import tiny_config
 from ddtree_jax.drafter import DFlashDrafter, init_draft_cache, tiny_drafter_config
-from ddtree_jax.model import KimiModel, Runtime, causal_mask
+from ddtree_jax.model import KimiModel, causal_mask
 from ddtree_jax.moe import routed_experts_xla
 from ddtree_jax.tokenizer import HFTokenizer, TiktokenTokenizer, load_tokenizer
 from experiments import data as data_lib
