@@ -11,9 +11,12 @@ data-*/), ``tokenizer.json`` (copied), ``manifest.json`` (exact command, commit,
 Training specifics (CPU-friendly, differentiable):
   * attention: ``Runtime(attention="naive")`` (plain masked softmax; the absorbed twin scans the prefix
     in a data-dependent while loop, which reverse-mode AD cannot go through);
-  * routed experts: ``routed_experts_dense`` below: every expert on every token, combined with the
-    routing weights (zero for experts not chosen). Gradients flow to the router through the selected
-    experts' weights (as DeepSeek-V3), never through the top-k choice. Fine for small E.
+  * routed experts (``--experts``): ``dense`` = ``routed_experts_dense`` below, every expert on every
+    token, combined with the routing weights (zero for experts not chosen); ``xla`` = the inference
+    path ``moe.routed_experts_xla`` (scan over active experts), also differentiable and with the same
+    gradients, ~10% faster per step on CPU at E=8 top-2 (dense costs E/K x the routed FLOPs, so prefer
+    ``xla`` for larger E). Either way gradients reach the router through the selected experts'
+    weights (as DeepSeek-V3), never through the top-k choice.
   * the noaux_tc selection bias is updated without gradients (DeepSeek-V3's load balancing):
     bias_e += rate * sign(mean load - load_e) per MoE layer per step (``--bias-rate``, 0 disables).
 """
@@ -334,6 +337,7 @@ def parse_args(argv=None):
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=30)
+    p.add_argument("--experts", choices=["dense", "xla"], default="dense", help="routed-expert training path")
     p.add_argument("--bias-rate", type=float, default=1e-2)
     p.add_argument("--bias-every", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
@@ -366,6 +370,7 @@ def main(argv=None):
     start, curve = 0, []
     resume_key = {k: getattr(args, k) for k in ("steps", "batch", "seq", "lr", "warmup", "bias_rate", "bias_every",
                                                "seed", "dtype", "config")}
+    runtime = TRAIN_RUNTIME if args.experts == "dense" else Runtime(attention="naive")
     resume_key["data_hash"] = info["data_hash"]
     previous = read_train_meta(state_dir)
     history = previous["meta"].get("history", []) if previous else []
@@ -379,8 +384,8 @@ def main(argv=None):
         print(f"resumed from {state_dir} at step {start}")
     print(f"target: {n_params / 1e6:.2f}M params, {info['train_rows']} train rows x {args.seq + 1}, "
           f"{info['heldout_rows']} held-out rows; data hash {info['data_hash'][:12]}")
-    step_fn = make_train_step(graphdef, tx, TRAIN_RUNTIME)
-    bias_fn = make_bias_update(graphdef, args.bias_rate) if args.bias_rate > 0 else None
+    step_fn = make_train_step(graphdef, tx, runtime)
+    bias_fn = make_bias_update(graphdef, args.bias_rate, runtime) if args.bias_rate > 0 else None
     max_load = float("nan")
     t0 = time.perf_counter()
     bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="target", mininterval=5)
