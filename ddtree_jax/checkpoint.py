@@ -326,3 +326,86 @@ def convert_hf_checkpoint(hf_dir: str, out_dir: str, *, dtype: str = "bfloat16",
             raise CheckpointError(f"incomplete parts after conversion: {sorted(buffers)}")
         writer.commit()
         return {"param_bytes": writer.bytes, "peak_buffered_bytes": peak_buffered, "parts": len(writer.parts)}
+
+
+# ----------------------------------------------------------------------------------------------------
+# DFlash drafter checkpoints: ``drafter_config.json`` + ``params/`` (one Orbax StandardCheckpointer item)
+# ----------------------------------------------------------------------------------------------------
+DRAFTER_INDEX_FILE = "drafter_config.json"
+DRAFTER_FORMAT = "ddtree-jax-drafter/1"
+
+
+def drafter_config_to_dict(cfg) -> dict[str, Any]:
+    out = dataclasses.asdict(cfg)
+    out["target_layer_ids"] = list(cfg.target_layer_ids)
+    return out
+
+
+def drafter_config_from_dict(raw: dict[str, Any]):
+    from ddtree_jax.drafter import DrafterConfig
+
+    raw = dict(raw)
+    raw["rope"] = RopeConfig(**raw["rope"])
+    raw["target_layer_ids"] = tuple(raw["target_layer_ids"])
+    return DrafterConfig(**raw)
+
+
+def is_drafter_checkpoint(path: str) -> bool:
+    return os.path.exists(os.path.join(path, DRAFTER_INDEX_FILE))
+
+
+def save_drafter(drafter, path: str, metadata: dict[str, Any] | None = None) -> None:
+    """Writes the params, then commits by atomically replacing ``drafter_config.json``."""
+    os.makedirs(path, exist_ok=True)
+    flat = {".".join(str(p) for p in k): np.asarray(v.get_value()) for k, v in nnx.state(drafter).flat_state()}
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(os.path.abspath(os.path.join(path, "params")), flat, force=True)
+    ckpt.wait_until_finished()
+    ckpt.close()
+    _write_json_atomic(os.path.join(path, DRAFTER_INDEX_FILE), {
+        "format": DRAFTER_FORMAT, "config": drafter_config_to_dict(drafter.cfg), "metadata": metadata or {}})
+
+
+def restore_drafter(path: str, dtype: str | None = None, mesh: Mesh | None = None,
+                    rules: ShardingRules | None = None):
+    """Restores a drafter saved by ``save_drafter`` (optionally cast to ``dtype``, sharded on ``mesh``)."""
+    from ddtree_jax.drafter import DFlashDrafter
+    from ddtree_jax.hf_loader import ShapeOnlyRngs
+
+    file = os.path.join(path, DRAFTER_INDEX_FILE)
+    if not os.path.exists(file):
+        raise CheckpointError(f"{path}: not a ddtree-jax drafter checkpoint (no {DRAFTER_INDEX_FILE})")
+    with open(file) as f:
+        index = json.load(f)
+    if index.get("format") != DRAFTER_FORMAT:
+        raise CheckpointError(f"{path}: unknown drafter format {index.get('format')!r} (expected {DRAFTER_FORMAT!r})")
+    cfg = drafter_config_from_dict(index["config"])
+    if dtype:
+        cfg = cfg.replace(dtype=dtype)
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: DFlashDrafter(cfg, ShapeOnlyRngs())))
+    flat_abstract = {tuple(k): v for k, v in abstract.flat_state()}
+    names = {k: ".".join(str(p) for p in k) for k in flat_abstract}
+    # restore in the stored dtype (whatever it was), cast afterwards
+    ckpt = ocp.StandardCheckpointer()
+    meta = ckpt.metadata(os.path.abspath(os.path.join(path, "params")))
+    stored = getattr(meta, "item_metadata", meta)
+    stored = getattr(stored, "tree", stored)
+    missing = [n for n in names.values() if n not in stored]
+    if missing:
+        ckpt.close()
+        raise CheckpointError(f"{path}: drafter checkpoint lacks {missing[:3]}")
+    like = {n: jax.ShapeDtypeStruct(tuple(stored[n].shape), stored[n].dtype) for n in names.values()}
+    restored = ckpt.restore(os.path.abspath(os.path.join(path, "params")), like)
+    ckpt.close()
+    placed = {}
+    for key, variable in flat_abstract.items():
+        want = variable.get_value()
+        value = np.asarray(restored[names[key]])
+        if tuple(value.shape) != tuple(want.shape):
+            raise CheckpointError(f"{path}: {names[key]} has shape {value.shape}, config needs {want.shape}")
+        value = value.astype(want.dtype)
+        if mesh is not None:
+            value = jax.device_put(value, named_sharding(mesh, rules or DEFAULT_RULES,
+                                                         variable.get_metadata()["logical_axes"]))
+        placed[key] = variable.replace(jax.numpy.asarray(value))
+    return nnx.merge(graphdef, nnx.State.from_flat_path(placed))

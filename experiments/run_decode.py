@@ -1,9 +1,11 @@
 """Decode prompts with the target alone (AR), DFlash chains, or DDTree, and report acceptance and speed.
 
-    python experiments/run_decode.py                       # shipped default, DDTree vs AR
+    python experiments/run_decode.py        # shipped trained pair, held-out prompts, AR / DFlash / DDTree
     python experiments/run_decode.py --target DIR --drafter DIR --mode ddtree --budget 64 --compare
     python experiments/run_decode.py --target random --drafter random --prompt-ids "1 2 3" --json out.json
 
+Defaults: the trained K2-architecture target and DFlash drafter shipped in ``checkpoints/`` (see their
+``manifest.json``), eight prompts cut from held-out standard-library files (``experiments/data.py``).
 ``--target``: an HF checkpoint directory (config.json + safetensors), a ddtree-jax Orbax checkpoint
 (``experiments/convert_checkpoint.py``), or ``random`` (a tiny random K2-architecture model with INT4
 experts). ``--drafter``: an HF DFlash drafter directory or ``random``.
@@ -25,7 +27,8 @@ sys.path.insert(0, ROOT)
 import jax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from ddtree_jax.checkpoint import INDEX_FILE, checkpoint_config, restore_model  # noqa: E402
+from ddtree_jax.checkpoint import (INDEX_FILE, checkpoint_config, is_drafter_checkpoint,  # noqa: E402
+                                   restore_drafter, restore_model)
 from ddtree_jax.config import QuantConfig, tiny_config  # noqa: E402
 from ddtree_jax.drafter import DFlashDrafter, load_hf_drafter, tiny_drafter_config  # noqa: E402
 from ddtree_jax.engine import Engine, EngineConfig, inspect_round  # noqa: E402
@@ -33,27 +36,25 @@ from ddtree_jax.hf_loader import load_hf_model  # noqa: E402
 from ddtree_jax.model import KimiModel  # noqa: E402
 from ddtree_jax.tokenizer import load_tokenizer  # noqa: E402
 
-DEFAULT_PROMPTS = [
-    "def fibonacci(n):\n    ",
-    "import os\nimport sys\n\n",
-    "class Stack:\n    def __init__(self):\n",
-    "for i in range(10):\n    print(",
-]
+CHECKPOINTS = os.path.join(ROOT, "checkpoints")
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default="random", help="HF checkpoint dir, or 'random' (tiny random INT4 model)")
-    p.add_argument("--drafter", default="random", help="HF DFlash drafter dir, or 'random'")
+    p.add_argument("--target", default=os.path.join(CHECKPOINTS, "target"),
+                   help="HF dir, ddtree-jax Orbax checkpoint, or 'random' (tiny random INT4 model)")
+    p.add_argument("--drafter", default=os.path.join(CHECKPOINTS, "drafter"),
+                   help="HF DFlash drafter dir, ddtree-jax drafter checkpoint, or 'random'")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", action="append", help="prompt text (repeatable)")
     src.add_argument("--prompt-ids", action="append", help="space-separated token ids (repeatable)")
     src.add_argument("--prompts-file", help="file with one prompt per line")
-    p.add_argument("--mode", choices=["ar", "dflash", "ddtree"], default="ddtree")
-    p.add_argument("--budget", type=int, default=32, help="DDTree node budget")
+    p.add_argument("--num-prompts", type=int, default=8, help="held-out prompts when no prompt is given")
+    p.add_argument("--mode", choices=["ar", "dflash", "ddtree", "all"], default="all")
+    p.add_argument("--budget", type=int, default=64, help="DDTree node budget")
     p.add_argument("--streams", type=int, default=None, help="streams decoded together (default: #prompts)")
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--capacity", type=int, default=512, help="cache slots per stream")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
@@ -71,9 +72,11 @@ def load_models(args):
     else:  # an HF directory
         target = load_hf_model(args.target, dtype=args.dtype)
     drafter = None
-    if args.mode != "ar" or args.compare:
+    if args.mode != "ar":
         if args.drafter == "random":
             drafter = DFlashDrafter(tiny_drafter_config(target.cfg), nnx.Rngs(args.seed + 1))
+        elif is_drafter_checkpoint(args.drafter):
+            drafter = restore_drafter(args.drafter, dtype=args.dtype)
         else:
             drafter = load_hf_drafter(args.drafter, dtype=args.dtype)
     return target, drafter
@@ -85,34 +88,42 @@ def read_prompts(args, tokenizer):
     if args.prompts_file:
         with open(args.prompts_file) as f:
             texts = [line.rstrip("\n").replace("\\n", "\n") for line in f if line.strip()]
-    else:
-        texts = args.prompt or DEFAULT_PROMPTS
-    return [tokenizer.encode(t) for t in texts]
+        return [tokenizer.encode(t) for t in texts]
+    if args.prompt:
+        return [tokenizer.encode(t) for t in args.prompt]
+    from experiments import data as data_lib  # held-out standard-library files (never trained on)
+
+    held, _ = data_lib.load_texts("heldout", allow_mismatch=True)  # a differing stdlib is reported, not fatal
+    return [q["ids"] for q in data_lib.eval_prompts(tokenizer, held, n=args.num_prompts, min_tokens=64,
+                                                     max_tokens=128, seed=args.seed)]
 
 
-def draw_tree(tree_tokens, parents, accepted_path, tokenizer, max_children=4):
-    """A small text picture of one verified tree; accepted nodes are marked with '*'."""
+def draw_tree(tree_tokens, parents, accepted_path, tokenizer, max_children=3, max_depth=4):
+    """A small text picture of one verified tree: accepted nodes marked '*', at most ``max_children``
+    children per node (accepted first) and ``max_depth`` levels; hidden nodes are counted."""
     children = {i: [] for i in range(len(parents))}
     for node, parent in enumerate(parents):
         if parent >= 0:
             children[parent].append(node)
     accepted = set(int(n) for n in accepted_path if n >= 0)
-    lines = []
+    lines = [f"*{tokenizer.decode([int(tree_tokens[0])])!r}  (root = bonus token)"]
 
-    def visit(node, prefix, last, depth):
-        mark = "*" if node in accepted else " "
-        label = repr(tokenizer.decode([int(tree_tokens[node])]))
-        branch = "" if depth == 0 else ("└─ " if last else "├─ ")
-        lines.append(f"{prefix}{branch}{mark}{label}")
-        kids = children[node]
-        shown = sorted(kids, key=lambda k: (k not in accepted, k))[:max_children]
+    def subtree_size(node):
+        return 1 + sum(subtree_size(k) for k in children[node])
+
+    def visit(node, prefix, depth):
+        kids = sorted(children[node], key=lambda k: (k not in accepted, k))
+        shown = kids[:max_children] if depth < max_depth else []
+        hidden = sum(subtree_size(k) for k in kids[len(shown):])
         for i, kid in enumerate(shown):
-            more = "" if depth == 0 else ("   " if last else "│  ")
-            visit(kid, prefix + more, i == len(shown) - 1, depth + 1)
-        if len(kids) > len(shown):
-            lines.append(f"{prefix}{'' if depth == 0 else ('   ' if last else '│  ')}└─ … {len(kids) - len(shown)} more")
+            last = i == len(shown) - 1 and not hidden
+            mark = "*" if kid in accepted else " "
+            lines.append(f"{prefix}{'└─' if last else '├─'}{mark}{tokenizer.decode([int(tree_tokens[kid])])!r}")
+            visit(kid, prefix + ("   " if last else "│  "), depth + 1)
+        if hidden:
+            lines.append(f"{prefix}└─ … {hidden} more nodes")
 
-    visit(0, "", True, 0)
+    visit(0, "", 1)
     return "\n".join(lines)
 
 
@@ -153,10 +164,11 @@ def main(argv=None):
     tokenizer = load_tokenizer(None if args.target == "random" else args.target, target.cfg.vocab_size)
     prompts = read_prompts(args, tokenizer)
     eos_ids = tuple(target.cfg.eos_token_ids) if args.target != "random" else ()
+    modes = ["ar", "dflash", "ddtree"] if args.mode == "all" else (
+        ["ar", args.mode] if args.compare and args.mode != "ar" else [args.mode])
     print(f"target: {args.target}  layers={target.cfg.num_layers} hidden={target.cfg.hidden_size} "
           f"experts={target.cfg.n_routed_experts} int4={target.cfg.quant is not None}  drafter: {args.drafter}  "
           f"device: {jax.devices()[0].device_kind}  jax {jax.__version__}")
-    modes = ["ar", args.mode] if args.compare and args.mode != "ar" else [args.mode]
     report = {"args": vars(args), "runs": {}}
     for mode in modes:
         report["runs"][mode] = run_mode(target, drafter, mode, args, prompts, tokenizer, eos_ids)
@@ -166,12 +178,14 @@ def main(argv=None):
         m = run["metrics"]
         print(f"{mode:>8} {m['tau']:6.2f} {m['tokens_per_round_batch']:10.2f} {m['tokens_per_s']:9.1f} "
               f"{m['rounds']:7d} {m['compile_and_first_run_s']:10.1f}")
-    if len(modes) == 2:
-        a, b = (report["runs"][m]["metrics"]["tokens_per_s"] for m in modes)
-        same = report["runs"]["ar"]["tokens"] == report["runs"][args.mode]["tokens"]
-        report["speedup"] = b / a
-        print(f"speedup {args.mode} vs ar: {b / a:.2f}x   outputs identical to AR: {same}"
-              + ("" if args.temperature == 0 else " (sampling: not expected to match)"))
+    if "ar" in report["runs"]:
+        base = report["runs"]["ar"]["metrics"]["tokens_per_s"]
+        for mode in modes[1:]:
+            run = report["runs"][mode]
+            run["speedup_vs_ar"] = run["metrics"]["tokens_per_s"] / base
+            run["identical_to_ar"] = run["tokens"] == report["runs"]["ar"]["tokens"]
+            print(f"{mode} vs ar: speedup {run['speedup_vs_ar']:.2f}x, outputs identical to AR: "
+                  f"{run['identical_to_ar']}" + ("" if args.temperature == 0 else " (sampling: not expected)"))
     last = report["runs"][modes[-1]]
     print("\nfirst stream:", repr(tokenizer.decode(last["tokens"][0])))
     if last["tree_picture"]:

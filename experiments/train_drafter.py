@@ -20,7 +20,6 @@ hash, metrics incl. per-position accuracy on held-out text), ``loss_curve.json``
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
@@ -35,10 +34,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-import orbax.checkpoint as ocp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from ddtree_jax.config import RopeConfig  # noqa: E402
+from ddtree_jax.checkpoint import (drafter_config_to_dict, is_drafter_checkpoint, restore_drafter,  # noqa: E402,F401
+                                   save_drafter)
 from ddtree_jax.drafter import DFlashDrafter, DrafterConfig, check_drafter_target  # noqa: E402
 from ddtree_jax.engine import Engine, EngineConfig  # noqa: E402
 from ddtree_jax.layers import dot  # noqa: E402
@@ -221,55 +220,6 @@ def cut_prompts(rows: np.ndarray, count: int, length: int, seed: int) -> np.ndar
 # ----------------------------------------------------------------------------------------------------
 # Drafter checkpoint (thin; to move into ddtree_jax.checkpoint)
 # ----------------------------------------------------------------------------------------------------
-def drafter_config_to_dict(cfg: DrafterConfig) -> dict:
-    out = dataclasses.asdict(cfg)
-    out["target_layer_ids"] = list(cfg.target_layer_ids)
-    return out
-
-
-def drafter_config_from_dict(raw: dict) -> DrafterConfig:
-    raw = dict(raw)
-    raw["rope"] = RopeConfig(**raw["rope"])
-    raw["target_layer_ids"] = tuple(raw["target_layer_ids"])
-    return DrafterConfig(**raw)
-
-
-def save_drafter(drafter: DFlashDrafter, path: str, metadata: dict | None = None) -> None:
-    """``path/drafter_config.json`` + ``path/params`` (Orbax, string keys 'layers.0.attn.q' ...)."""
-    os.makedirs(path, exist_ok=True)
-    flat = {".".join(str(p) for p in k): np.asarray(v.value) for k, v in nnx.state(drafter).flat_state()}
-    target = os.path.abspath(os.path.join(path, "params"))
-    ckpt = ocp.StandardCheckpointer()
-    ckpt.save(target, flat, force=True)
-    ckpt.wait_until_finished()
-    ckpt.close()
-    with open(os.path.join(path, "drafter_config.json"), "w") as f:
-        json.dump({"format": "ddtree-jax-drafter/1", "config": drafter_config_to_dict(drafter.cfg),
-                   "metadata": metadata or {}}, f, indent=1)
-
-
-def is_drafter_checkpoint(path: str) -> bool:
-    return os.path.exists(os.path.join(path, "drafter_config.json"))
-
-
-def restore_drafter(path: str, dtype: str | None = None) -> DFlashDrafter:
-    with open(os.path.join(path, "drafter_config.json")) as f:
-        cfg = drafter_config_from_dict(json.load(f)["config"])
-    if dtype:
-        cfg = cfg.replace(dtype=dtype)
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: DFlashDrafter(cfg, nnx.Rngs(0))))
-    flat_abstract = {tuple(k): v for k, v in abstract.flat_state()}
-    like = {".".join(str(p) for p in k): jax.ShapeDtypeStruct(v.value.shape, v.value.dtype)
-            for k, v in flat_abstract.items()}
-    ckpt = ocp.StandardCheckpointer()
-    restored = ckpt.restore(os.path.abspath(os.path.join(path, "params")), like)
-    ckpt.close()
-    state = nnx.State.from_flat_path({k: v.replace(jnp.asarray(restored[".".join(str(p) for p in k)],
-                                                               v.value.dtype))
-                                      for k, v in flat_abstract.items()})
-    return nnx.merge(graphdef, state)
-
-
 # ----------------------------------------------------------------------------------------------------
 # Evaluation
 # ----------------------------------------------------------------------------------------------------
