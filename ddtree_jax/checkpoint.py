@@ -125,16 +125,20 @@ def _write_json_atomic(path: str, payload: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def read_index(path: str) -> dict[str, Any]:
-    """The commit record of a checkpoint directory (format, model_config, metadata, data, parts)."""
-    file = os.path.join(path, INDEX_FILE)
+def _read_json_index(path: str, name: str, fmt: str, what: str) -> dict[str, Any]:
+    file = os.path.join(path, name)
     if not os.path.exists(file):
-        raise CheckpointError(f"{path}: not a ddtree-jax checkpoint (no {INDEX_FILE})")
+        raise CheckpointError(f"{path}: not a ddtree-jax {what} (no {name})")
     with open(file) as f:
         index = json.load(f)
-    if index.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: unknown checkpoint format {index.get('format')!r} (expected {FORMAT!r})")
+    if index.get("format") != fmt:
+        raise CheckpointError(f"{path}: unknown {what} format {index.get('format')!r} (expected {fmt!r})")
     return index
+
+
+def read_index(path: str) -> dict[str, Any]:
+    """The commit record of a checkpoint directory (format, model_config, metadata, data, parts)."""
+    return _read_json_index(path, INDEX_FILE, FORMAT, "checkpoint")
 
 
 class CheckpointWriter:
@@ -372,13 +376,7 @@ def restore_drafter(path: str, dtype: str | None = None, mesh: Mesh | None = Non
     from ddtree_jax.drafter import DFlashDrafter
     from ddtree_jax.hf_loader import ShapeOnlyRngs
 
-    file = os.path.join(path, DRAFTER_INDEX_FILE)
-    if not os.path.exists(file):
-        raise CheckpointError(f"{path}: not a ddtree-jax drafter checkpoint (no {DRAFTER_INDEX_FILE})")
-    with open(file) as f:
-        index = json.load(f)
-    if index.get("format") != DRAFTER_FORMAT:
-        raise CheckpointError(f"{path}: unknown drafter format {index.get('format')!r} (expected {DRAFTER_FORMAT!r})")
+    index = _read_json_index(path, DRAFTER_INDEX_FILE, DRAFTER_FORMAT, "drafter checkpoint")
     cfg = drafter_config_from_dict(index["config"])
     if dtype:
         cfg = cfg.replace(dtype=dtype)

@@ -35,7 +35,7 @@ from ddtree_jax.decode import pad_prompts
 from ddtree_jax.drafter import DFlashDrafter, DraftCache, init_draft_cache
 from ddtree_jax.model import KimiModel, Runtime, causal_mask
 from ddtree_jax.sharding import DEFAULT_RULES, named_sharding, shard_state
-from ddtree_jax.tree import PAD, Tree, accept_tokens, build_tree, chain_tree, check_budget, sample_target_tokens
+from ddtree_jax.tree import PAD, accept_tokens, build_tree, chain_tree, check_budget, sample_target_tokens
 
 MODES = ("ar", "dflash", "ddtree")
 RUNNING, EOS, MAX_TOKENS, CACHE_FULL = 0, 1, 2, 3

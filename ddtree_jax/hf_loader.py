@@ -22,7 +22,7 @@ from ddtree_jax.config import ModelConfig
 from ddtree_jax.model import KimiModel
 from ddtree_jax.quant import QuantArray
 from ddtree_jax.safetensors_io import CheckpointError, iter_tensors
-from ddtree_jax.sharding import DEFAULT_RULES, ShardingRules, named_sharding, param_shardings  # noqa: F401
+from ddtree_jax.sharding import DEFAULT_RULES, ShardingRules, named_sharding
 
 Path = tuple
 

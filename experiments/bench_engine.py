@@ -24,10 +24,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from ddtree_jax.cache import commit, init_cache  # noqa: E402
+from ddtree_jax.cache import commit  # noqa: E402
 from ddtree_jax.config import QuantConfig, k26_config, tiny_config  # noqa: E402
 from ddtree_jax.drafter import DFlashDrafter, k26_drafter_config, tiny_drafter_config  # noqa: E402
-from ddtree_jax.engine import Engine, EngineConfig, RUNNING, _draft_tree, _run_rounds  # noqa: E402
+from ddtree_jax.engine import Engine, EngineConfig, RUNNING, _run_rounds  # noqa: E402
 from ddtree_jax.model import KimiModel, causal_mask  # noqa: E402
 from ddtree_jax.hf_loader import ShapeOnlyRngs  # noqa: E402
 from ddtree_jax.quant import QuantArray  # noqa: E402

@@ -36,8 +36,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from ddtree_jax.checkpoint import (drafter_config_to_dict, is_drafter_checkpoint, restore_drafter,  # noqa: E402,F401
-                                   save_drafter)
+from ddtree_jax.checkpoint import drafter_config_to_dict, save_drafter  # noqa: E402
 from ddtree_jax.drafter import DFlashDrafter, DrafterConfig, check_drafter_target  # noqa: E402
 from ddtree_jax.engine import Engine, EngineConfig  # noqa: E402
 from ddtree_jax.layers import dot  # noqa: E402

@@ -52,7 +52,6 @@ Kernel design (Pallas-Triton backend; the Mosaic-GPU backend is not used, see no
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import numpy as np
 import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
@@ -40,3 +43,15 @@ def hf_logits_and_hidden(model, tokens: np.ndarray):
     with torch.no_grad():
         out = model(torch.from_numpy(np.asarray(tokens, np.int64)), output_hidden_states=True)
     return out.logits.float().numpy(), [h.float().numpy() for h in out.hidden_states]
+
+
+def edited_copy(src, dst, edit):
+    """Copy of a single-file HF dir with ``edit(tensors)`` applied to its safetensors dict."""
+    from ddtree_jax.safetensors_io import SafetensorsFile, save_file
+
+    shutil.copytree(src, dst)
+    file = SafetensorsFile(os.path.join(dst, "model.safetensors"))
+    tensors = {k: np.array(file.get(k)) for k in file.keys()}
+    edit(tensors)
+    save_file(tensors, os.path.join(dst, "model.safetensors"))
+    return str(dst)

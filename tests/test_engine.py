@@ -1,9 +1,7 @@
 """Engine invariants: DDTree / DFlash greedy output == AR greedy output token for token; streams stop
 cleanly (EOS, token limit, cache capacity); sampling is lossless; sharded == unsharded; bad budgets."""
 
-import dataclasses
 
-import jax
 import numpy as np
 import pytest
 from flax import nnx

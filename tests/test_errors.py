@@ -8,12 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hf_reference import tiny_hf_model
+from hf_reference import edited_copy, tiny_hf_model
 from ddtree_jax.cache import commit, init_cache
 from ddtree_jax.config import ConfigError, ModelConfig, tiny_config
 from ddtree_jax.decode import pad_prompts
 from ddtree_jax.hf_loader import load_hf_model
-from ddtree_jax.safetensors_io import CheckpointError, SafetensorsFile, save_file
+from ddtree_jax.safetensors_io import CheckpointError
 
 
 @pytest.fixture(scope="module")
@@ -21,15 +21,6 @@ def hf_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("hf_ok")
     tiny_hf_model(seed=0).save_pretrained(path)
     return str(path)
-
-
-def edited_copy(src, dst, edit):
-    shutil.copytree(src, dst)
-    file = SafetensorsFile(os.path.join(dst, "model.safetensors"))
-    tensors = {k: np.array(file.get(k)) for k in file.keys()}
-    edit(tensors)
-    save_file(tensors, os.path.join(dst, "model.safetensors"))
-    return dst
 
 
 def test_unknown_architecture():

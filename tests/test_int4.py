@@ -16,14 +16,14 @@ from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32,
 from flax import nnx
 from transformers import DeepseekV3ForCausalLM
 
-from hf_reference import hf_logits_and_hidden, tiny_hf_model
+from hf_reference import edited_copy, hf_logits_and_hidden, tiny_hf_model
 from int4_reference import ct_compress, ct_decompress, ct_quantization_config, ct_scheme, write_int4_hf_dir
 from ddtree_jax.cache import init_cache
 from ddtree_jax.config import ConfigError, ModelConfig
 from ddtree_jax.hf_loader import load_hf_model
 from ddtree_jax.model import causal_mask
 from ddtree_jax.quant import QuantArray, dequantize_int4, pack_int4, parse_quantization_config, unpack_int4
-from ddtree_jax.safetensors_io import CheckpointError, SafetensorsFile, save_file
+from ddtree_jax.safetensors_io import CheckpointError, SafetensorsFile
 
 SHAPES = [(1, 8), (16, 64), (7, 96), (3, 8, 32), (2, 5, 256)]
 
@@ -121,16 +121,6 @@ def test_int4_bf16_load_keeps_experts_int4_rest_bf16(int4_dirs):
 # ----------------------------------------------------------------------------------------------
 # Bad INT4 checkpoints and configs
 # ----------------------------------------------------------------------------------------------
-def edited_copy(src, dst, edit):
-    """Copy of a single-file HF dir with ``edit(tensors)`` applied."""
-    shutil.copytree(src, dst)
-    file = SafetensorsFile(os.path.join(dst, "model.safetensors"))
-    tensors = {k: np.array(file.get(k)) for k in file.keys()}
-    edit(tensors)
-    save_file(tensors, os.path.join(dst, "model.safetensors"))
-    return str(dst)
-
-
 EXPERT = "model.layers.2.mlp.experts.3.down_proj."
 
 

@@ -10,7 +10,8 @@ from flax import nnx
 from hf_reference import hf_logits_and_hidden, tiny_hf_model
 from ddtree_jax.cache import init_cache
 from ddtree_jax.decode import decode_step, pad_prompts, prefill
-from ddtree_jax.hf_loader import load_hf_model, param_shardings
+from ddtree_jax.hf_loader import load_hf_model
+from ddtree_jax.sharding import param_shardings
 from ddtree_jax.layers import rms_norm
 from ddtree_jax.model import Runtime, causal_mask
 from ddtree_jax.sharding import DEFAULT_RULES, make_mesh

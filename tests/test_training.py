@@ -12,6 +12,7 @@ import optax
 import pytest
 from flax import nnx
 
+from ddtree_jax.checkpoint import restore_drafter, save_drafter
 from ddtree_jax.cache import init_cache
 from ddtree_jax.config import tiny_config
 from ddtree_jax.drafter import DFlashDrafter, init_draft_cache, tiny_drafter_config
@@ -233,8 +234,8 @@ def test_drafter_training_step_decreases_loss(tmp_path):
     assert float(loss1) < float(loss0) and acc.shape == (cfg.block_size,)
     assert all(np.array_equal(a, np.asarray(b)) for a, b in zip(frozen, jax.tree.leaves(t_state)))
     trained = nnx.merge(d_def, p1)
-    td.save_drafter(trained, str(tmp_path / "d"))
-    back = td.restore_drafter(str(tmp_path / "d"))
+    save_drafter(trained, str(tmp_path / "d"))
+    back = restore_drafter(str(tmp_path / "d"))
     assert back.cfg == cfg
     for a, b in zip(jax.tree.leaves(nnx.state(back)), jax.tree.leaves(nnx.state(trained))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
