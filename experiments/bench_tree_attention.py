@@ -34,6 +34,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from ddtree_jax.tree import make_tree  # noqa: E402
 from experiments import bench_util  # noqa: E402
 from pallas_kernels.tree_attention import default_config, tree_attention, tree_attention_ref  # noqa: E402
 
@@ -69,15 +70,8 @@ def make_inputs(key, H, B, T, P, copies):
     q = jax.random.normal(ks[0], (B, T, H, C), jnp.bfloat16)
     tkv = jax.random.normal(ks[1], (B, T, C), jnp.bfloat16)
     rng = np.random.default_rng(T * 1000 + B)
-    anc = np.zeros((B, T, T), bool)
-    for b in range(B):
-        parent = [-1] + [int(rng.integers(0, i)) for i in range(1, T)]
-        for i in range(T):
-            j = i
-            while j >= 0:
-                anc[b, i, j] = True
-                j = parent[j]
-    anc = jnp.asarray(anc)
+    parents = np.array([[-1] + [int(rng.integers(0, i)) for i in range(1, T)] for _ in range(B)], np.int32)
+    anc = make_tree(np.zeros((B, T), np.int32), parents, max_depth=T - 1).visibility  # ancestor-or-self
     caches = [jax.random.normal(k, (B, P, C), jnp.bfloat16) for k in ks[4:]]
     plen = jnp.full((B,), P, jnp.int32)
     return q, caches, plen, tkv, anc
