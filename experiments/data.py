@@ -14,6 +14,7 @@ Commands::
     python experiments/data.py manifest              # (re)write experiments/data_manifest.json
     python experiments/data.py verify [--allow-mismatch]
     python experiments/data.py tokenizer --vocab 4096 --out checkpoints/tokenizer
+    python experiments/data.py tokens --out tmp/tokens.npz   # both splits tokenized, for another machine
 """
 
 from __future__ import annotations
@@ -33,10 +34,10 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MANIFEST_PATH = os.path.join(ROOT, "experiments", "data_manifest.json")
 MANIFEST_FORMAT = "ddtree-jax-stdlib-corpus/1"
-# Directory names never taken: tests, the IDE, installed/vendored packages, generated tables, demos.
+# Directory names never taken: installed/vendored packages, caches, the pip bundle, generated tables
+# (pydoc topics, codec tables). The test suite, IDLE and the demos are real, hand-written Python and stay.
 EXCLUDED_DIRS = frozenset({
-    "test", "tests", "idle_test", "idlelib", "site-packages", "dist-packages", "__pycache__", "ensurepip",
-    "pydoc_data", "encodings", "turtledemo", "lib-dynload",
+    "site-packages", "dist-packages", "__pycache__", "ensurepip", "pydoc_data", "encodings", "lib-dynload",
 })
 EXCLUDED_DIR_PREFIXES = ("config-",)  # e.g. config-3.11-x86_64-linux-gnu (build files)
 EXCLUDED_FILE_PREFIXES = ("_sysconfigdata",)  # generated at build time
@@ -180,12 +181,78 @@ def encode_docs(tokenizer, texts: Sequence[str]) -> list[np.ndarray]:
     return [np.asarray(tokenizer.encode(t), np.int32) for t in texts]
 
 
-def pack(docs: Sequence[np.ndarray], seq_len: int, eos_id: int) -> np.ndarray:
-    """Sequence packing: docs joined with EOS after each, cut into rows of ``seq_len + 1`` tokens
-    (inputs = row[:-1], labels = row[1:]); the ragged tail is dropped. Returns int32 [N, seq_len + 1]."""
-    stream = np.concatenate([np.append(d, eos_id) for d in docs]).astype(np.int32)
+def token_stream(docs: Sequence[np.ndarray], eos_id: int) -> np.ndarray:
+    """The docs joined into one int32 stream with EOS after each doc."""
+    return np.concatenate([np.append(d, eos_id) for d in docs]).astype(np.int32)
+
+
+def pack(docs: Sequence[np.ndarray] | np.ndarray, seq_len: int, eos_id: int | None = None) -> np.ndarray:
+    """Sequence packing: ``docs`` (a list of token arrays, joined by ``token_stream``, or an already
+    joined 1-D stream) cut into rows of ``seq_len + 1`` tokens (inputs = row[:-1], labels = row[1:]);
+    the ragged tail is dropped. Returns int32 [N, seq_len + 1]."""
+    if isinstance(docs, np.ndarray) and docs.ndim == 1:
+        stream = docs.astype(np.int32)
+    else:
+        if eos_id is None:
+            raise ValueError("pack: eos_id is required to join a list of docs")
+        stream = token_stream(docs, eos_id)
     n = len(stream) // (seq_len + 1)
+    if n == 0:
+        raise ValueError(f"pack: a stream of {len(stream)} tokens holds no row of {seq_len + 1}")
     return stream[: n * (seq_len + 1)].reshape(n, seq_len + 1)
+
+
+TOKENS_FORMAT = "ddtree-jax-token-streams/1"
+
+
+def _file_sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def corpus_streams(tokenizer, *, tokenizer_path: str, tokens_path: str | None = None,
+                   allow_mismatch: bool = False) -> tuple[np.ndarray, np.ndarray, dict]:
+    """(train stream, held-out stream, info): both splits tokenized and joined (``token_stream``).
+
+    From ``tokens_path`` (an ``export_tokens`` file, checked against ``tokenizer_path``) when given,
+    else from this machine's verified standard library."""
+    if tokens_path is not None:
+        return load_tokens(tokens_path, tokenizer_path=tokenizer_path)
+    eos = tokenizer.token_to_id(EOS_TOKEN)
+    train, info = load_texts("train", allow_mismatch=allow_mismatch)
+    held, held_info = load_texts("heldout", allow_mismatch=allow_mismatch)
+    train_stream = token_stream(encode_docs(tokenizer, [t for _, t in train]), eos)
+    held_stream = token_stream(encode_docs(tokenizer, [t for _, t in held]), eos)
+    info = dict(info, heldout_files=held_info["num_files"], tokenizer_sha256=_file_sha256(tokenizer_path),
+                train_tokens=int(len(train_stream)), heldout_tokens=int(len(held_stream)))
+    return train_stream, held_stream, info
+
+
+def export_tokens(tokenizer, out: str, *, tokenizer_path: str, allow_mismatch: bool = False) -> dict:
+    """Writes ``corpus_streams`` to ``out`` (.npz: ``train``, ``heldout`` int32 streams and ``info`` JSON).
+    This is how the corpus travels to a machine whose own standard library differs (e.g. the GPU box's
+    Python 3.12): the trainers take ``--tokens out.npz`` instead of reading the stdlib."""
+    train, held, info = corpus_streams(tokenizer, tokenizer_path=tokenizer_path, allow_mismatch=allow_mismatch)
+    info = dict(info, format=TOKENS_FORMAT)
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    np.savez_compressed(out, train=train, heldout=held, info=np.array(json.dumps(info)))
+    return info
+
+
+def load_tokens(path: str, *, tokenizer_path: str | None = None) -> tuple[np.ndarray, np.ndarray, dict]:
+    """(train stream, held-out stream, info) from ``export_tokens``. With ``tokenizer_path``, raises
+    DataMismatch unless the streams were made with that exact tokenizer file."""
+    with np.load(path) as z:
+        info = json.loads(str(z["info"]))
+        train, held = z["train"].astype(np.int32), z["heldout"].astype(np.int32)
+    if info.get("format") != TOKENS_FORMAT:
+        raise DataMismatch(f"{path}: unknown token-stream format {info.get('format')!r}")
+    if tokenizer_path is not None:
+        sha = _file_sha256(tokenizer_path)
+        if sha != info["tokenizer_sha256"]:
+            raise DataMismatch(f"{path} was tokenized with tokenizer sha256 {info['tokenizer_sha256'][:12]}, "
+                               f"but {tokenizer_path} has {sha[:12]}; re-export with `data.py tokens`")
+    return train, held, info
 
 
 def eval_prompts(tokenizer, texts: Sequence[tuple[str, str]], n: int = 64, min_tokens: int = 64,
@@ -240,6 +307,10 @@ def main(argv=None):
     t.add_argument("--vocab", type=int, default=4096)
     t.add_argument("--out", default=os.path.join(ROOT, "checkpoints", "tokenizer"))
     t.add_argument("--allow-mismatch", action="store_true")
+    x = sub.add_parser("tokens", help="tokenize both splits into one .npz for --tokens (see export_tokens)")
+    x.add_argument("--tokenizer", default=os.path.join(ROOT, "checkpoints", "tokenizer", "tokenizer.json"))
+    x.add_argument("--out", required=True)
+    x.add_argument("--allow-mismatch", action="store_true")
     args = p.parse_args(argv)
     if args.cmd == "manifest":
         manifest = build_manifest()
@@ -267,6 +338,13 @@ def main(argv=None):
         with open(os.path.join(args.out, "manifest.json"), "w") as f:
             json.dump(meta, f, indent=1)
         print(json.dumps(meta, indent=1))
+    elif args.cmd == "tokens":
+        from tokenizers import Tokenizer
+
+        info = export_tokens(Tokenizer.from_file(args.tokenizer), args.out, tokenizer_path=args.tokenizer,
+                             allow_mismatch=args.allow_mismatch)
+        print(f"wrote {args.out}: {info['train_tokens']} train / {info['heldout_tokens']} held-out tokens, "
+              f"data hash {info['data_hash'][:12]}")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ hash, metrics incl. per-position accuracy on held-out text), ``loss_curve.json``
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -33,7 +34,6 @@ sys.path.insert(0, ROOT)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from ddtree_jax.checkpoint import drafter_config_to_dict, save_drafter  # noqa: E402
@@ -44,7 +44,8 @@ from ddtree_jax.model import KimiModel  # noqa: E402
 from ddtree_jax.rope import apply_rope_half, rope_cos_sin  # noqa: E402
 from experiments import data as data_lib  # noqa: E402
 from experiments.train_target import (TRAIN_RUNTIME, lm_forward, load_tokenizer_json, make_optimizer,  # noqa: E402
-                                      restore_train_state, save_train_state, write_curve)
+                                      read_train_meta, restore_train_state, save_train_state, scaled_update,
+                                      training_loop, write_curve)
 
 
 def small_drafter_config(target_cfg, mask_token_id: int, *, block_size: int = 8, taps=None,
@@ -160,16 +161,19 @@ def drafter_loss(drafter, target, taps, seqs, anchors, weights):
 
 
 def make_train_step(drafter_def, target_def, tx, weights):
-    @jax.jit
-    def step(params, opt_state, target_state, taps, seqs, anchors):
+    """Returns jitted step(params, opt_state, target_state, taps, seqs, anchors, lr)
+    -> (params, opt_state, loss, per-slot accuracy [Bs])."""
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(params, opt_state, target_state, taps, seqs, anchors, lr):
         target = nnx.merge(target_def, target_state)
 
         def loss_fn(p):
             return drafter_loss(nnx.merge(drafter_def, p), target, taps, seqs, anchors, weights)
 
         (loss, correct), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss, correct.mean((0, 1))
+        params, opt_state = scaled_update(tx, grads, opt_state, params, lr)
+        return params, opt_state, loss, correct.mean((0, 1))
 
     return step
 
@@ -257,7 +261,10 @@ def parse_args(argv=None):
     p.add_argument("--target", default=os.path.join(ROOT, "checkpoints", "target"))
     p.add_argument("--out", default=os.path.join(ROOT, "checkpoints", "drafter"))
     p.add_argument("--state-dir", default=None)
-    p.add_argument("--steps", type=int, default=300)
+    length = p.add_mutually_exclusive_group()
+    length.add_argument("--steps", type=int, default=None, help="training steps (default 300)")
+    length.add_argument("--minutes", type=float, default=None,
+                        help="train for about this long (step count fixed from the speed measured in warmup)")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=20)
@@ -268,10 +275,12 @@ def parse_args(argv=None):
     p.add_argument("--eval-seqs", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--gen-streams", type=int, default=32, help="streams per batch when generating continuations")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-minutes", type=float, default=None)
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--allow-mismatch", action="store_true")
+    p.add_argument("--tokens", default=None, help="corpus as tokenized by `data.py tokens` (instead of the stdlib)")
     p.add_argument("--config", default="{}", help="JSON overrides of the drafter config")
     return p.parse_args(argv)
 
@@ -285,22 +294,20 @@ def main(argv=None):
     state_dir = args.state_dir or args.out.rstrip("/") + ".train_state"
     target = restore_model(args.target)
     tokenizer = load_tokenizer_json(os.path.join(args.target, "tokenizer.json"))
-    eos = tokenizer.token_to_id(data_lib.EOS_TOKEN)
     mask_id = tokenizer.token_to_id(data_lib.MASK_TOKEN)
     dcfg = small_drafter_config(target.cfg, mask_id, block_size=args.block_size, **json.loads(args.config))
     check_drafter_target(dcfg, target.cfg)
 
     t0 = time.perf_counter()
-    train, info = data_lib.load_texts("train", allow_mismatch=args.allow_mismatch)
-    held, _ = data_lib.load_texts("heldout", allow_mismatch=args.allow_mismatch)
+    train, held, info = data_lib.corpus_streams(tokenizer, tokenizer_path=os.path.join(args.target, "tokenizer.json"),
+                                                tokens_path=args.tokens, allow_mismatch=args.allow_mismatch)
     width = args.prompt_len + args.new_tokens
-    train_rows = data_lib.pack(data_lib.encode_docs(tokenizer, [t for _, t in train]), width, eos)
-    held_rows = data_lib.pack(data_lib.encode_docs(tokenizer, [t for _, t in held]), width, eos)
+    train_rows, held_rows = data_lib.pack(train, width), data_lib.pack(held, width)
     bar = tqdm(total=args.num_seqs + args.eval_seqs, desc="target continuations", mininterval=5)
     seqs = generate_continuations(target, cut_prompts(train_rows, args.num_seqs, args.prompt_len, args.seed),
-                                  args.new_tokens, progress=bar.update)
+                                  args.new_tokens, streams=args.gen_streams, progress=bar.update)
     eval_seqs = generate_continuations(target, cut_prompts(held_rows, args.eval_seqs, args.prompt_len, args.seed + 1),
-                                       args.new_tokens, progress=bar.update)
+                                       args.new_tokens, streams=args.gen_streams, progress=bar.update)
     bar.close()
     taps = compute_taps(target, seqs, dcfg.target_layer_ids)
     eval_taps = compute_taps(target, eval_seqs, dcfg.target_layer_ids)
@@ -314,41 +321,48 @@ def main(argv=None):
     n_params = sum(x.size for x in jax.tree.leaves(params))
     weights = jnp.asarray(decay_weights(dcfg.block_size, args.gamma))
     before = evaluate(drafter, target, eval_taps, eval_seqs, args.prompt_len, weights)
-    tx, schedule = make_optimizer(args.steps, args.lr, args.warmup, weight_decay=0.01)
+    tx = make_optimizer(weight_decay=0.01)
     opt_state = tx.init(params)
-    start, curve = 0, []
-    resume_key = {k: getattr(args, k) for k in ("steps", "batch", "lr", "warmup", "block_size", "gamma", "num_anchors",
-                                               "num_seqs", "prompt_len", "new_tokens", "seed", "config")}
+    start = 0
+    resume_key = {k: getattr(args, k) for k in ("steps", "minutes", "batch", "lr", "warmup", "block_size", "gamma",
+                                               "num_anchors", "num_seqs", "prompt_len", "new_tokens", "seed",
+                                               "config")}
     resume_key["target_commit"] = os.path.getmtime(os.path.join(args.target, "ddtree_checkpoint.json"))
+    total_steps = args.steps if args.minutes is None else None
+    if args.minutes is None and args.steps is None:
+        total_steps = 300
     restored = restore_train_state(state_dir, (params, opt_state), resume_key)
     if restored is not None:
         (params, opt_state), start = restored
-        print(f"resumed from {state_dir} at step {start}")
+        total_steps = read_train_meta(state_dir)["meta"].get("total_steps", total_steps)
+        print(f"resumed from {state_dir} at step {start} of {total_steps}")
     step_fn = make_train_step(d_def, t_def, tx, weights)
     rng = np.random.default_rng(args.seed + 1000 + start)  # a resumed run draws fresh (not replayed) batches
-    t1 = time.perf_counter()
-    bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="drafter", mininterval=5)
-    step = start
-    for step in bar:
+    live = {"params": params, "opt_state": opt_state}
+
+    def run_step(step, lr):
         idx = rng.choice(len(seqs), args.batch, replace=False)
         anchors = sample_anchors(rng, args.batch, args.num_anchors, args.prompt_len, width - dcfg.block_size)
-        params, opt_state, loss, acc = step_fn(params, opt_state, t_state, jnp.asarray(taps[:, idx]),
-                                               jnp.asarray(seqs[idx]), jnp.asarray(anchors))
-        loss = float(loss)
-        curve.append({"step": step, "loss": loss, "acc_slot1": float(acc[1]), "acc_last": float(acc[-1]),
-                      "lr": float(schedule(step)), "time_s": time.perf_counter() - t1})
-        bar.set_postfix(loss=f"{loss:.3f}", acc1=f"{float(acc[1]):.2f}")
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"loss {loss} at step {step}")
-        done = step + 1 == args.steps or (args.max_minutes and time.perf_counter() - t1 > 60 * args.max_minutes)
-        if (step + 1) % args.save_every == 0 or done:
-            save_train_state(state_dir, (params, opt_state), step + 1, {"resume_key": resume_key})
-        if done:
-            break
-    bar.close()
+        live["params"], live["opt_state"], loss, acc = step_fn(
+            live["params"], live["opt_state"], t_state, jnp.asarray(taps[:, idx]), jnp.asarray(seqs[idx]),
+            jnp.asarray(anchors), jnp.float32(lr))
+        return {"loss": float(loss), "acc_slot1": float(acc[1]), "acc_last": float(acc[-1])}
+
+    def save(step, total, curve_now):
+        save_train_state(state_dir, (live["params"], live["opt_state"]), step,
+                         {"resume_key": resume_key, "total_steps": total})
+
+    curve, steps_done, total_steps, train_s = training_loop(
+        run_step, start=start, total_steps=total_steps, minutes=args.minutes, lr=args.lr, warmup=args.warmup,
+        max_minutes=args.max_minutes, save_every=args.save_every, save=save, desc="drafter")
+    params = live["params"]
+    if steps_done < total_steps:
+        print(f"stopped at step {steps_done} of {total_steps} (--max-minutes); state in {state_dir}; "
+              "rerun the same command to resume")
+        return None
     drafter = nnx.merge(d_def, params)
     after = evaluate(drafter, target, eval_taps, eval_seqs, args.prompt_len, weights)
-    metrics = {"steps": step + 1, "train_seconds": time.perf_counter() - t1, "data_seconds": data_s,
+    metrics = {"steps": steps_done, "batch": args.batch, "train_seconds": train_s, "data_seconds": data_s,
                "params": int(n_params), "final_train_loss": float(np.mean([c["loss"] for c in curve[-20:]])),
                "heldout_before": before, "heldout_after": after}
     print(json.dumps(metrics, indent=1))

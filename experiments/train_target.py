@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -55,12 +56,13 @@ from experiments import data as data_lib  # noqa: E402
 # Model config and the training-only forward pieces
 # ----------------------------------------------------------------------------------------------------
 def small_target_config(vocab_size: int, dtype: str = "float32", **overrides) -> ModelConfig:
-    """A few-million-parameter K2.6-shaped config: 4 layers (first dense), width 256, MLA with q/kv
-    LoRA, 8 routed experts top-2 + 1 shared, K2.6's YaRN RoPE; EOS = token 0 (<|endoftext|>)."""
+    """A ~30M-parameter (~13M active per token) K2.6-shaped config: 4 layers (first dense), width 512,
+    MLA with q/kv LoRA (kv latent 128 + rope 32), 16 routed experts top-2 + 1 shared, K2.6's YaRN RoPE;
+    EOS = token 0 (<|endoftext|>). ``overrides`` replace any field (``--config``)."""
     base = dict(
-        vocab_size=vocab_size, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_layers=4,
-        num_heads=4, q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
-        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
+        vocab_size=vocab_size, hidden_size=512, intermediate_size=1536, moe_intermediate_size=256, num_layers=4,
+        num_heads=8, q_lora_rank=256, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
+        n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
         first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, rms_norm_eps=1e-5,
         rope=RopeConfig(theta=50000.0, kind="yarn", factor=64.0, original_max_position=4096, beta_fast=32.0,
                         beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
@@ -138,14 +140,27 @@ def expert_load(model: KimiModel, tokens: jax.Array, runtime: Runtime = TRAIN_RU
 # ----------------------------------------------------------------------------------------------------
 # Optimizer and one step
 # ----------------------------------------------------------------------------------------------------
-def make_optimizer(steps: int, lr: float, warmup: int, weight_decay: float = 0.1, clip: float = 1.0):
-    """AdamW (b2 0.95) with linear warmup + cosine decay to lr/10, global-norm clipping; weight decay
-    only on matrices (ndim >= 2)."""
-    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, max(warmup, 1), max(steps, warmup + 1), lr * 0.1)
+def make_optimizer(weight_decay: float = 0.1, clip: float = 1.0):
+    """AdamW (b2 0.95) with unit learning rate, global-norm clipping, weight decay only on matrices
+    (ndim >= 2). The step functions multiply its updates by the step's learning rate, which the host
+    reads from ``lr_schedule``: identical to optax.adamw(schedule) (decoupled decay is scaled by the
+    rate too), but the schedule's length can be fixed after training has started (``--minutes``)."""
     decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
-    tx = optax.chain(optax.clip_by_global_norm(clip),
-                     optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=weight_decay, mask=decay_mask))
-    return tx, schedule
+    return optax.chain(optax.clip_by_global_norm(clip),
+                       optax.adamw(1.0, b1=0.9, b2=0.95, weight_decay=weight_decay, mask=decay_mask))
+
+
+def lr_schedule(steps: int, lr: float, warmup: int):
+    """Linear warmup over ``warmup`` steps, then cosine decay to lr/10 at ``steps``. The warmup part does
+    not depend on ``steps``."""
+    return optax.warmup_cosine_decay_schedule(0.0, lr, max(warmup, 1), max(steps, warmup + 1), lr * 0.1)
+
+
+def scaled_update(tx, grads, opt_state, params, lr):
+    """One optimizer update with learning rate ``lr`` (a traced scalar); returns (params, opt_state)."""
+    updates, opt_state = tx.update(grads, opt_state, params)
+    updates = jax.tree.map(lambda u: (lr * u).astype(u.dtype), updates)
+    return optax.apply_updates(params, updates), opt_state
 
 
 def _is_router_bias(path) -> bool:
@@ -153,7 +168,7 @@ def _is_router_bias(path) -> bool:
 
 
 def make_train_step(graphdef, tx, runtime: Runtime = TRAIN_RUNTIME):
-    """Returns jitted step(params, opt_state, rows [B, T+1]) -> (params, opt_state, loss).
+    """Returns jitted step(params, opt_state, rows [B, T+1], lr) -> (params, opt_state, loss).
 
     params: the model's ``nnx.Param`` state. router_bias gets no gradient update (see ``make_bias_update``)."""
 
@@ -162,15 +177,82 @@ def make_train_step(graphdef, tx, runtime: Runtime = TRAIN_RUNTIME):
         out = lm_forward(model, rows[:, :-1], runtime)
         return token_nll(out.logits, rows[:, 1:]).mean()
 
-    @jax.jit
-    def step(params, opt_state, rows):
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(params, opt_state, rows, lr):
         loss, grads = jax.value_and_grad(loss_fn)(params, rows)
         grads = jax.tree_util.tree_map_with_path(lambda p, g: jnp.zeros_like(g) if _is_router_bias(p) else g, grads)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
+        params, opt_state = scaled_update(tx, grads, opt_state, params, lr)
         return params, opt_state, loss
 
     return step
+
+
+class StepClock:
+    """Fixes a run's length from its measured speed: ``--minutes`` of training = the steps timed so far
+    plus as many more as fit at the mean step time of steps ``skip..`` (the first ``skip`` include
+    compilation). ``total(step)`` is None until ``measure`` steps have been timed."""
+
+    def __init__(self, minutes: float, measure: int, skip: int = 3):
+        self.budget_s, self.measure, self.skip = 60.0 * minutes, measure, skip
+        self.t_start = time.perf_counter()
+        self.t_skip = None
+        self.steps = None
+
+    def tick(self, steps_done: int) -> int | None:
+        now = time.perf_counter()
+        if steps_done == self.skip:
+            self.t_skip = now
+        if self.steps is None and self.t_skip is not None and steps_done == self.skip + self.measure:
+            per_step = (now - self.t_skip) / self.measure
+            self.steps = steps_done + max(int((self.budget_s - (now - self.t_start)) / per_step), 0)
+            print(f"clock: {per_step * 1e3:.1f} ms/step -> {self.steps} steps in {self.budget_s / 60:.1f} min")
+        return self.steps
+
+
+def training_loop(run_step, *, start: int, total_steps: int | None, minutes: float | None, lr: float, warmup: int,
+                  max_minutes: float | None, save_every: int, save, desc: str, curve: list[dict] | None = None,
+                  max_steps: int | None = None):
+    """The loop both trainers share.
+
+    ``run_step(step, lr) -> dict`` of floats (with "loss") does one update. ``total_steps`` None means
+    "fix it from ``minutes``" (``StepClock``, during warmup, whose learning rates do not depend on the
+    length). ``save(step, total_steps, curve)`` runs every ``save_every`` steps and at the end (also when
+    ``max_minutes`` stops the run early). ``max_steps`` caps a length fixed from ``minutes`` (e.g. a number
+    of epochs). Returns (curve, steps_done, total_steps, seconds).
+    """
+    from tqdm import tqdm
+
+    if total_steps is None and warmup < 13:
+        raise ValueError("--minutes times warmup steps 3..12; use --warmup >= 13")
+    clock = StepClock(minutes, measure=min(warmup - 3, 30)) if total_steps is None else None
+    warm = lr_schedule(warmup + 1, lr, warmup)
+    schedule = lr_schedule(total_steps, lr, warmup) if total_steps else None
+    curve = list(curve or [])
+    t0 = time.perf_counter()
+    bar = tqdm(initial=start, total=total_steps, desc=desc, mininterval=5)
+    step = start
+    while total_steps is None or step < total_steps:
+        rate = float((schedule or warm)(step))
+        record = run_step(step, rate)
+        if not math.isfinite(record["loss"]):
+            raise FloatingPointError(f"loss {record['loss']} at step {step}")
+        curve.append({"step": step, **record, "lr": rate, "time_s": time.perf_counter() - t0})
+        bar.update(1)
+        bar.set_postfix(loss=f"{record['loss']:.3f}")
+        step += 1
+        if clock is not None and total_steps is None and clock.tick(step - start) is not None:
+            total_steps = clock.steps + start
+            if max_steps is not None:
+                total_steps = min(total_steps, max(max_steps, step))
+            schedule = lr_schedule(total_steps, lr, warmup)
+            bar.total = total_steps
+        done = step == total_steps or bool(max_minutes and time.perf_counter() - t0 > 60 * max_minutes)
+        if total_steps is not None and (step % save_every == 0 or done):
+            save(step, total_steps, curve)
+        if done:
+            break
+    bar.close()
+    return curve, step, total_steps, time.perf_counter() - t0
 
 
 def make_bias_update(graphdef, rate: float, runtime: Runtime = TRAIN_RUNTIME):
@@ -189,21 +271,30 @@ def make_bias_update(graphdef, rate: float, runtime: Runtime = TRAIN_RUNTIME):
     return update
 
 
-def eval_nll(model: KimiModel, rows: np.ndarray, batch: int = 8, runtime: Runtime = TRAIN_RUNTIME) -> float:
-    """Mean per-token NLL (nats) over rows [N, T+1] (inputs rows[:, :-1], labels rows[:, 1:])."""
-    graphdef, state = nnx.split(model)
+def make_nll_eval(graphdef, rows: np.ndarray, batch: int = 8, runtime: Runtime = TRAIN_RUNTIME):
+    """Returns evaluate(state) -> mean per-token NLL (nats) over rows [N, T+1] (inputs rows[:, :-1],
+    labels rows[:, 1:]) of the model ``nnx.merge(graphdef, state)``; compiled once, reusable."""
 
     @jax.jit
     def nll(state, chunk):
         m = nnx.merge(graphdef, state)
         return token_nll(lm_forward(m, chunk[:, :-1], runtime).logits, chunk[:, 1:]).sum()
 
-    total, count = 0.0, 0
-    for i in range(0, len(rows) - batch + 1, batch):
-        chunk = jnp.asarray(rows[i:i + batch])
-        total += float(nll(state, chunk))
-        count += chunk.shape[0] * (chunk.shape[1] - 1)
-    return total / max(count, 1)
+    chunks = [jnp.asarray(rows[i:i + batch]) for i in range(0, len(rows) - batch + 1, batch)]
+    if not chunks:
+        raise ValueError(f"need at least {batch} rows to evaluate, got {len(rows)}")
+
+    def evaluate(state) -> float:
+        total = sum(float(nll(state, c)) for c in chunks)
+        return total / sum(c.shape[0] * (c.shape[1] - 1) for c in chunks)
+
+    return evaluate
+
+
+def eval_nll(model: KimiModel, rows: np.ndarray, batch: int = 8, runtime: Runtime = TRAIN_RUNTIME) -> float:
+    """Mean per-token NLL (nats) of ``model`` over rows [N, T+1]."""
+    graphdef, state = nnx.split(model)
+    return make_nll_eval(graphdef, rows, batch, runtime)(state)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -218,8 +309,8 @@ def quantize_experts(model: KimiModel, group_size: int = 32) -> KimiModel:
     flat = {}
     for k, var in abstract.flat_state():
         k = tuple(k)
-        value = src[k].value
-        if isinstance(var.value, QuantArray):
+        value = src[k].get_value()
+        if isinstance(var.get_value(), QuantArray):
             value = quantize_array(value, group_size)
         flat[k] = var.replace(value)
     return nnx.merge(graphdef, nnx.State.from_flat_path(flat))
@@ -287,15 +378,13 @@ def load_tokenizer_json(path: str):
     return Tokenizer.from_file(path)
 
 
-def prepare_rows(tokenizer, seq: int, allow_mismatch: bool, cache_dir: str | None = None):
+def prepare_rows(tokenizer, seq: int, *, tokenizer_path: str, tokens_path: str | None = None,
+                 allow_mismatch: bool = False):
     """Packed training rows [N, seq+1] and held-out rows, plus data info (hashes)."""
-    train, info = data_lib.load_texts("train", allow_mismatch=allow_mismatch)
-    held, held_info = data_lib.load_texts("heldout", allow_mismatch=allow_mismatch)
-    eos = tokenizer.token_to_id(data_lib.EOS_TOKEN)
-    train_rows = data_lib.pack(data_lib.encode_docs(tokenizer, [t for _, t in train]), seq, eos)
-    held_rows = data_lib.pack(data_lib.encode_docs(tokenizer, [t for _, t in held]), seq, eos)
-    info = dict(info, heldout_files=held_info["num_files"], train_rows=len(train_rows), heldout_rows=len(held_rows))
-    return train_rows, held_rows, info
+    train, held, info = data_lib.corpus_streams(tokenizer, tokenizer_path=tokenizer_path, tokens_path=tokens_path,
+                                                allow_mismatch=allow_mismatch)
+    train_rows, held_rows = data_lib.pack(train, seq), data_lib.pack(held, seq)
+    return train_rows, held_rows, dict(info, train_rows=len(train_rows), heldout_rows=len(held_rows))
 
 
 def batch_rows(rows: np.ndarray, step: int, batch: int, seed: int) -> np.ndarray:
@@ -320,7 +409,11 @@ def write_curve(out: str, curve: list[dict], title: str, key: str = "loss") -> N
     except ImportError:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot([c["step"] for c in curve], [c[key] for c in curve], lw=1)
+    ax.plot([c["step"] for c in curve], [c[key] for c in curve], lw=1, label=f"train {key}")
+    held = [c for c in curve if "heldout_nll" in c]
+    if held:
+        ax.plot([c["step"] for c in held], [c["heldout_nll"] for c in held], "o-", ms=3, label="held-out NLL")
+        ax.legend()
     ax.set_xlabel("step")
     ax.set_ylabel(f"train {key} (nats/token)")
     ax.set_title(title)
@@ -332,7 +425,15 @@ def write_curve(out: str, curve: list[dict], title: str, key: str = "loss") -> N
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=300)
+    length = p.add_mutually_exclusive_group()
+    length.add_argument("--steps", type=int, default=None, help="training steps (default 300)")
+    length.add_argument("--minutes", type=float, default=None,
+                        help="train for about this long: the step count is fixed from the speed measured "
+                             "during warmup (recorded in the manifest)")
+    p.add_argument("--max-epochs", type=float, default=None, help="with --minutes: at most this many epochs")
+    p.add_argument("--eval-every", type=int, default=0, help="held-out NLL on 32 rows every N steps (0: never)")
+    p.add_argument("--matmul-precision", choices=["default", "tensorfloat32", "float32"], default="default",
+                   help="jax default matmul precision for f32 training (tensorfloat32 on Hopper GPUs)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--lr", type=float, default=3e-3)
@@ -350,84 +451,99 @@ def parse_args(argv=None):
     p.add_argument("--max-minutes", type=float, default=None,
                    help="stop (and save) after this wall time; rerun the same command to resume")
     p.add_argument("--allow-mismatch", action="store_true")
+    p.add_argument("--tokens", default=None, help="corpus as tokenized by `data.py tokens` (instead of the stdlib)")
     p.add_argument("--config", default="{}", help="JSON overrides of the model config, e.g. '{\"num_layers\": 2}'")
     return p.parse_args(argv)
 
 
 def main(argv=None):
-    from tqdm import tqdm
-
     args = parse_args(argv)
+    with jax.default_matmul_precision(args.matmul_precision):
+        return train(args, argv)
+
+
+def train(args, argv=None):
     state_dir = args.state_dir or args.out.rstrip("/") + ".train_state"
     tokenizer = load_tokenizer_json(args.tokenizer)
-    train_rows, held_rows, info = prepare_rows(tokenizer, args.seq, args.allow_mismatch)
+    train_rows, held_rows, info = prepare_rows(tokenizer, args.seq, tokenizer_path=args.tokenizer,
+                                               tokens_path=args.tokens, allow_mismatch=args.allow_mismatch)
     cfg = small_target_config(tokenizer.get_vocab_size(), args.dtype, **json.loads(args.config))
     model = KimiModel(cfg, nnx.Rngs(args.seed))
     graphdef, params = nnx.split(model)  # every variable is an nnx.Param
     n_params = sum(x.size for x in jax.tree.leaves(params))
-    tx, schedule = make_optimizer(args.steps, args.lr, args.warmup)
+    tx = make_optimizer()
     opt_state = tx.init(params)
     start, curve = 0, []
-    resume_key = {k: getattr(args, k) for k in ("steps", "batch", "seq", "lr", "warmup", "bias_rate", "bias_every",
-                                               "seed", "dtype", "config")}
+    resume_key = {k: getattr(args, k) for k in ("steps", "minutes", "batch", "seq", "lr", "warmup", "bias_rate",
+                                               "bias_every", "seed", "dtype", "config")}
     runtime = TRAIN_RUNTIME if args.experts == "dense" else Runtime(attention="naive")
     resume_key["data_hash"] = info["data_hash"]
     previous = read_train_meta(state_dir)
     history = previous["meta"].get("history", []) if previous else []
+    total_steps = args.steps if args.minutes is None else None
+    if args.minutes is None and args.steps is None:
+        total_steps = 300
     restored = restore_train_state(state_dir, (params, opt_state), resume_key)
     if restored is not None:
         (params, opt_state), start = restored
+        total_steps = previous["meta"].get("total_steps", total_steps)
         curve_file = os.path.join(state_dir, "curve.json")
         if os.path.exists(curve_file):
             with open(curve_file) as f:
                 curve = [c for c in json.load(f) if c["step"] < start]
-        print(f"resumed from {state_dir} at step {start}")
+        print(f"resumed from {state_dir} at step {start} of {total_steps}")
     print(f"target: {n_params / 1e6:.2f}M params, {info['train_rows']} train rows x {args.seq + 1}, "
           f"{info['heldout_rows']} held-out rows; data hash {info['data_hash'][:12]}")
     step_fn = make_train_step(graphdef, tx, runtime)
     bias_fn = make_bias_update(graphdef, args.bias_rate, runtime) if args.bias_rate > 0 else None
-    max_load = float("nan")
-    t0 = time.perf_counter()
-    bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="target", mininterval=5)
-    step = start
-    for step in bar:
+    live = {"params": params, "opt_state": opt_state, "max_load": float("nan")}
+    heldout_eval = make_nll_eval(graphdef, held_rows[-32:]) if args.eval_every else None  # not the final eval rows
+    per_epoch = len(train_rows) // args.batch
+
+    def run_step(step, lr):
         rows = jnp.asarray(batch_rows(train_rows, step, args.batch, args.seed))
-        params, opt_state, loss = step_fn(params, opt_state, rows)
-        loss = float(loss)
+        live["params"], live["opt_state"], loss = step_fn(live["params"], live["opt_state"], rows, jnp.float32(lr))
         if bias_fn is not None and step % args.bias_every == 0:
-            params, loads = bias_fn(params, rows)
-            max_load = float(loads.max()) * cfg.n_routed_experts  # 1.0 = perfectly balanced
-        curve.append({"step": step, "loss": loss, "max_load_x_mean": max_load, "lr": float(schedule(step)),
-                      "time_s": time.perf_counter() - t0,
-                      "tokens": (step + 1) * args.batch * args.seq})
-        bar.set_postfix(loss=f"{loss:.3f}")
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"loss {loss} at step {step}")
-        done = step + 1 == args.steps or (args.max_minutes and time.perf_counter() - t0 > 60 * args.max_minutes)
-        if (step + 1) % args.save_every == 0 or done:
-            run = {"start_step": start, "end_step": step + 1, "seconds": time.perf_counter() - t0}
-            save_train_state(state_dir, (params, opt_state), step + 1,
-                             {"resume_key": resume_key, "history": history + [run]})
-            with open(os.path.join(state_dir, "curve.json"), "w") as f:
-                json.dump(curve, f)
-        if done:
-            break
-    bar.close()
-    steps_done = step + 1
-    train_s = time.perf_counter() - t0
-    if steps_done < args.steps:
-        print(f"stopped at step {steps_done} of {args.steps} (--max-minutes); state in {state_dir}; "
+            live["params"], loads = bias_fn(live["params"], rows)
+            live["max_load"] = float(loads.max()) * cfg.n_routed_experts  # 1.0 = perfectly balanced
+        record = {"loss": float(loss), "max_load_x_mean": live["max_load"],
+                  "tokens": (step + 1) * args.batch * args.seq}
+        if args.eval_every and (step + 1) % args.eval_every == 0:
+            record["heldout_nll"] = heldout_eval(live["params"])
+        return record
+
+    def save(step, total, curve_now):
+        run = {"start_step": start, "end_step": step, "seconds": time.perf_counter() - t_begin}
+        save_train_state(state_dir, (live["params"], live["opt_state"]), step,
+                         {"resume_key": resume_key, "total_steps": total, "history": history + [run]})
+        with open(os.path.join(state_dir, "curve.json"), "w") as f:
+            json.dump(curve_now, f)
+
+    t_begin = time.perf_counter()
+    curve, steps_done, total_steps, train_s = training_loop(
+        run_step, start=start, total_steps=total_steps, minutes=args.minutes, lr=args.lr, warmup=args.warmup,
+        max_minutes=args.max_minutes, save_every=args.save_every, save=save, desc="target", curve=curve,
+        max_steps=None if args.max_epochs is None else int(args.max_epochs * per_epoch))
+    params = live["params"]
+    if steps_done < total_steps:
+        print(f"stopped at step {steps_done} of {total_steps} (--max-minutes); state in {state_dir}; "
               "rerun the same command to resume")
         return None
     model = nnx.merge(graphdef, params)
 
+    qmodel = quantize_experts(model)
+    from ddtree_jax.checkpoint import save_model
+
+    os.makedirs(args.out, exist_ok=True)
+    save_model(qmodel, args.out, metadata={"trained_by": "experiments/train_target.py"})
+    shutil.copy(args.tokenizer, os.path.join(args.out, "tokenizer.json"))
     eval_rows = held_rows[: args.eval_rows]
     nll_float = eval_nll(model, eval_rows)
-    qmodel = quantize_experts(model)
     nll_int4 = eval_nll(qmodel, eval_rows)
     nll_int4_infer = eval_nll(qmodel, eval_rows[:16], runtime=Runtime())  # the shipped inference path
     history = history + [{"start_step": start, "end_step": steps_done, "seconds": train_s}]
-    metrics = {"steps": steps_done, "train_seconds": sum(h["seconds"] for h in history), "runs": history,
+    metrics = {"steps": steps_done, "batch": args.batch, "seq": args.seq,
+               "train_seconds": sum(h["seconds"] for h in history), "runs": history,
                "tokens_seen": steps_done * args.batch * args.seq,
                "final_train_loss": float(np.mean([c["loss"] for c in curve[-20:]])),
                "heldout_rows": len(eval_rows), "heldout_tokens": int(eval_rows[:, 1:].size),
@@ -437,16 +553,11 @@ def main(argv=None):
                "params": int(n_params)}
     print(json.dumps(metrics, indent=1))
 
-    from ddtree_jax.checkpoint import save_model
-
-    os.makedirs(args.out, exist_ok=True)
     manifest = {"command": "python " + " ".join([os.path.relpath(os.path.abspath(sys.argv[0]), ROOT)]
                                                 + (argv if argv is not None else sys.argv[1:])),
                 "commit": data_lib.git_commit(), "args": vars(args), "data": info,
                 "tokenizer": os.path.relpath(args.tokenizer, ROOT), "metrics": metrics,
                 "model_config": json.loads(json.dumps(dataclasses.asdict(qmodel.cfg)))}
-    save_model(qmodel, args.out, metadata={"trained_by": "experiments/train_target.py", "metrics": metrics})
-    shutil.copy(args.tokenizer, os.path.join(args.out, "tokenizer.json"))
     with open(os.path.join(args.out, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=1)
     write_curve(args.out, curve, f"target {n_params / 1e6:.1f}M, batch {args.batch}x{args.seq}")

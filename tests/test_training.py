@@ -40,7 +40,8 @@ def test_manifest_pins_files_and_catches_a_changed_file(tmp_path):
     root = str(tmp_path / "lib")
     _fake_stdlib(root)
     manifest = data_lib.build_manifest(root)
-    assert [f["path"] for f in manifest["files"]] == ["json/__init__.py", "json/decoder.py", "os.py"]
+    assert [f["path"] for f in manifest["files"]] == ["json/__init__.py", "json/decoder.py", "os.py",
+                                                      "test/test_os.py"]
     assert data_lib.verify(manifest, root) == manifest["files"]
     with open(os.path.join(root, "json", "decoder.py"), "a") as f:
         f.write("# edited\n")
@@ -63,6 +64,57 @@ def test_heldout_split_is_by_file_and_deterministic():
     assert all(data_lib.is_heldout(p) for p in held)
     rows = data_lib.pack([np.arange(5), np.arange(7)], seq_len=3, eos_id=0)
     assert rows.shape == (3, 4) and rows[1, 1] == 0  # EOS after the first doc
+
+
+def test_token_streams_travel_and_refuse_another_tokenizer(tmp_path, monkeypatch):
+    texts = {"train": [("a.py", "def f():\n    return 1\n"), ("b.py", "x = [1, 2]\n")],
+             "heldout": [("c.py", "import os\n")]}
+    monkeypatch.setattr(data_lib, "load_texts",
+                        lambda split, allow_mismatch=False: (texts[split], {"data_hash": "h", "num_files": 1}))
+    tok = data_lib.train_tokenizer([t for _, t in texts["train"]] * 5, vocab_size=280)
+    tok_path = str(tmp_path / "tokenizer.json")
+    tok.save(tok_path)
+    out = str(tmp_path / "sub" / "tokens.npz")
+    info = data_lib.export_tokens(tok, out, tokenizer_path=tok_path)
+    train, held, back = data_lib.load_tokens(out, tokenizer_path=tok_path)
+    eos = tok.token_to_id(data_lib.EOS_TOKEN)
+    expect = [i for _, t in texts["train"] for i in tok.encode(t).ids + [eos]]
+    assert train.tolist() == expect and held[-1] == eos and back == info
+    assert data_lib.pack(train, 3).shape == (len(expect) // 4, 4)
+    with pytest.raises(ValueError, match="holds no row"):
+        data_lib.pack(held, 1000)
+    other = data_lib.train_tokenizer(["completely different text"] * 5, vocab_size=270)
+    other.save(str(tmp_path / "other.json"))
+    with pytest.raises(data_lib.DataMismatch, match="re-export"):
+        data_lib.load_tokens(out, tokenizer_path=str(tmp_path / "other.json"))
+
+
+def test_timed_training_fixes_its_length_during_warmup():
+    import time
+
+    saves = []
+
+    def run_step(step, lr):
+        time.sleep(0.005)
+        return {"loss": 1.0}
+
+    curve, done, total, _ = tt.training_loop(
+        run_step, start=0, total_steps=None, minutes=0.004, lr=1e-3, warmup=16, max_minutes=None,
+        save_every=1000, save=lambda step, total, c: saves.append((step, total)), desc="t")
+    assert done == total == len(curve) and 16 <= total < 100 and saves == [(total, total)]
+    # every step (warmup ones included) ran at the learning rate of the final schedule
+    schedule = tt.lr_schedule(total, 1e-3, 16)
+    np.testing.assert_allclose([c["lr"] for c in curve], [float(schedule(i)) for i in range(total)], rtol=1e-6)
+    _, done, total, _ = tt.training_loop(
+        run_step, start=0, total_steps=None, minutes=10, lr=1e-3, warmup=16, max_minutes=None, save_every=1000,
+        save=lambda *a: None, desc="t", max_steps=18)  # e.g. an epoch cap
+    assert done == total == 18
+    with pytest.raises(ValueError, match="warmup"):
+        tt.training_loop(run_step, start=0, total_steps=None, minutes=1, lr=1e-3, warmup=5, max_minutes=None,
+                         save_every=10, save=lambda *a: None, desc="t")
+    with pytest.raises(FloatingPointError):
+        tt.training_loop(lambda s, lr: {"loss": float("nan")}, start=0, total_steps=3, minutes=None, lr=1e-3,
+                         warmup=1, max_minutes=None, save_every=10, save=lambda *a: None, desc="t")
 
 
 def test_shipped_manifest_matches_this_python():
@@ -136,8 +188,10 @@ def test_target_training_step_decreases_loss(tmp_path):
     opt_state = tx.init(params)
     step = tt.make_train_step(graphdef, tx)
     rows = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 17)), jnp.int32)
-    params2, opt_state2, loss0 = step(params, opt_state, rows)
-    _, _, loss1 = step(params2, opt_state2, rows)
+    params2, opt_state2, loss0 = step(params, opt_state, rows, 1.0)  # donates params and opt_state
+    params = jax.tree.map(jnp.zeros_like, params2)  # a structure-alike for the restore below
+    opt_state = jax.tree.map(jnp.zeros_like, opt_state2)
+    _, _, loss1 = step(jax.tree.map(jnp.copy, params2), jax.tree.map(jnp.copy, opt_state2), rows, 1.0)
     assert float(loss1) < float(loss0)
     # router bias: no gradient update, but the balancing rule moves it
     bias = [v for k, v in params2.flat_state() if k[-1] == "router_bias"]
@@ -229,8 +283,8 @@ def test_drafter_training_step_decreases_loss(tmp_path):
     assert weights[0] == 0 and np.isclose(weights[2], np.exp(-1 / 4.0))
     step = td.make_train_step(d_def, t_def, tx, weights)
     frozen = [np.asarray(x) for x in jax.tree.leaves(t_state)]
-    p1, o1, loss0, _ = step(params, tx.init(params), t_state, taps, seqs, anchors)
-    _, _, loss1, acc = step(p1, o1, t_state, taps, seqs, anchors)
+    p1, o1, loss0, _ = step(params, tx.init(params), t_state, taps, seqs, anchors, 1.0)
+    _, _, loss1, acc = step(jax.tree.map(jnp.copy, p1), jax.tree.map(jnp.copy, o1), t_state, taps, seqs, anchors, 1.0)
     assert float(loss1) < float(loss0) and acc.shape == (cfg.block_size,)
     assert all(np.array_equal(a, np.asarray(b)) for a, b in zip(frozen, jax.tree.leaves(t_state)))
     trained = nnx.merge(d_def, p1)
