@@ -24,6 +24,7 @@ from ddtree_jax.cache import CACHE_AXES
 from ddtree_jax.config import ModelConfig
 from ddtree_jax.quant import QuantArray
 from ddtree_jax.sharding import DEFAULT_RULES, MESH_AXES, ShardingRules
+from pallas_kernels.int4_moe import PlanarInt4
 
 CATEGORIES = ("experts_int4", "expert_scales", "attention", "mlp", "router", "embed_head", "norms")
 
@@ -63,7 +64,7 @@ def _category(path: tuple, value) -> str:
 def param_bytes(state: nnx.State, mesh_shape: dict[str, int], rules: ShardingRules) -> dict[str, dict[str, int]]:
     """{category: {"total": bytes, "per_device": bytes}} of an abstract (or real) ``nnx.State``.
 
-    INT4 QuantArray leaves count as "experts_int4" (packed words) and "expert_scales"; the rest is split
+    INT4 QuantArray (or kernel-layout PlanarInt4) leaves count as "experts_int4" (packed words) and "expert_scales"; the rest is split
     by module kind (attention, mlp = dense and shared-expert FFNs, router, embed_head, norms).
     """
     out = {c: {"total": 0, "per_device": 0} for c in CATEGORIES}
@@ -72,7 +73,7 @@ def param_bytes(state: nnx.State, mesh_shape: dict[str, int], rules: ShardingRul
         if axes is None:
             raise ValueError(f"parameter {path} has no logical_axes")
         value = variable.get_value()
-        if isinstance(value, QuantArray):
+        if isinstance(value, (QuantArray, PlanarInt4)):
             parts = [("experts_int4", value.packed), ("expert_scales", value.scale)]
         else:
             parts = [(_category(tuple(path), value), value)]

@@ -5,7 +5,11 @@ G number of router groups.
 
 Routed expert weights keep the PyTorch [out, in] orientation of the checkpoint, stacked over experts:
   w13 [E, 2F, D] (gate rows first, then up), w2 [E, D, F]
-either as float arrays or as ``QuantArray`` (compressed-tensors INT4, ``ddtree_jax.quant``).
+either as float arrays, as ``QuantArray`` (compressed-tensors INT4, ``ddtree_jax.quant``), or, after the
+one-time ``prepare_for_kernels(model)``, as ``PlanarInt4`` stacks in the Pallas INT4 kernel's layout
+(``pallas_kernels.int4_moe``). The routed-expert compute follows the leaf type unless a Runtime names one:
+float / QuantArray -> ``routed_experts_xla``; PlanarInt4 -> ``routed_experts_int4`` (the kernel when
+lowered for CUDA with bf16 activations, its pure-JAX twin elsewhere).
 """
 
 from __future__ import annotations
@@ -21,6 +25,13 @@ from ddtree_jax.config import ModelConfig
 from ddtree_jax.layers import SwiGLU, declare
 from ddtree_jax.quant import QuantArray, expert_slice, quantize_array
 from ddtree_jax.sharding import ShardingRules
+from pallas_kernels import int4_moe as int4_kernel
+from pallas_kernels.int4_moe import Int4ExpertWeights, PlanarInt4, kernel_tiling_error
+
+W13_AXES = ("experts", "expert_ffn", "embed")  # w13 [E, 2F, D] (QuantArray: packed [E, 2F, D/8], scale [E, 2F, D/G])
+W2_AXES = ("experts", "embed", "expert_ffn")  # w2 [E, D, F]
+# PlanarInt4 stacks: packed [E, O, I/8] and group-major scale [E, I/G, O] share only the expert axis.
+KERNEL_AXES = ("experts", None, None)
 
 
 def route(x: jax.Array, router_weight: jax.Array, bias: jax.Array, cfg: ModelConfig):
@@ -89,6 +100,33 @@ def routed_experts_xla(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.
     return y
 
 
+def routed_experts_int4(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array, w13: PlanarInt4,
+                        w2: PlanarInt4, *, expert_offset: int | jax.Array = 0, interpret: bool = False,
+                        **tuning) -> jax.Array:
+    """Routed-expert sum on kernel-layout INT4 weights (``prepare_for_kernels``); same contract as
+    ``routed_experts_xla``.
+
+    x [M, D]; expert_ids [M, K] (global ids); expert_weights f32 [M, K]; w13 / w2 PlanarInt4 stacks of
+    experts ``expert_offset .. expert_offset + El`` (pairs routed elsewhere contribute nothing).
+    Returns y [M, D] f32. Lowered for CUDA with bf16 activations: the Pallas kernel; on any other
+    platform, for f32 activations, or for weights the kernel cannot tile: its pure-JAX twin
+    (``pallas_kernels.int4_moe.routed_experts``). ``interpret=True`` runs the kernel through the
+    Pallas interpreter on every platform (tests); ``tuning`` goes to ``int4_moe``.
+    """
+    if not (isinstance(w13, PlanarInt4) and isinstance(w2, PlanarInt4)):
+        raise TypeError(f"routed_experts_int4 takes kernel-layout experts (PlanarInt4), got {type(w13).__name__}"
+                        f" / {type(w2).__name__}: run ddtree_jax.moe.prepare_for_kernels(model) after loading")
+    return int4_kernel.routed_experts(x, expert_ids, expert_weights, Int4ExpertWeights.from_leaves(w13, w2),
+                                      expert_offset=expert_offset, out_dtype=jnp.float32, interpret=interpret,
+                                      **tuning)
+
+
+def default_routed_fn(w13) -> Callable:
+    """The routed-expert compute for a w13 leaf: ``routed_experts_int4`` for PlanarInt4 stacks, else
+    ``routed_experts_xla``."""
+    return routed_experts_int4 if isinstance(w13, PlanarInt4) else routed_experts_xla
+
+
 class MoE(nnx.Module):
     """Router + routed experts + shared expert(s)."""
 
@@ -97,8 +135,8 @@ class MoE(nnx.Module):
         e, d, f = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.router = declare(rngs, (e, d), ("experts", "embed"), jnp.float32)
         self.router_bias = declare(None, (e,), ("experts",), jnp.float32, init="zeros")
-        self.w13 = declare(rngs, (e, 2 * f, d), ("experts", "expert_ffn", "embed"), dtype)
-        self.w2 = declare(rngs, (e, d, f), ("experts", "embed", "expert_ffn"), dtype)
+        self.w13 = declare(rngs, (e, 2 * f, d), W13_AXES, dtype)
+        self.w2 = declare(rngs, (e, d, f), W2_AXES, dtype)
         if cfg.quant is not None:  # INT4 experts: the same declaration, quantized
             self.w13 = nnx.Param(quantize_array(self.w13.get_value(), cfg.quant.group_size), logical_axes=self.w13.logical_axes)
             self.w2 = nnx.Param(quantize_array(self.w2.get_value(), cfg.quant.group_size), logical_axes=self.w2.logical_axes)
@@ -122,12 +160,12 @@ def routed_experts(x, expert_ids, expert_weights, w13, w2, *, mesh: Mesh | None 
                    rules: ShardingRules | None = None, routed_fn: Callable | None = None) -> jax.Array:
     """The one entry point for routed-expert compute. Returns y [M, D] f32.
 
-    Without a mesh (or with the experts axis unsharded) it runs ``routed_fn`` (default: the XLA
-    path) on all experts. With experts sharded over a mesh axis it runs expert-parallel under
-    shard_map: tokens and routing are replicated, each device computes its own experts' share,
-    and one psum over the expert axis (M x D f32 per device) adds the shares.
+    Without a mesh (or with the experts axis unsharded) it runs ``routed_fn`` (default: chosen by the
+    weights' type, ``default_routed_fn``) on all experts. With experts sharded over a mesh axis it runs
+    expert-parallel under shard_map: tokens and routing are replicated, each device computes its own
+    experts' share, and one psum over the expert axis (M x D f32 per device) adds the shares.
     """
-    routed_fn = routed_fn or routed_experts_xla
+    routed_fn = routed_fn or default_routed_fn(w13)
     axis = None if mesh is None or rules is None else rules.mesh_axis("experts")
     if axis is None or mesh.shape[axis] == 1:
         return routed_fn(x, expert_ids, expert_weights, w13, w2)
@@ -151,4 +189,68 @@ def routed_experts(x, expert_ids, expert_weights, w13, w2, *, mesh: Mesh | None 
     )(x, expert_ids, expert_weights, w13, w2)
 
 
-__all__ = ["MoE", "route", "routed_experts", "routed_experts_xla", "QuantArray"]
+def _moe_layers(model: nnx.Module):
+    for path, module in nnx.iter_modules(model):
+        if isinstance(module, MoE):
+            yield ".".join(str(p) for p in path), module
+
+
+def prepare_for_kernels(model: nnx.Module, *, allow_twin_only: bool = False) -> nnx.Module:
+    """One-time load-time repack, in place: every MoE layer's INT4 ``w13`` / ``w2`` (QuantArray,
+    compressed-tensors) become ``PlanarInt4`` stacks in the Pallas INT4 kernel's layout; returns ``model``.
+
+        model = prepare_for_kernels(load_hf_model(path))   # or restore_model(...); then Engine(model, ...)
+
+    From then on the routed experts run the kernel when lowered for CUDA (bf16 activations) and the
+    kernel's pure-JAX twin elsewhere: the same dequantised weights as the XLA path, equal to f32
+    rounding (the twin's tiled dots sum in another order); ``Runtime(routed_fn=routed_experts_xla)``
+    on a prepared model reproduces the unprepared model bit for bit. The repacked Params carry logical
+    axes ``KERNEL_AXES`` (experts leading), so ``shard_state`` / expert parallelism split them as
+    before; stacks already sharded along experts are repacked where they live. Each layer's
+    compressed-tensors arrays are dropped as soon as its kernel copy exists (freed unless referenced
+    elsewhere): peak memory is the model plus one layer's experts. Build Engines after this call (an
+    Engine keeps the state it was given). Prepared layers are left as they are. Bit-exact inverse:
+    ``unprepare_for_kernels`` (also needed before ``save_model``).
+
+    Raises ValueError naming the layer for float (unquantized) experts, and for group sizes / shapes
+    the GPU kernel cannot tile (``kernel_tiling_error``) unless ``allow_twin_only``: those layers then
+    run the twin on every platform.
+    """
+    for name, moe in _moe_layers(model):
+        w13, w2 = moe.w13.get_value(), moe.w2.get_value()
+        if isinstance(w13, PlanarInt4) and isinstance(w2, PlanarInt4):
+            continue
+        if not (isinstance(w13, QuantArray) and isinstance(w2, QuantArray)):
+            raise ValueError(f"{name}: routed experts are {type(w13).__name__} ({getattr(w13, 'dtype', '?')}), not "
+                             "INT4; the INT4 kernel needs compressed-tensors experts (a config with quant)")
+        try:
+            weights = Int4ExpertWeights.from_leaves(
+                PlanarInt4.from_compressed_tensors(w13.packed, w13.scale, gate_up=True),
+                PlanarInt4.from_compressed_tensors(w2.packed, w2.scale, gate_up=False))
+        except ValueError as e:
+            raise ValueError(f"{name}: experts w13 {w13.shape} / w2 {w2.shape} cannot take the kernel "
+                             f"layout: {e}") from e
+        problem = kernel_tiling_error(weights)
+        if problem and not allow_twin_only:
+            raise ValueError(f"{name}: {problem}. Pass allow_twin_only=True to run these experts through the "
+                             "kernel's pure-JAX twin on every platform")
+        new13, new2 = weights.leaves()
+        del w13, w2, weights
+        moe.w13 = nnx.Param(new13, logical_axes=KERNEL_AXES)
+        moe.w2 = nnx.Param(new2, logical_axes=KERNEL_AXES)
+    return model
+
+
+def unprepare_for_kernels(model: nnx.Module) -> nnx.Module:
+    """Inverse of ``prepare_for_kernels``, in place and bit-exact: PlanarInt4 experts back to
+    compressed-tensors QuantArrays with their declared logical axes; returns ``model``."""
+    for _, moe in _moe_layers(model):
+        for attr, axes in (("w13", W13_AXES), ("w2", W2_AXES)):
+            value = getattr(moe, attr).get_value()
+            if isinstance(value, PlanarInt4):
+                setattr(moe, attr, nnx.Param(QuantArray(*value.to_compressed_tensors()), logical_axes=axes))
+    return model
+
+
+__all__ = ["MoE", "route", "routed_experts", "routed_experts_xla", "routed_experts_int4", "default_routed_fn",
+           "prepare_for_kernels", "unprepare_for_kernels", "QuantArray", "PlanarInt4"]

@@ -141,9 +141,12 @@ class QuantArray:
 
 
 def expert_slice(w, e, dtype) -> jax.Array:
-    """The [O, I] weight of expert ``e`` (a traced index) of a float stack or a QuantArray, in ``dtype``."""
+    """The [O, I] weight of expert ``e`` (a traced index) of a float stack, a QuantArray, or a
+    kernel-layout stack (``pallas_kernels.int4_moe.PlanarInt4``: same values), in ``dtype``."""
     if isinstance(w, QuantArray):
         return dequantize_int4(w.packed[e], w.scale[e], dtype)
+    if hasattr(w, "dequantize_expert"):
+        return w.dequantize_expert(e, dtype)
     return w[e].astype(dtype)
 
 

@@ -1,8 +1,16 @@
 """Engine benchmark: tokens/s of AR, DFlash and DDTree, one round split into its phases, the
-no-host-sync check, and per-layer step cost vs tokens per step (for full-size projections).
+no-host-sync check, per-layer step cost vs tokens per step (for full-size projections), and the INT4
+kernel path vs the XLA path of the routed experts (section ``kernel``).
 
     PYTHONPATH=. python experiments/bench_engine.py --size full --layers 4 --out DIR   # H200
     PYTHONPATH=. python experiments/bench_engine.py --size tiny                        # CPU smoke run
+    PYTHONPATH=. python experiments/bench_engine.py --size full --layers 4 --sections kernel --out DIR
+
+Section ``kernel``: the same random target twice in one run, as built (compressed-tensors experts, XLA
+routed path) and after ``prepare_for_kernels`` (Pallas INT4 kernel on CUDA, its twin elsewhere); for
+M in --kernel-ms: one full MoE decoder layer (MLA over a 1K prefix + MoE) at M tokens per step, and
+the target's verify forward over B streams x T block tokens (M = B*T, random trees on a
+--prompt-len prefix). Prints ms of both paths, the speedup and the relative difference of the outputs.
 
 Weights are random and generated on the device (INT4 experts as random nibbles + scales), so the
 acceptance length here means nothing (a random drafter); the timings do.
@@ -24,11 +32,13 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from ddtree_jax.cache import commit  # noqa: E402
+from ddtree_jax.cache import commit, init_cache  # noqa: E402
 from ddtree_jax.config import QuantConfig, k26_config, tiny_config  # noqa: E402
 from ddtree_jax.drafter import DFlashDrafter, k26_drafter_config, tiny_drafter_config  # noqa: E402
 from ddtree_jax.engine import Engine, EngineConfig, RUNNING, _run_rounds  # noqa: E402
-from ddtree_jax.model import KimiModel, causal_mask  # noqa: E402
+from ddtree_jax.model import KimiModel, Runtime, causal_mask  # noqa: E402
+from ddtree_jax.moe import prepare_for_kernels  # noqa: E402
+from ddtree_jax.rope import rope_cos_sin  # noqa: E402
 from ddtree_jax.hf_loader import ShapeOnlyRngs  # noqa: E402
 from ddtree_jax.quant import QuantArray  # noqa: E402
 from ddtree_jax.tree import accept_tokens, build_tree, sample_target_tokens  # noqa: E402
@@ -66,7 +76,8 @@ def build_models(args):
         dcfg = dataclasses.replace(k26_drafter_config(dtype="bfloat16"), target_layer_ids=taps,
                                    num_target_layers=args.layers)
     else:
-        cfg = tiny_config(dtype="float32", quant=QuantConfig(group_size=32), vocab_size=512, num_layers=4)
+        cfg = tiny_config(dtype="float32", quant=QuantConfig(group_size=32), vocab_size=512, num_layers=4,
+                          hidden_size=128, moe_intermediate_size=128)  # the smallest D, F the INT4 kernel tiles
         dcfg = tiny_drafter_config(cfg, block_size=8)
     target_def, target_abs = nnx.split(nnx.eval_shape(lambda: KimiModel(cfg, ShapeOnlyRngs())))
     drafter_def, drafter_abs = nnx.split(nnx.eval_shape(lambda: DFlashDrafter(dcfg, ShapeOnlyRngs())))
@@ -193,13 +204,11 @@ def bench_layer_cost(target, args, deadline, rows, bandwidth):
             break
         x = 0.1 * jax.random.normal(jax.random.key(m), (1, m, cfg.hidden_size), jnp.dtype(cfg.dtype))
         kv = jnp.zeros((1, prefix + m, cfg.latent_dim), jnp.dtype(cfg.dtype))
-        from ddtree_jax.rope import rope_cos_sin
         cos, sin = rope_cos_sin(prefix + jnp.arange(m)[None], cfg.rope, cfg.qk_rope_head_dim)
 
         @jax.jit
         def step(lstate, x, kv):
             lay = nnx.merge(ldef, lstate)
-            from ddtree_jax.model import Runtime
             return lay(x, cos, sin, kv, jnp.array([prefix]), causal_mask(1, m), Runtime())[0]
 
         t = time_fn(step, lstate, x, kv, repeats=args.repeats)["median_s"]
@@ -212,6 +221,116 @@ def bench_layer_cost(target, args, deadline, rows, bandwidth):
         print(rows[-1], flush=True)
 
 
+def verify_shape(m: int) -> tuple[int, int]:
+    """(streams B, block tokens T) of a verify step with M = B*T tokens: one stream up to 65 tokens
+    (a DDTree-64 tree), else streams of 66-token trees."""
+    if m <= 65:
+        return 1, m
+    if m % 66:
+        raise ValueError(f"M={m}: above 65 tokens the verify step uses streams of 66-token trees")
+    return m // 66, 66
+
+
+def random_trees(rng, b: int, t: int):
+    """[B, T] parents-first random trees: depths [B, T] and ancestor-or-self visibility [B, T, T]."""
+    depth = np.zeros((b, t), np.int32)
+    vis = np.zeros((b, t, t), bool)
+    for i in range(b):
+        parents = [-1] + [int(rng.integers(0, j)) for j in range(1, t)]
+        for j in range(t):
+            depth[i, j] = depth[i, parents[j]] + 1 if j else 0
+            k = j
+            while k >= 0:
+                vis[i, j, k] = True
+                k = parents[k]
+    return depth, vis
+
+
+def rel_diff(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def bench_kernel_path(target, args, deadline, rows, bandwidth):
+    """INT4 kernel path vs XLA path on the same weights: one MoE layer per M, then the verify forward."""
+    t0 = time.time()
+    prepared = prepare_for_kernels(nnx.clone(target))  # shares every non-expert array with ``target``
+    jax.block_until_ready(jax.tree.leaves(nnx.state(prepared)))
+    print(f"prepare_for_kernels: {time.time() - t0:.1f}s ({jax.default_backend()}: "
+          f"{'Pallas kernel' if jax.default_backend() == 'gpu' else 'pure-JAX twin'} on the prepared side)", flush=True)
+    cfg = target.cfg
+    idx = cfg.first_k_dense_replace
+    dt = jnp.dtype(cfg.dtype)
+    ms = [int(v) for v in args.kernel_ms.split(",")]
+    layers = {"xla": nnx.split(target.layers[idx]), "kernel": nnx.split(prepared.layers[idx])}
+    moe_bytes = bytes_of(nnx.state(target.layers[idx].mlp))
+    layer_bytes = bytes_of(nnx.state(target.layers[idx]))
+    prefix = 1024
+    for m in ms:  # one MoE decoder layer
+        if time.time() > deadline:
+            print(f"kernel_layer: skipping M={m} and up (time budget)")
+            break
+        x = 0.1 * jax.random.normal(jax.random.key(m), (1, m, cfg.hidden_size), dt)
+        kv = jnp.zeros((1, prefix + m, cfg.latent_dim), dt)
+        cos, sin = rope_cos_sin(prefix + jnp.arange(m)[None], cfg.rope, cfg.qk_rope_head_dim)
+        row = {"bench": "kernel_layer", "M": m}
+        outs = {}
+        for path, (ldef, lstate) in layers.items():
+            step = jax.jit(lambda st, x, kv, ldef=ldef: nnx.merge(ldef, st)(
+                x, cos, sin, kv, jnp.array([prefix]), causal_mask(1, m), Runtime())[0])
+            try:
+                t1 = time.perf_counter()
+                outs[path] = jax.block_until_ready(step(lstate, x, kv))
+                row[f"{path}_compile_s"] = time.perf_counter() - t1
+                row[f"{path}_ms"] = 1e3 * time_fn(step, lstate, x, kv, repeats=args.repeats)["median_s"]
+                if path == "kernel" and m == ms[0]:
+                    row["kernel_in_program"] = "int4_moe_gate_up" in step.lower(lstate, x, kv).as_text()
+            except Exception as e:  # keep the other path's numbers
+                row[f"{path}_error"] = f"{type(e).__name__}: {e}"[:300]
+        experts = cfg.n_routed_experts * (1 - (1 - cfg.num_experts_per_tok / cfg.n_routed_experts) ** m)
+        floor_s = (layer_bytes - moe_bytes + experts / cfg.n_routed_experts * moe_bytes) / bandwidth
+        row["floor_ms"] = 1e3 * floor_s
+        if "xla_ms" in row and "kernel_ms" in row:
+            row["speedup"] = row["xla_ms"] / row["kernel_ms"]
+            row["kernel_pct_of_bw"] = 100 * 1e3 * floor_s / row["kernel_ms"]
+            row["rel_diff"] = rel_diff(outs["kernel"].astype(jnp.float32), outs["xla"].astype(jnp.float32))
+        rows.append(row)
+        print(row, flush=True)
+
+    rng = np.random.default_rng(3)
+    graphs = {"xla": nnx.split(target), "kernel": nnx.split(prepared)}
+    p = args.prompt_len
+    for m in ms:  # the verify forward of the whole target
+        if time.time() > deadline:
+            print(f"kernel_verify: skipping M={m} and up (time budget)")
+            break
+        b, t = verify_shape(m)
+        depth, vis = random_trees(rng, b, t)
+        tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, t)), jnp.int32)
+        positions = jnp.asarray(p + depth)
+        cache = init_cache(cfg, b, p + t)
+        cache = dataclasses.replace(cache, lengths=jnp.full((b,), p, jnp.int32))
+        row = {"bench": "kernel_verify", "M": m, "streams": b, "tree_tokens": t, "prefix": p}
+        outs = {}
+        for path, (gdef, gstate) in graphs.items():
+            fwd = jax.jit(lambda st, tok, pos, c, v, gdef=gdef: nnx.merge(gdef, st)(tok, pos, c, v).logits)
+            try:
+                t1 = time.perf_counter()
+                outs[path] = jax.block_until_ready(fwd(gstate, tokens, positions, cache, jnp.asarray(vis)))
+                row[f"{path}_compile_s"] = time.perf_counter() - t1
+                row[f"{path}_ms"] = 1e3 * time_fn(fwd, gstate, tokens, positions, cache, jnp.asarray(vis),
+                                                  repeats=args.repeats)["median_s"]
+            except Exception as e:
+                row[f"{path}_error"] = f"{type(e).__name__}: {e}"[:300]
+        if "xla_ms" in row and "kernel_ms" in row:
+            row["speedup"] = row["xla_ms"] / row["kernel_ms"]
+            row["rel_diff"] = rel_diff(outs["kernel"], outs["xla"])
+            agree = np.asarray(outs["kernel"]).argmax(-1) == np.asarray(outs["xla"]).argmax(-1)
+            row["argmax_agree"] = float(np.mean(agree))
+        rows.append(row)
+        print(row, flush=True)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--size", choices=["full", "tiny"], default="tiny")
@@ -221,7 +340,8 @@ def main():
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--time-budget-s", type=float, default=400)
-    p.add_argument("--sections", default="layer,round_split,no_host_sync,engine")
+    p.add_argument("--sections", default="layer,round_split,no_host_sync,engine,kernel")
+    p.add_argument("--kernel-ms", default="1,9,33,65,264,528", help="tokens per step M of section kernel")
     p.add_argument("--commit", default=None, help="commit hash to record (the device copy has no git)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -238,6 +358,7 @@ def main():
         "round_split": lambda: engines.update(ddtree=bench_round_split(target, drafter, args, rows)[0]),
         "no_host_sync": lambda: bench_no_host_sync(engines["ddtree"], args, rows),
         "engine": lambda: bench_engine(target, drafter, args, deadline, rows),
+        "kernel": lambda: bench_kernel_path(target, args, deadline, rows, bandwidth),
     }
     for name in args.sections.split(","):
         if time.time() > deadline:
@@ -253,11 +374,11 @@ def main():
     if args.commit:
         payload["commit_override"] = args.commit
     path = write_result(f"bench_engine_{args.size}", payload, args.out)
-    for bench in ("layer", "round_split", "engine", "no_host_sync"):
+    for bench in ("layer", "round_split", "engine", "no_host_sync", "kernel_layer", "kernel_verify"):
         sel = [r for r in rows if r.get("bench") == bench]
         if sel:
             print(f"\n== {bench}")
-            print_table(sel, [k for k in sel[0] if k != "bench"])
+            print_table(sel, list(dict.fromkeys(k for r in sel for k in r if k != "bench")))
     print(f"\nwrote {path}; total {time.time() - start:.0f}s")
 
 

@@ -21,6 +21,8 @@ So extracting nibble s from a contiguous [rows, W] tile of words yields the cont
 Scales are stored group-major, [E, I/G, O], so one group's scales for a row block are one contiguous
 load. The gate rows and the up rows of w13 (and their scales) are stored permuted by
 ``join_perm(F, W2)`` (for the "join" design below). ``to_compressed_tensors`` undoes all of it, bit-exact.
+The model holds each stack as a ``PlanarInt4`` leaf (experts leading, so expert parallelism splits it);
+``Int4ExpertWeights.from_leaves`` joins a layer's two leaves for the kernel without copying.
 
 Kernel (Pallas, Triton backend)
 -------------------------------
@@ -31,7 +33,9 @@ is the N side of the dot and the weights are the M side ("swap AB": one token pe
 weight reads). Kernel 1 (grid tiles x F/BN1 x split-K) streams gate and up rows of the tile's expert,
 does the SiLU*up epilogue and writes h^T [F, P]; kernel 2 (grid tiles x D/BN2 x split-K) streams down rows
 and multiplies by the routing weight, writing y^T [D, P] (f32); XLA adds the pair rows into y [M, D]
-(and split-K partial sums). No work is done for experts with no tokens.
+(and split-K partial sums). No work is done for experts with no tokens. Under expert parallelism the
+weights hold experts expert_offset .. expert_offset + E - 1; pairs routed to other experts get no row.
+``routed_experts`` runs the kernel when lowered for CUDA and the twin elsewhere (``lax.platform_dependent``).
 
 Two inner loops (``design=``), measured on one H200 (experiments/results/bench_moe_h200.md):
   "planes" (default): per 256-column block, eight K=32 dots, one per nibble plane, each scaled in f32 by
@@ -58,6 +62,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
+from jax.sharding import NamedSharding, PartitionSpec
 
 try:  # Triton backend params (present in 0.10.2 and 0.11.x, deprecated in 0.11).
     from jax.experimental.pallas import triton as pltriton
@@ -115,17 +120,136 @@ def _from_planar(planar, bw: int):
     return _pack_nibbles(jnp.swapaxes(nib, -1, -2).reshape(o, n, PACK))
 
 
+def _gate_up_rows(o: int, row_bw: int) -> np.ndarray:
+    """Natural row index of each stored row of a gate/up stack of O = 2F rows (``join_perm`` per half)."""
+    f = o // 2
+    perm = join_perm(f, row_bw)
+    return np.concatenate([perm, f + perm]).astype(np.int32)
+
+
+def _expert_to_planar(packed, scale, *, bw: int, row_bw: int):
+    """One expert: compressed-tensors int32 [O, I/8], scale [O, I/G] -> planar [O, I/8], scale [I/G, O]."""
+    if row_bw:
+        rows = jnp.asarray(_gate_up_rows(packed.shape[0], row_bw))
+        packed, scale = packed[rows], scale[rows]
+    return _to_planar(packed, bw), scale.T
+
+
+def _expert_from_planar(planar, scale_gm, *, bw: int, row_bw: int):
+    """Inverse of ``_expert_to_planar``."""
+    packed, scale = _from_planar(planar, bw), scale_gm.T
+    if row_bw:
+        inv = jnp.asarray(np.argsort(_gate_up_rows(planar.shape[0], row_bw)).astype(np.int32))
+        packed, scale = packed[inv], scale[inv]
+    return packed, scale
+
+
+@functools.partial(jax.jit, static_argnames=("inverse", "bw", "row_bw", "mesh", "axis"))
+def _convert_stack(packed, scale, *, inverse: bool, bw: int, row_bw: int, mesh, axis):
+    """Converts a stack [E, ...] one expert at a time (lax.map: temporaries of one expert only). A stack
+    split along experts over ``mesh`` axis ``axis`` is converted where it lives (shard_map), never gathered."""
+    one = functools.partial(_expert_from_planar if inverse else _expert_to_planar, bw=bw, row_bw=row_bw)
+
+    def body(p, s):
+        return jax.lax.map(lambda a: one(*a), (p, s))
+
+    if mesh is None:
+        return body(packed, scale)
+    spec = PartitionSpec(axis)
+    return jax.shard_map(body, mesh=mesh, in_specs=(spec, spec), out_specs=(spec, spec))(packed, scale)
+
+
+def _expert_mesh(x):
+    """(mesh, mesh axis) when ``x`` is placed by a NamedSharding split along its leading axis, else (None, None)."""
+    sharding = getattr(x, "sharding", None)
+    if isinstance(sharding, NamedSharding) and len(sharding.spec) and sharding.spec[0] is not None:
+        return sharding.mesh, sharding.spec[0]
+    return None, None
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["packed", "scale"],
+                   meta_fields=["block_words", "row_block_words"])
+@dataclasses.dataclass(frozen=True)
+class PlanarInt4:
+    """One INT4 expert stack (W [E, O, I], PyTorch [out, in] per expert) in the kernel's planar layout.
+
+    packed  int32 [E, O, I/8]  planar nibble order in blocks of ``block_words`` words (module doc)
+    scale         [E, I/G, O]  group-major; dtype kept from the checkpoint (bf16 for K2.6)
+    row_block_words: 0 for a plain stack (w2); for a gate/up stack (w13, O = 2F, gate rows first) the
+    rows of each half are stored in ``join_perm(F, row_block_words)`` order (the down stack's
+    block_words), so that kernel 1 writes h in kernel 2's order. The expert axis stays leading, so
+    expert-parallel sharding splits both arrays like the compressed-tensors ones.
+    """
+    packed: jax.Array
+    scale: jax.Array
+    block_words: int
+    row_block_words: int = 0
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Logical [E, O, I] (as ``QuantArray.shape``)."""
+        return tuple(self.packed.shape[:-1]) + (self.packed.shape[-1] * PACK,)
+
+    @property
+    def group_size(self) -> int:
+        return self.shape[-1] // self.scale.shape[-2]
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.size * 4 + self.scale.size * self.scale.dtype.itemsize
+
+    @classmethod
+    def from_compressed_tensors(cls, packed, scale, *, gate_up: bool) -> "PlanarInt4":
+        """One-time repack of packed int32 [E, O, I/8], scale [E, O, I/G] (compressed-tensors, stacked
+        over experts; ``gate_up``: a w13 stack, gate rows then up rows). Bit-exact inverse:
+        ``to_compressed_tensors``. Raises ValueError for shapes or group sizes the layout cannot hold."""
+        if getattr(packed, "dtype", None) != jnp.int32 or len(packed.shape) != 3 or len(scale.shape) != 3:
+            raise ValueError(f"expected packed int32 [E, O, I/8] and scale [E, O, I/G], got "
+                             f"{getattr(packed, 'dtype', type(packed))} {tuple(packed.shape)} and {tuple(scale.shape)}")
+        e, o, n = packed.shape
+        i = n * PACK
+        if tuple(scale.shape[:2]) != (e, o) or i % scale.shape[2]:
+            raise ValueError(f"scale {tuple(scale.shape)} does not match packed {tuple(packed.shape)} "
+                             f"(in-dim {i} must split into whole scale groups)")
+        group = i // scale.shape[2]
+        if group % PACK:
+            raise ValueError(f"group_size {group} is not a multiple of {PACK}")
+        if gate_up and o % 2:
+            raise ValueError(f"a gate/up stack needs an even row count, got {o}")
+        bw = _block_words(i, group)
+        row_bw = _block_words(o // 2, group) if gate_up else 0
+        mesh, axis = _expert_mesh(packed)
+        planar, scale_gm = _convert_stack(jnp.asarray(packed), jnp.asarray(scale), inverse=False, bw=bw,
+                                          row_bw=row_bw, mesh=mesh, axis=axis)
+        return cls(packed=planar, scale=scale_gm, block_words=bw, row_block_words=row_bw)
+
+    def to_compressed_tensors(self) -> tuple[jax.Array, jax.Array]:
+        """(packed int32 [E, O, I/8], scale [E, O, I/G]) exactly as before the repack."""
+        mesh, axis = _expert_mesh(self.packed)
+        return _convert_stack(self.packed, self.scale, inverse=True, bw=self.block_words,
+                              row_bw=self.row_block_words, mesh=mesh, axis=axis)
+
+    def dequantize_expert(self, e, dtype) -> jax.Array:
+        """W_e [O, I] of expert ``e`` (may be traced) in ``dtype``, rows in natural order: the same
+        values as dequantising the compressed-tensors layout (``quant.dequantize_int4``)."""
+        w = _dequant_planar(self.packed[e], self.scale[e], self.block_words, dtype)
+        if self.row_block_words:
+            w = w[jnp.asarray(np.argsort(_gate_up_rows(w.shape[0], self.row_block_words)).astype(np.int32))]
+        return w
+
+
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["w13", "w13_scale", "w2", "w2_scale"],
                    meta_fields=["group_size", "w13_block_words", "w2_block_words"])
 @dataclasses.dataclass(frozen=True)
 class Int4ExpertWeights:
-    """INT4 routed-expert weights of one layer in the kernel's planar layout.
+    """INT4 routed-expert weights of one layer in the kernel's planar layout (the kernel's argument).
 
-    w13        int32 [E, 2F, D/8]   gate rows 0..F-1, up rows F..2F-1 (planar nibble order, module doc)
-    w13_scale  bf16  [E, D/G, 2F]   group-major scales
+    w13        int32 [E, 2F, D/8]   gate rows then up rows, each half in join_perm(F, w2_block_words) order
+    w13_scale        [E, D/G, 2F]   group-major scales, rows ordered as w13
     w2         int32 [E, D, F/8]
-    w2_scale   bf16  [E, F/G, D]
+    w2_scale         [E, F/G, D]
+    The model stores the two stacks as ``PlanarInt4`` leaves (``leaves`` / ``from_leaves``, no copy).
     """
     w13: jax.Array
     w13_scale: jax.Array
@@ -148,39 +272,55 @@ class Int4ExpertWeights:
         return self.w13.shape[1] // 2
 
     @classmethod
+    def from_leaves(cls, w13: PlanarInt4, w2: PlanarInt4) -> "Int4ExpertWeights":
+        """One layer's weights from its gate/up and down stacks in kernel layout (no copy)."""
+        if not (isinstance(w13, PlanarInt4) and isinstance(w2, PlanarInt4)):
+            raise TypeError(f"expected two PlanarInt4 stacks, got {type(w13).__name__} and {type(w2).__name__}")
+        e, two_f, d = w13.shape
+        if (w2.shape != (e, d, two_f // 2) or not w13.row_block_words or w2.row_block_words
+                or w13.row_block_words != w2.block_words or w13.group_size != w2.group_size):
+            raise ValueError(f"w13 {w13.shape} (row blocks {w13.row_block_words}) and w2 {w2.shape} "
+                             f"(row blocks {w2.row_block_words}) are not one layer's gate/up and down stacks")
+        return cls(w13=w13.packed, w13_scale=w13.scale, w2=w2.packed, w2_scale=w2.scale,
+                   group_size=w13.group_size, w13_block_words=w13.block_words, w2_block_words=w2.block_words)
+
+    def leaves(self) -> tuple[PlanarInt4, PlanarInt4]:
+        """(w13, w2) as PlanarInt4 stacks (no copy)."""
+        return (PlanarInt4(self.w13, self.w13_scale, self.w13_block_words, self.w2_block_words),
+                PlanarInt4(self.w2, self.w2_scale, self.w2_block_words))
+
+    @classmethod
     def from_compressed_tensors(cls, w13_packed, w13_scale, w2_packed, w2_scale) -> "Int4ExpertWeights":
         """One-time repack. w13_packed int32 [E, 2F, D/8], w13_scale [E, 2F, D/G], w2_packed int32
         [E, D, F/8], w2_scale [E, D, F/G] (compressed-tensors layout, stacked over experts)."""
-        e, two_f, d8 = w13_packed.shape
-        d = d8 * PACK
-        f = two_f // 2
-        group = d // w13_scale.shape[-1]
-        if f // w2_scale.shape[-1] != group or w2_packed.shape != (e, d, f // PACK):
-            raise ValueError("inconsistent expert weight shapes")
-        b13, b2 = _block_words(d, group), _block_words(f, group)
-        rows = jnp.asarray(np.concatenate([join_perm(f, b2), f + join_perm(f, b2)]))  # gate/up rows -> h order
-        w13 = jax.lax.map(lambda p: _to_planar(p[rows], b13), jnp.asarray(w13_packed))  # per expert
-        w2 = jax.lax.map(lambda p: _to_planar(p, b2), jnp.asarray(w2_packed))
-        s13 = jnp.asarray(w13_scale, jnp.bfloat16)[:, rows]
-        return cls(w13=w13, w13_scale=jnp.swapaxes(s13, 1, 2),
-                   w2=w2, w2_scale=jnp.swapaxes(jnp.asarray(w2_scale, jnp.bfloat16), 1, 2),
-                   group_size=group, w13_block_words=b13, w2_block_words=b2)
+        return cls.from_leaves(PlanarInt4.from_compressed_tensors(w13_packed, w13_scale, gate_up=True),
+                               PlanarInt4.from_compressed_tensors(w2_packed, w2_scale, gate_up=False))
 
     def to_compressed_tensors(self):
         """Inverse of ``from_compressed_tensors``: (w13_packed, w13_scale, w2_packed, w2_scale)."""
-        inv = self._w13_row_inverse()
-        w13 = jax.lax.map(lambda p: _from_planar(p, self.w13_block_words)[inv], self.w13)
-        w2 = jax.lax.map(lambda p: _from_planar(p, self.w2_block_words), self.w2)
-        return w13, jnp.swapaxes(self.w13_scale, 1, 2)[:, inv], w2, jnp.swapaxes(self.w2_scale, 1, 2)
+        w13, w2 = self.leaves()
+        return (*w13.to_compressed_tensors(), *w2.to_compressed_tensors())
 
     def _w13_row_inverse(self):
         """Stored w13 row index of each natural (gate 0..F-1, up F..2F-1) row."""
-        f = self.d_ff
-        inv = np.argsort(join_perm(f, self.w2_block_words)).astype(np.int32)
-        return jnp.asarray(np.concatenate([inv, f + inv]))
+        return jnp.asarray(np.argsort(_gate_up_rows(2 * self.d_ff, self.w2_block_words)).astype(np.int32))
 
     def nbytes_per_expert(self) -> int:
         return sum(a[0].size * a.dtype.itemsize for a in (self.w13, self.w13_scale, self.w2, self.w2_scale))
+
+
+def kernel_tiling_error(weights: Int4ExpertWeights) -> str | None:
+    """Why the GPU kernel cannot take these weights, or None when it can.
+
+    The kernel is built (and measured) for group-32 scales; its per-plane dots need planar blocks of
+    >= 16 words, i.e. D and F multiples of 128 (256 for one scale group per nibble plane, as at K2.6).
+    """
+    if weights.group_size != 32:
+        return f"group_size {weights.group_size}: the INT4 GPU kernel takes group-32 scales only"
+    if min(weights.w13_block_words, weights.w2_block_words) < 16:
+        return (f"D={weights.d_model}, F={weights.d_ff}: planar blocks of {weights.w13_block_words}/"
+                f"{weights.w2_block_words} words, the GPU kernel's dots need >= 16 (D and F multiples of 128)")
+    return None
 
 
 def _dequant_planar(planar, scale_gm, bw: int, dtype):
@@ -211,22 +351,27 @@ def default_tile(m: int, k: int, e: int) -> int:
 def _route(expert_ids, expert_weights, num_experts: int, tile: int):
     """Sorts the M*K pairs by expert, padding each expert's run to a multiple of ``tile`` rows.
 
-    Returns row_token int32 [P] (M for padding rows), row_weight f32 [P] (0 for padding rows),
-    tile_expert int32 [NT] (-1 for unused tiles), num_tiles int32 []; P = NT * tile.
+    expert_ids int32 [M, K] are local ids: pairs with an id outside [0, num_experts) (experts held by
+    another device under expert parallelism) get no row. Returns row_token int32 [P] (M for padding
+    rows), row_weight f32 [P] (0 for padding rows), tile_expert int32 [NT] (-1 for unused tiles),
+    num_tiles int32 []; P = NT * tile.
     """
     m, k = expert_ids.shape
     pairs = m * k
     nt = max_tiles(m, k, num_experts, tile)
     flat = expert_ids.reshape(-1).astype(jnp.int32)
+    flat = jnp.where((flat >= 0) & (flat < num_experts), flat, num_experts)  # non-local: sorted last
     order = jnp.argsort(flat, stable=True).astype(jnp.int32)
     sorted_e = flat[order]
-    counts = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
+    local = sorted_e < num_experts
+    sorted_e = jnp.minimum(sorted_e, num_experts - 1)
+    counts = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1, mode="drop")
     tiles_e = (counts + tile - 1) // tile
     tile_end = jnp.cumsum(tiles_e)
     tile_start = tile_end - tiles_e
     pair_start = jnp.cumsum(counts) - counts
     rank = jnp.arange(pairs, dtype=jnp.int32) - pair_start[sorted_e]
-    pos = tile_start[sorted_e] * tile + rank
+    pos = jnp.where(local, tile_start[sorted_e] * tile + rank, nt * tile)
     row_pair = jnp.full((nt * tile,), pairs, jnp.int32).at[pos].set(order, mode="drop")
     row_token = jnp.where(row_pair < pairs, row_pair // k, m).astype(jnp.int32)
     w_flat = jnp.concatenate([expert_weights.reshape(-1).astype(jnp.float32), jnp.zeros((1,), jnp.float32)])
@@ -247,17 +392,20 @@ def _combine(y_rows, row_token, m: int, dtype):
 # ----------------------------------------------------------------------------------------------
 # Pure-JAX twin (also the CPU production path)
 # ----------------------------------------------------------------------------------------------
-def int4_moe_ref(x, expert_ids, expert_weights, weights: Int4ExpertWeights, *, tile: int | None = None):
+def int4_moe_ref(x, expert_ids, expert_weights, weights: Int4ExpertWeights, *, tile: int | None = None,
+                 expert_offset: int | jax.Array = 0, out_dtype=None):
     """XLA twin of ``int4_moe``: same routing and tiling, one loop step per non-empty tile; an expert's
     weights are dequantised once per run of tiles (cached in the loop carry), never for idle experts.
 
-    x [M, D], expert_ids int32 [M, K], expert_weights f32 [M, K] -> y [M, D] in x.dtype.
+    x [M, D], expert_ids int32 [M, K] (global ids), expert_weights f32 [M, K] -> y [M, D] in
+    ``out_dtype`` (default x.dtype; the sum over experts is f32 either way). ``weights`` hold experts
+    expert_offset .. expert_offset + E - 1; pairs routed elsewhere contribute nothing.
     """
     m, d = x.shape
     k = expert_ids.shape[1]
     e_n, f = weights.num_experts, weights.d_ff
     t = tile or default_tile(m, k, e_n)
-    row_token, row_weight, tile_expert, num_tiles = _route(expert_ids, expert_weights, e_n, t)
+    row_token, row_weight, tile_expert, num_tiles = _route(expert_ids - expert_offset, expert_weights, e_n, t)
     x_pad = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)])[row_token]  # [P, D]
     dt = x.dtype
 
@@ -284,7 +432,7 @@ def int4_moe_ref(x, expert_ids, expert_weights, weights: Int4ExpertWeights, *, t
     init = (jnp.zeros((m + 1, d), jnp.float32), jnp.int32(-1),
             jnp.zeros((2 * f, d), dt), jnp.zeros((d, f), dt))
     y = jax.lax.fori_loop(0, num_tiles, body, init)[0]
-    return y[:m].astype(dt)
+    return y[:m].astype(out_dtype or dt)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -438,11 +586,13 @@ def _default_split(programs: int, nblk: int, target: int = 528) -> int:
 def int4_moe(x, expert_ids, expert_weights, weights: Int4ExpertWeights, *, interpret: bool = False,
              tile: int | None = None, block_n1: int = 64, block_n2: int = 64, num_warps: int = 4,
              num_stages: int = 3, split1: int | None = None, split2: int | None = None,
-             dequant: str | None = None, design: str = "planes", probe: str = ""):
+             dequant: str | None = None, design: str = "planes", probe: str = "",
+             expert_offset: int | jax.Array = 0, out_dtype=None):
     """Routed experts with the Pallas kernels. Same contract as ``int4_moe_ref``.
 
-    x [M, D] (bf16; f32 allowed in interpret mode), expert_ids int32 [M, K], expert_weights f32 [M, K],
-    weights: Int4ExpertWeights -> y [M, D] in x.dtype.
+    x [M, D] (bf16; f32 allowed in interpret mode), expert_ids int32 [M, K] (global ids), expert_weights
+    f32 [M, K], weights: Int4ExpertWeights of experts expert_offset .. expert_offset + E - 1 -> y [M, D]
+    in ``out_dtype`` (default x.dtype).
 
     Tuning: tile (T, tokens per tile; default from M), block_n1 (gate/up rows per program, each of gate
     and up), block_n2 (down rows per program), num_warps, num_stages, split1/split2 (split-K factors of
@@ -464,7 +614,7 @@ def int4_moe(x, expert_ids, expert_weights, weights: Int4ExpertWeights, *, inter
     bn1, bn2 = min(block_n1, f), min(block_n2, d)
     if f % bn1 or d % bn2:
         raise ValueError(f"block_n1={bn1} must divide F={f} and block_n2={bn2} must divide D={d}")
-    row_token, row_weight, tile_expert, _ = _route(expert_ids, expert_weights, e_n, t)
+    row_token, row_weight, tile_expert, _ = _route(expert_ids - expert_offset, expert_weights, e_n, t)
     nt = tile_expert.shape[0]
     p = nt * t
     bw13, bw2 = weights.w13_block_words, weights.w2_block_words
@@ -485,7 +635,7 @@ def int4_moe(x, expert_ids, expert_weights, weights: Int4ExpertWeights, *, inter
     if probe == "glue":  # benchmark only: the XLA routing/gather/combine around the kernels, no kernels
         h_t = (x_t[:f] * 0).astype(x.dtype) if d >= f else jnp.zeros((f, p), x.dtype)
         y_t = (x_t * tile_expert.sum()).astype(jnp.float32)[None]
-        return _combine(y_t.sum(0).T, row_token, m, x.dtype)
+        return _combine(y_t.sum(0).T, row_token, m, out_dtype or x.dtype)
 
     h_shape = (f, p) if s1 == 1 else (s1, 2, f, p)
     h_t = pl.pallas_call(
@@ -506,14 +656,29 @@ def int4_moe(x, expert_ids, expert_weights, weights: Int4ExpertWeights, *, inter
         grid=(nt, d // bn2, s2), interpret=interpret, compiler_params=params,
         name="int4_moe_down",
     )(tile_expert, row_weight, h_t, weights.w2, weights.w2_scale)
-    return _combine(y_t.sum(0).T, row_token, m, x.dtype)
+    return _combine(y_t.sum(0).T, row_token, m, out_dtype or x.dtype)
 
 
-def routed_experts(x, expert_ids, expert_weights, weights: Int4ExpertWeights):
-    """The model's entry point: the Pallas kernel on GPU, the XLA twin elsewhere (chosen by platform)."""
-    if jax.default_backend() == "gpu":
-        return int4_moe(x, expert_ids, expert_weights, weights)
-    return int4_moe_ref(x, expert_ids, expert_weights, weights)
+def routed_experts(x, expert_ids, expert_weights, weights: Int4ExpertWeights, *,
+                   expert_offset: int | jax.Array = 0, out_dtype=None, interpret: bool = False, **tuning):
+    """Dispatcher: the Pallas kernel when lowered for CUDA, the XLA twin on any other platform.
+
+    Same contract as ``int4_moe_ref``. The choice is made per lowering platform
+    (``lax.platform_dependent``), not from environment or global state, so one jitted program runs on a
+    CPU host and on the H200. Activations other than bf16, and weights the kernel cannot tile
+    (``kernel_tiling_error``), run the twin on every platform. ``interpret=True`` forces the kernel
+    through the Pallas interpreter on every platform (tests); ``tuning`` goes to ``int4_moe``.
+    """
+    kw = dict(out_dtype=out_dtype)
+    offset = jnp.asarray(expert_offset, jnp.int32)
+    if interpret:
+        return int4_moe(x, expert_ids, expert_weights, weights, interpret=True, expert_offset=offset, **kw, **tuning)
+    if x.dtype != jnp.bfloat16 or kernel_tiling_error(weights) is not None:
+        return int4_moe_ref(x, expert_ids, expert_weights, weights, expert_offset=offset, **kw)
+    return jax.lax.platform_dependent(
+        x, expert_ids, expert_weights, weights, offset,
+        cuda=lambda *a: int4_moe(*a[:4], expert_offset=a[4], **kw, **tuning),
+        default=lambda *a: int4_moe_ref(*a[:4], expert_offset=a[4], **kw))
 
 
 def weight_bytes_read(expert_ids, weights: Int4ExpertWeights) -> tuple[int, int]:

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from ddtree_jax.quant import dequantize_int4, pack_int4
-from pallas_kernels.int4_moe import (Int4ExpertWeights, _dequant_planar, _route, int4_moe, int4_moe_ref,
-                                     routed_experts)
+from pallas_kernels.int4_moe import (Int4ExpertWeights, PlanarInt4, _dequant_planar, _route, int4_moe,
+                                     int4_moe_ref, routed_experts)
 
 
 def make_ct(e, d, f, seed=0, group=32):
@@ -159,6 +159,51 @@ def test_dispatcher_uses_twin_on_cpu(tiny):
     a = jax.jit(routed_experts)(x, jnp.asarray(ids), jnp.asarray(w), wts)
     b = jax.jit(int4_moe_ref)(x, jnp.asarray(ids), jnp.asarray(w), wts)
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_planar_leaves_roundtrip_and_dequantize_bit_exact():
+    """Each stack alone (the model's leaves): f32 scales keep their dtype, rows dequantise in natural order."""
+    ct = make_ct(3, 256, 128, seed=4)
+    s13 = jnp.asarray(ct[1], jnp.float32) * 1.0001  # not bf16-representable: a cast would show
+    for packed, scale, gate_up in ((ct[0], s13, True), (ct[2], ct[3], False)):
+        leaf = PlanarInt4.from_compressed_tensors(packed, scale, gate_up=gate_up)
+        assert leaf.shape == (3, packed.shape[1], packed.shape[2] * 8) and leaf.scale.dtype == jnp.asarray(scale).dtype
+        back_p, back_s = leaf.to_compressed_tensors()
+        assert np.array_equal(np.asarray(back_p), np.asarray(packed))
+        assert back_s.dtype == jnp.asarray(scale).dtype and np.array_equal(np.asarray(back_s), np.asarray(scale))
+        want = dequantize_int4(packed[2], jnp.asarray(scale)[2], jnp.float32)
+        assert np.array_equal(np.asarray(leaf.dequantize_expert(2, jnp.float32)), np.asarray(want))
+    w = Int4ExpertWeights.from_compressed_tensors(*ct)
+    again = Int4ExpertWeights.from_leaves(*w.leaves())
+    assert all(a is b for a, b in zip(jax.tree.leaves(w), jax.tree.leaves(again)))
+
+
+def test_repack_refuses_bad_shapes():
+    ct = make_ct(2, 64, 32, seed=5)
+    with pytest.raises(ValueError, match="int32"):
+        PlanarInt4.from_compressed_tensors(np.asarray(ct[0], np.float32), ct[1], gate_up=True)
+    with pytest.raises(ValueError, match="scale groups"):
+        PlanarInt4.from_compressed_tensors(ct[0], np.concatenate([ct[1], ct[1][..., :1]], -1), gate_up=True)
+    a = PlanarInt4.from_compressed_tensors(ct[0], ct[1], gate_up=True)
+    with pytest.raises(ValueError, match="not one layer's"):
+        Int4ExpertWeights.from_leaves(a, a)
+
+
+@pytest.mark.parametrize("offset", [0, 3, 6])
+def test_expert_offset_keeps_only_local_experts(offset):
+    """Weights of experts offset..offset+3 only: pairs routed elsewhere add nothing (twin and kernel)."""
+    ct = make_ct(*TINY, seed=6)
+    ids, w = make_routing(9, 3, TINY[0], seed=offset)
+    x = np.random.default_rng(offset).standard_normal((9, TINY[1])).astype(np.float32)
+    lo, hi = offset, min(offset + 3, TINY[0])
+    local = Int4ExpertWeights.from_compressed_tensors(*(a[lo:hi] for a in ct))
+    w_local = np.where((ids >= lo) & (ids < hi), w, 0.0).astype(np.float32)
+    ref = dense_moe(x, ids, w_local, ct)
+    args = (jnp.asarray(x), jnp.asarray(ids), jnp.asarray(w), local)
+    y = jax.jit(functools.partial(int4_moe_ref, out_dtype=jnp.float32))(*args, expert_offset=jnp.int32(offset))
+    assert rel(y, ref) < 1e-5
+    yk = int4_moe(*args, interpret=True, expert_offset=offset, tile=4)
+    assert rel(yk, ref) < 1e-5
 
 
 # --- interpret-mode kernel vs twin (CPU) -------------------------------------------------------------

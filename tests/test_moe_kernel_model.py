@@ -1,0 +1,204 @@
+"""The INT4 kernel inside the model: prepare_for_kernels (load-time repack of every MoE layer) and back,
+forward parity with the compressed-tensors model (twin, XLA path, interpret-mode kernel), expert
+parallelism, the Engine, platform choice (lowered for CUDA on this CPU), errors, and a GPU check.
+
+Tiny configs with D = F = 128 (planar blocks of 16 words, the smallest the GPU kernel tiles).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from ddtree_jax.cache import init_cache
+from ddtree_jax.checkpoint import save_model
+from ddtree_jax.config import QuantConfig, tiny_config
+from ddtree_jax.drafter import DFlashDrafter, tiny_drafter_config
+from ddtree_jax.engine import Engine, EngineConfig
+from ddtree_jax.model import KimiModel, Runtime, causal_mask
+from ddtree_jax.moe import (KERNEL_AXES, W13_AXES, PlanarInt4, prepare_for_kernels, routed_experts_int4,
+                            routed_experts_xla, unprepare_for_kernels)
+from ddtree_jax.quant import QuantArray
+from ddtree_jax.safetensors_io import CheckpointError
+from ddtree_jax.sharding import DEFAULT_RULES, make_mesh, param_shardings
+from pallas_kernels.int4_moe import Int4ExpertWeights, int4_moe_ref
+
+KCFG = dict(hidden_size=128, moe_intermediate_size=128, quant=QuantConfig(group_size=32))
+
+
+def tiny_model(seed=0, dtype="float32", **overrides):
+    return KimiModel(tiny_config(dtype=dtype, **{**KCFG, **overrides}), nnx.Rngs(seed))
+
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def rel_norm(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "runtime"))
+def _forward(graphdef, state, tokens, runtime):
+    model = nnx.merge(graphdef, state)
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+    return model(tokens, positions, init_cache(model.cfg, b, t), causal_mask(b, t), runtime=runtime).logits
+
+
+def forward(model, tokens, runtime=Runtime(), state=None):
+    graphdef, own = nnx.split(model)
+    return _forward(graphdef, own if state is None else state, jnp.asarray(tokens), runtime)
+
+
+def twin_routed(x, ids, weights, w13, w2, *, expert_offset=0):
+    """The twin forced on every platform (the kernel path's reference on a GPU)."""
+    return int4_moe_ref(x, ids, weights, Int4ExpertWeights.from_leaves(w13, w2), expert_offset=expert_offset,
+                        out_dtype=jnp.float32)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    model = tiny_model()
+    return model, prepare_for_kernels(nnx.clone(model))
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return np.random.default_rng(0).integers(0, 256, (3, 11))
+
+
+def test_prepare_repacks_every_moe_layer_and_undoes_bit_exact(pair):
+    model, prepared = pair
+    for i, layer in enumerate(prepared.layers):
+        if i < model.cfg.first_k_dense_replace:
+            continue
+        for name in ("w13", "w2"):
+            param = getattr(layer.mlp, name)
+            assert isinstance(param.get_value(), PlanarInt4)
+            assert param.get_metadata()["logical_axes"] == KERNEL_AXES
+        assert isinstance(model.layers[i].mlp.w13.get_value(), QuantArray)  # the clone's source is untouched
+    assert prepare_for_kernels(prepared) is prepared  # prepared layers are left as they are
+    back = unprepare_for_kernels(nnx.clone(prepared))
+    assert back.layers[1].mlp.w13.get_metadata()["logical_axes"] == W13_AXES
+    orig, again = nnx.state(model), nnx.state(back)
+    assert jax.tree.structure(orig) == jax.tree.structure(again)
+    for a, b in zip(jax.tree.leaves(orig), jax.tree.leaves(again)):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+
+def test_prepared_forward_equals_compressed_tensors_forward(pair, tokens):
+    """CPU: the twin (default elsewhere than CUDA) within f32 rounding; the XLA path on the repacked
+    weights bit-exact (same dequantised values)."""
+    model, prepared = pair
+    ref = forward(model, tokens)
+    twin = forward(prepared, tokens)
+    assert rel(twin, ref) < 1e-5
+    forced = forward(prepared, tokens, Runtime(routed_fn=twin_routed))
+    np.testing.assert_array_equal(np.asarray(twin), np.asarray(forced))
+    xla = forward(prepared, tokens, Runtime(routed_fn=routed_experts_xla))
+    np.testing.assert_array_equal(np.asarray(xla), np.asarray(ref))
+
+
+@pytest.mark.parametrize("routed", ["twin", "interpret"])
+def test_expert_parallel_prepared_equals_unsharded(pair, tokens, routed):
+    """data=2 x model=4: two experts per device, each device's twin / interpret-mode kernel sees global
+    ids and its expert offset; equal to the unsharded compressed-tensors model."""
+    model, prepared = pair
+    mesh = make_mesh(data=2, model=4, devices=jax.devices("cpu"))  # 8 host devices (conftest), also beside a GPU
+    graphdef, state = nnx.split(prepared)
+    sharded = jax.device_put(state, param_shardings(state, mesh, DEFAULT_RULES))
+    w13 = sharded["layers"][1]["mlp"]["w13"].get_value()
+    assert w13.packed.addressable_shards[0].data.shape[0] == 2 and w13.scale.addressable_shards[0].data.shape[0] == 2
+    fn = None if routed == "twin" else functools.partial(routed_experts_int4, interpret=True, tile=4)
+    toks = tokens if routed == "twin" else tokens[:2, :4]
+    got = forward(prepared, toks, Runtime(mesh=mesh, rules=DEFAULT_RULES, routed_fn=fn), state=sharded)
+    assert rel(got, forward(model, toks)) < 1e-5
+
+
+def test_prepare_a_sharded_model_repacks_in_place(pair, tokens):
+    """A model already split over experts is repacked per device and stays split; values as unsharded."""
+    model, prepared = pair
+    mesh = make_mesh(data=2, model=4, devices=jax.devices("cpu"))
+    graphdef, state = nnx.split(nnx.clone(model))
+    sharded = nnx.merge(graphdef, jax.device_put(state, param_shardings(state, mesh, DEFAULT_RULES)))
+    prepare_for_kernels(sharded)
+    leaf = sharded.layers[2].mlp.w2.get_value()
+    assert leaf.packed.sharding.spec[0] == "model" and leaf.scale.sharding.spec[0] == "model"
+    want = prepared.layers[2].mlp.w2.get_value()
+    np.testing.assert_array_equal(np.asarray(leaf.packed), np.asarray(want.packed))
+    np.testing.assert_array_equal(np.asarray(leaf.scale), np.asarray(want.scale))
+    back = unprepare_for_kernels(sharded).layers[2].mlp.w2.get_value()
+    np.testing.assert_array_equal(np.asarray(back.packed), np.asarray(model.layers[2].mlp.w2.get_value().packed))
+
+
+def test_engine_greedy_prepared_equals_compressed_tensors():
+    """DDTree greedy decode (tree verify through the prepared MoE) == the compressed-tensors target."""
+    cfg = tiny_config(vocab_size=64, eos_token_ids=(), num_layers=2, **KCFG)
+    target = KimiModel(cfg, nnx.Rngs(0))
+    target.lm_head.set_value(target.lm_head.get_value() * 8)  # peaked, like a trained model
+    drafter = DFlashDrafter(tiny_drafter_config(cfg), nnx.Rngs(1))
+    prepared = prepare_for_kernels(nnx.clone(target))
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 64, int(rng.integers(2, 12))).tolist() for _ in range(4)]
+    ecfg = EngineConfig(mode="ddtree", budget=16, max_new_tokens=10, capacity=64)
+    a = Engine(target, drafter, ecfg).generate(prompts)
+    b = Engine(prepared, drafter, ecfg).generate(prompts)
+    assert a["tokens"] == b["tokens"] and a["rounds"] == b["rounds"]
+
+
+def abstract_prepared(allow_twin_only=False, **overrides):
+    """A prepared model of shapes only (nnx.eval_shape): for lowering and error checks, no compute."""
+    cfg = tiny_config(**{**KCFG, **overrides})
+    return nnx.eval_shape(lambda: prepare_for_kernels(KimiModel(cfg, nnx.Rngs(0)), allow_twin_only=allow_twin_only))
+
+
+@pytest.mark.parametrize("overrides,kernel", [(dict(dtype="bfloat16"), True), (dict(dtype="float32"), False),
+                                              (dict(dtype="bfloat16", hidden_size=64, moe_intermediate_size=32,
+                                                    allow_twin_only=True), False)])
+def test_kernel_chosen_when_lowered_for_cuda(overrides, kernel):
+    """Lowered for CUDA (on this CPU) a bf16 prepared model contains the Triton MoE kernels; f32
+    activations and twin-only shapes take the twin; lowered for CPU there is never a kernel."""
+    graphdef, state = nnx.split(abstract_prepared(**overrides))
+    toks = jax.ShapeDtypeStruct((1, 4), jnp.int32)
+    staged = jax.jit(lambda s, t: _forward(graphdef, s, t, Runtime())).trace(state, toks)
+    assert ("int4_moe_gate_up" in staged.lower(lowering_platforms=("cuda",)).as_text()) == kernel
+    assert "int4_moe_gate_up" not in staged.lower(lowering_platforms=("cpu",)).as_text()
+
+
+def test_bad_input_errors(pair, tmp_path):
+    model, prepared = pair
+    with pytest.raises(ValueError, match="not INT4"):
+        abstract_prepared(quant=None)
+    with pytest.raises(ValueError, match="group-32"):
+        abstract_prepared(quant=QuantConfig(group_size=64))
+    with pytest.raises(ValueError, match=r"layers\.1\.mlp: .*multiples of 128.*allow_twin_only"):
+        abstract_prepared(hidden_size=64, moe_intermediate_size=32)  # planar blocks of 8 / 4 words
+    with pytest.raises(TypeError, match="prepare_for_kernels"):
+        forward(model, np.zeros((1, 2), np.int32), Runtime(routed_fn=routed_experts_int4))
+    with pytest.raises(CheckpointError, match="unprepare_for_kernels"):
+        save_model(prepared, str(tmp_path / "ckpt"))
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_in_model_matches_twin_and_xla():
+    """bf16 on the GPU: the prepared model runs the Pallas kernel (in the compiled program) and its
+    logits match the twin's and the compressed-tensors XLA path's."""
+    model = tiny_model(dtype="bfloat16", hidden_size=256, moe_intermediate_size=256, n_routed_experts=16,
+                       num_experts_per_tok=4, num_layers=3)
+    prepared = prepare_for_kernels(nnx.clone(model))
+    toks = np.random.default_rng(5).integers(0, 256, (2, 33))
+    graphdef, state = nnx.split(prepared)
+    hlo = jax.jit(lambda s, t: _forward(graphdef, s, t, Runtime())).lower(state, jnp.asarray(toks)).as_text()
+    assert "int4_moe_gate_up" in hlo and "int4_moe_down" in hlo
+    kernel = forward(prepared, toks).astype(jnp.float32)
+    twin = forward(prepared, toks, Runtime(routed_fn=twin_routed)).astype(jnp.float32)
+    xla = forward(model, toks).astype(jnp.float32)
+    assert bool(jnp.all(jnp.isfinite(kernel)))
+    assert rel_norm(kernel, twin) < 2e-2 and rel_norm(kernel, xla) < 2e-2
