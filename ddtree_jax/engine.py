@@ -152,7 +152,8 @@ class Engine:
                 self.runtime.mesh, self.runtime.rules or DEFAULT_RULES, CACHE_AXES)))
         return _prefill(self.target_def, self.target_state, self.drafter_def, self.drafter_state, cache, draft_cache,
                         jnp.asarray(tokens), jnp.asarray(lengths), jnp.float32(temperature), jax.random.key(seed),
-                        ecfg=ecfg, runtime=self.runtime, taps=self.taps, depth=self.depth)
+                        max_new_tokens=ecfg.max_new_tokens, eos_ids=ecfg.eos_ids, runtime=self.runtime,
+                        taps=self.taps, depth=self.depth)
 
     def run(self, state: DecodeState, temperature: float = 0.0) -> DecodeState:
         """Dispatches rounds (``rounds_per_dispatch`` per call) until every stream has stopped."""
@@ -200,10 +201,14 @@ def _sample(logits, temperature, key):
     return sample_target_tokens(logits[:, None, :], temperature, key)[:, 0]
 
 
-@functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "ecfg", "runtime", "taps", "depth"),
+@functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "max_new_tokens", "eos_ids", "runtime",
+                                             "taps", "depth"),
                    donate_argnames=("cache", "draft_cache"))
 def _prefill(target_def, target_state, drafter_def, drafter_state, cache, draft_cache, tokens, lengths, temperature,
-             key, *, ecfg: EngineConfig, runtime: Runtime, taps: tuple[int, ...], depth: int) -> DecodeState:
+             key, *, max_new_tokens: int, eos_ids: tuple[int, ...], runtime: Runtime, taps: tuple[int, ...],
+             depth: int) -> DecodeState:
+    # Keyed on the few EngineConfig fields it reads (not mode / budget), so engines that differ only
+    # in those share one compiled prefill.
     target = nnx.merge(target_def, target_state)
     cfg = target.cfg
     b, p = tokens.shape
@@ -222,12 +227,12 @@ def _prefill(target_def, target_state, drafter_def, drafter_state, cache, draft_
         cache=cache, draft_cache=draft_cache, bonus=bonus,
         ctx_taps=jnp.zeros((n_taps, b, depth + 1, dm), jnp.dtype(cfg.dtype)),
         ctx_counts=jnp.zeros((b,), jnp.int32), ctx_start=lengths,
-        out_tokens=jnp.full((b, ecfg.max_new_tokens), PAD, jnp.int32), num_out=jnp.zeros((b,), jnp.int32),
+        out_tokens=jnp.full((b, max_new_tokens), PAD, jnp.int32), num_out=jnp.zeros((b,), jnp.int32),
         status=jnp.full((b,), RUNNING, jnp.int32), rounds=jnp.zeros((b,), jnp.int32),
         tau_hist=jnp.zeros((b, depth + 2), jnp.int32), key=key,
     )
     out_tokens, num_out, status = _stop_and_emit(state, bonus[:, None], jnp.ones((b,), jnp.int32),
-                                                 jnp.ones((b,), bool), ecfg.eos_ids, ecfg.max_new_tokens)
+                                                 jnp.ones((b,), bool), eos_ids, max_new_tokens)
     return dataclasses.replace(state, out_tokens=out_tokens, num_out=num_out, status=status)
 
 
