@@ -82,6 +82,14 @@ def load_models(args):
     return target, drafter
 
 
+def load_pair(args):
+    """(target, drafter or None, tokenizer, eos_ids) for ``args`` as ``main`` uses them."""
+    target, drafter = load_models(args)
+    tokenizer = load_tokenizer(None if args.target == "random" else args.target, target.cfg.vocab_size)
+    eos_ids = tuple(target.cfg.eos_token_ids) if args.target != "random" else ()
+    return target, drafter, tokenizer, eos_ids
+
+
 def read_prompts(args, tokenizer):
     if args.prompt_ids:
         return [[int(t) for t in s.split()] for s in args.prompt_ids]
@@ -127,30 +135,48 @@ def draw_tree(tree_tokens, parents, accepted_path, tokenizer, max_children=3, ma
     return "\n".join(lines)
 
 
-def run_mode(target, drafter, mode, args, prompts, tokenizer, eos_ids):
-    ecfg = EngineConfig(mode=mode, budget=args.budget, max_new_tokens=args.max_new_tokens, capacity=args.capacity,
-                        eos_ids=eos_ids)
-    engine = Engine(target, drafter if mode != "ar" else None, ecfg)
-    streams = args.streams or len(prompts)
-    batches = [prompts[i:i + streams] for i in range(0, len(prompts), streams)]
-    t0 = time.perf_counter()
-    engine.generate(batches[0], args.temperature, args.seed)  # compile (and warm) once
-    compile_s = time.perf_counter() - t0
-    results = [engine.generate(batch, args.temperature, args.seed + i) for i, batch in enumerate(batches)]
+def split_batches(prompts, streams):
+    """Consecutive batches of ``streams`` prompts (the last one may be smaller)."""
+    return [prompts[i:i + streams] for i in range(0, len(prompts), streams)]
+
+
+def merge_results(results):
+    """Joins ``Engine.generate`` results of consecutive batches: (tokens, status, metrics).
+
+    tau: tokens emitted per stream-round incl. the bonus (the prefill token excluded), as the engine
+    counts it; tokens_per_round_batch: all new tokens / rounds run (a batch runs as many rounds as its
+    longest stream); tokens_per_s: new tokens / decode time (prefill excluded); tau_hist[k]: stream-rounds
+    that emitted k tokens.
+    """
     tokens = [t for r in results for t in r["tokens"]]
     status = [s for r in results for s in r["status"]]
     rounds = sum(sum(r["rounds"]) for r in results)
     emitted = sum(r["new_tokens"] - len(r["tokens"]) for r in results)  # minus the prefill token per stream
     decode_s = sum(r["decode_s"] for r in results)
+    new_tokens = sum(r["new_tokens"] for r in results)
     metrics = {
-        "mode": mode, "budget": args.budget if mode == "ddtree" else None, "streams": streams,
         "tau": emitted / max(rounds, 1), "rounds": rounds,
-        "tokens_per_round_batch": sum(r["new_tokens"] for r in results) / max(
-            sum(max(r["rounds"]) for r in results), 1),
-        "tokens_per_s": sum(r["new_tokens"] for r in results) / decode_s if decode_s else float("nan"),
-        "compile_and_first_run_s": compile_s, "decode_s": decode_s,
+        "tokens_per_round_batch": new_tokens / max(sum(max(r["rounds"]) for r in results), 1),
+        "tokens_per_s": new_tokens / decode_s if decode_s else float("nan"),
+        "new_tokens": new_tokens, "decode_s": decode_s, "prefill_s": sum(r["prefill_s"] for r in results),
         "tau_hist": np.sum([r["tau_hist"] for r in results], axis=0).tolist(),
     }
+    return tokens, status, metrics
+
+
+def run_mode(target, drafter, mode, args, prompts, tokenizer, eos_ids):
+    ecfg = EngineConfig(mode=mode, budget=args.budget, max_new_tokens=args.max_new_tokens, capacity=args.capacity,
+                        eos_ids=eos_ids)
+    engine = Engine(target, drafter if mode != "ar" else None, ecfg)
+    streams = args.streams or len(prompts)
+    batches = split_batches(prompts, streams)
+    t0 = time.perf_counter()
+    engine.generate(batches[0], args.temperature, args.seed)  # compile (and warm) once
+    compile_s = time.perf_counter() - t0
+    results = [engine.generate(batch, args.temperature, args.seed + i) for i, batch in enumerate(batches)]
+    tokens, status, metrics = merge_results(results)
+    metrics = {"mode": mode, "budget": args.budget if mode == "ddtree" else None, "streams": streams, **metrics,
+               "compile_and_first_run_s": compile_s}
     picture = None
     if mode != "ar":
         tree, acc = inspect_round(engine, prompts[:1], args.temperature, args.seed)
@@ -160,10 +186,8 @@ def run_mode(target, drafter, mode, args, prompts, tokenizer, eos_ids):
 
 def main(argv=None):
     args = parse_args(argv)
-    target, drafter = load_models(args)
-    tokenizer = load_tokenizer(None if args.target == "random" else args.target, target.cfg.vocab_size)
+    target, drafter, tokenizer, eos_ids = load_pair(args)
     prompts = read_prompts(args, tokenizer)
-    eos_ids = tuple(target.cfg.eos_token_ids) if args.target != "random" else ()
     modes = ["ar", "dflash", "ddtree"] if args.mode == "all" else (
         ["ar", args.mode] if args.compare and args.mode != "ar" else [args.mode])
     print(f"target: {args.target}  layers={target.cfg.num_layers} hidden={target.cfg.hidden_size} "

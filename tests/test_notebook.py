@@ -1,0 +1,69 @@
+"""notebooks/eval.ipynb executes top to bottom (nbclient, kernel python3) without a cell error.
+
+The kernel starts in a temporary directory; the notebook finds the checkout from ddtree_jax's location
+(editable install) and this test also puts the checkout on PYTHONPATH. It runs the notebook's small
+default grid on the shipped trained pair, including its AR-losslessness assertion.
+"""
+
+import dataclasses
+import json
+import os
+import time
+
+import nbformat
+from nbclient import NotebookClient
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NOTEBOOK = os.path.join(ROOT, "notebooks", "eval.ipynb")
+
+
+def test_notebook_committed_without_outputs():
+    with open(NOTEBOOK) as f:
+        nb = json.load(f)
+    for cell in nb["cells"]:
+        if cell["cell_type"] == "code":
+            assert cell["outputs"] == [] and cell["execution_count"] is None, "clear outputs before committing"
+
+
+def test_eval_notebook_executes(tmp_path):
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    # one CPU device as a user has (tests/conftest.py forces 8 fake ones for the sharding tests)
+    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                                if not f.startswith("--xla_force_host_platform_device_count"))
+    env["MPLBACKEND"] = "module://matplotlib_inline.backend_inline"
+    client = NotebookClient(nb, kernel_name="python3", timeout=600, resources={"metadata": {"path": str(tmp_path)}})
+    t0 = time.perf_counter()
+    client.execute(env=env)  # raises CellExecutionError naming the failing cell
+    print(f"notebook executed in {time.perf_counter() - t0:.0f} s")
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+    assert not [o for o in outputs if o.get("output_type") == "error"]
+    images = [o for o in outputs if "image/png" in o.get("data", {})]
+    assert len(images) == 3, f"expected the three plots, got {len(images)} images"
+
+
+def test_eval_grid_lossless_check_and_prompt_files(tmp_path):
+    """The grid's AR comparison names the first differing token; a prompts file cut with another
+    tokenizer is refused. (No model needed.)"""
+    import pytest
+
+    from experiments import eval_grid
+
+    rec = {"temperature": 0.0, "mode": "ddtree", "budget": 8, "streams": 1, "identical_to_ar": False,
+           "difference": eval_grid._first_difference([[1, 2, 3]], [[1, 2, 4]])}
+    assert "token 2" in rec["difference"]
+    with pytest.raises(eval_grid.LosslessError, match="DDTree-8"):
+        eval_grid.assert_lossless([rec])
+    assert eval_grid.assert_lossless([dict(rec, identical_to_ar=True)]) == 1
+
+    class Tok:
+        def decode(self, ids):
+            return " ".join(map(str, ids))
+
+    pair = eval_grid.Pair(None, None, Tok(), (), "tok:a", {})
+    path = str(tmp_path / "prompts.json")
+    eval_grid.export_prompts(path, [[5, 6], [7]], pair, {"source": "test"})
+    assert eval_grid.read_prompts_file(path, pair, 1)[0] == [[5, 6]]
+    with pytest.raises(ValueError, match="re-export"):
+        eval_grid.read_prompts_file(path, dataclasses.replace(pair, tokenizer_id="tok:b"))
