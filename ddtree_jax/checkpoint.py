@@ -30,6 +30,7 @@ import uuid
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
@@ -198,12 +199,22 @@ class CheckpointWriter:
             self.abort()
 
 
+def _stored(value, storage_dtype):
+    """``value`` as written: float arrays cast to ``storage_dtype`` (None: unchanged); INT4 QuantArrays
+    and integer arrays always unchanged."""
+    if storage_dtype is None or not hasattr(value, "dtype") or not jnp.issubdtype(value.dtype, jnp.floating):
+        return value
+    return value.astype(storage_dtype)
+
+
 def save_model(model_or_state: KimiModel | nnx.State, path: str, metadata: dict[str, Any] | None = None, *,
-               cfg: ModelConfig | None = None) -> None:
+               cfg: ModelConfig | None = None, storage_dtype: str | None = None) -> None:
     """Saves a KimiModel (or its ``nnx.State`` plus ``cfg``) to ``path`` atomically.
 
     Arrays may be sharded over a mesh; every shard is written. ``metadata`` (JSON-serializable) is
-    stored in the commit record next to the ModelConfig.
+    stored in the commit record next to the ModelConfig. ``storage_dtype`` (e.g. "bfloat16", as real
+    checkpoints ship) rounds the float parameters on disk; ``restore_model`` casts them back to the
+    config's dtype, so the restored model is the rounded one.
     """
     if isinstance(model_or_state, nnx.Module):
         cfg = cfg or model_or_state.cfg
@@ -214,7 +225,9 @@ def save_model(model_or_state: KimiModel | nnx.State, path: str, metadata: dict[
             raise ValueError("save_model of a bare nnx.State needs cfg=")
     grouped: dict[str, dict[tuple, Any]] = {}
     for key, variable in flat_params(state).items():
-        grouped.setdefault(part_name(key), {})[key] = variable.get_value()
+        grouped.setdefault(part_name(key), {})[key] = _stored(variable.get_value(), storage_dtype)
+    if storage_dtype is not None:
+        metadata = dict(metadata or {}, storage_dtype=str(jnp.dtype(storage_dtype)))
     with CheckpointWriter(path, cfg, metadata) as writer:
         for name, params in grouped.items():
             _save_part(writer, name, params)
@@ -362,10 +375,15 @@ def is_drafter_checkpoint(path: str) -> bool:
     return os.path.exists(os.path.join(path, DRAFTER_INDEX_FILE))
 
 
-def save_drafter(drafter, path: str, metadata: dict[str, Any] | None = None) -> None:
-    """Writes the params, then commits by atomically replacing ``drafter_config.json``."""
+def save_drafter(drafter, path: str, metadata: dict[str, Any] | None = None, *,
+                 storage_dtype: str | None = None) -> None:
+    """Writes the params (float ones rounded to ``storage_dtype`` if given; ``restore_drafter`` casts
+    back to the config dtype), then commits by atomically replacing ``drafter_config.json``."""
     os.makedirs(path, exist_ok=True)
-    flat = {".".join(str(p) for p in k): np.asarray(v.get_value()) for k, v in nnx.state(drafter).flat_state()}
+    flat = {".".join(str(p) for p in k): np.asarray(_stored(v.get_value(), storage_dtype))
+            for k, v in nnx.state(drafter).flat_state()}
+    if storage_dtype is not None:
+        metadata = dict(metadata or {}, storage_dtype=str(jnp.dtype(storage_dtype)))
     ckpt = ocp.StandardCheckpointer()
     ckpt.save(os.path.abspath(os.path.join(path, "params")), flat, force=True)
     ckpt.wait_until_finished()

@@ -36,7 +36,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from ddtree_jax.checkpoint import drafter_config_to_dict, save_drafter  # noqa: E402
+from ddtree_jax.checkpoint import drafter_config_to_dict, restore_drafter, save_drafter  # noqa: E402
 from ddtree_jax.drafter import DFlashDrafter, DrafterConfig, check_drafter_target  # noqa: E402
 from ddtree_jax.engine import Engine, EngineConfig  # noqa: E402
 from ddtree_jax.layers import dot  # noqa: E402
@@ -275,6 +275,10 @@ def parse_args(argv=None):
     p.add_argument("--eval-seqs", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--matmul-precision", choices=["default", "tensorfloat32", "float32"], default="default",
+                   help="jax default matmul precision for f32 training (tensorfloat32 on Hopper GPUs)")
+    p.add_argument("--storage-dtype", choices=["float32", "bfloat16"], default="bfloat16",
+                   help="dtype of the params on disk (restored in the target's dtype)")
     p.add_argument("--gen-streams", type=int, default=32, help="streams per batch when generating continuations")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-minutes", type=float, default=None)
@@ -286,11 +290,16 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
+    args = parse_args(argv)
+    with jax.default_matmul_precision(args.matmul_precision):
+        return train(args, argv)
+
+
+def train(args, argv=None):
     from tqdm import tqdm
 
     from ddtree_jax.checkpoint import restore_model
 
-    args = parse_args(argv)
     state_dir = args.state_dir or args.out.rstrip("/") + ".train_state"
     target = restore_model(args.target)
     tokenizer = load_tokenizer_json(os.path.join(args.target, "tokenizer.json"))
@@ -360,13 +369,14 @@ def main(argv=None):
         print(f"stopped at step {steps_done} of {total_steps} (--max-minutes); state in {state_dir}; "
               "rerun the same command to resume")
         return None
-    drafter = nnx.merge(d_def, params)
+    save_drafter(nnx.merge(d_def, params), args.out, metadata={"trained_by": "experiments/train_drafter.py"},
+                 storage_dtype=None if args.storage_dtype == dcfg.dtype else args.storage_dtype)
+    drafter = restore_drafter(args.out, dtype=dcfg.dtype)  # evaluate the drafter as shipped
     after = evaluate(drafter, target, eval_taps, eval_seqs, args.prompt_len, weights)
     metrics = {"steps": steps_done, "batch": args.batch, "train_seconds": train_s, "data_seconds": data_s,
                "params": int(n_params), "final_train_loss": float(np.mean([c["loss"] for c in curve[-20:]])),
-               "heldout_before": before, "heldout_after": after}
+               "heldout_before": before, "heldout_after": after, "storage_dtype": args.storage_dtype}
     print(json.dumps(metrics, indent=1))
-    save_drafter(drafter, args.out, metadata={"trained_by": "experiments/train_drafter.py", "metrics": metrics})
     with open(os.path.join(args.target, "manifest.json")) as f:
         target_manifest = json.load(f)
     manifest = {"command": "python " + " ".join([os.path.relpath(os.path.abspath(sys.argv[0]), ROOT)]

@@ -443,6 +443,8 @@ def parse_args(argv=None):
     p.add_argument("--bias-every", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--storage-dtype", choices=["float32", "bfloat16"], default="bfloat16",
+                   help="dtype of the float params on disk (restored as --dtype); INT4 experts are unaffected")
     p.add_argument("--out", default=os.path.join(ROOT, "checkpoints", "target"))
     p.add_argument("--state-dir", default=None, help="resumable training state (default <out>.train_state)")
     p.add_argument("--tokenizer", default=os.path.join(ROOT, "checkpoints", "tokenizer", "tokenizer.json"))
@@ -532,15 +534,17 @@ def train(args, argv=None):
     model = nnx.merge(graphdef, params)
 
     qmodel = quantize_experts(model)
-    from ddtree_jax.checkpoint import save_model
+    from ddtree_jax.checkpoint import restore_model, save_model
 
     os.makedirs(args.out, exist_ok=True)
-    save_model(qmodel, args.out, metadata={"trained_by": "experiments/train_target.py"})
+    save_model(qmodel, args.out, metadata={"trained_by": "experiments/train_target.py"},
+               storage_dtype=None if args.storage_dtype == args.dtype else args.storage_dtype)
     shutil.copy(args.tokenizer, os.path.join(args.out, "tokenizer.json"))
+    shipped = restore_model(args.out)  # INT4 experts, float params as stored
     eval_rows = held_rows[: args.eval_rows]
     nll_float = eval_nll(model, eval_rows)
-    nll_int4 = eval_nll(qmodel, eval_rows)
-    nll_int4_infer = eval_nll(qmodel, eval_rows[:16], runtime=Runtime())  # the shipped inference path
+    nll_int4 = eval_nll(shipped, eval_rows)
+    nll_int4_infer = eval_nll(shipped, eval_rows[:16], runtime=Runtime())  # the shipped inference path
     history = history + [{"start_step": start, "end_step": steps_done, "seconds": train_s}]
     metrics = {"steps": steps_done, "batch": args.batch, "seq": args.seq,
                "train_seconds": sum(h["seconds"] for h in history), "runs": history,
@@ -550,7 +554,7 @@ def train(args, argv=None):
                "heldout_nll_float": nll_float, "heldout_ppl_float": math.exp(nll_float),
                "heldout_nll_int4": nll_int4, "heldout_ppl_int4": math.exp(nll_int4),
                "heldout_nll_int4_inference_path_16rows": nll_int4_infer,
-               "params": int(n_params)}
+               "params": int(n_params), "storage_dtype": args.storage_dtype}
     print(json.dumps(metrics, indent=1))
 
     manifest = {"command": "python " + " ".join([os.path.relpath(os.path.abspath(sys.argv[0]), ROOT)]

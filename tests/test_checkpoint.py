@@ -66,6 +66,30 @@ def test_roundtrip_bit_exact(tmp_path, quant):
         assert isinstance(restored.layers[1].mlp.w13.value, QuantArray)
 
 
+def test_bfloat16_storage_of_a_float32_model(tmp_path):
+    from ddtree_jax.checkpoint import restore_drafter, save_drafter
+    from ddtree_jax.drafter import DFlashDrafter, tiny_drafter_config
+
+    cfg = tiny_config(quant=QuantConfig())  # float32 model, INT4 experts
+    model = random_model(cfg)
+    save_model(model, str(tmp_path / "ck"), {"note": "x"}, storage_dtype="bfloat16")
+    restored = restore_model(str(tmp_path / "ck"))
+    assert restored.cfg == cfg and read_index(str(tmp_path / "ck"))["metadata"]["storage_dtype"] == "bfloat16"
+    rounded = jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(x.dtype) if x.dtype == jnp.float32 else x,
+                           nnx.state(model))
+    for (key, a), (_, b) in zip(sorted(rounded.flat_state()), sorted(nnx.state(restored).flat_state())):
+        for x, y in zip(jax.tree.leaves(a.get_value()), jax.tree.leaves(b.get_value())):
+            assert x.dtype == y.dtype, key  # float32 again, INT4 words and scales untouched
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=str(key))
+    assert not np.array_equal(np.asarray(model.embed.get_value()), np.asarray(restored.embed.get_value()))
+    drafter = DFlashDrafter(tiny_drafter_config(cfg), nnx.Rngs(3))
+    save_drafter(drafter, str(tmp_path / "d"), storage_dtype="bfloat16")
+    back = restore_drafter(str(tmp_path / "d"))
+    for a, b in zip(jax.tree.leaves(nnx.state(drafter)), jax.tree.leaves(nnx.state(back))):
+        assert b.dtype == jnp.float32
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.bfloat16).astype(jnp.float32)), np.asarray(b))
+
+
 def test_interrupted_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
     cfg = tiny_config(quant=QuantConfig())
     path = str(tmp_path / "ck")
