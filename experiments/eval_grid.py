@@ -49,7 +49,7 @@ if ROOT not in sys.path:
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from ddtree_jax.engine import EOS, Engine, EngineConfig  # noqa: E402
+from ddtree_jax.engine import Engine, EngineConfig  # noqa: E402
 from experiments import bench_util  # noqa: E402
 from experiments import run_decode  # noqa: E402
 
@@ -85,6 +85,10 @@ def parse_args(argv=None):
     p.add_argument("--target", default=os.path.join(CHECKPOINTS, "target"), help="as in run_decode.py")
     p.add_argument("--drafter", default=os.path.join(CHECKPOINTS, "drafter"), help="as in run_decode.py")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--matmul-precision", choices=["default", "tensorfloat32", "float32"], default="float32",
+                   help="JAX matmul precision for f32 models. 'default' is TF32 on NVIDIA GPUs, whose rounding "
+                        "differs between AR's and the verify batch's shapes and can flip near-tie greedy tokens "
+                        "(seen on an H200); 'float32' keeps greedy output == AR. No effect on CPU.")
     p.add_argument("--modes", default="ar,dflash,ddtree", help="subset of ar,dflash,ddtree")
     p.add_argument("--budgets", type=int_list, default=(8, 16, 32, 64, 128), help="DDTree node budgets")
     p.add_argument("--streams", type=int_list, default=(1, 4, 16), help="streams decoded together")
@@ -170,17 +174,6 @@ def prompts_digest(prompts: Sequence[Sequence[int]]) -> str:
 # ----------------------------------------------------------------------------------------------------
 # Measuring one configuration and the grid
 # ----------------------------------------------------------------------------------------------------
-def warm_up(engine: Engine, batches: Sequence[Sequence[Sequence[int]]], temperature: float) -> float:
-    """Compiles every program a pass over ``batches`` uses (prefill per padded shape, the round loop)
-    without decoding: the round loop is entered once with every stream already stopped. Returns seconds."""
-    t0 = time.perf_counter()
-    for batch in batches:
-        state = engine.prefill(batch, temperature)
-    state = dataclasses.replace(state, status=state.status * 0 + EOS)  # derived, so placed like the real one
-    jax.block_until_ready(engine.run(state, temperature).out_tokens)
-    return time.perf_counter() - t0
-
-
 def measure(pair: Pair, prompts: Sequence[Sequence[int]], *, mode: str, budget: int | None, streams: int,
             max_new_tokens: int, temperature: float = 0.0, repeats: int = 3, seed: int = 0,
             capacity: int = 512) -> dict:
@@ -193,7 +186,7 @@ def measure(pair: Pair, prompts: Sequence[Sequence[int]], *, mode: str, budget: 
                         max_new_tokens=max_new_tokens, capacity=capacity, eos_ids=pair.eos_ids)
     engine = Engine(pair.target, pair.drafter if mode != "ar" else None, ecfg)
     batches = run_decode.split_batches(list(prompts), streams)
-    compile_s = warm_up(engine, batches, temperature)
+    compile_s = run_decode.warm_up(engine, batches, temperature)
     passes, walls = [], []
     for _ in range(max(repeats, 1)):
         t0 = time.perf_counter()
@@ -404,6 +397,11 @@ def save_plots(records: Sequence[dict], out_dir: str, name: str) -> list[str]:
 # ----------------------------------------------------------------------------------------------------
 def main(argv=None):
     args = parse_args(argv)
+    with jax.default_matmul_precision(args.matmul_precision):
+        return _main(args)
+
+
+def _main(args):
     t_start = time.perf_counter()
     pair = load_pair(args.target, args.drafter, args.dtype, args.seed)
     if args.prompts_file:
