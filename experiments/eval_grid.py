@@ -24,10 +24,11 @@ or read from ``--prompts-file`` (JSON written by ``--export-prompts``: token ids
 fingerprint, which must match). Writes ``experiments/results/<name>.json`` (hardware, JAX version,
 commit, config, results) and ``<name>_tokens_per_s.png``, ``<name>_tau.png``, ``<name>_tau_hist.png``.
 
-CPU cost (defaults: 16 prompts x 32 new tokens, budgets 8..128, streams 1/4/16, T=0, 3 repeats):
-7.2 minutes wall on the 2-core CI-size machine with the 5.7M-parameter pair of commit 8debe9d
-(541 CPU-s; ~3 minutes are XLA compiles, 5-12 s per mode x budget x streams program), 2 GB RSS.
-A larger target costs more: cut --budgets / --streams / --repeats to stay within a CPU budget.
+CPU cost (2 cores, the shipped 30M pair, 16 prompts x 32 new tokens, budgets 8..128, streams 1/4/16):
+``--temperatures 0,1 --repeats 1`` took 12 minutes (724 s), about a third of it XLA compiles (one
+program per mode x budget x streams); the old 5.7M pair took 7.2 minutes at T=0 with 3 repeats. Cut
+--budgets / --streams / --repeats to stay within a CPU budget. On GPUs keep ``--matmul-precision
+float32`` (the default) for f32 models, or greedy outputs may differ from AR through TF32 rounding.
 """
 
 from __future__ import annotations
