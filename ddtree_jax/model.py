@@ -37,6 +37,11 @@ class Runtime:
     attention: str = "absorbed"  # "absorbed" (latent cache, production) or "naive" (per-head K/V)
     attention_fn: Callable | None = None  # overrides the latent attention (default: mla_attention)
     routed_fn: Callable | None = None  # overrides the routed-expert compute (e.g. the Pallas kernel)
+    # JAX matmul precision inside the forward; None leaves the caller's setting. "float32" because NVIDIA
+    # GPUs otherwise run f32 matmuls as TF32, whose rounding differs between a one-token step and a tree
+    # batch and can flip near-tie greedy tokens (greedy DDTree != AR; seen on an H200). Applied to f32
+    # models only (bf16 operands have nothing to round further); no effect on CPU.
+    matmul_precision: str | None = "float32"
 
 
 class MLA(nnx.Module):
@@ -161,6 +166,12 @@ class KimiModel(nnx.Module):
         tap_layers: 0-based layer indices whose outputs are returned in ``taps``.
         Token ids must lie in [0, W): callers validate on the host (``check_tokens``).
         """
+        if runtime.matmul_precision is None or jnp.dtype(self.cfg.dtype) != jnp.float32:
+            return self._forward(tokens, positions, cache, tree_mask, tap_layers, runtime)
+        with jax.default_matmul_precision(runtime.matmul_precision):
+            return self._forward(tokens, positions, cache, tree_mask, tap_layers, runtime)
+
+    def _forward(self, tokens, positions, cache, tree_mask, tap_layers, runtime) -> ForwardOutput:
         cfg = self.cfg
         for layer in tap_layers:
             if not 0 <= layer < cfg.num_layers:

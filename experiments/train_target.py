@@ -94,7 +94,8 @@ def routed_experts_dense(x: jax.Array, expert_ids: jax.Array, expert_weights: ja
     return jnp.einsum("emd,me->md", out, combine)
 
 
-TRAIN_RUNTIME = Runtime(attention="naive", routed_fn=routed_experts_dense)
+# matmul_precision=None: the trainers' --matmul-precision applies (e.g. TF32 for training on a GPU)
+TRAIN_RUNTIME = Runtime(attention="naive", routed_fn=routed_experts_dense, matmul_precision=None)
 
 
 def lm_forward(model: KimiModel, tokens: jax.Array, runtime: Runtime = TRAIN_RUNTIME, tap_layers=()):
@@ -478,7 +479,7 @@ def train(args, argv=None):
     start, curve = 0, []
     resume_key = {k: getattr(args, k) for k in ("steps", "minutes", "batch", "seq", "lr", "warmup", "bias_rate",
                                                "bias_every", "seed", "dtype", "config")}
-    runtime = TRAIN_RUNTIME if args.experts == "dense" else Runtime(attention="naive")
+    runtime = TRAIN_RUNTIME if args.experts == "dense" else Runtime(attention="naive", matmul_precision=None)
     resume_key["data_hash"] = info["data_hash"]
     previous = read_train_meta(state_dir)
     history = previous["meta"].get("history", []) if previous else []

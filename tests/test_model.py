@@ -13,7 +13,8 @@ from ddtree_jax.decode import decode_step, pad_prompts, prefill
 from ddtree_jax.hf_loader import load_hf_model
 from ddtree_jax.sharding import param_shardings
 from ddtree_jax.layers import rms_norm
-from ddtree_jax.model import Runtime, causal_mask
+from ddtree_jax.config import tiny_config
+from ddtree_jax.model import KimiModel, Runtime, causal_mask
 from ddtree_jax.sharding import DEFAULT_RULES, make_mesh
 
 
@@ -52,6 +53,28 @@ def full_forward(model, tokens, runtime=Runtime(), taps=()):
     """Plain causal forward of whole sequences [B, T] from an empty cache (jitted)."""
     graphdef, state = nnx.split(model)
     return _full_forward(graphdef, state, jnp.asarray(tokens), runtime, tuple(taps))
+
+
+def test_forward_matmul_precision_is_explicit():
+    """The forward pins f32 matmul precision (GPUs would otherwise use TF32 and greedy DDTree could
+    differ from AR); ``matmul_precision=None`` leaves the caller's setting."""
+    model = KimiModel(tiny_config(), nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    tokens = jnp.zeros((1, 3), jnp.int32)
+
+    def dots(runtime):
+        text = str(jax.make_jaxpr(lambda s: _full_forward.__wrapped__(graphdef, s, tokens, runtime, ()))(state))
+        return text.count("dot_general"), text.count("Precision.HIGHEST")
+
+    with jax.default_matmul_precision("default"):  # conftest sets "highest" for the whole suite
+        total, highest = dots(Runtime())
+        total_free, highest_free = dots(Runtime(matmul_precision=None))
+    assert total > 10 and highest == 2 * total  # every dot: (lhs, rhs) both HIGHEST
+    assert total_free == total and highest_free < highest
+    bf16 = KimiModel(tiny_config(dtype="bfloat16"), nnx.Rngs(0))  # bf16 models are left alone
+    graphdef, state = nnx.split(bf16)
+    with jax.default_matmul_precision("default"):
+        assert dots(Runtime()) == dots(Runtime(matmul_precision=None))
 
 
 def test_config_read_from_file(any_pair):
