@@ -288,6 +288,8 @@ def parse_args(argv=None):
     p.add_argument("--max-minutes", type=float, default=None)
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--allow-mismatch", action="store_true")
+    p.add_argument("--commit", default=None,
+                   help="commit to record in the manifest (default: git HEAD here; copies on other machines may lie)")
     p.add_argument("--tokens", default=None, help="corpus as tokenized by `data.py tokens` (instead of the stdlib)")
     p.add_argument("--config", default="{}", help="JSON overrides of the drafter config")
     return p.parse_args(argv)
@@ -385,7 +387,7 @@ def train(args, argv=None):
         target_manifest = json.load(f)
     manifest = {"command": "python " + " ".join([os.path.relpath(os.path.abspath(sys.argv[0]), ROOT)]
                                                 + (argv if argv is not None else sys.argv[1:])),
-                "commit": data_lib.git_commit(), "args": vars(args), "data": info,
+                "commit": args.commit or data_lib.git_commit(), "args": vars(args), "data": info,
                 "target": os.path.relpath(os.path.abspath(args.target), ROOT),
                 "target_commit": target_manifest.get("commit"), "metrics": metrics,
                 "drafter_config": drafter_config_to_dict(dcfg)}

@@ -458,6 +458,8 @@ def parse_args(argv=None):
     p.add_argument("--max-minutes", type=float, default=None,
                    help="stop (and save) after this wall time; rerun the same command to resume")
     p.add_argument("--allow-mismatch", action="store_true")
+    p.add_argument("--commit", default=None,
+                   help="commit to record in the manifest (default: git HEAD here; copies on other machines may lie)")
     p.add_argument("--tokens", default=None, help="corpus as tokenized by `data.py tokens` (instead of the stdlib)")
     p.add_argument("--config", default="{}", help="JSON overrides of the model config, e.g. '{\"num_layers\": 2}'")
     return p.parse_args(argv)
@@ -564,7 +566,7 @@ def train(args, argv=None):
 
     manifest = {"command": "python " + " ".join([os.path.relpath(os.path.abspath(sys.argv[0]), ROOT)]
                                                 + (argv if argv is not None else sys.argv[1:])),
-                "commit": data_lib.git_commit(), "args": vars(args), "data": info,
+                "commit": args.commit or data_lib.git_commit(), "args": vars(args), "data": info,
                 "tokenizer": os.path.relpath(args.tokenizer, ROOT), "metrics": metrics,
                 "model_config": json.loads(json.dumps(dataclasses.asdict(qmodel.cfg)))}
     with open(os.path.join(args.out, "manifest.json"), "w") as f:
