@@ -47,6 +47,17 @@ def hardware() -> dict[str, Any]:
     }
 
 
+MATMUL_PRECISIONS = ("default", "tensorfloat32", "float32")
+DECODE_PRECISION_HELP = ("JAX matmul precision for f32 models. 'default' is TF32 on NVIDIA GPUs, whose rounding "
+                         "differs between AR's and the verify batch's shapes and can flip near-tie greedy tokens "
+                         "(seen on an H200); 'float32' keeps greedy output == AR. No effect on CPU.")
+
+
+def add_matmul_precision_arg(parser, default: str, help: str = DECODE_PRECISION_HELP) -> None:
+    """``--matmul-precision`` for a script; apply it with ``jax.default_matmul_precision(args.matmul_precision)``."""
+    parser.add_argument("--matmul-precision", choices=MATMUL_PRECISIONS, default=default, help=help)
+
+
 def block(x):
     return jax.tree.map(lambda a: a.block_until_ready() if hasattr(a, "block_until_ready") else a, x)
 

@@ -86,10 +86,7 @@ def parse_args(argv=None):
     p.add_argument("--target", default=os.path.join(CHECKPOINTS, "target"), help="as in run_decode.py")
     p.add_argument("--drafter", default=os.path.join(CHECKPOINTS, "drafter"), help="as in run_decode.py")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--matmul-precision", choices=["default", "tensorfloat32", "float32"], default="float32",
-                   help="JAX matmul precision for f32 models. 'default' is TF32 on NVIDIA GPUs, whose rounding "
-                        "differs between AR's and the verify batch's shapes and can flip near-tie greedy tokens "
-                        "(seen on an H200); 'float32' keeps greedy output == AR. No effect on CPU.")
+    bench_util.add_matmul_precision_arg(p, "float32")
     p.add_argument("--modes", default="ar,dflash,ddtree", help="subset of ar,dflash,ddtree")
     p.add_argument("--budgets", type=int_list, default=(8, 16, 32, 64, 128), help="DDTree node budgets")
     p.add_argument("--streams", type=int_list, default=(1, 4, 16), help="streams decoded together")

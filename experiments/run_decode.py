@@ -36,6 +36,7 @@ from ddtree_jax.engine import EOS, Engine, EngineConfig, inspect_round  # noqa: 
 from ddtree_jax.hf_loader import load_hf_model  # noqa: E402
 from ddtree_jax.model import KimiModel  # noqa: E402
 from ddtree_jax.tokenizer import load_tokenizer  # noqa: E402
+from experiments import bench_util  # noqa: E402
 
 CHECKPOINTS = os.path.join(ROOT, "checkpoints")
 
@@ -59,10 +60,7 @@ def parse_args(argv=None):
     p.add_argument("--capacity", type=int, default=512, help="cache slots per stream")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--matmul-precision", choices=["default", "tensorfloat32", "float32"], default="float32",
-                   help="JAX matmul precision for f32 models. 'default' is TF32 on NVIDIA GPUs, whose rounding "
-                        "differs between AR's and the verify batch's shapes and can flip near-tie greedy tokens "
-                        "(seen on an H200); 'float32' keeps greedy output == AR. No effect on CPU.")
+    bench_util.add_matmul_precision_arg(p, "float32")
     p.add_argument("--compare", action="store_true", help="also run AR and report the speedup")
     p.add_argument("--json", help="write generated ids and metrics here")
     return p.parse_args(argv)

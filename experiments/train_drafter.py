@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import math
 import os
 import shutil
 import sys
@@ -47,8 +46,8 @@ from ddtree_jax.layers import dot  # noqa: E402
 from ddtree_jax.model import KimiModel  # noqa: E402
 from ddtree_jax.rope import apply_rope_half, rope_cos_sin  # noqa: E402
 from experiments import data as data_lib  # noqa: E402
-from experiments.train_target import (TRAIN_RUNTIME, lm_forward, load_tokenizer_json, make_optimizer,  # noqa: E402
-                                      read_train_meta, restore_train_state, save_train_state, scaled_update,
+from experiments.train_target import (TRAIN_RUNTIME, add_training_args, lm_forward, load_tokenizer_json,  # noqa: E402
+                                      make_optimizer, planned_steps, read_train_meta, restore_train_state, save_train_state, scaled_update,
                                       training_loop, write_curve)
 
 
@@ -265,10 +264,7 @@ def parse_args(argv=None):
     p.add_argument("--target", default=os.path.join(ROOT, "checkpoints", "target"))
     p.add_argument("--out", default=os.path.join(ROOT, "checkpoints", "drafter"))
     p.add_argument("--state-dir", default=None)
-    length = p.add_mutually_exclusive_group()
-    length.add_argument("--steps", type=int, default=None, help="training steps (default 300)")
-    length.add_argument("--minutes", type=float, default=None,
-                        help="train for about this long (step count fixed from the speed measured in warmup)")
+    add_training_args(p, storage_help="dtype of the params on disk (restored in the target's dtype)")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=20)
@@ -279,18 +275,8 @@ def parse_args(argv=None):
     p.add_argument("--eval-seqs", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--matmul-precision", choices=["default", "tensorfloat32", "float32"], default="default",
-                   help="jax default matmul precision for f32 training (tensorfloat32 on Hopper GPUs)")
-    p.add_argument("--storage-dtype", choices=["float32", "bfloat16"], default="bfloat16",
-                   help="dtype of the params on disk (restored in the target's dtype)")
     p.add_argument("--gen-streams", type=int, default=32, help="streams per batch when generating continuations")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-minutes", type=float, default=None)
-    p.add_argument("--save-every", type=int, default=100)
-    p.add_argument("--allow-mismatch", action="store_true")
-    p.add_argument("--commit", default=None,
-                   help="commit to record in the manifest (default: git HEAD here; copies on other machines may lie)")
-    p.add_argument("--tokens", default=None, help="corpus as tokenized by `data.py tokens` (instead of the stdlib)")
     p.add_argument("--config", default="{}", help="JSON overrides of the drafter config")
     return p.parse_args(argv)
 
@@ -343,9 +329,7 @@ def train(args, argv=None):
                                                "num_anchors", "num_seqs", "prompt_len", "new_tokens", "seed",
                                                "config")}
     resume_key["target_commit"] = os.path.getmtime(os.path.join(args.target, "ddtree_checkpoint.json"))
-    total_steps = args.steps if args.minutes is None else None
-    if args.minutes is None and args.steps is None:
-        total_steps = 300
+    total_steps = planned_steps(args)
     restored = restore_train_state(state_dir, (params, opt_state), resume_key)
     if restored is not None:
         (params, opt_state), start = restored

@@ -54,6 +54,9 @@ from ddtree_jax.model import KimiModel, Runtime, causal_mask  # noqa: E402
 from ddtree_jax.moe import MoE, route  # noqa: E402
 from ddtree_jax.quant import QuantArray, quantize_array  # noqa: E402
 from experiments import data as data_lib  # noqa: E402
+from experiments.bench_util import add_matmul_precision_arg  # noqa: E402
+
+DEFAULT_STEPS = 300
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -428,17 +431,36 @@ def write_curve(out: str, curve: list[dict], title: str, key: str = "loss") -> N
     plt.close(fig)
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_training_args(p, *, storage_help: str) -> None:
+    """The arguments both trainers share: run length, precision, storage, resume, data source, provenance."""
     length = p.add_mutually_exclusive_group()
-    length.add_argument("--steps", type=int, default=None, help="training steps (default 300)")
+    length.add_argument("--steps", type=int, default=None, help=f"training steps (default {DEFAULT_STEPS})")
     length.add_argument("--minutes", type=float, default=None,
                         help="train for about this long: the step count is fixed from the speed measured "
                              "during warmup (recorded in the manifest)")
+    add_matmul_precision_arg(p, "default", "jax default matmul precision for f32 training (tensorfloat32 on "
+                                           "Hopper GPUs)")
+    p.add_argument("--storage-dtype", choices=["float32", "bfloat16"], default="bfloat16", help=storage_help)
+    p.add_argument("--save-every", type=int, default=100)
+    p.add_argument("--max-minutes", type=float, default=None,
+                   help="stop (and save) after this wall time; rerun the same command to resume")
+    p.add_argument("--allow-mismatch", action="store_true")
+    p.add_argument("--tokens", default=None, help="corpus as tokenized by `data.py tokens` (instead of the stdlib)")
+    p.add_argument("--commit", default=None,
+                   help="commit to record in the manifest (default: git HEAD here; copies on other machines may lie)")
+
+
+def planned_steps(args) -> int | None:
+    """--steps (default DEFAULT_STEPS), or None when --minutes fixes the length during warmup."""
+    return None if args.minutes is not None else (args.steps or DEFAULT_STEPS)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_training_args(p, storage_help="dtype of the float params on disk (restored as --dtype); INT4 experts "
+                                      "are unaffected")
     p.add_argument("--max-epochs", type=float, default=None, help="with --minutes: at most this many epochs")
     p.add_argument("--eval-every", type=int, default=0, help="held-out NLL on 32 rows every N steps (0: never)")
-    p.add_argument("--matmul-precision", choices=["default", "tensorfloat32", "float32"], default="default",
-                   help="jax default matmul precision for f32 training (tensorfloat32 on Hopper GPUs)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--lr", type=float, default=3e-3)
@@ -448,19 +470,10 @@ def parse_args(argv=None):
     p.add_argument("--bias-every", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--storage-dtype", choices=["float32", "bfloat16"], default="bfloat16",
-                   help="dtype of the float params on disk (restored as --dtype); INT4 experts are unaffected")
     p.add_argument("--out", default=os.path.join(ROOT, "checkpoints", "target"))
     p.add_argument("--state-dir", default=None, help="resumable training state (default <out>.train_state)")
     p.add_argument("--tokenizer", default=os.path.join(ROOT, "checkpoints", "tokenizer", "tokenizer.json"))
-    p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--eval-rows", type=int, default=64, help="held-out rows for perplexity")
-    p.add_argument("--max-minutes", type=float, default=None,
-                   help="stop (and save) after this wall time; rerun the same command to resume")
-    p.add_argument("--allow-mismatch", action="store_true")
-    p.add_argument("--commit", default=None,
-                   help="commit to record in the manifest (default: git HEAD here; copies on other machines may lie)")
-    p.add_argument("--tokens", default=None, help="corpus as tokenized by `data.py tokens` (instead of the stdlib)")
     p.add_argument("--config", default="{}", help="JSON overrides of the model config, e.g. '{\"num_layers\": 2}'")
     return p.parse_args(argv)
 
@@ -489,9 +502,7 @@ def train(args, argv=None):
     resume_key["data_hash"] = info["data_hash"]
     previous = read_train_meta(state_dir)
     history = previous["meta"].get("history", []) if previous else []
-    total_steps = args.steps if args.minutes is None else None
-    if args.minutes is None and args.steps is None:
-        total_steps = 300
+    total_steps = planned_steps(args)
     restored = restore_train_state(state_dir, (params, opt_state), resume_key)
     if restored is not None:
         (params, opt_state), start = restored
