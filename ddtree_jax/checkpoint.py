@@ -43,6 +43,7 @@ from ddtree_jax.quant import QuantArray
 from ddtree_jax.safetensors_io import CheckpointError
 from ddtree_jax.sharding import DEFAULT_RULES, ShardingRules, named_sharding
 from pallas_kernels.int4_moe import PlanarInt4
+from pallas_kernels.int4_moe_mgpu import TiledInt4
 
 FORMAT = "ddtree-jax-checkpoint/1"
 INDEX_FILE = "ddtree_checkpoint.json"
@@ -90,7 +91,7 @@ def part_name(path: tuple) -> str:
 def _leaf_items(path: tuple, value) -> list[tuple[tuple[str, ...], Any]]:
     """(string path, array) pairs of one parameter value (a QuantArray gives two)."""
     base = tuple(str(p) for p in path)
-    if isinstance(value, PlanarInt4):
+    if isinstance(value, (PlanarInt4, TiledInt4)):
         raise CheckpointError(f"{'.'.join(base)}: experts are in the kernel layout; checkpoints store the "
                               "compressed-tensors layout: call ddtree_jax.moe.unprepare_for_kernels(model) first")
     if isinstance(value, QuantArray):

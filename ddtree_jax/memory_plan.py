@@ -25,6 +25,7 @@ from ddtree_jax.config import ModelConfig
 from ddtree_jax.quant import QuantArray
 from ddtree_jax.sharding import DEFAULT_RULES, MESH_AXES, ShardingRules
 from pallas_kernels.int4_moe import PlanarInt4
+from pallas_kernels.int4_moe_mgpu import TiledInt4
 
 CATEGORIES = ("experts_int4", "expert_scales", "attention", "mlp", "router", "embed_head", "norms")
 
@@ -45,7 +46,12 @@ def bytes_per_device(shape: Sequence[int], dtype, logical_axes: Sequence[str | N
     """Bytes of the largest shard of an array [shape] with ``logical_axes`` on a mesh of ``mesh_shape``."""
     spec = rules.spec(logical_axes)
     local = [math.ceil(d / mesh_shape[a]) if a is not None else d for d, a in zip(shape, tuple(spec) + (None,) * 8)]
-    return int(np.prod(local, dtype=np.int64)) * jnp.dtype(dtype).itemsize
+    return array_bytes(local, dtype)
+
+
+def array_bytes(shape: Sequence[int], dtype) -> int:
+    """Bytes of a dense array, sub-byte dtypes (int4: two values per byte) included."""
+    return int(np.prod(shape, dtype=np.int64)) * jax.dtypes.itemsize_bits(dtype) // 8
 
 
 def _category(path: tuple, value) -> str:
@@ -73,12 +79,12 @@ def param_bytes(state: nnx.State, mesh_shape: dict[str, int], rules: ShardingRul
         if axes is None:
             raise ValueError(f"parameter {path} has no logical_axes")
         value = variable.get_value()
-        if isinstance(value, (QuantArray, PlanarInt4)):
+        if isinstance(value, (QuantArray, PlanarInt4, TiledInt4)):
             parts = [("experts_int4", value.packed), ("expert_scales", value.scale)]
         else:
             parts = [(_category(tuple(path), value), value)]
         for cat, leaf in parts:
-            out[cat]["total"] += int(np.prod(leaf.shape, dtype=np.int64)) * jnp.dtype(leaf.dtype).itemsize
+            out[cat]["total"] += array_bytes(leaf.shape, leaf.dtype)
             out[cat]["per_device"] += bytes_per_device(leaf.shape, leaf.dtype, axes, mesh_shape, rules)
     return out
 

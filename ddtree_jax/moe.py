@@ -26,12 +26,16 @@ from ddtree_jax.layers import SwiGLU, declare
 from ddtree_jax.quant import QuantArray, expert_slice, quantize_array
 from ddtree_jax.sharding import ShardingRules
 from pallas_kernels import int4_moe as int4_kernel
+from pallas_kernels import int4_moe_mgpu as tiled_kernel
 from pallas_kernels.int4_moe import Int4ExpertWeights, PlanarInt4, kernel_tiling_error
+from pallas_kernels.int4_moe_mgpu import TiledInt4
 
 W13_AXES = ("experts", "expert_ffn", "embed")  # w13 [E, 2F, D] (QuantArray: packed [E, 2F, D/8], scale [E, 2F, D/G])
 W2_AXES = ("experts", "embed", "expert_ffn")  # w2 [E, D, F]
-# PlanarInt4 stacks: packed [E, O, I/8] and group-major scale [E, I/G, O] share only the expert axis.
+# Kernel-layout stacks (PlanarInt4: packed [E, O, I/8], scale [E, I/G, O]; TiledInt4: packed
+# [E, O/R, ., S], scale [E, O/R, I/G, R]) share only the leading expert axis.
 KERNEL_AXES = ("experts", None, None)
+KERNEL_LAYOUTS = {"tiles": TiledInt4, "planar": PlanarInt4}
 
 
 def route(x: jax.Array, router_weight: jax.Array, bias: jax.Array, cfg: ModelConfig):
@@ -121,9 +125,23 @@ def routed_experts_int4(x: jax.Array, expert_ids: jax.Array, expert_weights: jax
                                       **tuning)
 
 
+def routed_experts_tiled(x: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array, w13: TiledInt4,
+                         w2: TiledInt4, *, expert_offset: int | jax.Array = 0, **tuning) -> jax.Array:
+    """Routed-expert sum on tiled INT4 stacks (``prepare_for_kernels(layout="tiles")``); same contract as
+    ``routed_experts_xla``. Lowered for CUDA with bf16 activations: the Mosaic GPU kernel (Hopper);
+    otherwise its pure-JAX twin (``pallas_kernels.int4_moe_mgpu.routed_experts``)."""
+    if not (isinstance(w13, TiledInt4) and isinstance(w2, TiledInt4)):
+        raise TypeError(f"routed_experts_tiled takes TiledInt4 stacks, got {type(w13).__name__} / "
+                        f"{type(w2).__name__}: run ddtree_jax.moe.prepare_for_kernels(model) after loading")
+    return tiled_kernel.routed_experts(x, expert_ids, expert_weights, w13, w2, expert_offset=expert_offset,
+                                       out_dtype=jnp.float32, **tuning)
+
+
 def default_routed_fn(w13) -> Callable:
-    """The routed-expert compute for a w13 leaf: ``routed_experts_int4`` for PlanarInt4 stacks, else
-    ``routed_experts_xla``."""
+    """The routed-expert compute for a w13 leaf: ``routed_experts_tiled`` for TiledInt4 stacks,
+    ``routed_experts_int4`` for PlanarInt4 stacks, else ``routed_experts_xla``."""
+    if isinstance(w13, TiledInt4):
+        return routed_experts_tiled
     return routed_experts_int4 if isinstance(w13, PlanarInt4) else routed_experts_xla
 
 
@@ -195,62 +213,75 @@ def _moe_layers(model: nnx.Module):
             yield ".".join(str(p) for p in path), module
 
 
-def prepare_for_kernels(model: nnx.Module, *, allow_twin_only: bool = False) -> nnx.Module:
+def _to_layout(layout: str, w13: QuantArray, w2: QuantArray):
+    """(w13, w2) in a kernel layout and why the GPU kernel cannot run them (None if it can); raises
+    ValueError where the layout cannot hold them at all."""
+    if layout == "tiles":
+        return (TiledInt4.from_compressed_tensors(w13.packed, w13.scale),
+                TiledInt4.from_compressed_tensors(w2.packed, w2.scale), None)
+    weights = Int4ExpertWeights.from_leaves(
+        PlanarInt4.from_compressed_tensors(w13.packed, w13.scale, gate_up=True),
+        PlanarInt4.from_compressed_tensors(w2.packed, w2.scale, gate_up=False))
+    return (*weights.leaves(), kernel_tiling_error(weights))
+
+
+def prepare_for_kernels(model: nnx.Module, *, layout: str = "tiles", allow_twin_only: bool = False) -> nnx.Module:
     """One-time load-time repack, in place: every MoE layer's INT4 ``w13`` / ``w2`` (QuantArray,
-    compressed-tensors) become ``PlanarInt4`` stacks in the Pallas INT4 kernel's layout; returns ``model``.
+    compressed-tensors) take a GPU kernel's layout; returns ``model``.
 
         model = prepare_for_kernels(load_hf_model(path))   # or restore_model(...); then Engine(model, ...)
 
-    From then on the routed experts run the kernel when lowered for CUDA (bf16 activations) and the
-    kernel's pure-JAX twin elsewhere: the same dequantised weights as the XLA path, equal to f32
-    rounding (the twin's tiled dots sum in another order); ``Runtime(routed_fn=routed_experts_xla)``
-    on a prepared model reproduces the unprepared model bit for bit. The repacked Params carry logical
-    axes ``KERNEL_AXES`` (experts leading), so ``shard_state`` / expert parallelism split them as
-    before; stacks already sharded along experts are repacked where they live. Each layer's
-    compressed-tensors arrays are dropped as soon as its kernel copy exists (freed unless referenced
-    elsewhere): peak memory is the model plus one layer's experts. Build Engines after this call (an
-    Engine keeps the state it was given). Prepared layers are left as they are. Bit-exact inverse:
+    layout "tiles" (default): ``TiledInt4`` stacks for the Mosaic GPU kernel (``pallas_kernels.int4_moe_mgpu``,
+    Hopper: H100/H200); "planar": ``PlanarInt4`` stacks for the Pallas-Triton kernel
+    (``pallas_kernels.int4_moe``, any CUDA GPU, slower). From then on the routed experts run the kernel
+    when lowered for CUDA (bf16 activations) and the kernel's pure-JAX twin elsewhere: the same
+    dequantised weights as the XLA path, equal to f32 rounding (the twin's tiled dots sum in another
+    order); ``Runtime(routed_fn=routed_experts_xla)`` on a prepared model reproduces the unprepared
+    model bit for bit. The repacked Params carry logical axes ``KERNEL_AXES`` (experts leading), so
+    ``shard_state`` / expert parallelism split them as before. Each layer's compressed-tensors arrays
+    are dropped as soon as its kernel copy exists (freed unless referenced elsewhere): peak memory is
+    the model plus one layer's experts. Build Engines after this call (an Engine keeps the state it was
+    given). Layers already in a kernel layout are left as they are. Bit-exact inverse:
     ``unprepare_for_kernels`` (also needed before ``save_model``).
 
-    Raises ValueError naming the layer for float (unquantized) experts, and for group sizes / shapes
-    the GPU kernel cannot tile (``kernel_tiling_error``) unless ``allow_twin_only``: those layers then
-    run the twin on every platform.
+    Raises ValueError naming the layer for float (unquantized) experts and for stacks the layout cannot
+    hold ("tiles": group 32, bf16 scales, O % 64 == 0, I % 256 == 0); for "planar", also for shapes the
+    Triton kernel cannot tile unless ``allow_twin_only`` (those layers then run the twin everywhere).
     """
+    if layout not in KERNEL_LAYOUTS:
+        raise ValueError(f"unknown kernel layout {layout!r}; expected one of {sorted(KERNEL_LAYOUTS)}")
     for name, moe in _moe_layers(model):
         w13, w2 = moe.w13.get_value(), moe.w2.get_value()
-        if isinstance(w13, PlanarInt4) and isinstance(w2, PlanarInt4):
+        if isinstance(w13, tuple(KERNEL_LAYOUTS.values())):
             continue
         if not (isinstance(w13, QuantArray) and isinstance(w2, QuantArray)):
             raise ValueError(f"{name}: routed experts are {type(w13).__name__} ({getattr(w13, 'dtype', '?')}), not "
-                             "INT4; the INT4 kernel needs compressed-tensors experts (a config with quant)")
+                             "INT4; the INT4 kernels need compressed-tensors experts (a config with quant)")
         try:
-            weights = Int4ExpertWeights.from_leaves(
-                PlanarInt4.from_compressed_tensors(w13.packed, w13.scale, gate_up=True),
-                PlanarInt4.from_compressed_tensors(w2.packed, w2.scale, gate_up=False))
+            new13, new2, problem = _to_layout(layout, w13, w2)
         except ValueError as e:
-            raise ValueError(f"{name}: experts w13 {w13.shape} / w2 {w2.shape} cannot take the kernel "
-                             f"layout: {e}") from e
-        problem = kernel_tiling_error(weights)
+            raise ValueError(f"{name}: experts w13 {w13.shape} / w2 {w2.shape} cannot take the {layout!r} "
+                             f"kernel layout: {e}") from e
         if problem and not allow_twin_only:
             raise ValueError(f"{name}: {problem}. Pass allow_twin_only=True to run these experts through the "
                              "kernel's pure-JAX twin on every platform")
-        new13, new2 = weights.leaves()
-        del w13, w2, weights
+        del w13, w2
         moe.w13 = nnx.Param(new13, logical_axes=KERNEL_AXES)
         moe.w2 = nnx.Param(new2, logical_axes=KERNEL_AXES)
     return model
 
 
 def unprepare_for_kernels(model: nnx.Module) -> nnx.Module:
-    """Inverse of ``prepare_for_kernels``, in place and bit-exact: PlanarInt4 experts back to
+    """Inverse of ``prepare_for_kernels``, in place and bit-exact: kernel-layout experts back to
     compressed-tensors QuantArrays with their declared logical axes; returns ``model``."""
     for _, moe in _moe_layers(model):
         for attr, axes in (("w13", W13_AXES), ("w2", W2_AXES)):
             value = getattr(moe, attr).get_value()
-            if isinstance(value, PlanarInt4):
+            if isinstance(value, tuple(KERNEL_LAYOUTS.values())):
                 setattr(moe, attr, nnx.Param(QuantArray(*value.to_compressed_tensors()), logical_axes=axes))
     return model
 
 
-__all__ = ["MoE", "route", "routed_experts", "routed_experts_xla", "routed_experts_int4", "default_routed_fn",
-           "prepare_for_kernels", "unprepare_for_kernels", "QuantArray", "PlanarInt4"]
+__all__ = ["MoE", "route", "routed_experts", "routed_experts_xla", "routed_experts_int4", "routed_experts_tiled",
+           "default_routed_fn", "prepare_for_kernels", "unprepare_for_kernels", "QuantArray", "PlanarInt4",
+           "TiledInt4"]

@@ -1,7 +1,9 @@
-"""INT4 MoE routed experts at K2.6 dims on one GPU: Pallas kernel vs XLA twin vs XLA ragged_dot (bf16).
+"""INT4 MoE routed experts at K2.6 dims on one GPU: the Mosaic GPU kernel ("tiled", the default kernel
+layout) vs the Pallas-Triton kernel ("pallas[...]", layout "planar") vs XLA twin vs XLA ragged_dot (bf16).
 
     PYTHONPATH=. python3 experiments/bench_moe.py [--ms 1,9,32,90,256,512,1024] [--out DIR]
-        [--configs "k=v,...;..."] [--sweep "k=v,...;..." --sweep-ms 1,256]
+        [--tiled-configs "k=v,...;..."] [--configs "k=v,...;..." --triton-ms 1,32,256]
+        [--sweep "k=v,...;..." --sweep-ms 1,256]
 
 Reports per (M, routing): ms per call, us per token, active experts, weight bytes read (INT4 words +
 bf16 scales of the active experts), effective TB/s = bytes / time, and % of the device copy bandwidth
@@ -27,6 +29,7 @@ import numpy as np
 
 from experiments import bench_util
 from pallas_kernels.int4_moe import Int4ExpertWeights, default_tile, int4_moe, int4_moe_ref
+from pallas_kernels.int4_moe_mgpu import TiledInt4, routed_experts_tiled
 
 E, D, F, K, G = 384, 7168, 2048, 8, 32
 
@@ -99,7 +102,10 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--ms", default="1,9,32,90,256,512,1024")
     ap.add_argument("--routings", default="uniform,skewed")
-    ap.add_argument("--configs", default="", help="semicolon list of k=v,... kernel configs for the table")
+    ap.add_argument("--configs", default="", help="semicolon list of k=v,... Triton kernel configs for the table")
+    ap.add_argument("--triton-ms", default="", help="M values at which the Triton kernel runs (default: all)")
+    ap.add_argument("--tiled-configs", default="",
+                    help="semicolon list of k=v,... Mosaic GPU kernel configs (tile, stages, split); 'none' skips")
     ap.add_argument("--sweep", default="", help="semicolon list of k=v,... configs timed at --sweep-ms")
     ap.add_argument("--sweep-ms", default="1,256")
     ap.add_argument("--ragged-max-m", type=int, default=256)
@@ -136,13 +142,22 @@ def main(argv=None):
 
     configs = [parse_cfg(c) for c in args.configs.split(";")] if args.configs else [{}]
     sweep = [parse_cfg(c) for c in args.sweep.split(";")] if args.sweep else []
+    tiled_configs = [] if args.tiled_configs == "none" else (
+        [parse_cfg(c) for c in args.tiled_configs.split(";")] if args.tiled_configs else [{}])
+    triton_ms = {int(v) for v in args.triton_ms.split(",")} if args.triton_ms else set(ms)
+    tiled = None
+    if tiled_configs:  # the same experts, repacked from compressed-tensors into the Mosaic GPU layout
+        ct = wts.to_compressed_tensors()
+        tiled = (TiledInt4.from_compressed_tensors(ct[0], ct[1]), TiledInt4.from_compressed_tensors(ct[2], ct[3]))
+        del ct
     if args.interpret:
         configs = [dict(c, interpret=True) for c in configs]
         sweep = [dict(c, interpret=True) for c in sweep]
 
     def save():
         payload = dict(config=dict(E=E, D=D, F=F, K=K, G=G, bytes_per_expert=per_expert, ms=ms,
-                                   routings=routings, configs=configs, sweep=sweep, argv=sys.argv[1:]),
+                                   routings=routings, configs=configs, tiled_configs=tiled_configs,
+                                   triton_ms=sorted(triton_ms), sweep=sweep, argv=sys.argv[1:]),
                        copy_bw_Bps=copy_bw, torch_copy_bw_Bps=tcopy, ref_bw_Bps=ref_bw, rows=rows)
         return bench_util.write_result(args.name, payload, args.out)
 
@@ -175,6 +190,19 @@ def main(argv=None):
         except Exception as ex:  # noqa: BLE001
             print(f"{name} M={base['M']} failed: {type(ex).__name__}: {str(ex)[-1500:]}", flush=True)
 
+    def run_tiled(cfg, x, ids, w, base, nbytes, y_ref):
+        name = "mgpu[" + ",".join(f"{k_}={v}" for k_, v in cfg.items()) + "]"
+        try:
+            fn = jax.jit(functools.partial(routed_experts_tiled, use_kernel=True, **cfg))
+            t0 = time.perf_counter()
+            y = jax.block_until_ready(fn(x, ids, w, *tiled))
+            comp = time.perf_counter() - t0
+            err = rel_err(y, y_ref) if y_ref is not None else float("nan")
+            t, tmin = time_calls(fn, (x, ids, w, *tiled), calls=20, batches=5, budget_s=args.budget_s)
+            record(base, name, t, nbytes, ms_min=tmin * 1e3, err=err, first_call_s=comp, phase="table")
+        except Exception as ex:  # noqa: BLE001
+            print(f"{name} M={base['M']} failed: {type(ex).__name__}: {str(ex)[-1500:]}", flush=True)
+
     # phase 1: the table (kernel configs, twin, ragged_dot) at every M and routing
     for m in ms:
         for kind in routings:
@@ -187,7 +215,9 @@ def main(argv=None):
                     record(base, "twin", t, nbytes, err=0.0, phase="table")
                 except Exception as ex:  # noqa: BLE001
                     print(f"twin M={m} failed: {type(ex).__name__}: {str(ex)[:300]}", flush=True)
-            for cfg in configs:
+            for cfg in tiled_configs:
+                run_tiled(cfg, x, ids, w, base, nbytes, y_ref)
+            for cfg in configs if m in triton_ms else []:
                 run_kernel(cfg, x, ids, w, base, nbytes, y_ref, "table")
             if m <= args.ragged_max_m and kind == "uniform":
                 try:

@@ -342,10 +342,10 @@ def max_tiles(m: int, k: int, e: int, t: int) -> int:
     return max(1, (pairs + min(e, pairs) * (t - 1)) // t)
 
 
-def default_tile(m: int, k: int, e: int) -> int:
-    """Tokens per tile: about the mean pairs per active expert, a power of two in [16, 64]."""
+def default_tile(m: int, k: int, e: int, smallest: int = 16, largest: int = 64) -> int:
+    """Tokens per tile: about the mean pairs per active expert, a power of two in [smallest, largest]."""
     mean = m * k / min(e, m * k)
-    return int(min(64, max(16, 1 << max(0, math.ceil(math.log2(max(mean, 1.0)))))))
+    return int(min(largest, max(smallest, 1 << max(0, math.ceil(math.log2(max(mean, 1.0)))))))
 
 
 def _route(expert_ids, expert_weights, num_experts: int, tile: int):

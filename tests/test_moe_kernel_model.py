@@ -1,4 +1,4 @@
-"""The INT4 kernel inside the model: prepare_for_kernels (load-time repack of every MoE layer) and back,
+"""The Pallas-Triton INT4 kernel (layout "planar") inside the model: prepare_for_kernels (load-time repack of every MoE layer) and back,
 forward parity with the compressed-tensors model (twin, XLA path, interpret-mode kernel), expert
 parallelism, the Engine, platform choice (lowered for CUDA on this CPU), errors, and a GPU check.
 
@@ -65,7 +65,7 @@ def twin_routed(x, ids, weights, w13, w2, *, expert_offset=0):
 @pytest.fixture(scope="module")
 def pair():
     model = tiny_model()
-    return model, prepare_for_kernels(nnx.clone(model))
+    return model, prepare_for_kernels(nnx.clone(model), layout="planar")
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +128,7 @@ def test_prepare_a_sharded_model_repacks_in_place(pair, tokens):
     mesh = make_mesh(data=2, model=4, devices=jax.devices("cpu"))
     graphdef, state = nnx.split(nnx.clone(model))
     sharded = nnx.merge(graphdef, jax.device_put(state, param_shardings(state, mesh, DEFAULT_RULES)))
-    prepare_for_kernels(sharded)
+    prepare_for_kernels(sharded, layout="planar")
     leaf = sharded.layers[2].mlp.w2.get_value()
     assert leaf.packed.sharding.spec[0] == "model" and leaf.scale.sharding.spec[0] == "model"
     want = prepared.layers[2].mlp.w2.get_value()
@@ -144,7 +144,7 @@ def test_engine_greedy_prepared_equals_compressed_tensors():
     target = KimiModel(cfg, nnx.Rngs(0))
     target.lm_head.set_value(target.lm_head.get_value() * 8)  # peaked, like a trained model
     drafter = DFlashDrafter(tiny_drafter_config(cfg), nnx.Rngs(1))
-    prepared = prepare_for_kernels(nnx.clone(target))
+    prepared = prepare_for_kernels(nnx.clone(target), layout="planar")
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, 64, int(rng.integers(2, 12))).tolist() for _ in range(4)]
     ecfg = EngineConfig(mode="ddtree", budget=16, max_new_tokens=10, capacity=64)
@@ -156,7 +156,8 @@ def test_engine_greedy_prepared_equals_compressed_tensors():
 def abstract_prepared(allow_twin_only=False, **overrides):
     """A prepared model of shapes only (nnx.eval_shape): for lowering and error checks, no compute."""
     cfg = tiny_config(**{**KCFG, **overrides})
-    return nnx.eval_shape(lambda: prepare_for_kernels(KimiModel(cfg, nnx.Rngs(0)), allow_twin_only=allow_twin_only))
+    return nnx.eval_shape(lambda: prepare_for_kernels(KimiModel(cfg, nnx.Rngs(0)), layout="planar",
+                                                      allow_twin_only=allow_twin_only))
 
 
 @pytest.mark.parametrize("overrides,kernel", [(dict(dtype="bfloat16"), True), (dict(dtype="float32"), False),
@@ -192,7 +193,7 @@ def test_gpu_kernel_in_model_matches_twin_and_xla():
     logits match the twin's and the compressed-tensors XLA path's."""
     model = tiny_model(dtype="bfloat16", hidden_size=256, moe_intermediate_size=256, n_routed_experts=16,
                        num_experts_per_tok=4, num_layers=3)
-    prepared = prepare_for_kernels(nnx.clone(model))
+    prepared = prepare_for_kernels(nnx.clone(model), layout="planar")
     toks = np.random.default_rng(5).integers(0, 256, (2, 33))
     graphdef, state = nnx.split(prepared)
     hlo = jax.jit(lambda s, t: _forward(graphdef, s, t, Runtime())).lower(state, jnp.asarray(toks)).as_text()

@@ -1,0 +1,153 @@
+"""Probe of the Mosaic GPU grouped INT4 GEMM (pallas_kernels/int4_moe_mgpu.py) at K2.6 dims on one GPU.
+
+Checks the kernel against its twin, then times each of the two routed-expert GEMMs alone (gate+up:
+O=4096, I=7168; down: O=7168, I=2048) over M tokens with top-8 uniform routing, for a few kernel
+configurations. Times are per call, from a jitted loop of back-to-back calls (no Python dispatch in
+the loop). Bytes = INT4 weights + bf16 scales of the experts the tiles touch.
+
+    PYTHONPATH=. python experiments/probe_moe_mgpu.py --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from experiments import bench_util
+from experiments.bench_moe import routing
+from pallas_kernels import int4_moe_mgpu as K
+from pallas_kernels.int4_moe import _route
+
+E, D, F, TOPK = 384, 7168, 2048, 8
+
+
+def random_tiled(key, e, o, i, rows):
+    """Random tiled INT4 weights and scales, generated one expert at a time (small intermediates)."""
+    def one(k):
+        kq, ks = jax.random.split(k)
+        nib = jax.random.bits(kq, (o // rows, (i // K.STEP) * rows, K.STEP), jnp.uint8) & 0xF
+        w = (nib.astype(jnp.int8) - 8).astype(jnp.int4)
+        s = jax.random.uniform(ks, (o // rows, i // K.GROUP, rows), jnp.float32, 0.01, 0.03).astype(jnp.bfloat16)
+        return w, s
+    return jax.block_until_ready(jax.jit(lambda ks: jax.lax.map(one, ks))(jax.random.split(key, e)))
+
+
+def loop_time(fn, args, iters=20, repeats=5):
+    """Seconds per call: a jitted fori_loop of `iters` calls; one activation element changes per
+    iteration (in place, in the loop carry) so that no call can be hoisted."""
+    def many(x, *rest):
+        def body(i, carry):
+            x, acc = carry
+            x = x.at[0, 0, 0].set(i.astype(x.dtype))
+            return x, acc + fn(x, *rest)[0, 0]
+        return lax.fori_loop(0, iters, body, (x, jnp.float32(0)))[1]
+    many = jax.jit(many)
+    jax.block_until_ready(many(*args))
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(many(*args))
+        ts.append((time.perf_counter() - t0) / iters)
+    return statistics.median(ts)
+
+
+def rel_err(a, b):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ms", default="1,9,32,90,256,512,1024")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--plan", default="full", choices=["full", "flags"])
+    args = ap.parse_args(argv)
+    bw = bench_util.measure_torch_copy_bandwidth() or bench_util.measure_copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    key = jax.random.key(0)
+    gemms = {"gate_up": (2 * F, D), "down": (D, F)}
+    weights = {}
+    for rows in (64, 128):
+        for name, (o, i) in gemms.items():
+            key, sub = jax.random.split(key)
+            weights[name, rows] = random_tiled(sub, E, o, i, rows)
+    print("weights ready", flush=True)
+    records, table = [], []
+
+    # correctness: kernel vs twin on the real arrays, a few tiles incl. a skipped one
+    for (name, rows), (w, s) in weights.items():
+        o, i = gemms[name]
+        for n in (8, 32):
+            te = jnp.asarray([5, 383, -1, 5, 0][: 4 if n == 32 else 5], jnp.int32)
+            x = jax.random.normal(jax.random.key(n), (te.shape[0] * n, i), jnp.float32).astype(jnp.bfloat16)
+            xg = K.to_groups(x)
+            variant = dict(split=2 if n == 8 else 1, overlap=n == 32)
+            got = jax.jit(functools.partial(K.grouped_int4_matmul, tokens_per_tile=n, **variant))(xg, w, s, te)
+            ref = K.grouped_int4_matmul_ref(xg, w, s, te, tokens_per_tile=n)
+            valid = np.repeat(np.asarray(te) >= 0, n)
+            err = rel_err(np.asarray(got)[:, valid], np.asarray(ref)[:, valid])
+            nan = bool(np.isnan(np.asarray(got)[:, valid]).any())
+            print(f"parity {name} rows={rows} N={n}: rel err {err:.2e} nan={nan}", flush=True)
+            records.append(dict(kind="parity", gemm=name, rows=rows, n=n, rel_err=err, nan=nan, **variant))
+
+    base = [(128, 2, 1, False), (128, 2, 1, True), (64, 2, 1, False), (128, 3, 1, False)]
+    plan = {1: ([8], [(128, 2, 1, False), (128, 2, 1, True), (128, 2, 2, False), (128, 2, 4, False),
+                      (64, 2, 4, False), (128, 3, 4, False), (128, 2, 4, True)]),
+            9: ([8], [(128, 2, 1, False), (128, 2, 2, False), (128, 2, 1, True), (128, 2, 2, True)]),
+            32: ([8], base), 90: ([8], base), 256: ([8, 16], base),
+            512: ([16, 32], base[:2]), 1024: ([32, 64], base[:2])}
+    if args.plan == "flags":  # (rows, stages, split, overlap, auto_barriers)
+        flags = [(128, 2, 1, False, True), (128, 2, 1, False, False), (64, 2, 1, False, False),
+                 (128, 3, 1, False, False)]
+        plan = {1: ([8], flags), 32: ([8], flags), 256: ([8], flags), 1024: ([32], flags[:2])}
+    if args.quick:
+        plan = {m: (ns[:1], cf[:1]) for m, (ns, cf) in plan.items()}
+    for m in [int(v) for v in args.ms.split(",")]:
+        ids, wts = routing(m, "uniform", seed=m)
+        ns, configs = plan[m]
+        for n in ns:
+            row_token, _, tile_expert, _ = _route(ids, wts, E, n)
+            active = int(np.unique(np.asarray(tile_expert)[np.asarray(tile_expert) >= 0]).size)
+            p = tile_expert.shape[0] * n
+            for name, (o, i) in gemms.items():
+                x = jax.random.normal(jax.random.key(1), (p, i), jnp.float32).astype(jnp.bfloat16)
+                xg = K.to_groups(x)
+                nbytes = active * (o * i // 2 + o * (i // K.GROUP) * 2)
+                for rows, stages, split, overlap, *rest in configs:
+                    w, s = weights[name, rows]
+                    auto = rest[0] if rest else True
+                    fn = functools.partial(K.grouped_int4_matmul, tokens_per_tile=n, stages=stages, split=split,
+                                           overlap=overlap, auto_barriers=auto)
+                    try:
+                        t = loop_time(fn, (xg, w, s, tile_expert))
+                    except Exception as exc:  # noqa: BLE001 - report and go on
+                        print(f"FAILED {name} m={m} n={n} {rows}/{stages}/{split}/{overlap}: {exc!r:.300}", flush=True)
+                        continue
+                    rec = dict(kind="time", gemm=name, m=m, n=n, rows=rows, stages=stages, split=split,
+                               overlap=overlap, auto_barriers=auto, active=active, gb=nbytes / 1e9, ms=t * 1e3, tbps=nbytes / t / 1e12,
+                               pct_copy=100 * nbytes / t / bw, floor_ms=nbytes / bw * 1e3)
+                    records.append(rec)
+                    table.append(rec)
+                    print(f"{name:8s} M={m:5d} N={n:3d} {rows}/{stages}/{split}/{overlap:d}/{auto:d} active={active:3d} "
+                          f"{t * 1e3:8.3f} ms  {rec['tbps']:.2f} TB/s  {rec['pct_copy']:5.1f} %", flush=True)
+    payload = dict(hardware=bench_util.hardware(), jax=jax.__version__, copy_bandwidth=bw, records=records)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "probe_moe_mgpu.json"), "w") as fh:
+            json.dump(payload, fh, indent=1, default=str)
+    bench_util.print_table([{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items() if k != "kind"}
+                            for r in table], ["gemm", "m", "n", "rows", "stages", "split", "overlap", "auto_barriers", "active", "ms", "pct_copy"])
+
+
+if __name__ == "__main__":
+    main()

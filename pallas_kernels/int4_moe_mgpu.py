@@ -1,0 +1,366 @@
+"""Grouped INT4 x bf16 GEMM for the routed experts on Hopper: Pallas Mosaic GPU (wgmma) + pure-JAX twin.
+
+Dimension letters: E experts, O output rows of one expert matrix, I input columns, G scale group (32),
+N tokens per tile, NT tiles, P = NT * N expert-sorted token rows, R rows per program (64 or 128),
+S = 256 input columns per pipeline step (8 scale groups).
+
+    out[o, t*N + j] = sum_i  dequant(W[e_t])[o, i] * x[t*N + j, i],     e_t = tile_expert[t]
+
+with f32 accumulation and W dequantised to bf16 as q * scale (q in [-8, 7], one bf16 scale per row and
+group of 32 columns). Tiles with e_t < 0 are skipped (their output columns are left unwritten).
+
+Weight layout ("tiles", made once at load time by ``tile_weights``)
+-------------------------------------------------------------------
+int4 values q (two's complement, i.e. compressed-tensors' stored nibble u = q + 8 with its top bit
+flipped) in an array [E, O/R, (I/S)*R, S]: program-row block b, pipeline step k is the contiguous
+[R, S] slab ``w[e, b, k*R:(k+1)*R]`` (R*S/2 bytes, one TMA box of 128-byte rows), and inside it the
+bytes are ordered [S/G groups][R rows][G columns]. So after the copy, scale group g of the step is the
+contiguous [R, G] block g of the shared-memory slab: 16 bytes per row, which the warpgroup reads
+bank-conflict free straight into the wgmma int4 upcast register layout. Scales: bf16
+[E, O/R, (I/S)*(S/G), R], step k's [S/G, R] block holds group-major row vectors.
+
+Activations come group-major, x_groups [I/G, P, G] (an XLA transpose of the sorted token rows), so that
+group g of a step is a whole [N, G] tile (64-byte rows, 64-byte swizzle) for wgmma's B operand.
+
+Kernel
+------
+One program per (tile, row block): grid (NT, O/R), one warpgroup. A pipelined loop over the I/S steps
+copies (TMA) the weight slab, its scales and the token tile into shared memory, ``stages`` deep; per
+step and group the warpgroup loads the [R, 32] int4 block into registers, upcasts it to bf16, multiplies
+each row by its scale and issues a wgmma (A from registers: the weight rows; B from shared memory: the
+tokens, "swap AB", so one token per expert wastes no weight traffic) into an [R, N] f32 accumulator.
+Several programs share an SM (about 55 KB of shared memory each at R=64, N=8, 4 stages), which hides
+the latency of each program's dequantise-then-multiply chain.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.int4_moe import _combine, _route, default_tile
+
+try:  # Mosaic GPU is importable on CPU builds too (lowering works anywhere; running needs an sm_90 GPU).
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+except ImportError:  # pragma: no cover
+    plgpu = None
+
+GROUP = 32
+STEP = 256
+SMEM_LIMIT = 227 * 1024  # per block on sm_90
+
+
+def smem_bytes(rows: int, n: int, stages: int) -> int:
+    """Shared memory of one program: ``stages`` x (weight slab + scales + token tile) + the f32 output tile."""
+    return stages * (rows * STEP // 2 + (STEP // GROUP) * rows * 2 + STEP * n * 2) + rows * n * 4
+
+
+def _check_dims(o: int, i: int, rows: int) -> None:
+    if rows not in (64, 128):
+        raise ValueError(f"rows per program must be 64 or 128, got {rows}")
+    if o % rows or i % STEP:
+        raise ValueError(f"O={o} must be a multiple of rows={rows} and I={i} a multiple of {STEP}")
+
+
+# ----------------------------------------------------------------------------------------------
+# The one-time repack: compressed-tensors (packed int32, u = q + 8) <-> tiles
+# ----------------------------------------------------------------------------------------------
+def unpack_compressed_tensors(packed) -> jax.Array:
+    """int32 [..., O, I/8] (nibble n of word j = column 8j+n, value q+8) -> q int8 [..., O, I]."""
+    shifts = jnp.arange(8, dtype=jnp.uint32) * 4
+    u = (lax.bitcast_convert_type(packed, jnp.uint32)[..., None] >> shifts) & 0xF
+    return (u.astype(jnp.int8) - 8).reshape(*packed.shape[:-1], packed.shape[-1] * 8)
+
+
+def pack_compressed_tensors(q) -> jax.Array:
+    """Inverse of ``unpack_compressed_tensors``."""
+    u = (q.astype(jnp.int32) + 8).astype(jnp.uint32).reshape(*q.shape[:-1], q.shape[-1] // 8, 8)
+    word = jnp.sum(u << (jnp.arange(8, dtype=jnp.uint32) * 4), axis=-1, dtype=jnp.uint32)
+    return lax.bitcast_convert_type(word, jnp.int32)
+
+
+def tile_weights(q, scale, rows: int = 64):
+    """q int8 [E, O, I] in [-8, 7], scale [E, O, I/G] -> (w int4 [E, O/R, (I/S)*R, S], s bf16 [E, O/R, I/G, R])."""
+    e, o, i = q.shape
+    _check_dims(o, i, rows)
+    w = q.reshape(e, o // rows, rows, i // STEP, STEP // GROUP, GROUP).transpose(0, 1, 3, 4, 2, 5)
+    w = w.reshape(e, o // rows, (i // STEP) * rows, STEP).astype(jnp.int4)
+    s = scale.reshape(e, o // rows, rows, i // GROUP).transpose(0, 1, 3, 2).astype(jnp.bfloat16)
+    return w, s
+
+
+def untile_weights(w, s):
+    """Inverse of ``tile_weights``: -> (q int8 [E, O, I], scale bf16 [E, O, I/G])."""
+    e, nb, kr, _ = w.shape
+    rows = s.shape[-1]
+    ks = kr // rows
+    q = w.astype(jnp.int8).reshape(e, nb, ks, STEP // GROUP, rows, GROUP).transpose(0, 1, 4, 2, 3, 5)
+    q = q.reshape(e, nb * rows, ks * STEP)
+    scale = s.transpose(0, 1, 3, 2).reshape(e, nb * rows, -1)
+    return q, scale
+
+
+def dequantize_expert(w, s, e, dtype=jnp.bfloat16) -> jax.Array:
+    """Expert e (may be traced) of tiled weights -> [O, I] in ``dtype``: q * scale computed exactly in f32
+    and rounded once (for bf16 scales and dtype this is the kernel's bf16 product, bit for bit)."""
+    q, scale = untile_weights(w[e][None], s[e][None])
+    q, scale = q[0], scale[0]
+    o, i = q.shape
+    deq = q.reshape(o, i // GROUP, GROUP).astype(jnp.float32) * scale.astype(jnp.float32)[:, :, None]
+    return deq.reshape(o, i).astype(dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Pure-JAX twin
+# ----------------------------------------------------------------------------------------------
+def grouped_int4_matmul_ref(x_groups, w, s, tile_expert, *, tokens_per_tile: int):
+    """Twin of ``grouped_int4_matmul`` (same signature): x_groups bf16 [I/G, P, G], w/s tiled weights,
+    tile_expert int32 [NT] -> out f32 [O, P]; columns of skipped tiles (expert < 0) are zero here."""
+    n = tokens_per_tile
+    ng, p, _ = x_groups.shape
+    x = jnp.swapaxes(x_groups, 0, 1).reshape(p, ng * GROUP)
+    o = w.shape[1] * s.shape[-1]
+
+    def body(t, out):
+        e = tile_expert[t]
+        wt = dequantize_expert(w, s, jnp.maximum(e, 0), x.dtype)
+        xt = lax.dynamic_slice_in_dim(x, t * n, n)
+        yt = jnp.dot(wt, xt.T, preferred_element_type=jnp.float32) * (e >= 0)
+        return lax.dynamic_update_slice_in_dim(out, yt, t * n, 1)
+
+    return lax.fori_loop(0, tile_expert.shape[0], body, jnp.zeros((o, p), jnp.float32))
+
+
+# ----------------------------------------------------------------------------------------------
+# Mosaic GPU kernel
+# ----------------------------------------------------------------------------------------------
+def grouped_int4_matmul(x_groups, w, s, tile_expert, *, tokens_per_tile: int, stages: int = 2,
+                        split: int = 1, overlap: bool = False, auto_barriers: bool = True):
+    """Pallas Mosaic GPU kernel (H100/H200). Same contract as ``grouped_int4_matmul_ref``, except that the
+    output columns of skipped tiles are left unwritten (never read by the MoE combine), and with
+    ``split`` > 1 the result is the f32 sum over ``split`` partial products [split, O, P] (split-K:
+    more programs when few tiles are busy; summed in XLA).
+
+    ``overlap``: keep one step's wgmmas in flight while the next step is dequantised (the token tile
+    is released a step late); otherwise each step waits for its own wgmmas. ``auto_barriers=False`` drops
+    Mosaic GPU's conservative warpgroup barriers around shared-memory accesses (``unsafe_no_auto_barriers``:
+    safe here, each program is one warpgroup and its shared memory is written only by TMA)."""
+    if plgpu is None:
+        raise RuntimeError("jax.experimental.pallas.mosaic_gpu is not available in this JAX")
+    n = tokens_per_tile
+    ng, p, _ = x_groups.shape
+    e_n, nb, kr, step = w.shape
+    rows = s.shape[-1]
+    in_dim, out_dim = ng * GROUP, nb * rows
+    ksteps = kr // rows
+    _check_dims(out_dim, in_dim, rows)
+    if ksteps * STEP != in_dim or step != STEP:
+        raise ValueError(f"weights {w.shape} do not match activations of width {in_dim}")
+    if n % 8 or not 8 <= n <= 256 or p % n:
+        raise ValueError(f"tokens_per_tile={n} must be a multiple of 8 in [8, 256] dividing P={p}")
+    if ksteps % split:
+        raise ValueError(f"split={split} must divide the {ksteps} pipeline steps")
+    kps = ksteps // split
+    smem = smem_bytes(rows, n, stages)
+    if smem > SMEM_LIMIT:
+        raise ValueError(f"tokens_per_tile={n}, rows={rows}, stages={stages} need {smem} bytes of shared memory "
+                         f"(limit {SMEM_LIMIT}): fewer tokens per tile or stages")
+    nt = p // n
+    gps = STEP // GROUP
+    wgmma_layout = plgpu.Layout.WGMMA
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+
+    def body(te_ref, x_ref, w_ref, s_ref, o_ref, o_smem):
+        t = lax.axis_index("tile")
+        b = lax.axis_index("rows")
+        sp = lax.axis_index("split")
+        e = te_ref[t]
+
+        @pl.when(e >= 0)
+        def _():
+            def acc_scope(acc_ref):
+                def step_body(_, w_smem, s_smem, x_smem):
+                    w_groups = w_smem.reshape(gps, rows, GROUP)
+                    for g in range(gps):
+                        wq = plgpu.load(w_groups.at[g], (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
+                        wg = plgpu.layout_cast(wq, wgmma_layout).astype(jnp.bfloat16)
+                        sg = plgpu.load(s_smem.at[g], (), layout=row_layout)
+                        wg = wg * lax.broadcast_in_dim(sg, wg.shape, [0])
+                        plgpu.wgmma(acc_ref, wg, plgpu.transpose_ref(x_smem.at[g], (1, 0)))
+                    plgpu.wgmma_wait(gps if overlap else 0)
+
+                plgpu.emit_pipeline(
+                    step_body, grid=(kps,),
+                    in_specs=[
+                        plgpu.BlockSpec((rows, STEP), lambda k: (k + sp * kps, 0)),
+                        plgpu.BlockSpec((gps, rows), lambda k: (k + sp * kps, 0)),
+                        plgpu.BlockSpec((gps, n, GROUP), lambda k: (k + sp * kps, t, 0),
+                                        transforms=(plgpu.TilingTransform((8, GROUP)), plgpu.SwizzleTransform(64)),
+                                        delay_release=1 if overlap else 0),
+                    ],
+                    max_concurrent_steps=stages,
+                )(w_ref.at[e, b], s_ref.at[e, b], x_ref)
+                return acc_ref[...]
+
+            acc = pl.run_scoped(acc_scope, plgpu.ACC((rows, n), jnp.float32))
+            o_smem[...] = acc
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[sp, pl.ds(b * rows, rows), pl.ds(t * n, n)])
+            plgpu.wait_smem_to_gmem(0)
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((split, out_dim, p), jnp.float32),
+        scratch_types=dict(o_smem=plgpu.SMEM((rows, n), jnp.float32)),
+        grid=(nt, nb, split), grid_names=("tile", "rows", "split"),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,
+                                             unsafe_no_auto_barriers=not auto_barriers),
+    )
+    out = kernel(tile_expert, x_groups, w, s)
+    return out[0] if split == 1 else out.sum(0)
+
+
+def to_groups(x) -> jax.Array:
+    """Token rows [P, I] -> group-major [I/G, P, G] (the activation layout of the kernel)."""
+    p, i = x.shape
+    return jnp.swapaxes(x.reshape(p, i // GROUP, GROUP), 0, 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# One expert stack in the tiled layout, and the routed-expert layer on it
+# ----------------------------------------------------------------------------------------------
+def tiling_error(o: int, i: int, group: int, scale_dtype) -> str | None:
+    """Why an [O, I] stack (scale groups of ``group``) cannot take the tiled layout, or None."""
+    if group != GROUP:
+        return f"group size {group} (the tiled kernel needs {GROUP})"
+    if o % 64 or i % STEP:
+        return f"shape [O={o}, I={i}] (the tiled kernel needs O % 64 == 0 and I % {STEP} == 0)"
+    if jnp.dtype(scale_dtype) != jnp.bfloat16:
+        return f"{jnp.dtype(scale_dtype)} scales (the tiled kernel multiplies in bf16)"
+    return None
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["packed", "scale"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class TiledInt4:
+    """One INT4 expert stack (W [E, O, I], PyTorch [out, in] per expert) in the tiled layout (module doc).
+
+    packed int4 [E, O/R, (I/S)*R, S], scale bf16 [E, O/R, I/G, R]; R = 128 where O allows, else 64. The
+    expert axis leads both arrays, so expert-parallel sharding splits them like compressed-tensors ones.
+    """
+    packed: jax.Array
+    scale: jax.Array
+
+    @property
+    def rows(self) -> int:
+        return self.scale.shape[-1]
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """Logical [E, O, I] (as ``QuantArray.shape``)."""
+        e, nb, kr, _ = self.packed.shape
+        return e, nb * self.rows, kr // self.rows * STEP
+
+    @property
+    def group_size(self) -> int:
+        return GROUP
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.size // 2 + self.scale.size * 2
+
+    @classmethod
+    def from_compressed_tensors(cls, packed, scale) -> "TiledInt4":
+        """One-time repack of packed int32 [E, O, I/8] (values q + 8), scale bf16 [E, O, I/32]; raises
+        ValueError for stacks the layout cannot hold (``tiling_error``). Bit-exact inverse:
+        ``to_compressed_tensors``. Repacks one expert at a time (small temporaries)."""
+        if getattr(packed, "dtype", None) != jnp.int32 or len(packed.shape) != 3 or len(scale.shape) != 3:
+            raise ValueError(f"expected packed int32 [E, O, I/8] and scale [E, O, I/G], got "
+                             f"{getattr(packed, 'dtype', type(packed))} {tuple(packed.shape)} and {tuple(scale.shape)}")
+        e, o, n = packed.shape
+        i = n * 8
+        if tuple(scale.shape[:2]) != (e, o) or i % scale.shape[2]:
+            raise ValueError(f"scale {tuple(scale.shape)} does not match packed {tuple(packed.shape)}")
+        problem = tiling_error(o, i, i // scale.shape[2], scale.dtype)
+        if problem:
+            raise ValueError(f"cannot tile: {problem}")
+        rows = 128 if o % 128 == 0 else 64
+
+        def one(args):
+            p, sc = args
+            w, s_t = tile_weights(unpack_compressed_tensors(p)[None], sc[None], rows)
+            return w[0], s_t[0]
+
+        w, s_t = jax.jit(lambda p, sc: lax.map(one, (p, sc)))(packed, scale)
+        return cls(packed=w, scale=s_t)
+
+    def to_compressed_tensors(self) -> tuple[jax.Array, jax.Array]:
+        """(packed int32 [E, O, I/8], scale bf16 [E, O, I/32]) exactly as before the repack."""
+        def one(args):
+            w, s_t = args
+            q, sc = untile_weights(w[None], s_t[None])
+            return pack_compressed_tensors(q[0]), sc[0]
+
+        return jax.jit(lambda w, s_t: lax.map(one, (w, s_t)))(self.packed, self.scale)
+
+    def dequantize_expert(self, e, dtype) -> jax.Array:
+        """W_e [O, I] of expert ``e`` (may be traced) in ``dtype``: the values of ``quant.dequantize_int4``."""
+        return dequantize_expert(self.packed, self.scale, e, dtype)
+
+
+def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: TiledInt4, *,
+                         expert_offset: int | jax.Array = 0, out_dtype=None, use_kernel: bool = False,
+                         tile: int | None = None, stages: int = 2, split: int = 1):
+    """Routed experts of one MoE layer on tiled INT4 stacks: the Mosaic GPU kernel (``use_kernel``) or its
+    twin, around the same XLA routing and combine.
+
+    x [M, D] (bf16 for the kernel), expert_ids int32 [M, K] (global ids), expert_weights f32 [M, K],
+    w13 [E, 2F, D] (gate rows, then up rows), w2 [E, D, F], holding experts expert_offset ..
+    expert_offset + E - 1 (pairs routed elsewhere contribute nothing) -> y [M, D] in ``out_dtype``
+    (default x.dtype; summed in f32). tile: tokens per tile N (default from M, 8..64).
+
+    The pairs are sorted by expert into tiles of N rows (``int4_moe._route``); kernel 1 gives gate and up
+    [2F, P] in f32, XLA forms h = silu(gate) * up in x.dtype, kernel 2 gives [D, P]; rows are weighted
+    and added per token. Tiles past the busy ones are skipped by the kernel; only padding rows (token
+    index M, dropped by the combine) read their unwritten columns.
+    """
+    m, d = x.shape
+    k = expert_ids.shape[1]
+    e_n, f = w13.shape[0], w2.shape[2]
+    if w13.shape != (e_n, 2 * f, d) or w2.shape != (e_n, d, f):
+        raise ValueError(f"w13 {w13.shape} / w2 {w2.shape} do not match x [M, {d}]")
+    if use_kernel and x.dtype != jnp.bfloat16:
+        raise ValueError(f"the Mosaic GPU kernel takes bf16 activations, got {x.dtype}")
+    n = tile or default_tile(m, k, e_n, smallest=8, largest=64)
+    row_token, row_weight, tile_expert, _ = _route(expert_ids - expert_offset, expert_weights, e_n, n)
+    xs = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)])[row_token]  # [P, D]
+    if use_kernel:
+        mm = functools.partial(grouped_int4_matmul, tokens_per_tile=n, stages=stages, split=split)
+    else:
+        mm = functools.partial(grouped_int4_matmul_ref, tokens_per_tile=n)
+    gu = mm(to_groups(xs), w13.packed, w13.scale, tile_expert)  # [2F, P] f32
+    h = (jax.nn.silu(gu[:f]) * gu[f:]).astype(x.dtype)  # [F, P]
+    y_rows = mm(jnp.swapaxes(h.reshape(f // GROUP, GROUP, -1), 1, 2), w2.packed, w2.scale, tile_expert)  # [D, P]
+    return _combine(y_rows.T * row_weight[:, None], row_token, m, out_dtype or x.dtype)
+
+
+def routed_experts(x, expert_ids, expert_weights, w13: TiledInt4, w2: TiledInt4, *,
+                   expert_offset: int | jax.Array = 0, out_dtype=None, **tuning):
+    """Dispatcher: the Mosaic GPU kernel when lowered for CUDA with bf16 activations (it needs a Hopper
+    GPU, sm_90), the twin on any other platform or dtype. Same contract as ``routed_experts_tiled``; the
+    choice is made per lowering platform (``lax.platform_dependent``), so one jitted program serves a CPU
+    host and the H200."""
+    offset = jnp.asarray(expert_offset, jnp.int32)
+    twin = functools.partial(routed_experts_tiled, out_dtype=out_dtype, use_kernel=False, **tuning)
+    if x.dtype != jnp.bfloat16:
+        return twin(x, expert_ids, expert_weights, w13, w2, expert_offset=offset)
+    kernel = functools.partial(routed_experts_tiled, out_dtype=out_dtype, use_kernel=True, **tuning)
+    return lax.platform_dependent(
+        x, expert_ids, expert_weights, w13, w2, offset,
+        cuda=lambda *a: kernel(*a[:5], expert_offset=a[5]),
+        default=lambda *a: twin(*a[:5], expert_offset=a[5]))

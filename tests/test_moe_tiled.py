@@ -1,0 +1,255 @@
+"""The Mosaic GPU INT4 MoE kernel's layout ("tiles"), its pure-JAX twin, and the kernel in the model.
+
+On CPU: the one-time repack (bit-exact both ways, the documented element placement), the twin against
+a NumPy reference, the routed layer against the compressed-tensors XLA path, the prepared model
+(forward, expert parallelism, greedy DDTree), lowering for CUDA (the kernel is in the program exactly
+when it should be), errors. On a Hopper GPU: kernel == twin, and the prepared model on the kernel.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from ddtree_jax.config import QuantConfig, tiny_config
+from ddtree_jax.drafter import DFlashDrafter, tiny_drafter_config
+from ddtree_jax.engine import Engine, EngineConfig
+from ddtree_jax.memory_plan import array_bytes
+from ddtree_jax.model import KimiModel, Runtime
+from ddtree_jax.moe import (KERNEL_AXES, TiledInt4, prepare_for_kernels, routed_experts_tiled, routed_experts_xla,
+                            unprepare_for_kernels)
+from ddtree_jax.quant import QuantArray, dequantize_int4, quantize_array
+from ddtree_jax.sharding import DEFAULT_RULES, make_mesh, param_shardings
+from pallas_kernels import int4_moe_mgpu as K
+from tests.test_moe_kernel_model import _forward, forward, rel, rel_norm
+
+TCFG = dict(hidden_size=256, moe_intermediate_size=256, quant=QuantConfig(group_size=32))
+
+
+def random_stack(rng, e, o, i):
+    w = rng.standard_normal((e, o, i)).astype(np.float32) * 0.05
+    return quantize_array(jnp.asarray(w), 32)
+
+
+@pytest.mark.parametrize("o,i", [(128, 256), (192, 512)])
+def test_repack_is_bit_exact_and_places_elements_as_documented(o, i):
+    rng = np.random.default_rng(0)
+    qa = random_stack(rng, 3, o, i)
+    leaf = TiledInt4.from_compressed_tensors(qa.packed, qa.scale)
+    rows = 128 if o % 128 == 0 else 64
+    assert leaf.rows == rows and leaf.shape == (3, o, i) and leaf.packed.dtype == jnp.int4
+    packed, scale = leaf.to_compressed_tensors()
+    np.testing.assert_array_equal(np.asarray(packed), np.asarray(qa.packed))
+    np.testing.assert_array_equal(np.asarray(scale).view(np.uint16), np.asarray(qa.scale).view(np.uint16))
+    assert leaf.nbytes == array_bytes(leaf.packed.shape, leaf.packed.dtype) + leaf.scale.size * 2
+    assert leaf.nbytes == qa.packed.size * 4 + qa.scale.size * 2
+    # slab (e, b, k): element (j, c) <-> flat f = j*S + c = g*R*G + r*G + c'  ->  q[e, b*R + r, k*S + g*G + c']
+    q = np.asarray(K.unpack_compressed_tensors(qa.packed))
+    w = np.asarray(leaf.packed.astype(jnp.int8))
+    e, b, k = 2, o // rows - 1, i // K.STEP - 1
+    slab = w[e, b, k * rows:(k + 1) * rows]
+    j, c = np.meshgrid(np.arange(rows), np.arange(K.STEP), indexing="ij")
+    f = j * K.STEP + c
+    g, r, cc = f // (rows * K.GROUP), (f // K.GROUP) % rows, f % K.GROUP
+    np.testing.assert_array_equal(slab, q[e, b * rows + r, k * K.STEP + g * K.GROUP + cc])
+    s = np.asarray(leaf.scale, np.float32)
+    np.testing.assert_array_equal(s[e, b, :, 5], np.asarray(qa.scale, np.float32)[e, b * rows + 5])
+    for dtype in (jnp.float32, jnp.bfloat16):
+        want = dequantize_int4(qa.packed[1], qa.scale[1], dtype)
+        np.testing.assert_array_equal(np.asarray(leaf.dequantize_expert(1, dtype)), np.asarray(want))
+
+
+def test_compressed_tensors_nibbles_roundtrip():
+    q = jnp.asarray(np.random.default_rng(1).integers(-8, 8, (4, 64)), jnp.int8)
+    packed = K.pack_compressed_tensors(q)
+    assert packed.dtype == jnp.int32 and packed.shape == (4, 8)
+    u = (np.asarray(packed).view(np.uint32)[:, :, None] >> (4 * np.arange(8))) & 0xF
+    np.testing.assert_array_equal(u.reshape(4, 64).astype(np.int32) - 8, np.asarray(q))
+    np.testing.assert_array_equal(np.asarray(K.unpack_compressed_tensors(packed)), np.asarray(q))
+
+
+@pytest.mark.parametrize("n,rows", [(8, 64), (16, 128), (32, 64)])
+def test_twin_matches_numpy(n, rows):
+    rng = np.random.default_rng(n)
+    e, o, i = 4, 256, 512
+    q = jnp.asarray(rng.integers(-8, 8, (e, o, i)), jnp.int8)
+    sc = jnp.asarray(rng.uniform(0.01, 0.1, (e, o, i // 32)), jnp.bfloat16)
+    w, s = K.tile_weights(q, sc, rows)
+    te = np.array([3, 0, -1, 3, 1], np.int32)
+    x = jnp.asarray(rng.standard_normal((te.size * n, i)), jnp.bfloat16)
+    out = np.asarray(K.grouped_int4_matmul_ref(K.to_groups(x), w, s, jnp.asarray(te), tokens_per_tile=n))
+    for t, ex in enumerate(te):
+        cols = slice(t * n, (t + 1) * n)
+        if ex < 0:
+            assert not out[:, cols].any()
+            continue
+        deq = np.asarray(q[ex], np.float32).reshape(o, i // 32, 32) * np.asarray(sc[ex], np.float32)[:, :, None]
+        deq = np.asarray(jnp.asarray(deq.reshape(o, i), jnp.bfloat16), np.float64)
+        want = deq @ np.asarray(x[cols], np.float64).T
+        np.testing.assert_allclose(out[:, cols], want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("m,k,offset", [(1, 2, 0), (5, 4, 0), (33, 2, 0), (9, 3, 4)])
+def test_routed_layer_twin_equals_xla_path(m, k, offset):
+    """Expert sums over sorted tiles == the per-expert XLA path on the compressed-tensors stacks; with an
+    expert offset the stacks hold experts offset.. only (pairs routed elsewhere contribute nothing)."""
+    rng = np.random.default_rng(m)
+    e, d, f = 8, 256, 256
+    w13, w2 = random_stack(rng, e, 2 * f, d), random_stack(rng, e, d, f)
+    x = jnp.asarray(rng.standard_normal((m, d)), jnp.float32)
+    ids = jnp.asarray(np.stack([rng.choice(e + offset, k, replace=False) for _ in range(m)]), jnp.int32)
+    wts = jnp.asarray(rng.random((m, k)), jnp.float32)
+    t13 = TiledInt4.from_compressed_tensors(w13.packed, w13.scale)
+    t2 = TiledInt4.from_compressed_tensors(w2.packed, w2.scale)
+    got = K.routed_experts_tiled(x, ids, wts, t13, t2, expert_offset=offset, out_dtype=jnp.float32)
+    want = routed_experts_xla(x, ids, wts, w13, w2, expert_offset=offset)
+    assert rel(got, want) < 1e-5
+    assert rel(routed_experts_tiled(x, ids, wts, t13, t2, expert_offset=offset), want) < 1e-5
+
+
+def tiny_model(seed=0, dtype="float32", **overrides):
+    return KimiModel(tiny_config(dtype=dtype, **{**TCFG, **overrides}), nnx.Rngs(seed))
+
+
+@pytest.fixture(scope="module")
+def pair():
+    model = tiny_model()
+    return model, prepare_for_kernels(nnx.clone(model))
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return np.random.default_rng(0).integers(0, 256, (3, 11))
+
+
+def test_prepare_tiles_forward_and_undo(pair, tokens):
+    model, prepared = pair
+    moe = prepared.layers[1].mlp
+    assert isinstance(moe.w13.get_value(), TiledInt4) and moe.w13.get_metadata()["logical_axes"] == KERNEL_AXES
+    assert prepare_for_kernels(prepared) is prepared
+    ref = forward(model, tokens)
+    assert rel(forward(prepared, tokens), ref) < 1e-5
+    np.testing.assert_array_equal(np.asarray(forward(prepared, tokens, Runtime(routed_fn=routed_experts_xla))),
+                                  np.asarray(ref))
+    back = unprepare_for_kernels(nnx.clone(prepared))
+    for a, b in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(back))):
+        assert a.dtype == b.dtype and np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+
+def test_expert_parallel_tiles_equal_unsharded(pair, tokens):
+    model, prepared = pair
+    mesh = make_mesh(data=2, model=4, devices=jax.devices("cpu"))
+    graphdef, state = nnx.split(prepared)
+    sharded = jax.device_put(state, param_shardings(state, mesh, DEFAULT_RULES))
+    w13 = sharded["layers"][1]["mlp"]["w13"].get_value()
+    assert w13.packed.addressable_shards[0].data.shape[0] == model.cfg.n_routed_experts // 4
+    got = forward(prepared, tokens, Runtime(mesh=mesh, rules=DEFAULT_RULES), state=sharded)
+    assert rel(got, forward(model, tokens)) < 1e-5
+
+
+def test_engine_greedy_tiles_equals_compressed_tensors():
+    cfg = tiny_config(vocab_size=64, eos_token_ids=(), num_layers=2, **TCFG)
+    target = KimiModel(cfg, nnx.Rngs(0))
+    target.lm_head.set_value(target.lm_head.get_value() * 8)
+    drafter = DFlashDrafter(tiny_drafter_config(cfg), nnx.Rngs(1))
+    prepared = prepare_for_kernels(nnx.clone(target))
+    prompts = [np.random.default_rng(i).integers(0, 64, 3 + 2 * i).tolist() for i in range(3)]
+    ecfg = EngineConfig(mode="ddtree", budget=16, max_new_tokens=8, capacity=64)
+    a = Engine(target, drafter, ecfg).generate(prompts)
+    b = Engine(prepared, drafter, ecfg).generate(prompts)
+    assert a["tokens"] == b["tokens"] and a["rounds"] == b["rounds"]
+
+
+MGPU_CALL = "mosaic_gpu"
+
+
+@pytest.mark.parametrize("dtype,kernel", [("bfloat16", True), ("float32", False)])
+def test_kernel_chosen_when_lowered_for_cuda(dtype, kernel):
+    cfg = tiny_config(dtype=dtype, **TCFG)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: prepare_for_kernels(KimiModel(cfg, nnx.Rngs(0)))))
+    toks = jax.ShapeDtypeStruct((1, 4), jnp.int32)
+    staged = jax.jit(lambda s, t: _forward(graphdef, s, t, Runtime())).trace(state, toks)
+    assert (MGPU_CALL in staged.lower(lowering_platforms=("cuda",)).as_text()) == kernel
+    assert MGPU_CALL not in staged.lower(lowering_platforms=("cpu",)).as_text()
+
+
+@pytest.mark.parametrize("rows,n,stages,split", [(64, 8, 2, 1), (128, 16, 3, 2), (128, 64, 2, 1)])
+def test_kernel_lowers_for_cuda(rows, n, stages, split):
+    w = jax.ShapeDtypeStruct((3, 2, 2 * rows, K.STEP), jnp.int4)
+    s = jax.ShapeDtypeStruct((3, 2, 2 * K.STEP // K.GROUP, rows), jnp.bfloat16)
+    xg = jax.ShapeDtypeStruct((2 * K.STEP // K.GROUP, 2 * n, K.GROUP), jnp.bfloat16)
+    te = jax.ShapeDtypeStruct((2,), jnp.int32)
+    fn = functools.partial(K.grouped_int4_matmul, tokens_per_tile=n, stages=stages, split=split)
+    text = jax.jit(fn).trace(xg, w, s, te).lower(lowering_platforms=("cuda",)).as_text()
+    assert MGPU_CALL in text
+
+
+def test_bad_input_errors():
+    rng = np.random.default_rng(0)
+    qa = random_stack(rng, 2, 128, 256)
+    with pytest.raises(ValueError, match="group size 64"):
+        TiledInt4.from_compressed_tensors(qa.packed, qa.scale[..., ::2])
+    with pytest.raises(ValueError, match="I % 256"):
+        TiledInt4.from_compressed_tensors(qa.packed[..., :16], qa.scale[..., :4])
+    with pytest.raises(ValueError, match="float32 scales"):
+        TiledInt4.from_compressed_tensors(qa.packed, qa.scale.astype(jnp.float32))
+    with pytest.raises(ValueError, match="expected packed int32"):
+        TiledInt4.from_compressed_tensors(qa.packed.astype(jnp.float32), qa.scale)
+    with pytest.raises(ValueError, match="unknown kernel layout"):
+        prepare_for_kernels(tiny_model(), layout="swizzled")
+    with pytest.raises(ValueError, match=r"layers\.1\.mlp: .*'tiles'.*I % 256"):
+        nnx.eval_shape(lambda: prepare_for_kernels(tiny_model(hidden_size=128)))
+    leaf = TiledInt4.from_compressed_tensors(qa.packed, qa.scale)
+    xg = jnp.zeros((8, 24, 32), jnp.bfloat16)
+    te = jnp.zeros((2,), jnp.int32)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        K.grouped_int4_matmul(xg, leaf.packed, leaf.scale, te, tokens_per_tile=12)
+    with pytest.raises(ValueError, match="split=3"):
+        K.grouped_int4_matmul(xg, leaf.packed, leaf.scale, te, tokens_per_tile=8, split=3)
+    with pytest.raises(ValueError, match="shared memory"):
+        K.grouped_int4_matmul(jnp.zeros((8, 512, 32), jnp.bfloat16), leaf.packed, leaf.scale, te,
+                              tokens_per_tile=256)
+    l13, l2 = (TiledInt4.from_compressed_tensors(a.packed, a.scale)
+               for a in (random_stack(rng, 2, 512, 256), random_stack(rng, 2, 256, 256)))
+    with pytest.raises(ValueError, match="bf16 activations"):
+        K.routed_experts_tiled(jnp.zeros((2, 256)), jnp.zeros((2, 2), jnp.int32), jnp.ones((2, 2)), l13, l2,
+                               use_kernel=True)
+    with pytest.raises(ValueError, match="do not match"):
+        K.routed_experts_tiled(jnp.zeros((2, 256)), jnp.zeros((2, 2), jnp.int32), jnp.ones((2, 2)), leaf, leaf)
+    with pytest.raises(TypeError, match="prepare_for_kernels"):
+        routed_experts_tiled(jnp.zeros((2, 256)), jnp.zeros((2, 2), jnp.int32), jnp.ones((2, 2)), qa, qa)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,n,split", [(64, 8, 1), (128, 8, 2), (128, 16, 1), (128, 32, 1), (64, 64, 1)])
+def test_gpu_kernel_matches_twin(rows, n, split):
+    rng = np.random.default_rng(rows + n)
+    e, o, i = 5, 256, 1024
+    q = jnp.asarray(rng.integers(-8, 8, (e, o, i)), jnp.int8)
+    sc = jnp.asarray(rng.uniform(0.01, 0.1, (e, o, i // 32)), jnp.bfloat16)
+    w, s = K.tile_weights(q, sc, rows)
+    te = jnp.asarray([4, 0, -1, 4, 2, -1], jnp.int32)
+    xg = K.to_groups(jnp.asarray(rng.standard_normal((te.shape[0] * n, i)), jnp.bfloat16))
+    got = np.asarray(jax.jit(functools.partial(K.grouped_int4_matmul, tokens_per_tile=n, split=split))(xg, w, s, te))
+    want = np.asarray(K.grouped_int4_matmul_ref(xg, w, s, te, tokens_per_tile=n))
+    valid = np.repeat(np.asarray(te) >= 0, n)
+    assert np.isfinite(got[:, valid]).all()
+    assert rel_norm(got[:, valid], want[:, valid]) < 1e-5
+
+
+@pytest.mark.gpu
+def test_gpu_tiled_model_matches_twin_and_xla():
+    model = tiny_model(dtype="bfloat16", n_routed_experts=16, num_experts_per_tok=4, num_layers=3)
+    prepared = prepare_for_kernels(nnx.clone(model))
+    toks = np.random.default_rng(5).integers(0, 256, (2, 33))
+    graphdef, state = nnx.split(prepared)
+    assert MGPU_CALL in jax.jit(lambda s, t: _forward(graphdef, s, t, Runtime())).lower(state, jnp.asarray(toks)).as_text()
+    kernel = forward(prepared, toks).astype(jnp.float32)
+    twin = forward(prepared, toks, Runtime(routed_fn=functools.partial(
+        K.routed_experts_tiled, out_dtype=jnp.float32, use_kernel=False))).astype(jnp.float32)
+    xla = forward(model, toks).astype(jnp.float32)
+    assert bool(jnp.all(jnp.isfinite(kernel)))
+    assert rel_norm(kernel, twin) < 2e-2 and rel_norm(kernel, xla) < 2e-2
