@@ -7,7 +7,7 @@ kernel path vs the XLA path of the routed experts (section ``kernel``).
     PYTHONPATH=. python experiments/bench_engine.py --size full --layers 4 --sections kernel --out DIR
 
 Section ``kernel``: the same random target twice in one run, as built (compressed-tensors experts, XLA
-routed path) and after ``prepare_for_kernels`` (Pallas INT4 kernel on CUDA, its twin elsewhere); for
+routed path) and after ``prepare_for_kernels`` (Mosaic GPU INT4 kernel on CUDA, its twin elsewhere); for
 M in --kernel-ms: one full MoE decoder layer (MLA over a 1K prefix + MoE) at M tokens per step, and
 the target's verify forward over B streams x T block tokens (M = B*T, random trees on a
 --prompt-len prefix). Prints ms of both paths, the speedup and the relative difference of the outputs.
@@ -257,7 +257,7 @@ def bench_kernel_path(target, args, deadline, rows, bandwidth):
     prepared = prepare_for_kernels(nnx.clone(target))  # shares every non-expert array with ``target``
     jax.block_until_ready(jax.tree.leaves(nnx.state(prepared)))
     print(f"prepare_for_kernels: {time.time() - t0:.1f}s ({jax.default_backend()}: "
-          f"{'Pallas kernel' if jax.default_backend() == 'gpu' else 'pure-JAX twin'} on the prepared side)", flush=True)
+          f"{'INT4 kernel' if jax.default_backend() == 'gpu' else 'pure-JAX twin'} on the prepared side)", flush=True)
     cfg = target.cfg
     idx = cfg.first_k_dense_replace
     dt = jnp.dtype(cfg.dtype)
@@ -284,7 +284,8 @@ def bench_kernel_path(target, args, deadline, rows, bandwidth):
                 row[f"{path}_compile_s"] = time.perf_counter() - t1
                 row[f"{path}_ms"] = 1e3 * time_fn(step, lstate, x, kv, repeats=args.repeats)["median_s"]
                 if path == "kernel" and m == ms[0]:
-                    row["kernel_in_program"] = "int4_moe_gate_up" in step.lower(lstate, x, kv).as_text()
+                    text = step.lower(lstate, x, kv).as_text()  # Mosaic GPU ("tiles") or Triton ("planar")
+                    row["kernel_in_program"] = "mosaic_gpu" in text or "int4_moe_gate_up" in text
             except Exception as e:  # keep the other path's numbers
                 row[f"{path}_error"] = f"{type(e).__name__}: {e}"[:300]
         experts = cfg.n_routed_experts * (1 - (1 - cfg.num_experts_per_tok / cfg.n_routed_experts) ** m)
