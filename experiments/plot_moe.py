@@ -1,6 +1,7 @@
-"""Plot ms per MoE call vs M from bench_moe JSON (kernel, twin, ragged_dot, bandwidth floor).
+"""Plot ms per MoE call vs M from bench_moe JSON (kernels, twin, ragged_dot, bandwidth floor, goal).
 
-    python3 experiments/plot_moe.py experiments/results/bench_moe_h200.json [extra.json ...] -o out.png
+    python3 experiments/plot_moe.py experiments/results/bench_moe_h200_mgpu.json \\
+        experiments/results/bench_moe_h200.json -o experiments/results/bench_moe_h200.png
 """
 import argparse
 import json
@@ -11,10 +12,14 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
+IMPLS = (("mgpu", "D-", "Mosaic GPU kernel, layout tiles"), ("pallas", "o-", "Pallas-Triton kernel, layout planar"),
+         ("twin", "s-", "XLA twin"), ("ragged_dot_bf16", "^-", "XLA ragged_dot bf16"))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("main")
-    ap.add_argument("extra", nargs="*", help="more result files: their table-less kernel rows are drawn as points")
+    ap.add_argument("extra", nargs="*", help="more result files (earlier runs), drawn faint")
     ap.add_argument("-o", "--out", required=True)
     args = ap.parse_args()
     d = json.load(open(args.main))
@@ -27,20 +32,14 @@ def main():
         floor = {r["M"]: r["GB"] * 1e9 / bw * 1e3 for r in rr}
         ax.plot(ms_m, [floor[m] for m in ms_m], "k--", label=f"floor: weight bytes / copy BW ({bw / 1e12:.2f} TB/s)")
         ax.plot(ms_m, [floor[m] / 0.85 for m in ms_m], "k:", label="goal: 85 % of copy BW")
-        for impl, style in (("pallas", "o-"), ("twin", "s-"), ("ragged_dot_bf16", "^-")):
-            pts = sorted((r["M"], r["ms"]) for r in rr if r["impl"].startswith(impl))
-            if pts:
-                lab = {"pallas": "Pallas kernel, design=join (run 4)", "twin": "XLA twin",
-                       "ragged_dot_bf16": "XLA ragged_dot bf16"}[impl]
-                ax.plot(*zip(*pts), style, label=lab)
-        if kind == "uniform":
-            for path in args.extra:
-                e = json.load(open(path))
-                pts = sorted((r["M"], r["ms"]) for r in e["rows"]
-                             if r["impl"] == "pallas[dequant=asm]" and r["routing"] == "uniform")
+        for path, faint in [(args.main, False)] + [(x, True) for x in args.extra]:
+            e = d if path == args.main else json.load(open(path))
+            stem = path.rsplit("/", 1)[-1].removesuffix(".json")
+            for impl, style, lab in IMPLS:
+                pts = sorted((r["M"], r["ms"]) for r in e["rows"] if r.get("phase", "table") == "table"
+                             and r["routing"] == kind and r["impl"].startswith(impl))
                 if pts:
-                    ax.plot(*zip(*pts), "D", ms=8, mfc="none",
-                            label="Pallas kernel, design=planes (run 2; routing glue of then)")
+                    ax.plot(*zip(*pts), style, alpha=0.45 if faint else 1.0, label=f"{lab} ({stem})")
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("tokens M")
