@@ -70,7 +70,7 @@ def main(argv=None):
     ap.add_argument("--ms", default="1,9,32,90,256,512,1024")
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--plan", default="full", choices=["full", "flags"])
+    ap.add_argument("--plan", default="full", choices=["full", "flags", "stages"])
     args = ap.parse_args(argv)
     bw = bench_util.measure_torch_copy_bandwidth() or bench_util.measure_copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
@@ -110,6 +110,10 @@ def main(argv=None):
         flags = [(128, 2, 1, False, True), (128, 2, 1, False, False), (64, 2, 1, False, False),
                  (128, 3, 1, False, False)]
         plan = {1: ([8], flags), 32: ([8], flags), 256: ([8], flags), 1024: ([32], flags[:2])}
+    if args.plan == "stages":  # stage-removed probes: (rows, stages, split, overlap, auto_barriers, probe)
+        probes = [(128, 2, 1, False, True, ""), (128, 2, 1, False, True, "no_scale"),
+                  (128, 2, 1, False, True, "mma_once")]
+        plan = {32: ([8], probes), 256: ([8], probes), 1024: ([32], probes)}
     if args.quick:
         plan = {m: (ns[:1], cf[:1]) for m, (ns, cf) in plan.items()}
     for m in [int(v) for v in args.ms.split(",")]:
@@ -126,19 +130,20 @@ def main(argv=None):
                 for rows, stages, split, overlap, *rest in configs:
                     w, s = weights[name, rows]
                     auto = rest[0] if rest else True
+                    probe = rest[1] if len(rest) > 1 else ""
                     fn = functools.partial(K.grouped_int4_matmul, tokens_per_tile=n, stages=stages, split=split,
-                                           overlap=overlap, auto_barriers=auto)
+                                           overlap=overlap, auto_barriers=auto, probe=probe)
                     try:
                         t = loop_time(fn, (xg, w, s, tile_expert))
                     except Exception as exc:  # noqa: BLE001 - report and go on
                         print(f"FAILED {name} m={m} n={n} {rows}/{stages}/{split}/{overlap}: {exc!r:.300}", flush=True)
                         continue
                     rec = dict(kind="time", gemm=name, m=m, n=n, rows=rows, stages=stages, split=split,
-                               overlap=overlap, auto_barriers=auto, active=active, gb=nbytes / 1e9, ms=t * 1e3, tbps=nbytes / t / 1e12,
+                               overlap=overlap, auto_barriers=auto, probe=probe, active=active, gb=nbytes / 1e9, ms=t * 1e3, tbps=nbytes / t / 1e12,
                                pct_copy=100 * nbytes / t / bw, floor_ms=nbytes / bw * 1e3)
                     records.append(rec)
                     table.append(rec)
-                    print(f"{name:8s} M={m:5d} N={n:3d} {rows}/{stages}/{split}/{overlap:d}/{auto:d} active={active:3d} "
+                    print(f"{name:8s} M={m:5d} N={n:3d} {rows}/{stages}/{split}/{overlap:d}/{auto:d}/{probe or '-'} active={active:3d} "
                           f"{t * 1e3:8.3f} ms  {rec['tbps']:.2f} TB/s  {rec['pct_copy']:5.1f} %", flush=True)
     payload = dict(hardware=bench_util.hardware(), jax=jax.__version__, copy_bandwidth=bw, records=records)
     if args.out:
@@ -146,7 +151,7 @@ def main(argv=None):
         with open(os.path.join(args.out, "probe_moe_mgpu.json"), "w") as fh:
             json.dump(payload, fh, indent=1, default=str)
     bench_util.print_table([{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items() if k != "kind"}
-                            for r in table], ["gemm", "m", "n", "rows", "stages", "split", "overlap", "auto_barriers", "active", "ms", "pct_copy"])
+                            for r in table], ["gemm", "m", "n", "rows", "stages", "split", "overlap", "auto_barriers", "probe", "active", "ms", "pct_copy"])
 
 
 if __name__ == "__main__":

@@ -140,7 +140,7 @@ def grouped_int4_matmul_ref(x_groups, w, s, tile_expert, *, tokens_per_tile: int
 # Mosaic GPU kernel
 # ----------------------------------------------------------------------------------------------
 def grouped_int4_matmul(x_groups, w, s, tile_expert, *, tokens_per_tile: int, stages: int = 2,
-                        split: int = 1, overlap: bool = False, auto_barriers: bool = True):
+                        split: int = 1, overlap: bool = False, auto_barriers: bool = True, probe: str = ""):
     """Pallas Mosaic GPU kernel (H100/H200). Same contract as ``grouped_int4_matmul_ref``, except that the
     output columns of skipped tiles are left unwritten (never read by the MoE combine), and with
     ``split`` > 1 the result is the f32 sum over ``split`` partial products [split, O, P] (split-K:
@@ -149,9 +149,13 @@ def grouped_int4_matmul(x_groups, w, s, tile_expert, *, tokens_per_tile: int, st
     ``overlap``: keep one step's wgmmas in flight while the next step is dequantised (the token tile
     is released a step late); otherwise each step waits for its own wgmmas. ``auto_barriers=False`` drops
     Mosaic GPU's conservative warpgroup barriers around shared-memory accesses (``unsafe_no_auto_barriers``:
-    safe here, each program is one warpgroup and its shared memory is written only by TMA)."""
+    safe here, each program is one warpgroup and its shared memory is written only by TMA).
+    ``probe`` (benchmarks only, wrong results): "no_scale" skips the per-group scale multiply; "mma_once"
+    adds the eight dequantised groups of a step (bf16 adds) and issues one wgmma for them."""
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.mosaic_gpu is not available in this JAX")
+    if probe not in ("", "no_scale", "mma_once"):
+        raise ValueError(f"unknown probe {probe!r}")
     n = tokens_per_tile
     ng, p, _ = x_groups.shape
     e_n, nb, kr, step = w.shape
@@ -186,12 +190,19 @@ def grouped_int4_matmul(x_groups, w, s, tile_expert, *, tokens_per_tile: int, st
             def acc_scope(acc_ref):
                 def step_body(_, w_smem, s_smem, x_smem):
                     w_groups = w_smem.reshape(gps, rows, GROUP)
+                    total = None
                     for g in range(gps):
                         wq = plgpu.load(w_groups.at[g], (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
                         wg = plgpu.layout_cast(wq, wgmma_layout).astype(jnp.bfloat16)
-                        sg = plgpu.load(s_smem.at[g], (), layout=row_layout)
-                        wg = wg * lax.broadcast_in_dim(sg, wg.shape, [0])
+                        if probe != "no_scale":
+                            sg = plgpu.load(s_smem.at[g], (), layout=row_layout)
+                            wg = wg * lax.broadcast_in_dim(sg, wg.shape, [0])
+                        if probe == "mma_once":
+                            total = wg if total is None else total + wg
+                            continue
                         plgpu.wgmma(acc_ref, wg, plgpu.transpose_ref(x_smem.at[g], (1, 0)))
+                    if probe == "mma_once":
+                        plgpu.wgmma(acc_ref, total, plgpu.transpose_ref(x_smem.at[0], (1, 0)))
                     plgpu.wgmma_wait(gps if overlap else 0)
 
                 plgpu.emit_pipeline(
