@@ -6,6 +6,7 @@ hardware, JAX version, commit, config and the median of repeats, and prints a ta
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax.monitoring: one per XLA compile
 
 
 def git_commit() -> str:
@@ -72,6 +74,22 @@ def time_fn(fn: Callable, *args, repeats: int = 20, warmup: int = 2) -> dict[str
         block(fn(*args))
         times.append(time.perf_counter() - t0)
     return {"median_s": statistics.median(times), "min_s": min(times), "repeats": repeats}
+
+
+@contextlib.contextmanager
+def counting_compiles():
+    """Yields a list that collects the seconds of every XLA backend compile (in any thread) in the block."""
+    seconds = []
+
+    def listen(event, duration, **_):
+        if event == BACKEND_COMPILE_EVENT:
+            seconds.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield seconds
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
 
 
 def measure_copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 20) -> float:

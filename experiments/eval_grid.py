@@ -24,6 +24,16 @@ or read from ``--prompts-file`` (JSON written by ``--export-prompts``: token ids
 fingerprint, which must match). Writes ``experiments/results/<name>.json`` (hardware, JAX version,
 commit, config, results) and ``<name>_tokens_per_s.png``, ``<name>_tau.png``, ``<name>_tau_hist.png``.
 
+Compiles: every configuration's programs (``run_decode.warm_up``) are compiled before any is timed, by
+``--compile-workers`` threads at once (default min(#configs, CPU count); XLA compiles release the GIL);
+then the configurations are timed one after another with nothing running alongside. A record's
+``compile_s`` is its own warm-up's wall (stretched by those alongside); the JSON's top level has the
+phase's ``compile_wall_s``, ``compiles_overlapped`` and its XLA compiles; ``compiles_while_timed`` (per
+record) must be 0. ``--compile-workers 1`` compiles each configuration right before timing it. On 2 CPU
+cores threads gain little (one compile already keeps ~1.5 cores busy; 8 configurations: 64 s serial, 60 s
+with 2 threads, means of 5 and 7 runs). On GPUs XLA's autotuner times kernels while compiling, so
+concurrent compiles may pick other kernels.
+
 CPU cost (2 cores, the shipped 30M pair, 16 prompts x 32 new tokens, budgets 8..128, streams 1/4/16):
 ``--temperatures 0,1 --repeats 1`` took 12 minutes (724 s), about a third of it XLA compiles (one
 program per mode x budget x streams); the old 5.7M pair took 7.2 minutes at T=0 with 3 repeats. Cut
@@ -96,6 +106,9 @@ def parse_args(argv=None):
     p.add_argument("--capacity", type=int, default=512, help="cache slots per stream")
     p.add_argument("--repeats", type=int, default=3, help="timed passes per configuration (median)")
     p.add_argument("--seed", type=int, default=0, help="prompt cutting and sampling seed")
+    p.add_argument("--compile-workers", type=int, default=None,
+                   help="threads that compile all configurations before any is timed (default: min(#configs, "
+                        "CPU count); 1: compile each just before timing it)")
     p.add_argument("--prompts-file", help="JSON of token-id prompts written by --export-prompts")
     p.add_argument("--export-prompts", metavar="PATH", help="write the held-out prompts to PATH and exit")
     p.add_argument("--name", default=None, help="result name (default eval_grid_<platform>)")
@@ -172,39 +185,81 @@ def prompts_digest(prompts: Sequence[Sequence[int]]) -> str:
 # ----------------------------------------------------------------------------------------------------
 # Measuring one configuration and the grid
 # ----------------------------------------------------------------------------------------------------
-def measure(pair: Pair, prompts: Sequence[Sequence[int]], *, mode: str, budget: int | None, streams: int,
-            max_new_tokens: int, temperature: float = 0.0, repeats: int = 3, seed: int = 0,
-            capacity: int = 512) -> dict:
-    """One grid point: ``repeats`` timed passes over all prompts in batches of ``streams``.
-
-    Returns the record (metrics of the first pass, timing medians) with the generated ``tokens``."""
+def build_engine(pair: Pair, prompts: Sequence[Sequence[int]], *, mode: str, budget: int | None, streams: int,
+                 max_new_tokens: int, capacity: int = 512) -> tuple[Engine, list]:
+    """The Engine of one grid point (nothing compiled yet; it references the pair's arrays, copies none)
+    and the prompts in consecutive batches of ``streams``."""
     if streams > len(prompts):
         raise ValueError(f"{streams} streams need at least {streams} prompts, have {len(prompts)}")
     ecfg = EngineConfig(mode=mode, budget=budget if mode == "ddtree" else EngineConfig.budget,
                         max_new_tokens=max_new_tokens, capacity=capacity, eos_ids=pair.eos_ids)
     engine = Engine(pair.target, pair.drafter if mode != "ar" else None, ecfg)
-    batches = run_decode.split_batches(list(prompts), streams)
-    compile_s = run_decode.warm_up(engine, batches, temperature)
+    return engine, run_decode.split_batches(list(prompts), streams)
+
+
+def time_passes(engine: Engine, batches: Sequence[Sequence[Sequence[int]]], *, temperature: float,
+                repeats: int = 3, seed: int = 0, compile_s: float | None = None) -> dict:
+    """``repeats`` timed passes over ``batches`` with an engine whose programs are compiled (warmed up).
+
+    Returns the record (metrics of the first pass, timing medians) with the generated ``tokens``;
+    ``compiles_while_timed`` counts XLA compiles inside the passes (0 unless the warm-up missed one)."""
     passes, walls = [], []
-    for _ in range(max(repeats, 1)):
-        t0 = time.perf_counter()
-        results = [engine.generate(b, temperature, seed + i) for i, b in enumerate(batches)]
-        walls.append(time.perf_counter() - t0)
-        passes.append(run_decode.merge_results(results))
+    with bench_util.counting_compiles() as compiles:
+        for _ in range(max(repeats, 1)):
+            t0 = time.perf_counter()
+            results = [engine.generate(b, temperature, seed + i) for i, b in enumerate(batches)]
+            walls.append(time.perf_counter() - t0)
+            passes.append(run_decode.merge_results(results))
     tokens, status, m = passes[0]
     wall = statistics.median(walls)
     decode = statistics.median(p[2]["decode_s"] for p in passes)
+    mode = engine.ecfg.mode
     return {
-        "temperature": float(temperature), "mode": mode, "budget": budget if mode == "ddtree" else None,
-        "streams": streams, "block_size": engine.block_size, "depth": engine.depth,
+        "temperature": float(temperature), "mode": mode, "budget": engine.ecfg.budget if mode == "ddtree" else None,
+        "streams": len(batches[0]), "block_size": engine.block_size, "depth": engine.depth,
         "tau": m["tau"], "tokens_per_round": m["tokens_per_round_batch"],
         "tokens_per_s": m["new_tokens"] / wall, "decode_tokens_per_s": m["new_tokens"] / decode,
         "wall_s_median": wall, "wall_s": walls, "decode_s_median": decode, "compile_s": compile_s,
+        "compiles_while_timed": len(compiles),
         "rounds": m["rounds"], "new_tokens": m["new_tokens"], "tau_hist": m["tau_hist"],
         "status_counts": {s: status.count(s) for s in sorted(set(status))},
         "repeats_identical": all(p[0] == tokens for p in passes[1:]),
         "tokens_sha256": prompts_digest(tokens), "tokens": tokens,
     }
+
+
+# ----------------------------------------------------------------------------------------------------
+# Compiling the grid's programs: each just before it is timed, or all at once in threads (XLA compiles
+# release the GIL, so they overlap), never while anything is timed
+# ----------------------------------------------------------------------------------------------------
+def grid_points(modes: Sequence[str], budgets: Sequence[int], streams: Sequence[int],
+                temperatures: Sequence[float]) -> list[dict]:
+    """(temperature, streams, mode, budget) in measuring order: AR first per temperature and streams."""
+    return [{"temperature": t, "streams": s, "mode": m, "budget": b} for t in temperatures for s in streams
+            for m in MODES if m in modes for b in (budgets if m == "ddtree" else (None,))]
+
+
+def resolve_compile_workers(requested: int | None, configs: int) -> int:
+    """Compile threads: ``requested`` (default the CPU count), at most one per configuration."""
+    return max(1, min(requested or os.cpu_count() or 1, configs))
+
+
+def compiled_points(build: Callable[[dict], tuple[Engine, list]], points: Sequence[dict], workers: int,
+                    summary: dict, log: Callable[[str], None] | None = print):
+    """Yields (point, engine, batches, compile_s) in order. One worker: each point is built and compiled
+    when reached, right before it is timed. More: all engines are built (cheap: they share the pair's
+    arrays) and compiled concurrently before the first is yielded. Sums ``warm_up_all``'s into ``summary``."""
+    summary.update(compile_workers=workers, compiles_overlapped=workers > 1, compile_wall_s=0.0, xla_compiles=0,
+                   xla_compile_s_sum=0.0)
+    for chunk in [points] if workers > 1 else [[p] for p in points]:
+        built = [build(p) for p in chunk]
+        seconds, info = run_decode.warm_up_all([(e, b, p["temperature"]) for (e, b), p in zip(built, chunk)], workers)
+        for k, v in info.items():
+            summary[k] += v
+        if log and workers > 1:
+            log(f"compiled {len(chunk)} configurations in {info['compile_wall_s']:.1f} s with {workers} threads "
+                f"({info['xla_compiles']} XLA compiles, {info['xla_compile_s_sum']:.1f} s summed)")
+        yield from ((p, e, b, c) for p, (e, b), c in zip(chunk, built, seconds))
 
 
 def _first_difference(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]]) -> str:
@@ -220,40 +275,55 @@ def label(rec: dict) -> str:
     return f"{name} streams={rec['streams']} T={rec['temperature']:g}"
 
 
+def _compare_with_ar(rec: dict, ar_ref: dict, log: Callable[[str], None] | None) -> None:
+    """Sets ``identical_to_ar`` (None where not checked: T > 0 or no AR yet) and keeps AR's outputs."""
+    rec["identical_to_ar"] = None
+    if rec["temperature"] != 0:
+        return
+    ref = ar_ref.get("any") if rec["mode"] == "ar" else ar_ref.get(rec["streams"])
+    if ref is not None:
+        rec["identical_to_ar"] = rec["tokens"] == ref
+        if not rec["identical_to_ar"]:
+            rec["difference"] = _first_difference(rec["tokens"], ref)
+            if log:
+                log(f"!!! LOSSLESS CHECK FAILED: {label(rec)} differs from AR: {rec['difference']}")
+    if rec["mode"] == "ar":
+        ar_ref.setdefault("any", rec["tokens"])
+        ar_ref[rec["streams"]] = rec["tokens"]
+
+
 def run_grid(pair: Pair, prompts: Sequence[Sequence[int]], *, modes: Sequence[str] = MODES,
              budgets: Sequence[int] = (8, 16, 32, 64, 128), streams: Sequence[int] = (1, 4, 16),
              temperatures: Sequence[float] = (0.0,), max_new_tokens: int = 32, repeats: int = 3, seed: int = 0,
-             capacity: int = 512, log: Callable[[str], None] | None = print) -> list[dict]:
-    """Every (temperature, streams, mode, budget) point via ``measure``; AR first so that each greedy
-    DFlash/DDTree output is compared with AR's at once (``identical_to_ar``; None where not checked)."""
+             capacity: int = 512, compile_workers: int | None = None, log: Callable[[str], None] | None = print,
+             compile_summary: dict | None = None) -> list[dict]:
+    """Every (temperature, streams, mode, budget) point, compiled by ``compiled_points`` in
+    ``compile_workers`` threads, then timed one after another by ``time_passes``. AR comes first so that
+    each greedy DFlash/DDTree output is compared with AR's at once (``identical_to_ar``; None where not
+    checked). ``compile_summary``, if given, receives the compile summary (``compiled_points``)."""
     if "ddtree" in modes and not budgets:
         raise ValueError("ddtree needs at least one budget")
     if pair.drafter is None and set(modes) - {"ar"}:
         raise ValueError("DFlash / DDTree need a drafter")
+    points = grid_points(modes, budgets, streams, temperatures)
+    workers = resolve_compile_workers(compile_workers, len(points))
+    summary = {} if compile_summary is None else compile_summary
+
+    def build(p):
+        return build_engine(pair, prompts, mode=p["mode"], budget=p["budget"], streams=p["streams"],
+                            max_new_tokens=max_new_tokens, capacity=capacity)
+
     records, ar_ref = [], {}
-    for temperature in temperatures:
-        for s in streams:
-            for mode in [m for m in MODES if m in modes]:
-                for budget in (budgets if mode == "ddtree" else (None,)):
-                    rec = measure(pair, prompts, mode=mode, budget=budget, streams=s, max_new_tokens=max_new_tokens,
-                                  temperature=temperature, repeats=repeats, seed=seed, capacity=capacity)
-                    rec["identical_to_ar"] = None
-                    if temperature == 0:
-                        ref = ar_ref.get("any") if mode == "ar" else ar_ref.get(s)
-                        if ref is not None:
-                            rec["identical_to_ar"] = rec["tokens"] == ref
-                            if not rec["identical_to_ar"]:
-                                rec["difference"] = _first_difference(rec["tokens"], ref)
-                                if log:
-                                    log(f"!!! LOSSLESS CHECK FAILED: {label(rec)} differs from AR: {rec['difference']}")
-                        if mode == "ar":
-                            ar_ref.setdefault("any", rec["tokens"])
-                            ar_ref[s] = rec["tokens"]
-                    records.append(rec)
-                    if log:
-                        log(f"{label(rec):34s} tau {rec['tau']:5.2f}  tok/round {rec['tokens_per_round']:6.2f}  "
-                            f"tok/s {rec['tokens_per_s']:8.1f}  compile {rec['compile_s']:5.1f} s"
-                            + ("" if rec["identical_to_ar"] is None else f"  ==AR {rec['identical_to_ar']}"))
+    for p, engine, batches, compile_s in compiled_points(build, points, workers, summary, log):
+        rec = time_passes(engine, batches, temperature=p["temperature"], repeats=repeats, seed=seed,
+                          compile_s=compile_s)
+        _compare_with_ar(rec, ar_ref, log)
+        records.append(rec)
+        if log:
+            log(f"{label(rec):34s} tau {rec['tau']:5.2f}  tok/round {rec['tokens_per_round']:6.2f}  "
+                f"tok/s {rec['tokens_per_s']:8.1f}  compile {rec['compile_s']:5.1f} s"
+                + ("" if rec["identical_to_ar"] is None else f"  ==AR {rec['identical_to_ar']}")
+                + (f"  !!! {rec['compiles_while_timed']} compiles while timed" if rec["compiles_while_timed"] else ""))
     return records
 
 
@@ -417,9 +487,11 @@ def _main(args):
     print(f"target {pair.source['target']} (layers {cfg.num_layers}, hidden {cfg.hidden_size}), "
           f"drafter {pair.source['drafter']} (block {pair.drafter.cfg.block_size if pair.drafter else '-'}); "
           f"{len(prompts)} prompts; device {jax.devices()[0].device_kind}; jax {jax.__version__}")
+    compile_summary = {}
     records = run_grid(pair, prompts, modes=args.modes, budgets=args.budgets, streams=args.streams,
                        temperatures=args.temperatures, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
-                       seed=args.seed, capacity=args.capacity)
+                       seed=args.seed, capacity=args.capacity, compile_workers=args.compile_workers,
+                       compile_summary=compile_summary)
     runtime = time.perf_counter() - t_start
     print()
     print_table(records)
@@ -431,7 +503,7 @@ def _main(args):
                   prompts={**prompt_meta, "count": len(prompts), "sha256": prompts_digest(prompts),
                            "lengths": [len(p) for p in prompts]})
     path = bench_util.write_result(name, {
-        "config": config, "runtime_s": runtime,
+        "config": config, "runtime_s": runtime, **compile_summary,
         "lossless": {"checked": sum(r["identical_to_ar"] is not None for r in records), "failures": failures},
         "results": [{k: v for k, v in r.items() if k != "tokens"} for r in records]}, args.out_dir)
     print(f"\nwrote {path} (total {runtime:.0f} s)")

@@ -14,11 +14,13 @@ experts). ``--drafter``: an HF DFlash drafter directory or ``random``.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import json
 import os
 import sys
 import time
+from typing import Sequence
 
 import numpy as np
 
@@ -168,14 +170,33 @@ def merge_results(results):
 
 
 def warm_up(engine: Engine, batches, temperature: float) -> float:
-    """Compiles every program a pass over ``batches`` uses (prefill per padded shape, the round loop)
-    without decoding: the round loop is entered once with every stream already stopped. Returns seconds."""
+    """Compiles every program a pass over ``batches`` uses (prefill per padded shape, the round loop per
+    batch size) without decoding: after each prefill the round loop is entered with every stream already
+    stopped (so also at a smaller last batch's size). Returns seconds."""
     t0 = time.perf_counter()
     for batch in batches:
         state = engine.prefill(batch, temperature)
-    state = dataclasses.replace(state, status=state.status * 0 + EOS)  # derived, so placed like the real one
-    jax.block_until_ready(engine.run(state, temperature).out_tokens)
+        state = dataclasses.replace(state, status=state.status * 0 + EOS)  # derived, so placed like the real one
+        jax.block_until_ready(engine.run(state, temperature).out_tokens)
     return time.perf_counter() - t0
+
+
+def warm_up_all(jobs: Sequence[tuple[Engine, list, float]], workers: int) -> tuple[list[float], dict]:
+    """``warm_up`` of every (engine, batches, temperature) in a pool of ``workers`` threads.
+
+    Returns each job's seconds (in threads: its own wall, stretched by the jobs alongside) and the wall of
+    all with the XLA compiles and their summed seconds (above the wall where compiles overlapped)."""
+    precision = jax.config.jax_default_matmul_precision  # thread-local and in the jit cache key: pass it on
+
+    def warm(engine, batches, temperature):
+        with jax.default_matmul_precision(precision):
+            return warm_up(engine, batches, temperature)
+
+    t0 = time.perf_counter()
+    with bench_util.counting_compiles() as compiles, concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        seconds = [f.result() for f in [pool.submit(warm, *job) for job in jobs]]
+    return seconds, {"compile_wall_s": time.perf_counter() - t0, "xla_compiles": len(compiles),
+                     "xla_compile_s_sum": sum(compiles)}
 
 
 def run_mode(target, drafter, mode, args, prompts, tokenizer, eos_ids):

@@ -1,0 +1,63 @@
+"""experiments/eval_grid.py compiles every configuration up front in threads (``--compile-workers``) and
+then times them one by one: the records must equal those of the serial path (one worker), and no
+program may be compiled inside a timed pass. A tiny random pair, uneven batches (3 prompts, 2 streams)."""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from ddtree_jax.config import tiny_config
+from ddtree_jax.drafter import DFlashDrafter, tiny_drafter_config
+from ddtree_jax.model import KimiModel
+from experiments import eval_grid
+
+VOCAB = 64
+SAME = ("temperature", "mode", "budget", "streams", "tokens", "tau", "tokens_per_round", "rounds", "new_tokens",
+        "tau_hist", "status_counts", "identical_to_ar")
+
+
+@pytest.fixture(scope="module")
+def pair():
+    cfg = tiny_config(vocab_size=VOCAB, num_layers=2, eos_token_ids=())
+    target = KimiModel(cfg, nnx.Rngs(0))
+    drafter = DFlashDrafter(tiny_drafter_config(cfg), nnx.Rngs(1))
+    return eval_grid.Pair(target, drafter, None, (), "test", {})
+
+
+def grid(pair, prompts, workers):
+    """The grid with fresh jit caches, under a thread-local matmul precision as ``eval_grid.main`` sets it
+    (differs from conftest's global one, so a compile thread that ignored it would compile other programs)."""
+    jax.clear_caches()
+    summary = {}
+    with jax.default_matmul_precision("float32"):
+        records = eval_grid.run_grid(pair, prompts, modes=("ar", "ddtree"), budgets=(4,), streams=(1, 2),
+                                     temperatures=(0.0, 1.0), max_new_tokens=6, repeats=1, capacity=64,
+                                     compile_workers=workers, log=None, compile_summary=summary)
+    return records, summary
+
+
+def test_concurrent_compile_matches_serial(pair):
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, VOCAB, n).tolist() for n in (5, 9, 3)]
+    concurrent, c_sum = grid(pair, prompts, 2)
+    serial, s_sum = grid(pair, prompts, 1)
+    assert [eval_grid.label(r) for r in concurrent] == [eval_grid.label(r) for r in serial] and len(serial) == 8
+    for c, s in zip(concurrent, serial):
+        assert {k: c[k] for k in SAME} == {k: s[k] for k in SAME}, eval_grid.label(s)
+        assert c["compiles_while_timed"] == 0 and s["compiles_while_timed"] == 0, eval_grid.label(s)
+    assert eval_grid.assert_lossless(serial) == 3  # AR at 2 streams, DDTree at 1 and 2
+    assert c_sum["compiles_overlapped"] and c_sum["compile_workers"] == 2 and c_sum["xla_compiles"] > 0
+    assert not s_sum["compiles_overlapped"] and s_sum["compile_workers"] == 1 and s_sum["xla_compiles"] > 0
+    assert s_sum["compile_wall_s"] == pytest.approx(sum(r["compile_s"] for r in serial), rel=0.05)
+
+
+def test_engines_share_the_pair_arrays_and_workers(pair):
+    a, _ = eval_grid.build_engine(pair, [[1], [2]], mode="ddtree", budget=4, streams=2, max_new_tokens=4)
+    b, _ = eval_grid.build_engine(pair, [[1], [2]], mode="ar", budget=None, streams=1, max_new_tokens=4)
+    assert all(x is y for x, y in zip(jax.tree.leaves(a.target_state), jax.tree.leaves(b.target_state)))
+    assert eval_grid.resolve_compile_workers(8, 3) == 3 and eval_grid.resolve_compile_workers(1, 21) == 1
+    assert 1 <= eval_grid.resolve_compile_workers(None, 21) <= 21
+    points = eval_grid.grid_points(("ar", "dflash", "ddtree"), (8, 16), (1, 4), (0.0,))
+    assert [(p["streams"], p["mode"], p["budget"]) for p in points][:4] == [
+        (1, "ar", None), (1, "dflash", None), (1, "ddtree", 8), (1, "ddtree", 16)] and len(points) == 8
