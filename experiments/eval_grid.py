@@ -113,6 +113,8 @@ def parse_args(argv=None):
     p.add_argument("--export-prompts", metavar="PATH", help="write the held-out prompts to PATH and exit")
     p.add_argument("--name", default=None, help="result name (default eval_grid_<platform>)")
     p.add_argument("--out-dir", default=bench_util.RESULTS_DIR)
+    p.add_argument("--commit", default=None, help="commit hash to record (a checkout copied elsewhere may report a "
+                                                   "stale git HEAD)")
     p.add_argument("--no-plots", action="store_true")
     args = p.parse_args(argv)
     given = args.modes.replace(",", " ").split()
@@ -497,7 +499,7 @@ def _main(args):
     print_table(records)
     failures = lossless_failures(records)
     name = args.name or f"eval_grid_{jax.devices()[0].platform}"
-    config = {k: v for k, v in vars(args).items() if k not in ("export_prompts", "out_dir")}
+    config = {k: v for k, v in vars(args).items() if k not in ("export_prompts", "out_dir", "commit")}
     config.update(pair.source, tokenizer=pair.tokenizer_id,
                   drafter_block_size=pair.drafter.cfg.block_size if pair.drafter else None,
                   prompts={**prompt_meta, "count": len(prompts), "sha256": prompts_digest(prompts),
@@ -505,7 +507,8 @@ def _main(args):
     path = bench_util.write_result(name, {
         "config": config, "runtime_s": runtime, **compile_summary,
         "lossless": {"checked": sum(r["identical_to_ar"] is not None for r in records), "failures": failures},
-        "results": [{k: v for k, v in r.items() if k != "tokens"} for r in records]}, args.out_dir)
+        "results": [{k: v for k, v in r.items() if k != "tokens"} for r in records],
+        **({"commit": args.commit} if args.commit else {})}, args.out_dir)
     print(f"\nwrote {path} (total {runtime:.0f} s)")
     if not args.no_plots:
         import matplotlib
