@@ -40,6 +40,7 @@ from ddtree_jax.model import KimiModel, Runtime, causal_mask  # noqa: E402
 from ddtree_jax.moe import prepare_for_kernels  # noqa: E402
 from ddtree_jax.rope import rope_cos_sin  # noqa: E402
 from ddtree_jax.hf_loader import ShapeOnlyRngs  # noqa: E402
+from ddtree_jax.memory_plan import array_bytes  # noqa: E402
 from ddtree_jax.quant import QuantArray  # noqa: E402
 from ddtree_jax.tree import accept_tokens, build_tree, sample_target_tokens  # noqa: E402
 from experiments.bench_util import (measure_copy_bandwidth, measure_torch_copy_bandwidth, print_table,  # noqa: E402
@@ -87,7 +88,8 @@ def build_models(args):
 
 
 def bytes_of(tree) -> int:
-    return sum(x.nbytes for x in jax.tree.leaves(tree))
+    """Bytes of every array in ``tree`` (int4 counted as half a byte, unlike ``nbytes``)."""
+    return sum(array_bytes(x.shape, x.dtype) for x in jax.tree.leaves(tree))
 
 
 def bench_engine(target, drafter, args, deadline, rows):

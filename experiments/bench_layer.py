@@ -1,0 +1,141 @@
+"""Where one full-size K2.6 MoE decoder layer spends its time, measured inside one compiled program.
+
+    PYTHONPATH=. python experiments/bench_layer.py --out DIR            # H200
+    PYTHONPATH=. python experiments/bench_layer.py --size tiny          # CPU smoke run
+
+One MoE decoder layer (MLA over a --prefix latent cache, noaux_tc router, 384 INT4 experts in the
+Mosaic GPU kernel layout, shared expert) with random weights made on the device. For M tokens per
+step it times each part in a jitted ``fori_loop`` of --iters calls whose activations feed the next call
+(as the 61 layers of a decode step do inside one program), so Python dispatch and argument handling
+are left out; ``elementwise`` (x + 1e-6 x) is the loop's own per-iteration cost. Parts: the whole
+layer; attention (input norm, MLA projections, absorbed attention, output projection, residual);
+MoE (post norm, router, routed experts, shared expert, residual); the router alone; the routed experts
+alone (routing fixed); the shared expert alone. Also the layer as one dispatched call (as
+``bench_engine.py --sections kernel`` times it). Floors: bytes the part must read / copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from ddtree_jax.config import QuantConfig, k26_config, tiny_config  # noqa: E402
+from ddtree_jax.hf_loader import ShapeOnlyRngs  # noqa: E402
+from ddtree_jax.model import DecoderLayer, Runtime, causal_mask  # noqa: E402
+from ddtree_jax.moe import prepare_for_kernels, route, routed_experts  # noqa: E402
+from ddtree_jax.rope import rope_cos_sin  # noqa: E402
+from experiments.bench_engine import bytes_of, random_state  # noqa: E402
+from experiments.bench_util import (measure_copy_bandwidth, measure_torch_copy_bandwidth, print_table,  # noqa: E402
+                                    time_fn, write_result)
+
+
+def build_layer(size: str):
+    if size == "full":
+        cfg = k26_config(dtype="bfloat16")
+    else:
+        cfg = tiny_config(dtype="bfloat16", quant=QuantConfig(group_size=32), hidden_size=256,
+                          moe_intermediate_size=256)
+    idx = cfg.first_k_dense_replace  # the first MoE layer
+    gdef, abstract = nnx.split(nnx.eval_shape(lambda: DecoderLayer(cfg, idx, ShapeOnlyRngs())))
+    layer = prepare_for_kernels(nnx.merge(gdef, random_state(abstract, 0)))
+    return cfg, layer
+
+
+def parts(cfg, layer, m: int, prefix: int):
+    """name -> (step(state, x, aux) -> next x, aux) for one step of M tokens."""
+    cos, sin = rope_cos_sin(prefix + jnp.arange(m)[None], cfg.rope, cfg.qk_rope_head_dim)
+    kv = 0.1 * jax.random.normal(jax.random.key(1), (1, prefix + m, cfg.latent_dim), jnp.float32)
+    kv = kv.astype(jnp.dtype(cfg.dtype))
+    lengths, mask, rt = jnp.array([prefix]), causal_mask(1, m), Runtime()
+    moe = layer.mlp
+    ids, weights = route(jnp.zeros((m, cfg.hidden_size), jnp.float32) + 0.01 * jnp.arange(m)[:, None],
+                         moe.router.get_value(), moe.router_bias.get_value(), cfg)
+    ids = jax.random.randint(jax.random.key(2), ids.shape, 0, cfg.n_routed_experts)  # distinct enough
+    flat = lambda x: x.reshape(m, cfg.hidden_size)  # noqa: E731
+
+    def routed(mod, x, aux):
+        y = routed_experts(flat(x), aux[0], aux[1], mod.w13.get_value(), mod.w2.get_value())
+        return x + y.reshape(x.shape).astype(x.dtype)
+
+    return {
+        "layer": (lambda lay, x, aux: lay(x, cos, sin, aux, lengths, mask, rt)[0], kv),
+        "attention": (lambda lay, x, aux: x + lay.attn(lay.input_norm(x), cos, sin, aux, lengths, mask, rt)[0], kv),
+        "moe": (lambda lay, x, aux: x + lay.mlp(lay.post_norm(x)).astype(x.dtype), None),
+        "router": (lambda lay, x, aux: x + (1e-6 * route(flat(x), lay.mlp.router.get_value(),
+                                                        lay.mlp.router_bias.get_value(), cfg)[1].sum()).astype(x.dtype),
+                   None),
+        "routed_experts": (lambda lay, x, aux: routed(lay.mlp, x, aux), (ids, weights)),
+        "shared_expert": (lambda lay, x, aux: x + lay.mlp.shared(x).astype(x.dtype), None),
+        "elementwise": (lambda lay, x, aux: x + 1e-6 * x, None),
+    }
+
+
+def looped(gdef, step, iters: int):
+    def run(state, x, aux):
+        lay = nnx.merge(gdef, state)
+        return jax.lax.fori_loop(0, iters, lambda i, x: step(lay, x, aux), x)
+    return jax.jit(run)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--size", choices=["full", "tiny"], default="full")
+    p.add_argument("--ms", default="1,65")
+    p.add_argument("--prefix", type=int, default=1024)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--commit", default=None)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    bandwidth = measure_torch_copy_bandwidth() or measure_copy_bandwidth()
+    cfg, layer = build_layer(args.size)
+    gdef, state = nnx.split(layer)
+    moe_bytes = bytes_of(nnx.state(layer.mlp))
+    rest_bytes = bytes_of(state) - moe_bytes
+    shared_bytes = bytes_of(nnx.state(layer.mlp.shared))
+    rows = []
+    for m in [int(v) for v in args.ms.split(",")]:
+        x = (0.1 * jax.random.normal(jax.random.key(m), (1, m, cfg.hidden_size), jnp.float32)).astype(cfg.dtype)
+        experts = cfg.n_routed_experts * (1 - (1 - cfg.num_experts_per_tok / cfg.n_routed_experts) ** m)
+        routed_bytes = experts / cfg.n_routed_experts * (moe_bytes - shared_bytes)
+        kv_bytes = (args.prefix + m) * cfg.latent_dim * jnp.dtype(cfg.dtype).itemsize
+        floors = {"layer": rest_bytes + shared_bytes + routed_bytes + kv_bytes,
+                  "attention": bytes_of(nnx.state(layer.attn)) + kv_bytes,
+                  "moe": shared_bytes + routed_bytes, "routed_experts": routed_bytes, "shared_expert": shared_bytes}
+        for name, (step, aux) in parts(cfg, layer, m, args.prefix).items():
+            fn = looped(gdef, step, args.iters)
+            try:
+                t = time_fn(fn, state, x, aux, repeats=args.repeats)["median_s"] / args.iters
+            except Exception as e:  # noqa: BLE001 - keep the other parts
+                print(f"{name} M={m} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                continue
+            row = {"M": m, "part": name, "us": 1e6 * t}
+            if name in floors:
+                row["floor_us"] = 1e6 * floors[name] / bandwidth
+                row["pct_of_bw"] = 100 * row["floor_us"] / row["us"]
+            rows.append(row)
+            print(row, flush=True)
+        single = jax.jit(lambda st, x, aux: parts(cfg, nnx.merge(gdef, st), m, args.prefix)["layer"][0](
+            nnx.merge(gdef, st), x, aux))
+        kv = parts(cfg, layer, m, args.prefix)["layer"][1]
+        rows.append({"M": m, "part": "layer, one dispatched call",
+                     "us": 1e6 * time_fn(single, state, x, kv, repeats=args.repeats)["median_s"]})
+        print(rows[-1], flush=True)
+    payload = {"config": {"size": args.size, "prefix": args.prefix, "iters": args.iters, "repeats": args.repeats,
+                          "dtype": cfg.dtype}, "copy_bw_Bps": bandwidth, "rows": rows}
+    if args.commit:
+        payload["commit"] = args.commit
+    print("wrote", write_result(f"bench_layer_{args.size}", payload, args.out))
+    print_table(rows, ["M", "part", "us", "floor_us", "pct_of_bw"])
+
+
+if __name__ == "__main__":
+    main()
