@@ -199,7 +199,9 @@ def main(argv=None):
             comp = time.perf_counter() - t0
             err = rel_err(y, y_ref) if y_ref is not None else float("nan")
             t, tmin = time_calls(fn, (x, ids, w, *tiled), calls=20, batches=5, budget_s=args.budget_s)
-            record(base, name, t, nbytes, ms_min=tmin * 1e3, err=err, first_call_s=comp, phase="table")
+            tile = cfg.get("tile") or default_tile(base["M"], K, E, smallest=8)  # the Mosaic GPU path's own
+            record(dict(base, tile=tile), name, t, nbytes, ms_min=tmin * 1e3, err=err, first_call_s=comp,
+                   phase="table")
         except Exception as ex:  # noqa: BLE001
             print(f"{name} M={base['M']} failed: {type(ex).__name__}: {str(ex)[-1500:]}", flush=True)
 
