@@ -41,6 +41,17 @@ def random_tiled(key, e, o, i, rows):
     return jax.block_until_ready(jax.jit(lambda ks: jax.lax.map(one, ks))(jax.random.split(key, e)))
 
 
+def random_fragments(key, e, o, i):
+    """Random weights in the fragment order (int32 words: any bit pattern is 8 valid nibbles)."""
+    def one(k):
+        kw, ks = jax.random.split(k)
+        w = jax.lax.bitcast_convert_type(jax.random.bits(kw, (o // 128, (i // K.STEP) * 32, 128), jnp.uint32),
+                                         jnp.int32)
+        s = jax.random.uniform(ks, (o // 128, i // K.GROUP, 128), jnp.float32, 0.01, 0.03).astype(jnp.bfloat16)
+        return w, s
+    return jax.block_until_ready(jax.jit(lambda ks: jax.lax.map(one, ks))(jax.random.split(key, e)))
+
+
 def loop_time(fn, args, iters=20, repeats=5):
     """Seconds per call: a jitted fori_loop of `iters` calls; one activation element changes per
     iteration (in place, in the loop carry) so that no call can be hoisted."""
@@ -70,7 +81,7 @@ def main(argv=None):
     ap.add_argument("--ms", default="1,9,32,90,256,512,1024")
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--plan", default="full", choices=["full", "flags", "stages"])
+    ap.add_argument("--plan", default="full", choices=["full", "flags", "stages", "fragments"])
     args = ap.parse_args(argv)
     bw = bench_util.measure_torch_copy_bandwidth() or bench_util.measure_copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
@@ -81,6 +92,10 @@ def main(argv=None):
         for name, (o, i) in gemms.items():
             key, sub = jax.random.split(key)
             weights[name, rows] = random_tiled(sub, E, o, i, rows)
+    if args.plan == "fragments":
+        for name, (o, i) in gemms.items():
+            key, sub = jax.random.split(key)
+            weights[name, "fragments"] = random_fragments(sub, E, o, i)
     print("weights ready", flush=True)
     records, table = [], []
 
@@ -114,6 +129,10 @@ def main(argv=None):
         probes = [(128, 2, 1, False, True, ""), (128, 2, 1, False, True, "no_scale"),
                   (128, 2, 1, False, True, "mma_once")]
         plan = {32: ([8], probes), 256: ([8], probes), 1024: ([32], probes)}
+    if args.plan == "fragments":  # the same kernel on weights in the "groups" vs the "fragments" order
+        orders = [(128, 2, 1, False, True, "", "groups"), (128, 2, 1, False, True, "", "fragments")]
+        plan = {1: ([8], orders), 9: ([8], orders), 32: ([8], orders), 90: ([8], orders), 256: ([8], orders),
+                512: ([16], orders), 1024: ([32], orders)}
     if args.quick:
         plan = {m: (ns[:1], cf[:1]) for m, (ns, cf) in plan.items()}
     for m in [int(v) for v in args.ms.split(",")]:
@@ -128,9 +147,10 @@ def main(argv=None):
                 xg = K.to_groups(x)
                 nbytes = active * (o * i // 2 + o * (i // K.GROUP) * 2)
                 for rows, stages, split, overlap, *rest in configs:
-                    w, s = weights[name, rows]
                     auto = rest[0] if rest else True
                     probe = rest[1] if len(rest) > 1 else ""
+                    order = rest[2] if len(rest) > 2 else "groups"
+                    w, s = weights[name, "fragments" if order == "fragments" else rows]
                     fn = functools.partial(K.grouped_int4_matmul, tokens_per_tile=n, stages=stages, split=split,
                                            overlap=overlap, auto_barriers=auto, probe=probe)
                     try:
@@ -139,11 +159,11 @@ def main(argv=None):
                         print(f"FAILED {name} m={m} n={n} {rows}/{stages}/{split}/{overlap}: {exc!r:.300}", flush=True)
                         continue
                     rec = dict(kind="time", gemm=name, m=m, n=n, rows=rows, stages=stages, split=split,
-                               overlap=overlap, auto_barriers=auto, probe=probe, active=active, gb=nbytes / 1e9, ms=t * 1e3, tbps=nbytes / t / 1e12,
+                               overlap=overlap, auto_barriers=auto, probe=probe, order=order, active=active, gb=nbytes / 1e9, ms=t * 1e3, tbps=nbytes / t / 1e12,
                                pct_copy=100 * nbytes / t / bw, floor_ms=nbytes / bw * 1e3)
                     records.append(rec)
                     table.append(rec)
-                    print(f"{name:8s} M={m:5d} N={n:3d} {rows}/{stages}/{split}/{overlap:d}/{auto:d}/{probe or '-'} active={active:3d} "
+                    print(f"{name:8s} M={m:5d} N={n:3d} {rows}/{stages}/{split}/{overlap:d}/{auto:d}/{probe or '-'}/{order} active={active:3d} "
                           f"{t * 1e3:8.3f} ms  {rec['tbps']:.2f} TB/s  {rec['pct_copy']:5.1f} %", flush=True)
     payload = dict(hardware=bench_util.hardware(), jax=jax.__version__, copy_bandwidth=bw, records=records)
     if args.out:
@@ -151,7 +171,7 @@ def main(argv=None):
         with open(os.path.join(args.out, "probe_moe_mgpu.json"), "w") as fh:
             json.dump(payload, fh, indent=1, default=str)
     bench_util.print_table([{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items() if k != "kind"}
-                            for r in table], ["gemm", "m", "n", "rows", "stages", "split", "overlap", "auto_barriers", "probe", "active", "ms", "pct_copy"])
+                            for r in table], ["gemm", "m", "n", "rows", "stages", "split", "overlap", "auto_barriers", "probe", "order", "active", "ms", "pct_copy"])
 
 
 if __name__ == "__main__":

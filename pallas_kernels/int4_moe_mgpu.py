@@ -19,6 +19,13 @@ contiguous [R, G] block g of the shared-memory slab: 16 bytes per row, which the
 bank-conflict free straight into the wgmma int4 upcast register layout. Scales: bf16
 [E, O/R, (I/S)*(S/G), R], step k's [S/G, R] block holds group-major row vectors.
 
+Experimental second order, "fragments" (``tile_fragments``, int32 words [E, O/128, (I/S)*32, 128], 128-row
+slabs only): each [32, 128]-word slab holds a [128, 256] weight slab so that every thread of the warpgroup
+reads, per scale group, two words that already hold its wgmma A-fragment values in register order (pairs
+at nibbles j and j + 4: one shift, one mask-and-or with the bf16 exponent of 128 and one bf16x2
+subtraction per two values, no register shuffles; ``fragment_maps``, ``_fragment_operand``). The kernel
+takes either order (by the weights' dtype). Lowered and tested on CPU; not yet run on a GPU.
+
 Activations come group-major, x_groups [I/G, P, G] (an XLA transpose of the sorted token rows), so that
 group g of a step is a whole [N, G] tile (64-byte rows, 64-byte swizzle) for wgmma's B operand.
 
@@ -40,6 +47,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
@@ -47,6 +55,9 @@ from pallas_kernels.int4_moe import _combine, _route, default_tile
 
 try:  # Mosaic GPU is importable on CPU builds too (lowering works anywhere; running needs an sm_90 GPU).
     from jax.experimental.pallas import mosaic_gpu as plgpu
+    from jax.experimental.mosaic import gpu as mgpu
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith
 except ImportError:  # pragma: no cover
     plgpu = None
 
@@ -100,16 +111,71 @@ def untile_weights(w, s):
     rows = s.shape[-1]
     ks = kr // rows
     q = w.astype(jnp.int8).reshape(e, nb, ks, STEP // GROUP, rows, GROUP).transpose(0, 1, 4, 2, 3, 5)
-    q = q.reshape(e, nb * rows, ks * STEP)
-    scale = s.transpose(0, 1, 3, 2).reshape(e, nb * rows, -1)
-    return q, scale
+    return q.reshape(e, nb * rows, ks * STEP), untile_scales(s)
+
+
+def untile_scales(s):
+    """Tiled scales [E, O/R, I/G, R] (either order) -> [E, O, I/G]."""
+    e, nb, groups, rows = s.shape
+    return s.transpose(0, 1, 3, 2).reshape(e, nb * rows, groups)
+
+
+FRAG_ROWS = 128  # the "fragments" order is defined for 128-row slabs
+
+
+@functools.lru_cache(maxsize=None)
+def fragment_maps() -> tuple[np.ndarray, np.ndarray]:
+    """(row, col) inside a [128, 256] slab of nibble n of word f, as int arrays [4096, 8].
+
+    Word f = ((g * 2 + h) * 128 + t) * 2 + i belongs to thread t = 32 w + l of the warpgroup, 32-column
+    group g, 64-row half h, row sub-tile i. It holds the four bf16 pairs that thread keeps in registers
+    for the wgmma A operand (layout WGMMA: row 64 h + 16 w + 8 i + l // 4, columns 8 j + 2 (l % 4) + v):
+    nibble j is pair j's first value (v = 0), nibble j + 4 its second (v = 1), so that
+    ``(word >> 4 j) & 0x000F000F`` puts both values of pair j at bits 0 and 16."""
+    f = np.arange(4096)
+    i, t, h, g = f % 2, (f // 2) % 128, (f // 256) % 2, f // 512
+    w, lane = t // 32, t % 32
+    row = 64 * h + 16 * w + 8 * i + lane // 4
+    n = np.arange(8)
+    j, v = n % 4, n // 4
+    col = 32 * g[:, None] + 8 * j[None, :] + 2 * (lane % 4)[:, None] + v[None, :]
+    return np.broadcast_to(row[:, None], (4096, 8)).copy(), col
+
+
+def tile_fragments(q, scale):
+    """q int8 [E, O, I] in [-8, 7], scale [E, O, I/G] -> (words int32 [E, O/128, (I/S)*32, 128], s bf16
+    [E, O/128, I/G, 128]): each [32, 128] word slab holds a [128, 256] weight slab in fragment order
+    (``fragment_maps``), values stored as u = q + 8."""
+    e, o, i = q.shape
+    _check_dims(o, i, FRAG_ROWS)
+    rmap, cmap = fragment_maps()
+    slabs = q.reshape(e, o // FRAG_ROWS, FRAG_ROWS, i // STEP, STEP).transpose(0, 1, 3, 2, 4)
+    u = (slabs[..., rmap, cmap].astype(jnp.int32) + 8).astype(jnp.uint32)  # [E, O/128, I/S, 4096, 8]
+    words = jnp.sum(u << (jnp.arange(8, dtype=jnp.uint32) * 4), axis=-1, dtype=jnp.uint32)
+    words = lax.bitcast_convert_type(words, jnp.int32).reshape(e, o // FRAG_ROWS, (i // STEP) * 32, 128)
+    s = scale.reshape(e, o // FRAG_ROWS, FRAG_ROWS, i // GROUP).transpose(0, 1, 3, 2).astype(jnp.bfloat16)
+    return words, s
+
+
+def untile_fragments(words):
+    """Inverse of ``tile_fragments`` for the weights: -> q int8 [E, O, I]."""
+    e, nb, ks32, _ = words.shape
+    rmap, cmap = fragment_maps()
+    u = (lax.bitcast_convert_type(words.reshape(e, nb, ks32 // 32, 4096), jnp.uint32)[..., None]
+         >> (jnp.arange(8, dtype=jnp.uint32) * 4)) & 0xF
+    q = (u.astype(jnp.int8) - 8)
+    slabs = jnp.zeros((e, nb, ks32 // 32, FRAG_ROWS, STEP), jnp.int8).at[..., rmap, cmap].set(q)
+    return slabs.transpose(0, 1, 3, 2, 4).reshape(e, nb * FRAG_ROWS, (ks32 // 32) * STEP)
 
 
 def dequantize_expert(w, s, e, dtype=jnp.bfloat16) -> jax.Array:
     """Expert e (may be traced) of tiled weights -> [O, I] in ``dtype``: q * scale computed exactly in f32
     and rounded once (for bf16 scales and dtype this is the kernel's bf16 product, bit for bit)."""
-    q, scale = untile_weights(w[e][None], s[e][None])
-    q, scale = q[0], scale[0]
+    if w.dtype == jnp.int32:  # fragment order
+        q, scale = untile_fragments(w[e][None])[0], untile_scales(s[e][None])[0]
+    else:
+        q, scale = untile_weights(w[e][None], s[e][None])
+        q, scale = q[0], scale[0]
     o, i = q.shape
     deq = q.reshape(o, i // GROUP, GROUP).astype(jnp.float32) * scale.astype(jnp.float32)[:, :, None]
     return deq.reshape(o, i).astype(dtype)
@@ -139,6 +205,33 @@ def grouped_int4_matmul_ref(x_groups, w, s, tile_expert, *, tokens_per_tile: int
 # ----------------------------------------------------------------------------------------------
 # Mosaic GPU kernel
 # ----------------------------------------------------------------------------------------------
+def _fragment_operand(words_ref):
+    """One 32-column group of a fragment-ordered slab ([512] int32 words in shared memory) -> the bf16
+    [128, 32] wgmma A operand (layout WGMMA), unscaled: per thread two 8-byte loads, then per pair of
+    values a shift, a mask-and-or (0x4300 exponent: bf16 128 + u) and a bf16x2 subtraction of 136; no
+    register shuffles (the values already sit where the wgmma fragment wants them)."""
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),), return_type=plgpu.ShapeDtypeStruct(
+        (FRAG_ROWS, GROUP), jnp.bfloat16, layout=plgpu.Layout.WGMMA))
+    def build(ctx, ref):
+        del ctx
+        i32 = ir.IntegerType.get_signless(32)
+        pair_ty = ir.VectorType.get((2,), ir.BF16Type.get())
+        words = mgpu.FragmentedArray.load_strided(ref, is_signed=False, vec_size=2)
+        mask, magic = mgpu.c(0x000F000F, i32), mgpu.c(0x43004300, i32)
+        bias = mgpu.utils.bitcast(mgpu.c(0x43084308, i32), pair_ty)  # (136, 136)
+        regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((FRAG_ROWS, GROUP)), dtype=object)
+        for h in range(2):  # 64-row half
+            for i in range(2):  # 8-row sub-tile
+                word = mgpu.utils.bitcast(mgpu.utils.vector_slice(words.registers[h], slice(i, i + 1)), i32)
+                for j in range(4):  # 8-column tile
+                    shifted = word if j == 0 else arith.shrui(word, mgpu.c(4 * j, i32))
+                    pair = arith.ori(arith.andi(shifted, mask), magic)
+                    regs[h, j, 0, 0, i, 0, 0, 0, 0] = arith.subf(mgpu.utils.bitcast(pair, pair_ty), bias)
+        return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
+
+    return build(words_ref)
+
+
 def grouped_int4_matmul(x_groups, w, s, tile_expert, *, tokens_per_tile: int, stages: int = 2,
                         split: int = 1, overlap: bool = False, auto_barriers: bool = True, probe: str = ""):
     """Pallas Mosaic GPU kernel (H100/H200). Same contract as ``grouped_int4_matmul_ref``, except that the
@@ -160,11 +253,13 @@ def grouped_int4_matmul(x_groups, w, s, tile_expert, *, tokens_per_tile: int, st
     ng, p, _ = x_groups.shape
     e_n, nb, kr, step = w.shape
     rows = s.shape[-1]
+    fragments = w.dtype == jnp.int32  # ``tile_fragments`` order (else int4 ``tile_weights`` order)
+    slab = (32, 128) if fragments else (rows, STEP)  # one pipeline step's weight block
     in_dim, out_dim = ng * GROUP, nb * rows
-    ksteps = kr // rows
+    ksteps = kr // slab[0]
     _check_dims(out_dim, in_dim, rows)
-    if ksteps * STEP != in_dim or step != STEP:
-        raise ValueError(f"weights {w.shape} do not match activations of width {in_dim}")
+    if ksteps * STEP != in_dim or step != slab[1] or (fragments and rows != FRAG_ROWS):
+        raise ValueError(f"weights {w.dtype} {w.shape} do not match activations of width {in_dim}")
     if n % 8 or not 8 <= n <= 256 or p % n:
         raise ValueError(f"tokens_per_tile={n} must be a multiple of 8 in [8, 256] dividing P={p}")
     if ksteps % split:
@@ -189,11 +284,14 @@ def grouped_int4_matmul(x_groups, w, s, tile_expert, *, tokens_per_tile: int, st
         def _():
             def acc_scope(acc_ref):
                 def step_body(_, w_smem, s_smem, x_smem):
-                    w_groups = w_smem.reshape(gps, rows, GROUP)
+                    w_groups = w_smem.reshape(gps, 512) if fragments else w_smem.reshape(gps, rows, GROUP)
                     total = None
                     for g in range(gps):
-                        wq = plgpu.load(w_groups.at[g], (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
-                        wg = plgpu.layout_cast(wq, wgmma_layout).astype(jnp.bfloat16)
+                        if fragments:
+                            wg = _fragment_operand(w_groups.at[g])
+                        else:
+                            wq = plgpu.load(w_groups.at[g], (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
+                            wg = plgpu.layout_cast(wq, wgmma_layout).astype(jnp.bfloat16)
                         if probe != "no_scale":
                             sg = plgpu.load(s_smem.at[g], (), layout=row_layout)
                             wg = wg * lax.broadcast_in_dim(sg, wg.shape, [0])
@@ -208,7 +306,7 @@ def grouped_int4_matmul(x_groups, w, s, tile_expert, *, tokens_per_tile: int, st
                 plgpu.emit_pipeline(
                     step_body, grid=(kps,),
                     in_specs=[
-                        plgpu.BlockSpec((rows, STEP), lambda k: (k + sp * kps, 0)),
+                        plgpu.BlockSpec(slab, lambda k: (k + sp * kps, 0)),
                         plgpu.BlockSpec((gps, rows), lambda k: (k + sp * kps, 0)),
                         plgpu.BlockSpec((gps, n, GROUP), lambda k: (k + sp * kps, t, 0),
                                         transforms=(plgpu.TilingTransform((8, GROUP)), plgpu.SwizzleTransform(64)),
@@ -274,8 +372,13 @@ class TiledInt4:
     @property
     def shape(self) -> tuple[int, int, int]:
         """Logical [E, O, I] (as ``QuantArray.shape``)."""
-        e, nb, kr, _ = self.packed.shape
-        return e, nb * self.rows, kr // self.rows * STEP
+        e, nb, groups, rows = self.scale.shape
+        return e, nb * rows, groups * GROUP
+
+    @property
+    def order(self) -> str:
+        """"groups" (int4 ``tile_weights``) or "fragments" (int32 words, ``tile_fragments``)."""
+        return "fragments" if self.packed.dtype == jnp.int32 else "groups"
 
     @property
     def group_size(self) -> int:
@@ -283,13 +386,17 @@ class TiledInt4:
 
     @property
     def nbytes(self) -> int:
-        return self.packed.size // 2 + self.scale.size * 2
+        return self.packed.size * jax.dtypes.itemsize_bits(self.packed.dtype) // 8 + self.scale.size * 2
 
     @classmethod
-    def from_compressed_tensors(cls, packed, scale) -> "TiledInt4":
+    def from_compressed_tensors(cls, packed, scale, order: str = "groups") -> "TiledInt4":
         """One-time repack of packed int32 [E, O, I/8] (values q + 8), scale bf16 [E, O, I/32]; raises
         ValueError for stacks the layout cannot hold (``tiling_error``). Bit-exact inverse:
-        ``to_compressed_tensors``. Repacks one expert at a time (small temporaries)."""
+        ``to_compressed_tensors``. Repacks one expert at a time (small temporaries). ``order``:
+        "groups" (the default kernel operand path) or "fragments" (experimental: no register shuffles
+        in the kernel; needs O % 128 == 0; not yet measured on a GPU)."""
+        if order not in ("groups", "fragments"):
+            raise ValueError(f"unknown order {order!r}; expected 'groups' or 'fragments'")
         if getattr(packed, "dtype", None) != jnp.int32 or len(packed.shape) != 3 or len(scale.shape) != 3:
             raise ValueError(f"expected packed int32 [E, O, I/8] and scale [E, O, I/G], got "
                              f"{getattr(packed, 'dtype', type(packed))} {tuple(packed.shape)} and {tuple(scale.shape)}")
@@ -301,10 +408,13 @@ class TiledInt4:
         if problem:
             raise ValueError(f"cannot tile: {problem}")
         rows = 128 if o % 128 == 0 else 64
+        if order == "fragments" and rows != FRAG_ROWS:
+            raise ValueError(f"cannot tile: the fragment order needs O % {FRAG_ROWS} == 0, got O={o}")
+        tile = tile_fragments if order == "fragments" else functools.partial(tile_weights, rows=rows)
 
         def one(args):
             p, sc = args
-            w, s_t = tile_weights(unpack_compressed_tensors(p)[None], sc[None], rows)
+            w, s_t = tile(unpack_compressed_tensors(p)[None], sc[None])
             return w[0], s_t[0]
 
         w, s_t = jax.jit(lambda p, sc: lax.map(one, (p, sc)))(packed, scale)
@@ -314,7 +424,10 @@ class TiledInt4:
         """(packed int32 [E, O, I/8], scale bf16 [E, O, I/32]) exactly as before the repack."""
         def one(args):
             w, s_t = args
-            q, sc = untile_weights(w[None], s_t[None])
+            if w.dtype == jnp.int32:
+                q, sc = untile_fragments(w[None]), untile_scales(s_t[None])
+            else:
+                q, sc = untile_weights(w[None], s_t[None])
             return pack_compressed_tensors(q[0]), sc[0]
 
         return jax.jit(lambda w, s_t: lax.map(one, (w, s_t)))(self.packed, self.scale)

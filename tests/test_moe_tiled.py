@@ -253,3 +253,67 @@ def test_gpu_tiled_model_matches_twin_and_xla():
     xla = forward(model, toks).astype(jnp.float32)
     assert bool(jnp.all(jnp.isfinite(kernel)))
     assert rel_norm(kernel, twin) < 2e-2 and rel_norm(kernel, xla) < 2e-2
+
+
+# ----------------------------------------------------------------------------------------------
+# The experimental "fragments" order (weights pre-laid-out in wgmma fragment order, no register shuffles)
+# ----------------------------------------------------------------------------------------------
+def test_fragment_order_roundtrip_and_register_contents():
+    """Every slab element is stored once; each thread's words hold exactly the (row, col) pairs of its
+    wgmma A fragment (row 64h + 16w + 8i + l//4, columns 8j + 2(l%4) + {0, 1}) at nibbles (j, j + 4)."""
+    r, c = K.fragment_maps()
+    assert np.unique(r * K.STEP + c).size == K.FRAG_ROWS * K.STEP
+    rng = np.random.default_rng(0)
+    qa = random_stack(rng, 2, 256, 512)
+    leaf = TiledInt4.from_compressed_tensors(qa.packed, qa.scale, order="fragments")
+    assert leaf.order == "fragments" and leaf.shape == (2, 256, 512) and leaf.packed.dtype == jnp.int32
+    assert leaf.nbytes == qa.packed.size * 4 + qa.scale.size * 2
+    packed, scale = leaf.to_compressed_tensors()
+    np.testing.assert_array_equal(np.asarray(packed), np.asarray(qa.packed))
+    np.testing.assert_array_equal(np.asarray(scale).view(np.uint16), np.asarray(qa.scale).view(np.uint16))
+    np.testing.assert_array_equal(np.asarray(leaf.dequantize_expert(1, jnp.bfloat16)),
+                                  np.asarray(dequantize_int4(qa.packed[1], qa.scale[1], jnp.bfloat16)))
+    q = np.asarray(K.unpack_compressed_tensors(qa.packed))[1, 128:256, 256:512]  # expert 1, row block 1, step 1
+    words = np.asarray(leaf.packed).view(np.uint32)[1, 1, 32:64].reshape(-1)
+    for g, h, t in [(0, 0, 0), (3, 1, 37), (7, 1, 127), (5, 0, 90)]:
+        w, lane = divmod(t, 32)
+        for i in range(2):
+            word = int(words[((g * 2 + h) * 128 + t) * 2 + i])
+            row = 64 * h + 16 * w + 8 * i + lane // 4
+            for j in range(4):
+                pair = (word >> (4 * j)) & 0x000F000F
+                col = 32 * g + 8 * j + 2 * (lane % 4)
+                assert ((pair & 0xF) - 8, (pair >> 16) - 8) == (q[row, col], q[row, col + 1])
+
+
+def test_fragment_kernel_lowers_and_twin_agrees():
+    rng = np.random.default_rng(1)
+    qa = random_stack(rng, 3, 256, 512)
+    frag = TiledInt4.from_compressed_tensors(qa.packed, qa.scale, order="fragments")
+    grp = TiledInt4.from_compressed_tensors(qa.packed, qa.scale)
+    te = jnp.asarray([2, -1, 0], jnp.int32)
+    xg = K.to_groups(jnp.asarray(rng.standard_normal((24, 512)), jnp.bfloat16))
+    a = K.grouped_int4_matmul_ref(xg, frag.packed, frag.scale, te, tokens_per_tile=8)
+    b = K.grouped_int4_matmul_ref(xg, grp.packed, grp.scale, te, tokens_per_tile=8)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    fn = functools.partial(K.grouped_int4_matmul, tokens_per_tile=8)
+    assert MGPU_CALL in jax.jit(fn).trace(xg, frag.packed, frag.scale, te).lower(lowering_platforms=("cuda",)).as_text()
+    with pytest.raises(ValueError, match="O % 128"):
+        small = random_stack(rng, 2, 192, 256)
+        TiledInt4.from_compressed_tensors(small.packed, small.scale, order="fragments")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,split", [(8, 1), (16, 2), (32, 1)])
+def test_gpu_fragment_kernel_matches_twin(n, split):
+    rng = np.random.default_rng(n)
+    qa = random_stack(rng, 5, 256, 1024)
+    frag = TiledInt4.from_compressed_tensors(qa.packed, qa.scale, order="fragments")
+    te = jnp.asarray([4, 0, -1, 4, 2], jnp.int32)
+    xg = K.to_groups(jnp.asarray(rng.standard_normal((te.shape[0] * n, 1024)), jnp.bfloat16))
+    fn = jax.jit(functools.partial(K.grouped_int4_matmul, tokens_per_tile=n, split=split))
+    got = np.asarray(fn(xg, frag.packed, frag.scale, te))
+    want = np.asarray(K.grouped_int4_matmul_ref(xg, frag.packed, frag.scale, te, tokens_per_tile=n))
+    valid = np.repeat(np.asarray(te) >= 0, n)
+    assert np.isfinite(got[:, valid]).all()
+    assert rel_norm(got[:, valid], want[:, valid]) < 1e-5
