@@ -6,10 +6,12 @@ G number of router groups.
 Routed expert weights keep the PyTorch [out, in] orientation of the checkpoint, stacked over experts:
   w13 [E, 2F, D] (gate rows first, then up), w2 [E, D, F]
 either as float arrays, as ``QuantArray`` (compressed-tensors INT4, ``ddtree_jax.quant``), or, after the
-one-time ``prepare_for_kernels(model)``, as ``PlanarInt4`` stacks in the Pallas INT4 kernel's layout
-(``pallas_kernels.int4_moe``). The routed-expert compute follows the leaf type unless a Runtime names one:
-float / QuantArray -> ``routed_experts_xla``; PlanarInt4 -> ``routed_experts_int4`` (the kernel when
-lowered for CUDA with bf16 activations, its pure-JAX twin elsewhere).
+one-time ``prepare_for_kernels(model)``, in a GPU kernel's layout: ``TiledInt4`` (default, the Mosaic GPU
+kernel, ``pallas_kernels.int4_moe_mgpu``) or ``PlanarInt4`` (the Pallas-Triton kernel,
+``pallas_kernels.int4_moe``). The routed-expert compute follows the leaf type unless a Runtime names one:
+float / QuantArray -> ``routed_experts_xla``; TiledInt4 -> ``routed_experts_tiled``; PlanarInt4 ->
+``routed_experts_int4`` (each: the kernel when lowered for CUDA with bf16 activations, its pure-JAX twin
+elsewhere).
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ from pallas_kernels.int4_moe_mgpu import TiledInt4
 
 W13_AXES = ("experts", "expert_ffn", "embed")  # w13 [E, 2F, D] (QuantArray: packed [E, 2F, D/8], scale [E, 2F, D/G])
 W2_AXES = ("experts", "embed", "expert_ffn")  # w2 [E, D, F]
-# Kernel-layout stacks (PlanarInt4: packed [E, O, I/8], scale [E, I/G, O]; TiledInt4: packed
-# [E, O/R, ., S], scale [E, O/R, I/G, R]) share only the leading expert axis.
+# Kernel-layout stacks (PlanarInt4: packed [E, O, I/8], scale [E, I/G, O]; TiledInt4: packed [E, O/R, ., .],
+# scale [E, O/R, I/G, R]) share only the leading expert axis.
 KERNEL_AXES = ("experts", None, None)
 KERNEL_LAYOUTS = {"tiles": TiledInt4, "planar": PlanarInt4}
 
@@ -250,10 +252,14 @@ def prepare_for_kernels(model: nnx.Module, *, layout: str = "tiles", allow_twin_
     """
     if layout not in KERNEL_LAYOUTS:
         raise ValueError(f"unknown kernel layout {layout!r}; expected one of {sorted(KERNEL_LAYOUTS)}")
+    want = KERNEL_LAYOUTS[layout]
     for name, moe in _moe_layers(model):
         w13, w2 = moe.w13.get_value(), moe.w2.get_value()
-        if isinstance(w13, tuple(KERNEL_LAYOUTS.values())):
+        if isinstance(w13, want) and isinstance(w2, want):
             continue
+        if isinstance(w13, tuple(KERNEL_LAYOUTS.values())) or isinstance(w2, tuple(KERNEL_LAYOUTS.values())):
+            raise ValueError(f"{name}: experts are already in another kernel layout ({type(w13).__name__} / "
+                             f"{type(w2).__name__}); call unprepare_for_kernels(model) first to change to {layout!r}")
         if not (isinstance(w13, QuantArray) and isinstance(w2, QuantArray)):
             raise ValueError(f"{name}: routed experts are {type(w13).__name__} ({getattr(w13, 'dtype', '?')}), not "
                              "INT4; the INT4 kernels need compressed-tensors experts (a config with quant)")

@@ -29,7 +29,7 @@ import numpy as np
 
 from experiments import bench_util
 from pallas_kernels.int4_moe import Int4ExpertWeights, default_tile, int4_moe, int4_moe_ref
-from pallas_kernels.int4_moe_mgpu import TiledInt4, routed_experts_tiled
+from pallas_kernels.int4_moe_mgpu import TiledInt4, routed_experts_tiled, tiled_default_tile
 
 E, D, F, K, G = 384, 7168, 2048, 8, 32
 
@@ -199,7 +199,7 @@ def main(argv=None):
             comp = time.perf_counter() - t0
             err = rel_err(y, y_ref) if y_ref is not None else float("nan")
             t, tmin = time_calls(fn, (x, ids, w, *tiled), calls=20, batches=5, budget_s=args.budget_s)
-            tile = cfg.get("tile") or default_tile(base["M"], K, E, smallest=8)  # the Mosaic GPU path's own
+            tile = cfg.get("tile") or tiled_default_tile(base["M"], K, E)
             record(dict(base, tile=tile), name, t, nbytes, ms_min=tmin * 1e3, err=err, first_call_s=comp,
                    phase="table")
         except Exception as ex:  # noqa: BLE001

@@ -15,6 +15,7 @@ import functools
 import json
 import os
 import statistics
+import sys
 import time
 
 import jax
@@ -135,7 +136,11 @@ def main(argv=None):
                 512: ([16], orders), 1024: ([32], orders)}
     if args.quick:
         plan = {m: (ns[:1], cf[:1]) for m, (ns, cf) in plan.items()}
-    for m in [int(v) for v in args.ms.split(",")]:
+    ms = [int(v) for v in args.ms.split(",")]
+    missing = [m for m in ms if m not in plan]
+    if missing:
+        raise SystemExit(f"--plan {args.plan} has no configurations for M in {missing}; it covers {sorted(plan)}")
+    for m in ms:
         ids, wts = routing(m, "uniform", seed=m)
         ns, configs = plan[m]
         for n in ns:
@@ -165,7 +170,8 @@ def main(argv=None):
                     table.append(rec)
                     print(f"{name:8s} M={m:5d} N={n:3d} {rows}/{stages}/{split}/{overlap:d}/{auto:d}/{probe or '-'}/{order} active={active:3d} "
                           f"{t * 1e3:8.3f} ms  {rec['tbps']:.2f} TB/s  {rec['pct_copy']:5.1f} %", flush=True)
-    payload = dict(hardware=bench_util.hardware(), jax=jax.__version__, copy_bandwidth=bw, records=records)
+    payload = dict(hardware=bench_util.hardware(), jax=jax.__version__, copy_bandwidth=bw, plan=args.plan,
+                   argv=sys.argv[1:], records=records)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "probe_moe_mgpu.json"), "w") as fh:

@@ -150,6 +150,13 @@ def _convert_stack(packed, scale, *, inverse: bool, bw: int, row_bw: int, mesh, 
     split along experts over ``mesh`` axis ``axis`` is converted where it lives (shard_map), never gathered."""
     one = functools.partial(_expert_from_planar if inverse else _expert_to_planar, bw=bw, row_bw=row_bw)
 
+    return map_expert_stack(lambda p, s: one(p, s), packed, scale, mesh=mesh, axis=axis)
+
+
+def map_expert_stack(one, packed, scale, *, mesh, axis):
+    """(packed', scale') = one(packed_e, scale_e) for every expert e of a stack [E, ...], one expert at a
+    time (lax.map: temporaries of one expert only); a stack split along experts over ``mesh`` axis
+    ``axis`` is converted where it lives (shard_map), never gathered. Call inside jit."""
     def body(p, s):
         return jax.lax.map(lambda a: one(*a), (p, s))
 

@@ -31,7 +31,8 @@ group g of a step is a whole [N, G] tile (64-byte rows, 64-byte swizzle) for wgm
 
 Kernel
 ------
-One program per (tile, row block): grid (NT, O/R), one warpgroup. A pipelined loop over the I/S steps
+One program per (tile, row block, K split): grid (NT, O/R, split), one warpgroup. A pipelined loop over
+the I/S steps
 copies (TMA) the weight slab, its scales and the token tile into shared memory, ``stages`` deep; per
 step and group the warpgroup loads the [R, 32] int4 block into registers, upcasts it to bf16, multiplies
 each row by its scale and issues a wgmma (A from registers: the weight rows; B from shared memory: the
@@ -51,7 +52,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.int4_moe import _combine, _route, default_tile
+from pallas_kernels.int4_moe import _combine, _expert_mesh, _route, default_tile, map_expert_stack
 
 try:  # Mosaic GPU is importable on CPU builds too (lowering works anywhere; running needs an sm_90 GPU).
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -101,8 +102,13 @@ def tile_weights(q, scale, rows: int = 64):
     _check_dims(o, i, rows)
     w = q.reshape(e, o // rows, rows, i // STEP, STEP // GROUP, GROUP).transpose(0, 1, 3, 4, 2, 5)
     w = w.reshape(e, o // rows, (i // STEP) * rows, STEP).astype(jnp.int4)
-    s = scale.reshape(e, o // rows, rows, i // GROUP).transpose(0, 1, 3, 2).astype(jnp.bfloat16)
-    return w, s
+    return w, tile_scales(scale, rows)
+
+
+def tile_scales(scale, rows: int):
+    """Scales [E, O, I/G] -> bf16 [E, O/R, I/G, R] (both weight orders)."""
+    e, o, groups = scale.shape
+    return scale.reshape(e, o // rows, rows, groups).transpose(0, 1, 3, 2).astype(jnp.bfloat16)
 
 
 def untile_weights(w, s):
@@ -145,25 +151,21 @@ def fragment_maps() -> tuple[np.ndarray, np.ndarray]:
 def tile_fragments(q, scale):
     """q int8 [E, O, I] in [-8, 7], scale [E, O, I/G] -> (words int32 [E, O/128, (I/S)*32, 128], s bf16
     [E, O/128, I/G, 128]): each [32, 128] word slab holds a [128, 256] weight slab in fragment order
-    (``fragment_maps``), values stored as u = q + 8."""
+    (``fragment_maps``), nibbles stored as u = q + 8 like compressed-tensors words."""
     e, o, i = q.shape
     _check_dims(o, i, FRAG_ROWS)
     rmap, cmap = fragment_maps()
     slabs = q.reshape(e, o // FRAG_ROWS, FRAG_ROWS, i // STEP, STEP).transpose(0, 1, 3, 2, 4)
-    u = (slabs[..., rmap, cmap].astype(jnp.int32) + 8).astype(jnp.uint32)  # [E, O/128, I/S, 4096, 8]
-    words = jnp.sum(u << (jnp.arange(8, dtype=jnp.uint32) * 4), axis=-1, dtype=jnp.uint32)
-    words = lax.bitcast_convert_type(words, jnp.int32).reshape(e, o // FRAG_ROWS, (i // STEP) * 32, 128)
-    s = scale.reshape(e, o // FRAG_ROWS, FRAG_ROWS, i // GROUP).transpose(0, 1, 3, 2).astype(jnp.bfloat16)
-    return words, s
+    nibbles = slabs[..., rmap, cmap]  # [E, O/128, I/S, 4096 words, 8 nibbles]
+    words = pack_compressed_tensors(nibbles.reshape(*nibbles.shape[:-2], -1))
+    return words.reshape(e, o // FRAG_ROWS, (i // STEP) * 32, 128), tile_scales(scale, FRAG_ROWS)
 
 
 def untile_fragments(words):
     """Inverse of ``tile_fragments`` for the weights: -> q int8 [E, O, I]."""
     e, nb, ks32, _ = words.shape
     rmap, cmap = fragment_maps()
-    u = (lax.bitcast_convert_type(words.reshape(e, nb, ks32 // 32, 4096), jnp.uint32)[..., None]
-         >> (jnp.arange(8, dtype=jnp.uint32) * 4)) & 0xF
-    q = (u.astype(jnp.int8) - 8)
+    q = unpack_compressed_tensors(words.reshape(e, nb, ks32 // 32, 4096)).reshape(e, nb, ks32 // 32, 4096, 8)
     slabs = jnp.zeros((e, nb, ks32 // 32, FRAG_ROWS, STEP), jnp.int8).at[..., rmap, cmap].set(q)
     return slabs.transpose(0, 1, 3, 2, 4).reshape(e, nb * FRAG_ROWS, (ks32 // 32) * STEP)
 
@@ -184,13 +186,42 @@ def dequantize_expert(w, s, e, dtype=jnp.bfloat16) -> jax.Array:
 # ----------------------------------------------------------------------------------------------
 # Pure-JAX twin
 # ----------------------------------------------------------------------------------------------
+def check_grouped_args(x_groups, w, s, tile_expert, n: int) -> tuple[bool, int, int]:
+    """Validates the arguments of ``grouped_int4_matmul`` (and its twin) statically; returns
+    (fragment order?, I, O). Raises ValueError naming the mismatch."""
+    if len(x_groups.shape) != 3 or x_groups.shape[2] != GROUP:
+        raise ValueError(f"x_groups must be [I/{GROUP}, P, {GROUP}], got {tuple(x_groups.shape)}")
+    ng, p, _ = x_groups.shape
+    if len(w.shape) != 4 or len(s.shape) != 4:
+        raise ValueError(f"tiled weights must be rank 4, got {tuple(w.shape)} and scales {tuple(s.shape)}")
+    fragments = w.dtype == jnp.int32
+    if not fragments and w.dtype != jnp.int4:
+        raise ValueError(f"tiled weights must be int4 (groups order) or int32 (fragments order), got {w.dtype}")
+    e_n, nb, kr, step = w.shape
+    rows = s.shape[-1]
+    slab = (32, 128) if fragments else (rows, STEP)
+    in_dim, out_dim = ng * GROUP, nb * rows
+    if (fragments and rows != FRAG_ROWS) or rows not in (64, 128):
+        raise ValueError(f"scales end in {rows} rows per block; expected 64 or 128 (128 for fragments)")
+    if tuple(s.shape) != (e_n, nb, in_dim // GROUP, rows) or step != slab[1] or kr != in_dim // STEP * slab[0]:
+        raise ValueError(f"weights {w.dtype} {tuple(w.shape)} / scales {tuple(s.shape)} do not match activations "
+                         f"of width {in_dim}")
+    _check_dims(out_dim, in_dim, rows)
+    if n % 8 or not 8 <= n <= 256 or p % n:
+        raise ValueError(f"tokens_per_tile={n} must be a multiple of 8 in [8, 256] dividing P={p}")
+    if tuple(tile_expert.shape) != (p // n,):
+        raise ValueError(f"tile_expert must be [P/N] = [{p // n}], got {tuple(tile_expert.shape)}")
+    return fragments, in_dim, out_dim
+
+
 def grouped_int4_matmul_ref(x_groups, w, s, tile_expert, *, tokens_per_tile: int):
-    """Twin of ``grouped_int4_matmul`` (same signature): x_groups bf16 [I/G, P, G], w/s tiled weights,
-    tile_expert int32 [NT] -> out f32 [O, P]; columns of skipped tiles (expert < 0) are zero here."""
+    """Twin of ``grouped_int4_matmul`` (same signature): x_groups [I/G, P, G] (bf16, or f32 for f32 models
+    on CPU), w/s tiled weights, tile_expert int32 [NT] -> out f32 [O, P]; columns of skipped tiles
+    (expert < 0) are zero here. Expert ids >= E are the caller's error (``_route`` never makes them)."""
     n = tokens_per_tile
+    _, _, o = check_grouped_args(x_groups, w, s, tile_expert, n)
     ng, p, _ = x_groups.shape
     x = jnp.swapaxes(x_groups, 0, 1).reshape(p, ng * GROUP)
-    o = w.shape[1] * s.shape[-1]
 
     def body(t, out):
         e = tile_expert[t]
@@ -235,14 +266,15 @@ def _fragment_operand(words_ref):
 def grouped_int4_matmul(x_groups, w, s, tile_expert, *, tokens_per_tile: int, stages: int = 2,
                         split: int = 1, overlap: bool = False, auto_barriers: bool = True, probe: str = ""):
     """Pallas Mosaic GPU kernel (H100/H200). Same contract as ``grouped_int4_matmul_ref``, except that the
-    output columns of skipped tiles are left unwritten (never read by the MoE combine), and with
+    output columns of skipped tiles are left unwritten (garbage: the MoE layer carries them only into
+    the dropped padding row of its combine), and with
     ``split`` > 1 the result is the f32 sum over ``split`` partial products [split, O, P] (split-K:
     more programs when few tiles are busy; summed in XLA).
 
     ``overlap``: keep one step's wgmmas in flight while the next step is dequantised (the token tile
     is released a step late); otherwise each step waits for its own wgmmas. ``auto_barriers=False`` drops
-    Mosaic GPU's conservative warpgroup barriers around shared-memory accesses (``unsafe_no_auto_barriers``:
-    safe here, each program is one warpgroup and its shared memory is written only by TMA).
+    Mosaic GPU's warpgroup barriers before a pipeline slot is refilled (``unsafe_no_auto_barriers``); safe
+    only because each step ends with ``wgmma_wait(0)``, hence refused together with ``overlap``.
     ``probe`` (benchmarks only, wrong results): "no_scale" skips the per-group scale multiply; "mma_once"
     adds the eight dequantised groups of a step (bf16 adds) and issues one wgmma for them."""
     if plgpu is None:
@@ -250,18 +282,16 @@ def grouped_int4_matmul(x_groups, w, s, tile_expert, *, tokens_per_tile: int, st
     if probe not in ("", "no_scale", "mma_once"):
         raise ValueError(f"unknown probe {probe!r}")
     n = tokens_per_tile
-    ng, p, _ = x_groups.shape
+    fragments, in_dim, out_dim = check_grouped_args(x_groups, w, s, tile_expert, n)
+    if x_groups.dtype != jnp.bfloat16:
+        raise ValueError(f"the kernel takes bf16 activations, got {x_groups.dtype}")
+    if overlap and not auto_barriers:
+        raise ValueError("overlap=True needs auto_barriers: the next copy into a slot must wait for every warp's reads")
+    p = x_groups.shape[1]
     e_n, nb, kr, step = w.shape
     rows = s.shape[-1]
-    fragments = w.dtype == jnp.int32  # ``tile_fragments`` order (else int4 ``tile_weights`` order)
     slab = (32, 128) if fragments else (rows, STEP)  # one pipeline step's weight block
-    in_dim, out_dim = ng * GROUP, nb * rows
-    ksteps = kr // slab[0]
-    _check_dims(out_dim, in_dim, rows)
-    if ksteps * STEP != in_dim or step != slab[1] or (fragments and rows != FRAG_ROWS):
-        raise ValueError(f"weights {w.dtype} {w.shape} do not match activations of width {in_dim}")
-    if n % 8 or not 8 <= n <= 256 or p % n:
-        raise ValueError(f"tokens_per_tile={n} must be a multiple of 8 in [8, 256] dividing P={p}")
+    ksteps = in_dim // STEP
     if ksteps % split:
         raise ValueError(f"split={split} must divide the {ksteps} pipeline steps")
     kps = ksteps // split
@@ -354,13 +384,37 @@ def tiling_error(o: int, i: int, group: int, scale_dtype) -> str | None:
     return None
 
 
+def _expert_to_tiles(packed, scale, *, order: str, rows: int):
+    """One expert: compressed-tensors (packed [O, I/8], scale [O, I/G]) -> tiled (packed, scale)."""
+    tile = tile_fragments if order == "fragments" else functools.partial(tile_weights, rows=rows)
+    w, s_t = tile(unpack_compressed_tensors(packed)[None], scale[None])
+    return w[0], s_t[0]
+
+
+def _expert_from_tiles(w, s_t, *, order: str, rows: int):
+    """Inverse of ``_expert_to_tiles``."""
+    del rows
+    q = untile_fragments(w[None]) if order == "fragments" else untile_weights(w[None], s_t[None])[0]
+    return pack_compressed_tensors(q[0]), untile_scales(s_t[None])[0]
+
+
+@functools.partial(jax.jit, static_argnames=("to_tiles", "order", "rows", "mesh", "axis"))
+def _convert(packed, scale, *, to_tiles: bool, order: str, rows: int, mesh, axis):
+    """A whole stack, one expert at a time, where it lives (``int4_moe.map_expert_stack``); compiled once
+    per shape and order."""
+    one = functools.partial(_expert_to_tiles if to_tiles else _expert_from_tiles, order=order, rows=rows)
+    return map_expert_stack(one, packed, scale, mesh=mesh, axis=axis)
+
+
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["packed", "scale"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class TiledInt4:
     """One INT4 expert stack (W [E, O, I], PyTorch [out, in] per expert) in the tiled layout (module doc).
 
-    packed int4 [E, O/R, (I/S)*R, S], scale bf16 [E, O/R, I/G, R]; R = 128 where O allows, else 64. The
-    expert axis leads both arrays, so expert-parallel sharding splits them like compressed-tensors ones.
+    order "groups": packed int4 [E, O/R, (I/S)*R, S]; order "fragments" (experimental): packed int32
+    [E, O/128, (I/S)*32, 128]. scale bf16 [E, O/R, I/G, R] in both; R = 128 where O allows, else 64. The
+    expert axis leads both arrays, so expert-parallel sharding splits them like compressed-tensors ones,
+    and a stack already split along experts is repacked where it lives.
     """
     packed: jax.Array
     scale: jax.Array
@@ -410,31 +464,40 @@ class TiledInt4:
         rows = 128 if o % 128 == 0 else 64
         if order == "fragments" and rows != FRAG_ROWS:
             raise ValueError(f"cannot tile: the fragment order needs O % {FRAG_ROWS} == 0, got O={o}")
-        tile = tile_fragments if order == "fragments" else functools.partial(tile_weights, rows=rows)
-
-        def one(args):
-            p, sc = args
-            w, s_t = tile(unpack_compressed_tensors(p)[None], sc[None])
-            return w[0], s_t[0]
-
-        w, s_t = jax.jit(lambda p, sc: lax.map(one, (p, sc)))(packed, scale)
+        mesh, axis = _expert_mesh(packed)
+        w, s_t = _convert(jnp.asarray(packed), jnp.asarray(scale), to_tiles=True, order=order, rows=rows,
+                          mesh=mesh, axis=axis)
         return cls(packed=w, scale=s_t)
 
     def to_compressed_tensors(self) -> tuple[jax.Array, jax.Array]:
         """(packed int32 [E, O, I/8], scale bf16 [E, O, I/32]) exactly as before the repack."""
-        def one(args):
-            w, s_t = args
-            if w.dtype == jnp.int32:
-                q, sc = untile_fragments(w[None]), untile_scales(s_t[None])
-            else:
-                q, sc = untile_weights(w[None], s_t[None])
-            return pack_compressed_tensors(q[0]), sc[0]
-
-        return jax.jit(lambda w, s_t: lax.map(one, (w, s_t)))(self.packed, self.scale)
+        mesh, axis = _expert_mesh(self.packed)
+        return _convert(self.packed, self.scale, to_tiles=False, order=self.order, rows=self.rows, mesh=mesh,
+                        axis=axis)
 
     def dequantize_expert(self, e, dtype) -> jax.Array:
         """W_e [O, I] of expert ``e`` (may be traced) in ``dtype``: the values of ``quant.dequantize_int4``."""
         return dequantize_expert(self.packed, self.scale, e, dtype)
+
+
+def tiled_default_tile(m: int, k: int, e: int) -> int:
+    """Tokens per tile N of the Mosaic GPU path: about the mean pairs per active expert, a power of two in
+    [8, 64] (on the H200 a larger N costs more per weight byte; 8 is the smallest wgmma N)."""
+    return default_tile(m, k, e, smallest=8, largest=64)
+
+
+def check_kernel_config(w13: TiledInt4, w2: TiledInt4, n: int, stages: int, split: int) -> None:
+    """Raises ValueError for a tile size, pipeline depth or split-K the kernel cannot run on these stacks
+    (checked on every platform, so the CPU twin refuses what the GPU kernel would)."""
+    if n % 8 or not 8 <= n <= 256:
+        raise ValueError(f"tile={n} must be a multiple of 8 in [8, 256]")
+    for leaf in (w13, w2):
+        if smem_bytes(leaf.rows, n, stages) > SMEM_LIMIT:
+            raise ValueError(f"tile={n}, stages={stages} need {smem_bytes(leaf.rows, n, stages)} bytes of shared "
+                             f"memory at {leaf.rows} rows (limit {SMEM_LIMIT})")
+        if (leaf.shape[2] // STEP) % split:
+            raise ValueError(f"split={split} must divide the {leaf.shape[2] // STEP} pipeline steps of a "
+                             f"[{leaf.shape[1]}, {leaf.shape[2]}] stack")
 
 
 def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: TiledInt4, *,
@@ -460,7 +523,8 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
         raise ValueError(f"w13 {w13.shape} / w2 {w2.shape} do not match x [M, {d}]")
     if use_kernel and x.dtype != jnp.bfloat16:
         raise ValueError(f"the Mosaic GPU kernel takes bf16 activations, got {x.dtype}")
-    n = tile or default_tile(m, k, e_n, smallest=8, largest=64)
+    n = tile or tiled_default_tile(m, k, e_n)
+    check_kernel_config(w13, w2, n, stages, split)  # on every platform: one program, one contract
     row_token, row_weight, tile_expert, _ = _route(expert_ids - expert_offset, expert_weights, e_n, n)
     xs = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)])[row_token]  # [P, D]
     if use_kernel:

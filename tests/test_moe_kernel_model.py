@@ -83,7 +83,7 @@ def test_prepare_repacks_every_moe_layer_and_undoes_bit_exact(pair):
             assert isinstance(param.get_value(), PlanarInt4)
             assert param.get_metadata()["logical_axes"] == KERNEL_AXES
         assert isinstance(model.layers[i].mlp.w13.get_value(), QuantArray)  # the clone's source is untouched
-    assert prepare_for_kernels(prepared) is prepared  # prepared layers are left as they are
+    assert prepare_for_kernels(prepared, layout="planar") is prepared  # prepared layers are left as they are
     back = unprepare_for_kernels(nnx.clone(prepared))
     assert back.layers[1].mlp.w13.get_metadata()["logical_axes"] == W13_AXES
     orig, again = nnx.state(model), nnx.state(back)

@@ -150,6 +150,50 @@ def test_expert_parallel_tiles_equal_unsharded(pair, tokens):
     assert rel(got, forward(model, tokens)) < 1e-5
 
 
+def test_prepare_a_sharded_model_repacks_tiles_in_place(pair):
+    """A model already split over experts is repacked per device and stays split (never gathered)."""
+    model, prepared = pair
+    mesh = make_mesh(data=2, model=4, devices=jax.devices("cpu"))
+    graphdef, state = nnx.split(nnx.clone(model))
+    sharded = nnx.merge(graphdef, jax.device_put(state, param_shardings(state, mesh, DEFAULT_RULES)))
+    prepare_for_kernels(sharded)
+    leaf = sharded.layers[1].mlp.w2.get_value()
+    assert leaf.packed.sharding.spec[0] == "model" and leaf.scale.sharding.spec[0] == "model"
+    assert leaf.packed.addressable_shards[0].data.shape[0] == model.cfg.n_routed_experts // 4
+    want = prepared.layers[1].mlp.w2.get_value()
+    np.testing.assert_array_equal(np.asarray(leaf.packed.astype(jnp.int8)), np.asarray(want.packed.astype(jnp.int8)))
+    back = unprepare_for_kernels(sharded).layers[1].mlp.w2.get_value()
+    assert back.packed.sharding.spec[0] == "model"
+    np.testing.assert_array_equal(np.asarray(back.packed), np.asarray(model.layers[1].mlp.w2.get_value().packed))
+    with pytest.raises(ValueError, match="another kernel layout"):
+        prepare_for_kernels(nnx.clone(prepared), layout="planar")
+
+
+def test_skipped_tile_columns_never_reach_the_output(monkeypatch):
+    """The kernel leaves skipped tiles' columns unwritten: a twin that fills them with NaN gives the same
+    finite result, with an expert offset and when every pair is routed to another device."""
+    rng = np.random.default_rng(7)
+    e, d, f = 8, 256, 256
+    w13, w2 = random_stack(rng, e, 2 * f, d), random_stack(rng, e, d, f)
+    t13, t2 = (TiledInt4.from_compressed_tensors(a.packed, a.scale) for a in (w13, w2))
+    plain = K.grouped_int4_matmul_ref
+
+    def poisoned(x_groups, w, s, tile_expert, *, tokens_per_tile):
+        out = plain(x_groups, w, s, tile_expert, tokens_per_tile=tokens_per_tile)
+        return jnp.where(jnp.repeat(tile_expert < 0, tokens_per_tile)[None, :], jnp.nan, out)
+
+    x = jnp.asarray(rng.standard_normal((5, d)), jnp.float32)
+    wts = jnp.asarray(rng.random((5, 2)), jnp.float32)
+    for ids, offset in [(rng.integers(0, 16, (5, 2)), 4), (rng.integers(20, 30, (5, 2)), 0)]:
+        ids = jnp.asarray(ids, jnp.int32)
+        want = K.routed_experts_tiled(x, ids, wts, t13, t2, expert_offset=offset, out_dtype=jnp.float32)
+        monkeypatch.setattr(K, "grouped_int4_matmul_ref", poisoned)
+        got = K.routed_experts_tiled(x, ids, wts, t13, t2, expert_offset=offset, out_dtype=jnp.float32)
+        monkeypatch.setattr(K, "grouped_int4_matmul_ref", plain)
+        assert np.isfinite(np.asarray(got)).all()
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 def test_engine_greedy_tiles_equals_compressed_tensors():
     cfg = tiny_config(vocab_size=64, eos_token_ids=(), num_layers=2, **TCFG)
     target = KimiModel(cfg, nnx.Rngs(0))
@@ -207,8 +251,20 @@ def test_bad_input_errors():
     te = jnp.zeros((2,), jnp.int32)
     with pytest.raises(ValueError, match="multiple of 8"):
         K.grouped_int4_matmul(xg, leaf.packed, leaf.scale, te, tokens_per_tile=12)
+    te3 = jnp.zeros((3,), jnp.int32)
     with pytest.raises(ValueError, match="split=3"):
-        K.grouped_int4_matmul(xg, leaf.packed, leaf.scale, te, tokens_per_tile=8, split=3)
+        K.grouped_int4_matmul(xg, leaf.packed, leaf.scale, te3, tokens_per_tile=8, split=3)
+    for fn in (K.grouped_int4_matmul, K.grouped_int4_matmul_ref):  # the twin refuses what the kernel refuses
+        with pytest.raises(ValueError, match=r"tile_expert must be \[P/N\] = \[3\]"):
+            fn(xg, leaf.packed, leaf.scale, te, tokens_per_tile=8)
+        with pytest.raises(ValueError, match="do not match activations"):
+            fn(xg, leaf.packed, leaf.scale[:, :, :4], te3, tokens_per_tile=8)
+        with pytest.raises(ValueError, match="dividing P=24"):
+            fn(xg, leaf.packed, leaf.scale, te3, tokens_per_tile=16)
+    with pytest.raises(ValueError, match="bf16 activations"):
+        K.grouped_int4_matmul(xg.astype(jnp.float32), leaf.packed, leaf.scale, te3, tokens_per_tile=8)
+    with pytest.raises(ValueError, match="overlap=True needs auto_barriers"):
+        K.grouped_int4_matmul(xg, leaf.packed, leaf.scale, te3, tokens_per_tile=8, overlap=True, auto_barriers=False)
     with pytest.raises(ValueError, match="shared memory"):
         K.grouped_int4_matmul(jnp.zeros((8, 512, 32), jnp.bfloat16), leaf.packed, leaf.scale, te,
                               tokens_per_tile=256)
@@ -219,6 +275,10 @@ def test_bad_input_errors():
                                use_kernel=True)
     with pytest.raises(ValueError, match="do not match"):
         K.routed_experts_tiled(jnp.zeros((2, 256)), jnp.zeros((2, 2), jnp.int32), jnp.ones((2, 2)), leaf, leaf)
+    with pytest.raises(ValueError, match="tile=12"):  # refused on CPU as the GPU kernel would refuse it
+        K.routed_experts_tiled(jnp.zeros((2, 256)), jnp.zeros((2, 2), jnp.int32), jnp.ones((2, 2)), l13, l2, tile=12)
+    with pytest.raises(ValueError, match="split=2"):
+        K.routed_experts_tiled(jnp.zeros((2, 256)), jnp.zeros((2, 2), jnp.int32), jnp.ones((2, 2)), l13, l2, split=2)
     with pytest.raises(TypeError, match="prepare_for_kernels"):
         routed_experts_tiled(jnp.zeros((2, 256)), jnp.zeros((2, 2), jnp.int32), jnp.ones((2, 2)), qa, qa)
 
