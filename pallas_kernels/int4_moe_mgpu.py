@@ -219,18 +219,24 @@ def grouped_int4_matmul_ref(x_groups, w, s, tile_expert, *, tokens_per_tile: int
     on CPU), w/s tiled weights, tile_expert int32 [NT] -> out f32 [O, P]; columns of skipped tiles
     (expert < 0) are zero here. Expert ids >= E are the caller's error (``_route`` never makes them)."""
     n = tokens_per_tile
-    _, _, o = check_grouped_args(x_groups, w, s, tile_expert, n)
+    _, i, o = check_grouped_args(x_groups, w, s, tile_expert, n)
     ng, p, _ = x_groups.shape
     x = jnp.swapaxes(x_groups, 0, 1).reshape(p, ng * GROUP)
 
-    def body(t, out):
+    def body(t, carry):  # skipped tiles do no work; an expert is dequantised once per run of its tiles
+        out, prev, wt = carry
         e = tile_expert[t]
-        wt = dequantize_expert(w, s, jnp.maximum(e, 0), x.dtype)
-        xt = lax.dynamic_slice_in_dim(x, t * n, n)
-        yt = jnp.dot(wt, xt.T, preferred_element_type=jnp.float32) * (e >= 0)
-        return lax.dynamic_update_slice_in_dim(out, yt, t * n, 1)
+        wt = lax.cond((e >= 0) & (e != prev), lambda: dequantize_expert(w, s, e, x.dtype), lambda: wt)
 
-    return lax.fori_loop(0, tile_expert.shape[0], body, jnp.zeros((o, p), jnp.float32))
+        def tile_product(out):
+            yt = jnp.dot(wt, lax.dynamic_slice_in_dim(x, t * n, n).T, preferred_element_type=jnp.float32)
+            return lax.dynamic_update_slice_in_dim(out, yt, t * n, 1)
+
+        out = lax.cond(e >= 0, tile_product, lambda out: out, out)
+        return out, jnp.where(e >= 0, e, prev), wt
+
+    init = (jnp.zeros((o, p), jnp.float32), jnp.int32(-1), jnp.zeros((o, i), x.dtype))
+    return lax.fori_loop(0, tile_expert.shape[0], body, init)[0]
 
 
 # ----------------------------------------------------------------------------------------------
