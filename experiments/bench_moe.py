@@ -113,6 +113,7 @@ def main(argv=None):
     ap.add_argument("--budget-s", type=float, default=1.0, help="timing budget per measurement")
     ap.add_argument("--out", default=None)
     ap.add_argument("--name", default="bench_moe")
+    ap.add_argument("--commit", default=None, help="commit hash to record (a copied checkout may report a stale HEAD)")
     ap.add_argument("--dims", default="", help="E,D,F,K override (CPU smoke tests)")
     ap.add_argument("--interpret", action="store_true", help="run the kernel in interpret mode (CPU smoke)")
     args = ap.parse_args(argv)
@@ -158,7 +159,8 @@ def main(argv=None):
         payload = dict(config=dict(E=E, D=D, F=F, K=K, G=G, bytes_per_expert=per_expert, ms=ms,
                                    routings=routings, configs=configs, tiled_configs=tiled_configs,
                                    triton_ms=sorted(triton_ms), sweep=sweep, argv=sys.argv[1:]),
-                       copy_bw_Bps=copy_bw, torch_copy_bw_Bps=tcopy, ref_bw_Bps=ref_bw, rows=rows)
+                       copy_bw_Bps=copy_bw, torch_copy_bw_Bps=tcopy, ref_bw_Bps=ref_bw, rows=rows,
+                       **({"commit": args.commit} if args.commit else {}))
         return bench_util.write_result(args.name, payload, args.out)
 
     def record(base, impl, t, nbytes, **extra):

@@ -24,7 +24,7 @@ import numpy as np
 from jax import lax
 
 from experiments import bench_util
-from experiments.bench_moe import routing
+from experiments.bench_moe import rel_err, routing
 from pallas_kernels import int4_moe_mgpu as K
 from pallas_kernels.int4_moe import _route
 
@@ -72,16 +72,12 @@ def loop_time(fn, args, iters=20, repeats=5):
     return statistics.median(ts)
 
 
-def rel_err(a, b):
-    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--ms", default="1,9,32,90,256,512,1024")
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--commit", default=None, help="commit hash to record (a copied checkout may report a stale HEAD)")
     ap.add_argument("--plan", default="full", choices=["full", "flags", "stages", "fragments"])
     args = ap.parse_args(argv)
     bw = bench_util.measure_torch_copy_bandwidth() or bench_util.measure_copy_bandwidth()
@@ -170,7 +166,8 @@ def main(argv=None):
                     table.append(rec)
                     print(f"{name:8s} M={m:5d} N={n:3d} {rows}/{stages}/{split}/{overlap:d}/{auto:d}/{probe or '-'}/{order} active={active:3d} "
                           f"{t * 1e3:8.3f} ms  {rec['tbps']:.2f} TB/s  {rec['pct_copy']:5.1f} %", flush=True)
-    payload = dict(hardware=bench_util.hardware(), jax=jax.__version__, copy_bandwidth=bw, plan=args.plan,
+    payload = dict(commit=args.commit or bench_util.git_commit(), hardware=bench_util.hardware(), jax=jax.__version__,
+                   copy_bandwidth=bw, plan=args.plan,
                    argv=sys.argv[1:], records=records)
     if args.out:
         os.makedirs(args.out, exist_ok=True)

@@ -150,7 +150,7 @@ def _convert_stack(packed, scale, *, inverse: bool, bw: int, row_bw: int, mesh, 
     split along experts over ``mesh`` axis ``axis`` is converted where it lives (shard_map), never gathered."""
     one = functools.partial(_expert_from_planar if inverse else _expert_to_planar, bw=bw, row_bw=row_bw)
 
-    return map_expert_stack(lambda p, s: one(p, s), packed, scale, mesh=mesh, axis=axis)
+    return map_expert_stack(one, packed, scale, mesh=mesh, axis=axis)
 
 
 def map_expert_stack(one, packed, scale, *, mesh, axis):
