@@ -36,7 +36,10 @@ import numpy as np  # noqa: E402
 
 from ddtree_jax.tree import make_tree  # noqa: E402
 from experiments import bench_util  # noqa: E402
+from pallas_kernels.mla_attention_mgpu import tree_attention_mgpu  # noqa: E402
 from pallas_kernels.tree_attention import default_config, tree_attention, tree_attention_ref  # noqa: E402
+
+KERNELS = {"triton": tree_attention, "mgpu": tree_attention_mgpu}
 
 C, L, SCALE = 576, 512, 0.14468
 L2_BYTES = 60 * 2**20
@@ -135,14 +138,14 @@ def parity(fn, inputs, key):
     return float(np.linalg.norm(o - r) / np.linalg.norm(r))
 
 
-def bench_point(H, B, T, P, cfg, bw, peak, with_xla=True, check=True, repeats=5, bw_jax=None):
+def bench_point(H, B, T, P, cfg, bw, peak, with_xla=True, check=True, repeats=5, bw_jax=None, kernel="triton"):
     nbytes, flops, bound, floor_s = roofline(H, B, T, P, bw, peak)
     cache_bytes = 2 * B * P * C
     copies = int(min(16, max(1, math.ceil(2 * L2_BYTES / cache_bytes))))
     inputs = make_inputs(jax.random.key(H * 7 + B * 131 + T * 17 + P), H, B, T, P, copies)
     row = dict(H=H, B=B, T=T, P=P, bound=bound, bytes=nbytes, flops=flops, floor_ms=floor_s * 1e3,
-               cfg=cfg, cache_copies=copies)
-    kern = lambda *a: tree_attention(*a, scale=SCALE, kv_lora_rank=L, **cfg)  # noqa: E731
+               cfg=cfg, cache_copies=copies, kernel=kernel)
+    kern = lambda *a: KERNELS[kernel](*a, scale=SCALE, kv_lora_rank=L, **cfg)  # noqa: E731
     if check:
         row["rel_err"] = parity(kern, inputs, (H, B, T, P))
     t, n = time_op(kern, inputs, floor_s, repeats)
@@ -167,7 +170,11 @@ def main():
     ap.add_argument("--mode", choices=["sweep", "grid", "both"], default="grid")
     ap.add_argument("--out", default=None)
     ap.add_argument("--budget-s", type=float, default=150.0)
-    ap.add_argument("--cfg", default=None, help="JSON dict of tuning overrides for grid mode")
+    ap.add_argument("--cfg", default=None, help="JSON dict of tuning overrides for grid mode (Triton kernel)")
+    ap.add_argument("--kernel", choices=["triton", "mgpu", "both"], default="both",
+                    help="which kernel(s) the grid times; both: side by side in one run")
+    ap.add_argument("--mgpu-cfg", default=None, help="JSON dict of tuning overrides for the Mosaic GPU kernel")
+    ap.add_argument("--name", default=None, help="result file name (default from the mode)")
     ap.add_argument("--start", type=int, default=0, help="skip the first N grid points")
     ap.add_argument("--extra-s", type=float, default=0.0,
                     help="after the grid, this many seconds of EXTRA tuning points (sweep rows)")
@@ -200,20 +207,28 @@ def main():
         extra["interpret"] = True
 
     def save():
-        name = f"bench_tree_attention_{args.mode}" + (f"_from{args.start}" if args.start else "")
+        name = args.name or (f"bench_tree_attention_{args.mode}" + (f"_from{args.start}" if args.start else ""))
         payload = dict(mode=args.mode, copy_bw_Bps=bw, jax_copy_bw_Bps=bw_jax, torch_copy_bw_Bps=tbw, bf16_peak_flops=peak,
                        dims=dict(C=C, L=L, scale=SCALE), code_commit=args.commit, rows=rows)
         bench_util.write_result(name, payload, out_dir=args.out)
 
+    mgpu_cfg = json.loads(args.mgpu_cfg) if args.mgpu_cfg else {}
+    kernels = ["triton", "mgpu"] if args.kernel == "both" else [args.kernel]
+    if args.smoke:
+        kernels = ["triton"]  # the Mosaic GPU kernel has no CPU interpret mode
+
     def run_points(points, mode, budget):
-        for (H, B, T, P), cfg in points:
+        todo = [(pt, cfg, "triton") for pt, cfg in points] if mode == "sweep" else \
+            [(pt, cfg if k == "triton" else mgpu_cfg, k) for pt, cfg in points for k in kernels]
+        for (H, B, T, P), cfg, kernel in todo:
             if time.time() - t_start > budget:
                 print("budget reached; skipping the rest", flush=True)
                 break
             t0 = time.time()
             try:
-                row = bench_point(H, B, T, P, cfg, bw, peak, with_xla=(mode == "grid"),
-                                  check=(mode == "sweep" or P <= args.no_check_above), bw_jax=bw_jax)
+                row = bench_point(H, B, T, P, cfg, bw, peak, with_xla=(mode == "grid" and kernel == kernels[0]),
+                                  check=(mode == "sweep" or P <= args.no_check_above), bw_jax=bw_jax,
+                                  kernel=kernel)
             except Exception as e:  # noqa: BLE001
                 row = dict(H=H, B=B, T=T, P=P, cfg=cfg, error=f"{type(e).__name__}: {str(e)[:300]}")
                 traceback.print_exc(limit=2)
@@ -256,7 +271,7 @@ def main():
     if args.extra_s > 0:
         run_points(EXTRA, "sweep", args.budget_s + args.extra_s)
     save()
-    cols = ["H", "B", "T", "P", "bound", "ms", "floor_ms", "pct_bw", "pct_bw_jaxcopy", "pct_peak", "tflops",
+    cols = ["kernel", "H", "B", "T", "P", "bound", "ms", "floor_ms", "pct_bw", "pct_bw_jaxcopy", "pct_peak", "tflops",
             "tbps", "xla_ms", "speedup", "rel_err", "wall_s"]
     for r in rows:
         if "error" in r:

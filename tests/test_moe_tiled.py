@@ -38,7 +38,7 @@ def random_stack(rng, e, o, i):
 def test_repack_is_bit_exact_and_places_elements_as_documented(o, i):
     rng = np.random.default_rng(0)
     qa = random_stack(rng, 3, o, i)
-    leaf = TiledInt4.from_compressed_tensors(qa.packed, qa.scale)
+    leaf = TiledInt4.from_compressed_tensors(qa.packed, qa.scale, order="groups")
     rows = 128 if o % 128 == 0 else 64
     assert leaf.rows == rows and leaf.shape == (3, o, i) and leaf.packed.dtype == jnp.int4
     packed, scale = leaf.to_compressed_tensors()
@@ -350,7 +350,8 @@ def test_fragment_kernel_lowers_and_twin_agrees():
     rng = np.random.default_rng(1)
     qa = random_stack(rng, 3, 256, 512)
     frag = TiledInt4.from_compressed_tensors(qa.packed, qa.scale, order="fragments")
-    grp = TiledInt4.from_compressed_tensors(qa.packed, qa.scale)
+    grp = TiledInt4.from_compressed_tensors(qa.packed, qa.scale, order="groups")
+    assert TiledInt4.from_compressed_tensors(qa.packed, qa.scale).order == "fragments"  # the default here
     te = jnp.asarray([2, -1, 0], jnp.int32)
     xg = K.to_groups(jnp.asarray(rng.standard_normal((24, 512)), jnp.bfloat16))
     a = K.grouped_int4_matmul_ref(xg, frag.packed, frag.scale, te, tokens_per_tile=8)

@@ -1,0 +1,156 @@
+"""Mosaic GPU MLA tree attention (``pallas_kernels.mla_attention_mgpu``).
+
+CPU: the prefix twin against a float64 reference split by split; the whole cascade (twin prefix, XLA
+tail and merge) against the dense reference and ``tree_attention_ref`` (ragged prefixes incl. 0 and a
+partial last block, NaN garbage beyond the prefix, random trees, T = 1, chains, several splits); the
+kernel lowered for CUDA; argument errors. GPU (``gpu`` marker): the kernel against the twin at K2.6
+dims. JAX's Mosaic GPU interpreter cannot run this kernel (no register-operand wgmma), so there is no
+interpret-mode kernel test.
+"""
+
+import functools
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import mla_attention_mgpu as M
+from pallas_kernels.tree_attention import tree_attention_ref
+from tests.test_tree_attention_kernel import as_jax, dense_reference, make_case
+
+SCALE = 0.27
+
+
+def prefix_reference(q_rows, cache, plen, scale, L, BK, NS):
+    """float64 per split: softmax over whole blocks [s*per, min((s+1)*per, nb)) of each stream."""
+    q_rows, cache = np.asarray(q_rows, np.float64), np.asarray(cache, np.float64)
+    B, Np, _ = q_rows.shape
+    o, lse = np.zeros((NS, B, Np, L)), np.full((NS, B, Np), -np.inf)
+    for b in range(B):
+        nb = int(plen[b]) // BK
+        per = -(-nb // NS)
+        for s in range(NS):
+            lo, hi = min(s * per, nb) * BK, min(s * per + per, nb) * BK
+            if hi <= lo:
+                continue
+            sc = q_rows[b] @ cache[b, lo:hi].T * scale
+            m = sc.max(-1, keepdims=True)
+            e = np.exp(sc - m)
+            o[s, b] = (e / e.sum(-1, keepdims=True)) @ cache[b, lo:hi, :L]
+            lse[s, b] = (m + np.log(e.sum(-1, keepdims=True)))[:, 0]
+    return o, lse
+
+
+@pytest.mark.parametrize("NS", [1, 2, 5])
+def test_prefix_twin_matches_reference_per_split(NS):
+    rng = np.random.default_rng(3)
+    B, Np, C, L, S, BK = 3, 64, 192, 128, 320, 64
+    q = rng.standard_normal((B, Np, C)).astype(np.float32)
+    cache = rng.standard_normal((B, S, C)).astype(np.float32)
+    plen = np.array([0, 130, 320], np.int32)
+    for b in range(B):
+        cache[b, plen[b]:] = np.nan
+    o, lse = M.prefix_attention_ref(jnp.asarray(q, jnp.bfloat16), jnp.asarray(cache, jnp.bfloat16),
+                                    jnp.asarray(plen), scale=SCALE, kv_lora_rank=L, block_k=BK, num_splits=NS)
+    up = lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16), np.float32)  # noqa: E731
+    r_o, r_l = prefix_reference(up(q), np.where(np.isnan(cache), np.nan, up(cache)), plen, SCALE, L, BK, NS)
+    assert o.shape == (NS, B, Np, L) and o.dtype == jnp.bfloat16 and lse.shape == (NS, B, Np)
+    np.testing.assert_array_equal(np.isinf(np.asarray(lse)), np.isinf(r_l))
+    fin = np.isfinite(r_l)
+    np.testing.assert_allclose(np.asarray(lse)[fin], r_l[fin], atol=1e-4, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(o, np.float32), r_o, atol=2e-2, rtol=2e-2)
+    assert not np.asarray(o, np.float32)[~fin].any()  # empty splits: zeros
+
+
+@pytest.mark.parametrize("B,T,H,S,plens,kind,NS", [
+    (3, 6, 4, 200, [0, 37, 200], "tree", 2),     # empty, short (tail only), whole blocks + partial
+    (2, 1, 8, 256, [256, 129], "chain", 3),      # plain decode, T = 1
+    (2, 9, 2, 150, [150, 64], "chain", 1),       # DFlash chain, exactly one whole block
+    (1, 12, 16, 300, [300], "tree", 4),          # 192 rows: 3 tiles
+])
+def test_cascade_with_twin_prefix_matches_dense(B, T, H, S, plens, kind, NS):
+    L, RD = 128, 64
+    case = make_case(5, B, T, H, L, RD, S, plens, kind)
+    args = as_jax(case, jnp.bfloat16)
+    o, lse = M.tree_attention_mgpu(*args, scale=SCALE, kv_lora_rank=L, num_splits=NS, return_lse=True,
+                                   prefix=M.prefix_attention_ref)
+    up = [np.asarray(a, np.float32) if a.dtype == jnp.bfloat16 else np.asarray(a) for a in args]
+    r_o, r_l = dense_reference(*up, SCALE, L)
+    assert o.shape == (B, T, H, L) and o.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(o, np.float32), r_o, atol=2e-2, rtol=2e-2)
+    np.testing.assert_allclose(np.asarray(lse), r_l, atol=1e-3, rtol=1e-4)
+    t_o = tree_attention_ref(*args, scale=SCALE, kv_lora_rank=L)
+    np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(t_o, np.float32), atol=2e-2, rtol=2e-2)
+
+
+def test_default_splits_fill_the_gpu_only_when_needed():
+    assert M.default_splits(1, 1, 65536, 64) == 132
+    assert M.default_splits(16, 1, 8192, 64) == 9
+    assert M.default_splits(16, 256, 8192, 64) == 1
+    assert M.default_splits(1, 1, 256, 64) == 1          # at least 4 blocks per split
+
+
+def test_errors():
+    case = as_jax(make_case(1, 1, 2, 8, 128, 64, 128, [100], "chain"), jnp.bfloat16)
+    kw = dict(scale=SCALE, kv_lora_rank=128)
+    with pytest.raises(ValueError, match="bf16"):
+        M.tree_attention_mgpu(*(a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in case), **kw)
+    with pytest.raises(ValueError, match="L % 128"):
+        M.tree_attention_mgpu(*case, scale=SCALE, kv_lora_rank=64)
+    with pytest.raises(NotImplementedError, match="interpret"):
+        M.tree_attention_mgpu(*case, interpret=True, **kw)
+    q_rows = jnp.zeros((1, 64, 192), jnp.bfloat16)
+    with pytest.raises(ValueError, match="block_k"):
+        M.prefix_attention(q_rows, case[1], case[2], block_k=96, **kw)
+    with pytest.raises(ValueError, match="shared memory"):
+        M.prefix_attention(q_rows, case[1], case[2], block_k=256, stages=4, **kw)
+    with pytest.raises(ValueError, match="whole 64-row tiles"):
+        M.prefix_attention(q_rows[:, :40], case[1], case[2], **kw)
+
+
+K26 = dict(C=576, L=512, scale=0.14468)
+
+
+def k26_spec(B, T, H, S):
+    C = K26["C"]
+    return (jax.ShapeDtypeStruct((B, T, H, C), jnp.bfloat16), jax.ShapeDtypeStruct((B, S, C), jnp.bfloat16),
+            jax.ShapeDtypeStruct((B,), jnp.int32), jax.ShapeDtypeStruct((B, T, C), jnp.bfloat16),
+            jax.ShapeDtypeStruct((B, T, T), jnp.bool_))
+
+
+@pytest.mark.parametrize("T,H,NS,BK,stages", [(1, 64, 4, 64, 2), (8, 8, 1, 64, 2), (33, 64, 2, 64, 2)])
+def test_kernel_lowers_for_cuda_on_cpu(T, H, NS, BK, stages):
+    """Mosaic GPU lowering at K2.6 dims without a GPU: layouts, transforms, wgmma shapes, barriers."""
+    f = jax.jit(functools.partial(M.tree_attention_mgpu, scale=K26["scale"], kv_lora_rank=K26["L"],
+                                  num_splits=NS, block_k=BK, stages=stages))
+    text = f.trace(*k26_spec(2, T, H, 1024)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: the kernel against the twin at K2.6 dims (bf16 inputs; the twin on f32-upcast inputs).
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,T,H,S,kind,NS", [
+    (2, 1, 64, 4096, "chain", None), (3, 1, 8, 4096, "chain", 7), (2, 8, 8, 2048, "chain", None),
+    (2, 64, 64, 2048, "tree", None), (1, 256, 8, 1024, "tree", 1), (2, 33, 64, 1000, "tree", 3),
+])
+def test_gpu_kernel_matches_twin_k26(B, T, H, S, kind, NS):
+    L = K26["L"]
+    rng = np.random.default_rng(7)
+    plens = [int(x) for x in rng.integers(0, S + 1, size=B)]
+    plens[0] = 0 if B > 1 else S
+    case = make_case(11, B, T, H, L, K26["C"] - L, S, plens, kind)
+    args = as_jax(case, jnp.bfloat16)
+    o, lse = jax.jit(lambda *a: M.tree_attention_mgpu(*a, scale=K26["scale"], kv_lora_rank=L, num_splits=NS,
+                                                      return_lse=True))(*args)
+    up = [a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args]
+    r_o, r_l = jax.jit(lambda *a: tree_attention_ref(*a, scale=K26["scale"], kv_lora_rank=L,
+                                                     return_lse=True))(*up)
+    o, r_o = np.asarray(o, np.float32), np.asarray(r_o)
+    assert np.all(np.isfinite(o))
+    assert np.linalg.norm(o - r_o) / np.linalg.norm(r_o) < 1e-2
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(r_l), atol=3e-2, rtol=1e-2)
