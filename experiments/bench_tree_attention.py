@@ -21,6 +21,7 @@ Floors use the copy bandwidth and bf16 matmul rate measured in the same run (ben
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -39,7 +40,8 @@ from experiments import bench_util  # noqa: E402
 from pallas_kernels.mla_attention_mgpu import tree_attention_mgpu  # noqa: E402
 from pallas_kernels.tree_attention import default_config, tree_attention, tree_attention_ref  # noqa: E402
 
-KERNELS = {"triton": tree_attention, "mgpu": tree_attention_mgpu}
+KERNELS = {"triton": tree_attention, "mgpu": tree_attention_mgpu,
+           "mgpu_redundant": functools.partial(tree_attention_mgpu, share_scores=False)}
 
 C, L, SCALE = 576, 512, 0.14468
 L2_BYTES = 60 * 2**20
@@ -171,8 +173,8 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--budget-s", type=float, default=150.0)
     ap.add_argument("--cfg", default=None, help="JSON dict of tuning overrides for grid mode (Triton kernel)")
-    ap.add_argument("--kernel", choices=["triton", "mgpu", "both"], default="both",
-                    help="which kernel(s) the grid times; both: side by side in one run")
+    ap.add_argument("--kernel", default="triton,mgpu",
+                    help=f"comma-separated kernels the grid times side by side in one run, of {sorted(KERNELS)}")
     ap.add_argument("--mgpu-cfg", default=None, help="JSON dict of tuning overrides for the Mosaic GPU kernel")
     ap.add_argument("--name", default=None, help="result file name (default from the mode)")
     ap.add_argument("--start", type=int, default=0, help="skip the first N grid points")
@@ -213,7 +215,9 @@ def main():
         bench_util.write_result(name, payload, out_dir=args.out)
 
     mgpu_cfg = json.loads(args.mgpu_cfg) if args.mgpu_cfg else {}
-    kernels = ["triton", "mgpu"] if args.kernel == "both" else [args.kernel]
+    kernels = args.kernel.split(",")
+    if any(k not in KERNELS for k in kernels):
+        ap.error(f"unknown kernel in {args.kernel!r}; expected some of {sorted(KERNELS)}")
     if args.smoke:
         kernels = ["triton"]  # the Mosaic GPU kernel has no CPU interpret mode
 

@@ -57,9 +57,11 @@ SMEM_LIMIT = 227 * 1024
 NUM_SMS_H200 = 132
 
 
-def smem_bytes(C: int, block_k: int, stages: int) -> int:
-    """Shared memory of one program: the query tile, ``stages`` key blocks, the LSE row, barriers."""
-    return 2 * ROWS * C + stages * 2 * block_k * C + 4 * ROWS + 64
+def smem_bytes(C: int, block_k: int, stages: int, share_scores: bool = True) -> int:
+    """Shared memory of one program: the query tile, ``stages`` key blocks, the LSE row, barriers, and
+    with ``share_scores`` the probability tile and two stat rows."""
+    shared = 2 * ROWS * block_k + 16 if share_scores else 0
+    return 2 * ROWS * C + stages * 2 * block_k * C + 12 * ROWS + 64 + shared
 
 
 def kernel_supports(q_shape, kv_lora_rank, dtype) -> str | None:
@@ -80,7 +82,7 @@ def default_splits(B: int, n_tiles: int, S: int, block_k: int, num_sms: int = NU
 
 
 def prefix_attention(q_rows, cache_kv, prefix_len, *, scale, kv_lora_rank, block_k=64, stages=2,
-                     num_splits=1):
+                     num_splits=1, share_scores=True):
     """The Mosaic GPU prefix pass over whole key blocks.
 
     q_rows [B, Np, C] bf16 (Np % 64 == 0), cache_kv [B, S, C] bf16, prefix_len [B] int32 (in [0, S]).
@@ -103,15 +105,16 @@ def prefix_attention(q_rows, cache_kv, prefix_len, *, scale, kv_lora_rank, block
         raise ValueError(f"stages={stages} must be >= 2")
     if NS < 1:
         raise ValueError(f"num_splits={NS} must be >= 1")
-    smem = smem_bytes(C, BK, stages)
+    smem = smem_bytes(C, BK, stages, share_scores)
     if smem > SMEM_LIMIT:
         raise ValueError(f"block_k={BK}, stages={stages} need {smem} bytes of shared memory (limit {SMEM_LIMIT})")
     scale_log2 = float(scale) * _LOG2E
     n_tiles = Np // ROWS
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
-    def body(plen_ref, q_ref, kv_ref, o_ref, lse_ref, qo_smem, k_smem, lse_smem, q_bar, k_bars,
-             consumed_bars, done_bar):
+    def body(plen_ref, q_ref, kv_ref, o_ref, lse_ref, qo_smem, k_smem, p_smem, stat_smem, q_bar, k_bars,
+             consumed_bars, done_bar, p_ready, p_free):
+        lse_smem = stat_smem.at[2]  # stat rows: 0 the step's alpha, 1 the final l (shared scores), 2 the LSE
         q_smem, o_smem = qo_smem  # the output tile reuses the query tile's shared memory
         b = lax.axis_index("stream")
         tile = lax.axis_index("tile")
@@ -143,39 +146,62 @@ def prefix_attention(q_rows, cache_kv, prefix_len, *, scale, kv_lora_rank, block
             plgpu.barrier_wait(q_bar)
             m = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), row_layout)
             l = plgpu.layout_cast(jnp.full((ROWS,), 0.0, jnp.float32), row_layout)
+            scores_here = half == 0 or not share_scores  # this warpgroup computes q.k and the softmax
+            values = lambda slot: k_smem.at[slot, :, pl.ds(half * LH, LH)]  # noqa: E731
 
             def flash_loop(acc_ref):  # the [64, L/2] accumulator starts at zero
                 def step(j, carry):
                     m, l = carry
                     slot = lax.rem(j, stages)
                     plgpu.barrier_wait(k_bars.at[slot])
+                    if scores_here:
+                        def qk(s_ref):
+                            plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                            return s_ref[...]
 
-                    def qk(s_ref):
-                        plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
-                        return s_ref[...]
+                        s = pl.run_scoped(qk, plgpu.ACC((ROWS, BK), jnp.float32)) * scale_log2
+                        m_new = jnp.maximum(m, s.max(axis=1))
+                        alpha = jnp.exp2(m - m_new)
+                        p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                        l = l * alpha + p.sum(axis=1)
+                        p16 = p.astype(jnp.bfloat16)
+                        if share_scores:  # hand p and alpha to the other warpgroup
+                            @pl.when(j > 0)
+                            def _():
+                                plgpu.barrier_wait(p_free)
 
-                    s = pl.run_scoped(qk, plgpu.ACC((ROWS, BK), jnp.float32)) * scale_log2
-                    m_new = jnp.maximum(m, s.max(axis=1))
-                    alpha = jnp.exp2(m - m_new)
-                    p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-                    l = l * alpha + p.sum(axis=1)
+                            p_smem[...] = p16
+                            stat_smem[0] = alpha
+                            plgpu.commit_smem()
+                            plgpu.barrier_arrive(p_ready)
+                        m = m_new
+                    else:
+                        plgpu.barrier_wait(p_ready)
+                        alpha = plgpu.load(stat_smem.at[0], (), layout=row_layout)
+                        p16 = p_smem
                     acc_ref[...] = acc_ref[...] * lax.broadcast_in_dim(alpha, acc_ref.shape, [0])
-                    plgpu.wgmma(acc_ref, p.astype(jnp.bfloat16), k_smem.at[slot, :, pl.ds(half * LH, LH)])
+                    plgpu.wgmma(acc_ref, p16, values(slot))
                     plgpu.wgmma_wait(0)
+                    if not scores_here:
+                        plgpu.barrier_arrive(p_free)
                     plgpu.barrier_arrive(consumed_bars.at[slot])
-                    return m_new, l
+                    return m, l
 
                 m_, l_ = lax.fori_loop(0, steps, step, (m, l))
                 return acc_ref[...], m_, l_
 
             acc, m, l = pl.run_scoped(flash_loop, plgpu.ACC((ROWS, LH), jnp.float32))
-            empty = l == 0.0
-            inv = 1.0 / jnp.where(empty, 1.0, l)
-            out = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(jnp.bfloat16)
-            # both warpgroups are done reading the query tile: reuse it for the output
+            if share_scores and half == 0:
+                stat_smem[1] = l
+            # both warpgroups are done reading the query tile (and the shared stats are written):
+            # reuse the query tile's memory for the output
             plgpu.barrier_arrive(done_bar)
             plgpu.barrier_wait(done_bar)
-            o_smem[half] = out
+            if not scores_here:
+                l = plgpu.load(stat_smem.at[1], (), layout=row_layout)
+            empty = l == 0.0
+            inv = 1.0 / jnp.where(empty, 1.0, l)
+            o_smem[half] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(jnp.bfloat16)
             if half == 0:
                 lse_smem[...] = jnp.where(empty, -jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
             plgpu.commit_smem()
@@ -197,15 +223,19 @@ def prefix_attention(q_rows, cache_kv, prefix_len, *, scale, kv_lora_rank, block
             plgpu.RefUnion(plgpu.SMEM((ROWS, C), jnp.bfloat16, transforms=swizzled),
                            plgpu.SMEM((2, ROWS, LH), jnp.bfloat16, transforms=swizzled)),
             plgpu.SMEM((stages, BK, C), jnp.bfloat16, transforms=swizzled),
-            plgpu.SMEM((ROWS,), jnp.float32),
+            plgpu.SMEM((ROWS, BK), jnp.bfloat16, transforms=swizzled) if share_scores else None,
+            plgpu.SMEM((3, ROWS), jnp.float32),
             plgpu.Barrier(num_barriers=1),
             plgpu.Barrier(num_barriers=stages),
             plgpu.Barrier(num_arrivals=2, num_barriers=stages),
             plgpu.Barrier(num_arrivals=2),
+            plgpu.Barrier() if share_scores else None,
+            plgpu.Barrier() if share_scores else None,
         ),
         grid=(B, n_tiles, NS), grid_names=("stream", "tile", "split"),
         num_threads=3, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        # the row reductions (max, sum) of the WGMMA layout stay within a warp: no smem scratch for them
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
     )
     plen = jnp.clip(prefix_len.astype(jnp.int32), 0, S)
     o, lse2 = kernel(plen, q_rows, cache_kv)
@@ -213,11 +243,11 @@ def prefix_attention(q_rows, cache_kv, prefix_len, *, scale, kv_lora_rank, block
 
 
 def prefix_attention_ref(q_rows, cache_kv, prefix_len, *, scale, kv_lora_rank, block_k=64, stages=2,
-                         num_splits=1):
+                         num_splits=1, share_scores=True):
     """Pure-JAX twin of :func:`prefix_attention` (same signature and outputs, including the split
-    ranges, bf16 partials and -inf LSE of empty splits; ``stages`` unused). Dense
+    ranges, bf16 partials and -inf LSE of empty splits; ``stages`` / ``share_scores`` unused). Dense
     [NS, B, Np, S] f32 scores: meant for tests and small shapes."""
-    del stages
+    del stages, share_scores
     B, Np, C = q_rows.shape
     S = cache_kv.shape[1]
     L, BK, NS = kv_lora_rank, int(block_k), int(num_splits)
@@ -260,7 +290,7 @@ def _tail_scores(qc, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, block_k
 
 def tree_attention_mgpu(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, kv_lora_rank,
                         interpret=False, return_lse=False, block_k=64, stages=2, num_splits=None,
-                        prefix=prefix_attention):
+                        share_scores=True, prefix=prefix_attention):
     """MLA tree-verify attention: Mosaic GPU prefix kernel, XLA tail and merge (module docstring).
 
     q [B, T, H, C] bf16, cache_kv [B, S, C] bf16, prefix_len [B] int32 (0 <= prefix_len <= S),
@@ -286,7 +316,7 @@ def tree_attention_mgpu(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, k
         qr = jnp.pad(qr, ((0, 0), (0, Np - N), (0, 0)))
     ns = int(num_splits) if num_splits else default_splits(B, Np // ROWS, S, block_k)
     o_p, lse_p = prefix(qr, cache_kv, prefix_len, scale=scale, kv_lora_rank=L, block_k=block_k,
-                        stages=stages, num_splits=ns)
+                        stages=stages, num_splits=ns, share_scores=share_scores)
     o_p = o_p[:, :, :N].reshape(ns, B, T, H, L)
     lse_p = lse_p[:, :, :N].reshape(ns, B, T, H)
 

@@ -106,6 +106,7 @@ def test_errors():
         M.prefix_attention(q_rows, case[1], case[2], block_k=96, **kw)
     with pytest.raises(ValueError, match="shared memory"):
         M.prefix_attention(q_rows, case[1], case[2], block_k=256, stages=4, **kw)
+    assert M.smem_bytes(576, 64, 2, True) <= M.SMEM_LIMIT < M.smem_bytes(576, 64, 3, False)
     with pytest.raises(ValueError, match="whole 64-row tiles"):
         M.prefix_attention(q_rows[:, :40], case[1], case[2], **kw)
 
@@ -120,11 +121,12 @@ def k26_spec(B, T, H, S):
             jax.ShapeDtypeStruct((B, T, T), jnp.bool_))
 
 
-@pytest.mark.parametrize("T,H,NS,BK,stages", [(1, 64, 4, 64, 2), (8, 8, 1, 64, 2), (33, 64, 2, 64, 2)])
-def test_kernel_lowers_for_cuda_on_cpu(T, H, NS, BK, stages):
-    """Mosaic GPU lowering at K2.6 dims without a GPU: layouts, transforms, wgmma shapes, barriers."""
+@pytest.mark.parametrize("T,H,NS,share", [(1, 64, 4, True), (8, 8, 1, False), (33, 64, 2, True)])
+def test_kernel_lowers_for_cuda_on_cpu(T, H, NS, share):
+    """Mosaic GPU lowering at K2.6 dims without a GPU: layouts, transforms, wgmma shapes, barriers,
+    and shared memory within the H200's 227 KB."""
     f = jax.jit(functools.partial(M.tree_attention_mgpu, scale=K26["scale"], kv_lora_rank=K26["L"],
-                                  num_splits=NS, block_k=BK, stages=stages))
+                                  num_splits=NS, share_scores=share))
     text = f.trace(*k26_spec(2, T, H, 1024)).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 
@@ -134,11 +136,12 @@ def test_kernel_lowers_for_cuda_on_cpu(T, H, NS, BK, stages):
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("B,T,H,S,kind,NS", [
-    (2, 1, 64, 4096, "chain", None), (3, 1, 8, 4096, "chain", 7), (2, 8, 8, 2048, "chain", None),
-    (2, 64, 64, 2048, "tree", None), (1, 256, 8, 1024, "tree", 1), (2, 33, 64, 1000, "tree", 3),
+@pytest.mark.parametrize("B,T,H,S,kind,NS,share", [
+    (2, 1, 64, 4096, "chain", None, True), (3, 1, 8, 4096, "chain", 7, True), (2, 8, 8, 2048, "chain", None, True),
+    (2, 64, 64, 2048, "tree", None, True), (1, 256, 8, 1024, "tree", 1, True), (2, 33, 64, 1000, "tree", 3, True),
+    (2, 1, 64, 4096, "chain", None, False), (2, 33, 64, 1000, "tree", 3, False),
 ])
-def test_gpu_kernel_matches_twin_k26(B, T, H, S, kind, NS):
+def test_gpu_kernel_matches_twin_k26(B, T, H, S, kind, NS, share):
     L = K26["L"]
     rng = np.random.default_rng(7)
     plens = [int(x) for x in rng.integers(0, S + 1, size=B)]
@@ -146,7 +149,7 @@ def test_gpu_kernel_matches_twin_k26(B, T, H, S, kind, NS):
     case = make_case(11, B, T, H, L, K26["C"] - L, S, plens, kind)
     args = as_jax(case, jnp.bfloat16)
     o, lse = jax.jit(lambda *a: M.tree_attention_mgpu(*a, scale=K26["scale"], kv_lora_rank=L, num_splits=NS,
-                                                      return_lse=True))(*args)
+                                                      share_scores=share, return_lse=True))(*args)
     up = [a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args]
     r_o, r_l = jax.jit(lambda *a: tree_attention_ref(*a, scale=K26["scale"], kv_lora_rank=L,
                                                      return_lse=True))(*up)
