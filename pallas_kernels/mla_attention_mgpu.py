@@ -75,10 +75,11 @@ def kernel_supports(q_shape, kv_lora_rank, dtype) -> str | None:
 
 
 def default_splits(B: int, n_tiles: int, S: int, block_k: int, num_sms: int = NUM_SMS_H200) -> int:
-    """Prefix splits so that programs fill about one wave of SMs (one program per SM: ~221 KB of
-    shared memory each), with at least 4 key blocks per split at full capacity S."""
+    """Prefix splits so that the programs fill at most one wave of SMs (one program per SM: ~230 KB of
+    shared memory each; a 133rd program would double the time), with at least 2 key blocks per split
+    at full capacity S."""
     progs = max(1, B * n_tiles)
-    return max(1, min(-(-num_sms // progs), (S // block_k) // 4))
+    return max(1, min(num_sms // progs, (S // block_k) // 2))
 
 
 def prefix_attention(q_rows, cache_kv, prefix_len, *, scale, kv_lora_rank, block_k=64, stages=2,

@@ -405,24 +405,40 @@ def kernel_supports(q_shape, kv_lora_rank, block_rows=None) -> bool:
 
 
 def mla_attention(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, kv_lora_rank,
-                  interpret=False, return_lse=False, **tuning):
-    """Dispatcher: the Pallas kernel when lowered for CUDA, the pure-JAX twin on any other platform.
+                  interpret=False, return_lse=False, backend="auto", **tuning):
+    """Dispatcher: a Pallas kernel when lowered for CUDA, the pure-JAX twin on any other platform.
 
     The choice is made per lowering platform (``lax.platform_dependent``), not from environment or
-    global state, so the same jitted function runs on a CPU host and on the H200. Dims the kernel does
-    not take (see :func:`kernel_supports`) use the twin everywhere. ``interpret=True`` forces the
-    kernel through the Pallas interpreter on every platform (tests).
+    global state, so the same jitted function runs on a CPU host and on the H200. On CUDA, ``backend``
+    "mgpu" is the Mosaic GPU kernel (``pallas_kernels.mla_attention_mgpu``), "triton" this module's
+    kernel, and "auto" (default) the Mosaic GPU kernel when it takes the dtype and dims and there are
+    at least 64 query rows (T*H; it pads rows to 64-row tiles, so Triton's 16-row tiles win below
+    that), else Triton. Tuning keywords go to the chosen kernel (their presence with "auto" picks
+    Triton, whose keywords they are). Dims no kernel takes use the twin everywhere.
+    ``interpret=True`` forces the Triton kernel through the Pallas interpreter on every platform (tests).
     """
+    from pallas_kernels import mla_attention_mgpu as mgpu  # lazy: that module imports this one
+
+    if backend not in ("auto", "mgpu", "triton"):
+        raise ValueError(f"unknown backend {backend!r}; expected 'auto', 'mgpu' or 'triton'")
     kw = dict(scale=scale, kv_lora_rank=kv_lora_rank, return_lse=return_lse)
     args = (q, cache_kv, prefix_len, tree_kv, tree_mask)
     if interpret:
         return tree_attention(*args, interpret=True, **kw, **tuning)
-    if not kernel_supports(q.shape, kv_lora_rank, tuning.get("block_rows")):
+    _, T, H, _ = q.shape
+    mgpu_ok = mgpu.kernel_supports(q.shape, kv_lora_rank, q.dtype) is None and \
+        mgpu.kernel_supports(q.shape, kv_lora_rank, cache_kv.dtype) is None
+    if backend == "mgpu" and not mgpu_ok:
+        raise ValueError(f"the Mosaic GPU kernel cannot take these inputs: "
+                         f"{mgpu.kernel_supports(q.shape, kv_lora_rank, q.dtype) or mgpu.kernel_supports(q.shape, kv_lora_rank, cache_kv.dtype)}")
+    use_mgpu = backend == "mgpu" or (backend == "auto" and mgpu_ok and T * H >= mgpu.ROWS and not tuning)
+    if use_mgpu:
+        kernel = functools.partial(mgpu.tree_attention_mgpu, **kw, **tuning)
+    elif kernel_supports(q.shape, kv_lora_rank, tuning.get("block_rows")):
+        kernel = functools.partial(tree_attention, **kw, **tuning)
+    else:
         return tree_attention_ref(*args, **kw)
-    return lax.platform_dependent(
-        *args,
-        cuda=lambda *a: tree_attention(*a, **kw, **tuning),
-        default=lambda *a: tree_attention_ref(*a, **kw))
+    return lax.platform_dependent(*args, cuda=kernel, default=lambda *a: tree_attention_ref(*a, **kw))
 
 
 # Notes (measured on one H200, JAX 0.11.2, experiments/results/bench_tree_attention_run{2,3}_*.json):

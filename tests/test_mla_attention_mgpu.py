@@ -87,9 +87,9 @@ def test_cascade_with_twin_prefix_matches_dense(B, T, H, S, plens, kind, NS):
 
 def test_default_splits_fill_the_gpu_only_when_needed():
     assert M.default_splits(1, 1, 65536, 64) == 132
-    assert M.default_splits(16, 1, 8192, 64) == 9
+    assert M.default_splits(16, 1, 8192, 64) == 8        # 128 programs: one wave, not 144
     assert M.default_splits(16, 256, 8192, 64) == 1
-    assert M.default_splits(1, 1, 256, 64) == 1          # at least 4 blocks per split
+    assert M.default_splits(1, 1, 256, 64) == 2          # at least 2 blocks per split
 
 
 def test_errors():
@@ -157,3 +157,16 @@ def test_gpu_kernel_matches_twin_k26(B, T, H, S, kind, NS, share):
     assert np.all(np.isfinite(o))
     assert np.linalg.norm(o - r_o) / np.linalg.norm(r_o) < 1e-2
     np.testing.assert_allclose(np.asarray(lse), np.asarray(r_l), atol=3e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("T,H,backend,expect", [(1, 64, "auto", "mosaic_gpu"), (1, 8, "auto", "triton"),
+                                                (8, 8, "auto", "mosaic_gpu"), (8, 8, "triton", "triton"),
+                                                (1, 8, "mgpu", "mosaic_gpu")])
+def test_dispatcher_picks_the_kernel_for_cuda(T, H, backend, expect):
+    from pallas_kernels.tree_attention import mla_attention
+    f = jax.jit(functools.partial(mla_attention, scale=K26["scale"], kv_lora_rank=K26["L"], backend=backend))
+    text = f.trace(*k26_spec(2, T, H, 1024)).lower(lowering_platforms=("cuda",)).as_text()
+    assert expect in text and ("triton" if expect == "mosaic_gpu" else "mosaic_gpu") not in text
+    with pytest.raises(ValueError, match="backend"):
+        mla_attention(*(jnp.zeros(s.shape, s.dtype) for s in k26_spec(1, 1, 8, 64)), scale=1.0,
+                      kv_lora_rank=512, backend="cuda")
