@@ -29,7 +29,8 @@ Arguments
 Returns
     out [B, T, H, L] in q.dtype, and with ``return_lse`` also lse [B, T, H] f32 (natural log).
 
-Kernel design (Pallas-Triton backend; the Mosaic-GPU backend is not used, see notes at the bottom):
+Kernel design (Pallas-Triton backend; the Mosaic GPU kernel, ``pallas_kernels.mla_attention_mgpu``, is
+the dispatcher's default on CUDA from 64 query rows up; this one serves fewer rows and the interpreter):
 
 * Heads are folded into query rows: q becomes [B, T*H, C], row = node*H + head. A tile of R rows
   (R = 64 by default, 16..64) holds R/H nodes x H heads (H <= R) or one node and R heads (H >= R),
@@ -442,11 +443,11 @@ def mla_attention(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, kv_lora
 
 
 # Notes (measured on one H200, JAX 0.11.2, experiments/results/bench_tree_attention_run{2,3}_*.json):
-# * Backend: JAX 0.11.2's default Pallas GPU backend is Mosaic GPU, but a plain pallas_call with
-#   Mosaic params failed on the H200 in the project's first probe, and a Mosaic kernel needs
-#   hand-written wgmma/TMA pipelines that the CPU interpreter cannot run at these layouts. The
-#   Triton backend (deprecated, still in 0.11.x) lowers the dots to wgmma, compiled here and is
-#   testable with interpret=True, so it carries this kernel.
+# * Backend: this kernel came first because the Triton backend (deprecated, still in 0.11.x) lowers
+#   the dots to wgmma and runs in the CPU interpreter. The hand-written Mosaic GPU kernel
+#   (mla_attention_mgpu.py) later beat it 1.6-1.7x where compute bounds (71 % vs 44 % of peak at
+#   T = 256, H = 64) and reached 81 % of copy bandwidth at T = 1, H = 64, B = 16, 64K; this kernel
+#   stays the CUDA path below 64 query rows (its 16-row tiles waste less) and the interpreted one.
 # * Triton's scf.for needs both loop bounds of one integer type: a Python-int bound next to a traced
 #   int32 passed CPU lowering but failed the H200's Triton parse (tests verify the module on CPU now).
 # * Compute-bound (T >= 32, H = 64; T >= 64, H = 8): 240-260 TFLOP/s = 41-44 % of the measured bf16
