@@ -170,3 +170,72 @@ def test_dispatcher_picks_the_kernel_for_cuda(T, H, backend, expect):
     with pytest.raises(ValueError, match="backend"):
         mla_attention(*(jnp.zeros(s.shape, s.dtype) for s in k26_spec(1, 1, 8, 64)), scale=1.0,
                       kv_lora_rank=512, backend="cuda")
+
+
+# ---------------------------------------------------------------------------------------------
+# The model's absorbed attention on the kernel: K2.6 latent dims (512 + 64), 8 heads, bf16.
+# ---------------------------------------------------------------------------------------------
+
+def latent_model(seed=0):
+    from flax import nnx
+
+    from ddtree_jax.config import tiny_config
+    from ddtree_jax.model import KimiModel
+    cfg = tiny_config(dtype="bfloat16", kv_lora_rank=512, qk_rope_head_dim=64, num_heads=8, num_layers=2)
+    return KimiModel(cfg, nnx.Rngs(seed))
+
+
+def cached_verify_logits(model, prompt, block, runtime):
+    """Prefill ``prompt`` [B, P] into a cache, then verify ``block`` [B, T] (causal) on top of it."""
+    from ddtree_jax.cache import commit, init_cache
+    from ddtree_jax.model import causal_mask
+    b, p = prompt.shape
+    t = block.shape[1]
+    cache = init_cache(model.cfg, b, p + t + 64)
+    pos = jnp.broadcast_to(jnp.arange(p), (b, p))
+    out = model(prompt, pos, cache, causal_mask(b, p), runtime=runtime)
+    cache, _ = commit(cache, out.block_kv, jnp.broadcast_to(jnp.arange(p), (b, p)), jnp.full((b,), p, jnp.int32))
+    pos = jnp.broadcast_to(p + jnp.arange(t), (b, t))
+    return model(block, pos, cache, causal_mask(b, t), runtime=runtime).logits
+
+
+def test_model_verify_lowers_to_the_kernel_for_cuda():
+    from flax import nnx
+
+    from ddtree_jax.cache import init_cache
+    from ddtree_jax.model import Runtime, causal_mask
+    model = latent_model()
+    graphdef, state = nnx.split(model)
+    cache = init_cache(model.cfg, 2, 256)
+
+    def verify(state, tokens):
+        m = nnx.merge(graphdef, state)
+        b, t = tokens.shape
+        return m(tokens, jnp.broadcast_to(jnp.arange(t), (b, t)), cache, causal_mask(b, t), runtime=Runtime()).logits
+
+    staged = jax.jit(verify).trace(state, jax.ShapeDtypeStruct((2, 9), jnp.int32))   # 72 rows: the kernel
+    assert "mosaic_gpu" in staged.lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" not in staged.lower(lowering_platforms=("cpu",)).as_text()
+
+
+def model_cached_verify_check():
+    """Cached verify on the dispatcher's attention == the same on the twin == one full forward."""
+    from ddtree_jax.cache import init_cache
+    from ddtree_jax.model import Runtime, causal_mask
+    model = latent_model()
+    rng = np.random.default_rng(0)
+    prompt = jnp.asarray(rng.integers(0, 256, (2, 200)), jnp.int32)   # 3 whole key blocks + 8 keys
+    block = jnp.asarray(rng.integers(0, 256, (2, 9)), jnp.int32)      # 72 query rows
+    kernel = cached_verify_logits(model, prompt, block, Runtime())
+    twin = cached_verify_logits(model, prompt, block, Runtime(attention_fn=tree_attention_ref))
+    both = jnp.concatenate([prompt, block], 1)
+    full = model(both, jnp.broadcast_to(jnp.arange(209), (2, 209)), init_cache(model.cfg, 2, 209),
+                 causal_mask(2, 209), runtime=Runtime(attention_fn=tree_attention_ref)).logits[:, 200:]
+    rel = lambda a, b: float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))  # noqa: E731
+    assert bool(jnp.all(jnp.isfinite(kernel)))
+    assert rel(kernel, twin) < 2e-2 and rel(kernel, full) < 2e-2
+
+
+@pytest.mark.gpu
+def test_gpu_model_cached_verify_matches_twin_and_full_forward():
+    model_cached_verify_check()
