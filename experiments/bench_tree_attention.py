@@ -1,4 +1,5 @@
-"""Benchmark: MLA tree-verify attention (Pallas-Triton kernel) vs XLA masked attention, K2.6 dims.
+"""Benchmark: MLA tree-verify attention (Pallas-Triton and Mosaic GPU kernels) vs XLA masked attention,
+K2.6 dims.
 
 K2.6 absorbed MLA: C = 576 (512 latent + 64 rope), L = 512, scale 0.14468, bf16 inputs, H = 64 (whole
 model) or 8 (one GPU under TP-8). Every stream has the same prefix P (cache capacity S = P) and a
@@ -234,11 +235,12 @@ def main():
                                   check=(mode == "sweep" or P <= args.no_check_above), bw_jax=bw_jax,
                                   kernel=kernel)
             except Exception as e:  # noqa: BLE001
-                row = dict(H=H, B=B, T=T, P=P, cfg=cfg, error=f"{type(e).__name__}: {str(e)[:300]}")
+                row = dict(H=H, B=B, T=T, P=P, cfg=cfg, kernel=kernel, error=f"{type(e).__name__}: {str(e)[:300]}")
                 traceback.print_exc(limit=2)
             row["wall_s"] = round(time.time() - t0, 1)
             row["mode"] = mode
-            row["default_cfg"] = default_config(B, T, H, P, C, L)
+            if kernel == "triton":
+                row["default_cfg"] = default_config(B, T, H, P, C, L)
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k not in ("default_cfg",)}, default=str),
                   flush=True)
@@ -292,7 +294,7 @@ def main():
         bench_util.print_table(gridded, cols)
     for r in rows:
         if "error" in r:
-            print("error", r["H"], r["B"], r["T"], r["P"], r["cfg"], r["error"][:200])
+            print("error", r.get("kernel"), r["H"], r["B"], r["T"], r["P"], r["cfg"], r["error"][:200])
     return 0
 
 

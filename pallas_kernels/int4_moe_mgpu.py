@@ -24,8 +24,8 @@ slabs only): each [32, 128]-word slab holds a [128, 256] weight slab so that eve
 reads, per scale group, two words that already hold its wgmma A-fragment values in register order (pairs
 at nibbles j and j + 4: one shift, one mask-and-or with the bf16 exponent of 128 and one bf16x2
 subtraction per two values, no register shuffles; ``fragment_maps``, ``_fragment_operand``). The kernel
-takes either order (by the weights' dtype). On the H200 the fragment order is 5-15 % faster than the
-groups order at every M (experiments/results/probe_moe_mgpu_fragments_h200.json).
+takes either order (by the weights' dtype). On the H200 the fragment order was 1-22 % faster than the
+groups order, never slower (experiments/results/probe_moe_mgpu_fragments_h200.json).
 
 Activations come group-major, x_groups [I/G, P, G] (an XLA transpose of the sorted token rows), so that
 group g of a step is a whole [N, G] tile (64-byte rows, 64-byte swizzle) for wgmma's B operand.
@@ -454,7 +454,7 @@ class TiledInt4:
         """One-time repack of packed int32 [E, O, I/8] (values q + 8), scale bf16 [E, O, I/32]; raises
         ValueError for stacks the layout cannot hold (``tiling_error``). Bit-exact inverse:
         ``to_compressed_tensors``. Repacks one expert at a time (small temporaries). ``order``:
-        "fragments" (no register shuffles in the kernel, 5-15 % faster on the H200; needs O % 128 == 0),
+        "fragments" (no register shuffles in the kernel, 1-22 % faster on the H200; needs O % 128 == 0),
         "groups", or "auto" (the default: fragments where O % 128 == 0, else groups)."""
         if order not in ("auto", "groups", "fragments"):
             raise ValueError(f"unknown order {order!r}; expected 'auto', 'groups' or 'fragments'")

@@ -1,10 +1,11 @@
 """MLA tree-verify attention on Hopper: a Pallas Mosaic GPU prefix kernel + an XLA tree tail.
 
-Same entry signature and semantics as ``pallas_kernels.tree_attention`` (whose pure-JAX twin,
-``tree_attention_ref``, is this kernel's twin too)::
+Same entry semantics as ``pallas_kernels.tree_attention`` (whose pure-JAX twin, ``tree_attention_ref``,
+is this kernel's twin too; the prefix kernel alone has ``prefix_attention_ref``)::
 
     tree_attention_mgpu(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, kv_lora_rank,
-                        return_lse=False, block_k=64, stages=2, num_splits=None)
+                        interpret=False, return_lse=False, block_k=64, stages=2, num_splits=None,
+                        share_scores=True, num_sms=132, prefix=prefix_attention)
 
 Dimension letters: B streams, T tree nodes, H heads, S cache slots, C latent+rope width (576),
 L latent width = value width (512), N = T*H query rows, Np rows padded to whole 64-row tiles,
@@ -16,20 +17,22 @@ Design (a cascade, as in sglang's tree verify on MLA backends):
   stream's cache, no mask at all. One Mosaic GPU program per (stream, 64-row tile, split). Heads are
   folded into rows (row = node*H + head), so one tile is 64 / H nodes, or one node and 64 of its heads.
   Three warpgroups: a producer issues the TMA copies (the tile's queries once, then the key blocks
-  through a ring of ``stages`` slots); two consumer warpgroups each run a flash-attention loop over
-  the same 64 rows, s = q·kᵀ over the full C = 576 columns (wgmma, both operands in shared memory),
-  online softmax in f32 registers (exp2), and p·v into their own half of the L = 512 value columns
-  (a [64, 256] f32 accumulator each: a whole [64, 512] one would not fit one warpgroup's registers;
-  the value is the first L columns of the key block already in shared memory). Both warpgroups compute
-  the same scores (FlashMLA instead shares them through shared memory; here that is the next step):
-  1.53x the useful tensor-core work, free where bandwidth bounds the kernel.
-  Each program writes its normalised partial output (bf16) and log-sum-exp (f32).
+  through a ring of ``stages`` slots). Consumer 0 computes s = q·kᵀ over the full C = 576 columns
+  (wgmma, both operands in shared memory) and the online softmax in f32 registers (exp2), and hands the
+  bf16 probabilities and the rescale factor to consumer 1 through shared memory (``share_scores``, as
+  FlashMLA does; without it both compute the same scores, 1.53x the tensor work). Each consumer then
+  multiplies p by its own half of the L = 512 value columns into a [64, 256] f32 accumulator (a whole
+  [64, 512] one would not fit one warpgroup's registers; the value is the first L columns of the key
+  block already in shared memory). Each program writes its normalised partial output (bf16) and
+  log-sum-exp (f32); ~225 KiB of shared memory, so one program per SM.
 * **Tail** in XLA: the last partial block of the prefix (< BK keys, masked by position, rows beyond
   prefix_len zeroed so NaN garbage there cannot leak) and the T tree keys under ``tree_mask``.
 * **Merge** in XLA: a log-sum-exp combine of the NS prefix partials and the tail.
 
 The kernel itself never masks, so plain decode (T = 1), DFlash chains and trees share it unchanged.
-It takes bf16 only; C and L must be multiples of 64 and 128.
+It takes bf16 q, cache and tree latents; C % 64 == 0, L % 128 == 0, L <= 512 and the shared memory of
+one program within 227 KB (``unsupported_reason``). prefix_len values outside [0, S] are clamped (it is
+traced, so it cannot raise), as in ``tree_attention``.
 """
 
 from __future__ import annotations
@@ -41,52 +44,58 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.tree_attention import _check_shapes
+from pallas_kernels.tree_attention import _LN2, _LOG2E, _NUM_SMS_H200, _check_shapes, fold_rows, merge_lse
 
 try:  # Mosaic GPU Pallas (present in the JAX versions this repo supports; guarded for clarity)
     from jax.experimental.pallas import mosaic_gpu as plgpu
 except ImportError:  # pragma: no cover
     plgpu = None
 
-__all__ = ["tree_attention_mgpu", "prefix_attention", "prefix_attention_ref", "default_splits", "kernel_supports", "smem_bytes"]
+__all__ = ["tree_attention_mgpu", "prefix_attention", "prefix_attention_ref", "default_splits",
+           "unsupported_reason", "smem_bytes"]
 
-_LOG2E = 1.4426950408889634
-_LN2 = 0.6931471805599453
 ROWS = 64              # query rows per program (one wgmma M tile)
 SMEM_LIMIT = 227 * 1024
-NUM_SMS_H200 = 132
+MAX_SPLITS = 64        # beyond this the merge's traffic outgrows what the extra programs save
 
 
 def smem_bytes(C: int, block_k: int, stages: int, share_scores: bool = True) -> int:
     """Shared memory of one program: the query tile, ``stages`` key blocks, the LSE row, barriers, and
     with ``share_scores`` the probability tile and two stat rows."""
-    shared = 2 * ROWS * block_k + 16 if share_scores else 0
-    return 2 * ROWS * C + stages * 2 * block_k * C + 12 * ROWS + 64 + shared
+    barriers = 8 * (1 + 2 * stages + 1 + (2 if share_scores else 0))
+    shared = 2 * ROWS * block_k if share_scores else 0
+    return 2 * ROWS * C + stages * 2 * block_k * C + 12 * ROWS + barriers + shared
 
 
-def kernel_supports(q_shape, kv_lora_rank, dtype) -> str | None:
-    """Why the Mosaic GPU kernel cannot take these dims / dtype, or None when it can."""
-    C = q_shape[-1]
-    if jnp.dtype(dtype) != jnp.bfloat16:
-        return f"dtype {jnp.dtype(dtype)} (the kernel takes bf16)"
-    if C % 64 or kv_lora_rank % 128:
-        return f"C={C}, L={kv_lora_rank} (the kernel needs C % 64 == 0 and L % 128 == 0)"
+def unsupported_reason(q_shape, kv_lora_rank, *dtypes) -> str | None:
+    """Why the Mosaic GPU kernel cannot take these dims / dtypes (of q, the cache, the tree latents), or
+    None when it can (at the default block_k = 64, stages = 2)."""
+    C, L = q_shape[-1], kv_lora_rank
+    for dtype in dtypes:
+        if jnp.dtype(dtype) != jnp.bfloat16:
+            return f"dtype {jnp.dtype(dtype)} (the kernel takes bf16)"
+    if C % 64 or L % 128 or L > 512:
+        return f"C={C}, L={L} (the kernel needs C % 64 == 0, L % 128 == 0 and L <= 512)"
+    if smem_bytes(C, 64, 2) > SMEM_LIMIT:
+        return f"C={C} (one program's shared memory, {smem_bytes(C, 64, 2)} bytes, exceeds {SMEM_LIMIT})"
     return None
 
 
-def default_splits(B: int, n_tiles: int, S: int, block_k: int, num_sms: int = NUM_SMS_H200) -> int:
-    """Prefix splits so that the programs fill at most one wave of SMs (one program per SM: ~230 KB of
-    shared memory each; a 133rd program would double the time), with at least 2 key blocks per split
-    at full capacity S."""
+def default_splits(B: int, n_tiles: int, S: int, block_k: int, num_sms: int = _NUM_SMS_H200) -> int:
+    """Prefix splits so that the programs fill at most one wave of SMs (one program per SM; a program
+    past the wave runs alone afterwards), with at least 2 key blocks per split at full capacity S and at
+    most MAX_SPLITS. (Sized from the capacity, which is static; a short prefix in a large cache leaves
+    splits empty, each costing one small program.)"""
     progs = max(1, B * n_tiles)
-    return max(1, min(num_sms // progs, (S // block_k) // 2))
+    return max(1, min(num_sms // progs, (S // block_k) // 2, MAX_SPLITS))
 
 
 def prefix_attention(q_rows, cache_kv, prefix_len, *, scale, kv_lora_rank, block_k=64, stages=2,
                      num_splits=1, share_scores=True):
     """The Mosaic GPU prefix pass over whole key blocks.
 
-    q_rows [B, Np, C] bf16 (Np % 64 == 0), cache_kv [B, S, C] bf16, prefix_len [B] int32 (in [0, S]).
+    q_rows [B, Np, C] bf16 (Np % 64 == 0), cache_kv [B, S, C] bf16, prefix_len [B] int32, which must
+    lie in [0, S] (``tree_attention_mgpu`` clamps it; a larger value would read past the cache).
     Returns (o [NS, B, Np, L] bf16, lse [NS, B, Np] f32, natural log): split s attends to whole blocks
     ``[s*per, min((s+1)*per, nb))`` with nb = prefix_len // block_k, per = ceil(nb / NS); an empty split
     has o = 0 and lse = -inf.
@@ -238,8 +247,7 @@ def prefix_attention(q_rows, cache_kv, prefix_len, *, scale, kv_lora_rank, block
         # the row reductions (max, sum) of the WGMMA layout stay within a warp: no smem scratch for them
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
     )
-    plen = jnp.clip(prefix_len.astype(jnp.int32), 0, S)
-    o, lse2 = kernel(plen, q_rows, cache_kv)
+    o, lse2 = kernel(prefix_len.astype(jnp.int32), q_rows, cache_kv)
     return o, lse2 * _LN2
 
 
@@ -271,11 +279,10 @@ def prefix_attention_ref(q_rows, cache_kv, prefix_len, *, scale, kv_lora_rank, b
     return o, lse
 
 
-def _tail_scores(qc, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, block_k):
+def _tail_scores(qc, cache_kv, plen, tree_kv, tree_mask, *, scale, block_k):
     """Scores [B, T, H, BK + T] f32 of the rows against the prefix's last partial block and the tree
-    keys (masked entries -inf), and those keys [B, BK + T, C] (invalid rows zeroed)."""
+    keys (masked entries -inf), and those keys [B, BK + T, C] (invalid rows zeroed); plen in [0, S]."""
     B, S, C = cache_kv.shape
-    plen = jnp.clip(prefix_len.astype(jnp.int32), 0, S)
     start = (plen // block_k) * block_k
     pos = start[:, None] + jnp.arange(block_k)[None, :]                         # [B, BK]
     valid = pos < plen[:, None]
@@ -291,51 +298,39 @@ def _tail_scores(qc, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, block_k
 
 def tree_attention_mgpu(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, kv_lora_rank,
                         interpret=False, return_lse=False, block_k=64, stages=2, num_splits=None,
-                        share_scores=True, prefix=prefix_attention):
+                        share_scores=True, num_sms=_NUM_SMS_H200, prefix=prefix_attention):
     """MLA tree-verify attention: Mosaic GPU prefix kernel, XLA tail and merge (module docstring).
 
-    q [B, T, H, C] bf16, cache_kv [B, S, C] bf16, prefix_len [B] int32 (0 <= prefix_len <= S),
-    tree_kv [B, T, C], tree_mask [B, T, T] bool (diagonal True). Returns out [B, T, H, L] bf16 (and
-    lse [B, T, H] f32 with ``return_lse``). ``num_splits`` defaults to :func:`default_splits`.
-    ``prefix`` is the prefix pass: the kernel, or its twin :func:`prefix_attention_ref` (CPU tests of the
-    tail and merge). ``interpret=True`` is refused: JAX's Mosaic GPU interpreter (0.10) has neither
-    register-operand wgmma nor accumulator stores; CPU tests lower the kernel for CUDA instead.
+    q [B, T, H, C] bf16, cache_kv [B, S, C] bf16, prefix_len [B] int32 (values outside [0, S] are
+    clamped), tree_kv [B, T, C] bf16, tree_mask [B, T, T] bool (diagonal True). Returns out [B, T, H, L]
+    bf16 (and lse [B, T, H] f32 with ``return_lse``). ``num_splits`` defaults to :func:`default_splits`
+    for ``num_sms`` SMs. ``prefix`` is the prefix pass: the kernel, or its twin :func:`prefix_attention_ref`
+    (CPU tests of the tail and merge). ``interpret=True`` is refused: JAX's Mosaic GPU interpreter (0.10)
+    has neither register-operand wgmma nor accumulator stores; CPU tests lower the kernel for CUDA.
     """
     if interpret:
         raise NotImplementedError("the Mosaic GPU kernel has no interpret mode here; pass "
                                   "prefix=prefix_attention_ref to run the rest on the CPU")
     B, T, H, C, S = _check_shapes(q, cache_kv, prefix_len, tree_kv, tree_mask, kv_lora_rank)
-    problem = kernel_supports(q.shape, kv_lora_rank, q.dtype) or kernel_supports(q.shape, kv_lora_rank,
-                                                                                   cache_kv.dtype)
+    problem = unsupported_reason(q.shape, kv_lora_rank, q.dtype, cache_kv.dtype, tree_kv.dtype)
     if problem:
         raise ValueError(f"tree_attention_mgpu cannot take {problem}; use tree_attention_ref")
     L = kv_lora_rank
     N = T * H
-    Np = -(-N // ROWS) * ROWS
-    qr = q.reshape(B, N, C)
-    if Np != N:
-        qr = jnp.pad(qr, ((0, 0), (0, Np - N), (0, 0)))
-    ns = int(num_splits) if num_splits else default_splits(B, Np // ROWS, S, block_k)
-    o_p, lse_p = prefix(qr, cache_kv, prefix_len, scale=scale, kv_lora_rank=L, block_k=block_k,
+    qr = fold_rows(q, ROWS)
+    plen = jnp.clip(prefix_len.astype(jnp.int32), 0, S)
+    ns = default_splits(B, qr.shape[1] // ROWS, S, block_k, num_sms) if num_splits is None else int(num_splits)
+    o_p, lse_p = prefix(qr, cache_kv, plen, scale=scale, kv_lora_rank=L, block_k=block_k,
                         stages=stages, num_splits=ns, share_scores=share_scores)
     o_p = o_p[:, :, :N].reshape(ns, B, T, H, L)
     lse_p = lse_p[:, :, :N].reshape(ns, B, T, H)
 
-    s_t, keys = _tail_scores(q, cache_kv, prefix_len, tree_kv, tree_mask, scale=scale, block_k=block_k)
+    s_t, keys = _tail_scores(q, cache_kv, plen, tree_kv, tree_mask, scale=scale, block_k=block_k)
     m_t = s_t.max(-1)                                   # finite: every node sees itself
     p_t = jnp.exp(s_t - m_t[..., None])
     l_t = p_t.sum(-1)
     o_t = jnp.einsum("bthk,bkl->bthl", p_t, keys[..., :L].astype(jnp.float32),
                      precision=lax.Precision.HIGHEST) / l_t[..., None]
-    lse_t = m_t + jnp.log(l_t)
-
-    lse_all = jnp.concatenate([lse_p, lse_t[None]], axis=0)                   # [NS + 1, B, T, H]
-    top = lse_all.max(0)
-    w = jnp.exp(lse_all - top)
-    parts = jnp.concatenate([o_p.astype(jnp.float32), o_t[None]], axis=0)     # [NS + 1, B, T, H, L]
-    tot = w.sum(0)
-    out = (jnp.einsum("sbth,sbthl->bthl", w, parts, precision=lax.Precision.HIGHEST)
-           / tot[..., None]).astype(q.dtype)
-    if return_lse:
-        return out, top + jnp.log(tot)
-    return out
+    out, lse = merge_lse(o_p, lse_p, o_t, m_t + jnp.log(l_t))
+    out = out.astype(q.dtype)
+    return (out, lse) if return_lse else out

@@ -60,7 +60,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-__all__ = ["tree_attention", "tree_attention_ref", "mla_attention", "default_config", "kernel_supports"]
+__all__ = ["tree_attention", "tree_attention_ref", "mla_attention", "default_config", "kernel_supports",
+           "fold_rows", "merge_lse"]
 
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
@@ -76,6 +77,35 @@ def _pow2_ceil(x: int) -> int:
 
 def _is_pow2(x: int) -> bool:
     return x > 0 and (x & (x - 1)) == 0
+
+
+def fold_rows(q, multiple: int) -> jax.Array:
+    """q [B, T, H, C] -> query rows [B, Np, C] (row = node*H + head), zero-padded to whole tiles of
+    ``multiple`` rows (padded rows are dropped from the results)."""
+    B, T, H, C = q.shape
+    n = T * H
+    rows = q.reshape(B, n, C)
+    pad = -(-n // multiple) * multiple - n
+    return jnp.pad(rows, ((0, 0), (0, pad), (0, 0))) if pad else rows
+
+
+def merge_lse(o_parts, lse_parts, o_last=None, lse_last=None):
+    """Log-sum-exp combine of normalised partial attention outputs.
+
+    o_parts [NS, ..., L] (any float dtype), lse_parts [NS, ...] f32 natural-log (-inf: an empty part),
+    optionally one more part o_last [..., L], lse_last [...]. Returns (out f32 [..., L], lse f32 [...]);
+    a row whose parts are all empty gets out 0 and lse -inf.
+    """
+    top = lse_parts.max(0) if lse_last is None else jnp.maximum(lse_parts.max(0), lse_last)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    w = jnp.exp(lse_parts - top)
+    tot = w.sum(0)
+    acc = jnp.einsum("s...,s...l->...l", w, o_parts.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+    if lse_last is not None:
+        w_last = jnp.exp(lse_last - top)
+        tot = tot + w_last
+        acc = acc + w_last[..., None] * o_last.astype(jnp.float32)
+    return acc / jnp.where(tot > 0, tot, 1.0)[..., None], top + jnp.log(tot)
 
 
 def _check_shapes(q, cache_kv, prefix_len, tree_kv, tree_mask, kv_lora_rank):
@@ -320,11 +350,9 @@ def tree_attention(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, kv_lor
 
     # queries: heads folded into rows, padded to whole tiles (padded rows are dropped at the end)
     N = T * H
-    n_tiles = -(-N // R)
-    Np = n_tiles * R
-    qr = q.astype(dt).reshape(B, N, C)
-    if Np != N:
-        qr = jnp.pad(qr, ((0, 0), (0, Np - N), (0, 0)))
+    qr = fold_rows(q.astype(dt), R)
+    Np = qr.shape[1]
+    n_tiles = Np // R
     # cache: keep S a multiple of BK so that no block reads past the array (padding copies it)
     Sp = max(BK, -(-S // BK) * BK)
     cache = cache_kv if Sp == S else jnp.pad(cache_kv, ((0, 0), (0, Sp - S), (0, 0)))
@@ -382,13 +410,7 @@ def tree_attention(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, kv_lor
     )(plen, qr, cache, tkv, mask)
 
     if NS > 1:  # log-sum-exp combine of the splits
-        lse_all = jnp.max(lse, axis=1)
-        lse_all = jnp.where(jnp.isfinite(lse_all), lse_all, 0.0)
-        w = jnp.exp(lse - lse_all[:, None])                        # [B, NS, Np]
-        tot = jnp.sum(w, axis=1)                                   # [B, Np]
-        o = jnp.einsum("bsn,bsnl->bnl", w, o.astype(f32),
-                       precision=lax.Precision.HIGHEST) / tot[..., None]
-        lse = lse_all + jnp.log(tot)
+        o, lse = merge_lse(jnp.moveaxis(o, 1, 0), jnp.moveaxis(lse, 1, 0))
         o = o.astype(q.dtype)
     out = o[:, :N].reshape(B, T, H, L)
     if return_lse:
@@ -415,8 +437,10 @@ def mla_attention(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, kv_lora
     kernel, and "auto" (default) the Mosaic GPU kernel when it takes the dtype and dims and there are
     at least 64 query rows (T*H; it pads rows to 64-row tiles, so Triton's 16-row tiles win below
     that), else Triton. Tuning keywords go to the chosen kernel (their presence with "auto" picks
-    Triton, whose keywords they are). Dims no kernel takes use the twin everywhere.
-    ``interpret=True`` forces the Triton kernel through the Pallas interpreter on every platform (tests).
+    Triton, whose keywords they are). With "auto", dims no kernel takes use the twin everywhere; an
+    explicit backend that cannot take them raises. ``interpret=True`` forces the Triton kernel through
+    the Pallas interpreter on every platform (tests). Known loss of the 64-row rule: at T = 1, H = 8 over
+    a 64K prefix at B = 1 the Mosaic GPU kernel measured 1.5x faster than Triton (README).
     """
     from pallas_kernels import mla_attention_mgpu as mgpu  # lazy: that module imports this one
 
@@ -425,17 +449,20 @@ def mla_attention(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, kv_lora
     kw = dict(scale=scale, kv_lora_rank=kv_lora_rank, return_lse=return_lse)
     args = (q, cache_kv, prefix_len, tree_kv, tree_mask)
     if interpret:
+        if backend == "mgpu":
+            raise NotImplementedError("the Mosaic GPU kernel has no interpret mode; use backend='triton'")
         return tree_attention(*args, interpret=True, **kw, **tuning)
     _, T, H, _ = q.shape
-    mgpu_ok = mgpu.kernel_supports(q.shape, kv_lora_rank, q.dtype) is None and \
-        mgpu.kernel_supports(q.shape, kv_lora_rank, cache_kv.dtype) is None
-    if backend == "mgpu" and not mgpu_ok:
-        raise ValueError(f"the Mosaic GPU kernel cannot take these inputs: "
-                         f"{mgpu.kernel_supports(q.shape, kv_lora_rank, q.dtype) or mgpu.kernel_supports(q.shape, kv_lora_rank, cache_kv.dtype)}")
-    use_mgpu = backend == "mgpu" or (backend == "auto" and mgpu_ok and T * H >= mgpu.ROWS and not tuning)
-    if use_mgpu:
+    mgpu_problem = mgpu.unsupported_reason(q.shape, kv_lora_rank, q.dtype, cache_kv.dtype, tree_kv.dtype)
+    triton_ok = kernel_supports(q.shape, kv_lora_rank, tuning.get("block_rows"))
+    if backend == "mgpu" and mgpu_problem:
+        raise ValueError(f"the Mosaic GPU kernel cannot take {mgpu_problem}")
+    if backend == "triton" and not triton_ok:
+        raise ValueError(f"the Triton kernel cannot take q {q.shape} with kv_lora_rank={kv_lora_rank} "
+                         f"(block_rows={tuning.get('block_rows')})")
+    if backend == "mgpu" or (backend == "auto" and not mgpu_problem and T * H >= mgpu.ROWS and not tuning):
         kernel = functools.partial(mgpu.tree_attention_mgpu, **kw, **tuning)
-    elif kernel_supports(q.shape, kv_lora_rank, tuning.get("block_rows")):
+    elif triton_ok:
         kernel = functools.partial(tree_attention, **kw, **tuning)
     else:
         return tree_attention_ref(*args, **kw)

@@ -86,7 +86,8 @@ def test_cascade_with_twin_prefix_matches_dense(B, T, H, S, plens, kind, NS):
 
 
 def test_default_splits_fill_the_gpu_only_when_needed():
-    assert M.default_splits(1, 1, 65536, 64) == 132
+    assert M.default_splits(1, 1, 65536, 64) == M.MAX_SPLITS == 64
+    assert M.default_splits(1, 1, 65536, 64, num_sms=16) == 16
     assert M.default_splits(16, 1, 8192, 64) == 8        # 128 programs: one wave, not 144
     assert M.default_splits(16, 256, 8192, 64) == 1
     assert M.default_splits(1, 1, 256, 64) == 2          # at least 2 blocks per split
@@ -106,9 +107,28 @@ def test_errors():
         M.prefix_attention(q_rows, case[1], case[2], block_k=96, **kw)
     with pytest.raises(ValueError, match="shared memory"):
         M.prefix_attention(q_rows, case[1], case[2], block_k=256, stages=4, **kw)
-    assert M.smem_bytes(576, 64, 2, True) <= M.SMEM_LIMIT < M.smem_bytes(576, 64, 3, False)
     with pytest.raises(ValueError, match="whole 64-row tiles"):
         M.prefix_attention(q_rows[:, :40], case[1], case[2], **kw)
+    with pytest.raises(ValueError, match="bf16"):   # f32 tree latents are not silently cast
+        M.tree_attention_mgpu(*case[:3], case[3].astype(jnp.float32), case[4], **kw)
+    with pytest.raises(ValueError, match="num_splits=0"):
+        M.tree_attention_mgpu(*case, num_splits=0, **kw)
+    assert "L <= 512" in M.unsupported_reason((1, 1, 1, 1152), 1024, jnp.bfloat16)
+    assert "shared memory" in M.unsupported_reason((1, 1, 1, 640), 512, jnp.bfloat16)
+    assert M.unsupported_reason((1, 1, 1, 576), 512, jnp.bfloat16, jnp.bfloat16) is None
+
+
+def test_merge_lse_weights_parts_and_keeps_empty_rows_empty():
+    from pallas_kernels.tree_attention import merge_lse
+    o = jnp.asarray([[[1.0, 0.0]], [[0.0, 1.0]], [[5.0, 5.0]]])          # [NS=3, rows=1, L=2]
+    lse = jnp.asarray([[0.0], [jnp.log(3.0)], [-jnp.inf]])
+    out, l = merge_lse(o, lse)
+    np.testing.assert_allclose(np.asarray(out), [[0.25, 0.75]], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(l), [np.log(4.0)], rtol=1e-6)
+    out, l = merge_lse(o, lse, jnp.asarray([[1.0, 1.0]]), jnp.asarray([jnp.log(4.0)]))
+    np.testing.assert_allclose(np.asarray(out), [[0.625, 0.875]], rtol=1e-6)
+    empty, l = merge_lse(o[:1], jnp.full((1, 1), -jnp.inf))
+    assert not np.asarray(empty).any() and np.isneginf(np.asarray(l)).all()
 
 
 K26 = dict(C=576, L=512, scale=0.14468)
@@ -167,9 +187,28 @@ def test_dispatcher_picks_the_kernel_for_cuda(T, H, backend, expect):
     f = jax.jit(functools.partial(mla_attention, scale=K26["scale"], kv_lora_rank=K26["L"], backend=backend))
     text = f.trace(*k26_spec(2, T, H, 1024)).lower(lowering_platforms=("cuda",)).as_text()
     assert expect in text and ("triton" if expect == "mosaic_gpu" else "mosaic_gpu") not in text
+    zeros = [jnp.zeros(s.shape, s.dtype) for s in k26_spec(1, 1, 8, 64)]
     with pytest.raises(ValueError, match="backend"):
-        mla_attention(*(jnp.zeros(s.shape, s.dtype) for s in k26_spec(1, 1, 8, 64)), scale=1.0,
-                      kv_lora_rank=512, backend="cuda")
+        mla_attention(*zeros, scale=1.0, kv_lora_rank=512, backend="cuda")
+    with pytest.raises(NotImplementedError, match="interpret"):
+        mla_attention(*zeros, scale=1.0, kv_lora_rank=512, backend="mgpu", interpret=True)
+    with pytest.raises(ValueError, match="Mosaic GPU kernel cannot take dtype float32"):
+        mla_attention(*(z.astype(jnp.float32) if z.dtype == jnp.bfloat16 else z for z in zeros), scale=1.0,
+                      kv_lora_rank=512, backend="mgpu")
+    with pytest.raises(ValueError, match="Triton kernel cannot take"):
+        mla_attention(*zeros, scale=1.0, kv_lora_rank=512, backend="triton", block_rows=24)
+
+
+def test_dispatcher_auto_falls_back_to_triton_where_the_mosaic_kernel_cannot_run():
+    """C = 640 (512 + 128) needs more shared memory than an SM has: auto takes Triton, not a failing kernel."""
+    from pallas_kernels.tree_attention import mla_attention
+    B, T, H, S, C = 1, 8, 8, 256, 640
+    spec = (jax.ShapeDtypeStruct((B, T, H, C), jnp.bfloat16), jax.ShapeDtypeStruct((B, S, C), jnp.bfloat16),
+            jax.ShapeDtypeStruct((B,), jnp.int32), jax.ShapeDtypeStruct((B, T, C), jnp.bfloat16),
+            jax.ShapeDtypeStruct((B, T, T), jnp.bool_))
+    f = jax.jit(functools.partial(mla_attention, scale=0.1, kv_lora_rank=512))
+    text = f.trace(*spec).lower(lowering_platforms=("cuda",)).as_text()
+    assert "triton" in text and "mosaic_gpu" not in text
 
 
 # ---------------------------------------------------------------------------------------------
