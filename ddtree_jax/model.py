@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec
 
 from ddtree_jax.cache import LatentCache
 from ddtree_jax.config import ModelConfig
@@ -42,6 +42,29 @@ class Runtime:
     # batch and can flip near-tie greedy tokens (greedy DDTree != AR; seen on an H200). Applied to f32
     # models only (bf16 operands have nothing to round further); no effect on CPU.
     matmul_precision: str | None = "float32"
+
+
+def latent_attention(attend: Callable, runtime: Runtime, q, cache_kv, prefix_len, tree_kv, tree_mask, **kw):
+    """``attend`` (the latent attention, e.g. ``mla_attention``) once per device under shard_map when the
+    runtime's mesh shards streams ("batch") or heads: each device attends its own streams and heads over
+    its streams' latent cache (shared by all heads), so a Pallas kernel sees plain local arrays rather
+    than GSPMD gathering its operands around a custom call. An axis whose size does not divide B or H is
+    left replicated (same result, less parallel). q [B, T, H, C] -> [B, T, H, L]."""
+    mesh, rules = runtime.mesh, runtime.rules
+    if mesh is None or rules is None:
+        return attend(q, cache_kv, prefix_len, tree_kv, tree_mask, **kw)
+
+    def usable(logical, size):
+        axis = rules.mesh_axis(logical)
+        return axis if axis is not None and mesh.shape[axis] > 1 and size % mesh.shape[axis] == 0 else None
+
+    b_ax, h_ax = usable("batch", q.shape[0]), usable("heads", q.shape[2])
+    if b_ax is None and h_ax is None:
+        return attend(q, cache_kv, prefix_len, tree_kv, tree_mask, **kw)
+    rows, per_stream = PartitionSpec(b_ax, None, h_ax, None), PartitionSpec(b_ax)
+    return jax.shard_map(lambda *a: attend(*a, **kw), mesh=mesh,
+                         in_specs=(rows, per_stream, per_stream, per_stream, per_stream),
+                         out_specs=rows, check_vma=False)(q, cache_kv, prefix_len, tree_kv, tree_mask)
 
 
 class MLA(nnx.Module):
@@ -88,8 +111,8 @@ class MLA(nnx.Module):
             q_latent = dot(q_nope, w_uk, "bthn,lhn->bthl")
             q_abs = jnp.concatenate([q_latent, q_pe], axis=-1)  # [B,T,H,C]
             attend = runtime.attention_fn or mla_attention  # Pallas kernel on GPU, JAX twin elsewhere
-            o_latent = attend(q_abs, cache_kv, prefix_len, block_kv, tree_mask,
-                              scale=cfg.softmax_scale, kv_lora_rank=cfg.kv_lora_rank)
+            o_latent = latent_attention(attend, runtime, q_abs, cache_kv, prefix_len, block_kv, tree_mask,
+                                        scale=cfg.softmax_scale, kv_lora_rank=cfg.kv_lora_rank)
             o = dot(o_latent, w_uv, "bthl,lhv->bthv")
         elif runtime.attention == "naive":
             o = self._naive_attention(q_nope, q_pe, cache_kv, prefix_len, block_kv, tree_mask, w_uk, w_uv)
@@ -214,4 +237,4 @@ def causal_mask(batch: int, t: int) -> jax.Array:
     return jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (batch, t, t))
 
 
-__all__ = ["KimiModel", "Runtime", "ForwardOutput", "check_tokens", "causal_mask", "rms_norm"]
+__all__ = ["KimiModel", "Runtime", "ForwardOutput", "check_tokens", "causal_mask", "latent_attention", "rms_norm"]
