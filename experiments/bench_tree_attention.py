@@ -56,6 +56,7 @@ def mgpu_prefix_only(q, cache, plen, tkv, mask, *, scale, kv_lora_rank, **cfg):
 
 KERNELS = {"triton": tree_attention, "mgpu": tree_attention_mgpu,
            "mgpu_redundant": functools.partial(tree_attention_mgpu, share_scores=False),
+           "mgpu_overlap": functools.partial(tree_attention_mgpu, overlap_qk=True),
            "mgpu_prefix_only": mgpu_prefix_only}
 
 C, L, SCALE = 576, 512, 0.14468

@@ -5,7 +5,7 @@ is this kernel's twin too; the prefix kernel alone has ``prefix_attention_ref``)
 
     tree_attention_mgpu(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, kv_lora_rank,
                         interpret=False, return_lse=False, block_k=64, stages=2, num_splits=None,
-                        share_scores=True, num_sms=132, prefix=prefix_attention)
+                        share_scores=True, overlap_qk=False, num_sms=132, prefix=prefix_attention)
 
 Dimension letters: B streams, T tree nodes, H heads, S cache slots, C latent+rope width (576),
 L latent width = value width (512), N = T*H query rows, Np rows padded to whole 64-row tiles,
@@ -91,14 +91,15 @@ def default_splits(B: int, n_tiles: int, S: int, block_k: int, num_sms: int = _N
 
 
 def prefix_attention(q_rows, cache_kv, prefix_len, *, scale, kv_lora_rank, block_k=64, stages=2,
-                     num_splits=1, share_scores=True):
+                     num_splits=1, share_scores=True, overlap_qk=False):
     """The Mosaic GPU prefix pass over whole key blocks.
 
     q_rows [B, Np, C] bf16 (Np % 64 == 0), cache_kv [B, S, C] bf16, prefix_len [B] int32, which must
     lie in [0, S] (``tree_attention_mgpu`` clamps it; a larger value would read past the cache).
     Returns (o [NS, B, Np, L] bf16, lse [NS, B, Np] f32, natural log): split s attends to whole blocks
     ``[s*per, min((s+1)*per, nb))`` with nb = prefix_len // block_k, per = ceil(nb / NS); an empty split
-    has o = 0 and lse = -inf.
+    has o = 0 and lse = -inf. ``overlap_qk`` (experimental, needs ``share_scores``; lowered and tested
+    on CPU, not yet run on a GPU): consumer 0 issues block j+1's q.k before block j's softmax.
     """
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.mosaic_gpu is not available in this JAX")
@@ -115,6 +116,8 @@ def prefix_attention(q_rows, cache_kv, prefix_len, *, scale, kv_lora_rank, block
         raise ValueError(f"stages={stages} must be >= 2")
     if NS < 1:
         raise ValueError(f"num_splits={NS} must be >= 1")
+    if overlap_qk and not share_scores:
+        raise ValueError("overlap_qk needs share_scores (one warpgroup computes the scores)")
     smem = smem_bytes(C, BK, stages, share_scores)
     if smem > SMEM_LIMIT:
         raise ValueError(f"block_k={BK}, stages={stages} need {smem} bytes of shared memory (limit {SMEM_LIMIT})")
@@ -152,12 +155,43 @@ def prefix_attention(q_rows, cache_kv, prefix_len, *, scale, kv_lora_rank, block
                                         k_bars.at[slot])
 
         def consumer(half):
-            plgpu.set_max_registers(232, action="increase")
+            scores_here = half == 0 or not share_scores  # this warpgroup computes q.k and the softmax
+            # with overlap_qk, consumer 0 also holds the next block's scores in flight
+            plgpu.set_max_registers((240 if half == 0 else 224) if overlap_qk else 232, action="increase")
             plgpu.barrier_wait(q_bar)
             m = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), row_layout)
             l = plgpu.layout_cast(jnp.full((ROWS,), 0.0, jnp.float32), row_layout)
-            scores_here = half == 0 or not share_scores  # this warpgroup computes q.k and the softmax
             values = lambda slot: k_smem.at[slot, :, pl.ds(half * LH, LH)]  # noqa: E731
+
+            def issue_qk(s_ref, slot):  # s_ref += q.k^T (asynchronous)
+                plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+
+            def softmax_share(j, s, m, l):
+                """Online-softmax update for scores s (log2 units); with share_scores, p and alpha go to
+                consumer 1 through shared memory."""
+                m_new = jnp.maximum(m, s.max(axis=1))
+                alpha = jnp.exp2(m - m_new)
+                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                l = l * alpha + p.sum(axis=1)
+                p16 = p.astype(jnp.bfloat16)
+                if share_scores:
+                    @pl.when(j > 0)
+                    def _():
+                        plgpu.barrier_wait(p_free)
+
+                    p_smem[...] = p16
+                    stat_smem[0] = alpha
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(p_ready)
+                return p16, alpha, m_new, l
+
+            def accumulate(acc_ref, slot, alpha, p16):
+                acc_ref[...] = acc_ref[...] * lax.broadcast_in_dim(alpha, acc_ref.shape, [0])
+                plgpu.wgmma(acc_ref, p16, values(slot))
+                plgpu.wgmma_wait(0)
+                if not scores_here:
+                    plgpu.barrier_arrive(p_free)
+                plgpu.barrier_arrive(consumed_bars.at[slot])
 
             def flash_loop(acc_ref):  # the [64, L/2] accumulator starts at zero
                 def step(j, carry):
@@ -166,41 +200,59 @@ def prefix_attention(q_rows, cache_kv, prefix_len, *, scale, kv_lora_rank, block
                     plgpu.barrier_wait(k_bars.at[slot])
                     if scores_here:
                         def qk(s_ref):
-                            plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                            issue_qk(s_ref, slot)
                             return s_ref[...]
 
                         s = pl.run_scoped(qk, plgpu.ACC((ROWS, BK), jnp.float32)) * scale_log2
-                        m_new = jnp.maximum(m, s.max(axis=1))
-                        alpha = jnp.exp2(m - m_new)
-                        p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-                        l = l * alpha + p.sum(axis=1)
-                        p16 = p.astype(jnp.bfloat16)
-                        if share_scores:  # hand p and alpha to the other warpgroup
-                            @pl.when(j > 0)
-                            def _():
-                                plgpu.barrier_wait(p_free)
-
-                            p_smem[...] = p16
-                            stat_smem[0] = alpha
-                            plgpu.commit_smem()
-                            plgpu.barrier_arrive(p_ready)
-                        m = m_new
+                        p16, alpha, m, l = softmax_share(j, s, m, l)
                     else:
                         plgpu.barrier_wait(p_ready)
                         alpha = plgpu.load(stat_smem.at[0], (), layout=row_layout)
                         p16 = p_smem
-                    acc_ref[...] = acc_ref[...] * lax.broadcast_in_dim(alpha, acc_ref.shape, [0])
-                    plgpu.wgmma(acc_ref, p16, values(slot))
-                    plgpu.wgmma_wait(0)
-                    if not scores_here:
-                        plgpu.barrier_arrive(p_free)
-                    plgpu.barrier_arrive(consumed_bars.at[slot])
+                    accumulate(acc_ref, slot, alpha, p16)
                     return m, l
 
                 m_, l_ = lax.fori_loop(0, steps, step, (m, l))
                 return acc_ref[...], m_, l_
 
-            acc, m, l = pl.run_scoped(flash_loop, plgpu.ACC((ROWS, LH), jnp.float32))
+            def flash_loop_overlapped(acc_ref, s_even, s_odd):
+                """Consumer 0 with overlap_qk: block j+1's q.k is issued before block j's softmax, so the
+                tensor cores work while the softmax runs. Unrolled by two (one score accumulator each)."""
+                zeros = plgpu.layout_cast(jnp.zeros((ROWS, BK), jnp.float32), plgpu.Layout.WGMMA)
+
+                @pl.when(steps > 0)
+                def _():
+                    plgpu.barrier_wait(k_bars.at[0])
+                    issue_qk(s_even, 0)
+
+                def step(j, carry, cur, nxt):
+                    m, l = carry
+                    slot = lax.rem(j, stages)
+                    s = cur[...] * scale_log2          # waits for block j's q.k
+                    cur[...] = zeros                    # wgmma accumulates: clear for block j + 2
+
+                    @pl.when(j + 1 < steps)
+                    def _():
+                        nslot = lax.rem(j + 1, stages)
+                        plgpu.barrier_wait(k_bars.at[nslot])
+                        issue_qk(nxt, nslot)
+
+                    p16, alpha, m, l = softmax_share(j, s, m, l)
+                    accumulate(acc_ref, slot, alpha, p16)
+                    return m, l
+
+                def pair(i, carry):
+                    return step(2 * i + 1, step(2 * i, carry, s_even, s_odd), s_odd, s_even)
+
+                carry = lax.fori_loop(0, steps // 2, pair, (m, l))
+                carry = lax.cond(steps % 2 == 1, lambda c: step(steps - 1, c, s_even, s_odd), lambda c: c, carry)
+                return (acc_ref[...],) + tuple(carry)
+
+            if overlap_qk and half == 0:
+                acc, m, l = pl.run_scoped(flash_loop_overlapped, plgpu.ACC((ROWS, LH), jnp.float32),
+                                          plgpu.ACC((ROWS, BK), jnp.float32), plgpu.ACC((ROWS, BK), jnp.float32))
+            else:
+                acc, m, l = pl.run_scoped(flash_loop, plgpu.ACC((ROWS, LH), jnp.float32))
             if share_scores and half == 0:
                 stat_smem[1] = l
             # both warpgroups are done reading the query tile (and the shared stats are written):
@@ -252,11 +304,11 @@ def prefix_attention(q_rows, cache_kv, prefix_len, *, scale, kv_lora_rank, block
 
 
 def prefix_attention_ref(q_rows, cache_kv, prefix_len, *, scale, kv_lora_rank, block_k=64, stages=2,
-                         num_splits=1, share_scores=True):
+                         num_splits=1, share_scores=True, overlap_qk=False):
     """Pure-JAX twin of :func:`prefix_attention` (same signature and outputs, including the split
-    ranges, bf16 partials and -inf LSE of empty splits; ``stages`` / ``share_scores`` unused). Dense
+    ranges, bf16 partials and -inf LSE of empty splits; the scheduling flags ``stages``, ``share_scores``, ``overlap_qk`` unused). Dense
     [NS, B, Np, S] f32 scores: meant for tests and small shapes."""
-    del stages, share_scores
+    del stages, share_scores, overlap_qk
     B, Np, C = q_rows.shape
     S = cache_kv.shape[1]
     L, BK, NS = kv_lora_rank, int(block_k), int(num_splits)
@@ -298,7 +350,7 @@ def _tail_scores(qc, cache_kv, plen, tree_kv, tree_mask, *, scale, block_k):
 
 def tree_attention_mgpu(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, kv_lora_rank,
                         interpret=False, return_lse=False, block_k=64, stages=2, num_splits=None,
-                        share_scores=True, num_sms=_NUM_SMS_H200, prefix=prefix_attention):
+                        share_scores=True, overlap_qk=False, num_sms=_NUM_SMS_H200, prefix=prefix_attention):
     """MLA tree-verify attention: Mosaic GPU prefix kernel, XLA tail and merge (module docstring).
 
     q [B, T, H, C] bf16, cache_kv [B, S, C] bf16, prefix_len [B] int32 (values outside [0, S] are
@@ -321,7 +373,7 @@ def tree_attention_mgpu(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, k
     plen = jnp.clip(prefix_len.astype(jnp.int32), 0, S)
     ns = default_splits(B, qr.shape[1] // ROWS, S, block_k, num_sms) if num_splits is None else int(num_splits)
     o_p, lse_p = prefix(qr, cache_kv, plen, scale=scale, kv_lora_rank=L, block_k=block_k,
-                        stages=stages, num_splits=ns, share_scores=share_scores)
+                        stages=stages, num_splits=ns, share_scores=share_scores, overlap_qk=overlap_qk)
     o_p = o_p[:, :, :N].reshape(ns, B, T, H, L)
     lse_p = lse_p[:, :, :N].reshape(ns, B, T, H)
 
