@@ -74,14 +74,14 @@ def test_cascade_with_twin_prefix_matches_dense(B, T, H, S, plens, kind, NS):
     L, RD = 128, 64
     case = make_case(5, B, T, H, L, RD, S, plens, kind)
     args = as_jax(case, jnp.bfloat16)
-    o, lse = M.tree_attention_mgpu(*args, scale=SCALE, kv_lora_rank=L, num_splits=NS, return_lse=True,
-                                   prefix=M.prefix_attention_ref)
+    o, lse = jax.jit(functools.partial(M.tree_attention_mgpu, scale=SCALE, kv_lora_rank=L, num_splits=NS,
+                                       return_lse=True, prefix=M.prefix_attention_ref))(*args)
     up = [np.asarray(a, np.float32) if a.dtype == jnp.bfloat16 else np.asarray(a) for a in args]
     r_o, r_l = dense_reference(*up, SCALE, L)
     assert o.shape == (B, T, H, L) and o.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(o, np.float32), r_o, atol=2e-2, rtol=2e-2)
     np.testing.assert_allclose(np.asarray(lse), r_l, atol=1e-3, rtol=1e-4)
-    t_o = tree_attention_ref(*args, scale=SCALE, kv_lora_rank=L)
+    t_o = jax.jit(functools.partial(tree_attention_ref, scale=SCALE, kv_lora_rank=L))(*args)
     np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(t_o, np.float32), atol=2e-2, rtol=2e-2)
 
 
@@ -221,13 +221,14 @@ def test_dispatcher_auto_falls_back_to_triton_where_the_mosaic_kernel_cannot_run
 # The model's absorbed attention on the kernel: K2.6 latent dims (512 + 64), 8 heads, bf16.
 # ---------------------------------------------------------------------------------------------
 
-def latent_model(seed=0):
+def latent_model(seed=0, abstract=False):
     from flax import nnx
 
     from ddtree_jax.config import tiny_config
     from ddtree_jax.model import KimiModel
     cfg = tiny_config(dtype="bfloat16", kv_lora_rank=512, qk_rope_head_dim=64, num_heads=8, num_layers=2)
-    return KimiModel(cfg, nnx.Rngs(seed))
+    make = lambda: KimiModel(cfg, nnx.Rngs(seed))  # noqa: E731
+    return nnx.eval_shape(make) if abstract else make()
 
 
 def cached_verify_logits(model, prompt, block, runtime):
@@ -249,11 +250,11 @@ def test_model_verify_lowers_to_the_kernel_for_cuda():
 
     from ddtree_jax.cache import init_cache
     from ddtree_jax.model import Runtime, causal_mask
-    model = latent_model()
+    model = latent_model(abstract=True)
     graphdef, state = nnx.split(model)
-    cache = init_cache(model.cfg, 2, 256)
 
     def verify(state, tokens):
+        cache = init_cache(model.cfg, 2, 256)
         m = nnx.merge(graphdef, state)
         b, t = tokens.shape
         return m(tokens, jnp.broadcast_to(jnp.arange(t), (b, t)), cache, causal_mask(b, t), runtime=Runtime()).logits
