@@ -99,7 +99,9 @@ def prefix_attention(q_rows, cache_kv, prefix_len, *, scale, kv_lora_rank, block
     Returns (o [NS, B, Np, L] bf16, lse [NS, B, Np] f32, natural log): split s attends to whole blocks
     ``[s*per, min((s+1)*per, nb))`` with nb = prefix_len // block_k, per = ceil(nb / NS); an empty split
     has o = 0 and lse = -inf. ``overlap_qk`` (experimental, needs ``share_scores``; lowered and tested
-    on CPU, not yet run on a GPU): consumer 0 issues block j+1's q.k before block j's softmax.
+    on CPU, not yet run on a GPU): consumer 0 issues block j+1's q.k before block j's softmax. With
+    two stages (all that fits at C = 576) it first waits for block j+1's copy, which needs consumer 1 to
+    be done with block j-1, so the copy latency may show where the softmax hid it before.
     """
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.mosaic_gpu is not available in this JAX")
@@ -110,8 +112,8 @@ def prefix_attention(q_rows, cache_kv, prefix_len, *, scale, kv_lora_rank, block
     BK, NS = int(block_k), int(num_splits)
     if Np % ROWS:
         raise ValueError(f"q_rows must hold whole {ROWS}-row tiles, got {Np} rows")
-    if BK % 64 or BK > 256:
-        raise ValueError(f"block_k={BK} must be a multiple of 64, at most 256")
+    if BK not in (64, 128, 256):  # Mosaic's wgmma needs K (keys, for p.v) % 64 == 0
+        raise ValueError(f"block_k={BK} must be 64, 128 or 256")
     if stages < 2:
         raise ValueError(f"stages={stages} must be >= 2")
     if NS < 1:

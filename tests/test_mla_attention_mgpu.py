@@ -105,6 +105,8 @@ def test_errors():
     q_rows = jnp.zeros((1, 64, 192), jnp.bfloat16)
     with pytest.raises(ValueError, match="block_k"):
         M.prefix_attention(q_rows, case[1], case[2], block_k=96, **kw)
+    with pytest.raises(ValueError, match="block_k"):
+        M.prefix_attention(q_rows, case[1], case[2], block_k=32, **kw)
     with pytest.raises(ValueError, match="shared memory"):
         M.prefix_attention(q_rows, case[1], case[2], block_k=256, stages=4, **kw)
     with pytest.raises(ValueError, match="overlap_qk needs share_scores"):
@@ -143,13 +145,15 @@ def k26_spec(B, T, H, S):
             jax.ShapeDtypeStruct((B, T, T), jnp.bool_))
 
 
-@pytest.mark.parametrize("T,H,NS,share,overlap", [(1, 64, 4, True, False), (8, 8, 1, False, False),
-                                                  (33, 64, 2, True, False), (9, 8, 1, True, True)])
-def test_kernel_lowers_for_cuda_on_cpu(T, H, NS, share, overlap):
+@pytest.mark.parametrize("T,H,NS,share,overlap,BK,stages", [
+    (1, 64, 4, True, False, 64, 2), (8, 8, 1, False, False, 64, 2), (33, 64, 2, True, False, 64, 2),
+    (9, 8, 1, True, True, 64, 2)])
+def test_kernel_lowers_for_cuda_on_cpu(T, H, NS, share, overlap, BK, stages):
     """Mosaic GPU lowering at K2.6 dims without a GPU: layouts, transforms, wgmma shapes, barriers,
     and shared memory within the H200's 227 KB."""
     f = jax.jit(functools.partial(M.tree_attention_mgpu, scale=K26["scale"], kv_lora_rank=K26["L"],
-                                  num_splits=NS, share_scores=share, overlap_qk=overlap))
+                                  num_splits=NS, share_scores=share, overlap_qk=overlap, block_k=BK,
+                                  stages=stages))
     text = f.trace(*k26_spec(2, T, H, 1024)).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 
@@ -159,14 +163,14 @@ def test_kernel_lowers_for_cuda_on_cpu(T, H, NS, share, overlap):
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("B,T,H,S,kind,NS,share,overlap", [
-    (2, 1, 64, 4096, "chain", None, True, False), (3, 1, 8, 4096, "chain", 7, True, False),
-    (2, 8, 8, 2048, "chain", None, True, False), (2, 64, 64, 2048, "tree", None, True, False),
-    (1, 256, 8, 1024, "tree", 1, True, False), (2, 33, 64, 1000, "tree", 3, True, False),
-    (2, 1, 64, 4096, "chain", None, False, False), (2, 33, 64, 1000, "tree", 3, False, False),
-    (2, 64, 64, 2048, "tree", None, True, True), (3, 1, 8, 4096, "chain", 7, True, True),   # odd/even steps
+@pytest.mark.parametrize("B,T,H,S,kind,NS,share,overlap,BK,stages", [
+    (2, 1, 64, 4096, "chain", None, True, False, 64, 2), (3, 1, 8, 4096, "chain", 7, True, False, 64, 2),
+    (2, 8, 8, 2048, "chain", None, True, False, 64, 2), (2, 64, 64, 2048, "tree", None, True, False, 64, 2),
+    (1, 256, 8, 1024, "tree", 1, True, False, 64, 2), (2, 33, 64, 1000, "tree", 3, True, False, 64, 2),
+    (2, 1, 64, 4096, "chain", None, False, False, 64, 2), (2, 33, 64, 1000, "tree", 3, False, False, 64, 2),
+    (2, 64, 64, 2048, "tree", None, True, True, 64, 2), (3, 1, 8, 4096, "chain", 7, True, True, 64, 2),
 ])
-def test_gpu_kernel_matches_twin_k26(B, T, H, S, kind, NS, share, overlap):
+def test_gpu_kernel_matches_twin_k26(B, T, H, S, kind, NS, share, overlap, BK, stages):
     L = K26["L"]
     rng = np.random.default_rng(7)
     plens = [int(x) for x in rng.integers(0, S + 1, size=B)]
@@ -174,8 +178,8 @@ def test_gpu_kernel_matches_twin_k26(B, T, H, S, kind, NS, share, overlap):
     case = make_case(11, B, T, H, L, K26["C"] - L, S, plens, kind)
     args = as_jax(case, jnp.bfloat16)
     o, lse = jax.jit(lambda *a: M.tree_attention_mgpu(*a, scale=K26["scale"], kv_lora_rank=L, num_splits=NS,
-                                                      share_scores=share, overlap_qk=overlap,
-                                                      return_lse=True))(*args)
+                                                      share_scores=share, overlap_qk=overlap, block_k=BK,
+                                                      stages=stages, return_lse=True))(*args)
     up = [a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args]
     r_o, r_l = jax.jit(lambda *a: tree_attention_ref(*a, scale=K26["scale"], kv_lora_rank=L,
                                                      return_lse=True))(*up)
