@@ -132,6 +132,12 @@ def main(argv=None):
                 512: ([16], orders), 1024: ([32], orders)}
     if args.quick:
         plan = {m: (ns[:1], cf[:1]) for m, (ns, cf) in plan.items()}
+    # the loop's own cost per iteration (the in-place update and the scalar sum, no kernel): session 3
+    # saw ~35 us per while-loop step on the H200, comparable to an M = 1 GEMM, so it is reported and
+    # subtracted (ms_net, pct_copy_net) next to the raw figures
+    probe_x = K.to_groups(jnp.zeros((8, 7168), jnp.bfloat16))
+    loop_s = loop_time(lambda x, *rest: x[0], (probe_x,))
+    print(f"loop step without a kernel: {loop_s * 1e6:.1f} us", flush=True)
     ms = [int(v) for v in args.ms.split(",")]
     missing = [m for m in ms if m not in plan]
     if missing:
@@ -161,20 +167,22 @@ def main(argv=None):
                         continue
                     rec = dict(kind="time", gemm=name, m=m, n=n, rows=rows, stages=stages, split=split,
                                overlap=overlap, auto_barriers=auto, probe=probe, order=order, active=active, gb=nbytes / 1e9, ms=t * 1e3, tbps=nbytes / t / 1e12,
-                               pct_copy=100 * nbytes / t / bw, floor_ms=nbytes / bw * 1e3)
+                               pct_copy=100 * nbytes / t / bw, floor_ms=nbytes / bw * 1e3,
+                               ms_net=(t - loop_s) * 1e3,
+                               pct_copy_net=100 * nbytes / max(t - loop_s, 1e-9) / bw)
                     records.append(rec)
                     table.append(rec)
                     print(f"{name:8s} M={m:5d} N={n:3d} {rows}/{stages}/{split}/{overlap:d}/{auto:d}/{probe or '-'}/{order} active={active:3d} "
                           f"{t * 1e3:8.3f} ms  {rec['tbps']:.2f} TB/s  {rec['pct_copy']:5.1f} %", flush=True)
     payload = dict(commit=args.commit or bench_util.git_commit(), hardware=bench_util.hardware(), jax=jax.__version__,
-                   copy_bandwidth=bw, plan=args.plan,
+                   copy_bandwidth=bw, plan=args.plan, loop_step_ms=loop_s * 1e3,
                    argv=sys.argv[1:], records=records)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "probe_moe_mgpu.json"), "w") as fh:
             json.dump(payload, fh, indent=1, default=str)
     bench_util.print_table([{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items() if k != "kind"}
-                            for r in table], ["gemm", "m", "n", "rows", "stages", "split", "overlap", "auto_barriers", "probe", "order", "active", "ms", "pct_copy"])
+                            for r in table], ["gemm", "m", "n", "rows", "stages", "split", "overlap", "auto_barriers", "probe", "order", "active", "ms", "pct_copy", "ms_net", "pct_copy_net"])
 
 
 if __name__ == "__main__":
