@@ -144,10 +144,13 @@ def write_result(name: str, payload: dict[str, Any], out_dir: str | None = None)
     """Writes ``<out_dir>/<name>.json`` with provenance fields added; returns the path."""
     out_dir = out_dir or RESULTS_DIR
     os.makedirs(out_dir, exist_ok=True)
+    head = git_commit()
+    code = payload.get("code_commit")  # given by --commit where the checkout's git HEAD is stale (device)
     record = {
         "name": name,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": git_commit(),
+        "commit": code or head,
+        **({"checkout_git_head": head} if code and code != head else {}),
         "hardware": hardware(),
         **payload,
     }
