@@ -78,23 +78,33 @@ def main(argv=None):
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--commit", default=None, help="commit hash to record (a copied checkout may report a stale HEAD)")
-    ap.add_argument("--plan", default="full", choices=["full", "flags", "stages", "fragments"])
+    ap.add_argument("--plan", default="full", choices=["full", "flags", "stages", "fragments", "net"])
     args = ap.parse_args(argv)
     bw = bench_util.measure_torch_copy_bandwidth() or bench_util.measure_copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     key = jax.random.key(0)
     gemms = {"gate_up": (2 * F, D), "down": (D, F)}
     weights = {}
-    for rows in (64, 128):
+    for rows in (() if args.plan == "net" else (64, 128)):
         for name, (o, i) in gemms.items():
             key, sub = jax.random.split(key)
             weights[name, rows] = random_tiled(sub, E, o, i, rows)
-    if args.plan == "fragments":
+    if args.plan in ("fragments", "net"):
         for name, (o, i) in gemms.items():
             key, sub = jax.random.split(key)
             weights[name, "fragments"] = random_fragments(sub, E, o, i)
     print("weights ready", flush=True)
     records, table = [], []
+
+    def save(records, loop_s):  # after every timing, so a run cut short keeps what it measured
+        if not args.out:
+            return
+        payload = dict(commit=args.commit or bench_util.git_commit(), hardware=bench_util.hardware(),
+                       jax=jax.__version__, copy_bandwidth=bw, plan=args.plan, loop_step_ms=loop_s * 1e3,
+                       argv=sys.argv[1:], records=records)
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "probe_moe_mgpu.json"), "w") as fh:
+            json.dump(payload, fh, indent=1, default=str)
 
     # correctness: kernel vs twin on the real arrays, a few tiles incl. a skipped one
     for (name, rows), (w, s) in weights.items():
@@ -130,6 +140,11 @@ def main(argv=None):
         orders = [(128, 2, 1, False, True, "", "groups"), (128, 2, 1, False, True, "", "fragments")]
         plan = {1: ([8], orders), 9: ([8], orders), 32: ([8], orders), 90: ([8], orders), 256: ([8], orders),
                 512: ([16], orders), 1024: ([32], orders)}
+    if args.plan == "net":  # the default (fragment) order alone, with split-K where few tiles are busy
+        frag = lambda split, overlap=False: (128, 2, split, overlap, True, "", "fragments")  # noqa: E731
+        plan = {1: ([8], [frag(1), frag(2), frag(4), frag(1, True)]), 9: ([8], [frag(1), frag(2)]),
+                32: ([8], [frag(1)]), 90: ([8], [frag(1)]), 256: ([8, 16], [frag(1)]),
+                512: ([16], [frag(1)]), 1024: ([32], [frag(1)])}
     if args.quick:
         plan = {m: (ns[:1], cf[:1]) for m, (ns, cf) in plan.items()}
     # the loop's own cost per iteration (the in-place update and the scalar sum, no kernel): session 3
@@ -174,13 +189,8 @@ def main(argv=None):
                     table.append(rec)
                     print(f"{name:8s} M={m:5d} N={n:3d} {rows}/{stages}/{split}/{overlap:d}/{auto:d}/{probe or '-'}/{order} active={active:3d} "
                           f"{t * 1e3:8.3f} ms  {rec['tbps']:.2f} TB/s  {rec['pct_copy']:5.1f} %", flush=True)
-    payload = dict(commit=args.commit or bench_util.git_commit(), hardware=bench_util.hardware(), jax=jax.__version__,
-                   copy_bandwidth=bw, plan=args.plan, loop_step_ms=loop_s * 1e3,
-                   argv=sys.argv[1:], records=records)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "probe_moe_mgpu.json"), "w") as fh:
-            json.dump(payload, fh, indent=1, default=str)
+                    save(records, loop_s)
+    save(records, loop_s)
     bench_util.print_table([{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items() if k != "kind"}
                             for r in table], ["gemm", "m", "n", "rows", "stages", "split", "overlap", "auto_barriers", "probe", "order", "active", "ms", "pct_copy", "ms_net", "pct_copy_net"])
 
