@@ -2,8 +2,8 @@
 
 Checks the kernel against its twin, then times each of the two routed-expert GEMMs alone (gate+up:
 O=4096, I=7168; down: O=7168, I=2048) over M tokens with top-8 uniform routing, for a few kernel
-configurations. Times are per call, from a jitted loop of back-to-back calls (no Python dispatch in
-the loop). Bytes = INT4 weights + bf16 scales of the experts the tiles touch.
+configurations. Times are per call, from jitted chains of back-to-back calls with the launch cost
+differenced out (``bench_util.chained_call_time``). Bytes = INT4 weights + bf16 scales of the experts the tiles touch.
 
     PYTHONPATH=. python experiments/probe_moe_mgpu.py --out $OUT
 """
@@ -14,14 +14,11 @@ import argparse
 import functools
 import json
 import os
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from experiments import bench_util
 from experiments.bench_moe import rel_err, routing
@@ -53,25 +50,6 @@ def random_fragments(key, e, o, i):
     return jax.block_until_ready(jax.jit(lambda ks: jax.lax.map(one, ks))(jax.random.split(key, e)))
 
 
-def loop_time(fn, args, iters=20, repeats=5):
-    """Seconds per call: a jitted fori_loop of `iters` calls; one activation element changes per
-    iteration (in place, in the loop carry) so that no call can be hoisted."""
-    def many(x, *rest):
-        def body(i, carry):
-            x, acc = carry
-            x = x.at[0, 0, 0].set(i.astype(x.dtype))
-            return x, acc + fn(x, *rest)[0, 0]
-        return lax.fori_loop(0, iters, body, (x, jnp.float32(0)))[1]
-    many = jax.jit(many)
-    jax.block_until_ready(many(*args))
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(many(*args))
-        ts.append((time.perf_counter() - t0) / iters)
-    return statistics.median(ts)
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--ms", default="1,9,32,90,256,512,1024")
@@ -96,11 +74,11 @@ def main(argv=None):
     print("weights ready", flush=True)
     records, table = [], []
 
-    def save(records, loop_s):  # after every timing, so a run cut short keeps what it measured
+    def save(records):  # after every timing, so a run cut short keeps what it measured
         if not args.out:
             return
         payload = dict(commit=args.commit or bench_util.git_commit(), hardware=bench_util.hardware(),
-                       jax=jax.__version__, copy_bandwidth=bw, plan=args.plan, loop_step_ms=loop_s * 1e3,
+                       jax=jax.__version__, copy_bandwidth=bw, plan=args.plan, timing="unrolled chains, 17 vs 1 calls differenced",
                        argv=sys.argv[1:], records=records)
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "probe_moe_mgpu.json"), "w") as fh:
@@ -147,12 +125,6 @@ def main(argv=None):
                 512: ([16], [frag(1)]), 1024: ([32], [frag(1)])}
     if args.quick:
         plan = {m: (ns[:1], cf[:1]) for m, (ns, cf) in plan.items()}
-    # the loop's own cost per iteration (the in-place update and the scalar sum, no kernel): session 3
-    # saw ~35 us per while-loop step on the H200, comparable to an M = 1 GEMM, so it is reported and
-    # subtracted (ms_net, pct_copy_net) next to the raw figures
-    probe_x = K.to_groups(jnp.zeros((8, 7168), jnp.bfloat16))
-    loop_s = loop_time(lambda x, *rest: x[0], (probe_x,))
-    print(f"loop step without a kernel: {loop_s * 1e6:.1f} us", flush=True)
     ms = [int(v) for v in args.ms.split(",")]
     missing = [m for m in ms if m not in plan]
     if missing:
@@ -176,23 +148,21 @@ def main(argv=None):
                     fn = functools.partial(K.grouped_int4_matmul, tokens_per_tile=n, stages=stages, split=split,
                                            overlap=overlap, auto_barriers=auto, probe=probe)
                     try:
-                        t = loop_time(fn, (xg, w, s, tile_expert))
+                        t = bench_util.chained_call_time(fn, (xg, w, s, tile_expert))
                     except Exception as exc:  # noqa: BLE001 - report and go on
                         print(f"FAILED {name} m={m} n={n} {rows}/{stages}/{split}/{overlap}: {exc!r:.300}", flush=True)
                         continue
                     rec = dict(kind="time", gemm=name, m=m, n=n, rows=rows, stages=stages, split=split,
                                overlap=overlap, auto_barriers=auto, probe=probe, order=order, active=active, gb=nbytes / 1e9, ms=t * 1e3, tbps=nbytes / t / 1e12,
-                               pct_copy=100 * nbytes / t / bw, floor_ms=nbytes / bw * 1e3,
-                               ms_net=(t - loop_s) * 1e3,
-                               pct_copy_net=100 * nbytes / max(t - loop_s, 1e-9) / bw)
+                               pct_copy=100 * nbytes / t / bw, floor_ms=nbytes / bw * 1e3)
                     records.append(rec)
                     table.append(rec)
                     print(f"{name:8s} M={m:5d} N={n:3d} {rows}/{stages}/{split}/{overlap:d}/{auto:d}/{probe or '-'}/{order} active={active:3d} "
                           f"{t * 1e3:8.3f} ms  {rec['tbps']:.2f} TB/s  {rec['pct_copy']:5.1f} %", flush=True)
-                    save(records, loop_s)
-    save(records, loop_s)
+                    save(records)
+    save(records)
     bench_util.print_table([{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items() if k != "kind"}
-                            for r in table], ["gemm", "m", "n", "rows", "stages", "split", "overlap", "auto_barriers", "probe", "order", "active", "ms", "pct_copy", "ms_net", "pct_copy_net"])
+                            for r in table], ["gemm", "m", "n", "rows", "stages", "split", "overlap", "auto_barriers", "probe", "order", "active", "ms", "floor_ms", "pct_copy"])
 
 
 if __name__ == "__main__":
