@@ -38,26 +38,11 @@ import numpy as np  # noqa: E402
 
 from ddtree_jax.tree import make_tree  # noqa: E402
 from experiments import bench_util  # noqa: E402
-from pallas_kernels.mla_attention_mgpu import (ROWS, default_splits, prefix_attention,  # noqa: E402
-                                               tree_attention_mgpu)
-from pallas_kernels.tree_attention import (default_config, fold_rows, tree_attention,  # noqa: E402
-                                           tree_attention_ref)
-
-def mgpu_prefix_only(q, cache, plen, tkv, mask, *, scale, kv_lora_rank, **cfg):
-    """The Mosaic GPU prefix kernel and its row folding only (no XLA tail, no merge): its time against
-    the whole call's says what the tail and merge cost. Returns split 0's partial output."""
-    del tkv, mask
-    B, T, H, _ = q.shape
-    qr = fold_rows(q, ROWS)
-    ns = cfg.pop("num_splits", None) or default_splits(B, qr.shape[1] // ROWS, cache.shape[1], 64)
-    o, _ = prefix_attention(qr, cache, plen, scale=scale, kv_lora_rank=kv_lora_rank, num_splits=ns, **cfg)
-    return o[0, :, :T * H].reshape(B, T, H, kv_lora_rank)
-
+from pallas_kernels.mla_attention_mgpu import tree_attention_mgpu  # noqa: E402
+from pallas_kernels.tree_attention import default_config, tree_attention, tree_attention_ref  # noqa: E402
 
 KERNELS = {"triton": tree_attention, "mgpu": tree_attention_mgpu,
-           "mgpu_redundant": functools.partial(tree_attention_mgpu, share_scores=False),
-           "mgpu_overlap": functools.partial(tree_attention_mgpu, overlap_qk=True),
-           "mgpu_prefix_only": mgpu_prefix_only}
+           "mgpu_redundant": functools.partial(tree_attention_mgpu, share_scores=False)}
 
 C, L, SCALE = 576, 512, 0.14468
 L2_BYTES = 60 * 2**20
@@ -248,7 +233,7 @@ def main():
                 break
             t0 = time.time()
             try:
-                check = (mode == "sweep" or P <= args.no_check_above) and kernel != "mgpu_prefix_only"
+                check = (mode == "sweep" or P <= args.no_check_above)
                 row = bench_point(H, B, T, P, cfg, bw, peak, with_xla=(mode == "grid" and kernel == kernels[0]),
                                   check=check, bw_jax=bw_jax, kernel=kernel)
             except Exception as e:  # noqa: BLE001

@@ -83,6 +83,8 @@ def chained_call_time(fn: Callable, args: tuple, n_long: int = 17, n_short: int 
     hoisted, merged or reordered), timed separately; their difference over the extra calls cancels the
     program's launch and dispatch costs. (On the H200 a fori_loop step costs ~30 us, the loop
     condition's trip to the host: as much as an M = 1 MoE GEMM, so loops are not used.)"""
+    fn = jax.jit(fn)  # lowered once, called n times
+
     def chain(n):
         def run(x, *rest):
             acc = jnp.float32(0)

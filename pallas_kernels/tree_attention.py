@@ -453,7 +453,8 @@ def mla_attention(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, kv_lora
             raise NotImplementedError("the Mosaic GPU kernel has no interpret mode; use backend='triton'")
         return tree_attention(*args, interpret=True, **kw, **tuning)
     _, T, H, _ = q.shape
-    mgpu_problem = mgpu.unsupported_reason(q.shape, kv_lora_rank, q.dtype, cache_kv.dtype, tree_kv.dtype)
+    mgpu_problem = mgpu.unsupported_reason(q.shape, cache_kv.shape, kv_lora_rank, q.dtype, cache_kv.dtype,
+                                           tree_kv.dtype)
     triton_ok = kernel_supports(q.shape, kv_lora_rank, tuning.get("block_rows"))
     if backend == "mgpu" and mgpu_problem:
         raise ValueError(f"the Mosaic GPU kernel cannot take {mgpu_problem}")

@@ -1,9 +1,10 @@
 """Mosaic GPU MLA tree attention (``pallas_kernels.mla_attention_mgpu``).
 
-CPU: the prefix twin against a float64 reference split by split; the whole cascade (twin prefix, XLA
-tail and merge) against the dense reference and ``tree_attention_ref`` (ragged prefixes incl. 0 and a
-partial last block, NaN garbage beyond the prefix, random trees, T = 1, chains, several splits); the
-kernel lowered for CUDA; argument errors. GPU (``gpu`` marker): the kernel against the twin at K2.6
+CPU: the kernel's twin (``split_attention_ref``) against a float64 reference split by split, on tails
+built by ``tail_inputs``; the whole op (twin kernel, tail inputs, split merge) against the dense
+reference and ``tree_attention_ref`` (ragged prefixes incl. 0 and a partial last block, NaN garbage
+beyond the prefix, random trees, T = 1, chains, several splits); the kernel lowered for CUDA; argument
+errors; the dispatcher's routing. GPU (``gpu`` marker): the kernel against the twin at K2.6
 dims. JAX's Mosaic GPU interpreter cannot run this kernel (no register-operand wgmma), so there is no
 interpret-mode kernel test.
 """
@@ -23,59 +24,84 @@ from tests.test_tree_attention_kernel import as_jax, dense_reference, make_case
 SCALE = 0.27
 
 
-def prefix_reference(q_rows, cache, plen, scale, L, BK, NS):
-    """float64 per split: softmax over whole blocks [s*per, min((s+1)*per, nb)) of each stream."""
-    q_rows, cache = np.asarray(q_rows, np.float64), np.asarray(cache, np.float64)
+def split_reference(q_rows, cache, plen, tree_kv, tree_mask, H, scale, L, BK, NS):
+    """float64, loops: stream b's keys are its NB = plen // BK whole cache blocks, then the tail (the
+    partial block's rows, then the tree keys, padded to whole blocks); split s takes blocks
+    [s*per, min((s+1)*per, NB + TB)), per = ceil((NB + TB) / NS); row r (node r // H) sees every cache
+    key, the partial block's keys, and tree key u where tree_mask[b, r // H, u] (padding rows r >= T*H
+    the whole cache blocks alone)."""
+    q_rows, cache, tree_kv = (np.asarray(a, np.float64) for a in (q_rows, cache, tree_kv))
     B, Np, _ = q_rows.shape
+    T = tree_kv.shape[1]
+    TB = -(-(BK - 1 + T) // BK)
     o, lse = np.zeros((NS, B, Np, L)), np.full((NS, B, Np), -np.inf)
     for b in range(B):
-        nb = int(plen[b]) // BK
-        per = -(-nb // NS)
+        nb, rem = divmod(int(plen[b]), BK)
+        tail = np.zeros((TB * BK, cache.shape[2]))
+        tail[:rem], tail[rem:rem + T] = cache[b, nb * BK:nb * BK + rem], tree_kv[b]
+        keys = np.concatenate([cache[b, :nb * BK], tail])
+        per = -(-(nb + TB) // NS)
         for s in range(NS):
-            lo, hi = min(s * per, nb) * BK, min(s * per + per, nb) * BK
-            if hi <= lo:
-                continue
-            sc = q_rows[b] @ cache[b, lo:hi].T * scale
-            m = sc.max(-1, keepdims=True)
-            e = np.exp(sc - m)
-            o[s, b] = (e / e.sum(-1, keepdims=True)) @ cache[b, lo:hi, :L]
-            lse[s, b] = (m + np.log(e.sum(-1, keepdims=True)))[:, 0]
+            lo, hi = min(s * per, nb + TB) * BK, min(s * per + per, nb + TB) * BK
+            for r in range(Np):
+                vis = np.zeros(len(keys), bool)
+                vis[:nb * BK] = True  # padding rows (r >= T*H) see the whole cache blocks alone
+                if r < T * H:
+                    vis[nb * BK:nb * BK + rem] = True
+                    vis[nb * BK + rem:nb * BK + rem + T] = tree_mask[b, r // H]
+                vis[:lo] = vis[hi:] = False
+                if not vis.any():
+                    continue
+                sc = keys[vis] @ q_rows[b, r] * scale
+                e = np.exp(sc - sc.max())
+                o[s, b, r] = e @ keys[vis, :L] / e.sum()
+                lse[s, b, r] = sc.max() + np.log(e.sum())
     return o, lse
 
 
 @pytest.mark.parametrize("NS", [1, 2, 5])
-def test_prefix_twin_matches_reference_per_split(NS):
+def test_split_twin_on_tail_inputs_matches_reference_per_split(NS):
     rng = np.random.default_rng(3)
-    B, Np, C, L, S, BK = 3, 64, 192, 128, 320, 64
+    B, T, H, C, L, S, BK = 3, 5, 8, 192, 128, 320, 64
+    Np = 64
     q = rng.standard_normal((B, Np, C)).astype(np.float32)
     cache = rng.standard_normal((B, S, C)).astype(np.float32)
+    tree_kv = rng.standard_normal((B, T, C)).astype(np.float32)
+    mask = np.tril(rng.random((B, T, T)) < 0.5) | np.eye(T, dtype=bool)[None]
     plen = np.array([0, 130, 320], np.int32)
     for b in range(B):
         cache[b, plen[b]:] = np.nan
-    o, lse = M.prefix_attention_ref(jnp.asarray(q, jnp.bfloat16), jnp.asarray(cache, jnp.bfloat16),
-                                    jnp.asarray(plen), scale=SCALE, kv_lora_rank=L, block_k=BK, num_splits=NS)
-    up = lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16), np.float32)  # noqa: E731
-    r_o, r_l = prefix_reference(up(q), np.where(np.isnan(cache), np.nan, up(cache)), plen, SCALE, L, BK, NS)
+    bf = lambda a: jnp.asarray(a, jnp.bfloat16)  # noqa: E731
+    tail_kv, bits = M.tail_inputs(bf(cache), jnp.asarray(plen), bf(tree_kv), jnp.asarray(mask), H, Np, BK)
+    assert tail_kv.shape == (B, 128, C) and bits.shape == (B, 4, Np) and bits.dtype == jnp.int32
+    assert np.all(np.isfinite(np.asarray(tail_kv, np.float32)))   # NaN beyond the prefix never enters
+    assert not np.asarray(bits)[:, :, T * H:].any()                 # padding rows see nothing
+    o, lse = M.split_attention_ref(bf(q), bf(cache), jnp.asarray(plen), tail_kv, bits, scale=SCALE,
+                                   kv_lora_rank=L, block_k=BK, num_splits=NS)
+    up = lambda a: np.asarray(bf(a), np.float32)  # noqa: E731
+    r_o, r_l = split_reference(up(q), np.where(np.isnan(cache), np.nan, up(cache)), plen, up(tree_kv), mask, H,
+                               SCALE, L, BK, NS)
     assert o.shape == (NS, B, Np, L) and o.dtype == jnp.bfloat16 and lse.shape == (NS, B, Np)
     np.testing.assert_array_equal(np.isinf(np.asarray(lse)), np.isinf(r_l))
     fin = np.isfinite(r_l)
     np.testing.assert_allclose(np.asarray(lse)[fin], r_l[fin], atol=1e-4, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(o, np.float32), r_o, atol=2e-2, rtol=2e-2)
-    assert not np.asarray(o, np.float32)[~fin].any()  # empty splits: zeros
+    assert not np.asarray(o, np.float32)[~fin].any()  # empty rows of a split: zeros
 
 
 @pytest.mark.parametrize("B,T,H,S,plens,kind,NS", [
     (3, 6, 4, 200, [0, 37, 200], "tree", 2),     # empty, short (tail only), whole blocks + partial
     (2, 1, 8, 256, [256, 129], "chain", 3),      # plain decode, T = 1
-    (2, 9, 2, 150, [150, 64], "chain", 1),       # DFlash chain, exactly one whole block
-    (1, 12, 16, 300, [300], "tree", 4),          # 192 rows: 3 tiles
+    (2, 9, 2, 152, [150, 64], "chain", 1),       # DFlash chain, exactly one whole block
+    (1, 12, 16, 304, [300], "tree", 4),          # 192 rows: 3 tiles
+    (2, 70, 1, 96, [96, 5], "tree", 6),          # 70 tree keys: 3 tail blocks, splits inside the tail
 ])
 def test_cascade_with_twin_prefix_matches_dense(B, T, H, S, plens, kind, NS):
     L, RD = 128, 64
     case = make_case(5, B, T, H, L, RD, S, plens, kind)
     args = as_jax(case, jnp.bfloat16)
     o, lse = jax.jit(functools.partial(M.tree_attention_mgpu, scale=SCALE, kv_lora_rank=L, num_splits=NS,
-                                       return_lse=True, prefix=M.prefix_attention_ref))(*args)
+                                       return_lse=True, kernel=M.split_attention_ref))(*args)
     up = [np.asarray(a, np.float32) if a.dtype == jnp.bfloat16 else np.asarray(a) for a in args]
     r_o, r_l = dense_reference(*up, SCALE, L)
     assert o.shape == (B, T, H, L) and o.dtype == jnp.bfloat16
@@ -103,23 +129,28 @@ def test_errors():
     with pytest.raises(NotImplementedError, match="interpret"):
         M.tree_attention_mgpu(*case, interpret=True, **kw)
     q_rows = jnp.zeros((1, 64, 192), jnp.bfloat16)
+    tail = M.tail_inputs(case[1], case[2], case[3], case[4], 2, 64, 64)
     with pytest.raises(ValueError, match="block_k"):
-        M.prefix_attention(q_rows, case[1], case[2], block_k=96, **kw)
+        M.split_attention(q_rows, case[1], case[2], *tail, block_k=96, **kw)
     with pytest.raises(ValueError, match="block_k"):
-        M.prefix_attention(q_rows, case[1], case[2], block_k=32, **kw)
+        M.split_attention(q_rows, case[1], case[2], *tail, block_k=32, **kw)
     with pytest.raises(ValueError, match="shared memory"):
-        M.prefix_attention(q_rows, case[1], case[2], block_k=256, stages=4, **kw)
-    with pytest.raises(ValueError, match="overlap_qk needs share_scores"):
-        M.prefix_attention(q_rows, case[1], case[2], share_scores=False, overlap_qk=True, **kw)
+        M.split_attention(q_rows, case[1], case[2], *tail, block_k=256, stages=4, **kw)
     with pytest.raises(ValueError, match="whole 64-row tiles"):
-        M.prefix_attention(q_rows[:, :40], case[1], case[2], **kw)
+        M.split_attention(q_rows[:, :40], case[1], case[2], *tail, **kw)
+    with pytest.raises(ValueError, match="tail_kv"):
+        M.split_attention(q_rows, case[1], case[2], tail[0][:, :32], tail[1], **kw)
+    with pytest.raises(ValueError, match="capacity S=100"):
+        M.tree_attention_mgpu(case[0], case[1][:, :100], *case[2:], **kw)
     with pytest.raises(ValueError, match="bf16"):   # f32 tree latents are not silently cast
         M.tree_attention_mgpu(*case[:3], case[3].astype(jnp.float32), case[4], **kw)
     with pytest.raises(ValueError, match="num_splits=0"):
         M.tree_attention_mgpu(*case, num_splits=0, **kw)
-    assert "L <= 512" in M.unsupported_reason((1, 1, 1, 1152), 1024, jnp.bfloat16)
-    assert "shared memory" in M.unsupported_reason((1, 1, 1, 640), 512, jnp.bfloat16)
-    assert M.unsupported_reason((1, 1, 1, 576), 512, jnp.bfloat16, jnp.bfloat16) is None
+    assert "L <= 512" in M.unsupported_reason((1, 1, 1, 1152), (1, 64, 1152), 1024, jnp.bfloat16)
+    assert "shared memory" in M.unsupported_reason((1, 1, 1, 640), (1, 64, 640), 512, jnp.bfloat16)
+    assert "S % 8" in M.unsupported_reason((1, 1, 1, 576), (1, 273, 576), 512, jnp.bfloat16)
+    assert "S % 8" in M.unsupported_reason((1, 1, 1, 576), (1, 0, 576), 512, jnp.bfloat16)
+    assert M.unsupported_reason((1, 1, 1, 576), (1, 64, 576), 512, jnp.bfloat16, jnp.bfloat16) is None
 
 
 def test_merge_lse_weights_parts_and_keeps_empty_rows_empty():
@@ -145,15 +176,13 @@ def k26_spec(B, T, H, S):
             jax.ShapeDtypeStruct((B, T, T), jnp.bool_))
 
 
-@pytest.mark.parametrize("T,H,NS,share,overlap,BK,stages", [
-    (1, 64, 4, True, False, 64, 2), (8, 8, 1, False, False, 64, 2), (33, 64, 2, True, False, 64, 2),
-    (9, 8, 1, True, True, 64, 2)])
-def test_kernel_lowers_for_cuda_on_cpu(T, H, NS, share, overlap, BK, stages):
+@pytest.mark.parametrize("T,H,NS,share,BK,stages", [
+    (1, 64, 4, True, 64, 2), (8, 8, 1, False, 64, 2), (33, 64, 2, True, 64, 2), (9, 8, 1, True, 64, 2)])
+def test_kernel_lowers_for_cuda_on_cpu(T, H, NS, share, BK, stages):
     """Mosaic GPU lowering at K2.6 dims without a GPU: layouts, transforms, wgmma shapes, barriers,
     and shared memory within the H200's 227 KB."""
     f = jax.jit(functools.partial(M.tree_attention_mgpu, scale=K26["scale"], kv_lora_rank=K26["L"],
-                                  num_splits=NS, share_scores=share, overlap_qk=overlap, block_k=BK,
-                                  stages=stages))
+                                  num_splits=NS, share_scores=share, block_k=BK, stages=stages))
     text = f.trace(*k26_spec(2, T, H, 1024)).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 
@@ -163,14 +192,14 @@ def test_kernel_lowers_for_cuda_on_cpu(T, H, NS, share, overlap, BK, stages):
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("B,T,H,S,kind,NS,share,overlap,BK,stages", [
-    (2, 1, 64, 4096, "chain", None, True, False, 64, 2), (3, 1, 8, 4096, "chain", 7, True, False, 64, 2),
-    (2, 8, 8, 2048, "chain", None, True, False, 64, 2), (2, 64, 64, 2048, "tree", None, True, False, 64, 2),
-    (1, 256, 8, 1024, "tree", 1, True, False, 64, 2), (2, 33, 64, 1000, "tree", 3, True, False, 64, 2),
-    (2, 1, 64, 4096, "chain", None, False, False, 64, 2), (2, 33, 64, 1000, "tree", 3, False, False, 64, 2),
-    (2, 64, 64, 2048, "tree", None, True, True, 64, 2), (3, 1, 8, 4096, "chain", 7, True, True, 64, 2),
+@pytest.mark.parametrize("B,T,H,S,kind,NS,share", [
+    (2, 1, 64, 4096, "chain", None, True), (3, 1, 8, 4096, "chain", 7, True),
+    (2, 8, 8, 2048, "chain", None, True), (2, 64, 64, 2048, "tree", None, True),
+    (1, 256, 8, 1024, "tree", 1, True), (2, 33, 64, 1000, "tree", 3, True),
+    (2, 1, 64, 4096, "chain", None, False), (2, 33, 64, 1000, "tree", 3, False),
+    (2, 200, 8, 64, "tree", 5, True),            # splits inside the tail (4 tail blocks, 1 cache block)
 ])
-def test_gpu_kernel_matches_twin_k26(B, T, H, S, kind, NS, share, overlap, BK, stages):
+def test_gpu_kernel_matches_twin_k26(B, T, H, S, kind, NS, share):
     L = K26["L"]
     rng = np.random.default_rng(7)
     plens = [int(x) for x in rng.integers(0, S + 1, size=B)]
@@ -178,8 +207,7 @@ def test_gpu_kernel_matches_twin_k26(B, T, H, S, kind, NS, share, overlap, BK, s
     case = make_case(11, B, T, H, L, K26["C"] - L, S, plens, kind)
     args = as_jax(case, jnp.bfloat16)
     o, lse = jax.jit(lambda *a: M.tree_attention_mgpu(*a, scale=K26["scale"], kv_lora_rank=L, num_splits=NS,
-                                                      share_scores=share, overlap_qk=overlap, block_k=BK,
-                                                      stages=stages, return_lse=True))(*args)
+                                                      share_scores=share, return_lse=True))(*args)
     up = [a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args]
     r_o, r_l = jax.jit(lambda *a: tree_attention_ref(*a, scale=K26["scale"], kv_lora_rank=L,
                                                      return_lse=True))(*up)
@@ -209,10 +237,12 @@ def test_dispatcher_picks_the_kernel_for_cuda(T, H, backend, expect):
         mla_attention(*zeros, scale=1.0, kv_lora_rank=512, backend="triton", block_rows=24)
 
 
-def test_dispatcher_auto_falls_back_to_triton_where_the_mosaic_kernel_cannot_run():
-    """C = 640 (512 + 128) needs more shared memory than an SM has: auto takes Triton, not a failing kernel."""
+@pytest.mark.parametrize("C,S", [(640, 256), (576, 273)])
+def test_dispatcher_auto_falls_back_to_triton_where_the_mosaic_kernel_cannot_run(C, S):
+    """C = 640 (512 + 128) needs more shared memory than an SM has, and a 273-slot cache breaks the TMA
+    tiling rule: auto takes Triton, not a failing kernel."""
     from pallas_kernels.tree_attention import mla_attention
-    B, T, H, S, C = 1, 8, 8, 256, 640
+    B, T, H = 1, 8, 8
     spec = (jax.ShapeDtypeStruct((B, T, H, C), jnp.bfloat16), jax.ShapeDtypeStruct((B, S, C), jnp.bfloat16),
             jax.ShapeDtypeStruct((B,), jnp.int32), jax.ShapeDtypeStruct((B, T, C), jnp.bfloat16),
             jax.ShapeDtypeStruct((B, T, T), jnp.bool_))
@@ -241,7 +271,7 @@ def cached_verify_logits(model, prompt, block, runtime):
     from ddtree_jax.model import causal_mask
     b, p = prompt.shape
     t = block.shape[1]
-    cache = init_cache(model.cfg, b, p + t + 64)
+    cache = init_cache(model.cfg, b, p + t + 71)   # 280 slots: the Mosaic kernel needs S % 8 == 0
     pos = jnp.broadcast_to(jnp.arange(p), (b, p))
     out = model(prompt, pos, cache, causal_mask(b, p), runtime=runtime)
     cache, _ = commit(cache, out.block_kv, jnp.broadcast_to(jnp.arange(p), (b, p)), jnp.full((b,), p, jnp.int32))
