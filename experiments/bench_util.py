@@ -76,7 +76,6 @@ def time_fn(fn: Callable, *args, repeats: int = 20, warmup: int = 2) -> dict[str
     return {"median_s": statistics.median(times), "min_s": min(times), "repeats": repeats}
 
 
-@contextlib.contextmanager
 def chained_call_time(fn: Callable, args: tuple, n_long: int = 17, n_short: int = 1, repeats: int = 5) -> float:
     """Seconds per call of ``fn(*args)`` on the device: two jitted, unrolled chains of back-to-back calls
     (each call's first argument takes one element of the previous call's output, so no call can be
@@ -107,6 +106,7 @@ def chained_call_time(fn: Callable, args: tuple, n_long: int = 17, n_short: int 
     return (median_s(chain(n_long)) - median_s(chain(n_short))) / (n_long - n_short)
 
 
+@contextlib.contextmanager
 def counting_compiles():
     """Yields a list that collects the seconds of every XLA backend compile (in any thread) in the block."""
     seconds = []
