@@ -160,14 +160,21 @@ def measure_torch_copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 20) -> fl
     return bandwidth
 
 
-def measure_bf16_peak(n: int = 8192, repeats: int = 10) -> float:
-    """Dense bf16 matmul throughput in FLOP/s (the compute roofline we quote)."""
-    k1, k2 = jax.random.split(jax.random.key(0))
-    a = jax.random.normal(k1, (n, n), jnp.bfloat16)
-    b = jax.random.normal(k2, (n, n), jnp.bfloat16)
-    mm = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
-    t = time_fn(mm, a, b, repeats=repeats)["median_s"]
-    return 2 * n**3 / t
+def measure_bf16_peak(sizes: tuple[int, ...] = (8192, 16384), repeats: int = 5) -> float:
+    """Dense bf16 matmul throughput in FLOP/s (the compute roofline we quote): the best over square
+    [n, n] x [n, n] products with bf16 output (f32 accumulation), each timed as a chain of dependent
+    products with the launch cost differenced out (``chained_call_time``). A single dispatched 8192
+    product with an f32 output measured 538-639 TFLOP/s on the H200 from run to run, below what the
+    attention kernel then reached, so it was not a ceiling."""
+    best = 0.0
+    for n in sizes:
+        k1, k2 = jax.random.split(jax.random.key(n))
+        a = jax.random.normal(k1, (n, n), jnp.bfloat16)
+        b = jax.random.normal(k2, (n, n), jnp.bfloat16)
+        t = chained_call_time(jnp.dot, (a, b), n_long=5, n_short=1, repeats=repeats)
+        best = max(best, 2 * n**3 / t)
+        del a, b
+    return best
 
 
 def write_result(name: str, payload: dict[str, Any], out_dir: str | None = None) -> str:
