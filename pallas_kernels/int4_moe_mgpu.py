@@ -495,6 +495,19 @@ def tiled_default_tile(m: int, k: int, e: int) -> int:
     return default_tile(m, k, e, smallest=8, largest=64)
 
 
+NUM_SMS_H200 = 132
+
+
+def default_split(m: int, k: int, e: int, leaf: TiledInt4, num_sms: int = NUM_SMS_H200) -> int:
+    """Split-K for one GEMM of the layer: 2 where the busy programs (at most min(M*K, E) busy tiles x
+    O/R row blocks) would fill less than two waves of ``num_sms`` SMs, else 1. On the H200 at M = 1
+    split 2 took gate+up (256 busy programs) from 65 to 51 us and left down (448) unchanged
+    (experiments/results/probe_moe_mgpu_chained_h200.json)."""
+    steps = leaf.shape[2] // STEP
+    busy = min(m * k, e) * (leaf.shape[1] // leaf.rows)
+    return 2 if busy < 2 * num_sms and steps % 2 == 0 else 1
+
+
 def check_kernel_config(w13: TiledInt4, w2: TiledInt4, n: int, stages: int, split: int) -> None:
     """Raises ValueError for a tile size, pipeline depth or split-K the kernel cannot run on these stacks
     (checked on every platform, so the CPU twin refuses what the GPU kernel would)."""
@@ -511,7 +524,7 @@ def check_kernel_config(w13: TiledInt4, w2: TiledInt4, n: int, stages: int, spli
 
 def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: TiledInt4, *,
                          expert_offset: int | jax.Array = 0, out_dtype=None, use_kernel: bool = False,
-                         tile: int | None = None, stages: int = 2, split: int = 1):
+                         tile: int | None = None, stages: int = 2, split: int | None = None):
     """Routed experts of one MoE layer on tiled INT4 stacks: the Mosaic GPU kernel (``use_kernel``) or its
     twin, around the same XLA routing and combine.
 
@@ -523,7 +536,8 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
     The pairs are sorted by expert into tiles of N rows (``int4_moe._route``); kernel 1 gives gate and up
     [2F, P] in f32, XLA forms h = silu(gate) * up in x.dtype, kernel 2 gives [D, P]; rows are weighted
     and added per token. Tiles past the busy ones are skipped by the kernel; only padding rows (token
-    index M, dropped by the combine) read their unwritten columns.
+    index M, dropped by the combine) read their unwritten columns. split: split-K of both GEMMs
+    (default: ``default_split`` for each).
     """
     m, d = x.shape
     k = expert_ids.shape[1]
@@ -533,16 +547,19 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
     if use_kernel and x.dtype != jnp.bfloat16:
         raise ValueError(f"the Mosaic GPU kernel takes bf16 activations, got {x.dtype}")
     n = tile or tiled_default_tile(m, k, e_n)
-    check_kernel_config(w13, w2, n, stages, split)  # on every platform: one program, one contract
+    split13, split2 = (split, split) if split else (default_split(m, k, e_n, w13), default_split(m, k, e_n, w2))
+    for s_ in {split13, split2}:
+        check_kernel_config(w13, w2, n, stages, s_)  # on every platform: one program, one contract
     row_token, row_weight, tile_expert, _ = _route(expert_ids - expert_offset, expert_weights, e_n, n)
     xs = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)])[row_token]  # [P, D]
     if use_kernel:
-        mm = functools.partial(grouped_int4_matmul, tokens_per_tile=n, stages=stages, split=split)
+        mm = lambda *a, split: grouped_int4_matmul(*a, tokens_per_tile=n, stages=stages, split=split)  # noqa: E731
     else:
-        mm = functools.partial(grouped_int4_matmul_ref, tokens_per_tile=n)
-    gu = mm(to_groups(xs), w13.packed, w13.scale, tile_expert)  # [2F, P] f32
+        mm = lambda *a, split: grouped_int4_matmul_ref(*a, tokens_per_tile=n)  # noqa: E731
+    gu = mm(to_groups(xs), w13.packed, w13.scale, tile_expert, split=split13)  # [2F, P] f32
     h = (jax.nn.silu(gu[:f]) * gu[f:]).astype(x.dtype)  # [F, P]
-    y_rows = mm(jnp.swapaxes(h.reshape(f // GROUP, GROUP, -1), 1, 2), w2.packed, w2.scale, tile_expert)  # [D, P]
+    y_rows = mm(jnp.swapaxes(h.reshape(f // GROUP, GROUP, -1), 1, 2), w2.packed, w2.scale, tile_expert,
+                split=split2)  # [D, P]
     return _combine(y_rows.T * row_weight[:, None], row_token, m, out_dtype or x.dtype)
 
 

@@ -378,3 +378,16 @@ def test_gpu_fragment_kernel_matches_twin(n, split):
     valid = np.repeat(np.asarray(te) >= 0, n)
     assert np.isfinite(got[:, valid]).all()
     assert rel_norm(got[:, valid], want[:, valid]) < 1e-5
+
+
+def test_default_split_only_where_few_programs_are_busy():
+    """K2.6 stacks (abstract): split-K 2 for gate+up at one token (8 x 32 busy programs), none for down
+    (8 x 56) or from 9 tokens on, and none where the pipeline steps are odd."""
+    def leaf(e, o, i):
+        return TiledInt4(packed=jax.ShapeDtypeStruct((e, o // 128, (i // 256) * 32, 128), jnp.int32),
+                         scale=jax.ShapeDtypeStruct((e, o // 128, i // 32, 128), jnp.bfloat16))
+    w13, w2 = leaf(384, 4096, 7168), leaf(384, 7168, 2048)
+    assert K.default_split(1, 8, 384, w13) == 2 and K.default_split(1, 8, 384, w2) == 1
+    assert K.default_split(9, 8, 384, w13) == 1
+    assert K.default_split(1, 8, 384, leaf(384, 4096, 768)) == 1      # 3 steps: no even split
+    assert K.default_split(1, 8, 384, w13, num_sms=16) == 1
