@@ -49,7 +49,7 @@ class EngineConfig:
     mode: str = "ddtree"
     budget: int = 32  # DDTree node budget (tree has budget + 1 nodes); ignored by ar/dflash
     max_new_tokens: int = 64
-    capacity: int = 1024  # target / draft cache slots per stream
+    capacity: int = 1024  # target / draft cache slots per stream (a multiple of 8 for the Mosaic GPU attention)
     rounds_per_dispatch: int = 64
     eos_ids: tuple[int, ...] = ()
 

@@ -434,13 +434,14 @@ def mla_attention(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, kv_lora
     The choice is made per lowering platform (``lax.platform_dependent``), not from environment or
     global state, so the same jitted function runs on a CPU host and on the H200. On CUDA, ``backend``
     "mgpu" is the Mosaic GPU kernel (``pallas_kernels.mla_attention_mgpu``), "triton" this module's
-    kernel, and "auto" (default) the Mosaic GPU kernel when it takes the dtype and dims and there are
-    at least 64 query rows (T*H; it pads rows to 64-row tiles, so Triton's 16-row tiles win below
-    that), else Triton. Tuning keywords go to the chosen kernel (their presence with "auto" picks
-    Triton, whose keywords they are). With "auto", dims no kernel takes use the twin everywhere; an
-    explicit backend that cannot take them raises. ``interpret=True`` forces the Triton kernel through
-    the Pallas interpreter on every platform (tests). Known loss of the 64-row rule: at T = 1, H = 8 over
-    a 64K prefix at B = 1 the Mosaic GPU kernel measured 1.5x faster than Triton (README).
+    kernel, and "auto" (default) the Mosaic GPU kernel wherever it takes the dtype and dims, else
+    Triton. Tuning keywords go to the chosen kernel (their presence with "auto" picks Triton, whose
+    keywords they are). With "auto", dims no kernel takes use the twin everywhere; an explicit backend
+    that cannot take them raises. ``interpret=True`` forces the Triton kernel through the Pallas
+    interpreter on every platform (tests). Since the Mosaic kernel took the tree tail in (session 5) it
+    beat Triton at every measured shape, also below 64 query rows, which it pads to one 64-row tile:
+    T = 1, H = 8 at B = 16, 8K prefix 0.074 vs 0.092 ms, at B = 1, 64K 0.087 vs 0.125 ms
+    (experiments/results/bench_tree_attention_mgpu_tail_h200.json).
     """
     from pallas_kernels import mla_attention_mgpu as mgpu  # lazy: that module imports this one
 
@@ -452,7 +453,6 @@ def mla_attention(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, kv_lora
         if backend == "mgpu":
             raise NotImplementedError("the Mosaic GPU kernel has no interpret mode; use backend='triton'")
         return tree_attention(*args, interpret=True, **kw, **tuning)
-    _, T, H, _ = q.shape
     mgpu_problem = mgpu.unsupported_reason(q.shape, cache_kv.shape, kv_lora_rank, q.dtype, cache_kv.dtype,
                                            tree_kv.dtype)
     triton_ok = kernel_supports(q.shape, kv_lora_rank, tuning.get("block_rows"))
@@ -461,7 +461,7 @@ def mla_attention(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, kv_lora
     if backend == "triton" and not triton_ok:
         raise ValueError(f"the Triton kernel cannot take q {q.shape} with kv_lora_rank={kv_lora_rank} "
                          f"(block_rows={tuning.get('block_rows')})")
-    if backend == "mgpu" or (backend == "auto" and not mgpu_problem and T * H >= mgpu.ROWS and not tuning):
+    if backend == "mgpu" or (backend == "auto" and not mgpu_problem and not tuning):
         kernel = functools.partial(mgpu.tree_attention_mgpu, **kw, **tuning)
     elif triton_ok:
         kernel = functools.partial(tree_attention, **kw, **tuning)

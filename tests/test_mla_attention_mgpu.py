@@ -217,7 +217,7 @@ def test_gpu_kernel_matches_twin_k26(B, T, H, S, kind, NS, share):
     np.testing.assert_allclose(np.asarray(lse), np.asarray(r_l), atol=3e-2, rtol=1e-2)
 
 
-@pytest.mark.parametrize("T,H,backend,expect", [(1, 64, "auto", "mosaic_gpu"), (1, 8, "auto", "triton"),
+@pytest.mark.parametrize("T,H,backend,expect", [(1, 64, "auto", "mosaic_gpu"), (1, 8, "auto", "mosaic_gpu"),
                                                 (8, 8, "auto", "mosaic_gpu"), (8, 8, "triton", "triton"),
                                                 (1, 8, "mgpu", "mosaic_gpu")])
 def test_dispatcher_picks_the_kernel_for_cuda(T, H, backend, expect):
