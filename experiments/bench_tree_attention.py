@@ -40,8 +40,10 @@ import numpy as np  # noqa: E402
 
 from ddtree_jax.tree import make_tree  # noqa: E402
 from experiments import bench_util  # noqa: E402
+from pallas_kernels import mla_attention_mgpu as M  # noqa: E402
 from pallas_kernels.mla_attention_mgpu import tree_attention_mgpu  # noqa: E402
-from pallas_kernels.tree_attention import default_config, tree_attention, tree_attention_ref  # noqa: E402
+from pallas_kernels.tree_attention import (default_config, fold_rows, merge_lse, tree_attention,  # noqa: E402
+                                           tree_attention_ref)
 
 KERNELS = {"triton": tree_attention, "mgpu": tree_attention_mgpu,
            "mgpu_redundant": functools.partial(tree_attention_mgpu, share_scores=False)}
@@ -110,6 +112,58 @@ def chained(fn, n):
     return jax.jit(run)
 
 
+def mgpu_parts(H, B, T, S):
+    """The Mosaic GPU op in its parts, as (prepare, step) pairs for ``chained_parts``: "glue" (row
+    folding and the tail inputs), "kernel" (the kernel alone on prepared inputs), "merge" (the split
+    merge and row unfolding on prepared kernel outputs). Each step takes (prepared, prefix_len) and
+    returns an array, or a tuple of arrays (all kept), whose first array's [0, ...] element the next
+    call's prefix_len depends on."""
+    ns = M.default_splits(B, -(-T * H // M.ROWS), S + M.tail_keys(T, 64), 64)
+    kw = dict(scale=SCALE, kv_lora_rank=L, num_splits=ns)
+
+    def glue(q, cache, plen, tkv, mask):
+        qr = fold_rows(q, M.ROWS)
+        return (qr,) + M.tail_inputs(cache, plen, tkv, mask, H, qr.shape[1], 64)
+
+    def kernel_step(prep, plen):
+        qr, cache, tail_kv, bits = prep
+        return M.split_attention(qr, cache, plen, tail_kv, bits, **kw)[0]
+
+    def merge_step(prep, plen):
+        o, lse = prep
+        bump = (plen[0] > 1 << 30).astype(jnp.float32)  # 0, but traced: the calls stay in order
+        out, _ = merge_lse(o, lse + bump) if ns > 1 else (o[0], lse[0])
+        return out[:, :T * H].reshape(B, T, H, L).astype(jnp.bfloat16)
+
+    return {
+        "glue": (lambda q, cache, plen, tkv, mask: (q, cache, tkv, mask),
+                 lambda prep, plen: glue(prep[0], prep[1], plen, prep[2], prep[3])[::-1]),
+        "kernel": (lambda q, cache, plen, tkv, mask: (lambda g: (g[0], cache, g[1], g[2]))(
+            glue(q, cache, plen, tkv, mask)), kernel_step),
+        "merge": (lambda q, cache, plen, tkv, mask: M.split_attention(*(lambda g: (g[0], cache, plen, g[1], g[2]))(
+            glue(q, cache, plen, tkv, mask)), **kw), merge_step),
+    }
+
+
+def chained_parts(prepare, step, n):
+    """Like ``chained`` for one part: every cache copy is prepared once and every prepared array is
+    returned (the same work for any n, so it cancels in time_op's difference; unreturned preparations
+    would be dead code in a short chain), then n dependent steps rotate over the copies."""
+    def run(q, caches, plen, tkv, mask):
+        preps = [prepare(q, c, plen, tkv, mask) for c in caches]
+        given = [q, *caches, plen, tkv, mask]
+        made = [x for x in jax.tree.leaves(preps) if not any(x is g for g in given)]
+        outs, p = [], plen
+        for i in range(n):
+            o = step(preps[i % len(preps)], p)
+            outs.append(o)
+            lead = o[0] if isinstance(o, tuple) else o
+            first = lead[(0,) * lead.ndim]
+            p = plen + (first != first).astype(jnp.int32)
+        return outs, made
+    return jax.jit(run)
+
+
 def roofline(H, B, T, P, bw, peak):
     nbytes = 2 * (B * P * C + B * T * H * C + B * T * C + B * T * H * L)
     flops = 2 * B * T * H * (P + T) * (C + L)
@@ -117,15 +171,31 @@ def roofline(H, B, T, P, bw, peak):
     return nbytes, flops, ("memory" if t_mem >= t_cmp else "compute"), max(t_mem, t_cmp)
 
 
-def time_op(fn, inputs, est_s, repeats):
+def time_op(fn, inputs, est_s, repeats, chain=chained):
     """(seconds per call, calls in the long chain, seconds per call with the program's launch left in):
     the per-call figure is the difference between an n-call and a 1-call chain over n - 1, so the
-    program's launch and dispatch (tens of us on the H200) do not count against a small op."""
+    program's launch and dispatch (tens of us on the H200) do not count against a small op.
+    ``chain(fn, n)`` builds the chained program (``chained``, or a ``chained_parts`` partial)."""
     n = int(min(16, max(4, math.ceil(5e-3 / max(est_s, 1e-7)))))
     q, caches, plen, tkv, mask = inputs
-    t_n = bench_util.time_fn(chained(fn, n), q, caches, plen, tkv, mask, repeats=repeats, warmup=1)["median_s"]
-    t_1 = bench_util.time_fn(chained(fn, 1), q, caches, plen, tkv, mask, repeats=repeats, warmup=1)["median_s"]
+    t_n = bench_util.time_fn(chain(fn, n), q, caches, plen, tkv, mask, repeats=repeats, warmup=1)["median_s"]
+    t_1 = bench_util.time_fn(chain(fn, 1), q, caches, plen, tkv, mask, repeats=repeats, warmup=1)["median_s"]
     return (t_n - t_1) / (n - 1), n, t_n / n
+
+
+def bench_parts(H, B, T, P, bw, peak, repeats=5):
+    """The Mosaic GPU op and its parts (``mgpu_parts``) at one point: ms of each, whole op first."""
+    nbytes, flops, bound, floor_s = roofline(H, B, T, P, bw, peak)
+    copies = int(min(16, max(1, math.ceil(2 * L2_BYTES / (2 * B * P * C)))))
+    inputs = make_inputs(jax.random.key(H * 7 + B * 131 + T * 17 + P), H, B, T, P, copies)
+    row = dict(H=H, B=B, T=T, P=P, bound=bound, floor_ms=floor_s * 1e3, kernel="mgpu_parts", cache_copies=copies)
+    whole = jax.jit(functools.partial(tree_attention_mgpu, scale=SCALE, kv_lora_rank=L))
+    row["ms"] = time_op(whole, inputs, floor_s, repeats)[0] * 1e3
+    for name, (prepare, step) in mgpu_parts(H, B, T, P).items():
+        chain = lambda fn, n, prepare=prepare: chained_parts(prepare, fn, n)  # noqa: E731
+        row[f"{name}_ms"] = time_op(step, inputs, floor_s, repeats, chain=chain)[0] * 1e3
+    row["rest_ms"] = row["ms"] - row["glue_ms"] - row["kernel_ms"] - row["merge_ms"]
+    return row
 
 
 _TWIN_CACHE = {}
@@ -177,7 +247,8 @@ def bench_point(H, B, T, P, cfg, bw, peak, with_xla=True, check=True, repeats=5,
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=["sweep", "grid", "both"], default="grid")
+    ap.add_argument("--mode", choices=["sweep", "grid", "both", "parts"], default="grid",
+                    help="parts: the Mosaic GPU op split into glue, kernel and merge at the grid points")
     ap.add_argument("--out", default=None)
     ap.add_argument("--budget-s", type=float, default=150.0)
     ap.add_argument("--cfg", default=None, help="JSON dict of tuning overrides for grid mode (Triton kernel)")
@@ -253,6 +324,24 @@ def main():
                   flush=True)
             save()
 
+    if args.mode == "parts":
+        for H, B, T, P in GRID[args.start:]:
+            if time.time() - t_start > args.budget_s:
+                print("budget reached; skipping the rest", flush=True)
+                break
+            t0 = time.time()
+            try:
+                row = bench_parts(H, B, T, P, bw, peak)
+            except Exception as e:  # noqa: BLE001
+                row = dict(H=H, B=B, T=T, P=P, kernel="mgpu_parts", error=f"{type(e).__name__}: {str(e)[:300]}")
+                traceback.print_exc(limit=2)
+            row.update(wall_s=round(time.time() - t0, 1), mode="parts")
+            rows.append(row)
+            print(json.dumps(row, default=str), flush=True)
+            save()
+        bench_util.print_table([r for r in rows if "error" not in r],
+                               ["H", "B", "T", "P", "floor_ms", "ms", "glue_ms", "kernel_ms", "merge_ms", "rest_ms"])
+        return 0
     if args.mode == "both":  # sweep first, then the grid with the best sweep config per regime
         sweep_budget = args.budget_s * 0.45
         run_points([(shape, cfg) for shape in SWEEP_SHAPES for cfg in SWEEP_CFGS], "sweep", sweep_budget)
