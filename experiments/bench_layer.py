@@ -12,6 +12,12 @@ layer; attention (input norm, MLA projections, absorbed attention, output projec
 MoE (post norm, router, routed experts, shared expert, residual); the router alone; the routed experts
 alone (routing fixed); the shared expert alone. Also the layer as one dispatched call (as
 ``bench_engine.py --sections kernel`` times it). Floors: bytes the part must read / copy bandwidth.
+
+``--mesh DxM`` places the layer on a (data, model) mesh of D*M devices by the project's sharding rules
+(routed experts split over "model", attention heads and FFN width too) and runs it sharded (the
+Runtime carries the mesh); it then also reports the weight bytes each device actually holds against
+the memory planner's prediction (``memory_plan.param_bytes``), and the floors are per device. On CPU:
+``XLA_FLAGS=--xla_force_host_platform_device_count=8 ... --size tiny --mesh 1x4``.
 """
 
 from __future__ import annotations
@@ -29,7 +35,9 @@ from flax import nnx  # noqa: E402
 
 from ddtree_jax.config import QuantConfig, k26_config, tiny_config  # noqa: E402
 from ddtree_jax.hf_loader import ShapeOnlyRngs  # noqa: E402
+from ddtree_jax.memory_plan import array_bytes, param_bytes, parse_mesh  # noqa: E402
 from ddtree_jax.model import DecoderLayer, Runtime, causal_mask  # noqa: E402
+from ddtree_jax.sharding import DEFAULT_RULES, make_mesh, shard_state  # noqa: E402
 from ddtree_jax.moe import prepare_for_kernels, route, routed_experts  # noqa: E402
 from ddtree_jax.rope import rope_cos_sin  # noqa: E402
 from experiments.bench_engine import bytes_of, random_state  # noqa: E402
@@ -49,12 +57,12 @@ def build_layer(size: str):
     return cfg, layer
 
 
-def parts(cfg, layer, m: int, prefix: int):
+def parts(cfg, layer, m: int, prefix: int, rt: Runtime = Runtime()):
     """name -> (step(state, x, aux) -> next x, aux) for one step of M tokens."""
     cos, sin = rope_cos_sin(prefix + jnp.arange(m)[None], cfg.rope, cfg.qk_rope_head_dim)
     kv = 0.1 * jax.random.normal(jax.random.key(1), (1, prefix + m, cfg.latent_dim), jnp.float32)
     kv = kv.astype(jnp.dtype(cfg.dtype))
-    lengths, mask, rt = jnp.array([prefix]), causal_mask(1, m), Runtime()
+    lengths, mask = jnp.array([prefix]), causal_mask(1, m)
     moe = layer.mlp
     ids, weights = route(jnp.zeros((m, cfg.hidden_size), jnp.float32) + 0.01 * jnp.arange(m)[:, None],
                          moe.router.get_value(), moe.router_bias.get_value(), cfg)
@@ -62,13 +70,15 @@ def parts(cfg, layer, m: int, prefix: int):
     flat = lambda x: x.reshape(m, cfg.hidden_size)  # noqa: E731
 
     def routed(mod, x, aux):
-        y = routed_experts(flat(x), aux[0], aux[1], mod.w13.get_value(), mod.w2.get_value())
+        y = routed_experts(flat(x), aux[0], aux[1], mod.w13.get_value(), mod.w2.get_value(), mesh=rt.mesh,
+                           rules=rt.rules)
         return x + y.reshape(x.shape).astype(x.dtype)
 
     return {
         "layer": (lambda lay, x, aux: lay(x, cos, sin, aux, lengths, mask, rt)[0], kv),
         "attention": (lambda lay, x, aux: x + lay.attn(lay.input_norm(x), cos, sin, aux, lengths, mask, rt)[0], kv),
-        "moe": (lambda lay, x, aux: x + lay.mlp(lay.post_norm(x)).astype(x.dtype), None),
+        "moe": (lambda lay, x, aux: x + lay.mlp(lay.post_norm(x), mesh=rt.mesh, rules=rt.rules).astype(x.dtype),
+                None),
         "router": (lambda lay, x, aux: x + (1e-6 * route(flat(x), lay.mlp.router.get_value(),
                                                         lay.mlp.router_bias.get_value(), cfg)[1].sum()).astype(x.dtype),
                    None),
@@ -76,6 +86,18 @@ def parts(cfg, layer, m: int, prefix: int):
         "shared_expert": (lambda lay, x, aux: x + lay.mlp.shared(x).astype(x.dtype), None),
         "elementwise": (lambda lay, x, aux: x + 1e-6 * x, None),
     }
+
+
+def weight_bytes_per_device(state, mesh_shape) -> dict:
+    """Weight bytes each device holds (its addressable shards) against the memory planner's
+    per-device prediction for the same state and mesh shape."""
+    held = {}
+    for leaf in jax.tree.leaves(state):
+        for shard in leaf.addressable_shards:
+            held[shard.device] = held.get(shard.device, 0) + array_bytes(shard.data.shape, leaf.dtype)
+    planned = sum(v["per_device"] for v in param_bytes(state, mesh_shape, DEFAULT_RULES).values())
+    return {"held_max": max(held.values()), "held_min": min(held.values()), "planned_per_device": planned,
+            "devices": len(held)}
 
 
 def looped(gdef, step, iters: int):
@@ -94,10 +116,20 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--commit", default=None)
     p.add_argument("--out", default=None)
+    p.add_argument("--mesh", default=None, help="DATAxMODEL, e.g. 1x2: run the layer sharded over that mesh")
     args = p.parse_args(argv)
     bandwidth = measure_torch_copy_bandwidth() or measure_copy_bandwidth()
     cfg, layer = build_layer(args.size)
     gdef, state = nnx.split(layer)
+    rt, memory = Runtime(), None
+    if args.mesh:
+        mesh_shape = parse_mesh(args.mesh)
+        mesh = make_mesh(**mesh_shape)
+        rt = Runtime(mesh=mesh, rules=DEFAULT_RULES)
+        state = shard_state(state, mesh, DEFAULT_RULES)
+        layer = nnx.merge(gdef, state)
+        memory = weight_bytes_per_device(state, mesh_shape)
+        print("weights per device", memory, flush=True)
     moe_bytes = bytes_of(nnx.state(layer.mlp))
     rest_bytes = bytes_of(state) - moe_bytes
     shared_bytes = bytes_of(nnx.state(layer.mlp.shared))
@@ -107,10 +139,14 @@ def main(argv=None):
         experts = cfg.n_routed_experts * (1 - (1 - cfg.num_experts_per_tok / cfg.n_routed_experts) ** m)
         routed_bytes = experts / cfg.n_routed_experts * (moe_bytes - shared_bytes)
         kv_bytes = (args.prefix + m) * cfg.latent_dim * jnp.dtype(cfg.dtype).itemsize
-        floors = {"layer": rest_bytes + shared_bytes + routed_bytes + kv_bytes,
-                  "attention": bytes_of(nnx.state(layer.attn)) + kv_bytes,
-                  "moe": shared_bytes + routed_bytes, "routed_experts": routed_bytes, "shared_expert": shared_bytes}
-        for name, (step, aux) in parts(cfg, layer, m, args.prefix).items():
+        # sharded: the weights split over the model axis (an even share per device; at small M the
+        # busiest device's experts decide), the latent cache read whole by every device
+        n = rt.mesh.shape["model"] if rt.mesh is not None else 1
+        floors = {"layer": (rest_bytes + shared_bytes + routed_bytes) / n + kv_bytes,
+                  "attention": bytes_of(nnx.state(layer.attn)) / n + kv_bytes,
+                  "moe": (shared_bytes + routed_bytes) / n, "routed_experts": routed_bytes / n,
+                  "shared_expert": shared_bytes / n}
+        for name, (step, aux) in parts(cfg, layer, m, args.prefix, rt).items():
             fn = looped(gdef, step, args.iters)
             try:
                 t = time_fn(fn, state, x, aux, repeats=args.repeats)["median_s"] / args.iters
@@ -123,17 +159,19 @@ def main(argv=None):
                 row["pct_of_bw"] = 100 * row["floor_us"] / row["us"]
             rows.append(row)
             print(row, flush=True)
-        single = jax.jit(lambda st, x, aux: parts(cfg, nnx.merge(gdef, st), m, args.prefix)["layer"][0](
+        single = jax.jit(lambda st, x, aux: parts(cfg, nnx.merge(gdef, st), m, args.prefix, rt)["layer"][0](
             nnx.merge(gdef, st), x, aux))
-        kv = parts(cfg, layer, m, args.prefix)["layer"][1]
+        kv = parts(cfg, layer, m, args.prefix, rt)["layer"][1]
         rows.append({"M": m, "part": "layer, one dispatched call",
                      "us": 1e6 * time_fn(single, state, x, kv, repeats=args.repeats)["median_s"]})
         print(rows[-1], flush=True)
     payload = {"config": {"size": args.size, "prefix": args.prefix, "iters": args.iters, "repeats": args.repeats,
-                          "dtype": cfg.dtype}, "copy_bw_Bps": bandwidth, "rows": rows}
+                          "dtype": cfg.dtype, "mesh": args.mesh}, "copy_bw_Bps": bandwidth, "rows": rows,
+               "weights_per_device": memory}
     if args.commit:
         payload["commit"] = args.commit
-    print("wrote", write_result(f"bench_layer_{args.size}", payload, args.out))
+    name = f"bench_layer_{args.size}" + (f"_mesh{args.mesh}" if args.mesh else "")
+    print("wrote", write_result(name, payload, args.out))
     print_table(rows, ["M", "part", "us", "floor_us", "pct_of_bw"])
 
 
