@@ -8,6 +8,8 @@ random tree of T nodes (random parent array -> ancestor-or-self mask).
 Modes
   --mode sweep  tuning configs on a few shapes, each checked against the twin (f32) first.
   --mode grid   the trimmed grid below with the library's default config (or --cfg JSON).
+  --mode parts  the Mosaic GPU op at the grid points, whole and in parts: glue (row folding, tail
+                inputs), kernel alone, merge (``mgpu_parts``); says where a small problem's time goes.
 
 Timing: one jitted program runs the op n times back to back (each call's prefix_len depends on the
 previous output through a NaN check, so calls cannot overlap or be elided; all outputs are returned),
