@@ -120,16 +120,31 @@ def mgpu_parts(H, B, T, S):
     merge and row unfolding on prepared kernel outputs). Each step takes (prepared, prefix_len) and
     returns an array, or a tuple of arrays (all kept), whose first array's [0, ...] element the next
     call's prefix_len depends on."""
-    ns = M.default_splits(B, -(-T * H // M.ROWS), S + M.tail_keys(T, 64), 64)
+    ns = M.splits_for(B, T, H, S)
     kw = dict(scale=SCALE, kv_lora_rank=L, num_splits=ns)
 
-    def glue(q, cache, plen, tkv, mask):
+    def glue(q, cache, plen, tkv, mask):  # -> (q rows, tail_kv, tail bits)
         qr = fold_rows(q, M.ROWS)
         return (qr,) + M.tail_inputs(cache, plen, tkv, mask, H, qr.shape[1], 64)
+
+    def inputs_as_given(q, cache, plen, tkv, mask):
+        return q, cache, tkv, mask
+
+    def glue_step(prep, plen):
+        q, cache, tkv, mask = prep
+        return glue(q, cache, plen, tkv, mask)[::-1]  # the bits lead: the next call depends on them
+
+    def kernel_inputs(q, cache, plen, tkv, mask):
+        qr, tail_kv, bits = glue(q, cache, plen, tkv, mask)
+        return qr, cache, tail_kv, bits
 
     def kernel_step(prep, plen):
         qr, cache, tail_kv, bits = prep
         return M.split_attention(qr, cache, plen, tail_kv, bits, **kw)[0]
+
+    def kernel_outputs(q, cache, plen, tkv, mask):
+        qr, cache, tail_kv, bits = kernel_inputs(q, cache, plen, tkv, mask)
+        return M.split_attention(qr, cache, plen, tail_kv, bits, **kw)
 
     def merge_step(prep, plen):
         o, lse = prep
@@ -137,14 +152,8 @@ def mgpu_parts(H, B, T, S):
         out, _ = merge_lse(o, lse + bump) if ns > 1 else (o[0], lse[0])
         return out[:, :T * H].reshape(B, T, H, L).astype(jnp.bfloat16)
 
-    return {
-        "glue": (lambda q, cache, plen, tkv, mask: (q, cache, tkv, mask),
-                 lambda prep, plen: glue(prep[0], prep[1], plen, prep[2], prep[3])[::-1]),
-        "kernel": (lambda q, cache, plen, tkv, mask: (lambda g: (g[0], cache, g[1], g[2]))(
-            glue(q, cache, plen, tkv, mask)), kernel_step),
-        "merge": (lambda q, cache, plen, tkv, mask: M.split_attention(*(lambda g: (g[0], cache, plen, g[1], g[2]))(
-            glue(q, cache, plen, tkv, mask)), **kw), merge_step),
-    }
+    return {"glue": (inputs_as_given, glue_step), "kernel": (kernel_inputs, kernel_step),
+            "merge": (kernel_outputs, merge_step)}
 
 
 def chained_parts(prepare, step, n):

@@ -76,34 +76,30 @@ def time_fn(fn: Callable, *args, repeats: int = 20, warmup: int = 2) -> dict[str
     return {"median_s": statistics.median(times), "min_s": min(times), "repeats": repeats}
 
 
+def dependent_chain(fn: Callable, n: int) -> Callable:
+    """A jitted program of n unrolled calls of ``fn(x, *rest)``, each call's x taking one element of the
+    previous call's output (so no call can be hoisted, merged or reordered); returns every output.
+    ``fn`` is jitted once, so the program holds one lowering called n times."""
+    fn = jax.jit(fn)
+
+    def run(x, *rest):
+        outs = []
+        for _ in range(n):
+            y = fn(x, *rest)
+            outs.append(y)
+            x = x.at[(0,) * x.ndim].set(y.ravel()[0].astype(x.dtype))
+        return outs
+    return jax.jit(run)
+
+
 def chained_call_time(fn: Callable, args: tuple, n_long: int = 17, n_short: int = 1, repeats: int = 5) -> float:
-    """Seconds per call of ``fn(*args)`` on the device: two jitted, unrolled chains of back-to-back calls
-    (each call's first argument takes one element of the previous call's output, so no call can be
-    hoisted, merged or reordered), timed separately; their difference over the extra calls cancels the
-    program's launch and dispatch costs. (On the H200 a fori_loop step costs ~30 us, the loop
-    condition's trip to the host: as much as an M = 1 MoE GEMM, so loops are not used.)"""
-    fn = jax.jit(fn)  # lowered once, called n times
-
-    def chain(n):
-        def run(x, *rest):
-            acc = jnp.float32(0)
-            for _ in range(n):
-                y = fn(x, *rest).ravel()[0].astype(jnp.float32)
-                x = x.at[(0,) * x.ndim].set(y.astype(x.dtype))
-                acc = acc + y
-            return acc
-        return jax.jit(run)
-
-    def median_s(f):
-        jax.block_until_ready(f(*args))
-        ts = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(*args))
-            ts.append(time.perf_counter() - t0)
-        return statistics.median(ts)
-
-    return (median_s(chain(n_long)) - median_s(chain(n_short))) / (n_long - n_short)
+    """Seconds per call of ``fn(*args)`` on the device: a ``dependent_chain`` of n_long calls and one of
+    n_short, timed separately; their difference over the extra calls cancels the program's launch and
+    dispatch costs. (On the H200 a fori_loop step costs ~30 us, the loop condition's trip to the host:
+    as much as an M = 1 MoE GEMM, so loops are not used.)"""
+    def median_s(n):
+        return time_fn(dependent_chain(fn, n), *args, repeats=repeats, warmup=1)["median_s"]
+    return (median_s(n_long) - median_s(n_short)) / (n_long - n_short)
 
 
 @contextlib.contextmanager

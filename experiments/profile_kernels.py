@@ -59,20 +59,8 @@ def line_names(path: str) -> list[str]:
     return [f"{p.name} | {line.name}" for p in ProfileData.from_file(path).planes for line in p.lines]
 
 
-def chain(fn, n):
-    """n dependent calls of fn(x, *rest) -> array (x's first element takes the previous output's)."""
-    def run(x, *rest):
-        outs = []
-        for _ in range(n):
-            y = fn(x, *rest)
-            outs.append(y)
-            x = x.at[(0,) * x.ndim].set(y.ravel()[0].astype(x.dtype))
-        return outs
-    return jax.jit(run)
-
-
 def profile(fn, args, calls: int) -> dict:
-    program = chain(jax.jit(fn), calls)
+    program = bench_util.dependent_chain(fn, calls)
     jax.block_until_ready(program(*args))
     with tempfile.TemporaryDirectory() as tmp:
         with jax.profiler.trace(tmp):

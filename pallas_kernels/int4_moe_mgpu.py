@@ -508,12 +508,12 @@ def default_split(m: int, k: int, e: int, leaf: TiledInt4, num_sms: int = NUM_SM
     return 2 if busy < 2 * num_sms and steps % 2 == 0 else 1
 
 
-def check_kernel_config(w13: TiledInt4, w2: TiledInt4, n: int, stages: int, split: int) -> None:
-    """Raises ValueError for a tile size, pipeline depth or split-K the kernel cannot run on these stacks
-    (checked on every platform, so the CPU twin refuses what the GPU kernel would)."""
+def check_kernel_config(w13: TiledInt4, w2: TiledInt4, n: int, stages: int, split13: int, split2: int) -> None:
+    """Raises ValueError for a tile size, pipeline depth or split-K (one per GEMM) the kernel cannot run
+    on these stacks (checked on every platform, so the CPU twin refuses what the GPU kernel would)."""
     if n % 8 or not 8 <= n <= 256:
         raise ValueError(f"tile={n} must be a multiple of 8 in [8, 256]")
-    for leaf in (w13, w2):
+    for leaf, split in ((w13, split13), (w2, split2)):
         if smem_bytes(leaf.rows, n, stages) > SMEM_LIMIT:
             raise ValueError(f"tile={n}, stages={stages} need {smem_bytes(leaf.rows, n, stages)} bytes of shared "
                              f"memory at {leaf.rows} rows (limit {SMEM_LIMIT})")
@@ -548,8 +548,7 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
         raise ValueError(f"the Mosaic GPU kernel takes bf16 activations, got {x.dtype}")
     n = tile or tiled_default_tile(m, k, e_n)
     split13, split2 = (split, split) if split else (default_split(m, k, e_n, w13), default_split(m, k, e_n, w2))
-    for s_ in {split13, split2}:
-        check_kernel_config(w13, w2, n, stages, s_)  # on every platform: one program, one contract
+    check_kernel_config(w13, w2, n, stages, split13, split2)  # on every platform: one program, one contract
     row_token, row_weight, tile_expert, _ = _route(expert_ids - expert_offset, expert_weights, e_n, n)
     xs = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)])[row_token]  # [P, D]
     if use_kernel:

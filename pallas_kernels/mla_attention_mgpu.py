@@ -62,7 +62,7 @@ except ImportError:  # pragma: no cover
     plgpu = None
 
 __all__ = ["tree_attention_mgpu", "split_attention", "split_attention_ref", "tail_inputs", "default_splits",
-           "unsupported_reason", "smem_bytes"]
+           "splits_for", "unsupported_reason", "smem_bytes"]
 
 ROWS = 64              # query rows per program (one wgmma M tile)
 SMEM_LIMIT = 227 * 1024
@@ -108,6 +108,12 @@ def default_splits(B: int, n_tiles: int, S: int, block_k: int, num_sms: int = _N
     splits empty, each costing one small program.)"""
     progs = max(1, B * n_tiles)
     return max(1, min(num_sms // progs, (S // block_k) // 2, MAX_SPLITS))
+
+
+def splits_for(B: int, T: int, H: int, S: int, block_k: int = 64, num_sms: int = _NUM_SMS_H200) -> int:
+    """The split count ``tree_attention_mgpu`` uses by default for B streams of T nodes x H heads over a
+    cache of S slots: :func:`default_splits` of its 64-row tiles over the cache and tail blocks."""
+    return default_splits(B, -(-T * H // ROWS), S + tail_keys(T, block_k), block_k, num_sms)
 
 
 def tail_inputs(cache_kv, prefix_len, tree_kv, tree_mask, heads: int, rows: int, block_k: int):
@@ -414,7 +420,7 @@ def tree_attention_mgpu(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, k
     plen = jnp.clip(prefix_len.astype(jnp.int32), 0, S)
     tail_kv, tail_bits = tail_inputs(cache_kv, plen, tree_kv, tree_mask, H, qr.shape[1], block_k)
     if num_splits is None:
-        num_splits = default_splits(B, qr.shape[1] // ROWS, S + tail_kv.shape[1], block_k, num_sms)
+        num_splits = splits_for(B, T, H, S, block_k, num_sms)
     o, lse = kernel(qr, cache_kv, plen, tail_kv, tail_bits, scale=scale, kv_lora_rank=L, block_k=block_k,
                     stages=stages, num_splits=int(num_splits), share_scores=share_scores)
     if num_splits == 1:  # every row sees its own node: lse is finite

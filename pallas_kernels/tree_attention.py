@@ -30,7 +30,8 @@ Returns
     out [B, T, H, L] in q.dtype, and with ``return_lse`` also lse [B, T, H] f32 (natural log).
 
 Kernel design (Pallas-Triton backend; the Mosaic GPU kernel, ``pallas_kernels.mla_attention_mgpu``, is
-the dispatcher's default on CUDA from 64 query rows up; this one serves fewer rows and the interpreter):
+the dispatcher's default on CUDA wherever it can run; this one serves the dims it cannot take, explicit
+``backend="triton"`` or tuning keywords, and the interpreter):
 
 * Heads are folded into query rows: q becomes [B, T*H, C], row = node*H + head. A tile of R rows
   (R = 64 by default, 16..64) holds R/H nodes x H heads (H <= R) or one node and R heads (H >= R),
@@ -89,22 +90,17 @@ def fold_rows(q, multiple: int) -> jax.Array:
     return jnp.pad(rows, ((0, 0), (0, pad), (0, 0))) if pad else rows
 
 
-def merge_lse(o_parts, lse_parts, o_last=None, lse_last=None):
+def merge_lse(o_parts, lse_parts):
     """Log-sum-exp combine of normalised partial attention outputs.
 
-    o_parts [NS, ..., L] (any float dtype), lse_parts [NS, ...] f32 natural-log (-inf: an empty part),
-    optionally one more part o_last [..., L], lse_last [...]. Returns (out f32 [..., L], lse f32 [...]);
-    a row whose parts are all empty gets out 0 and lse -inf.
+    o_parts [NS, ..., L] (any float dtype), lse_parts [NS, ...] f32 natural-log (-inf: an empty part).
+    Returns (out f32 [..., L], lse f32 [...]); a row whose parts are all empty gets out 0 and lse -inf.
     """
-    top = lse_parts.max(0) if lse_last is None else jnp.maximum(lse_parts.max(0), lse_last)
+    top = lse_parts.max(0)
     top = jnp.where(jnp.isfinite(top), top, 0.0)
     w = jnp.exp(lse_parts - top)
     tot = w.sum(0)
     acc = jnp.einsum("s...,s...l->...l", w, o_parts.astype(jnp.float32), precision=lax.Precision.HIGHEST)
-    if lse_last is not None:
-        w_last = jnp.exp(lse_last - top)
-        tot = tot + w_last
-        acc = acc + w_last[..., None] * o_last.astype(jnp.float32)
     return acc / jnp.where(tot > 0, tot, 1.0)[..., None], top + jnp.log(tot)
 
 
@@ -475,7 +471,7 @@ def mla_attention(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, kv_lora
 #   the dots to wgmma and runs in the CPU interpreter. The hand-written Mosaic GPU kernel
 #   (mla_attention_mgpu.py) later beat it 1.6-1.7x where compute bounds (71 % vs 44 % of peak at
 #   T = 256, H = 64) and reached 81 % of copy bandwidth at T = 1, H = 64, B = 16, 64K; this kernel
-#   stays the CUDA path below 64 query rows (its 16-row tiles waste less) and the interpreted one.
+#   stays the CUDA path where the Mosaic kernel cannot run, and the interpreted one.
 # * Triton's scf.for needs both loop bounds of one integer type: a Python-int bound next to a traced
 #   int32 passed CPU lowering but failed the H200's Triton parse (tests verify the module on CPU now).
 # * Compute-bound (T >= 32, H = 64; T >= 64, H = 8): 240-260 TFLOP/s = 41-44 % of the measured bf16

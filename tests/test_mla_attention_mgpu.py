@@ -160,7 +160,8 @@ def test_merge_lse_weights_parts_and_keeps_empty_rows_empty():
     out, l = merge_lse(o, lse)
     np.testing.assert_allclose(np.asarray(out), [[0.25, 0.75]], rtol=1e-6)
     np.testing.assert_allclose(np.asarray(l), [np.log(4.0)], rtol=1e-6)
-    out, l = merge_lse(o, lse, jnp.asarray([[1.0, 1.0]]), jnp.asarray([jnp.log(4.0)]))
+    out, l = merge_lse(jnp.concatenate([o, jnp.asarray([[[1.0, 1.0]]])]),
+                       jnp.concatenate([lse, jnp.asarray([[jnp.log(4.0)]])]))
     np.testing.assert_allclose(np.asarray(out), [[0.625, 0.875]], rtol=1e-6)
     empty, l = merge_lse(o[:1], jnp.full((1, 1), -jnp.inf))
     assert not np.asarray(empty).any() and np.isneginf(np.asarray(l)).all()

@@ -391,3 +391,17 @@ def test_default_split_only_where_few_programs_are_busy():
     assert K.default_split(9, 8, 384, w13) == 1
     assert K.default_split(1, 8, 384, leaf(384, 4096, 768)) == 1      # 3 steps: no even split
     assert K.default_split(1, 8, 384, w13, num_sms=16) == 1
+
+
+def test_default_split_is_checked_per_gemm():
+    """At one token gate+up (2 pipeline steps, 24 busy programs) splits K in two while down (3 steps)
+    cannot; each GEMM's split is checked against its own stack only, and the result is the twin's."""
+    rng = np.random.default_rng(4)
+    e, d, f, k = 2, 512, 768, 2
+    w13, w2 = random_stack(rng, e, 2 * f, d), random_stack(rng, e, d, f)
+    t13, t2 = (TiledInt4.from_compressed_tensors(a.packed, a.scale) for a in (w13, w2))
+    assert K.default_split(1, k, e, t13) == 2 and K.default_split(1, k, e, t2) == 1
+    x = jnp.asarray(rng.standard_normal((1, d)), jnp.float32)
+    ids, wts = jnp.asarray([[0, 1]], jnp.int32), jnp.asarray([[0.6, 0.4]], jnp.float32)
+    got = K.routed_experts_tiled(x, ids, wts, t13, t2, out_dtype=jnp.float32)
+    assert rel(got, routed_experts_xla(x, ids, wts, w13, w2)) < 1e-5
