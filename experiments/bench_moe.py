@@ -10,9 +10,11 @@ bf16 scales of the active experts), effective TB/s = bytes / time, and % of the 
 measured in the same run: pct_copy against PyTorch's device-to-device copy of 1 GiB (read + write
 counted; the yardstick of issue #5's goal), pct_xla_copy against XLA's elementwise a+1 over 1 GiB
 (bench_util.measure_copy_bandwidth, lower on this machine). Timing: back-to-back calls,
-blocked once at the end, median over several such batches; the Mosaic GPU rows report the device time
-per call instead (``bench_util.chained_call_time``: unrolled chains of dependent calls in one program,
-launch cost differenced out), with the dispatched time beside it (ms_dispatched). Weights are random (words are uniformly
+blocked once at the end, median over several such batches. The Mosaic GPU rows report the device time
+per call instead, from a profiler trace of an unrolled chain of dependent calls
+(``bench_util.traced_call_time``: first kernel's start to last kernel's end, XLA glue included;
+kernel_us: the two Mosaic launches, glue_us: the other kernels), with the wall-clock chained figure
+(``chained_call_time``, session 5's table) and the dispatched time beside it (ms_chained, ms_dispatched). Weights are random (words are uniformly
 random nibbles, scales in [0.01, 0.03]); routing is uniform (distinct random top-8 per token) or skewed
 (Zipf-like expert popularity, exponent 1.2, top-8 without replacement via Gumbel top-k).
 """
@@ -205,10 +207,18 @@ def main(argv=None):
             t_disp, tmin = time_calls(fn, (x, ids, w, *tiled), calls=20, batches=5, budget_s=args.budget_s)
             # the device time per call (launch and dispatch differenced out) is the table's figure; the
             # dispatched calls' time is kept beside it
-            t = bench_util.chained_call_time(fn, (x, ids, w, *tiled)) if not args.interpret else t_disp
+            if args.interpret:
+                t, extra = t_disp, {}
+            else:
+                t_chained = bench_util.chained_call_time(fn, (x, ids, w, *tiled))
+                traced = bench_util.traced_call_time(fn, (x, ids, w, *tiled))
+                t = traced["span_s"]
+                extra = dict(ms_chained=t_chained * 1e3, kernel_us=[round(u, 2) for u in next(
+                    (v for k_, v in traced["launches_us"].items() if "mosaic" in k_), [])[:2]],
+                    glue_us=(traced["busy_s"] - sum(s_ for k_, _, s_ in traced["kernels"] if "mosaic" in k_)) * 1e6)
             tile = cfg.get("tile") or tiled_default_tile(base["M"], K, E)
             record(dict(base, tile=tile), name, t, nbytes, ms_min=tmin * 1e3, ms_dispatched=t_disp * 1e3, err=err,
-                   first_call_s=comp, phase="table")
+                   first_call_s=comp, phase="table", **extra)
         except Exception as ex:  # noqa: BLE001
             print(f"{name} M={base['M']} failed: {type(ex).__name__}: {str(ex)[-1500:]}", flush=True)
 

@@ -13,10 +13,12 @@ Modes
 
 Timing: one jitted program runs the op n times back to back (each call's prefix_len depends on the
 previous output through a NaN check, so calls cannot overlap or be elided; all outputs are returned),
-rotating over enough cache copies that the working set is > 2x the 60 MB L2 where it is small; the
-per-call time is (median of that program - median of the same program with one call) / (n - 1), so
-the program's launch does not count (``ms_with_launch``, the n-call median / n, is kept beside it;
-results before session 5 reported that figure as ``ms``).
+rotating over enough cache copies that the working set is > 2x the 60 MB L2 where it is small.
+``ms`` (since session 6) is the device time per call from a profiler trace of that program
+(``bench_util.traced_call_time``: first kernel's start to last kernel's end, over n; glue kernels and
+gaps included). ``ms_chained`` is the wall-clock figure, (median of the program - median of the same
+program with one call) / (n - 1), which session 5 reported as ``ms``: it also holds host work per call
+that the GPU does not wait for inside one program. ``ms_with_launch`` is the n-call median / n.
 Roofline: bytes = valid cache rows + q + tree_kv + output, read/written once; FLOPs = 2*B*T*H*(P+T)*(C+L).
 Floors use the copy bandwidth and bf16 matmul rate measured in the same run (bench_util).
 
@@ -227,7 +229,14 @@ def parity(fn, inputs, key):
     return float(np.linalg.norm(o - r) / np.linalg.norm(r))
 
 
-def bench_point(H, B, T, P, cfg, bw, peak, with_xla=True, check=True, repeats=5, bw_jax=None, kernel="triton"):
+def device_time(fn, inputs, calls=8):
+    """Seconds per call on the device from a profiler trace of ``chained`` (the cache copies rotate)."""
+    q, caches, plen, tkv, mask = inputs
+    return bench_util.traced_call_time(fn, (q, caches, plen, tkv, mask), calls, chain=chained)["span_s"]
+
+
+def bench_point(H, B, T, P, cfg, bw, peak, with_xla=True, check=True, repeats=5, bw_jax=None, kernel="triton",
+                with_trace=None):
     nbytes, flops, bound, floor_s = roofline(H, B, T, P, bw, peak)
     cache_bytes = 2 * B * P * C
     copies = int(min(16, max(1, math.ceil(2 * L2_BYTES / cache_bytes))))
@@ -239,8 +248,12 @@ def bench_point(H, B, T, P, cfg, bw, peak, with_xla=True, check=True, repeats=5,
     kern = jax.jit(functools.partial(KERNELS[kernel], scale=SCALE, kv_lora_rank=L, **cfg))
     if check:
         row["rel_err"] = parity(kern, inputs, (H, B, T, P))
-    t, n, t_program = time_op(kern, inputs, floor_s, repeats)
-    row.update(ms=t * 1e3, calls_per_program=n, ms_with_launch=t_program * 1e3, tflops=flops / t / 1e12, tbps=nbytes / t / 1e12,
+    t_chained, n, t_program = time_op(kern, inputs, floor_s, repeats)
+    if with_trace is None:  # a CPU trace holds the host's thunks, not interpret mode's callbacks
+        with_trace = jax.default_backend() == "gpu"
+    t = device_time(kern, inputs) if with_trace else t_chained
+    row.update(ms=t * 1e3, ms_chained=t_chained * 1e3, calls_per_program=n, ms_with_launch=t_program * 1e3,
+               tflops=flops / t / 1e12, tbps=nbytes / t / 1e12,
                pct_bw=100 * nbytes / t / bw, pct_peak=100 * flops / t / peak,
                pct_floor=100 * floor_s / t)
     if bw_jax:
@@ -249,6 +262,8 @@ def bench_point(H, B, T, P, cfg, bw, peak, with_xla=True, check=True, repeats=5,
     if with_xla and scores_bytes <= (4 << 30):
         try:
             tx, _, _ = time_op(xla_masked, inputs, floor_s, repeats)
+            row["xla_ms_chained"] = tx * 1e3
+            tx = device_time(jax.jit(xla_masked), inputs) if with_trace else tx
             row.update(xla_ms=tx * 1e3, speedup=tx / t)
         except Exception as e:  # noqa: BLE001 - out of memory etc.
             row["xla_error"] = type(e).__name__

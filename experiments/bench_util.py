@@ -102,6 +102,50 @@ def chained_call_time(fn: Callable, args: tuple, n_long: int = 17, n_short: int 
     return (median_s(n_long) - median_s(n_short)) / (n_long - n_short)
 
 
+def trace_kernel_events(program: Callable, args: tuple) -> list[tuple[str, int, int]]:
+    """(name, start_ns, duration_ns) of the device kernels of one run of ``program(*args)`` (compiled and
+    run once before), from a ``jax.profiler`` trace read back with ``ProfileData``: the GPU planes' stream
+    lines (CUPTI's device timestamps), or on a CPU host the XLA client's thunk events (smoke runs)."""
+    import glob
+    import tempfile
+
+    from jax.profiler import ProfileData
+
+    block(program(*args))
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp):
+            block(program(*args))
+        data = ProfileData.from_file(glob.glob(os.path.join(tmp, "**", "*.xplane.pb"), recursive=True)[0])
+    events = [(e.name, e.start_ns, e.duration_ns) for plane in data.planes if plane.name.startswith("/device:GPU")
+              for line in plane.lines if line.name.startswith("Stream") for e in line.events]
+    if not events:
+        events = [(e.name, e.start_ns, e.duration_ns) for plane in data.planes if plane.name == "/host:CPU"
+                  for line in plane.lines if "PjRtCpuClient" in line.name for e in line.events
+                  if e.duration_ns > 0 and not e.name.startswith(("Threadpool", "end:", "ThunkExecutor"))]
+    return sorted(events, key=lambda e: e[1])
+
+
+def traced_call_time(fn: Callable, args: tuple, calls: int = 8, chain: Callable = None) -> dict[str, Any]:
+    """Device time per call of ``fn(*args)`` from a profiler trace of a chain of ``calls`` dependent calls
+    (``chain(fn, calls)``, default ``dependent_chain``; a benchmark passes its own to rotate inputs): span_s (first kernel's start to last kernel's end, over calls: the figure benchmarks quote),
+    busy_s (summed kernel time), idle_s (gaps between kernels), kernels (name, launches, seconds, all per
+    call, slowest first) and launches_us (every launch's microseconds, for names launched every call).
+    The host's work (dispatch, per-launch setup) shows only as idle gaps when the GPU waits for it."""
+    events = trace_kernel_events((chain or dependent_chain)(fn, calls), args)
+    if not events:
+        raise RuntimeError("the profiler trace holds no kernel events")
+    per_name: dict[str, list[int]] = {}
+    for name, _, dur in events:
+        per_name.setdefault(name, []).append(dur)
+    busy = sum(d for _, _, d in events)
+    span = events[-1][1] + events[-1][2] - events[0][1]
+    return {"calls": calls, "span_s": span / calls / 1e9, "busy_s": busy / calls / 1e9,
+            "idle_s": (span - busy) / calls / 1e9,
+            "kernels": sorted(([n, len(d) / calls, sum(d) / calls / 1e9] for n, d in per_name.items()),
+                              key=lambda k: -k[2]),
+            "launches_us": {n: [round(x / 1e3, 2) for x in d] for n, d in per_name.items() if len(d) >= calls}}
+
+
 @contextlib.contextmanager
 def counting_compiles():
     """Yields a list that collects the seconds of every XLA backend compile (in any thread) in the block."""

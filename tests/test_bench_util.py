@@ -1,0 +1,37 @@
+"""The benchmarks' device-time plumbing: a profiler trace of a dependent chain, read back per kernel."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from experiments import bench_util
+
+
+def test_dependent_chain_feeds_each_output_into_the_next_call():
+    chain = bench_util.dependent_chain(lambda x, y: x * 2.0 + y, 3)
+    outs = chain(jnp.ones((2,)), jnp.zeros((2,)))
+    # x0 = [1, 1]; y_i = 2 x_i; x_{i+1} = x_i with element 0 set to y_i[0]
+    np.testing.assert_allclose(np.stack(outs), [[2.0, 2.0], [4.0, 2.0], [8.0, 2.0]])
+
+
+def test_traced_call_time_reads_kernels_from_the_trace():
+    x = jnp.ones((128, 128))
+    r = bench_util.traced_call_time(lambda a, b: jnp.tanh(a @ b) + 1.0, (x, x), calls=4)
+    assert r["calls"] == 4
+    assert r["span_s"] > 0 and r["busy_s"] > 0
+    assert r["kernels"] and all(n > 0 and s >= 0 for _, n, s in r["kernels"])
+    # kernels launched every call are listed launch by launch (on a CPU host XLA names each call's
+    # thunks apart, so the list may be empty there)
+    assert all(len(v) >= 4 for v in r["launches_us"].values())
+    assert [k[2] for k in r["kernels"]] == sorted((k[2] for k in r["kernels"]), reverse=True)
+
+
+def test_traced_call_time_takes_a_chain_builder():
+    built = []
+
+    def chain(fn, n):
+        built.append(n)
+        return jax.jit(lambda a: [fn(a) for _ in range(n)])
+
+    r = bench_util.traced_call_time(lambda a: jnp.tanh(a @ a), (jnp.ones((128, 128)),), calls=2, chain=chain)
+    assert built == [2] and r["span_s"] > 0
