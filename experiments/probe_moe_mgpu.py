@@ -133,7 +133,7 @@ def main(argv=None):
         ids, wts = routing(m, "uniform", seed=m)
         ns, configs = plan[m]
         for n in ns:
-            row_token, _, tile_expert, _ = _route(ids, wts, E, n)
+            row_token, _, tile_expert, _, _ = _route(ids, wts, E, n)
             active = int(np.unique(np.asarray(tile_expert)[np.asarray(tile_expert) >= 0]).size)
             p = tile_expert.shape[0] * n
             for name, (o, i) in gemms.items():

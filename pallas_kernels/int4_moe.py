@@ -361,7 +361,7 @@ def _route(expert_ids, expert_weights, num_experts: int, tile: int):
     expert_ids int32 [M, K] are local ids: pairs with an id outside [0, num_experts) (experts held by
     another device under expert parallelism) get no row. Returns row_token int32 [P] (M for padding
     rows), row_weight f32 [P] (0 for padding rows), tile_expert int32 [NT] (-1 for unused tiles),
-    num_tiles int32 []; P = NT * tile.
+    num_tiles int32 [], pair_row int32 [M, K] (the row of each pair; P for pairs with no row); P = NT * tile.
     """
     m, k = expert_ids.shape
     pairs = m * k
@@ -387,7 +387,8 @@ def _route(expert_ids, expert_weights, num_experts: int, tile: int):
     tidx = jnp.arange(nt, dtype=jnp.int32)
     tile_expert = jnp.sum(tile_end[None, :] <= tidx[:, None], axis=1, dtype=jnp.int32)  # no while loop
     tile_expert = jnp.where(tidx < num_tiles, tile_expert, -1)
-    return row_token, row_weight, tile_expert, num_tiles
+    pair_row = jnp.zeros((pairs,), jnp.int32).at[order].set(pos).reshape(m, k)
+    return row_token, row_weight, tile_expert, num_tiles, pair_row
 
 
 def _combine(y_rows, row_token, m: int, dtype):
@@ -412,7 +413,7 @@ def int4_moe_ref(x, expert_ids, expert_weights, weights: Int4ExpertWeights, *, t
     k = expert_ids.shape[1]
     e_n, f = weights.num_experts, weights.d_ff
     t = tile or default_tile(m, k, e_n)
-    row_token, row_weight, tile_expert, num_tiles = _route(expert_ids - expert_offset, expert_weights, e_n, t)
+    row_token, row_weight, tile_expert, num_tiles, _ = _route(expert_ids - expert_offset, expert_weights, e_n, t)
     x_pad = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)])[row_token]  # [P, D]
     dt = x.dtype
 
@@ -621,7 +622,7 @@ def int4_moe(x, expert_ids, expert_weights, weights: Int4ExpertWeights, *, inter
     bn1, bn2 = min(block_n1, f), min(block_n2, d)
     if f % bn1 or d % bn2:
         raise ValueError(f"block_n1={bn1} must divide F={f} and block_n2={bn2} must divide D={d}")
-    row_token, row_weight, tile_expert, _ = _route(expert_ids - expert_offset, expert_weights, e_n, t)
+    row_token, row_weight, tile_expert, _, _ = _route(expert_ids - expert_offset, expert_weights, e_n, t)
     nt = tile_expert.shape[0]
     p = nt * t
     bw13, bw2 = weights.w13_block_words, weights.w2_block_words

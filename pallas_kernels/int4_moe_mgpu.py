@@ -53,7 +53,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.int4_moe import _combine, _expert_mesh, _route, default_tile, map_expert_stack
+from pallas_kernels.int4_moe import _expert_mesh, _route, default_tile, map_expert_stack
 
 try:  # Mosaic GPU is importable on CPU builds too (lowering works anywhere; running needs an sm_90 GPU).
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -215,11 +215,13 @@ def check_grouped_args(x_groups, w, s, tile_expert, n: int) -> tuple[bool, int, 
     return fragments, in_dim, out_dim
 
 
-def grouped_int4_matmul_ref(x_groups, w, s, tile_expert, *, tokens_per_tile: int):
+def grouped_int4_matmul_ref(x_groups, w, s, tile_expert, *, tokens_per_tile: int, out_layout: str = "rows"):
     """Twin of ``grouped_int4_matmul`` (same signature): x_groups [I/G, P, G] (bf16, or f32 for f32 models
-    on CPU), w/s tiled weights, tile_expert int32 [NT] -> out f32 [O, P]; columns of skipped tiles
-    (expert < 0) are zero here. Expert ids >= E are the caller's error (``_route`` never makes them)."""
+    on CPU), w/s tiled weights, tile_expert int32 [NT] -> out f32 [O, P] (out_layout "rows") or [P, O]
+    ("tokens"); columns (rows) of skipped tiles (expert < 0) are zero here. Expert ids >= E are the
+    caller's error (``_route`` never makes them)."""
     n = tokens_per_tile
+    _check_out_layout(out_layout)
     _, i, o = check_grouped_args(x_groups, w, s, tile_expert, n)
     ng, p, _ = x_groups.shape
     x = jnp.swapaxes(x_groups, 0, 1).reshape(p, ng * GROUP)
@@ -237,7 +239,13 @@ def grouped_int4_matmul_ref(x_groups, w, s, tile_expert, *, tokens_per_tile: int
         return out, jnp.where(e >= 0, e, prev), wt
 
     init = (jnp.zeros((o, p), jnp.float32), jnp.int32(-1), jnp.zeros((o, i), x.dtype))
-    return lax.fori_loop(0, tile_expert.shape[0], body, init)[0]
+    out = lax.fori_loop(0, tile_expert.shape[0], body, init)[0]
+    return out.T if out_layout == "tokens" else out
+
+
+def _check_out_layout(out_layout: str) -> None:
+    if out_layout not in ("rows", "tokens"):
+        raise ValueError(f"out_layout must be 'rows' ([O, P]) or 'tokens' ([P, O]), got {out_layout!r}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -270,13 +278,18 @@ def _fragment_operand(words_ref):
     return build(words_ref)
 
 
-def grouped_int4_matmul(x_groups, w, s, tile_expert, *, tokens_per_tile: int, stages: int = 2,
-                        split: int = 1, overlap: bool = False, auto_barriers: bool = True, probe: str = ""):
+def grouped_int4_matmul(x_groups, w, s, tile_expert, *, tokens_per_tile: int, out_layout: str = "rows",
+                        stages: int = 2, split: int = 1, overlap: bool = False, auto_barriers: bool = True,
+                        probe: str = ""):
     """Pallas Mosaic GPU kernel (H100/H200). Same contract as ``grouped_int4_matmul_ref``, except that the
-    output columns of skipped tiles are left unwritten (garbage: the MoE layer carries them only into
-    the dropped padding row of its combine), and with
-    ``split`` > 1 the result is the f32 sum over ``split`` partial products [split, O, P] (split-K:
+    output columns (rows) of skipped tiles are left unwritten (garbage: the MoE layer reads only the rows
+    of real pairs), and with
+    ``split`` > 1 the result is the f32 sum over ``split`` partial products (split-K:
     more programs when few tiles are busy; summed in XLA).
+
+    ``out_layout="tokens"`` stores each [R, N] accumulator transposed (a register shuffle into the
+    transposed wgmma layout, then a [N, R] TMA box), so the output is [P, O]: token rows, which the
+    layer's next steps read without an XLA transpose.
 
     ``overlap``: keep one step's wgmmas in flight while the next step is dequantised (the token tile
     is released a step late); otherwise each step waits for its own wgmmas. ``auto_barriers=False`` drops
@@ -289,6 +302,8 @@ def grouped_int4_matmul(x_groups, w, s, tile_expert, *, tokens_per_tile: int, st
     if probe not in ("", "no_scale", "mma_once"):
         raise ValueError(f"unknown probe {probe!r}")
     n = tokens_per_tile
+    _check_out_layout(out_layout)
+    tokens_out = out_layout == "tokens"
     fragments, in_dim, out_dim = check_grouped_args(x_groups, w, s, tile_expert, n)
     if x_groups.dtype != jnp.bfloat16:
         raise ValueError(f"the kernel takes bf16 activations, got {x_groups.dtype}")
@@ -354,15 +369,20 @@ def grouped_int4_matmul(x_groups, w, s, tile_expert, *, tokens_per_tile: int, st
                 return acc_ref[...]
 
             acc = pl.run_scoped(acc_scope, plgpu.ACC((rows, n), jnp.float32))
-            o_smem[...] = acc
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[sp, pl.ds(b * rows, rows), pl.ds(t * n, n)])
+            if tokens_out:
+                plgpu.transpose_ref(o_smem, (1, 0))[...] = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_smem, o_ref.at[sp, pl.ds(t * n, n), pl.ds(b * rows, rows)])
+            else:
+                o_smem[...] = acc
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_smem, o_ref.at[sp, pl.ds(b * rows, rows), pl.ds(t * n, n)])
             plgpu.wait_smem_to_gmem(0)
 
     kernel = plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((split, out_dim, p), jnp.float32),
-        scratch_types=dict(o_smem=plgpu.SMEM((rows, n), jnp.float32)),
+        out_type=jax.ShapeDtypeStruct((split,) + ((p, out_dim) if tokens_out else (out_dim, p)), jnp.float32),
+        scratch_types=dict(o_smem=plgpu.SMEM((n, rows) if tokens_out else (rows, n), jnp.float32)),
         grid=(nt, nb, split), grid_names=("tile", "rows", "split"),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,
                                              unsafe_no_auto_barriers=not auto_barriers),
@@ -534,10 +554,10 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
     (default x.dtype; summed in f32). tile: tokens per tile N (default from M, 8..64).
 
     The pairs are sorted by expert into tiles of N rows (``int4_moe._route``); kernel 1 gives gate and up
-    [2F, P] in f32, XLA forms h = silu(gate) * up in x.dtype, kernel 2 gives [D, P]; rows are weighted
-    and added per token. Tiles past the busy ones are skipped by the kernel; only padding rows (token
-    index M, dropped by the combine) read their unwritten columns. split: split-K of both GEMMs
-    (default: ``default_split`` for each).
+    [P, 2F] in f32 (token rows: ``out_layout="tokens"``), XLA forms h = silu(gate) * up in x.dtype,
+    kernel 2 gives [P, D]; each token gathers its K pair rows, weights and adds them (``_gather_combine``).
+    Tiles past the busy ones are skipped by the kernel; their unwritten rows are never gathered.
+    split: split-K of both GEMMs (default: ``default_split`` for each).
     """
     m, d = x.shape
     k = expert_ids.shape[1]
@@ -549,17 +569,27 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
     n = tile or tiled_default_tile(m, k, e_n)
     split13, split2 = (split, split) if split else (default_split(m, k, e_n, w13), default_split(m, k, e_n, w2))
     check_kernel_config(w13, w2, n, stages, split13, split2)  # on every platform: one program, one contract
-    row_token, row_weight, tile_expert, _ = _route(expert_ids - expert_offset, expert_weights, e_n, n)
+    row_token, _, tile_expert, _, pair_row = _route(expert_ids - expert_offset, expert_weights, e_n, n)
     xs = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)])[row_token]  # [P, D]
     if use_kernel:
-        mm = lambda *a, split: grouped_int4_matmul(*a, tokens_per_tile=n, stages=stages, split=split)  # noqa: E731
+        mm = lambda *a, split: grouped_int4_matmul(*a, tokens_per_tile=n, out_layout="tokens", stages=stages,  # noqa: E731
+                                                   split=split)
     else:
-        mm = lambda *a, split: grouped_int4_matmul_ref(*a, tokens_per_tile=n)  # noqa: E731
-    gu = mm(to_groups(xs), w13.packed, w13.scale, tile_expert, split=split13)  # [2F, P] f32
-    h = (jax.nn.silu(gu[:f]) * gu[f:]).astype(x.dtype)  # [F, P]
-    y_rows = mm(jnp.swapaxes(h.reshape(f // GROUP, GROUP, -1), 1, 2), w2.packed, w2.scale, tile_expert,
-                split=split2)  # [D, P]
-    return _combine(y_rows.T * row_weight[:, None], row_token, m, out_dtype or x.dtype)
+        mm = lambda *a, split: grouped_int4_matmul_ref(*a, tokens_per_tile=n, out_layout="tokens")  # noqa: E731
+    gu = mm(to_groups(xs), w13.packed, w13.scale, tile_expert, split=split13)  # [P, 2F] f32
+    h = (jax.nn.silu(gu[:, :f]) * gu[:, f:]).astype(x.dtype)  # [P, F]
+    y_pairs = mm(to_groups(h), w2.packed, w2.scale, tile_expert, split=split2)  # [P, D] f32
+    return _gather_combine(y_pairs, pair_row, expert_weights, out_dtype or x.dtype)
+
+
+def _gather_combine(y_pairs, pair_row, expert_weights, dtype):
+    """y_pairs f32 [P, D], pair_row int32 [M, K] (P: no row), expert_weights [M, K] -> y [M, D]: each
+    token's pair rows, weighted and summed in f32 (k in order). A gather, not a scatter: rows that no pair
+    names (padding, skipped tiles: unwritten by the kernel) are never read."""
+    p = y_pairs.shape[0]
+    rows = y_pairs[jnp.minimum(pair_row, p - 1)]  # [M, K, D]
+    weighted = rows * expert_weights.astype(jnp.float32)[..., None]
+    return jnp.sum(jnp.where((pair_row < p)[..., None], weighted, 0.0), axis=1).astype(dtype)
 
 
 def routed_experts(x, expert_ids, expert_weights, w13: TiledInt4, w2: TiledInt4, *,

@@ -178,9 +178,10 @@ def test_skipped_tile_columns_never_reach_the_output(monkeypatch):
     t13, t2 = (TiledInt4.from_compressed_tensors(a.packed, a.scale) for a in (w13, w2))
     plain = K.grouped_int4_matmul_ref
 
-    def poisoned(x_groups, w, s, tile_expert, *, tokens_per_tile):
-        out = plain(x_groups, w, s, tile_expert, tokens_per_tile=tokens_per_tile)
-        return jnp.where(jnp.repeat(tile_expert < 0, tokens_per_tile)[None, :], jnp.nan, out)
+    def poisoned(x_groups, w, s, tile_expert, *, tokens_per_tile, out_layout="rows"):
+        out = plain(x_groups, w, s, tile_expert, tokens_per_tile=tokens_per_tile, out_layout=out_layout)
+        skipped = jnp.repeat(tile_expert < 0, tokens_per_tile)
+        return jnp.where(skipped[:, None] if out_layout == "tokens" else skipped[None, :], jnp.nan, out)
 
     x = jnp.asarray(rng.standard_normal((5, d)), jnp.float32)
     wts = jnp.asarray(rng.random((5, 2)), jnp.float32)
@@ -220,13 +221,15 @@ def test_kernel_chosen_when_lowered_for_cuda(dtype, kernel):
     assert MGPU_CALL not in staged.lower(lowering_platforms=("cpu",)).as_text()
 
 
-@pytest.mark.parametrize("rows,n,stages,split", [(64, 8, 2, 1), (128, 16, 3, 2), (128, 64, 2, 1)])
-def test_kernel_lowers_for_cuda(rows, n, stages, split):
+@pytest.mark.parametrize("rows,n,stages,split,out_layout", [(64, 8, 2, 1, "rows"), (128, 16, 3, 2, "rows"),
+                                                              (128, 64, 2, 1, "rows"), (64, 8, 2, 1, "tokens"),
+                                                              (128, 32, 2, 2, "tokens")])
+def test_kernel_lowers_for_cuda(rows, n, stages, split, out_layout):
     w = jax.ShapeDtypeStruct((3, 2, 2 * rows, K.STEP), jnp.int4)
     s = jax.ShapeDtypeStruct((3, 2, 2 * K.STEP // K.GROUP, rows), jnp.bfloat16)
     xg = jax.ShapeDtypeStruct((2 * K.STEP // K.GROUP, 2 * n, K.GROUP), jnp.bfloat16)
     te = jax.ShapeDtypeStruct((2,), jnp.int32)
-    fn = functools.partial(K.grouped_int4_matmul, tokens_per_tile=n, stages=stages, split=split)
+    fn = functools.partial(K.grouped_int4_matmul, tokens_per_tile=n, stages=stages, split=split, out_layout=out_layout)
     text = jax.jit(fn).trace(xg, w, s, te).lower(lowering_platforms=("cuda",)).as_text()
     assert MGPU_CALL in text
 
@@ -284,8 +287,10 @@ def test_bad_input_errors():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows,n,split", [(64, 8, 1), (128, 8, 2), (128, 16, 1), (128, 32, 1), (64, 64, 1)])
-def test_gpu_kernel_matches_twin(rows, n, split):
+@pytest.mark.parametrize("rows,n,split,out_layout", [(64, 8, 1, "rows"), (128, 8, 2, "rows"), (128, 16, 1, "rows"),
+                                                     (128, 32, 1, "rows"), (64, 64, 1, "rows"), (64, 8, 1, "tokens"),
+                                                     (128, 8, 2, "tokens"), (128, 64, 1, "tokens")])
+def test_gpu_kernel_matches_twin(rows, n, split, out_layout):
     rng = np.random.default_rng(rows + n)
     e, o, i = 5, 256, 1024
     q = jnp.asarray(rng.integers(-8, 8, (e, o, i)), jnp.int8)
@@ -293,8 +298,12 @@ def test_gpu_kernel_matches_twin(rows, n, split):
     w, s = K.tile_weights(q, sc, rows)
     te = jnp.asarray([4, 0, -1, 4, 2, -1], jnp.int32)
     xg = K.to_groups(jnp.asarray(rng.standard_normal((te.shape[0] * n, i)), jnp.bfloat16))
-    got = np.asarray(jax.jit(functools.partial(K.grouped_int4_matmul, tokens_per_tile=n, split=split))(xg, w, s, te))
+    got = np.asarray(jax.jit(functools.partial(K.grouped_int4_matmul, tokens_per_tile=n, split=split,
+                                               out_layout=out_layout))(xg, w, s, te))
     want = np.asarray(K.grouped_int4_matmul_ref(xg, w, s, te, tokens_per_tile=n))
+    if out_layout == "tokens":
+        assert got.shape == want.T.shape
+        got = got.T
     valid = np.repeat(np.asarray(te) >= 0, n)
     assert np.isfinite(got[:, valid]).all()
     assert rel_norm(got[:, valid], want[:, valid]) < 1e-5
@@ -365,16 +374,20 @@ def test_fragment_kernel_lowers_and_twin_agrees():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n,split", [(8, 1), (16, 2), (32, 1)])
-def test_gpu_fragment_kernel_matches_twin(n, split):
+@pytest.mark.parametrize("n,split,out_layout", [(8, 1, "rows"), (16, 2, "rows"), (32, 1, "rows"), (8, 2, "tokens"),
+                                                 (32, 1, "tokens")])
+def test_gpu_fragment_kernel_matches_twin(n, split, out_layout):
     rng = np.random.default_rng(n)
     qa = random_stack(rng, 5, 256, 1024)
     frag = TiledInt4.from_compressed_tensors(qa.packed, qa.scale, order="fragments")
     te = jnp.asarray([4, 0, -1, 4, 2], jnp.int32)
     xg = K.to_groups(jnp.asarray(rng.standard_normal((te.shape[0] * n, 1024)), jnp.bfloat16))
-    fn = jax.jit(functools.partial(K.grouped_int4_matmul, tokens_per_tile=n, split=split))
+    fn = jax.jit(functools.partial(K.grouped_int4_matmul, tokens_per_tile=n, split=split, out_layout=out_layout))
     got = np.asarray(fn(xg, frag.packed, frag.scale, te))
-    want = np.asarray(K.grouped_int4_matmul_ref(xg, frag.packed, frag.scale, te, tokens_per_tile=n))
+    want = np.asarray(K.grouped_int4_matmul_ref(xg, frag.packed, frag.scale, te, tokens_per_tile=n,
+                                                out_layout=out_layout))
+    if out_layout == "tokens":
+        got, want = got.T, want.T
     valid = np.repeat(np.asarray(te) >= 0, n)
     assert np.isfinite(got[:, valid]).all()
     assert rel_norm(got[:, valid], want[:, valid]) < 1e-5
