@@ -135,6 +135,8 @@ def main(argv=None):
 
     wts = random_weights(jax.random.key(0), E, D, F)
     per_expert = wts.nbytes_per_expert()
+    traced_bw = bench_util.measure_traced_copy_bandwidth() if jax.default_backend() == "gpu" else None
+    print(f"copy bandwidth, traced like the kernels: {(traced_bw or 0) / 1e12:.3f} TB/s", flush=True)
     ref_bw = tcopy or copy_bw  # the goal's yardstick: the device copy (PyTorch), else XLA's a+1
     rows = []
 
@@ -163,13 +165,15 @@ def main(argv=None):
         payload = dict(config=dict(E=E, D=D, F=F, K=K, G=G, bytes_per_expert=per_expert, ms=ms,
                                    routings=routings, configs=configs, tiled_configs=tiled_configs,
                                    triton_ms=sorted(triton_ms), sweep=sweep, argv=sys.argv[1:]),
-                       copy_bw_Bps=copy_bw, torch_copy_bw_Bps=tcopy, ref_bw_Bps=ref_bw, rows=rows,
+                       copy_bw_Bps=copy_bw, torch_copy_bw_Bps=tcopy, traced_copy_bw_Bps=traced_bw, ref_bw_Bps=ref_bw,
+                       rows=rows,
                        **({"commit": args.commit} if args.commit else {}))
         return bench_util.write_result(args.name, payload, args.out)
 
     def record(base, impl, t, nbytes, **extra):
         rows.append(dict(base, impl=impl, ms=t * 1e3, us_tok=t * 1e6 / base["M"], TBps=nbytes / t / 1e12,
-                         pct_copy=100 * nbytes / t / ref_bw, pct_xla_copy=100 * nbytes / t / copy_bw, **extra))
+                         pct_copy=100 * nbytes / t / ref_bw, pct_xla_copy=100 * nbytes / t / copy_bw,
+                         **({"pct_traced_copy": 100 * nbytes / t / traced_bw} if traced_bw else {}), **extra))
         print({k_: (round(v, 4) if isinstance(v, float) else v) for k_, v in rows[-1].items()}, flush=True)
 
     twin = jax.jit(int4_moe_ref)
@@ -261,7 +265,8 @@ def main(argv=None):
 
     print("wrote", save())
     print(f"copy bandwidth: torch {(tcopy or 0) / 1e12:.3f} TB/s (pct_copy), XLA a+1 {copy_bw / 1e12:.3f} TB/s")
-    bench_util.print_table(rows, ["M", "routing", "impl", "active", "GB", "ms", "us_tok", "TBps", "pct_copy", "err"])
+    bench_util.print_table(rows, ["M", "routing", "impl", "active", "GB", "ms", "us_tok", "TBps", "pct_copy",
+                                  "pct_traced_copy", "glue_us", "err"])
 
 
 if __name__ == "__main__":

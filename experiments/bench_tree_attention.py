@@ -236,7 +236,7 @@ def device_time(fn, inputs, calls=8):
 
 
 def bench_point(H, B, T, P, cfg, bw, peak, with_xla=True, check=True, repeats=5, bw_jax=None, kernel="triton",
-                with_trace=None):
+                with_trace=None, bw_traced=None):
     nbytes, flops, bound, floor_s = roofline(H, B, T, P, bw, peak)
     cache_bytes = 2 * B * P * C
     copies = int(min(16, max(1, math.ceil(2 * L2_BYTES / cache_bytes))))
@@ -258,6 +258,8 @@ def bench_point(H, B, T, P, cfg, bw, peak, with_xla=True, check=True, repeats=5,
                pct_floor=100 * floor_s / t)
     if bw_jax:
         row["pct_bw_jaxcopy"] = 100 * nbytes / t / bw_jax
+    if bw_traced:
+        row["pct_bw_traced"] = 100 * nbytes / t / bw_traced
     scores_bytes = 4 * B * T * H * (P + T)
     if with_xla and scores_bytes <= (4 << 30):
         try:
@@ -296,14 +298,15 @@ def main():
         global GRID, SWEEP_SHAPES, SWEEP_CFGS, SWEEP_SPLITS
         GRID, SWEEP_SHAPES = [(8, 1, 1, 128), (8, 2, 8, 128)], [(8, 1, 1, 128)]
         SWEEP_CFGS, SWEEP_SPLITS = [dict(block_k=32, interpret=True), dict(block_k=16, interpret=True)], []
-        tbw, bw, peak = None, 1e11, 1e12
+        tbw, bw, peak, traced_bw = None, 1e11, 1e12, None
         EXTRA.clear()
     else:
         tbw = bench_util.measure_torch_copy_bandwidth()
         bw = bench_util.measure_copy_bandwidth()
         peak = bench_util.measure_bf16_peak()
-    print(f"copy bw (jax) {bw/1e12:.2f} TB/s, torch copy {(tbw or 0)/1e12:.2f} TB/s, "
-          f"bf16 peak {peak/1e12:.0f} TFLOP/s", flush=True)
+        traced_bw = bench_util.measure_traced_copy_bandwidth() if jax.default_backend() == "gpu" else None
+    print(f"copy bw (jax) {bw/1e12:.2f} TB/s, torch copy {(tbw or 0)/1e12:.2f} TB/s, traced XLA copy "
+          f"{(traced_bw or 0)/1e12:.2f} TB/s, bf16 peak {peak/1e12:.0f} TFLOP/s", flush=True)
     # Bandwidth ceiling: the larger of the two measured copies (bench_util's jitted a+1 measured
     # 2.08 TB/s on the H200 against PyTorch's 4.24 TB/s device copy, so it would flatter us).
     bw_jax = bw
@@ -315,7 +318,8 @@ def main():
 
     def save():
         name = args.name or (f"bench_tree_attention_{args.mode}" + (f"_from{args.start}" if args.start else ""))
-        payload = dict(mode=args.mode, copy_bw_Bps=bw, jax_copy_bw_Bps=bw_jax, torch_copy_bw_Bps=tbw, bf16_peak_flops=peak,
+        payload = dict(mode=args.mode, copy_bw_Bps=bw, jax_copy_bw_Bps=bw_jax, torch_copy_bw_Bps=tbw,
+                       traced_copy_bw_Bps=traced_bw, bf16_peak_flops=peak,
                        dims=dict(C=C, L=L, scale=SCALE), code_commit=args.commit, rows=rows)
         bench_util.write_result(name, payload, out_dir=args.out)
 
@@ -337,7 +341,7 @@ def main():
             try:
                 check = (mode == "sweep" or P <= args.no_check_above)
                 row = bench_point(H, B, T, P, cfg, bw, peak, with_xla=(mode == "grid" and kernel == kernels[0]),
-                                  check=check, bw_jax=bw_jax, kernel=kernel)
+                                  check=check, bw_jax=bw_jax, kernel=kernel, bw_traced=traced_bw)
             except Exception as e:  # noqa: BLE001
                 row = dict(H=H, B=B, T=T, P=P, cfg=cfg, kernel=kernel, error=f"{type(e).__name__}: {str(e)[:300]}")
                 traceback.print_exc(limit=2)
@@ -399,7 +403,7 @@ def main():
     if args.extra_s > 0:
         run_points(EXTRA, "sweep", args.budget_s + args.extra_s)
     save()
-    cols = ["kernel", "H", "B", "T", "P", "bound", "ms", "floor_ms", "pct_bw", "pct_bw_jaxcopy", "pct_peak", "tflops",
+    cols = ["kernel", "H", "B", "T", "P", "bound", "ms", "floor_ms", "pct_bw", "pct_bw_traced", "pct_peak", "tflops",
             "tbps", "xla_ms", "speedup", "rel_err", "wall_s"]
     for r in rows:
         if "error" in r:

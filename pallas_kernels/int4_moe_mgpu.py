@@ -370,7 +370,9 @@ def grouped_int4_matmul(x_groups, w, s, tile_expert, *, tokens_per_tile: int, ou
 
             acc = pl.run_scoped(acc_scope, plgpu.ACC((rows, n), jnp.float32))
             if tokens_out:
-                plgpu.transpose_ref(o_smem, (1, 0))[...] = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)
+                # ref.transpose, not plgpu.transpose_ref: JAX 0.11's transpose_ref asks a plain scratch ref for
+                # a memory_space attribute it no longer has
+                o_smem.transpose((1, 0))[...] = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(o_smem, o_ref.at[sp, pl.ds(t * n, n), pl.ds(b * rows, rows)])
             else:
