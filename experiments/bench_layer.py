@@ -5,9 +5,11 @@
 
 One MoE decoder layer (MLA over a --prefix latent cache, noaux_tc router, 384 INT4 experts in the
 Mosaic GPU kernel layout, shared expert) with random weights made on the device. For M tokens per
-step it times each part in a jitted ``fori_loop`` of --iters calls whose activations feed the next call
-(as the 61 layers of a decode step do inside one program), so Python dispatch and argument handling
-are left out; ``elementwise`` (x + 1e-6 x) is the loop's own per-iteration cost. Parts: the whole
+step it times each part as the 61 layers of a decode step run it, inside one program, each call's
+activations feeding the next: on a GPU ``us`` is the device time per call from a profiler trace of
+--calls unrolled calls (``bench_util.traced_call_time``); ``us_loop`` (the figure before session 6, and
+``us`` on CPU) is the wall time of a jitted ``fori_loop`` of --iters calls over --iters, which holds the
+loop's own per-iteration cost (~30 µs on the H200: ``elementwise``, x + 1e-6 x, measures it). Parts: the whole
 layer; attention (input norm, MLA projections, absorbed attention, output projection, residual);
 MoE (post norm, router, routed experts, shared expert, residual); the router alone; the routed experts
 alone (routing fixed); the shared expert alone. Also the layer as one dispatched call (as
@@ -42,7 +44,7 @@ from ddtree_jax.moe import prepare_for_kernels, route, routed_experts  # noqa: E
 from ddtree_jax.rope import rope_cos_sin  # noqa: E402
 from experiments.bench_engine import bytes_of, random_state  # noqa: E402
 from experiments.bench_util import (measure_copy_bandwidth, measure_torch_copy_bandwidth, print_table,  # noqa: E402
-                                    time_fn, write_result)
+                                    time_fn, traced_call_time, write_result)
 
 
 def build_layer(size: str):
@@ -107,6 +109,18 @@ def looped(gdef, step, iters: int):
     return jax.jit(run)
 
 
+def unrolled(gdef, step):
+    """A chain builder for ``traced_call_time``: n unrolled steps, each feeding the next."""
+    def chain(_, n):
+        def run(state, x, aux):
+            lay = nnx.merge(gdef, state)
+            for _ in range(n):
+                x = step(lay, x, aux)
+            return x
+        return jax.jit(run)
+    return chain
+
+
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--size", choices=["full", "tiny"], default="full")
@@ -117,7 +131,9 @@ def main(argv=None):
     p.add_argument("--commit", default=None)
     p.add_argument("--out", default=None)
     p.add_argument("--mesh", default=None, help="DATAxMODEL, e.g. 1x2: run the layer sharded over that mesh")
+    p.add_argument("--calls", type=int, default=8, help="unrolled steps of the traced chain")
     args = p.parse_args(argv)
+    traced = jax.default_backend() == "gpu"  # a CPU trace holds host thunks, not a device timeline
     bandwidth = measure_torch_copy_bandwidth() or measure_copy_bandwidth()
     cfg, layer = build_layer(args.size)
     gdef, state = nnx.split(layer)
@@ -149,11 +165,13 @@ def main(argv=None):
         for name, (step, aux) in parts(cfg, layer, m, args.prefix, rt).items():
             fn = looped(gdef, step, args.iters)
             try:
-                t = time_fn(fn, state, x, aux, repeats=args.repeats)["median_s"] / args.iters
+                t_loop = time_fn(fn, state, x, aux, repeats=args.repeats)["median_s"] / args.iters
+                t = traced_call_time(None, (state, x, aux), args.calls, chain=unrolled(gdef, step))["span_s"] \
+                    if traced else t_loop
             except Exception as e:  # noqa: BLE001 - keep the other parts
                 print(f"{name} M={m} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
                 continue
-            row = {"M": m, "part": name, "us": 1e6 * t}
+            row = {"M": m, "part": name, "us": 1e6 * t, "us_loop": 1e6 * t_loop}
             if name in floors:
                 row["floor_us"] = 1e6 * floors[name] / bandwidth
                 row["pct_of_bw"] = 100 * row["floor_us"] / row["us"]
@@ -166,13 +184,13 @@ def main(argv=None):
                      "us": 1e6 * time_fn(single, state, x, kv, repeats=args.repeats)["median_s"]})
         print(rows[-1], flush=True)
     payload = {"config": {"size": args.size, "prefix": args.prefix, "iters": args.iters, "repeats": args.repeats,
-                          "dtype": cfg.dtype, "mesh": args.mesh}, "copy_bw_Bps": bandwidth, "rows": rows,
+                          "calls": args.calls, "traced": traced, "dtype": cfg.dtype, "mesh": args.mesh}, "copy_bw_Bps": bandwidth, "rows": rows,
                "weights_per_device": memory}
     if args.commit:
         payload["commit"] = args.commit
     name = f"bench_layer_{args.size}" + (f"_mesh{args.mesh}" if args.mesh else "")
     print("wrote", write_result(name, payload, args.out))
-    print_table(rows, ["M", "part", "us", "floor_us", "pct_of_bw"])
+    print_table(rows, ["M", "part", "us", "us_loop", "floor_us", "pct_of_bw"])
 
 
 if __name__ == "__main__":
