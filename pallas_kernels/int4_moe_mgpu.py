@@ -7,7 +7,9 @@ S = 256 input columns per pipeline step (8 scale groups).
     out[o, t*N + j] = sum_i  dequant(W[e_t])[o, i] * x[t*N + j, i],     e_t = tile_expert[t]
 
 with f32 accumulation and W dequantised to bf16 as q * scale (q in [-8, 7], one bf16 scale per row and
-group of 32 columns). Tiles with e_t < 0 are skipped (their output columns are left unwritten).
+group of 32 columns). Tiles with e_t < 0 are skipped (their output columns are left unwritten). The
+output is out [O, P] (``out_layout="rows"``) or its transpose [P, O] (``"tokens"``: token rows, what the
+MoE layer uses, so no XLA transpose follows either GEMM).
 
 Weight layout ("tiles", made once at load time by ``tile_weights``)
 -------------------------------------------------------------------
@@ -37,7 +39,8 @@ the I/S steps
 copies (TMA) the weight slab, its scales and the token tile into shared memory, ``stages`` deep; per
 step and group the warpgroup loads the [R, 32] int4 block into registers, upcasts it to bf16, multiplies
 each row by its scale and issues a wgmma (A from registers: the weight rows; B from shared memory: the
-tokens, "swap AB", so one token per expert wastes no weight traffic) into an [R, N] f32 accumulator.
+tokens, "swap AB", so one token per expert wastes no weight traffic) into an [R, N] f32 accumulator,
+stored as is or (token rows) shuffled into the transposed wgmma layout and stored as an [N, R] box.
 Several programs share an SM (about 55 KB of shared memory each at R=64, N=8, 4 stages), which hides
 the latency of each program's dequantise-then-multiply chain.
 """
