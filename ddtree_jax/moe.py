@@ -215,11 +215,11 @@ def _moe_layers(model: nnx.Module):
             yield ".".join(str(p) for p in path), module
 
 
-def _to_layout(layout: str, w13: QuantArray, w2: QuantArray):
+def _to_layout(layout: str, w13: QuantArray, w2: QuantArray, fuse_silu: bool = False):
     """(w13, w2) in a kernel layout and why the GPU kernel cannot run them (None if it can); raises
     ValueError where the layout cannot hold them at all."""
     if layout == "tiles":
-        return (TiledInt4.from_compressed_tensors(w13.packed, w13.scale),
+        return (TiledInt4.from_compressed_tensors(w13.packed, w13.scale, pair_gate_up=fuse_silu),
                 TiledInt4.from_compressed_tensors(w2.packed, w2.scale), None)
     weights = Int4ExpertWeights.from_leaves(
         PlanarInt4.from_compressed_tensors(w13.packed, w13.scale, gate_up=True),
@@ -227,7 +227,8 @@ def _to_layout(layout: str, w13: QuantArray, w2: QuantArray):
     return (*weights.leaves(), kernel_tiling_error(weights))
 
 
-def prepare_for_kernels(model: nnx.Module, *, layout: str = "tiles", allow_twin_only: bool = False) -> nnx.Module:
+def prepare_for_kernels(model: nnx.Module, *, layout: str = "tiles", allow_twin_only: bool = False,
+                        fuse_silu: bool = False) -> nnx.Module:
     """One-time load-time repack, in place: every MoE layer's INT4 ``w13`` / ``w2`` (QuantArray,
     compressed-tensors) take a GPU kernel's layout; returns ``model``.
 
@@ -246,12 +247,18 @@ def prepare_for_kernels(model: nnx.Module, *, layout: str = "tiles", allow_twin_
     given). Layers already in a kernel layout are left as they are. Bit-exact inverse:
     ``unprepare_for_kernels`` (also needed before ``save_model``).
 
+    ``fuse_silu`` ("tiles" only): w13 stored with gate and up rows paired in 64-row blocks, so that the
+    gate+up kernel applies SiLU·up in its epilogue wherever it runs without split-K (needs 2F % 256 == 0).
+    Off by default until measured on the H200.
+
     Raises ValueError naming the layer for float (unquantized) experts and for stacks the layout cannot
     hold ("tiles": group 32, bf16 scales, O % 64 == 0, I % 256 == 0); for "planar", also for shapes the
     Triton kernel cannot tile unless ``allow_twin_only`` (those layers then run the twin everywhere).
     """
     if layout not in KERNEL_LAYOUTS:
         raise ValueError(f"unknown kernel layout {layout!r}; expected one of {sorted(KERNEL_LAYOUTS)}")
+    if fuse_silu and layout != "tiles":
+        raise ValueError(f"fuse_silu is a property of the 'tiles' layout, not {layout!r}")
     want = KERNEL_LAYOUTS[layout]
     for name, moe in _moe_layers(model):
         w13, w2 = moe.w13.get_value(), moe.w2.get_value()
@@ -264,7 +271,7 @@ def prepare_for_kernels(model: nnx.Module, *, layout: str = "tiles", allow_twin_
             raise ValueError(f"{name}: routed experts are {type(w13).__name__} ({getattr(w13, 'dtype', '?')}), not "
                              "INT4; the INT4 kernels need compressed-tensors experts (a config with quant)")
         try:
-            new13, new2, problem = _to_layout(layout, w13, w2)
+            new13, new2, problem = _to_layout(layout, w13, w2, fuse_silu)
         except ValueError as e:
             raise ValueError(f"{name}: experts w13 {w13.shape} / w2 {w2.shape} cannot take the {layout!r} "
                              f"kernel layout: {e}") from e

@@ -2,7 +2,7 @@
 layout) vs the Pallas-Triton kernel ("pallas[...]", layout "planar") vs XLA twin vs XLA ragged_dot (bf16).
 
     PYTHONPATH=. python3 experiments/bench_moe.py [--ms 1,9,32,90,256,512,1024] [--out DIR]
-        [--tiled-configs "k=v,...;..."] [--configs "k=v,...;..." --triton-ms 1,32,256]
+        [--tiled-configs "k=v,...;..." (fuse=1: w13 paired, SiLU·up in the gate+up epilogue)] [--configs "k=v,...;..." --triton-ms 1,32,256]
         [--sweep "k=v,...;..." --sweep-ms 1,256]
 
 Reports per (M, routing): ms per call, us per token, active experts, weight bytes read (INT4 words +
@@ -152,10 +152,12 @@ def main(argv=None):
     tiled_configs = [] if args.tiled_configs == "none" else (
         [parse_cfg(c) for c in args.tiled_configs.split(";")] if args.tiled_configs else [{}])
     triton_ms = {int(v) for v in args.triton_ms.split(",")} if args.triton_ms else set(ms)
-    tiled = None
+    tiled = fused13 = None
     if tiled_configs:  # the same experts, repacked from compressed-tensors into the Mosaic GPU layout
         ct = wts.to_compressed_tensors()
         tiled = (TiledInt4.from_compressed_tensors(ct[0], ct[1]), TiledInt4.from_compressed_tensors(ct[2], ct[3]))
+        if any(c.get("fuse") for c in tiled_configs):  # w13 with gate/up rows paired: SiLU·up in the epilogue
+            fused13 = TiledInt4.from_compressed_tensors(ct[0], ct[1], pair_gate_up=True)
         del ct
     if args.interpret:
         configs = [dict(c, interpret=True) for c in configs]
@@ -202,20 +204,22 @@ def main(argv=None):
 
     def run_tiled(cfg, x, ids, w, base, nbytes, y_ref):
         name = "mgpu[" + ",".join(f"{k_}={v}" for k_, v in cfg.items()) + "]"
+        cfg = dict(cfg)
+        stacks = (fused13, tiled[1]) if cfg.pop("fuse", 0) else tiled
         try:
             fn = jax.jit(functools.partial(routed_experts_tiled, use_kernel=True, **cfg))
             t0 = time.perf_counter()
-            y = jax.block_until_ready(fn(x, ids, w, *tiled))
+            y = jax.block_until_ready(fn(x, ids, w, *stacks))
             comp = time.perf_counter() - t0
             err = rel_err(y, y_ref) if y_ref is not None else float("nan")
-            t_disp, tmin = time_calls(fn, (x, ids, w, *tiled), calls=20, batches=5, budget_s=args.budget_s)
+            t_disp, tmin = time_calls(fn, (x, ids, w, *stacks), calls=20, batches=5, budget_s=args.budget_s)
             # the device time per call (launch and dispatch differenced out) is the table's figure; the
             # dispatched calls' time is kept beside it
             if args.interpret:
                 t, extra = t_disp, {}
             else:
-                t_chained = bench_util.chained_call_time(fn, (x, ids, w, *tiled))
-                traced = bench_util.traced_call_time(fn, (x, ids, w, *tiled))
+                t_chained = bench_util.chained_call_time(fn, (x, ids, w, *stacks))
+                traced = bench_util.traced_call_time(fn, (x, ids, w, *stacks))
                 t = traced["span_s"]
                 extra = dict(ms_chained=t_chained * 1e3, kernel_us=[round(u, 2) for u in next(
                     (v for k_, v in traced["launches_us"].items() if "mosaic" in k_), [])[:2]],

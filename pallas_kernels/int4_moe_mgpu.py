@@ -218,13 +218,17 @@ def check_grouped_args(x_groups, w, s, tile_expert, n: int) -> tuple[bool, int, 
     return fragments, in_dim, out_dim
 
 
-def grouped_int4_matmul_ref(x_groups, w, s, tile_expert, *, tokens_per_tile: int, out_layout: str = "rows"):
+def grouped_int4_matmul_ref(x_groups, w, s, tile_expert, *, tokens_per_tile: int, out_layout: str = "rows",
+                            epilogue: str = "none"):
     """Twin of ``grouped_int4_matmul`` (same signature): x_groups [I/G, P, G] (bf16, or f32 for f32 models
     on CPU), w/s tiled weights, tile_expert int32 [NT] -> out f32 [O, P] (out_layout "rows") or [P, O]
     ("tokens"); columns (rows) of skipped tiles (expert < 0) are zero here. Expert ids >= E are the
-    caller's error (``_route`` never makes them)."""
+    caller's error (``_route`` never makes them). epilogue "silu_mul" (token rows only, w a gate/up stack
+    paired in 64-row blocks, ``TiledInt4.from_compressed_tensors(..., pair_gate_up=True)``): h [P, O/2]
+    = silu(gate) * up in x_groups.dtype instead."""
     n = tokens_per_tile
     _check_out_layout(out_layout)
+    _check_epilogue(epilogue, out_layout, w, s)
     _, i, o = check_grouped_args(x_groups, w, s, tile_expert, n)
     ng, p, _ = x_groups.shape
     x = jnp.swapaxes(x_groups, 0, 1).reshape(p, ng * GROUP)
@@ -243,12 +247,46 @@ def grouped_int4_matmul_ref(x_groups, w, s, tile_expert, *, tokens_per_tile: int
 
     init = (jnp.zeros((o, p), jnp.float32), jnp.int32(-1), jnp.zeros((o, i), x.dtype))
     out = lax.fori_loop(0, tile_expert.shape[0], body, init)[0]
+    if epilogue == "silu_mul":
+        gate, up = gate_and_up(out.T, PAIR_BLOCK)
+        return silu_mul(gate, up).astype(x_groups.dtype)
     return out.T if out_layout == "tokens" else out
+
+
+PAIR_BLOCK = FRAG_ROWS // 2  # gate/up rows of one f block held by one 128-row program
 
 
 def _check_out_layout(out_layout: str) -> None:
     if out_layout not in ("rows", "tokens"):
         raise ValueError(f"out_layout must be 'rows' ([O, P]) or 'tokens' ([P, O]), got {out_layout!r}")
+
+
+def _check_epilogue(epilogue: str, out_layout: str, w, s, split: int = 1) -> None:
+    if epilogue == "none":
+        return
+    if epilogue != "silu_mul":
+        raise ValueError(f"epilogue must be 'none' or 'silu_mul', got {epilogue!r}")
+    if out_layout != "tokens" or split != 1 or s.shape[-1] != FRAG_ROWS:
+        raise ValueError(f"epilogue 'silu_mul' needs token rows, split=1 and {FRAG_ROWS}-row blocks (a gate/up stack "
+                         f"paired in {PAIR_BLOCK}-row blocks); got out_layout={out_layout!r}, split={split}, "
+                         f"{s.shape[-1]}-row blocks")
+
+
+def gate_and_up(gu, block: int):
+    """[P, 2F] gate/up outputs -> (gate [P, F], up [P, F]): the first F columns and the rest (block 0), or
+    for a stack paired in ``block``-row blocks, alternate blocks of columns."""
+    p, o = gu.shape
+    f = o // 2
+    if not block:
+        return gu[:, :f], gu[:, f:]
+    pairs = gu.reshape(p, f // block, 2, block)
+    return pairs[:, :, 0].reshape(p, f), pairs[:, :, 1].reshape(p, f)
+
+
+def silu_mul(gate, up):
+    """silu(gate) * up in f32, written as the kernel's epilogue computes it."""
+    gate, up = gate.astype(jnp.float32), up.astype(jnp.float32)
+    return gate / (1.0 + jnp.exp(-gate)) * up
 
 
 # ----------------------------------------------------------------------------------------------
@@ -282,8 +320,8 @@ def _fragment_operand(words_ref):
 
 
 def grouped_int4_matmul(x_groups, w, s, tile_expert, *, tokens_per_tile: int, out_layout: str = "rows",
-                        stages: int = 2, split: int = 1, overlap: bool = False, auto_barriers: bool = True,
-                        probe: str = ""):
+                        epilogue: str = "none", stages: int = 2, split: int = 1, overlap: bool = False,
+                        auto_barriers: bool = True, probe: str = ""):
     """Pallas Mosaic GPU kernel (H100/H200). Same contract as ``grouped_int4_matmul_ref``, except that the
     output columns (rows) of skipped tiles are left unwritten (garbage: the MoE layer reads only the rows
     of real pairs), and with
@@ -293,6 +331,10 @@ def grouped_int4_matmul(x_groups, w, s, tile_expert, *, tokens_per_tile: int, ou
     ``out_layout="tokens"`` stores each [R, N] accumulator transposed (a register shuffle into the
     transposed wgmma layout, then a [N, R] TMA box), so the output is [P, O]: token rows, which the
     layer's next steps read without an XLA transpose.
+
+    ``epilogue="silu_mul"`` (token rows, split 1, a gate/up stack paired in 64-row blocks so that each
+    128-row program holds the gate and up rows of the same 64 f): each program's accumulator halves give
+    h = silu(gate) * up in registers, stored as bf16 [P, O/2], the down GEMM's input.
 
     ``overlap``: keep one step's wgmmas in flight while the next step is dequantised (the token tile
     is released a step late); otherwise each step waits for its own wgmmas. ``auto_barriers=False`` drops
@@ -306,7 +348,9 @@ def grouped_int4_matmul(x_groups, w, s, tile_expert, *, tokens_per_tile: int, ou
         raise ValueError(f"unknown probe {probe!r}")
     n = tokens_per_tile
     _check_out_layout(out_layout)
+    _check_epilogue(epilogue, out_layout, w, s, split)
     tokens_out = out_layout == "tokens"
+    fused = epilogue == "silu_mul"
     fragments, in_dim, out_dim = check_grouped_args(x_groups, w, s, tile_expert, n)
     if x_groups.dtype != jnp.bfloat16:
         raise ValueError(f"the kernel takes bf16 activations, got {x_groups.dtype}")
@@ -372,7 +416,13 @@ def grouped_int4_matmul(x_groups, w, s, tile_expert, *, tokens_per_tile: int, ou
                 return acc_ref[...]
 
             acc = pl.run_scoped(acc_scope, plgpu.ACC((rows, n), jnp.float32))
-            if tokens_out:
+            if fused:  # rows [0, 64) are gate, [64, 128) up of the same f: the same registers of each thread
+                gate, up = acc[:PAIR_BLOCK], acc[PAIR_BLOCK:]
+                h = (gate / (1.0 + jnp.exp(-gate)) * up).astype(jnp.bfloat16)
+                o_smem.transpose((1, 0))[...] = plgpu.layout_cast(h, plgpu.Layout.WGMMA_TRANSPOSED)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_smem, o_ref.at[0, pl.ds(t * n, n), pl.ds(b * PAIR_BLOCK, PAIR_BLOCK)])
+            elif tokens_out:
                 # ref.transpose, not plgpu.transpose_ref: JAX 0.11's transpose_ref asks a plain scratch ref for
                 # a memory_space attribute it no longer has
                 o_smem.transpose((1, 0))[...] = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)
@@ -386,8 +436,10 @@ def grouped_int4_matmul(x_groups, w, s, tile_expert, *, tokens_per_tile: int, ou
 
     kernel = plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((split,) + ((p, out_dim) if tokens_out else (out_dim, p)), jnp.float32),
-        scratch_types=dict(o_smem=plgpu.SMEM((n, rows) if tokens_out else (rows, n), jnp.float32)),
+        out_type=jax.ShapeDtypeStruct((1, p, out_dim // 2), jnp.bfloat16) if fused else
+        jax.ShapeDtypeStruct((split,) + ((p, out_dim) if tokens_out else (out_dim, p)), jnp.float32),
+        scratch_types=dict(o_smem=plgpu.SMEM((n, PAIR_BLOCK), jnp.bfloat16) if fused else
+                           plgpu.SMEM((n, rows) if tokens_out else (rows, n), jnp.float32)),
         grid=(nt, nb, split), grid_names=("tile", "rows", "split"),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,
                                              unsafe_no_auto_barriers=not auto_barriers),
@@ -416,29 +468,45 @@ def tiling_error(o: int, i: int, group: int, scale_dtype) -> str | None:
     return None
 
 
-def _expert_to_tiles(packed, scale, *, order: str, rows: int):
+def gate_up_pair_rows(o: int, block: int) -> np.ndarray:
+    """Natural row of each stored row of a gate/up stack of O = 2F rows paired in ``block``-row blocks:
+    stored rows [2*block*j, 2*block*j + block) are gate rows [block*j, block*(j + 1)), the next ``block``
+    the up rows of the same f (so one 2*block-row program holds both halves of silu(gate) * up)."""
+    f = o // 2
+    gate = np.arange(f).reshape(f // block, block)
+    return np.stack([gate, f + gate], axis=1).reshape(-1).astype(np.int32)
+
+
+def _expert_to_tiles(packed, scale, *, order: str, rows: int, pair: int):
     """One expert: compressed-tensors (packed [O, I/8], scale [O, I/G]) -> tiled (packed, scale)."""
+    if pair:
+        stored = jnp.asarray(gate_up_pair_rows(packed.shape[0], pair))
+        packed, scale = packed[stored], scale[stored]
     tile = tile_fragments if order == "fragments" else functools.partial(tile_weights, rows=rows)
     w, s_t = tile(unpack_compressed_tensors(packed)[None], scale[None])
     return w[0], s_t[0]
 
 
-def _expert_from_tiles(w, s_t, *, order: str, rows: int):
+def _expert_from_tiles(w, s_t, *, order: str, rows: int, pair: int):
     """Inverse of ``_expert_to_tiles``."""
     del rows
     q = untile_fragments(w[None]) if order == "fragments" else untile_weights(w[None], s_t[None])[0]
-    return pack_compressed_tensors(q[0]), untile_scales(s_t[None])[0]
+    packed, scale = pack_compressed_tensors(q[0]), untile_scales(s_t[None])[0]
+    if pair:
+        natural = jnp.asarray(np.argsort(gate_up_pair_rows(packed.shape[0], pair)).astype(np.int32))
+        packed, scale = packed[natural], scale[natural]
+    return packed, scale
 
 
-@functools.partial(jax.jit, static_argnames=("to_tiles", "order", "rows", "mesh", "axis"))
-def _convert(packed, scale, *, to_tiles: bool, order: str, rows: int, mesh, axis):
+@functools.partial(jax.jit, static_argnames=("to_tiles", "order", "rows", "pair", "mesh", "axis"))
+def _convert(packed, scale, *, to_tiles: bool, order: str, rows: int, pair: int, mesh, axis):
     """A whole stack, one expert at a time, where it lives (``int4_moe.map_expert_stack``); compiled once
     per shape and order."""
-    one = functools.partial(_expert_to_tiles if to_tiles else _expert_from_tiles, order=order, rows=rows)
+    one = functools.partial(_expert_to_tiles if to_tiles else _expert_from_tiles, order=order, rows=rows, pair=pair)
     return map_expert_stack(one, packed, scale, mesh=mesh, axis=axis)
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["packed", "scale"], meta_fields=[])
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["packed", "scale"], meta_fields=["gate_up_block"])
 @dataclasses.dataclass(frozen=True)
 class TiledInt4:
     """One INT4 expert stack (W [E, O, I], PyTorch [out, in] per expert) in the tiled layout (module doc).
@@ -446,10 +514,13 @@ class TiledInt4:
     order "groups": packed int4 [E, O/R, (I/S)*R, S]; order "fragments" (default where O % 128 == 0): packed int32
     [E, O/128, (I/S)*32, 128]. scale bf16 [E, O/R, I/G, R] in both; R = 128 where O allows, else 64. The
     expert axis leads both arrays, so expert-parallel sharding splits them like compressed-tensors ones,
-    and a stack already split along experts is repacked where it lives.
+    and a stack already split along experts is repacked where it lives. gate_up_block: 0, or for a gate/up
+    stack stored paired (``gate_up_pair_rows``) the rows per half-block (64): the kernel's
+    ``epilogue="silu_mul"`` needs it; the twin and the unfused path read the pairing from here.
     """
     packed: jax.Array
     scale: jax.Array
+    gate_up_block: int = 0
 
     @property
     def rows(self) -> int:
@@ -475,12 +546,14 @@ class TiledInt4:
         return self.packed.size * jax.dtypes.itemsize_bits(self.packed.dtype) // 8 + self.scale.size * 2
 
     @classmethod
-    def from_compressed_tensors(cls, packed, scale, order: str = "auto") -> "TiledInt4":
+    def from_compressed_tensors(cls, packed, scale, order: str = "auto", pair_gate_up: bool = False) -> "TiledInt4":
         """One-time repack of packed int32 [E, O, I/8] (values q + 8), scale bf16 [E, O, I/32]; raises
         ValueError for stacks the layout cannot hold (``tiling_error``). Bit-exact inverse:
         ``to_compressed_tensors``. Repacks one expert at a time (small temporaries). ``order``:
         "fragments" (no register shuffles in the kernel, 1-22 % faster on the H200; needs O % 128 == 0),
-        "groups", or "auto" (the default: fragments where O % 128 == 0, else groups)."""
+        "groups", or "auto" (the default: fragments where O % 128 == 0, else groups). ``pair_gate_up``:
+        a w13 stack (gate rows, then up rows) stored paired in 64-row blocks (``gate_up_pair_rows``) for
+        the fused SiLU·up epilogue; needs O % 256 == 0 (128-row programs over whole pairs)."""
         if order not in ("auto", "groups", "fragments"):
             raise ValueError(f"unknown order {order!r}; expected 'auto', 'groups' or 'fragments'")
         if getattr(packed, "dtype", None) != jnp.int32 or len(packed.shape) != 3 or len(scale.shape) != 3:
@@ -498,20 +571,27 @@ class TiledInt4:
             order = "fragments" if rows == FRAG_ROWS else "groups"
         if order == "fragments" and rows != FRAG_ROWS:
             raise ValueError(f"cannot tile: the fragment order needs O % {FRAG_ROWS} == 0, got O={o}")
+        if pair_gate_up and o % (2 * FRAG_ROWS):
+            raise ValueError(f"cannot pair gate/up rows: O={o} must be a multiple of {2 * FRAG_ROWS}")
+        pair = PAIR_BLOCK if pair_gate_up else 0
         mesh, axis = _expert_mesh(packed)
         w, s_t = _convert(jnp.asarray(packed), jnp.asarray(scale), to_tiles=True, order=order, rows=rows,
-                          mesh=mesh, axis=axis)
-        return cls(packed=w, scale=s_t)
+                          pair=pair, mesh=mesh, axis=axis)
+        return cls(packed=w, scale=s_t, gate_up_block=pair)
 
     def to_compressed_tensors(self) -> tuple[jax.Array, jax.Array]:
         """(packed int32 [E, O, I/8], scale bf16 [E, O, I/32]) exactly as before the repack."""
         mesh, axis = _expert_mesh(self.packed)
-        return _convert(self.packed, self.scale, to_tiles=False, order=self.order, rows=self.rows, mesh=mesh,
-                        axis=axis)
+        return _convert(self.packed, self.scale, to_tiles=False, order=self.order, rows=self.rows,
+                        pair=self.gate_up_block, mesh=mesh, axis=axis)
 
     def dequantize_expert(self, e, dtype) -> jax.Array:
-        """W_e [O, I] of expert ``e`` (may be traced) in ``dtype``: the values of ``quant.dequantize_int4``."""
-        return dequantize_expert(self.packed, self.scale, e, dtype)
+        """W_e [O, I] of expert ``e`` (may be traced) in ``dtype``, rows in natural order: the values of
+        ``quant.dequantize_int4``."""
+        w = dequantize_expert(self.packed, self.scale, e, dtype)
+        if self.gate_up_block:
+            w = w[jnp.asarray(np.argsort(gate_up_pair_rows(w.shape[0], self.gate_up_block)).astype(np.int32))]
+        return w
 
 
 def tiled_default_tile(m: int, k: int, e: int) -> int:
@@ -559,7 +639,8 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
     (default x.dtype; summed in f32). tile: tokens per tile N (default from M, 8..64).
 
     The pairs are sorted by expert into tiles of N rows (``int4_moe._route``); kernel 1 gives gate and up
-    [P, 2F] in f32 (token rows: ``out_layout="tokens"``), XLA forms h = silu(gate) * up in x.dtype,
+    [P, 2F] in f32 (token rows: ``out_layout="tokens"``), XLA forms h = silu(gate) * up in x.dtype (or,
+    for a w13 stored with gate/up rows paired and no split-K, kernel 1's epilogue does and gives h [P, F]),
     kernel 2 gives [P, D]; each token gathers its K pair rows, weights and adds them (``_gather_combine``).
     Tiles past the busy ones are skipped by the kernel; their unwritten rows are never gathered.
     split: split-K of both GEMMs (default: ``default_split`` for each).
@@ -577,12 +658,17 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
     row_token, _, tile_expert, _, pair_row = _route(expert_ids - expert_offset, expert_weights, e_n, n)
     xs = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)])[row_token]  # [P, D]
     if use_kernel:
-        mm = lambda *a, split: grouped_int4_matmul(*a, tokens_per_tile=n, out_layout="tokens", stages=stages,  # noqa: E731
-                                                   split=split)
+        mm = lambda *a, split, epilogue="none": grouped_int4_matmul(  # noqa: E731
+            *a, tokens_per_tile=n, out_layout="tokens", epilogue=epilogue, stages=stages, split=split)
     else:
-        mm = lambda *a, split: grouped_int4_matmul_ref(*a, tokens_per_tile=n, out_layout="tokens")  # noqa: E731
-    gu = mm(to_groups(xs), w13.packed, w13.scale, tile_expert, split=split13)  # [P, 2F] f32
-    h = (jax.nn.silu(gu[:, :f]) * gu[:, f:]).astype(x.dtype)  # [P, F]
+        mm = lambda *a, split, epilogue="none": grouped_int4_matmul_ref(  # noqa: E731
+            *a, tokens_per_tile=n, out_layout="tokens", epilogue=epilogue)
+    if w13.gate_up_block and split13 == 1:  # SiLU·up in the gate+up GEMM's epilogue
+        h = mm(to_groups(xs), w13.packed, w13.scale, tile_expert, split=1, epilogue="silu_mul")  # [P, F]
+    else:
+        gu = mm(to_groups(xs), w13.packed, w13.scale, tile_expert, split=split13)  # [P, 2F] f32
+        gate, up = gate_and_up(gu, w13.gate_up_block)
+        h = (jax.nn.silu(gate) * up).astype(x.dtype)  # [P, F]
     y_pairs = mm(to_groups(h), w2.packed, w2.scale, tile_expert, split=split2)  # [P, D] f32
     return _gather_combine(y_pairs, pair_row, expert_weights, out_dtype or x.dtype)
 
