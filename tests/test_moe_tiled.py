@@ -171,21 +171,25 @@ def test_prepare_a_sharded_model_repacks_tiles_in_place(pair):
 
 def test_skipped_tile_columns_never_reach_the_output(monkeypatch):
     """The kernel leaves skipped tiles' columns unwritten: a twin that fills them with NaN gives the same
-    finite result, with an expert offset and when every pair is routed to another device."""
+    finite result, with an expert offset and when every pair is routed to another device, with and without
+    the SiLU·up epilogue (gate/up rows paired)."""
     rng = np.random.default_rng(7)
     e, d, f = 8, 256, 256
     w13, w2 = random_stack(rng, e, 2 * f, d), random_stack(rng, e, d, f)
-    t13, t2 = (TiledInt4.from_compressed_tensors(a.packed, a.scale) for a in (w13, w2))
+    t2 = TiledInt4.from_compressed_tensors(w2.packed, w2.scale)
     plain = K.grouped_int4_matmul_ref
 
-    def poisoned(x_groups, w, s, tile_expert, *, tokens_per_tile, out_layout="rows"):
-        out = plain(x_groups, w, s, tile_expert, tokens_per_tile=tokens_per_tile, out_layout=out_layout)
+    def poisoned(x_groups, w, s, tile_expert, *, tokens_per_tile, out_layout="rows", epilogue="none"):
+        out = plain(x_groups, w, s, tile_expert, tokens_per_tile=tokens_per_tile, out_layout=out_layout,
+                    epilogue=epilogue)
         skipped = jnp.repeat(tile_expert < 0, tokens_per_tile)
         return jnp.where(skipped[:, None] if out_layout == "tokens" else skipped[None, :], jnp.nan, out)
 
     x = jnp.asarray(rng.standard_normal((5, d)), jnp.float32)
     wts = jnp.asarray(rng.random((5, 2)), jnp.float32)
-    for ids, offset in [(rng.integers(0, 16, (5, 2)), 4), (rng.integers(20, 30, (5, 2)), 0)]:
+    cases = [(rng.integers(0, 16, (5, 2)), 4), (rng.integers(20, 30, (5, 2)), 0)]
+    for (ids, offset), paired in [(c, p) for c in cases for p in (False, True)]:
+        t13 = TiledInt4.from_compressed_tensors(w13.packed, w13.scale, pair_gate_up=paired)
         ids = jnp.asarray(ids, jnp.int32)
         want = K.routed_experts_tiled(x, ids, wts, t13, t2, expert_offset=offset, out_dtype=jnp.float32)
         monkeypatch.setattr(K, "grouped_int4_matmul_ref", poisoned)
