@@ -1,0 +1,112 @@
+"""Projected full-size K2.6 decode on an 8-GPU mesh from per-layer measurements on 1 and 2 GPUs (issue #7).
+
+    PYTHONPATH=. python experiments/project_k26.py \
+        --one experiments/results/bench_layer_h200.json \
+        --two experiments/results/bench_layer_h200x2_mesh1x2.json \
+        [--eval experiments/results/eval_grid_h200.json] [--gpus 8] [--out DIR]
+
+A projection, not a measurement. It is only as good as these assumptions, which the output repeats:
+- Per MoE layer at G GPUs, t_G(M) = a(M) + b(M) / G, fitted exactly through the measured 1- and 2-GPU
+  times of the whole layer (``bench_layer.py`` part "layer"). a holds what sharding does not divide
+  (launches, small ops, the collectives as they cost at G = 2), b what it does (weight bytes). At G = 8
+  the collectives span 8 GPUs, so a is a lower bound there.
+- A step of M tokens costs num_layers * t_G(M): the dense first layer is counted as a MoE layer (an
+  upper bound for it); the LM head, the embedding and the drafter are left out (a lower bound for the step).
+- Between measured M the time is interpolated linearly; outside them nothing is projected.
+- AR tok/s = 1 / step(1). DDTree at S streams and budget B verifies M = S (B + 1) tokens per step and
+  accepts S * tau(B) tokens, tau measured with the shipped trained pair (a 30M-parameter target on
+  Python code; K2.6 with a trained K2.6 drafter will differ).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from experiments import bench_util
+
+K26_LAYERS = 61
+
+
+def layer_times(result: dict) -> dict[int, float]:
+    """M -> µs of the whole layer in a bench_layer result."""
+    times = {r["M"]: r["us"] for r in result["rows"] if r["part"] == "layer"}
+    if not times:
+        raise ValueError(f"{result.get('name', 'result')} holds no 'layer' rows")
+    return times
+
+
+def fit(one: dict[int, float], two: dict[int, float]) -> dict[int, tuple[float, float]]:
+    """M -> (a, b) with t_G = a + b / G through t_1 and t_2, for the M measured on both."""
+    common = sorted(set(one) & set(two))
+    if not common:
+        raise ValueError(f"no M measured on both 1 GPU ({sorted(one)}) and 2 GPUs ({sorted(two)})")
+    return {m: (2 * two[m] - one[m], 2 * (one[m] - two[m])) for m in common}
+
+
+def layer_time(coeffs: dict[int, tuple[float, float]], m: int, gpus: int) -> float:
+    """Projected µs per layer at M tokens on ``gpus`` GPUs: the fit at measured M, linear between them.
+    Raises ValueError outside the measured range (no extrapolation)."""
+    ms = sorted(coeffs)
+    if not ms[0] <= m <= ms[-1]:
+        raise ValueError(f"M={m} is outside the measured range [{ms[0]}, {ms[-1]}]")
+    at = {k: a + b / gpus for k, (a, b) in coeffs.items()}
+    if m in at:
+        return at[m]
+    hi = next(k for k in ms if k > m)
+    lo = max(k for k in ms if k < m)
+    return at[lo] + (at[hi] - at[lo]) * (m - lo) / (hi - lo)
+
+
+def taus(result: dict) -> dict[int, float]:
+    """Budget -> tau of the DDTree rows (greedy) of an eval_grid result."""
+    return {r["budget"]: r["tau"] for r in result["results"] if r["mode"] == "ddtree" and r["temperature"] == 0.0}
+
+
+def project(one: dict, two: dict, tau_by_budget: dict[int, float], gpus: int, layers: int = K26_LAYERS,
+            streams=(1, 10)) -> list[dict]:
+    coeffs = fit(layer_times(one), layer_times(two))
+    rows = []
+    cases = [("AR", 1, None)] + [("DDTree", s, b) for s in streams for b in sorted(tau_by_budget)]
+    for mode, s, budget in cases:
+        m = s if budget is None else s * (budget + 1)
+        row = dict(mode=mode, streams=s, budget=budget, M=m)
+        try:
+            t = layer_time(coeffs, m, gpus)
+        except ValueError as e:
+            rows.append(dict(row, note=str(e)))
+            continue
+        tokens = s * (1.0 if budget is None else tau_by_budget[budget])
+        step_ms = layers * t / 1e3
+        rows.append(dict(row, layer_us=t, step_ms=step_ms, tokens_per_step=tokens, tok_s=tokens / step_ms * 1e3))
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--one", required=True, help="bench_layer JSON on one GPU")
+    ap.add_argument("--two", required=True, help="bench_layer JSON on a 1x2 mesh")
+    ap.add_argument("--eval", default=None, help="eval_grid JSON with the trained pair's tau per budget")
+    ap.add_argument("--gpus", type=int, default=8)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    load = lambda p: json.load(open(p))  # noqa: E731
+    one, two = load(args.one), load(args.two)
+    tau = taus(load(args.eval)) if args.eval else {}
+    rows = project(one, two, tau, args.gpus)
+    payload = dict(kind="projection, not a measurement", gpus=args.gpus, layers=K26_LAYERS,
+                   inputs=dict(one=args.one, two=args.two, eval=args.eval,
+                               one_timing=one["config"].get("traced", False) and "traced" or "fori_loop",
+                               two_timing=two["config"].get("traced", False) and "traced" or "fori_loop"),
+                   assumptions=__doc__.split("assumptions, which the output repeats:")[1].strip(),
+                   fit={m: dict(a_us=a, b_us=b) for m, (a, b) in fit(layer_times(one), layer_times(two)).items()},
+                   rows=rows)
+    print("wrote", bench_util.write_result(f"project_k26_{args.gpus}gpu", payload, args.out))
+    bench_util.print_table(rows, ["mode", "streams", "budget", "M", "layer_us", "step_ms", "tokens_per_step", "tok_s",
+                                  "note"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""The 8-GPU projection's arithmetic (issue #7): the a + b/G fit, interpolation, no extrapolation."""
+
+import pytest
+
+from experiments import project_k26 as P
+
+
+def result(times, name="r"):
+    return {"name": name, "config": {}, "rows": [{"M": m, "part": "layer", "us": t} for m, t in times.items()]
+            + [{"M": 1, "part": "attention", "us": 1.0}]}
+
+
+def test_fit_passes_through_both_measurements():
+    coeffs = P.fit({1: 300.0, 65: 1900.0}, {1: 290.0, 65: 1100.0})
+    for m, t1, t2 in [(1, 300.0, 290.0), (65, 1900.0, 1100.0)]:
+        assert P.layer_time(coeffs, m, 1) == pytest.approx(t1)
+        assert P.layer_time(coeffs, m, 2) == pytest.approx(t2)
+    a, b = coeffs[65]
+    assert P.layer_time(coeffs, 65, 8) == pytest.approx(a + b / 8) == pytest.approx(300.0 + 1600.0 / 8)
+
+
+def test_interpolates_between_measured_m_and_refuses_outside():
+    coeffs = P.fit({1: 100.0, 9: 180.0}, {1: 100.0, 9: 140.0})  # b = 0 at M=1, 80 at M=9
+    assert P.layer_time(coeffs, 5, 2) == pytest.approx((100.0 + 140.0) / 2)
+    with pytest.raises(ValueError, match="outside the measured range"):
+        P.layer_time(coeffs, 10, 8)
+    with pytest.raises(ValueError, match="no M measured on both"):
+        P.fit({1: 1.0}, {2: 1.0})
+
+
+def test_project_rows():
+    one, two = result({1: 300.0, 9: 500.0, 65: 1900.0}), result({1: 290.0, 9: 400.0, 65: 1100.0})
+    rows = P.project(one, two, {8: 2.5, 64: 3.0}, gpus=8, layers=61, streams=(1, 10))
+    ar = rows[0]
+    assert ar["mode"] == "AR" and ar["M"] == 1
+    assert ar["tok_s"] == pytest.approx(1e6 / (61 * (280.0 + 20.0 / 8)))
+    by_key = {(r["mode"], r["streams"], r["budget"]): r for r in rows}
+    assert by_key[("DDTree", 1, 8)]["M"] == 9 and by_key[("DDTree", 1, 8)]["tokens_per_step"] == 2.5
+    assert by_key[("DDTree", 1, 64)]["M"] == 65
+    assert "outside" in by_key[("DDTree", 10, 64)]["note"]  # M = 650: not measured, not projected
+    with pytest.raises(ValueError, match="no 'layer' rows"):
+        P.project({"rows": []}, two, {}, gpus=8)
