@@ -284,7 +284,7 @@ def gate_and_up(gu, block: int):
 
 
 def silu_mul(gate, up):
-    """silu(gate) * up in f32, written as the kernel's epilogue computes it."""
+    """silu(gate) * up in f32, as g / (1 + exp(-g)) * u: the kernel's epilogue and the twin's."""
     gate, up = gate.astype(jnp.float32), up.astype(jnp.float32)
     return gate / (1.0 + jnp.exp(-gate)) * up
 
@@ -418,7 +418,7 @@ def grouped_int4_matmul(x_groups, w, s, tile_expert, *, tokens_per_tile: int, ou
             acc = pl.run_scoped(acc_scope, plgpu.ACC((rows, n), jnp.float32))
             if fused:  # rows [0, 64) are gate, [64, 128) up of the same f: the same registers of each thread
                 gate, up = acc[:PAIR_BLOCK], acc[PAIR_BLOCK:]
-                h = (gate / (1.0 + jnp.exp(-gate)) * up).astype(jnp.bfloat16)
+                h = silu_mul(gate, up).astype(jnp.bfloat16)
                 o_smem.transpose((1, 0))[...] = plgpu.layout_cast(h, plgpu.Layout.WGMMA_TRANSPOSED)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(o_smem, o_ref.at[0, pl.ds(t * n, n), pl.ds(b * PAIR_BLOCK, PAIR_BLOCK)])
