@@ -97,8 +97,8 @@ def main(argv=None):
     rows = project(one, two, tau, args.gpus)
     payload = dict(kind="projection, not a measurement", gpus=args.gpus, layers=K26_LAYERS,
                    inputs=dict(one=args.one, two=args.two, eval=args.eval,
-                               one_timing=one["config"].get("traced", False) and "traced" or "fori_loop",
-                               two_timing=two["config"].get("traced", False) and "traced" or "fori_loop"),
+                               one_timing="traced" if one["config"].get("traced") else "fori_loop",
+                               two_timing="traced" if two["config"].get("traced") else "fori_loop"),
                    assumptions=__doc__.split("assumptions, which the output repeats:")[1].strip(),
                    fit={m: dict(a_us=a, b_us=b) for m, (a, b) in fit(layer_times(one), layer_times(two)).items()},
                    rows=rows)

@@ -228,7 +228,7 @@ def grouped_int4_matmul_ref(x_groups, w, s, tile_expert, *, tokens_per_tile: int
     = silu(gate) * up in x_groups.dtype instead."""
     n = tokens_per_tile
     _check_out_layout(out_layout)
-    _check_epilogue(epilogue, out_layout, w, s)
+    _check_epilogue(epilogue, out_layout, s)
     _, i, o = check_grouped_args(x_groups, w, s, tile_expert, n)
     ng, p, _ = x_groups.shape
     x = jnp.swapaxes(x_groups, 0, 1).reshape(p, ng * GROUP)
@@ -261,7 +261,7 @@ def _check_out_layout(out_layout: str) -> None:
         raise ValueError(f"out_layout must be 'rows' ([O, P]) or 'tokens' ([P, O]), got {out_layout!r}")
 
 
-def _check_epilogue(epilogue: str, out_layout: str, w, s, split: int = 1) -> None:
+def _check_epilogue(epilogue: str, out_layout: str, s, split: int = 1) -> None:
     if epilogue == "none":
         return
     if epilogue != "silu_mul":
@@ -348,7 +348,7 @@ def grouped_int4_matmul(x_groups, w, s, tile_expert, *, tokens_per_tile: int, ou
         raise ValueError(f"unknown probe {probe!r}")
     n = tokens_per_tile
     _check_out_layout(out_layout)
-    _check_epilogue(epilogue, out_layout, w, s, split)
+    _check_epilogue(epilogue, out_layout, s, split)
     tokens_out = out_layout == "tokens"
     fused = epilogue == "silu_mul"
     fragments, in_dim, out_dim = check_grouped_args(x_groups, w, s, tile_expert, n)
