@@ -56,18 +56,21 @@ def main(argv=None):
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--commit", default=None, help="commit hash to record (a copied checkout may report a stale HEAD)")
-    ap.add_argument("--plan", default="full", choices=["full", "flags", "stages", "fragments", "net"])
+    ap.add_argument("--plan", default="full", choices=["full", "flags", "stages", "fragments", "net", "anatomy"])
+    ap.add_argument("--timing", default="chained", choices=["chained", "traced"],
+                    help="chained: wall clock of call chains, differenced; traced: the kernel's device time from a "
+                         "profiler trace (bench_util.traced_call_time)")
     args = ap.parse_args(argv)
     bw = bench_util.measure_torch_copy_bandwidth() or bench_util.measure_copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     key = jax.random.key(0)
     gemms = {"gate_up": (2 * F, D), "down": (D, F)}
     weights = {}
-    for rows in (() if args.plan == "net" else (64, 128)):
+    for rows in (() if args.plan in ("net", "anatomy") else (64, 128)):
         for name, (o, i) in gemms.items():
             key, sub = jax.random.split(key)
             weights[name, rows] = random_tiled(sub, E, o, i, rows)
-    if args.plan in ("fragments", "net"):
+    if args.plan in ("fragments", "net", "anatomy"):
         for name, (o, i) in gemms.items():
             key, sub = jax.random.split(key)
             weights[name, "fragments"] = random_fragments(sub, E, o, i)
@@ -78,7 +81,8 @@ def main(argv=None):
         if not args.out:
             return
         payload = dict(commit=args.commit or bench_util.git_commit(), hardware=bench_util.hardware(),
-                       jax=jax.__version__, copy_bandwidth=bw, plan=args.plan, timing="unrolled chains, 17 vs 1 calls differenced",
+                       jax=jax.__version__, copy_bandwidth=bw, plan=args.plan, timing=("kernel device time from a profiler trace" if args.timing == "traced"
+                               else "unrolled chains, 17 vs 1 calls differenced"),
                        argv=sys.argv[1:], records=records)
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "probe_moe_mgpu.json"), "w") as fh:
@@ -123,6 +127,14 @@ def main(argv=None):
         plan = {1: ([8], [frag(1), frag(2), frag(4), frag(1, True)]), 9: ([8], [frag(1), frag(2)]),
                 32: ([8], [frag(1)]), 90: ([8], [frag(1)]), 256: ([8, 16], [frag(1)]),
                 512: ([16], [frag(1)]), 1024: ([32], [frag(1)])}
+    if args.plan == "anatomy":  # where the time goes: the copy pipeline alone, then stage-removed probes
+        frag = lambda stages=2, split=1, overlap=False, probe="": (128, stages, split, overlap, True, probe,  # noqa: E731
+                                                                    "fragments")
+        probes = [frag(), frag(probe="stream_only"), frag(probe="no_scale"), frag(probe="mma_once"),
+                  frag(overlap=True), frag(stages=3), frag(stages=3, probe="stream_only")]
+        plan = {1: ([8], [frag(), frag(split=2), frag(split=4), frag(split=2, probe="stream_only"),
+                          frag(split=4, probe="stream_only")]),
+                256: ([8], probes), 512: ([16], probes[:2] + probes[4:5]), 1024: ([32], probes)}
     if args.quick:
         plan = {m: (ns[:1], cf[:1]) for m, (ns, cf) in plan.items()}
     ms = [int(v) for v in args.ms.split(",")]
@@ -148,7 +160,11 @@ def main(argv=None):
                     fn = functools.partial(K.grouped_int4_matmul, tokens_per_tile=n, stages=stages, split=split,
                                            overlap=overlap, auto_barriers=auto, probe=probe)
                     try:
-                        t = bench_util.chained_call_time(fn, (xg, w, s, tile_expert))
+                        if args.timing == "traced":
+                            trace = bench_util.traced_call_time(fn, (xg, w, s, tile_expert))
+                            t = sum(sec for kname, _, sec in trace["kernels"] if "mosaic" in kname) or trace["span_s"]
+                        else:
+                            t = bench_util.chained_call_time(fn, (xg, w, s, tile_expert))
                     except Exception as exc:  # noqa: BLE001 - report and go on
                         print(f"FAILED {name} m={m} n={n} {rows}/{stages}/{split}/{overlap}: {exc!r:.300}", flush=True)
                         continue

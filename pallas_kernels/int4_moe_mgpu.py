@@ -41,7 +41,8 @@ step and group the warpgroup loads the [R, 32] int4 block into registers, upcast
 each row by its scale and issues a wgmma (A from registers: the weight rows; B from shared memory: the
 tokens, "swap AB", so one token per expert wastes no weight traffic) into an [R, N] f32 accumulator,
 stored as is or (token rows) shuffled into the transposed wgmma layout and stored as an [N, R] box.
-Several programs share an SM (about 55 KB of shared memory each at R=64, N=8, 4 stages), which hides
+Several programs share an SM (44 KB of shared memory each at R=128, N=8, 2 stages: the output tile
+reuses the pipeline's buffers once they are drained), which hides
 the latency of each program's dequantise-then-multiply chain.
 """
 
@@ -72,8 +73,9 @@ SMEM_LIMIT = 227 * 1024  # per block on sm_90
 
 
 def smem_bytes(rows: int, n: int, stages: int) -> int:
-    """Shared memory of one program: ``stages`` x (weight slab + scales + token tile) + the f32 output tile."""
-    return stages * (rows * STEP // 2 + (STEP // GROUP) * rows * 2 + STEP * n * 2) + rows * n * 4
+    """Shared memory of one program: ``stages`` x (weight slab + scales + token tile) while the pipeline runs,
+    then the f32 output tile in the same bytes (a later scope), so the larger of the two."""
+    return max(stages * (rows * STEP // 2 + (STEP // GROUP) * rows * 2 + STEP * n * 2), rows * n * 4)
 
 
 def _check_dims(o: int, i: int, rows: int) -> None:
@@ -341,10 +343,11 @@ def grouped_int4_matmul(x_groups, w, s, tile_expert, *, tokens_per_tile: int, ou
     Mosaic GPU's warpgroup barriers before a pipeline slot is refilled (``unsafe_no_auto_barriers``); safe
     only because each step ends with ``wgmma_wait(0)``, hence refused together with ``overlap``.
     ``probe`` (benchmarks only, wrong results): "no_scale" skips the per-group scale multiply; "mma_once"
-    adds the eight dequantised groups of a step (bf16 adds) and issues one wgmma for them."""
+    adds the eight dequantised groups of a step (bf16 adds) and issues one wgmma for them; "stream_only"
+    runs the copy pipeline with an empty step (what the memory side alone costs)."""
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.mosaic_gpu is not available in this JAX")
-    if probe not in ("", "no_scale", "mma_once"):
+    if probe not in ("", "no_scale", "mma_once", "stream_only"):
         raise ValueError(f"unknown probe {probe!r}")
     n = tokens_per_tile
     _check_out_layout(out_layout)
@@ -373,7 +376,7 @@ def grouped_int4_matmul(x_groups, w, s, tile_expert, *, tokens_per_tile: int, ou
     wgmma_layout = plgpu.Layout.WGMMA
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
-    def body(te_ref, x_ref, w_ref, s_ref, o_ref, o_smem):
+    def body(te_ref, x_ref, w_ref, s_ref, o_ref):
         t = lax.axis_index("tile")
         b = lax.axis_index("rows")
         sp = lax.axis_index("split")
@@ -383,6 +386,8 @@ def grouped_int4_matmul(x_groups, w, s, tile_expert, *, tokens_per_tile: int, ou
         def _():
             def acc_scope(acc_ref):
                 def step_body(_, w_smem, s_smem, x_smem):
+                    if probe == "stream_only":
+                        return
                     w_groups = w_smem.reshape(gps, 512) if fragments else w_smem.reshape(gps, rows, GROUP)
                     total = None
                     for g in range(gps):
@@ -416,30 +421,33 @@ def grouped_int4_matmul(x_groups, w, s, tile_expert, *, tokens_per_tile: int, ou
                 return acc_ref[...]
 
             acc = pl.run_scoped(acc_scope, plgpu.ACC((rows, n), jnp.float32))
-            if fused:  # rows [0, 64) are gate, [64, 128) up of the same f: the same registers of each thread
-                gate, up = acc[:PAIR_BLOCK], acc[PAIR_BLOCK:]
-                h = silu_mul(gate, up).astype(jnp.bfloat16)
-                o_smem.transpose((1, 0))[...] = plgpu.layout_cast(h, plgpu.Layout.WGMMA_TRANSPOSED)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_smem, o_ref.at[0, pl.ds(t * n, n), pl.ds(b * PAIR_BLOCK, PAIR_BLOCK)])
-            elif tokens_out:
-                # ref.transpose, not plgpu.transpose_ref: JAX 0.11's transpose_ref asks a plain scratch ref for
-                # a memory_space attribute it no longer has
-                o_smem.transpose((1, 0))[...] = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_smem, o_ref.at[sp, pl.ds(t * n, n), pl.ds(b * rows, rows)])
-            else:
-                o_smem[...] = acc
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_smem, o_ref.at[sp, pl.ds(b * rows, rows), pl.ds(t * n, n)])
-            plgpu.wait_smem_to_gmem(0)
+
+            def store(o_smem):  # a scope after the pipeline's: the output tile reuses its shared memory
+                if fused:  # rows [0, 64) are gate, [64, 128) up of the same f: the same registers of each thread
+                    gate, up = acc[:PAIR_BLOCK], acc[PAIR_BLOCK:]
+                    h = silu_mul(gate, up).astype(jnp.bfloat16)
+                    o_smem.transpose((1, 0))[...] = plgpu.layout_cast(h, plgpu.Layout.WGMMA_TRANSPOSED)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(o_smem, o_ref.at[0, pl.ds(t * n, n), pl.ds(b * PAIR_BLOCK, PAIR_BLOCK)])
+                elif tokens_out:
+                    # ref.transpose, not plgpu.transpose_ref: JAX 0.11's transpose_ref asks a plain scratch ref
+                    # for a memory_space attribute it no longer has
+                    o_smem.transpose((1, 0))[...] = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(o_smem, o_ref.at[sp, pl.ds(t * n, n), pl.ds(b * rows, rows)])
+                else:
+                    o_smem[...] = acc
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(o_smem, o_ref.at[sp, pl.ds(b * rows, rows), pl.ds(t * n, n)])
+                plgpu.wait_smem_to_gmem(0)
+
+            pl.run_scoped(store, plgpu.SMEM((n, PAIR_BLOCK), jnp.bfloat16) if fused else
+                          plgpu.SMEM((n, rows) if tokens_out else (rows, n), jnp.float32))
 
     kernel = plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((1, p, out_dim // 2), jnp.bfloat16) if fused else
         jax.ShapeDtypeStruct((split,) + ((p, out_dim) if tokens_out else (out_dim, p)), jnp.float32),
-        scratch_types=dict(o_smem=plgpu.SMEM((n, PAIR_BLOCK), jnp.bfloat16) if fused else
-                           plgpu.SMEM((n, rows) if tokens_out else (rows, n), jnp.float32)),
         grid=(nt, nb, split), grid_names=("tile", "rows", "split"),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,
                                              unsafe_no_auto_barriers=not auto_barriers),
