@@ -56,7 +56,7 @@ def main(argv=None):
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--commit", default=None, help="commit hash to record (a copied checkout may report a stale HEAD)")
-    ap.add_argument("--plan", default="full", choices=["full", "flags", "stages", "fragments", "net", "anatomy"])
+    ap.add_argument("--plan", default="full", choices=["full", "flags", "stages", "fragments", "net", "anatomy", "inflight"])
     ap.add_argument("--timing", default="chained", choices=["chained", "traced"],
                     help="chained: wall clock of call chains, differenced; traced: the kernel's device time from a "
                          "profiler trace (bench_util.traced_call_time)")
@@ -66,11 +66,11 @@ def main(argv=None):
     key = jax.random.key(0)
     gemms = {"gate_up": (2 * F, D), "down": (D, F)}
     weights = {}
-    for rows in (() if args.plan in ("net", "anatomy") else (64, 128)):
+    for rows in (() if args.plan in ("net", "anatomy", "inflight") else (64, 128)):
         for name, (o, i) in gemms.items():
             key, sub = jax.random.split(key)
             weights[name, rows] = random_tiled(sub, E, o, i, rows)
-    if args.plan in ("fragments", "net", "anatomy"):
+    if args.plan in ("fragments", "net", "anatomy", "inflight"):
         for name, (o, i) in gemms.items():
             key, sub = jax.random.split(key)
             weights[name, "fragments"] = random_fragments(sub, E, o, i)
@@ -135,6 +135,12 @@ def main(argv=None):
         plan = {1: ([8], [frag(), frag(split=2), frag(split=4), frag(split=2, probe="stream_only"),
                           frag(split=4, probe="stream_only")]),
                 256: ([8], probes), 512: ([16], probes[:2] + probes[4:5]), 1024: ([32], probes)}
+    if args.plan == "inflight":  # wgmma groups in flight per step (registers per thread -> programs per SM)
+        fl = lambda inflight, stages=2, split=1: (128, stages, split, False, True, "", "fragments", inflight)  # noqa: E731
+        variants = [fl(None), fl(0), fl(1), fl(2), fl(3)]
+        plan = {1: ([8], variants + [fl(1, split=2)]), 9: ([8], variants), 32: ([8], variants[:1] + variants[2:3]),
+                256: ([8], variants + [fl(1, stages=3)]), 512: ([16], variants[:1] + variants[2:4]),
+                1024: ([32], variants + [fl(1, stages=3)])}
     if args.quick:
         plan = {m: (ns[:1], cf[:1]) for m, (ns, cf) in plan.items()}
     ms = [int(v) for v in args.ms.split(",")]
@@ -156,9 +162,10 @@ def main(argv=None):
                     auto = rest[0] if rest else True
                     probe = rest[1] if len(rest) > 1 else ""
                     order = rest[2] if len(rest) > 2 else "groups"
+                    inflight = rest[3] if len(rest) > 3 else None
                     w, s = weights[name, "fragments" if order == "fragments" else rows]
                     fn = functools.partial(K.grouped_int4_matmul, tokens_per_tile=n, stages=stages, split=split,
-                                           overlap=overlap, auto_barriers=auto, probe=probe)
+                                           mma_in_flight=inflight, overlap=overlap, auto_barriers=auto, probe=probe)
                     try:
                         if args.timing == "traced":
                             trace = bench_util.traced_call_time(fn, (xg, w, s, tile_expert))
@@ -169,16 +176,16 @@ def main(argv=None):
                         print(f"FAILED {name} m={m} n={n} {rows}/{stages}/{split}/{overlap}: {exc!r:.300}", flush=True)
                         continue
                     rec = dict(kind="time", gemm=name, m=m, n=n, rows=rows, stages=stages, split=split,
-                               overlap=overlap, auto_barriers=auto, probe=probe, order=order, active=active, gb=nbytes / 1e9, ms=t * 1e3, tbps=nbytes / t / 1e12,
+                               overlap=overlap, auto_barriers=auto, probe=probe, order=order, mma_in_flight=inflight, active=active, gb=nbytes / 1e9, ms=t * 1e3, tbps=nbytes / t / 1e12,
                                pct_copy=100 * nbytes / t / bw, floor_ms=nbytes / bw * 1e3)
                     records.append(rec)
                     table.append(rec)
-                    print(f"{name:8s} M={m:5d} N={n:3d} {rows}/{stages}/{split}/{overlap:d}/{auto:d}/{probe or '-'}/{order} active={active:3d} "
+                    print(f"{name:8s} M={m:5d} N={n:3d} {rows}/{stages}/{split}/{overlap:d}/{auto:d}/{probe or '-'}/{order}/{inflight} active={active:3d} "
                           f"{t * 1e3:8.3f} ms  {rec['tbps']:.2f} TB/s  {rec['pct_copy']:5.1f} %", flush=True)
                     save(records)
     save(records)
     bench_util.print_table([{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items() if k != "kind"}
-                            for r in table], ["gemm", "m", "n", "rows", "stages", "split", "overlap", "auto_barriers", "probe", "order", "active", "ms", "floor_ms", "pct_copy"])
+                            for r in table], ["gemm", "m", "n", "stages", "split", "probe", "mma_in_flight", "active", "ms", "floor_ms", "pct_copy"])
 
 
 if __name__ == "__main__":

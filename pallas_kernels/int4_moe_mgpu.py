@@ -322,8 +322,8 @@ def _fragment_operand(words_ref):
 
 
 def grouped_int4_matmul(x_groups, w, s, tile_expert, *, tokens_per_tile: int, out_layout: str = "rows",
-                        epilogue: str = "none", stages: int = 2, split: int = 1, overlap: bool = False,
-                        auto_barriers: bool = True, probe: str = ""):
+                        epilogue: str = "none", stages: int = 2, split: int = 1, mma_in_flight: int | None = None,
+                        overlap: bool = False, auto_barriers: bool = True, probe: str = ""):
     """Pallas Mosaic GPU kernel (H100/H200). Same contract as ``grouped_int4_matmul_ref``, except that the
     output columns (rows) of skipped tiles are left unwritten (garbage: the MoE layer reads only the rows
     of real pairs), and with
@@ -338,6 +338,10 @@ def grouped_int4_matmul(x_groups, w, s, tile_expert, *, tokens_per_tile: int, ou
     128-row program holds the gate and up rows of the same 64 f): each program's accumulator halves give
     h = silu(gate) * up in registers, stored as bf16 [P, O/2], the down GEMM's input.
 
+    ``mma_in_flight``: after each scale group's wgmma, wait until at most this many groups are still in
+    flight (their A operands are registers, held until the wgmma completes), so that fewer dequantised
+    groups are live at once: fewer registers per thread, more programs per SM. None: wait once, at the end
+    of the step (all eight groups' operands live).
     ``overlap``: keep one step's wgmmas in flight while the next step is dequantised (the token tile
     is released a step late); otherwise each step waits for its own wgmmas. ``auto_barriers=False`` drops
     Mosaic GPU's warpgroup barriers before a pipeline slot is refilled (``unsafe_no_auto_barriers``); safe
@@ -357,6 +361,8 @@ def grouped_int4_matmul(x_groups, w, s, tile_expert, *, tokens_per_tile: int, ou
     fragments, in_dim, out_dim = check_grouped_args(x_groups, w, s, tile_expert, n)
     if x_groups.dtype != jnp.bfloat16:
         raise ValueError(f"the kernel takes bf16 activations, got {x_groups.dtype}")
+    if mma_in_flight is not None and not 0 <= mma_in_flight < STEP // GROUP:
+        raise ValueError(f"mma_in_flight must be None or in [0, {STEP // GROUP}), got {mma_in_flight}")
     if overlap and not auto_barriers:
         raise ValueError("overlap=True needs auto_barriers: the next copy into a slot must wait for every warp's reads")
     p = x_groups.shape[1]
@@ -403,6 +409,8 @@ def grouped_int4_matmul(x_groups, w, s, tile_expert, *, tokens_per_tile: int, ou
                             total = wg if total is None else total + wg
                             continue
                         plgpu.wgmma(acc_ref, wg, plgpu.transpose_ref(x_smem.at[g], (1, 0)))
+                        if mma_in_flight is not None and g < gps - 1:
+                            plgpu.wgmma_wait(mma_in_flight)
                     if probe == "mma_once":
                         plgpu.wgmma(acc_ref, total, plgpu.transpose_ref(x_smem.at[0], (1, 0)))
                     plgpu.wgmma_wait(gps if overlap else 0)

@@ -225,15 +225,16 @@ def test_kernel_chosen_when_lowered_for_cuda(dtype, kernel):
     assert MGPU_CALL not in staged.lower(lowering_platforms=("cpu",)).as_text()
 
 
-@pytest.mark.parametrize("rows,n,stages,split,out_layout", [(64, 8, 2, 1, "rows"), (128, 16, 3, 2, "rows"),
-                                                              (128, 64, 2, 1, "rows"), (64, 8, 2, 1, "tokens"),
-                                                              (128, 32, 2, 2, "tokens")])
-def test_kernel_lowers_for_cuda(rows, n, stages, split, out_layout):
+@pytest.mark.parametrize("rows,n,stages,split,out_layout,inflight", [
+    (64, 8, 2, 1, "rows", None), (128, 16, 3, 2, "rows", 1), (128, 64, 2, 1, "rows", None),
+    (64, 8, 2, 1, "tokens", 0), (128, 32, 2, 2, "tokens", 2)])
+def test_kernel_lowers_for_cuda(rows, n, stages, split, out_layout, inflight):
     w = jax.ShapeDtypeStruct((3, 2, 2 * rows, K.STEP), jnp.int4)
     s = jax.ShapeDtypeStruct((3, 2, 2 * K.STEP // K.GROUP, rows), jnp.bfloat16)
     xg = jax.ShapeDtypeStruct((2 * K.STEP // K.GROUP, 2 * n, K.GROUP), jnp.bfloat16)
     te = jax.ShapeDtypeStruct((2,), jnp.int32)
-    fn = functools.partial(K.grouped_int4_matmul, tokens_per_tile=n, stages=stages, split=split, out_layout=out_layout)
+    fn = functools.partial(K.grouped_int4_matmul, tokens_per_tile=n, stages=stages, split=split, out_layout=out_layout,
+                           mma_in_flight=inflight)
     text = jax.jit(fn).trace(xg, w, s, te).lower(lowering_platforms=("cuda",)).as_text()
     assert MGPU_CALL in text
 
@@ -270,6 +271,8 @@ def test_bad_input_errors():
             fn(xg, leaf.packed, leaf.scale, te3, tokens_per_tile=16)
     with pytest.raises(ValueError, match="bf16 activations"):
         K.grouped_int4_matmul(xg.astype(jnp.float32), leaf.packed, leaf.scale, te3, tokens_per_tile=8)
+    with pytest.raises(ValueError, match="mma_in_flight must be None or in"):
+        K.grouped_int4_matmul(xg, leaf.packed, leaf.scale, te3, tokens_per_tile=8, mma_in_flight=8)
     with pytest.raises(ValueError, match="overlap=True needs auto_barriers"):
         K.grouped_int4_matmul(xg, leaf.packed, leaf.scale, te3, tokens_per_tile=8, overlap=True, auto_barriers=False)
     with pytest.raises(ValueError, match="shared memory"):
