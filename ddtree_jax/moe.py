@@ -215,10 +215,12 @@ def _moe_layers(model: nnx.Module):
             yield ".".join(str(p) for p in path), module
 
 
-def _to_layout(layout: str, w13: QuantArray, w2: QuantArray, fuse_silu: bool = False):
+def _to_layout(layout: str, w13: QuantArray, w2: QuantArray, fuse_silu: bool | None = False):
     """(w13, w2) in a kernel layout and why the GPU kernel cannot run them (None if it can); raises
-    ValueError where the layout cannot hold them at all."""
+    ValueError where the layout cannot hold them at all. fuse_silu None: pair gate/up rows where they can be."""
     if layout == "tiles":
+        if fuse_silu is None:
+            fuse_silu = w13.shape[1] % (2 * tiled_kernel.FRAG_ROWS) == 0
         return (TiledInt4.from_compressed_tensors(w13.packed, w13.scale, pair_gate_up=fuse_silu),
                 TiledInt4.from_compressed_tensors(w2.packed, w2.scale), None)
     weights = Int4ExpertWeights.from_leaves(
@@ -228,7 +230,7 @@ def _to_layout(layout: str, w13: QuantArray, w2: QuantArray, fuse_silu: bool = F
 
 
 def prepare_for_kernels(model: nnx.Module, *, layout: str = "tiles", allow_twin_only: bool = False,
-                        fuse_silu: bool = False) -> nnx.Module:
+                        fuse_silu: bool | None = None) -> nnx.Module:
     """One-time load-time repack, in place: every MoE layer's INT4 ``w13`` / ``w2`` (QuantArray,
     compressed-tensors) take a GPU kernel's layout; returns ``model``.
 
@@ -248,8 +250,9 @@ def prepare_for_kernels(model: nnx.Module, *, layout: str = "tiles", allow_twin_
     ``unprepare_for_kernels`` (also needed before ``save_model``).
 
     ``fuse_silu`` ("tiles" only): w13 stored with gate and up rows paired in 64-row blocks, so that the
-    gate+up kernel applies SiLU·up in its epilogue wherever it runs without split-K (needs 2F % 256 == 0).
-    Off by default until measured on the H200.
+    gate+up kernel applies SiLU·up in its epilogue wherever it runs without split-K (needs 2F % 256 == 0;
+    True raises where a layer's stack does not allow it). Default (None): wherever 2F % 256 == 0, e.g. every
+    K2.6 layer (on the H200 1-2 % faster per MoE layer at M >= 9, experiments/results/bench_moe_h200_fuse.json).
 
     Raises ValueError naming the layer for float (unquantized) experts and for stacks the layout cannot
     hold ("tiles": group 32, bf16 scales, O % 64 == 0, I % 256 == 0); for "planar", also for shapes the
@@ -257,7 +260,7 @@ def prepare_for_kernels(model: nnx.Module, *, layout: str = "tiles", allow_twin_
     """
     if layout not in KERNEL_LAYOUTS:
         raise ValueError(f"unknown kernel layout {layout!r}; expected one of {sorted(KERNEL_LAYOUTS)}")
-    if fuse_silu and layout != "tiles":
+    if fuse_silu is True and layout != "tiles":
         raise ValueError(f"fuse_silu is a property of the 'tiles' layout, not {layout!r}")
     want = KERNEL_LAYOUTS[layout]
     for name, moe in _moe_layers(model):

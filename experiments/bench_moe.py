@@ -2,7 +2,7 @@
 layout) vs the Pallas-Triton kernel ("pallas[...]", layout "planar") vs XLA twin vs XLA ragged_dot (bf16).
 
     PYTHONPATH=. python3 experiments/bench_moe.py [--ms 1,9,32,90,256,512,1024] [--out DIR]
-        [--tiled-configs "k=v,...;..." (fuse=1: w13 paired, SiLU·up in the gate+up epilogue)] [--configs "k=v,...;..." --triton-ms 1,32,256]
+        [--tiled-configs "k=v,...;..." (fuse=0: w13 unpaired, SiLU·up in XLA; default paired, in the epilogue)] [--configs "k=v,...;..." --triton-ms 1,32,256]
         [--sweep "k=v,...;..." --sweep-ms 1,256]
 
 Reports per (M, routing): ms per call, us per token, active experts, weight bytes read (INT4 words +
@@ -144,7 +144,7 @@ def main(argv=None):
         cfg = {}
         for kv in filter(None, s.split(",")):
             k_, v = kv.split("=")
-            cfg[k_] = int(v) if v.lstrip("-").isdigit() else v
+            cfg[k_] = int(v) if v.lstrip("-").isdigit() else None if v == "None" else v
         return cfg
 
     configs = [parse_cfg(c) for c in args.configs.split(";")] if args.configs else [{}]
@@ -152,12 +152,14 @@ def main(argv=None):
     tiled_configs = [] if args.tiled_configs == "none" else (
         [parse_cfg(c) for c in args.tiled_configs.split(";")] if args.tiled_configs else [{}])
     triton_ms = {int(v) for v in args.triton_ms.split(",")} if args.triton_ms else set(ms)
-    tiled = fused13 = None
+    tiled = unpaired13 = None
     if tiled_configs:  # the same experts, repacked from compressed-tensors into the Mosaic GPU layout
         ct = wts.to_compressed_tensors()
-        tiled = (TiledInt4.from_compressed_tensors(ct[0], ct[1]), TiledInt4.from_compressed_tensors(ct[2], ct[3]))
-        if any(c.get("fuse") for c in tiled_configs):  # w13 with gate/up rows paired: SiLU·up in the epilogue
-            fused13 = TiledInt4.from_compressed_tensors(ct[0], ct[1], pair_gate_up=True)
+        # w13 with gate/up rows paired (SiLU·up in the epilogue), the engine's default; fuse=0: w13 unpaired
+        tiled = (TiledInt4.from_compressed_tensors(ct[0], ct[1], pair_gate_up=True),
+                 TiledInt4.from_compressed_tensors(ct[2], ct[3]))
+        if any(c.get("fuse", 1) == 0 for c in tiled_configs):
+            unpaired13 = TiledInt4.from_compressed_tensors(ct[0], ct[1])
         del ct
     if args.interpret:
         configs = [dict(c, interpret=True) for c in configs]
@@ -205,7 +207,7 @@ def main(argv=None):
     def run_tiled(cfg, x, ids, w, base, nbytes, y_ref):
         name = "mgpu[" + ",".join(f"{k_}={v}" for k_, v in cfg.items()) + "]"
         cfg = dict(cfg)
-        stacks = (fused13, tiled[1]) if cfg.pop("fuse", 0) else tiled
+        stacks = tiled if cfg.pop("fuse", 1) else (unpaired13, tiled[1])
         try:
             fn = jax.jit(functools.partial(routed_experts_tiled, use_kernel=True, **cfg))
             t0 = time.perf_counter()

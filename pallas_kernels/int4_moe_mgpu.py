@@ -192,6 +192,11 @@ def dequantize_expert(w, s, e, dtype=jnp.bfloat16) -> jax.Array:
 # ----------------------------------------------------------------------------------------------
 # Pure-JAX twin
 # ----------------------------------------------------------------------------------------------
+def _check_mma_in_flight(mma_in_flight) -> None:
+    if mma_in_flight is not None and (not isinstance(mma_in_flight, int) or not 0 <= mma_in_flight < STEP // GROUP):
+        raise ValueError(f"mma_in_flight must be None or an int in [0, {STEP // GROUP}), got {mma_in_flight!r}")
+
+
 def check_grouped_args(x_groups, w, s, tile_expert, n: int) -> tuple[bool, int, int]:
     """Validates the arguments of ``grouped_int4_matmul`` (and its twin) statically; returns
     (fragment order?, I, O). Raises ValueError naming the mismatch."""
@@ -361,8 +366,7 @@ def grouped_int4_matmul(x_groups, w, s, tile_expert, *, tokens_per_tile: int, ou
     fragments, in_dim, out_dim = check_grouped_args(x_groups, w, s, tile_expert, n)
     if x_groups.dtype != jnp.bfloat16:
         raise ValueError(f"the kernel takes bf16 activations, got {x_groups.dtype}")
-    if mma_in_flight is not None and not 0 <= mma_in_flight < STEP // GROUP:
-        raise ValueError(f"mma_in_flight must be None or in [0, {STEP // GROUP}), got {mma_in_flight}")
+    _check_mma_in_flight(mma_in_flight)
     if overlap and not auto_barriers:
         raise ValueError("overlap=True needs auto_barriers: the next copy into a slot must wait for every warp's reads")
     p = x_groups.shape[1]
@@ -629,6 +633,14 @@ def default_split(m: int, k: int, e: int, leaf: TiledInt4, num_sms: int = NUM_SM
     return 2 if busy < 2 * num_sms and steps % 2 == 0 else 1
 
 
+def default_mma_in_flight(m: int, k: int) -> int | None:
+    """wgmma groups left in flight after each scale group (``grouped_int4_matmul(mma_in_flight=)``): None (one
+    wait per step) below 64 routed pairs (M <= 7 at top-8), else 2. On the H200 (experiments/results/
+    probe_moe_mgpu_inflight_h200.json; ptxas: 162 -> 82 registers at N=8, 186 -> 90 at N=32 with 1 in flight):
+    at M=1 a wait per group cost 2-5 %; from M=9 on, 2 in flight gained 0-3 % at N=8 and 5-15 % at N=16 and 32."""
+    return None if m * k < 64 else 2
+
+
 def check_kernel_config(w13: TiledInt4, w2: TiledInt4, n: int, stages: int, split13: int, split2: int) -> None:
     """Raises ValueError for a tile size, pipeline depth or split-K (one per GEMM) the kernel cannot run
     on these stacks (checked on every platform, so the CPU twin refuses what the GPU kernel would)."""
@@ -645,7 +657,8 @@ def check_kernel_config(w13: TiledInt4, w2: TiledInt4, n: int, stages: int, spli
 
 def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: TiledInt4, *,
                          expert_offset: int | jax.Array = 0, out_dtype=None, use_kernel: bool = False,
-                         tile: int | None = None, stages: int = 2, split: int | None = None):
+                         tile: int | None = None, stages: int = 2, split: int | None = None,
+                         mma_in_flight: int | None | str = "auto"):
     """Routed experts of one MoE layer on tiled INT4 stacks: the Mosaic GPU kernel (``use_kernel``) or its
     twin, around the same XLA routing and combine.
 
@@ -659,7 +672,8 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
     for a w13 stored with gate/up rows paired and no split-K, kernel 1's epilogue does and gives h [P, F]),
     kernel 2 gives [P, D]; each token gathers its K pair rows, weights and adds them (``_gather_combine``).
     Tiles past the busy ones are skipped by the kernel; their unwritten rows are never gathered.
-    split: split-K of both GEMMs (default: ``default_split`` for each).
+    split: split-K of both GEMMs (default: ``default_split`` for each). mma_in_flight: the kernel's (an int,
+    or None), default ("auto") ``default_mma_in_flight``.
     """
     m, d = x.shape
     k = expert_ids.shape[1]
@@ -671,11 +685,15 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
     n = tile or tiled_default_tile(m, k, e_n)
     split13, split2 = (split, split) if split else (default_split(m, k, e_n, w13), default_split(m, k, e_n, w2))
     check_kernel_config(w13, w2, n, stages, split13, split2)  # on every platform: one program, one contract
+    if mma_in_flight == "auto":
+        mma_in_flight = default_mma_in_flight(m, k)
+    _check_mma_in_flight(mma_in_flight)
     row_token, _, tile_expert, _, pair_row = _route(expert_ids - expert_offset, expert_weights, e_n, n)
     xs = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)])[row_token]  # [P, D]
     if use_kernel:
         mm = lambda *a, split, epilogue="none": grouped_int4_matmul(  # noqa: E731
-            *a, tokens_per_tile=n, out_layout="tokens", epilogue=epilogue, stages=stages, split=split)
+            *a, tokens_per_tile=n, out_layout="tokens", epilogue=epilogue, stages=stages, split=split,
+            mma_in_flight=mma_in_flight)
     else:
         mm = lambda *a, split, epilogue="none": grouped_int4_matmul_ref(  # noqa: E731
             *a, tokens_per_tile=n, out_layout="tokens", epilogue=epilogue)

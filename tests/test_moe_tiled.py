@@ -271,7 +271,7 @@ def test_bad_input_errors():
             fn(xg, leaf.packed, leaf.scale, te3, tokens_per_tile=16)
     with pytest.raises(ValueError, match="bf16 activations"):
         K.grouped_int4_matmul(xg.astype(jnp.float32), leaf.packed, leaf.scale, te3, tokens_per_tile=8)
-    with pytest.raises(ValueError, match="mma_in_flight must be None or in"):
+    with pytest.raises(ValueError, match="mma_in_flight must be None or an int in"):
         K.grouped_int4_matmul(xg, leaf.packed, leaf.scale, te3, tokens_per_tile=8, mma_in_flight=8)
     with pytest.raises(ValueError, match="overlap=True needs auto_barriers"):
         K.grouped_int4_matmul(xg, leaf.packed, leaf.scale, te3, tokens_per_tile=8, overlap=True, auto_barriers=False)
@@ -530,6 +530,23 @@ def test_epilogue_kernel_lowers_for_cuda(n):
     lowered = jax.jit(fn).trace(xg, paired.packed, paired.scale, te)
     assert lowered.out_info.shape == (2 * n, 256) and lowered.out_info.dtype == jnp.bfloat16
     assert MGPU_CALL in lowered.lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_fused_silu_by_default():  # (a w2 the layout holds has F % 256 == 0, so 2F always pairs)
+    assert prepare_for_kernels(tiny_model()).layers[1].mlp.w13.get_value().gate_up_block == 64
+    assert prepare_for_kernels(tiny_model(), fuse_silu=False).layers[1].mlp.w13.get_value().gate_up_block == 0
+
+
+def test_mma_in_flight_default_and_checks():
+    assert K.default_mma_in_flight(1, 8) is None and K.default_mma_in_flight(9, 8) == 2
+    rng = np.random.default_rng(0)
+    w13, w2 = (TiledInt4.from_compressed_tensors(qa.packed, qa.scale)
+               for qa in (random_stack(rng, 4, 512, 256), random_stack(rng, 4, 256, 256)))
+    x = jnp.ones((3, 256), jnp.float32)
+    ids, wts = jnp.zeros((3, 2), jnp.int32), jnp.ones((3, 2), jnp.float32)
+    for bad in (8, -1, "2"):
+        with pytest.raises(ValueError, match="mma_in_flight"):
+            routed_experts_tiled(x, ids, wts, w13, w2, mma_in_flight=bad)
 
 
 def test_prepared_model_with_fused_silu_matches_unprepared(tokens):
