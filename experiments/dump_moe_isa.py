@@ -22,6 +22,7 @@ def main(argv=None):
     ap.add_argument("--out", required=True)
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--gemm", default="gate_up", choices=["gate_up", "down"])
+    ap.add_argument("--chunk", type=int, default=64, help="activation chunk width (columns per wgmma)")
     ap.add_argument("--kwargs", default="", help="k=v,... passed to grouped_int4_matmul (ints)")
     args = ap.parse_args(argv)
     dump = os.path.join(args.out, "isa")
@@ -41,8 +42,8 @@ def main(argv=None):
                                                      jnp.uint32), jnp.int32)
     s = jnp.full((e, o // 128, i // K.GROUP, 128), 0.01, jnp.bfloat16)
     te = jnp.arange(e, dtype=jnp.int32)
-    xg = K.to_groups(jnp.ones((e * args.n, i), jnp.bfloat16))
-    kwargs = {k: int(v) for k, v in (kv.split("=") for kv in args.kwargs.split(",") if kv)}
+    xg = K.to_chunks(jnp.ones((e * args.n, i), jnp.bfloat16), args.chunk)
+    kwargs = {k: None if v == "None" else int(v) for k, v in (kv.split("=") for kv in args.kwargs.split(",") if kv)}
     out = jax.jit(lambda *a: K.grouped_int4_matmul(*a, tokens_per_tile=args.n, **kwargs))(xg, w, s, te)
     jax.block_until_ready(out)
     files = sorted(glob.glob(os.path.join(dump, "*")))

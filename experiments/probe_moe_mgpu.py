@@ -56,7 +56,8 @@ def main(argv=None):
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--commit", default=None, help="commit hash to record (a copied checkout may report a stale HEAD)")
-    ap.add_argument("--plan", default="full", choices=["full", "flags", "stages", "fragments", "net", "anatomy", "inflight"])
+    ap.add_argument("--plan", default="full", choices=["full", "flags", "stages", "fragments", "net", "anatomy", "inflight", "chunks"])
+    ap.add_argument("--chunk", type=int, default=32, help="activation chunk width (columns per wgmma) unless a plan sets it")
     ap.add_argument("--timing", default="chained", choices=["chained", "traced"],
                     help="chained: wall clock of call chains, differenced; traced: the kernel's device time from a "
                          "profiler trace (bench_util.traced_call_time)")
@@ -66,11 +67,11 @@ def main(argv=None):
     key = jax.random.key(0)
     gemms = {"gate_up": (2 * F, D), "down": (D, F)}
     weights = {}
-    for rows in (() if args.plan in ("net", "anatomy", "inflight") else (64, 128)):
+    for rows in (() if args.plan in ("net", "anatomy", "inflight", "chunks") else (64, 128)):
         for name, (o, i) in gemms.items():
             key, sub = jax.random.split(key)
             weights[name, rows] = random_tiled(sub, E, o, i, rows)
-    if args.plan in ("fragments", "net", "anatomy", "inflight"):
+    if args.plan in ("fragments", "net", "anatomy", "inflight", "chunks"):
         for name, (o, i) in gemms.items():
             key, sub = jax.random.split(key)
             weights[name, "fragments"] = random_fragments(sub, E, o, i)
@@ -94,9 +95,11 @@ def main(argv=None):
         for n in (8, 32):
             te = jnp.asarray([5, 383, -1, 5, 0][: 4 if n == 32 else 5], jnp.int32)
             x = jax.random.normal(jax.random.key(n), (te.shape[0] * n, i), jnp.float32).astype(jnp.bfloat16)
-            xg = K.to_groups(x)
-            variant = dict(split=2 if n == 8 else 1, overlap=n == 32)
-            got = jax.jit(functools.partial(K.grouped_int4_matmul, tokens_per_tile=n, **variant))(xg, w, s, te)
+            chunk = 64 if n == 8 else 128
+            xg = K.to_chunks(x, chunk)
+            variant = dict(split=2 if n == 8 else 1, overlap=n == 32, chunk=chunk)
+            kernel_variant = {k: v for k, v in variant.items() if k != "chunk"}
+            got = jax.jit(functools.partial(K.grouped_int4_matmul, tokens_per_tile=n, **kernel_variant))(xg, w, s, te)
             ref = K.grouped_int4_matmul_ref(xg, w, s, te, tokens_per_tile=n)
             valid = np.repeat(np.asarray(te) >= 0, n)
             err = rel_err(np.asarray(got)[:, valid], np.asarray(ref)[:, valid])
@@ -141,6 +144,11 @@ def main(argv=None):
         plan = {1: ([8], variants + [fl(1, split=2)]), 9: ([8], variants), 32: ([8], variants[:1] + variants[2:3]),
                 256: ([8], variants + [fl(1, stages=3)]), 512: ([16], variants[:1] + variants[2:4]),
                 1024: ([32], variants + [fl(1, stages=3)])}
+    if args.plan == "chunks":  # columns per wgmma (activation chunk width) x chunks in flight
+        ch = lambda chunk, inflight, n_split=1: (128, 2, n_split, False, True, "", "fragments", inflight, chunk)  # noqa: E731
+        variants = [ch(32, 2), ch(64, None), ch(64, 0), ch(64, 1), ch(128, None), ch(128, 0), ch(128, 1)]
+        plan = {1: ([8], [ch(32, None), ch(64, None), ch(128, None), ch(64, 1), ch(128, 0)]),
+                9: ([8], variants), 256: ([8], variants), 512: ([16], variants), 1024: ([32], variants)}
     if args.quick:
         plan = {m: (ns[:1], cf[:1]) for m, (ns, cf) in plan.items()}
     ms = [int(v) for v in args.ms.split(",")]
@@ -156,13 +164,14 @@ def main(argv=None):
             p = tile_expert.shape[0] * n
             for name, (o, i) in gemms.items():
                 x = jax.random.normal(jax.random.key(1), (p, i), jnp.float32).astype(jnp.bfloat16)
-                xg = K.to_groups(x)
                 nbytes = active * (o * i // 2 + o * (i // K.GROUP) * 2)
                 for rows, stages, split, overlap, *rest in configs:
                     auto = rest[0] if rest else True
                     probe = rest[1] if len(rest) > 1 else ""
                     order = rest[2] if len(rest) > 2 else "groups"
                     inflight = rest[3] if len(rest) > 3 else None
+                    chunk = rest[4] if len(rest) > 4 else args.chunk
+                    xg = K.to_chunks(x, chunk)
                     w, s = weights[name, "fragments" if order == "fragments" else rows]
                     fn = functools.partial(K.grouped_int4_matmul, tokens_per_tile=n, stages=stages, split=split,
                                            mma_in_flight=inflight, overlap=overlap, auto_barriers=auto, probe=probe)
@@ -176,16 +185,16 @@ def main(argv=None):
                         print(f"FAILED {name} m={m} n={n} {rows}/{stages}/{split}/{overlap}: {exc!r:.300}", flush=True)
                         continue
                     rec = dict(kind="time", gemm=name, m=m, n=n, rows=rows, stages=stages, split=split,
-                               overlap=overlap, auto_barriers=auto, probe=probe, order=order, mma_in_flight=inflight, active=active, gb=nbytes / 1e9, ms=t * 1e3, tbps=nbytes / t / 1e12,
+                               overlap=overlap, auto_barriers=auto, probe=probe, order=order, mma_in_flight=inflight, chunk=chunk, active=active, gb=nbytes / 1e9, ms=t * 1e3, tbps=nbytes / t / 1e12,
                                pct_copy=100 * nbytes / t / bw, floor_ms=nbytes / bw * 1e3)
                     records.append(rec)
                     table.append(rec)
-                    print(f"{name:8s} M={m:5d} N={n:3d} {rows}/{stages}/{split}/{overlap:d}/{auto:d}/{probe or '-'}/{order}/{inflight} active={active:3d} "
+                    print(f"{name:8s} M={m:5d} N={n:3d} {rows}/{stages}/{split}/{overlap:d}/{auto:d}/{probe or '-'}/{order}/{inflight}/c{chunk} active={active:3d} "
                           f"{t * 1e3:8.3f} ms  {rec['tbps']:.2f} TB/s  {rec['pct_copy']:5.1f} %", flush=True)
                     save(records)
     save(records)
     bench_util.print_table([{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items() if k != "kind"}
-                            for r in table], ["gemm", "m", "n", "stages", "split", "probe", "mma_in_flight", "active", "ms", "floor_ms", "pct_copy"])
+                            for r in table], ["gemm", "m", "n", "stages", "split", "probe", "mma_in_flight", "chunk", "active", "ms", "floor_ms", "pct_copy"])
 
 
 if __name__ == "__main__":

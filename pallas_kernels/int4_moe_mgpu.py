@@ -29,8 +29,9 @@ subtraction per two values, no register shuffles; ``fragment_maps``, ``_fragment
 takes either order (by the weights' dtype). On the H200 the fragment order was 1-22 % faster than the
 groups order, never slower (experiments/results/probe_moe_mgpu_fragments_h200.json).
 
-Activations come group-major, x_groups [I/G, P, G] (an XLA transpose of the sorted token rows), so that
-group g of a step is a whole [N, G] tile (64-byte rows, 64-byte swizzle) for wgmma's B operand.
+Activations come chunk-major, x_chunks [I/C, P, C] with C = 32, 64 or 128 columns (``to_chunks``; the MoE
+layer gathers the sorted token rows straight into it), so that chunk c of a step is a whole [N, C] tile
+(2C-byte rows, swizzled) for wgmma's B operand: one wgmma per chunk takes C / 32 dequantised scale groups.
 
 Kernel
 ------
@@ -192,17 +193,21 @@ def dequantize_expert(w, s, e, dtype=jnp.bfloat16) -> jax.Array:
 # ----------------------------------------------------------------------------------------------
 # Pure-JAX twin
 # ----------------------------------------------------------------------------------------------
-def _check_mma_in_flight(mma_in_flight) -> None:
-    if mma_in_flight is not None and (not isinstance(mma_in_flight, int) or not 0 <= mma_in_flight < STEP // GROUP):
-        raise ValueError(f"mma_in_flight must be None or an int in [0, {STEP // GROUP}), got {mma_in_flight!r}")
+CHUNKS = (32, 64, 128)  # activation chunk widths C: scale groups per wgmma = C / 32
 
 
-def check_grouped_args(x_groups, w, s, tile_expert, n: int) -> tuple[bool, int, int]:
+def _check_mma_in_flight(mma_in_flight, chunk: int) -> None:
+    if mma_in_flight is not None and (not isinstance(mma_in_flight, int) or not 0 <= mma_in_flight < STEP // chunk):
+        raise ValueError(f"mma_in_flight must be None or an int in [0, {STEP // chunk}) (chunks of {chunk} columns "
+                         f"per step), got {mma_in_flight!r}")
+
+
+def check_grouped_args(x_chunks, w, s, tile_expert, n: int) -> tuple[bool, int, int]:
     """Validates the arguments of ``grouped_int4_matmul`` (and its twin) statically; returns
     (fragment order?, I, O). Raises ValueError naming the mismatch."""
-    if len(x_groups.shape) != 3 or x_groups.shape[2] != GROUP:
-        raise ValueError(f"x_groups must be [I/{GROUP}, P, {GROUP}], got {tuple(x_groups.shape)}")
-    ng, p, _ = x_groups.shape
+    if len(x_chunks.shape) != 3 or x_chunks.shape[2] not in CHUNKS:
+        raise ValueError(f"x_chunks must be [I/C, P, C] with C in {CHUNKS}, got {tuple(x_chunks.shape)}")
+    nc, p, chunk = x_chunks.shape
     if len(w.shape) != 4 or len(s.shape) != 4:
         raise ValueError(f"tiled weights must be rank 4, got {tuple(w.shape)} and scales {tuple(s.shape)}")
     fragments = w.dtype == jnp.int32
@@ -211,7 +216,7 @@ def check_grouped_args(x_groups, w, s, tile_expert, n: int) -> tuple[bool, int, 
     e_n, nb, kr, step = w.shape
     rows = s.shape[-1]
     slab = (32, 128) if fragments else (rows, STEP)
-    in_dim, out_dim = ng * GROUP, nb * rows
+    in_dim, out_dim = nc * chunk, nb * rows
     if (fragments and rows != FRAG_ROWS) or rows not in (64, 128):
         raise ValueError(f"scales end in {rows} rows per block; expected 64 or 128 (128 for fragments)")
     if tuple(s.shape) != (e_n, nb, in_dim // GROUP, rows) or step != slab[1] or kr != in_dim // STEP * slab[0]:
@@ -225,20 +230,20 @@ def check_grouped_args(x_groups, w, s, tile_expert, n: int) -> tuple[bool, int, 
     return fragments, in_dim, out_dim
 
 
-def grouped_int4_matmul_ref(x_groups, w, s, tile_expert, *, tokens_per_tile: int, out_layout: str = "rows",
+def grouped_int4_matmul_ref(x_chunks, w, s, tile_expert, *, tokens_per_tile: int, out_layout: str = "rows",
                             epilogue: str = "none"):
-    """Twin of ``grouped_int4_matmul`` (same signature): x_groups [I/G, P, G] (bf16, or f32 for f32 models
-    on CPU), w/s tiled weights, tile_expert int32 [NT] -> out f32 [O, P] (out_layout "rows") or [P, O]
-    ("tokens"); columns (rows) of skipped tiles (expert < 0) are zero here. Expert ids >= E are the
-    caller's error (``_route`` never makes them). epilogue "silu_mul" (token rows only, w a gate/up stack
-    paired in 64-row blocks, ``TiledInt4.from_compressed_tensors(..., pair_gate_up=True)``): h [P, O/2]
-    = silu(gate) * up in x_groups.dtype instead."""
+    """Twin of ``grouped_int4_matmul`` (same signature): x_chunks [I/C, P, C] (``to_chunks``; bf16, or f32
+    for f32 models on CPU), w/s tiled weights, tile_expert int32 [NT] -> out f32 [O, P] (out_layout "rows")
+    or [P, O] ("tokens"); columns (rows) of skipped tiles (expert < 0) are zero here. Expert ids >= E are
+    the caller's error (``_route`` never makes them). epilogue "silu_mul" (token rows only, C >= 64, w a
+    gate/up stack paired in 64-row blocks, ``TiledInt4.from_compressed_tensors(..., pair_gate_up=True)``):
+    h = silu(gate) * up in x_chunks.dtype instead, as chunks [O/2/C, P, C] (the down GEMM's input)."""
     n = tokens_per_tile
     _check_out_layout(out_layout)
-    _check_epilogue(epilogue, out_layout, s)
-    _, i, o = check_grouped_args(x_groups, w, s, tile_expert, n)
-    ng, p, _ = x_groups.shape
-    x = jnp.swapaxes(x_groups, 0, 1).reshape(p, ng * GROUP)
+    _check_epilogue(epilogue, out_layout, s, x_chunks.shape[-1])
+    _, i, o = check_grouped_args(x_chunks, w, s, tile_expert, n)
+    nc, p, chunk = x_chunks.shape
+    x = jnp.swapaxes(x_chunks, 0, 1).reshape(p, nc * chunk)
 
     def body(t, carry):  # skipped tiles do no work; an expert is dequantised once per run of its tiles
         out, prev, wt = carry
@@ -256,7 +261,7 @@ def grouped_int4_matmul_ref(x_groups, w, s, tile_expert, *, tokens_per_tile: int
     out = lax.fori_loop(0, tile_expert.shape[0], body, init)[0]
     if epilogue == "silu_mul":
         gate, up = gate_and_up(out.T, PAIR_BLOCK)
-        return silu_mul(gate, up).astype(x_groups.dtype)
+        return to_chunks(silu_mul(gate, up).astype(x_chunks.dtype), chunk)
     return out.T if out_layout == "tokens" else out
 
 
@@ -268,15 +273,15 @@ def _check_out_layout(out_layout: str) -> None:
         raise ValueError(f"out_layout must be 'rows' ([O, P]) or 'tokens' ([P, O]), got {out_layout!r}")
 
 
-def _check_epilogue(epilogue: str, out_layout: str, s, split: int = 1) -> None:
+def _check_epilogue(epilogue: str, out_layout: str, s, chunk: int, split: int = 1) -> None:
     if epilogue == "none":
         return
     if epilogue != "silu_mul":
         raise ValueError(f"epilogue must be 'none' or 'silu_mul', got {epilogue!r}")
-    if out_layout != "tokens" or split != 1 or s.shape[-1] != FRAG_ROWS:
-        raise ValueError(f"epilogue 'silu_mul' needs token rows, split=1 and {FRAG_ROWS}-row blocks (a gate/up stack "
-                         f"paired in {PAIR_BLOCK}-row blocks); got out_layout={out_layout!r}, split={split}, "
-                         f"{s.shape[-1]}-row blocks")
+    if out_layout != "tokens" or split != 1 or s.shape[-1] != FRAG_ROWS or chunk < PAIR_BLOCK:
+        raise ValueError(f"epilogue 'silu_mul' needs token rows, split=1, chunks of >= {PAIR_BLOCK} columns and "
+                         f"{FRAG_ROWS}-row blocks (a gate/up stack paired in {PAIR_BLOCK}-row blocks); got "
+                         f"out_layout={out_layout!r}, split={split}, chunk {chunk}, {s.shape[-1]}-row blocks")
 
 
 def gate_and_up(gu, block: int):
@@ -326,7 +331,7 @@ def _fragment_operand(words_ref):
     return build(words_ref)
 
 
-def grouped_int4_matmul(x_groups, w, s, tile_expert, *, tokens_per_tile: int, out_layout: str = "rows",
+def grouped_int4_matmul(x_chunks, w, s, tile_expert, *, tokens_per_tile: int, out_layout: str = "rows",
                         epilogue: str = "none", stages: int = 2, split: int = 1, mma_in_flight: int | None = None,
                         overlap: bool = False, auto_barriers: bool = True, probe: str = ""):
     """Pallas Mosaic GPU kernel (H100/H200). Same contract as ``grouped_int4_matmul_ref``, except that the
@@ -341,12 +346,15 @@ def grouped_int4_matmul(x_groups, w, s, tile_expert, *, tokens_per_tile: int, ou
 
     ``epilogue="silu_mul"`` (token rows, split 1, a gate/up stack paired in 64-row blocks so that each
     128-row program holds the gate and up rows of the same 64 f): each program's accumulator halves give
-    h = silu(gate) * up in registers, stored as bf16 [P, O/2], the down GEMM's input.
+    h = silu(gate) * up in registers, stored as bf16 chunks [O/2/C, P, C], the down GEMM's input.
 
-    ``mma_in_flight``: after each scale group's wgmma, wait until at most this many groups are still in
+    The activations' chunk width C (``to_chunks``: 32, 64 or 128 columns) sets the wgmma size: each wgmma
+    takes C / 32 dequantised scale groups as one [R, C] A operand (fewer, longer wgmmas for wider chunks;
+    the epilogue needs C >= 64 and writes h in the same chunks).
+    ``mma_in_flight``: after each chunk's wgmma, wait until at most this many chunks are still in
     flight (their A operands are registers, held until the wgmma completes), so that fewer dequantised
     groups are live at once: fewer registers per thread, more programs per SM. None: wait once, at the end
-    of the step (all eight groups' operands live).
+    of the step (the whole step's operands live).
     ``overlap``: keep one step's wgmmas in flight while the next step is dequantised (the token tile
     is released a step late); otherwise each step waits for its own wgmmas. ``auto_barriers=False`` drops
     Mosaic GPU's warpgroup barriers before a pipeline slot is refilled (``unsafe_no_auto_barriers``); safe
@@ -360,16 +368,17 @@ def grouped_int4_matmul(x_groups, w, s, tile_expert, *, tokens_per_tile: int, ou
         raise ValueError(f"unknown probe {probe!r}")
     n = tokens_per_tile
     _check_out_layout(out_layout)
-    _check_epilogue(epilogue, out_layout, s, split)
+    fragments, in_dim, out_dim = check_grouped_args(x_chunks, w, s, tile_expert, n)
+    chunk = x_chunks.shape[2]
+    _check_epilogue(epilogue, out_layout, s, chunk, split)
     tokens_out = out_layout == "tokens"
     fused = epilogue == "silu_mul"
-    fragments, in_dim, out_dim = check_grouped_args(x_groups, w, s, tile_expert, n)
-    if x_groups.dtype != jnp.bfloat16:
-        raise ValueError(f"the kernel takes bf16 activations, got {x_groups.dtype}")
-    _check_mma_in_flight(mma_in_flight)
+    if x_chunks.dtype != jnp.bfloat16:
+        raise ValueError(f"the kernel takes bf16 activations, got {x_chunks.dtype}")
+    _check_mma_in_flight(mma_in_flight, chunk)
     if overlap and not auto_barriers:
         raise ValueError("overlap=True needs auto_barriers: the next copy into a slot must wait for every warp's reads")
-    p = x_groups.shape[1]
+    p = x_chunks.shape[1]
     e_n, nb, kr, step = w.shape
     rows = s.shape[-1]
     slab = (32, 128) if fragments else (rows, STEP)  # one pipeline step's weight block
@@ -382,7 +391,7 @@ def grouped_int4_matmul(x_groups, w, s, tile_expert, *, tokens_per_tile: int, ou
         raise ValueError(f"tokens_per_tile={n}, rows={rows}, stages={stages} need {smem} bytes of shared memory "
                          f"(limit {SMEM_LIMIT}): fewer tokens per tile or stages")
     nt = p // n
-    gps = STEP // GROUP
+    gps, gpc, cps = STEP // GROUP, chunk // GROUP, STEP // chunk  # scale groups per step, per chunk; chunks per step
     wgmma_layout = plgpu.Layout.WGMMA
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
@@ -399,8 +408,8 @@ def grouped_int4_matmul(x_groups, w, s, tile_expert, *, tokens_per_tile: int, ou
                     if probe == "stream_only":
                         return
                     w_groups = w_smem.reshape(gps, 512) if fragments else w_smem.reshape(gps, rows, GROUP)
-                    total = None
-                    for g in range(gps):
+
+                    def group_operand(g):  # scale group g of the step: bf16 [R, 32], layout WGMMA
                         if fragments:
                             wg = _fragment_operand(w_groups.at[g])
                         else:
@@ -409,23 +418,29 @@ def grouped_int4_matmul(x_groups, w, s, tile_expert, *, tokens_per_tile: int, ou
                         if probe != "no_scale":
                             sg = plgpu.load(s_smem.at[g], (), layout=row_layout)
                             wg = wg * lax.broadcast_in_dim(sg, wg.shape, [0])
+                        return wg
+
+                    total = None
+                    for c in range(cps):  # one wgmma per chunk of gpc scale groups
+                        wc = _concat_columns([group_operand(c * gpc + j) for j in range(gpc)])
                         if probe == "mma_once":
-                            total = wg if total is None else total + wg
+                            total = wc if total is None else total + wc
                             continue
-                        plgpu.wgmma(acc_ref, wg, plgpu.transpose_ref(x_smem.at[g], (1, 0)))
-                        if mma_in_flight is not None and g < gps - 1:
+                        plgpu.wgmma(acc_ref, wc, plgpu.transpose_ref(x_smem.at[c], (1, 0)))
+                        if mma_in_flight is not None and c < cps - 1:
                             plgpu.wgmma_wait(mma_in_flight)
                     if probe == "mma_once":
                         plgpu.wgmma(acc_ref, total, plgpu.transpose_ref(x_smem.at[0], (1, 0)))
-                    plgpu.wgmma_wait(gps if overlap else 0)
+                    plgpu.wgmma_wait(cps if overlap else 0)
 
                 plgpu.emit_pipeline(
                     step_body, grid=(kps,),
                     in_specs=[
                         plgpu.BlockSpec(slab, lambda k: (k + sp * kps, 0)),
                         plgpu.BlockSpec((gps, rows), lambda k: (k + sp * kps, 0)),
-                        plgpu.BlockSpec((gps, n, GROUP), lambda k: (k + sp * kps, t, 0),
-                                        transforms=(plgpu.TilingTransform((8, GROUP)), plgpu.SwizzleTransform(64)),
+                        plgpu.BlockSpec((cps, n, chunk), lambda k: (k + sp * kps, t, 0),
+                                        transforms=(plgpu.TilingTransform((8, min(chunk, 64))),
+                                                    plgpu.SwizzleTransform(min(2 * chunk, 128))),
                                         delay_release=1 if overlap else 0),
                     ],
                     max_concurrent_steps=stages,
@@ -440,7 +455,9 @@ def grouped_int4_matmul(x_groups, w, s, tile_expert, *, tokens_per_tile: int, ou
                     h = silu_mul(gate, up).astype(jnp.bfloat16)
                     o_smem.transpose((1, 0))[...] = plgpu.layout_cast(h, plgpu.Layout.WGMMA_TRANSPOSED)
                     plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(o_smem, o_ref.at[0, pl.ds(t * n, n), pl.ds(b * PAIR_BLOCK, PAIR_BLOCK)])
+                    per_chunk = chunk // PAIR_BLOCK  # this program's 64 f are (part of) one chunk of h
+                    plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b // per_chunk, pl.ds(t * n, n),
+                                                             pl.ds((b % per_chunk) * PAIR_BLOCK, PAIR_BLOCK)])
                 elif tokens_out:
                     # ref.transpose, not plgpu.transpose_ref: JAX 0.11's transpose_ref asks a plain scratch ref
                     # for a memory_space attribute it no longer has
@@ -458,20 +475,41 @@ def grouped_int4_matmul(x_groups, w, s, tile_expert, *, tokens_per_tile: int, ou
 
     kernel = plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((1, p, out_dim // 2), jnp.bfloat16) if fused else
+        out_type=jax.ShapeDtypeStruct((out_dim // 2 // chunk, p, chunk), jnp.bfloat16) if fused else
         jax.ShapeDtypeStruct((split,) + ((p, out_dim) if tokens_out else (out_dim, p)), jnp.float32),
         grid=(nt, nb, split), grid_names=("tile", "rows", "split"),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,
                                              unsafe_no_auto_barriers=not auto_barriers),
     )
-    out = kernel(tile_expert, x_groups, w, s)
+    out = kernel(tile_expert, x_chunks, w, s)
+    if fused:
+        return out
     return out[0] if split == 1 else out.sum(0)
 
 
-def to_groups(x) -> jax.Array:
-    """Token rows [P, I] -> group-major [I/G, P, G] (the activation layout of the kernel)."""
+def to_chunks(x, chunk: int) -> jax.Array:
+    """Token rows [P, I] -> chunk-major [I/C, P, C] (the activation layout of the kernel; C in ``CHUNKS``)."""
     p, i = x.shape
-    return jnp.swapaxes(x.reshape(p, i // GROUP, GROUP), 0, 1)
+    if chunk not in CHUNKS or i % chunk:
+        raise ValueError(f"chunk width must be one of {CHUNKS} dividing I={i}, got {chunk}")
+    return jnp.swapaxes(x.reshape(p, i // chunk, chunk), 0, 1)
+
+
+def _concat_columns(parts):
+    """bf16 [R, 32] WGMMA-layout operands -> their [R, 32 * len(parts)] concatenation (no instructions: the
+    registers of 8-column tile j of part k become tile 4 k + j)."""
+    if len(parts) == 1:
+        return parts[0]
+    rows = parts[0].shape[0]
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,) * len(parts), return_type=plgpu.ShapeDtypeStruct(
+        (rows, GROUP * len(parts)), jnp.bfloat16, layout=plgpu.Layout.WGMMA))
+    def concat(ctx, *arrays):
+        del ctx
+        regs = np.concatenate([a.registers for a in arrays], axis=1)
+        return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
+
+    return concat(*parts)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -633,12 +671,13 @@ def default_split(m: int, k: int, e: int, leaf: TiledInt4, num_sms: int = NUM_SM
     return 2 if busy < 2 * num_sms and steps % 2 == 0 else 1
 
 
-def default_mma_in_flight(m: int, k: int) -> int | None:
-    """wgmma groups left in flight after each scale group (``grouped_int4_matmul(mma_in_flight=)``): None (one
-    wait per step) below 64 routed pairs (M <= 7 at top-8), else 2. On the H200 (experiments/results/
-    probe_moe_mgpu_inflight_h200.json; ptxas: 162 -> 82 registers at N=8, 186 -> 90 at N=32 with 1 in flight):
-    at M=1 a wait per group cost 2-5 %; from M=9 on, 2 in flight gained 0-3 % at N=8 and 5-15 % at N=16 and 32."""
-    return None if m * k < 64 else 2
+def default_mma_in_flight(m: int, k: int, chunk: int) -> int | None:
+    """wgmma chunks left in flight after each chunk (``grouped_int4_matmul(mma_in_flight=)``): None (one
+    wait per step) below 64 routed pairs (M <= 7 at top-8), else two scale groups' worth (64 // chunk). On
+    the H200 with 32-column chunks (experiments/results/probe_moe_mgpu_inflight_h200.json; ptxas: 162 -> 82
+    registers at N=8 with 2 in flight, 186 -> 90 at N=32 with 1): at M=1 a wait per group cost 2-5 %; from
+    M=9 on, 2 in flight gained 0-3 % at N=8 and 5-15 % at N=16 and 32."""
+    return None if m * k < 64 else 64 // chunk
 
 
 def check_kernel_config(w13: TiledInt4, w2: TiledInt4, n: int, stages: int, split13: int, split2: int) -> None:
@@ -658,7 +697,7 @@ def check_kernel_config(w13: TiledInt4, w2: TiledInt4, n: int, stages: int, spli
 def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: TiledInt4, *,
                          expert_offset: int | jax.Array = 0, out_dtype=None, use_kernel: bool = False,
                          tile: int | None = None, stages: int = 2, split: int | None = None,
-                         mma_in_flight: int | None | str = "auto"):
+                         mma_in_flight: int | None | str = "auto", chunk: int = 64):
     """Routed experts of one MoE layer on tiled INT4 stacks: the Mosaic GPU kernel (``use_kernel``) or its
     twin, around the same XLA routing and combine.
 
@@ -669,11 +708,13 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
 
     The pairs are sorted by expert into tiles of N rows (``int4_moe._route``); kernel 1 gives gate and up
     [P, 2F] in f32 (token rows: ``out_layout="tokens"``), XLA forms h = silu(gate) * up in x.dtype (or,
-    for a w13 stored with gate/up rows paired and no split-K, kernel 1's epilogue does and gives h [P, F]),
-    kernel 2 gives [P, D]; each token gathers its K pair rows, weights and adds them (``_gather_combine``).
-    Tiles past the busy ones are skipped by the kernel; their unwritten rows are never gathered.
+    for a w13 stored with gate/up rows paired and no split-K, kernel 1's epilogue does and gives h in the
+    down GEMM's chunk layout), kernel 2 gives [P, D]; each token gathers its K pair rows, weights and adds
+    them (``_gather_combine``). Tiles past the busy ones are skipped by the kernel; their unwritten rows are
+    never gathered. The token rows are gathered straight into the kernel's chunk layout (``to_chunks``).
     split: split-K of both GEMMs (default: ``default_split`` for each). mma_in_flight: the kernel's (an int,
-    or None), default ("auto") ``default_mma_in_flight``.
+    or None), default ("auto") ``default_mma_in_flight``. chunk: activation chunk width C (``CHUNKS``; 32
+    groups per wgmma = C / 32).
     """
     m, d = x.shape
     k = expert_ids.shape[1]
@@ -685,11 +726,13 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
     n = tile or tiled_default_tile(m, k, e_n)
     split13, split2 = (split, split) if split else (default_split(m, k, e_n, w13), default_split(m, k, e_n, w2))
     check_kernel_config(w13, w2, n, stages, split13, split2)  # on every platform: one program, one contract
+    if chunk not in CHUNKS or d % chunk or f % chunk:
+        raise ValueError(f"chunk={chunk} must be one of {CHUNKS} dividing D={d} and F={f}")
     if mma_in_flight == "auto":
-        mma_in_flight = default_mma_in_flight(m, k)
-    _check_mma_in_flight(mma_in_flight)
+        mma_in_flight = default_mma_in_flight(m, k, chunk)
+    _check_mma_in_flight(mma_in_flight, chunk)
     row_token, _, tile_expert, _, pair_row = _route(expert_ids - expert_offset, expert_weights, e_n, n)
-    xs = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)])[row_token]  # [P, D]
+    xs = to_chunks(jnp.concatenate([x, jnp.zeros((1, d), x.dtype)]), chunk)[:, row_token]  # [D/C, P, C]
     if use_kernel:
         mm = lambda *a, split, epilogue="none": grouped_int4_matmul(  # noqa: E731
             *a, tokens_per_tile=n, out_layout="tokens", epilogue=epilogue, stages=stages, split=split,
@@ -697,13 +740,13 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
     else:
         mm = lambda *a, split, epilogue="none": grouped_int4_matmul_ref(  # noqa: E731
             *a, tokens_per_tile=n, out_layout="tokens", epilogue=epilogue)
-    if w13.gate_up_block and split13 == 1:  # SiLU·up in the gate+up GEMM's epilogue
-        h = mm(to_groups(xs), w13.packed, w13.scale, tile_expert, split=1, epilogue="silu_mul")  # [P, F]
+    if w13.gate_up_block and split13 == 1 and chunk >= PAIR_BLOCK:  # SiLU·up in the gate+up GEMM's epilogue
+        h = mm(xs, w13.packed, w13.scale, tile_expert, split=1, epilogue="silu_mul")  # [F/C, P, C]
     else:
-        gu = mm(to_groups(xs), w13.packed, w13.scale, tile_expert, split=split13)  # [P, 2F] f32
+        gu = mm(xs, w13.packed, w13.scale, tile_expert, split=split13)  # [P, 2F] f32
         gate, up = gate_and_up(gu, w13.gate_up_block)
-        h = (jax.nn.silu(gate) * up).astype(x.dtype)  # [P, F]
-    y_pairs = mm(to_groups(h), w2.packed, w2.scale, tile_expert, split=split2)  # [P, D] f32
+        h = to_chunks((jax.nn.silu(gate) * up).astype(x.dtype), chunk)  # [F/C, P, C]
+    y_pairs = mm(h, w2.packed, w2.scale, tile_expert, split=split2)  # [P, D] f32
     return _gather_combine(y_pairs, pair_row, expert_weights, out_dtype or x.dtype)
 
 

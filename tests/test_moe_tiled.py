@@ -71,8 +71,8 @@ def test_compressed_tensors_nibbles_roundtrip():
     np.testing.assert_array_equal(np.asarray(K.unpack_compressed_tensors(packed)), np.asarray(q))
 
 
-@pytest.mark.parametrize("n,rows", [(8, 64), (16, 128), (32, 64)])
-def test_twin_matches_numpy(n, rows):
+@pytest.mark.parametrize("n,rows,chunk", [(8, 64, 32), (16, 128, 64), (32, 64, 128)])
+def test_twin_matches_numpy(n, rows, chunk):
     rng = np.random.default_rng(n)
     e, o, i = 4, 256, 512
     q = jnp.asarray(rng.integers(-8, 8, (e, o, i)), jnp.int8)
@@ -80,7 +80,7 @@ def test_twin_matches_numpy(n, rows):
     w, s = K.tile_weights(q, sc, rows)
     te = np.array([3, 0, -1, 3, 1], np.int32)
     x = jnp.asarray(rng.standard_normal((te.size * n, i)), jnp.bfloat16)
-    out = np.asarray(K.grouped_int4_matmul_ref(K.to_groups(x), w, s, jnp.asarray(te), tokens_per_tile=n))
+    out = np.asarray(K.grouped_int4_matmul_ref(K.to_chunks(x, chunk), w, s, jnp.asarray(te), tokens_per_tile=n))
     for t, ex in enumerate(te):
         cols = slice(t * n, (t + 1) * n)
         if ex < 0:
@@ -179,10 +179,12 @@ def test_skipped_tile_columns_never_reach_the_output(monkeypatch):
     t2 = TiledInt4.from_compressed_tensors(w2.packed, w2.scale)
     plain = K.grouped_int4_matmul_ref
 
-    def poisoned(x_groups, w, s, tile_expert, *, tokens_per_tile, out_layout="rows", epilogue="none"):
-        out = plain(x_groups, w, s, tile_expert, tokens_per_tile=tokens_per_tile, out_layout=out_layout,
+    def poisoned(x_chunks, w, s, tile_expert, *, tokens_per_tile, out_layout="rows", epilogue="none"):
+        out = plain(x_chunks, w, s, tile_expert, tokens_per_tile=tokens_per_tile, out_layout=out_layout,
                     epilogue=epilogue)
         skipped = jnp.repeat(tile_expert < 0, tokens_per_tile)
+        if epilogue == "silu_mul":  # h chunks [F/C, P, C]
+            return jnp.where(skipped[None, :, None], jnp.nan, out)
         return jnp.where(skipped[:, None] if out_layout == "tokens" else skipped[None, :], jnp.nan, out)
 
     x = jnp.asarray(rng.standard_normal((5, d)), jnp.float32)
@@ -294,19 +296,20 @@ def test_bad_input_errors():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows,n,split,out_layout", [(64, 8, 1, "rows"), (128, 8, 2, "rows"), (128, 16, 1, "rows"),
-                                                     (128, 32, 1, "rows"), (64, 64, 1, "rows"), (64, 8, 1, "tokens"),
-                                                     (128, 8, 2, "tokens"), (128, 64, 1, "tokens")])
-def test_gpu_kernel_matches_twin(rows, n, split, out_layout):
+@pytest.mark.parametrize("rows,n,split,out_layout,chunk", [
+    (64, 8, 1, "rows", 32), (128, 8, 2, "rows", 64), (128, 16, 1, "rows", 128), (128, 32, 1, "rows", 32),
+    (64, 64, 1, "rows", 64), (64, 8, 1, "tokens", 128), (128, 8, 2, "tokens", 32), (128, 64, 1, "tokens", 64)])
+def test_gpu_kernel_matches_twin(rows, n, split, out_layout, chunk):
     rng = np.random.default_rng(rows + n)
     e, o, i = 5, 256, 1024
     q = jnp.asarray(rng.integers(-8, 8, (e, o, i)), jnp.int8)
     sc = jnp.asarray(rng.uniform(0.01, 0.1, (e, o, i // 32)), jnp.bfloat16)
     w, s = K.tile_weights(q, sc, rows)
     te = jnp.asarray([4, 0, -1, 4, 2, -1], jnp.int32)
-    xg = K.to_groups(jnp.asarray(rng.standard_normal((te.shape[0] * n, i)), jnp.bfloat16))
+    xg = K.to_chunks(jnp.asarray(rng.standard_normal((te.shape[0] * n, i)), jnp.bfloat16), chunk)
     got = np.asarray(jax.jit(functools.partial(K.grouped_int4_matmul, tokens_per_tile=n, split=split,
-                                               out_layout=out_layout))(xg, w, s, te))
+                                               out_layout=out_layout, mma_in_flight=1 if n == 16 else None))(
+        xg, w, s, te))
     want = np.asarray(K.grouped_int4_matmul_ref(xg, w, s, te, tokens_per_tile=n))
     if out_layout == "tokens":
         assert got.shape == want.T.shape
@@ -369,7 +372,7 @@ def test_fragment_kernel_lowers_and_twin_agrees():
     grp = TiledInt4.from_compressed_tensors(qa.packed, qa.scale, order="groups")
     assert TiledInt4.from_compressed_tensors(qa.packed, qa.scale).order == "fragments"  # the default here
     te = jnp.asarray([2, -1, 0], jnp.int32)
-    xg = K.to_groups(jnp.asarray(rng.standard_normal((24, 512)), jnp.bfloat16))
+    xg = K.to_chunks(jnp.asarray(rng.standard_normal((24, 512)), jnp.bfloat16), 64)
     a = K.grouped_int4_matmul_ref(xg, frag.packed, frag.scale, te, tokens_per_tile=8)
     b = K.grouped_int4_matmul_ref(xg, grp.packed, grp.scale, te, tokens_per_tile=8)
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -381,15 +384,17 @@ def test_fragment_kernel_lowers_and_twin_agrees():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n,split,out_layout", [(8, 1, "rows"), (16, 2, "rows"), (32, 1, "rows"), (8, 2, "tokens"),
-                                                 (32, 1, "tokens")])
-def test_gpu_fragment_kernel_matches_twin(n, split, out_layout):
+@pytest.mark.parametrize("n,split,out_layout,chunk,inflight", [
+    (8, 1, "rows", 32, None), (16, 2, "rows", 64, 1), (32, 1, "rows", 128, 0), (8, 2, "tokens", 64, None),
+    (32, 1, "tokens", 32, 2), (8, 1, "tokens", 128, None)])
+def test_gpu_fragment_kernel_matches_twin(n, split, out_layout, chunk, inflight):
     rng = np.random.default_rng(n)
     qa = random_stack(rng, 5, 256, 1024)
     frag = TiledInt4.from_compressed_tensors(qa.packed, qa.scale, order="fragments")
     te = jnp.asarray([4, 0, -1, 4, 2], jnp.int32)
-    xg = K.to_groups(jnp.asarray(rng.standard_normal((te.shape[0] * n, 1024)), jnp.bfloat16))
-    fn = jax.jit(functools.partial(K.grouped_int4_matmul, tokens_per_tile=n, split=split, out_layout=out_layout))
+    xg = K.to_chunks(jnp.asarray(rng.standard_normal((te.shape[0] * n, 1024)), jnp.bfloat16), chunk)
+    fn = jax.jit(functools.partial(K.grouped_int4_matmul, tokens_per_tile=n, split=split, out_layout=out_layout,
+                                   mma_in_flight=inflight))
     got = np.asarray(fn(xg, frag.packed, frag.scale, te))
     want = np.asarray(K.grouped_int4_matmul_ref(xg, frag.packed, frag.scale, te, tokens_per_tile=n,
                                                 out_layout=out_layout))
@@ -465,11 +470,15 @@ def test_twin_epilogue_is_silu_of_gate_times_up():
     plain = TiledInt4.from_compressed_tensors(qa.packed, qa.scale)
     paired = TiledInt4.from_compressed_tensors(qa.packed, qa.scale, pair_gate_up=True)
     te = jnp.asarray([2, -1, 0], jnp.int32)
-    xg = K.to_groups(jnp.asarray(rng.standard_normal((24, 512)), jnp.float32))
+    xg = K.to_chunks(jnp.asarray(rng.standard_normal((24, 512)), jnp.float32), 64)
     gu = np.asarray(K.grouped_int4_matmul_ref(xg, plain.packed, plain.scale, te, tokens_per_tile=8, out_layout="tokens"))
-    h = np.asarray(K.grouped_int4_matmul_ref(xg, paired.packed, paired.scale, te, tokens_per_tile=8,
-                                             out_layout="tokens", epilogue="silu_mul"))
-    assert h.shape == (24, 256) and h.dtype == np.float32
+    hc = K.grouped_int4_matmul_ref(xg, paired.packed, paired.scale, te, tokens_per_tile=8, out_layout="tokens",
+                                   epilogue="silu_mul")
+    assert hc.shape == (4, 24, 64) and hc.dtype == np.float32  # h in the down GEMM's chunks
+    h = np.asarray(jnp.swapaxes(hc, 0, 1).reshape(24, 256))
+    h128 = K.grouped_int4_matmul_ref(K.to_chunks(jnp.swapaxes(xg, 0, 1).reshape(24, 512), 128), paired.packed,
+                                     paired.scale, te, tokens_per_tile=8, out_layout="tokens", epilogue="silu_mul")
+    np.testing.assert_array_equal(np.asarray(h128), np.asarray(K.to_chunks(jnp.asarray(h), 128)))
     g, u = gu[:, :256].astype(np.float64), gu[:, 256:].astype(np.float64)
     np.testing.assert_allclose(h, g / (1 + np.exp(-g)) * u, rtol=2e-5, atol=1e-6)
     # the unfused output of the paired stack is the plain output with columns paired the same way
@@ -506,7 +515,7 @@ def test_routed_layer_with_paired_gate_up_equals_xla_path(split, monkeypatch):
 def test_epilogue_errors():
     qa = random_stack(np.random.default_rng(6), 2, 512, 256)
     paired = TiledInt4.from_compressed_tensors(qa.packed, qa.scale, pair_gate_up=True)
-    xg = K.to_groups(jnp.zeros((8, 256), jnp.bfloat16))
+    xg = K.to_chunks(jnp.zeros((8, 256), jnp.bfloat16), 64)
     te = jnp.asarray([0], jnp.int32)
     args = (xg, paired.packed, paired.scale, te)
     for fn in (K.grouped_int4_matmul_ref, K.grouped_int4_matmul):
@@ -516,19 +525,23 @@ def test_epilogue_errors():
             fn(*args, tokens_per_tile=8, out_layout="tokens", epilogue="gelu")
     with pytest.raises(ValueError, match="split=2"):
         K.grouped_int4_matmul(*args, tokens_per_tile=8, out_layout="tokens", epilogue="silu_mul", split=2)
+    narrow = (K.to_chunks(jnp.zeros((8, 256), jnp.bfloat16), 32),) + args[1:]
+    for fn in (K.grouped_int4_matmul_ref, K.grouped_int4_matmul):
+        with pytest.raises(ValueError, match="chunk 32"):
+            fn(*narrow, tokens_per_tile=8, out_layout="tokens", epilogue="silu_mul")
     with pytest.raises(ValueError, match="fuse_silu"):
         prepare_for_kernels(tiny_model(), layout="planar", fuse_silu=True)
 
 
-@pytest.mark.parametrize("n", [8, 32])
-def test_epilogue_kernel_lowers_for_cuda(n):
+@pytest.mark.parametrize("n,chunk", [(8, 64), (32, 128)])
+def test_epilogue_kernel_lowers_for_cuda(n, chunk):
     qa = random_stack(np.random.default_rng(n), 3, 512, 512)
     paired = TiledInt4.from_compressed_tensors(qa.packed, qa.scale, pair_gate_up=True)
-    xg = jax.ShapeDtypeStruct((512 // K.GROUP, 2 * n, K.GROUP), jnp.bfloat16)
+    xg = jax.ShapeDtypeStruct((512 // chunk, 2 * n, chunk), jnp.bfloat16)
     te = jax.ShapeDtypeStruct((2,), jnp.int32)
     fn = functools.partial(K.grouped_int4_matmul, tokens_per_tile=n, out_layout="tokens", epilogue="silu_mul")
     lowered = jax.jit(fn).trace(xg, paired.packed, paired.scale, te)
-    assert lowered.out_info.shape == (2 * n, 256) and lowered.out_info.dtype == jnp.bfloat16
+    assert lowered.out_info.shape == (256 // chunk, 2 * n, chunk) and lowered.out_info.dtype == jnp.bfloat16
     assert MGPU_CALL in lowered.lower(lowering_platforms=("cuda",)).as_text()
 
 
@@ -538,15 +551,22 @@ def test_fused_silu_by_default():  # (a w2 the layout holds has F % 256 == 0, so
 
 
 def test_mma_in_flight_default_and_checks():
-    assert K.default_mma_in_flight(1, 8) is None and K.default_mma_in_flight(9, 8) == 2
+    assert K.default_mma_in_flight(1, 8, 64) is None and K.default_mma_in_flight(9, 8, 32) == 2
+    assert K.default_mma_in_flight(9, 8, 64) == 1 and K.default_mma_in_flight(9, 8, 128) == 0
     rng = np.random.default_rng(0)
     w13, w2 = (TiledInt4.from_compressed_tensors(qa.packed, qa.scale)
                for qa in (random_stack(rng, 4, 512, 256), random_stack(rng, 4, 256, 256)))
     x = jnp.ones((3, 256), jnp.float32)
     ids, wts = jnp.zeros((3, 2), jnp.int32), jnp.ones((3, 2), jnp.float32)
-    for bad in (8, -1, "2"):
+    for bad in (4, -1, "2"):
         with pytest.raises(ValueError, match="mma_in_flight"):
             routed_experts_tiled(x, ids, wts, w13, w2, mma_in_flight=bad)
+    with pytest.raises(ValueError, match="chunk=48"):
+        routed_experts_tiled(x, ids, wts, w13, w2, chunk=48)
+    ref = routed_experts_tiled(x, ids, wts, w13, w2, chunk=32)
+    for chunk in (64, 128):
+        np.testing.assert_allclose(np.asarray(routed_experts_tiled(x, ids, wts, w13, w2, chunk=chunk)),
+                                   np.asarray(ref), rtol=1e-6, atol=1e-6)
 
 
 def test_prepared_model_with_fused_silu_matches_unprepared(tokens):
@@ -561,19 +581,21 @@ def test_prepared_model_with_fused_silu_matches_unprepared(tokens):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n", [8, 16, 64])
-def test_gpu_epilogue_kernel_matches_twin(n):
+@pytest.mark.parametrize("n,chunk", [(8, 64), (16, 128), (64, 64)])
+def test_gpu_epilogue_kernel_matches_twin(n, chunk):
     rng = np.random.default_rng(n)
     qa = random_stack(rng, 5, 512, 1024)
     paired = TiledInt4.from_compressed_tensors(qa.packed, qa.scale, pair_gate_up=True)
     te = jnp.asarray([4, 0, -1, 4, 2], jnp.int32)
-    xg = K.to_groups(jnp.asarray(rng.standard_normal((te.shape[0] * n, 1024)), jnp.bfloat16))
+    xg = K.to_chunks(jnp.asarray(rng.standard_normal((te.shape[0] * n, 1024)), jnp.bfloat16), chunk)
     kw = dict(tokens_per_tile=n, out_layout="tokens", epilogue="silu_mul")
     got = np.asarray(jax.jit(functools.partial(K.grouped_int4_matmul, **kw))(xg, paired.packed, paired.scale, te),
                      np.float32)
     want = np.asarray(K.grouped_int4_matmul_ref(xg, paired.packed, paired.scale, te, **kw), np.float32)
+    assert got.shape == (256 // chunk, te.shape[0] * n, chunk)
+    got, want = (np.swapaxes(a, 0, 1).reshape(te.shape[0] * n, 256) for a in (got, want))
     valid = np.repeat(np.asarray(te) >= 0, n)
-    assert got.shape == (te.shape[0] * n, 256) and np.isfinite(got[valid]).all()
+    assert np.isfinite(got[valid]).all()
     assert rel_norm(got[valid], want[valid]) < 1e-2  # both round h to bf16; the f32 sums differ in order
 
 
