@@ -676,7 +676,8 @@ def default_mma_in_flight(m: int, k: int, chunk: int) -> int | None:
     wait per step) below 64 routed pairs (M <= 7 at top-8), else two scale groups' worth (64 // chunk). On
     the H200 with 32-column chunks (experiments/results/probe_moe_mgpu_inflight_h200.json; ptxas: 162 -> 82
     registers at N=8 with 2 in flight, 186 -> 90 at N=32 with 1): at M=1 a wait per group cost 2-5 %; from
-    M=9 on, 2 in flight gained 0-3 % at N=8 and 5-15 % at N=16 and 32."""
+    M=9 on, 2 in flight gained 0-3 % at N=8 and 5-15 % at N=16 and 32. With 128-column chunks, 0 in flight
+    was the best of None / 0 / 1 at every M >= 9 (probe_moe_mgpu_chunks_h200.json)."""
     return None if m * k < 64 else 64 // chunk
 
 
@@ -697,7 +698,7 @@ def check_kernel_config(w13: TiledInt4, w2: TiledInt4, n: int, stages: int, spli
 def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: TiledInt4, *,
                          expert_offset: int | jax.Array = 0, out_dtype=None, use_kernel: bool = False,
                          tile: int | None = None, stages: int = 2, split: int | None = None,
-                         mma_in_flight: int | None | str = "auto", chunk: int = 64):
+                         mma_in_flight: int | None | str = "auto", chunk: int = 128):
     """Routed experts of one MoE layer on tiled INT4 stacks: the Mosaic GPU kernel (``use_kernel``) or its
     twin, around the same XLA routing and combine.
 
@@ -713,8 +714,10 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
     them (``_gather_combine``). Tiles past the busy ones are skipped by the kernel; their unwritten rows are
     never gathered. The token rows are gathered straight into the kernel's chunk layout (``to_chunks``).
     split: split-K of both GEMMs (default: ``default_split`` for each). mma_in_flight: the kernel's (an int,
-    or None), default ("auto") ``default_mma_in_flight``. chunk: activation chunk width C (``CHUNKS``; 32
-    groups per wgmma = C / 32).
+    or None), default ("auto") ``default_mma_in_flight``. chunk: activation chunk width C (``CHUNKS``; scale
+    groups per wgmma = C / 32); 128 by default: on the H200 the layer took 75.0 / 432 / 2106 / 2661 / 3319 us
+    at M = 1 / 9 / 90 / 256 / 1024 against 76.7 / 447 / 2177 / 2760 / 3684 with C = 32, mostly from the
+    XLA transposes it removes (experiments/results/bench_moe_h200_chunks.json).
     """
     m, d = x.shape
     k = expert_ids.shape[1]
