@@ -361,10 +361,11 @@ def grouped_int4_matmul(x_chunks, w, s, tile_expert, *, tokens_per_tile: int, ou
     only because each step ends with ``wgmma_wait(0)``, hence refused together with ``overlap``.
     ``probe`` (benchmarks only, wrong results): "no_scale" skips the per-group scale multiply; "mma_once"
     adds the eight dequantised groups of a step (bf16 adds) and issues one wgmma for them; "stream_only"
-    runs the copy pipeline with an empty step (what the memory side alone costs)."""
+    runs the copy pipeline with an empty step (what the memory side alone costs); "smem_a" (right results)
+    stores each dequantised chunk to shared memory and issues the wgmma with A from there."""
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.mosaic_gpu is not available in this JAX")
-    if probe not in ("", "no_scale", "mma_once", "stream_only"):
+    if probe not in ("", "no_scale", "mma_once", "stream_only", "smem_a"):
         raise ValueError(f"unknown probe {probe!r}")
     n = tokens_per_tile
     _check_out_layout(out_layout)
@@ -403,7 +404,7 @@ def grouped_int4_matmul(x_chunks, w, s, tile_expert, *, tokens_per_tile: int, ou
 
         @pl.when(e >= 0)
         def _():
-            def acc_scope(acc_ref):
+            def acc_scope(acc_ref, a_smem=None):
                 def step_body(_, w_smem, s_smem, x_smem):
                     if probe == "stream_only":
                         return
@@ -426,6 +427,12 @@ def grouped_int4_matmul(x_chunks, w, s, tile_expert, *, tokens_per_tile: int, ou
                         if probe == "mma_once":
                             total = wc if total is None else total + wc
                             continue
+                        if probe == "smem_a":  # A through shared memory: store, fence, wgmma, wait before reuse
+                            a_smem[...] = wc
+                            plgpu.commit_smem()
+                            plgpu.wgmma(acc_ref, a_smem, plgpu.transpose_ref(x_smem.at[c], (1, 0)))
+                            plgpu.wgmma_wait(0)
+                            continue
                         plgpu.wgmma(acc_ref, wc, plgpu.transpose_ref(x_smem.at[c], (1, 0)))
                         if mma_in_flight is not None and c < cps - 1:
                             plgpu.wgmma_wait(mma_in_flight)
@@ -447,7 +454,12 @@ def grouped_int4_matmul(x_chunks, w, s, tile_expert, *, tokens_per_tile: int, ou
                 )(w_ref.at[e, b], s_ref.at[e, b], x_ref)
                 return acc_ref[...]
 
-            acc = pl.run_scoped(acc_scope, plgpu.ACC((rows, n), jnp.float32))
+            if probe == "smem_a":
+                a_type = plgpu.SMEM((rows, chunk), jnp.bfloat16, transforms=(
+                    plgpu.TilingTransform((8, min(chunk, 64))), plgpu.SwizzleTransform(min(2 * chunk, 128))))
+                acc = pl.run_scoped(acc_scope, plgpu.ACC((rows, n), jnp.float32), a_type)
+            else:
+                acc = pl.run_scoped(acc_scope, plgpu.ACC((rows, n), jnp.float32))
 
             def store(o_smem):  # a scope after the pipeline's: the output tile reuses its shared memory
                 if fused:  # rows [0, 64) are gate, [64, 128) up of the same f: the same registers of each thread
