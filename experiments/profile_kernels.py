@@ -63,12 +63,14 @@ def attention_case(H, B, T, P, kernel="mgpu", C=576, L=512):
 
 @functools.lru_cache(maxsize=1)
 def tiled_experts(E, D, F):
-    """Random K2.6 expert stacks in the kernel layout (made once, shared by the MoE cases)."""
+    """Random K2.6 expert stacks in the kernel layout, w13 paired for the SiLU·up epilogue as
+    ``prepare_for_kernels`` stores it (made once, shared by the MoE cases)."""
     from experiments.bench_moe import random_weights
     from pallas_kernels.int4_moe_mgpu import TiledInt4
 
     ct = random_weights(jax.random.key(0), E, D, F).to_compressed_tensors()
-    return TiledInt4.from_compressed_tensors(ct[0], ct[1]), TiledInt4.from_compressed_tensors(ct[2], ct[3])
+    return (TiledInt4.from_compressed_tensors(ct[0], ct[1], pair_gate_up=True),
+            TiledInt4.from_compressed_tensors(ct[2], ct[3]))
 
 
 def moe_case(m, E=384, D=7168, F=2048, K=8):
@@ -86,7 +88,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=8)
     ap.add_argument("--cases", default="copy_1G,att_T1_H8_B16_8K,xla_T1_H8_B16_8K,att_T1_H64_B1_8K,"
-                                        "att_T64_H8_B4_8K,moe_M1,moe_M9,moe_M256")
+                                        "att_T64_H8_B4_8K,moe_M1,moe_M9,moe_M256,moe_M1024")
     ap.add_argument("--no-wall", action="store_true", help="skip the wall-clock chained figure")
     ap.add_argument("--commit", default=None)
     ap.add_argument("--out", default=None)
@@ -101,6 +103,7 @@ def main(argv=None):
         "moe_M1": lambda: moe_case(1),
         "moe_M9": lambda: moe_case(9),
         "moe_M256": lambda: moe_case(256),
+        "moe_M1024": lambda: moe_case(1024),
     }
     if args.smoke:
         cases = {"xla_smoke": lambda: (lambda x, y: jnp.tanh(x @ y) + 1.0,
