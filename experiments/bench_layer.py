@@ -132,6 +132,7 @@ def main(argv=None):
     p.add_argument("--out", default=None)
     p.add_argument("--mesh", default=None, help="DATAxMODEL, e.g. 1x2: run the layer sharded over that mesh")
     p.add_argument("--calls", type=int, default=8, help="unrolled steps of the traced chain")
+    p.add_argument("--no-loop", action="store_true", help="on a GPU, skip the fori_loop timing (us_loop): half the run")
     args = p.parse_args(argv)
     traced = jax.default_backend() == "gpu"  # a CPU trace holds host thunks, not a device timeline
     bandwidth = measure_torch_copy_bandwidth() or measure_copy_bandwidth()
@@ -150,6 +151,17 @@ def main(argv=None):
     rest_bytes = bytes_of(state) - moe_bytes
     shared_bytes = bytes_of(nnx.state(layer.mlp.shared))
     rows = []
+
+    def save(rows):
+        payload = {"config": {"size": args.size, "prefix": args.prefix, "iters": args.iters, "repeats": args.repeats,
+                              "calls": args.calls, "traced": traced, "loop": not (traced and args.no_loop),
+                              "dtype": cfg.dtype, "mesh": args.mesh},
+                   "copy_bw_Bps": bandwidth, "rows": rows, "weights_per_device": memory}
+        if args.commit:
+            payload["commit"] = args.commit
+        name = f"bench_layer_{args.size}" + (f"_mesh{args.mesh}" if args.mesh else "")
+        print("wrote", write_result(name, payload, args.out), flush=True)
+
     for m in [int(v) for v in args.ms.split(",")]:
         x = (0.1 * jax.random.normal(jax.random.key(m), (1, m, cfg.hidden_size), jnp.float32)).astype(cfg.dtype)
         experts = cfg.n_routed_experts * (1 - (1 - cfg.num_experts_per_tok / cfg.n_routed_experts) ** m)
@@ -165,31 +177,29 @@ def main(argv=None):
         for name, (step, aux) in parts(cfg, layer, m, args.prefix, rt).items():
             fn = looped(gdef, step, args.iters)
             try:
-                t_loop = time_fn(fn, state, x, aux, repeats=args.repeats)["median_s"] / args.iters
-                t = traced_call_time(None, (state, x, aux), args.calls, chain=unrolled(gdef, step))["span_s"] \
-                    if traced else t_loop
+                t_loop = None if traced and args.no_loop else \
+                    time_fn(fn, state, x, aux, repeats=args.repeats)["median_s"] / args.iters
+                trace = traced_call_time(None, (state, x, aux), args.calls, chain=unrolled(gdef, step)) \
+                    if traced else None
             except Exception as e:  # noqa: BLE001 - keep the other parts
                 print(f"{name} M={m} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
                 continue
-            row = {"M": m, "part": name, "us": 1e6 * t, "us_loop": 1e6 * t_loop}
+            t = trace["span_s"] if trace else t_loop
+            row = {"M": m, "part": name, "us": 1e6 * t, "us_loop": t_loop and 1e6 * t_loop}
+            if trace:  # where the part's device time goes: its slowest kernels, µs per call
+                row["kernels"] = [[k, launches, round(1e6 * sec, 2)] for k, launches, sec in trace["kernels"][:12]]
             if name in floors:
                 row["floor_us"] = 1e6 * floors[name] / bandwidth
                 row["pct_of_bw"] = 100 * row["floor_us"] / row["us"]
             rows.append(row)
-            print(row, flush=True)
+            print({k: v for k, v in row.items() if k != "kernels"}, flush=True)
         single = jax.jit(lambda st, x, aux: parts(cfg, nnx.merge(gdef, st), m, args.prefix, rt)["layer"][0](
             nnx.merge(gdef, st), x, aux))
         kv = parts(cfg, layer, m, args.prefix, rt)["layer"][1]
         rows.append({"M": m, "part": "layer, one dispatched call",
                      "us": 1e6 * time_fn(single, state, x, kv, repeats=args.repeats)["median_s"]})
         print(rows[-1], flush=True)
-    payload = {"config": {"size": args.size, "prefix": args.prefix, "iters": args.iters, "repeats": args.repeats,
-                          "calls": args.calls, "traced": traced, "dtype": cfg.dtype, "mesh": args.mesh}, "copy_bw_Bps": bandwidth, "rows": rows,
-               "weights_per_device": memory}
-    if args.commit:
-        payload["commit"] = args.commit
-    name = f"bench_layer_{args.size}" + (f"_mesh{args.mesh}" if args.mesh else "")
-    print("wrote", write_result(name, payload, args.out))
+        save(rows)  # after every M, so that a run cut short keeps what it measured
     print_table(rows, ["M", "part", "us", "us_loop", "floor_us", "pct_of_bw"])
 
 
