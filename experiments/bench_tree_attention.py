@@ -10,6 +10,8 @@ Modes
   --mode grid   the trimmed grid below with the library's default config (or --cfg JSON).
   --mode parts  the Mosaic GPU op at the grid points, whole and in parts: glue (row folding, tail
                 inputs), kernel alone, merge (``mgpu_parts``); says where a small problem's time goes.
+  --mode splits the Mosaic GPU kernel at memory-bound points (``SPLIT_SHAPES``) with its default split
+                count and 1/2, 1/4, 1/8 of it: whether fewer, longer splits beat the merge's cost.
 
 Timing: one jitted program runs the op n times back to back (each call's prefix_len depends on the
 previous output through a NaN check, so calls cannot overlap or be elided; all outputs are returned),
@@ -75,6 +77,9 @@ SWEEP_CFGS = [
 EXTRA = [((64, 1, 1, 8192), dict()), ((64, 1, 1, 8192), dict(num_splits=16)), ((64, 1, 1, 8192), dict(num_splits=64)),
          ((64, 1, 256, 8192), dict(block_k=32, num_warps=8, num_stages=3)),
          ((8, 16, 1, 8192), dict(num_splits=8)), ((8, 16, 1, 8192), dict(num_splits=32))]
+# memory-bound points where the Mosaic GPU kernel's split count is swept (--mode splits)
+SPLIT_SHAPES = [(8, 1, 1, 65536), (8, 1, 8, 65536), (64, 1, 1, 8192), (64, 1, 1, 65536), (8, 16, 1, 8192),
+                (8, 4, 1, 65536)]
 # extra split-KV variants tried on the T = 1 sweep shapes
 SWEEP_SPLITS = [0.25, 4.0]
 
@@ -275,7 +280,7 @@ def bench_point(H, B, T, P, cfg, bw, peak, with_xla=True, check=True, repeats=5,
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=["sweep", "grid", "both", "parts"], default="grid",
+    ap.add_argument("--mode", choices=["sweep", "grid", "both", "parts", "splits"], default="grid",
                     help="parts: the Mosaic GPU op split into glue, kernel and merge at the grid points")
     ap.add_argument("--out", default=None)
     ap.add_argument("--budget-s", type=float, default=150.0)
@@ -371,6 +376,28 @@ def main():
             save()
         bench_util.print_table([r for r in rows if "error" not in r],
                                ["H", "B", "T", "P", "floor_ms", "ms", "glue_ms", "kernel_ms", "merge_ms", "rest_ms"])
+        return 0
+    if args.mode == "splits":  # the Mosaic GPU kernel at its default split count, and 1/2, 1/4, 1/8 of it
+        for H, B, T, P in SPLIT_SHAPES[args.start:]:
+            default = M.splits_for(B, T, H, P)
+            for ns in sorted({default, max(1, default // 2), max(1, default // 4), max(1, default // 8)},
+                             reverse=True):
+                if time.time() - t_start > args.budget_s:
+                    break
+                t0 = time.time()
+                cfg = dict(mgpu_cfg, num_splits=ns)
+                try:
+                    row = bench_point(H, B, T, P, cfg, bw, peak, with_xla=False, check=P <= args.no_check_above,
+                                      bw_jax=bw_jax, kernel="mgpu", bw_traced=traced_bw)
+                except Exception as e:  # noqa: BLE001
+                    row = dict(H=H, B=B, T=T, P=P, cfg=cfg, kernel="mgpu", error=f"{type(e).__name__}: {str(e)[:300]}")
+                row.update(wall_s=round(time.time() - t0, 1), mode="splits", num_splits=ns, default_splits=default)
+                rows.append(row)
+                print(json.dumps(row, default=str), flush=True)
+                save()
+        bench_util.print_table([r for r in rows if "error" not in r],
+                               ["H", "B", "T", "P", "num_splits", "default_splits", "ms", "floor_ms", "pct_bw",
+                                "pct_bw_traced", "rel_err"])
         return 0
     if args.mode == "both":  # sweep first, then the grid with the best sweep config per regime
         sweep_budget = args.budget_s * 0.45
