@@ -43,7 +43,7 @@ from ddtree_jax.quant import QuantArray
 from ddtree_jax.safetensors_io import CheckpointError
 from ddtree_jax.sharding import DEFAULT_RULES, ShardingRules, named_sharding
 from pallas_kernels.int4_moe import PlanarInt4
-from pallas_kernels.int4_moe_mgpu import TiledInt4
+from pallas_kernels.int4_tiles import TiledInt4
 
 FORMAT = "ddtree-jax-checkpoint/1"
 INDEX_FILE = "ddtree_checkpoint.json"

@@ -25,7 +25,7 @@ from ddtree_jax.config import ModelConfig
 from ddtree_jax.quant import QuantArray
 from ddtree_jax.sharding import DEFAULT_RULES, MESH_AXES, ShardingRules
 from pallas_kernels.int4_moe import PlanarInt4
-from pallas_kernels.int4_moe_mgpu import TiledInt4
+from pallas_kernels.int4_tiles import TiledInt4
 
 CATEGORIES = ("experts_int4", "expert_scales", "attention", "mlp", "router", "embed_head", "norms")
 

@@ -30,7 +30,7 @@ from ddtree_jax.sharding import ShardingRules
 from pallas_kernels import int4_moe as int4_kernel
 from pallas_kernels import int4_moe_mgpu as tiled_kernel
 from pallas_kernels.int4_moe import Int4ExpertWeights, PlanarInt4, kernel_tiling_error
-from pallas_kernels.int4_moe_mgpu import TiledInt4
+from pallas_kernels.int4_tiles import FRAG_ROWS, TiledInt4
 
 W13_AXES = ("experts", "expert_ffn", "embed")  # w13 [E, 2F, D] (QuantArray: packed [E, 2F, D/8], scale [E, 2F, D/G])
 W2_AXES = ("experts", "embed", "expert_ffn")  # w2 [E, D, F]
@@ -220,7 +220,7 @@ def _to_layout(layout: str, w13: QuantArray, w2: QuantArray, fuse_silu: bool | N
     ValueError where the layout cannot hold them at all. fuse_silu None: pair gate/up rows where they can be."""
     if layout == "tiles":
         if fuse_silu is None:
-            fuse_silu = w13.shape[1] % (2 * tiled_kernel.FRAG_ROWS) == 0
+            fuse_silu = w13.shape[1] % (2 * FRAG_ROWS) == 0
         return (TiledInt4.from_compressed_tensors(w13.packed, w13.scale, pair_gate_up=fuse_silu),
                 TiledInt4.from_compressed_tensors(w2.packed, w2.scale), None)
     weights = Int4ExpertWeights.from_leaves(

@@ -33,7 +33,8 @@ import numpy as np
 
 from experiments import bench_util
 from pallas_kernels.int4_moe import Int4ExpertWeights, default_tile, int4_moe, int4_moe_ref
-from pallas_kernels.int4_moe_mgpu import TiledInt4, routed_experts_tiled, tiled_default_tile
+from pallas_kernels.int4_moe_mgpu import routed_experts_tiled, tiled_default_tile
+from pallas_kernels.int4_tiles import TiledInt4
 
 E, D, F, K, G = 384, 7168, 2048, 8, 32
 

@@ -66,7 +66,7 @@ def tiled_experts(E, D, F):
     """Random K2.6 expert stacks in the kernel layout, w13 paired for the SiLU·up epilogue as
     ``prepare_for_kernels`` stores it (made once, shared by the MoE cases)."""
     from experiments.bench_moe import random_weights
-    from pallas_kernels.int4_moe_mgpu import TiledInt4
+    from pallas_kernels.int4_tiles import TiledInt4
 
     ct = random_weights(jax.random.key(0), E, D, F).to_compressed_tensors()
     return (TiledInt4.from_compressed_tensors(ct[0], ct[1], pair_gate_up=True),

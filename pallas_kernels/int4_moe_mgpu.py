@@ -11,27 +11,10 @@ group of 32 columns). Tiles with e_t < 0 are skipped (their output columns are l
 output is out [O, P] (``out_layout="rows"``) or its transpose [P, O] (``"tokens"``: token rows, what the
 MoE layer uses, so no XLA transpose follows either GEMM).
 
-Weight layout ("tiles", made once at load time by ``tile_weights``)
--------------------------------------------------------------------
-int4 values q (two's complement, i.e. compressed-tensors' stored nibble u = q + 8 with its top bit
-flipped) in an array [E, O/R, (I/S)*R, S]: program-row block b, pipeline step k is the contiguous
-[R, S] slab ``w[e, b, k*R:(k+1)*R]`` (R*S/2 bytes, one TMA box of 128-byte rows), and inside it the
-bytes are ordered [S/G groups][R rows][G columns]. So after the copy, scale group g of the step is the
-contiguous [R, G] block g of the shared-memory slab: 16 bytes per row, which the warpgroup reads
-bank-conflict free straight into the wgmma int4 upcast register layout. Scales: bf16
-[E, O/R, (I/S)*(S/G), R], step k's [S/G, R] block holds group-major row vectors.
-
-Second order, "fragments" (the default where O % 128 == 0; ``tile_fragments``, int32 words [E, O/128, (I/S)*32, 128], 128-row
-slabs only): each [32, 128]-word slab holds a [128, 256] weight slab so that every thread of the warpgroup
-reads, per scale group, two words that already hold its wgmma A-fragment values in register order (pairs
-at nibbles j and j + 4: one shift, one mask-and-or with the bf16 exponent of 128 and one bf16x2
-subtraction per two values, no register shuffles; ``fragment_maps``, ``_fragment_operand``). The kernel
-takes either order (by the weights' dtype). On the H200 the fragment order was 1-22 % faster than the
-groups order, never slower (experiments/results/probe_moe_mgpu_fragments_h200.json).
-
 Activations come chunk-major, x_chunks [I/C, P, C] with C = 32, 64 or 128 columns (``to_chunks``; the MoE
 layer gathers the sorted token rows straight into it), so that chunk c of a step is a whole [N, C] tile
 (2C-byte rows, swizzled) for wgmma's B operand: one wgmma per chunk takes C / 32 dequantised scale groups.
+The weights come in the "tiles" layout of ``pallas_kernels.int4_tiles`` (groups or fragments order).
 
 Kernel
 ------
@@ -49,7 +32,6 @@ the latency of each program's dequantise-then-multiply chain.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -58,7 +40,8 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.int4_moe import _expert_mesh, _route, default_tile, map_expert_stack
+from pallas_kernels.int4_moe import _route, default_tile
+from pallas_kernels.int4_tiles import FRAG_ROWS, GROUP, PAIR_BLOCK, STEP, TiledInt4, _check_dims, dequantize_expert
 
 try:  # Mosaic GPU is importable on CPU builds too (lowering works anywhere; running needs an sm_90 GPU).
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -68,8 +51,6 @@ try:  # Mosaic GPU is importable on CPU builds too (lowering works anywhere; run
 except ImportError:  # pragma: no cover
     plgpu = None
 
-GROUP = 32
-STEP = 256
 SMEM_LIMIT = 227 * 1024  # per block on sm_90
 
 
@@ -77,117 +58,6 @@ def smem_bytes(rows: int, n: int, stages: int) -> int:
     """Shared memory of one program: ``stages`` x (weight slab + scales + token tile) while the pipeline runs,
     then the f32 output tile in the same bytes (a later scope), so the larger of the two."""
     return max(stages * (rows * STEP // 2 + (STEP // GROUP) * rows * 2 + STEP * n * 2), rows * n * 4)
-
-
-def _check_dims(o: int, i: int, rows: int) -> None:
-    if rows not in (64, 128):
-        raise ValueError(f"rows per program must be 64 or 128, got {rows}")
-    if o % rows or i % STEP:
-        raise ValueError(f"O={o} must be a multiple of rows={rows} and I={i} a multiple of {STEP}")
-
-
-# ----------------------------------------------------------------------------------------------
-# The one-time repack: compressed-tensors (packed int32, u = q + 8) <-> tiles
-# ----------------------------------------------------------------------------------------------
-def unpack_compressed_tensors(packed) -> jax.Array:
-    """int32 [..., O, I/8] (nibble n of word j = column 8j+n, value q+8) -> q int8 [..., O, I]."""
-    shifts = jnp.arange(8, dtype=jnp.uint32) * 4
-    u = (lax.bitcast_convert_type(packed, jnp.uint32)[..., None] >> shifts) & 0xF
-    return (u.astype(jnp.int8) - 8).reshape(*packed.shape[:-1], packed.shape[-1] * 8)
-
-
-def pack_compressed_tensors(q) -> jax.Array:
-    """Inverse of ``unpack_compressed_tensors``."""
-    u = (q.astype(jnp.int32) + 8).astype(jnp.uint32).reshape(*q.shape[:-1], q.shape[-1] // 8, 8)
-    word = jnp.sum(u << (jnp.arange(8, dtype=jnp.uint32) * 4), axis=-1, dtype=jnp.uint32)
-    return lax.bitcast_convert_type(word, jnp.int32)
-
-
-def tile_weights(q, scale, rows: int = 64):
-    """q int8 [E, O, I] in [-8, 7], scale [E, O, I/G] -> (w int4 [E, O/R, (I/S)*R, S], s bf16 [E, O/R, I/G, R])."""
-    e, o, i = q.shape
-    _check_dims(o, i, rows)
-    w = q.reshape(e, o // rows, rows, i // STEP, STEP // GROUP, GROUP).transpose(0, 1, 3, 4, 2, 5)
-    w = w.reshape(e, o // rows, (i // STEP) * rows, STEP).astype(jnp.int4)
-    return w, tile_scales(scale, rows)
-
-
-def tile_scales(scale, rows: int):
-    """Scales [E, O, I/G] -> bf16 [E, O/R, I/G, R] (both weight orders)."""
-    e, o, groups = scale.shape
-    return scale.reshape(e, o // rows, rows, groups).transpose(0, 1, 3, 2).astype(jnp.bfloat16)
-
-
-def untile_weights(w, s):
-    """Inverse of ``tile_weights``: -> (q int8 [E, O, I], scale bf16 [E, O, I/G])."""
-    e, nb, kr, _ = w.shape
-    rows = s.shape[-1]
-    ks = kr // rows
-    q = w.astype(jnp.int8).reshape(e, nb, ks, STEP // GROUP, rows, GROUP).transpose(0, 1, 4, 2, 3, 5)
-    return q.reshape(e, nb * rows, ks * STEP), untile_scales(s)
-
-
-def untile_scales(s):
-    """Tiled scales [E, O/R, I/G, R] (either order) -> [E, O, I/G]."""
-    e, nb, groups, rows = s.shape
-    return s.transpose(0, 1, 3, 2).reshape(e, nb * rows, groups)
-
-
-FRAG_ROWS = 128  # the "fragments" order is defined for 128-row slabs
-
-
-@functools.lru_cache(maxsize=None)
-def fragment_maps() -> tuple[np.ndarray, np.ndarray]:
-    """(row, col) inside a [128, 256] slab of nibble n of word f, as int arrays [4096, 8].
-
-    Word f = ((g * 2 + h) * 128 + t) * 2 + i belongs to thread t = 32 w + l of the warpgroup, 32-column
-    group g, 64-row half h, row sub-tile i. It holds the four bf16 pairs that thread keeps in registers
-    for the wgmma A operand (layout WGMMA: row 64 h + 16 w + 8 i + l // 4, columns 8 j + 2 (l % 4) + v):
-    nibble j is pair j's first value (v = 0), nibble j + 4 its second (v = 1), so that
-    ``(word >> 4 j) & 0x000F000F`` puts both values of pair j at bits 0 and 16."""
-    f = np.arange(4096)
-    i, t, h, g = f % 2, (f // 2) % 128, (f // 256) % 2, f // 512
-    w, lane = t // 32, t % 32
-    row = 64 * h + 16 * w + 8 * i + lane // 4
-    n = np.arange(8)
-    j, v = n % 4, n // 4
-    col = 32 * g[:, None] + 8 * j[None, :] + 2 * (lane % 4)[:, None] + v[None, :]
-    return np.broadcast_to(row[:, None], (4096, 8)).copy(), col
-
-
-def tile_fragments(q, scale):
-    """q int8 [E, O, I] in [-8, 7], scale [E, O, I/G] -> (words int32 [E, O/128, (I/S)*32, 128], s bf16
-    [E, O/128, I/G, 128]): each [32, 128] word slab holds a [128, 256] weight slab in fragment order
-    (``fragment_maps``), nibbles stored as u = q + 8 like compressed-tensors words."""
-    e, o, i = q.shape
-    _check_dims(o, i, FRAG_ROWS)
-    rmap, cmap = fragment_maps()
-    slabs = q.reshape(e, o // FRAG_ROWS, FRAG_ROWS, i // STEP, STEP).transpose(0, 1, 3, 2, 4)
-    nibbles = slabs[..., rmap, cmap]  # [E, O/128, I/S, 4096 words, 8 nibbles]
-    words = pack_compressed_tensors(nibbles.reshape(*nibbles.shape[:-2], -1))
-    return words.reshape(e, o // FRAG_ROWS, (i // STEP) * 32, 128), tile_scales(scale, FRAG_ROWS)
-
-
-def untile_fragments(words):
-    """Inverse of ``tile_fragments`` for the weights: -> q int8 [E, O, I]."""
-    e, nb, ks32, _ = words.shape
-    rmap, cmap = fragment_maps()
-    q = unpack_compressed_tensors(words.reshape(e, nb, ks32 // 32, 4096)).reshape(e, nb, ks32 // 32, 4096, 8)
-    slabs = jnp.zeros((e, nb, ks32 // 32, FRAG_ROWS, STEP), jnp.int8).at[..., rmap, cmap].set(q)
-    return slabs.transpose(0, 1, 3, 2, 4).reshape(e, nb * FRAG_ROWS, (ks32 // 32) * STEP)
-
-
-def dequantize_expert(w, s, e, dtype=jnp.bfloat16) -> jax.Array:
-    """Expert e (may be traced) of tiled weights -> [O, I] in ``dtype``: q * scale computed exactly in f32
-    and rounded once (for bf16 scales and dtype this is the kernel's bf16 product, bit for bit)."""
-    if w.dtype == jnp.int32:  # fragment order
-        q, scale = untile_fragments(w[e][None])[0], untile_scales(s[e][None])[0]
-    else:
-        q, scale = untile_weights(w[e][None], s[e][None])
-        q, scale = q[0], scale[0]
-    o, i = q.shape
-    deq = q.reshape(o, i // GROUP, GROUP).astype(jnp.float32) * scale.astype(jnp.float32)[:, :, None]
-    return deq.reshape(o, i).astype(dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -202,7 +72,7 @@ def _check_mma_in_flight(mma_in_flight, chunk: int) -> None:
                          f"per step), got {mma_in_flight!r}")
 
 
-def check_grouped_args(x_chunks, w, s, tile_expert, n: int) -> tuple[bool, int, int]:
+def check_grouped_args(x_chunks, w, s, tile_expert, n: int, wide_tiles: int = 0) -> tuple[bool, int, int]:
     """Validates the arguments of ``grouped_int4_matmul`` (and its twin) statically; returns
     (fragment order?, I, O). Raises ValueError naming the mismatch."""
     if len(x_chunks.shape) != 3 or x_chunks.shape[2] not in CHUNKS:
@@ -223,49 +93,59 @@ def check_grouped_args(x_chunks, w, s, tile_expert, n: int) -> tuple[bool, int, 
         raise ValueError(f"weights {w.dtype} {tuple(w.shape)} / scales {tuple(s.shape)} do not match activations "
                          f"of width {in_dim}")
     _check_dims(out_dim, in_dim, rows)
-    if n % 8 or not 8 <= n <= 256 or p % n:
-        raise ValueError(f"tokens_per_tile={n} must be a multiple of 8 in [8, 256] dividing P={p}")
-    if tuple(tile_expert.shape) != (p // n,):
-        raise ValueError(f"tile_expert must be [P/N] = [{p // n}], got {tuple(tile_expert.shape)}")
+    if n % 8 or not 8 <= n <= (128 if wide_tiles else 256):
+        raise ValueError(f"tokens_per_tile={n} must be a multiple of 8 in [8, 256] ([8, 128] with wide tiles)")
+    if len(tile_expert.shape) != 1:
+        raise ValueError(f"tile_expert must be [NT], got {tuple(tile_expert.shape)}")
+    nt = tile_expert.shape[0]
+    narrow = nt - wide_tiles
+    if not wide_tiles and (p % n or nt != p // n):
+        raise ValueError(f"tile_expert must be [P/N] = [{p // n}] with N={n} dividing P={p}, got {nt} tiles")
+    if wide_tiles and (wide_tiles < 0 or narrow < 0 or narrow % 2 or p != narrow * n + wide_tiles * 2 * n):
+        raise ValueError(f"P={p} rows must hold NT - W tiles of N={n} then W={wide_tiles} tiles of 2N (NT={nt}; "
+                         f"NT - W even)")
     return fragments, in_dim, out_dim
 
 
 def grouped_int4_matmul_ref(x_chunks, w, s, tile_expert, *, tokens_per_tile: int, out_layout: str = "rows",
-                            epilogue: str = "none"):
+                            epilogue: str = "none", wide_tiles: int = 0):
     """Twin of ``grouped_int4_matmul`` (same signature): x_chunks [I/C, P, C] (``to_chunks``; bf16, or f32
     for f32 models on CPU), w/s tiled weights, tile_expert int32 [NT] -> out f32 [O, P] (out_layout "rows")
     or [P, O] ("tokens"); columns (rows) of skipped tiles (expert < 0) are zero here. Expert ids >= E are
     the caller's error (``_route`` never makes them). epilogue "silu_mul" (token rows only, C >= 64, w a
     gate/up stack paired in 64-row blocks, ``TiledInt4.from_compressed_tensors(..., pair_gate_up=True)``):
-    h = silu(gate) * up in x_chunks.dtype instead, as chunks [O/2/C, P, C] (the down GEMM's input)."""
+    h = silu(gate) * up in x_chunks.dtype instead, as chunks [O/2/C, P, C] (the down GEMM's input).
+    wide_tiles W: the last W tiles hold 2N tokens each (rows after the NT - W tiles of N)."""
     n = tokens_per_tile
     _check_out_layout(out_layout)
     _check_epilogue(epilogue, out_layout, s, x_chunks.shape[-1])
-    _, i, o = check_grouped_args(x_chunks, w, s, tile_expert, n)
+    _, i, o = check_grouped_args(x_chunks, w, s, tile_expert, n, wide_tiles)
     nc, p, chunk = x_chunks.shape
     x = jnp.swapaxes(x_chunks, 0, 1).reshape(p, nc * chunk)
+    narrow = tile_expert.shape[0] - wide_tiles
 
-    def body(t, carry):  # skipped tiles do no work; an expert is dequantised once per run of its tiles
+    def body(n_rows, first, t, carry):  # skipped tiles do no work; an expert is dequantised once per run
         out, prev, wt = carry
         e = tile_expert[t]
+        row0 = first * n + (t - first) * n_rows
         wt = lax.cond((e >= 0) & (e != prev), lambda: dequantize_expert(w, s, e, x.dtype), lambda: wt)
 
         def tile_product(out):
-            yt = jnp.dot(wt, lax.dynamic_slice_in_dim(x, t * n, n).T, preferred_element_type=jnp.float32)
-            return lax.dynamic_update_slice_in_dim(out, yt, t * n, 1)
+            yt = jnp.dot(wt, lax.dynamic_slice_in_dim(x, row0, n_rows).T, preferred_element_type=jnp.float32)
+            return lax.dynamic_update_slice_in_dim(out, yt, row0, 1)
 
         out = lax.cond(e >= 0, tile_product, lambda out: out, out)
         return out, jnp.where(e >= 0, e, prev), wt
 
-    init = (jnp.zeros((o, p), jnp.float32), jnp.int32(-1), jnp.zeros((o, i), x.dtype))
-    out = lax.fori_loop(0, tile_expert.shape[0], body, init)[0]
+    carry = (jnp.zeros((o, p), jnp.float32), jnp.int32(-1), jnp.zeros((o, i), x.dtype))
+    carry = lax.fori_loop(0, narrow, functools.partial(body, n, 0), carry)
+    out = lax.fori_loop(narrow, narrow + wide_tiles, functools.partial(body, 2 * n, narrow), carry)[0]
     if epilogue == "silu_mul":
         gate, up = gate_and_up(out.T, PAIR_BLOCK)
         return to_chunks(silu_mul(gate, up).astype(x_chunks.dtype), chunk)
     return out.T if out_layout == "tokens" else out
 
 
-PAIR_BLOCK = FRAG_ROWS // 2  # gate/up rows of one f block held by one 128-row program
 
 
 def _check_out_layout(out_layout: str) -> None:
@@ -332,8 +212,9 @@ def _fragment_operand(words_ref):
 
 
 def grouped_int4_matmul(x_chunks, w, s, tile_expert, *, tokens_per_tile: int, out_layout: str = "rows",
-                        epilogue: str = "none", stages: int = 2, split: int = 1, mma_in_flight: int | None = None,
-                        overlap: bool = False, auto_barriers: bool = True, probe: str = ""):
+                        epilogue: str = "none", wide_tiles: int = 0, stages: int = 2, split: int = 1,
+                        mma_in_flight: int | None = None, overlap: bool = False, auto_barriers: bool = True,
+                        probe: str = ""):
     """Pallas Mosaic GPU kernel (H100/H200). Same contract as ``grouped_int4_matmul_ref``, except that the
     output columns (rows) of skipped tiles are left unwritten (garbage: the MoE layer reads only the rows
     of real pairs), and with
@@ -344,6 +225,9 @@ def grouped_int4_matmul(x_chunks, w, s, tile_expert, *, tokens_per_tile: int, ou
     transposed wgmma layout, then a [N, R] TMA box), so the output is [P, O]: token rows, which the
     layer's next steps read without an XLA transpose.
 
+    ``wide_tiles`` W: the last W tiles hold 2N tokens (``route_wide``: an expert with more than N tokens
+    gets tiles of 2N, so its weights are fed to the tensor cores half as often); the kernel branches
+    per program between the two tile widths.
     ``epilogue="silu_mul"`` (token rows, split 1, a gate/up stack paired in 64-row blocks so that each
     128-row program holds the gate and up rows of the same 64 f): each program's accumulator halves give
     h = silu(gate) * up in registers, stored as bf16 chunks [O/2/C, P, C], the down GEMM's input.
@@ -369,7 +253,7 @@ def grouped_int4_matmul(x_chunks, w, s, tile_expert, *, tokens_per_tile: int, ou
         raise ValueError(f"unknown probe {probe!r}")
     n = tokens_per_tile
     _check_out_layout(out_layout)
-    fragments, in_dim, out_dim = check_grouped_args(x_chunks, w, s, tile_expert, n)
+    fragments, in_dim, out_dim = check_grouped_args(x_chunks, w, s, tile_expert, n, wide_tiles)
     chunk = x_chunks.shape[2]
     _check_epilogue(epilogue, out_layout, s, chunk, split)
     tokens_out = out_layout == "tokens"
@@ -387,11 +271,13 @@ def grouped_int4_matmul(x_chunks, w, s, tile_expert, *, tokens_per_tile: int, ou
     if ksteps % split:
         raise ValueError(f"split={split} must divide the {ksteps} pipeline steps")
     kps = ksteps // split
-    smem = smem_bytes(rows, n, stages)
+    widest = 2 * n if wide_tiles else n
+    smem = smem_bytes(rows, widest, stages)
     if smem > SMEM_LIMIT:
-        raise ValueError(f"tokens_per_tile={n}, rows={rows}, stages={stages} need {smem} bytes of shared memory "
+        raise ValueError(f"tiles of {widest} tokens, rows={rows}, stages={stages} need {smem} bytes of shared memory "
                          f"(limit {SMEM_LIMIT}): fewer tokens per tile or stages")
-    nt = p // n
+    nt = tile_expert.shape[0]
+    nt_narrow = nt - wide_tiles
     gps, gpc, cps = STEP // GROUP, chunk // GROUP, STEP // chunk  # scale groups per step, per chunk; chunks per step
     wgmma_layout = plgpu.Layout.WGMMA
     row_layout = plgpu.Layout.WGMMA.reduce(1)
@@ -402,8 +288,7 @@ def grouped_int4_matmul(x_chunks, w, s, tile_expert, *, tokens_per_tile: int, ou
         sp = lax.axis_index("split")
         e = te_ref[t]
 
-        @pl.when(e >= 0)
-        def _():
+        def program(n_rows, block):  # one tile: n_rows tokens, rows [block * n_rows, (block + 1) * n_rows)
             def acc_scope(acc_ref, a_smem=None):
                 def step_body(_, w_smem, s_smem, x_smem):
                     if probe == "stream_only":
@@ -445,7 +330,7 @@ def grouped_int4_matmul(x_chunks, w, s, tile_expert, *, tokens_per_tile: int, ou
                     in_specs=[
                         plgpu.BlockSpec(slab, lambda k: (k + sp * kps, 0)),
                         plgpu.BlockSpec((gps, rows), lambda k: (k + sp * kps, 0)),
-                        plgpu.BlockSpec((cps, n, chunk), lambda k: (k + sp * kps, t, 0),
+                        plgpu.BlockSpec((cps, n_rows, chunk), lambda k: (k + sp * kps, block, 0),
                                         transforms=(plgpu.TilingTransform((8, min(chunk, 64))),
                                                     plgpu.SwizzleTransform(min(2 * chunk, 128))),
                                         delay_release=1 if overlap else 0),
@@ -457,9 +342,9 @@ def grouped_int4_matmul(x_chunks, w, s, tile_expert, *, tokens_per_tile: int, ou
             if probe == "smem_a":
                 a_type = plgpu.SMEM((rows, chunk), jnp.bfloat16, transforms=(
                     plgpu.TilingTransform((8, min(chunk, 64))), plgpu.SwizzleTransform(min(2 * chunk, 128))))
-                acc = pl.run_scoped(acc_scope, plgpu.ACC((rows, n), jnp.float32), a_type)
+                acc = pl.run_scoped(acc_scope, plgpu.ACC((rows, n_rows), jnp.float32), a_type)
             else:
-                acc = pl.run_scoped(acc_scope, plgpu.ACC((rows, n), jnp.float32))
+                acc = pl.run_scoped(acc_scope, plgpu.ACC((rows, n_rows), jnp.float32))
 
             def store(o_smem):  # a scope after the pipeline's: the output tile reuses its shared memory
                 if fused:  # rows [0, 64) are gate, [64, 128) up of the same f: the same registers of each thread
@@ -468,22 +353,28 @@ def grouped_int4_matmul(x_chunks, w, s, tile_expert, *, tokens_per_tile: int, ou
                     o_smem.transpose((1, 0))[...] = plgpu.layout_cast(h, plgpu.Layout.WGMMA_TRANSPOSED)
                     plgpu.commit_smem()
                     per_chunk = chunk // PAIR_BLOCK  # this program's 64 f are (part of) one chunk of h
-                    plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b // per_chunk, pl.ds(t * n, n),
+                    plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b // per_chunk, pl.ds(block * n_rows, n_rows),
                                                              pl.ds((b % per_chunk) * PAIR_BLOCK, PAIR_BLOCK)])
                 elif tokens_out:
                     # ref.transpose, not plgpu.transpose_ref: JAX 0.11's transpose_ref asks a plain scratch ref
                     # for a memory_space attribute it no longer has
                     o_smem.transpose((1, 0))[...] = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)
                     plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(o_smem, o_ref.at[sp, pl.ds(t * n, n), pl.ds(b * rows, rows)])
+                    plgpu.copy_smem_to_gmem(o_smem, o_ref.at[sp, pl.ds(block * n_rows, n_rows), pl.ds(b * rows, rows)])
                 else:
                     o_smem[...] = acc
                     plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(o_smem, o_ref.at[sp, pl.ds(b * rows, rows), pl.ds(t * n, n)])
+                    plgpu.copy_smem_to_gmem(o_smem, o_ref.at[sp, pl.ds(b * rows, rows), pl.ds(block * n_rows, n_rows)])
                 plgpu.wait_smem_to_gmem(0)
 
-            pl.run_scoped(store, plgpu.SMEM((n, PAIR_BLOCK), jnp.bfloat16) if fused else
-                          plgpu.SMEM((n, rows) if tokens_out else (rows, n), jnp.float32))
+            pl.run_scoped(store, plgpu.SMEM((n_rows, PAIR_BLOCK), jnp.bfloat16) if fused else
+                          plgpu.SMEM((n_rows, rows) if tokens_out else (rows, n_rows), jnp.float32))
+
+        if wide_tiles:  # tiles [0, NT - W) of n tokens, then W of 2n (row block NT_n / 2 + ...)
+            pl.when((e >= 0) & (t < nt_narrow))(lambda: program(n, t))
+            pl.when((e >= 0) & (t >= nt_narrow))(lambda: program(2 * n, nt_narrow // 2 + t - nt_narrow))
+        else:
+            pl.when(e >= 0)(lambda: program(n, t))
 
     kernel = plgpu.kernel(
         body,
@@ -525,145 +416,8 @@ def _concat_columns(parts):
 
 
 # ----------------------------------------------------------------------------------------------
-# One expert stack in the tiled layout, and the routed-expert layer on it
+# The routed-expert layer on tiled stacks
 # ----------------------------------------------------------------------------------------------
-def tiling_error(o: int, i: int, group: int, scale_dtype) -> str | None:
-    """Why an [O, I] stack (scale groups of ``group``) cannot take the tiled layout, or None."""
-    if group != GROUP:
-        return f"group size {group} (the tiled kernel needs {GROUP})"
-    if o % 64 or i % STEP:
-        return f"shape [O={o}, I={i}] (the tiled kernel needs O % 64 == 0 and I % {STEP} == 0)"
-    if jnp.dtype(scale_dtype) != jnp.bfloat16:
-        return f"{jnp.dtype(scale_dtype)} scales (the tiled kernel multiplies in bf16)"
-    return None
-
-
-def gate_up_pair_rows(o: int, block: int) -> np.ndarray:
-    """Natural row of each stored row of a gate/up stack of O = 2F rows paired in ``block``-row blocks:
-    stored rows [2*block*j, 2*block*j + block) are gate rows [block*j, block*(j + 1)), the next ``block``
-    the up rows of the same f (so one 2*block-row program holds both halves of silu(gate) * up)."""
-    f = o // 2
-    gate = np.arange(f).reshape(f // block, block)
-    return np.stack([gate, f + gate], axis=1).reshape(-1).astype(np.int32)
-
-
-def _expert_to_tiles(packed, scale, *, order: str, rows: int, pair: int):
-    """One expert: compressed-tensors (packed [O, I/8], scale [O, I/G]) -> tiled (packed, scale)."""
-    if pair:
-        stored = jnp.asarray(gate_up_pair_rows(packed.shape[0], pair))
-        packed, scale = packed[stored], scale[stored]
-    tile = tile_fragments if order == "fragments" else functools.partial(tile_weights, rows=rows)
-    w, s_t = tile(unpack_compressed_tensors(packed)[None], scale[None])
-    return w[0], s_t[0]
-
-
-def _expert_from_tiles(w, s_t, *, order: str, rows: int, pair: int):
-    """Inverse of ``_expert_to_tiles``."""
-    del rows
-    q = untile_fragments(w[None]) if order == "fragments" else untile_weights(w[None], s_t[None])[0]
-    packed, scale = pack_compressed_tensors(q[0]), untile_scales(s_t[None])[0]
-    if pair:
-        natural = jnp.asarray(np.argsort(gate_up_pair_rows(packed.shape[0], pair)).astype(np.int32))
-        packed, scale = packed[natural], scale[natural]
-    return packed, scale
-
-
-@functools.partial(jax.jit, static_argnames=("to_tiles", "order", "rows", "pair", "mesh", "axis"))
-def _convert(packed, scale, *, to_tiles: bool, order: str, rows: int, pair: int, mesh, axis):
-    """A whole stack, one expert at a time, where it lives (``int4_moe.map_expert_stack``); compiled once
-    per shape and order."""
-    one = functools.partial(_expert_to_tiles if to_tiles else _expert_from_tiles, order=order, rows=rows, pair=pair)
-    return map_expert_stack(one, packed, scale, mesh=mesh, axis=axis)
-
-
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["packed", "scale"], meta_fields=["gate_up_block"])
-@dataclasses.dataclass(frozen=True)
-class TiledInt4:
-    """One INT4 expert stack (W [E, O, I], PyTorch [out, in] per expert) in the tiled layout (module doc).
-
-    order "groups": packed int4 [E, O/R, (I/S)*R, S]; order "fragments" (default where O % 128 == 0): packed int32
-    [E, O/128, (I/S)*32, 128]. scale bf16 [E, O/R, I/G, R] in both; R = 128 where O allows, else 64. The
-    expert axis leads both arrays, so expert-parallel sharding splits them like compressed-tensors ones,
-    and a stack already split along experts is repacked where it lives. gate_up_block: 0, or for a gate/up
-    stack stored paired (``gate_up_pair_rows``) the rows per half-block (64): the kernel's
-    ``epilogue="silu_mul"`` needs it; the twin and the unfused path read the pairing from here.
-    """
-    packed: jax.Array
-    scale: jax.Array
-    gate_up_block: int = 0
-
-    @property
-    def rows(self) -> int:
-        return self.scale.shape[-1]
-
-    @property
-    def shape(self) -> tuple[int, int, int]:
-        """Logical [E, O, I] (as ``QuantArray.shape``)."""
-        e, nb, groups, rows = self.scale.shape
-        return e, nb * rows, groups * GROUP
-
-    @property
-    def order(self) -> str:
-        """"groups" (int4 ``tile_weights``) or "fragments" (int32 words, ``tile_fragments``)."""
-        return "fragments" if self.packed.dtype == jnp.int32 else "groups"
-
-    @property
-    def group_size(self) -> int:
-        return GROUP
-
-    @property
-    def nbytes(self) -> int:
-        return self.packed.size * jax.dtypes.itemsize_bits(self.packed.dtype) // 8 + self.scale.size * 2
-
-    @classmethod
-    def from_compressed_tensors(cls, packed, scale, order: str = "auto", pair_gate_up: bool = False) -> "TiledInt4":
-        """One-time repack of packed int32 [E, O, I/8] (values q + 8), scale bf16 [E, O, I/32]; raises
-        ValueError for stacks the layout cannot hold (``tiling_error``). Bit-exact inverse:
-        ``to_compressed_tensors``. Repacks one expert at a time (small temporaries). ``order``:
-        "fragments" (no register shuffles in the kernel, 1-22 % faster on the H200; needs O % 128 == 0),
-        "groups", or "auto" (the default: fragments where O % 128 == 0, else groups). ``pair_gate_up``:
-        a w13 stack (gate rows, then up rows) stored paired in 64-row blocks (``gate_up_pair_rows``) for
-        the fused SiLU·up epilogue; needs O % 256 == 0 (128-row programs over whole pairs)."""
-        if order not in ("auto", "groups", "fragments"):
-            raise ValueError(f"unknown order {order!r}; expected 'auto', 'groups' or 'fragments'")
-        if getattr(packed, "dtype", None) != jnp.int32 or len(packed.shape) != 3 or len(scale.shape) != 3:
-            raise ValueError(f"expected packed int32 [E, O, I/8] and scale [E, O, I/G], got "
-                             f"{getattr(packed, 'dtype', type(packed))} {tuple(packed.shape)} and {tuple(scale.shape)}")
-        e, o, n = packed.shape
-        i = n * 8
-        if tuple(scale.shape[:2]) != (e, o) or i % scale.shape[2]:
-            raise ValueError(f"scale {tuple(scale.shape)} does not match packed {tuple(packed.shape)}")
-        problem = tiling_error(o, i, i // scale.shape[2], scale.dtype)
-        if problem:
-            raise ValueError(f"cannot tile: {problem}")
-        rows = 128 if o % 128 == 0 else 64
-        if order == "auto":
-            order = "fragments" if rows == FRAG_ROWS else "groups"
-        if order == "fragments" and rows != FRAG_ROWS:
-            raise ValueError(f"cannot tile: the fragment order needs O % {FRAG_ROWS} == 0, got O={o}")
-        if pair_gate_up and o % (2 * FRAG_ROWS):
-            raise ValueError(f"cannot pair gate/up rows: O={o} must be a multiple of {2 * FRAG_ROWS}")
-        pair = PAIR_BLOCK if pair_gate_up else 0
-        mesh, axis = _expert_mesh(packed)
-        w, s_t = _convert(jnp.asarray(packed), jnp.asarray(scale), to_tiles=True, order=order, rows=rows,
-                          pair=pair, mesh=mesh, axis=axis)
-        return cls(packed=w, scale=s_t, gate_up_block=pair)
-
-    def to_compressed_tensors(self) -> tuple[jax.Array, jax.Array]:
-        """(packed int32 [E, O, I/8], scale bf16 [E, O, I/32]) exactly as before the repack."""
-        mesh, axis = _expert_mesh(self.packed)
-        return _convert(self.packed, self.scale, to_tiles=False, order=self.order, rows=self.rows,
-                        pair=self.gate_up_block, mesh=mesh, axis=axis)
-
-    def dequantize_expert(self, e, dtype) -> jax.Array:
-        """W_e [O, I] of expert ``e`` (may be traced) in ``dtype``, rows in natural order: the values of
-        ``quant.dequantize_int4``."""
-        w = dequantize_expert(self.packed, self.scale, e, dtype)
-        if self.gate_up_block:
-            w = w[jnp.asarray(np.argsort(gate_up_pair_rows(w.shape[0], self.gate_up_block)).astype(np.int32))]
-        return w
-
-
 def tiled_default_tile(m: int, k: int, e: int) -> int:
     """Tokens per tile N of the Mosaic GPU path: about the mean pairs per active expert, a power of two in
     [8, 64] (on the H200 a larger N costs more per weight byte; 8 is the smallest wgmma N)."""
@@ -707,10 +461,56 @@ def check_kernel_config(w13: TiledInt4, w2: TiledInt4, n: int, stages: int, spli
                              f"[{leaf.shape[1]}, {leaf.shape[2]}] stack")
 
 
+def route_wide(expert_ids, expert_weights, num_experts: int, tile: int):
+    """Like ``int4_moe._route`` with two tile widths: an expert with at most N = ``tile`` pairs gets one
+    tile of N rows, one with more gets ceil(count / 2N) tiles of 2N rows, so that it is fed to the tensor
+    cores per 2N tokens, not per N (``grouped_int4_matmul(wide_tiles=)``).
+
+    expert_ids int32 [M, K] (local ids; others get no row), expert_weights [M, K] (unused: the combine
+    weights by pair). Returns row_token int32 [P] (M for padding rows), tile_expert int32 [NT] (-1 for
+    unused tiles), W (static: the last W tiles are the wide ones) and pair_row int32 [M, K] (P for pairs
+    with no row); the first NT - W tiles (an even count) are the narrow ones, P = (NT - W) N + W 2N.
+    """
+    del expert_weights
+    m, k = expert_ids.shape
+    pairs, e_n = m * k, num_experts
+    nt_narrow = min(e_n, pairs) + min(e_n, pairs) % 2
+    big = min(e_n, pairs // (tile + 1))  # experts that can have more than N pairs
+    nt_wide = (pairs + (2 * tile - 1) * big) // (2 * tile) if big else 0
+    p = nt_narrow * tile + nt_wide * 2 * tile
+    flat = expert_ids.reshape(-1).astype(jnp.int32)
+    flat = jnp.where((flat >= 0) & (flat < e_n), flat, e_n)  # non-local: sorted last
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+    sorted_e = flat[order]
+    local = sorted_e < e_n
+    sorted_e = jnp.minimum(sorted_e, e_n - 1)
+    counts = jnp.zeros((e_n,), jnp.int32).at[flat].add(1, mode="drop")
+    wide = counts > tile
+    narrow = (counts > 0) & ~wide
+    narrow_tile = jnp.cumsum(narrow) - narrow                    # tile of each narrow expert
+    wide_count = jnp.where(wide, (counts + 2 * tile - 1) // (2 * tile), 0)
+    wide_end = jnp.cumsum(wide_count)
+    rank = jnp.arange(pairs, dtype=jnp.int32) - (jnp.cumsum(counts) - counts)[sorted_e]
+    pos = jnp.where(wide[sorted_e], nt_narrow * tile + (wide_end - wide_count)[sorted_e] * 2 * tile + rank,
+                    narrow_tile[sorted_e] * tile + rank)
+    pos = jnp.where(local, pos, p).astype(jnp.int32)
+    row_pair = jnp.full((p,), pairs, jnp.int32).at[pos].set(order, mode="drop")
+    row_token = jnp.where(row_pair < pairs, row_pair // k, m).astype(jnp.int32)
+    experts = jnp.arange(e_n, dtype=jnp.int32)
+    narrow_experts = jnp.full((nt_narrow,), -1, jnp.int32).at[jnp.where(narrow, narrow_tile, nt_narrow)].set(
+        experts, mode="drop")
+    tidx = jnp.arange(nt_wide, dtype=jnp.int32)
+    wide_experts = jnp.sum(wide_end[None, :] <= tidx[:, None], axis=1, dtype=jnp.int32)
+    wide_experts = jnp.where(tidx < wide_end[-1], wide_experts, -1)
+    tile_expert = jnp.concatenate([narrow_experts, wide_experts])
+    pair_row = jnp.zeros((pairs,), jnp.int32).at[order].set(pos).reshape(m, k)
+    return row_token, tile_expert, nt_wide, pair_row
+
+
 def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: TiledInt4, *,
                          expert_offset: int | jax.Array = 0, out_dtype=None, use_kernel: bool = False,
                          tile: int | None = None, stages: int = 2, split: int | None = None,
-                         mma_in_flight: int | None | str = "auto", chunk: int = 128):
+                         mma_in_flight: int | None | str = "auto", chunk: int = 128, wide: bool = False):
     """Routed experts of one MoE layer on tiled INT4 stacks: the Mosaic GPU kernel (``use_kernel``) or its
     twin, around the same XLA routing and combine.
 
@@ -727,7 +527,8 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
     never gathered. The token rows are gathered straight into the kernel's chunk layout (``to_chunks``).
     split: split-K of both GEMMs (default: ``default_split`` for each). mma_in_flight: the kernel's (an int,
     or None), default ("auto") ``default_mma_in_flight``. chunk: activation chunk width C (``CHUNKS``; scale
-    groups per wgmma = C / 32); 128 by default: on the H200 the layer took 75.0 / 432 / 2106 / 2661 / 3319 us
+    groups per wgmma = C / 32); wide: experts with more than ``tile`` pairs get tiles of twice the width
+    (``route_wide``; off by default until measured on the H200). 128 chunks by default: on the H200 the layer took 75.0 / 432 / 2106 / 2661 / 3319 us
     at M = 1 / 9 / 90 / 256 / 1024 against 76.7 / 447 / 2177 / 2760 / 3684 with C = 32, mostly from the
     XLA transposes it removes (experiments/results/bench_moe_h200_chunks.json).
     """
@@ -740,21 +541,25 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
         raise ValueError(f"the Mosaic GPU kernel takes bf16 activations, got {x.dtype}")
     n = tile or tiled_default_tile(m, k, e_n)
     split13, split2 = (split, split) if split else (default_split(m, k, e_n, w13), default_split(m, k, e_n, w2))
-    check_kernel_config(w13, w2, n, stages, split13, split2)  # on every platform: one program, one contract
+    check_kernel_config(w13, w2, 2 * n if wide else n, stages, split13, split2)  # every platform: one contract
     if chunk not in CHUNKS or d % chunk or f % chunk:
         raise ValueError(f"chunk={chunk} must be one of {CHUNKS} dividing D={d} and F={f}")
     if mma_in_flight == "auto":
         mma_in_flight = default_mma_in_flight(m, k, chunk)
     _check_mma_in_flight(mma_in_flight, chunk)
-    row_token, _, tile_expert, _, pair_row = _route(expert_ids - expert_offset, expert_weights, e_n, n)
+    if wide:
+        row_token, tile_expert, wide_tiles, pair_row = route_wide(expert_ids - expert_offset, expert_weights, e_n, n)
+    else:
+        row_token, _, tile_expert, _, pair_row = _route(expert_ids - expert_offset, expert_weights, e_n, n)
+        wide_tiles = 0
     xs = to_chunks(jnp.concatenate([x, jnp.zeros((1, d), x.dtype)]), chunk)[:, row_token]  # [D/C, P, C]
     if use_kernel:
         mm = lambda *a, split, epilogue="none": grouped_int4_matmul(  # noqa: E731
-            *a, tokens_per_tile=n, out_layout="tokens", epilogue=epilogue, stages=stages, split=split,
-            mma_in_flight=mma_in_flight)
+            *a, tokens_per_tile=n, out_layout="tokens", epilogue=epilogue, wide_tiles=wide_tiles, stages=stages,
+            split=split, mma_in_flight=mma_in_flight)
     else:
         mm = lambda *a, split, epilogue="none": grouped_int4_matmul_ref(  # noqa: E731
-            *a, tokens_per_tile=n, out_layout="tokens", epilogue=epilogue)
+            *a, tokens_per_tile=n, out_layout="tokens", epilogue=epilogue, wide_tiles=wide_tiles)
     if w13.gate_up_block and split13 == 1 and chunk >= PAIR_BLOCK:  # SiLU·up in the gate+up GEMM's epilogue
         h = mm(xs, w13.packed, w13.scale, tile_expert, split=1, epilogue="silu_mul")  # [F/C, P, C]
     else:

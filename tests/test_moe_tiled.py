@@ -24,6 +24,7 @@ from ddtree_jax.moe import (KERNEL_AXES, TiledInt4, prepare_for_kernels, routed_
 from ddtree_jax.quant import QuantArray, dequantize_int4, quantize_array
 from ddtree_jax.sharding import DEFAULT_RULES, make_mesh, param_shardings
 from pallas_kernels import int4_moe_mgpu as K
+from pallas_kernels import int4_tiles as TL
 from tests.test_moe_kernel_model import _forward, forward, rel, rel_norm
 
 TCFG = dict(hidden_size=256, moe_intermediate_size=256, quant=QuantConfig(group_size=32))
@@ -47,7 +48,7 @@ def test_repack_is_bit_exact_and_places_elements_as_documented(o, i):
     assert leaf.nbytes == array_bytes(leaf.packed.shape, leaf.packed.dtype) + leaf.scale.size * 2
     assert leaf.nbytes == qa.packed.size * 4 + qa.scale.size * 2
     # slab (e, b, k): element (j, c) <-> flat f = j*S + c = g*R*G + r*G + c'  ->  q[e, b*R + r, k*S + g*G + c']
-    q = np.asarray(K.unpack_compressed_tensors(qa.packed))
+    q = np.asarray(TL.unpack_compressed_tensors(qa.packed))
     w = np.asarray(leaf.packed.astype(jnp.int8))
     e, b, k = 2, o // rows - 1, i // K.STEP - 1
     slab = w[e, b, k * rows:(k + 1) * rows]
@@ -64,11 +65,11 @@ def test_repack_is_bit_exact_and_places_elements_as_documented(o, i):
 
 def test_compressed_tensors_nibbles_roundtrip():
     q = jnp.asarray(np.random.default_rng(1).integers(-8, 8, (4, 64)), jnp.int8)
-    packed = K.pack_compressed_tensors(q)
+    packed = TL.pack_compressed_tensors(q)
     assert packed.dtype == jnp.int32 and packed.shape == (4, 8)
     u = (np.asarray(packed).view(np.uint32)[:, :, None] >> (4 * np.arange(8))) & 0xF
     np.testing.assert_array_equal(u.reshape(4, 64).astype(np.int32) - 8, np.asarray(q))
-    np.testing.assert_array_equal(np.asarray(K.unpack_compressed_tensors(packed)), np.asarray(q))
+    np.testing.assert_array_equal(np.asarray(TL.unpack_compressed_tensors(packed)), np.asarray(q))
 
 
 @pytest.mark.parametrize("n,rows,chunk", [(8, 64, 32), (16, 128, 64), (32, 64, 128)])
@@ -77,7 +78,7 @@ def test_twin_matches_numpy(n, rows, chunk):
     e, o, i = 4, 256, 512
     q = jnp.asarray(rng.integers(-8, 8, (e, o, i)), jnp.int8)
     sc = jnp.asarray(rng.uniform(0.01, 0.1, (e, o, i // 32)), jnp.bfloat16)
-    w, s = K.tile_weights(q, sc, rows)
+    w, s = TL.tile_weights(q, sc, rows)
     te = np.array([3, 0, -1, 3, 1], np.int32)
     x = jnp.asarray(rng.standard_normal((te.size * n, i)), jnp.bfloat16)
     out = np.asarray(K.grouped_int4_matmul_ref(K.to_chunks(x, chunk), w, s, jnp.asarray(te), tokens_per_tile=n))
@@ -172,17 +173,20 @@ def test_prepare_a_sharded_model_repacks_tiles_in_place(pair):
 def test_skipped_tile_columns_never_reach_the_output(monkeypatch):
     """The kernel leaves skipped tiles' columns unwritten: a twin that fills them with NaN gives the same
     finite result, with an expert offset and when every pair is routed to another device, with and without
-    the SiLU·up epilogue (gate/up rows paired)."""
+    the SiLU·up epilogue (gate/up rows paired), with one tile width and with two."""
     rng = np.random.default_rng(7)
     e, d, f = 8, 256, 256
     w13, w2 = random_stack(rng, e, 2 * f, d), random_stack(rng, e, d, f)
     t2 = TiledInt4.from_compressed_tensors(w2.packed, w2.scale)
     plain = K.grouped_int4_matmul_ref
 
-    def poisoned(x_chunks, w, s, tile_expert, *, tokens_per_tile, out_layout="rows", epilogue="none"):
+    def poisoned(x_chunks, w, s, tile_expert, *, tokens_per_tile, out_layout="rows", epilogue="none",
+                 wide_tiles=0):
         out = plain(x_chunks, w, s, tile_expert, tokens_per_tile=tokens_per_tile, out_layout=out_layout,
-                    epilogue=epilogue)
-        skipped = jnp.repeat(tile_expert < 0, tokens_per_tile)
+                    epilogue=epilogue, wide_tiles=wide_tiles)
+        narrow = tile_expert.shape[0] - wide_tiles
+        skipped = jnp.concatenate([jnp.repeat(tile_expert[:narrow] < 0, tokens_per_tile),
+                                   jnp.repeat(tile_expert[narrow:] < 0, 2 * tokens_per_tile)])
         if epilogue == "silu_mul":  # h chunks [F/C, P, C]
             return jnp.where(skipped[None, :, None], jnp.nan, out)
         return jnp.where(skipped[:, None] if out_layout == "tokens" else skipped[None, :], jnp.nan, out)
@@ -190,12 +194,12 @@ def test_skipped_tile_columns_never_reach_the_output(monkeypatch):
     x = jnp.asarray(rng.standard_normal((5, d)), jnp.float32)
     wts = jnp.asarray(rng.random((5, 2)), jnp.float32)
     cases = [(rng.integers(0, 16, (5, 2)), 4), (rng.integers(20, 30, (5, 2)), 0)]
-    for (ids, offset), paired in [(c, p) for c in cases for p in (False, True)]:
+    for (ids, offset), paired, wide in [(c, p, wd) for c in cases for p in (False, True) for wd in (False, True)]:
         t13 = TiledInt4.from_compressed_tensors(w13.packed, w13.scale, pair_gate_up=paired)
         ids = jnp.asarray(ids, jnp.int32)
-        want = K.routed_experts_tiled(x, ids, wts, t13, t2, expert_offset=offset, out_dtype=jnp.float32)
+        want = K.routed_experts_tiled(x, ids, wts, t13, t2, expert_offset=offset, out_dtype=jnp.float32, wide=wide)
         monkeypatch.setattr(K, "grouped_int4_matmul_ref", poisoned)
-        got = K.routed_experts_tiled(x, ids, wts, t13, t2, expert_offset=offset, out_dtype=jnp.float32)
+        got = K.routed_experts_tiled(x, ids, wts, t13, t2, expert_offset=offset, out_dtype=jnp.float32, wide=wide)
         monkeypatch.setattr(K, "grouped_int4_matmul_ref", plain)
         assert np.isfinite(np.asarray(got)).all()
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
@@ -304,7 +308,7 @@ def test_gpu_kernel_matches_twin(rows, n, split, out_layout, chunk):
     e, o, i = 5, 256, 1024
     q = jnp.asarray(rng.integers(-8, 8, (e, o, i)), jnp.int8)
     sc = jnp.asarray(rng.uniform(0.01, 0.1, (e, o, i // 32)), jnp.bfloat16)
-    w, s = K.tile_weights(q, sc, rows)
+    w, s = TL.tile_weights(q, sc, rows)
     te = jnp.asarray([4, 0, -1, 4, 2, -1], jnp.int32)
     xg = K.to_chunks(jnp.asarray(rng.standard_normal((te.shape[0] * n, i)), jnp.bfloat16), chunk)
     got = np.asarray(jax.jit(functools.partial(K.grouped_int4_matmul, tokens_per_tile=n, split=split,
@@ -340,8 +344,8 @@ def test_gpu_tiled_model_matches_twin_and_xla():
 def test_fragment_order_roundtrip_and_register_contents():
     """Every slab element is stored once; each thread's words hold exactly the (row, col) pairs of its
     wgmma A fragment (row 64h + 16w + 8i + l//4, columns 8j + 2(l%4) + {0, 1}) at nibbles (j, j + 4)."""
-    r, c = K.fragment_maps()
-    assert np.unique(r * K.STEP + c).size == K.FRAG_ROWS * K.STEP
+    r, c = TL.fragment_maps()
+    assert np.unique(r * K.STEP + c).size == TL.FRAG_ROWS * K.STEP
     rng = np.random.default_rng(0)
     qa = random_stack(rng, 2, 256, 512)
     leaf = TiledInt4.from_compressed_tensors(qa.packed, qa.scale, order="fragments")
@@ -352,7 +356,7 @@ def test_fragment_order_roundtrip_and_register_contents():
     np.testing.assert_array_equal(np.asarray(scale).view(np.uint16), np.asarray(qa.scale).view(np.uint16))
     np.testing.assert_array_equal(np.asarray(leaf.dequantize_expert(1, jnp.bfloat16)),
                                   np.asarray(dequantize_int4(qa.packed[1], qa.scale[1], jnp.bfloat16)))
-    q = np.asarray(K.unpack_compressed_tensors(qa.packed))[1, 128:256, 256:512]  # expert 1, row block 1, step 1
+    q = np.asarray(TL.unpack_compressed_tensors(qa.packed))[1, 128:256, 256:512]  # expert 1, row block 1, step 1
     words = np.asarray(leaf.packed).view(np.uint32)[1, 1, 32:64].reshape(-1)
     for g, h, t in [(0, 0, 0), (3, 1, 37), (7, 1, 127), (5, 0, 90)]:
         w, lane = divmod(t, 32)
@@ -437,7 +441,7 @@ def test_default_split_is_checked_per_gemm():
 # ----------------------------------------------------------------------------------------------
 def test_gate_up_pairing_is_a_permutation_that_pairs_rows_of_one_f():
     o, block = 512, 64
-    rows = K.gate_up_pair_rows(o, block)
+    rows = TL.gate_up_pair_rows(o, block)
     assert sorted(rows.tolist()) == list(range(o))
     f = o // 2
     for j in range(f // block):  # stored block 2j: gate f in [64j, 64j + 64); block 2j + 1: up of the same f

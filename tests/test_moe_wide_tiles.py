@@ -1,0 +1,159 @@
+"""Two tile widths in the Mosaic GPU MoE path (``route_wide``, ``grouped_int4_matmul(wide_tiles=)``): an expert
+with more than N pairs gets tiles of 2N, so its weights are fed to the tensor cores per 2N tokens.
+
+CPU: the routing against a plain per-pair reference, the twin against numpy tile by tile, the layer against
+the XLA path, CUDA lowering. GPU (skipped without one): the kernel against the twin."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ddtree_jax.moe import TiledInt4, routed_experts_xla
+from pallas_kernels import int4_moe_mgpu as K
+from pallas_kernels import int4_tiles as TL
+from tests.test_moe_kernel_model import rel, rel_norm
+from tests.test_moe_tiled import MGPU_CALL, random_stack
+
+
+def check_route(ids, e, tile, offset=0):
+    """route_wide's layout, checked pair by pair against what the docstring promises."""
+    m, k = ids.shape
+    row_token, tile_expert, wide, pair_row = K.route_wide(jnp.asarray(ids - offset, jnp.int32),
+                                                          jnp.ones((m, k), jnp.float32), e, tile)
+    row_token, tile_expert, pair_row = map(np.asarray, (row_token, tile_expert, pair_row))
+    narrow = tile_expert.size - wide
+    p = narrow * tile + wide * 2 * tile
+    assert narrow % 2 == 0 and row_token.shape == (p,)
+    starts = np.concatenate([np.arange(narrow) * tile, narrow * tile + np.arange(wide) * 2 * tile])
+    widths = np.array([tile] * narrow + [2 * tile] * wide)
+    local_ids = ids.ravel() - offset
+    counts = np.bincount(local_ids[(local_ids >= 0) & (local_ids < e)], minlength=e)
+    seen = np.zeros(p, bool)
+    for t in range(m):
+        for j in range(k):
+            local = 0 <= ids[t, j] - offset < e
+            r = pair_row[t, j]
+            if not local:
+                assert r == p
+                continue
+            assert row_token[r] == t and not seen[r]
+            seen[r] = True
+            tile_of = np.searchsorted(starts, r, side="right") - 1
+            ex = tile_expert[tile_of]
+            assert ex == ids[t, j] - offset
+            assert (widths[tile_of] == 2 * tile) == (counts[ex] > tile)  # wide tiles exactly for busy experts
+    assert (row_token[~seen] == m).all()  # every other row is padding
+    used = tile_expert >= 0
+    assert sorted(set(tile_expert[used])) == sorted(np.flatnonzero(counts))
+    return wide
+
+
+@pytest.mark.parametrize("m,k,e,tile,offset", [(1, 8, 16, 8, 0), (40, 4, 16, 8, 0), (64, 8, 384, 8, 0),
+                                               (50, 3, 12, 8, 4), (9, 2, 4, 16, 0)])
+def test_route_wide_places_every_pair(m, k, e, tile, offset):
+    rng = np.random.default_rng(m * k)
+    ids = np.stack([rng.choice(e + offset + 3, k, replace=False) for _ in range(m)]).astype(np.int32)
+    check_route(ids, e, tile, offset)
+
+
+def test_route_wide_bounds_hold_in_the_extremes():
+    m, k, e, tile = 33, 4, 16, 8
+    assert check_route(np.tile(np.arange(k, dtype=np.int32), (m, 1)), e, tile) > 0  # every pair on 4 experts
+    check_route(np.arange(m * k, dtype=np.int32).reshape(m, k) % e, e, tile)          # spread evenly
+    assert check_route(np.zeros((2, 1), np.int32), e, tile) == 0                      # too few pairs for wide
+
+
+@pytest.mark.parametrize("n,rows", [(8, 128), (16, 64)])
+def test_twin_wide_tiles_match_numpy(n, rows):
+    rng = np.random.default_rng(n)
+    e, o, i = 4, 256, 512
+    q = jnp.asarray(rng.integers(-8, 8, (e, o, i)), jnp.int8)
+    sc = jnp.asarray(rng.uniform(0.01, 0.1, (e, o, i // 32)), jnp.bfloat16)
+    w, s = TL.tile_weights(q, sc, rows)
+    te = np.array([3, 0, -1, -1, 2, 2, 1, -1], np.int32)  # 4 narrow tiles, then 4 wide ones
+    widths = [n] * 4 + [2 * n] * 4
+    x = jnp.asarray(rng.standard_normal((sum(widths), i)), jnp.bfloat16)
+    out = np.asarray(K.grouped_int4_matmul_ref(K.to_chunks(x, 64), w, s, jnp.asarray(te), tokens_per_tile=n,
+                                               wide_tiles=4))
+    start = 0
+    for ex, width in zip(te, widths):
+        cols = slice(start, start + width)
+        start += width
+        if ex < 0:
+            assert not out[:, cols].any()
+            continue
+        deq = np.asarray(q[ex], np.float32).reshape(o, i // 32, 32) * np.asarray(sc[ex], np.float32)[:, :, None]
+        deq = np.asarray(jnp.asarray(deq.reshape(o, i), jnp.bfloat16), np.float64)
+        np.testing.assert_allclose(out[:, cols], deq @ np.asarray(x[cols], np.float64).T, rtol=1e-5, atol=1e-4)
+
+
+def test_wide_tile_arguments_are_checked():
+    w = jnp.zeros((2, 2, 2 * 32, 128), jnp.int32)
+    s = jnp.zeros((2, 2, 512 // 32, 128), jnp.bfloat16)
+    x = jnp.zeros((512 // 64, 6 * 8, 64), jnp.bfloat16)  # 48 rows
+    for fn in (K.grouped_int4_matmul_ref, K.grouped_int4_matmul):
+        with pytest.raises(ValueError, match="NT - W even"):  # 3 narrow tiles: odd
+            fn(x, w, s, jnp.zeros((4,), jnp.int32), tokens_per_tile=8, wide_tiles=1)
+        with pytest.raises(ValueError, match="rows must hold"):
+            fn(x, w, s, jnp.zeros((4,), jnp.int32), tokens_per_tile=8, wide_tiles=3)
+
+
+@pytest.mark.parametrize("m,k,offset,paired", [(40, 4, 0, True), (33, 2, 0, False), (60, 3, 4, True),
+                                               (3, 2, 0, True)])
+def test_layer_with_wide_tiles_equals_xla_path(m, k, offset, paired):
+    rng = np.random.default_rng(m + k)
+    e, d, f = 8, 256, 256
+    w13, w2 = random_stack(rng, e, 2 * f, d), random_stack(rng, e, d, f)
+    t13 = TiledInt4.from_compressed_tensors(w13.packed, w13.scale, pair_gate_up=paired)
+    t2 = TiledInt4.from_compressed_tensors(w2.packed, w2.scale)
+    x = jnp.asarray(rng.standard_normal((m, d)), jnp.float32)
+    popular = rng.random(e + offset) ** 3  # skewed: some experts get more than a tile
+    ids = jnp.asarray(np.stack([rng.choice(e + offset, k, replace=False, p=popular / popular.sum())
+                                for _ in range(m)]), jnp.int32)
+    wts = jnp.asarray(rng.random((m, k)), jnp.float32)
+    want = routed_experts_xla(x, ids, wts, w13, w2, expert_offset=offset)
+    for chunk in (64, 128):
+        got = K.routed_experts_tiled(x, ids, wts, t13, t2, expert_offset=offset, out_dtype=jnp.float32, tile=8,
+                                     wide=True, chunk=chunk)
+        assert rel(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("n,out_layout,epilogue", [(8, "rows", "none"), (16, "tokens", "none"),
+                                                   (8, "tokens", "silu_mul")])
+def test_wide_tile_kernel_lowers_for_cuda(n, out_layout, epilogue):
+    qa = random_stack(np.random.default_rng(n), 3, 512, 512)
+    leaf = TiledInt4.from_compressed_tensors(qa.packed, qa.scale, pair_gate_up=epilogue == "silu_mul")
+    xg = jax.ShapeDtypeStruct((512 // 128, 2 * n + 3 * 2 * n, 128), jnp.bfloat16)
+    te = jax.ShapeDtypeStruct((5,), jnp.int32)
+    fn = functools.partial(K.grouped_int4_matmul, tokens_per_tile=n, wide_tiles=3, out_layout=out_layout,
+                           epilogue=epilogue)
+    assert MGPU_CALL in jax.jit(fn).trace(xg, leaf.packed, leaf.scale, te).lower(
+        lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,out_layout,epilogue", [(8, "tokens", "none"), (16, "rows", "none"),
+                                                   (8, "tokens", "silu_mul")])
+def test_gpu_wide_tile_kernel_matches_twin(n, out_layout, epilogue):
+    rng = np.random.default_rng(n)
+    qa = random_stack(rng, 5, 512, 1024)
+    leaf = TiledInt4.from_compressed_tensors(qa.packed, qa.scale, pair_gate_up=epilogue == "silu_mul")
+    te = jnp.asarray([4, 0, -1, -1, 2, 4, -1], jnp.int32)  # 4 narrow, 3 wide
+    rows = 4 * n + 3 * 2 * n
+    xg = K.to_chunks(jnp.asarray(rng.standard_normal((rows, 1024)), jnp.bfloat16), 128)
+    kw = dict(tokens_per_tile=n, wide_tiles=3, out_layout=out_layout, epilogue=epilogue)
+    got = np.asarray(jax.jit(functools.partial(K.grouped_int4_matmul, **kw))(xg, leaf.packed, leaf.scale, te),
+                     np.float32)
+    want = np.asarray(K.grouped_int4_matmul_ref(xg, leaf.packed, leaf.scale, te, **kw), np.float32)
+    if epilogue == "silu_mul":
+        got, want = (np.swapaxes(a, 0, 1).reshape(rows, -1) for a in (got, want))
+    elif out_layout == "rows":
+        got, want = got.T, want.T
+    valid = np.concatenate([np.repeat(np.asarray(te[:4]) >= 0, n), np.repeat(np.asarray(te[4:]) >= 0, 2 * n)])
+    assert np.isfinite(got[valid]).all()
+    assert rel_norm(got[valid], want[valid]) < (1e-2 if epilogue == "silu_mul" else 1e-5)
