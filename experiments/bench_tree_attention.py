@@ -378,6 +378,8 @@ def main():
                                ["H", "B", "T", "P", "floor_ms", "ms", "glue_ms", "kernel_ms", "merge_ms", "rest_ms"])
         return 0
     if args.mode == "splits":  # the Mosaic GPU kernel at its default split count, and 1/2, 1/4, 1/8 of it
+        if args.smoke or jax.default_backend() != "gpu":
+            ap.error("--mode splits times the Mosaic GPU kernel, which runs on a Hopper GPU only")
         for H, B, T, P in SPLIT_SHAPES[args.start:]:
             default = M.splits_for(B, T, H, P)
             for ns in sorted({default, max(1, default // 2), max(1, default // 4), max(1, default // 8)},
