@@ -432,12 +432,14 @@ NUM_SMS_H200 = 132
 
 def default_split(m: int, k: int, e: int, leaf: TiledInt4, num_sms: int = NUM_SMS_H200) -> int:
     """Split-K for one GEMM of the layer: 2 where the busy programs (at most min(M*K, E) busy tiles x
-    O/R row blocks) would fill less than two waves of ``num_sms`` SMs, else 1. On the H200 at M = 1
-    split 2 took gate+up (256 busy programs) from 65 to 51 us and left down (448) unchanged
-    (experiments/results/probe_moe_mgpu_chained_h200.json)."""
+    O/R row blocks) would not give each of ``num_sms`` SMs one, else 1 (e.g. a device's few experts at
+    one token under expert parallelism). At M = 1 on one H200 (256 busy gate+up programs) split 2 no
+    longer helps in device time (gate+up 41.2-41.6 us unsplit, 41.8-42.3 split in two, traced:
+    experiments/results/probe_moe_mgpu_anatomy_h200.json, probe_moe_mgpu_inflight_h200.json), and
+    unsplit it takes the SiLU·up epilogue; the wall-clock chains of session 4 had shown 65 -> 51 us."""
     steps = leaf.shape[2] // STEP
     busy = min(m * k, e) * (leaf.shape[1] // leaf.rows)
-    return 2 if busy < 2 * num_sms and steps % 2 == 0 else 1
+    return 2 if busy < num_sms and steps % 2 == 0 else 1
 
 
 def default_mma_in_flight(m: int, k: int, chunk: int) -> int | None:

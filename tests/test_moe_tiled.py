@@ -410,15 +410,18 @@ def test_gpu_fragment_kernel_matches_twin(n, split, out_layout, chunk, inflight)
 
 
 def test_default_split_only_where_few_programs_are_busy():
-    """K2.6 stacks (abstract): split-K 2 for gate+up at one token (8 x 32 busy programs), none for down
-    (8 x 56) or from 9 tokens on, and none where the pipeline steps are odd."""
+    """K2.6 stacks (abstract): no split-K at one token on 132 SMs (8 x 32 gate+up, 8 x 56 down busy
+    programs), split 2 where the busy programs cannot give every SM one, none where the pipeline steps are
+    odd."""
     def leaf(e, o, i):
         return TiledInt4(packed=jax.ShapeDtypeStruct((e, o // 128, (i // 256) * 32, 128), jnp.int32),
                          scale=jax.ShapeDtypeStruct((e, o // 128, i // 32, 128), jnp.bfloat16))
     w13, w2 = leaf(384, 4096, 7168), leaf(384, 7168, 2048)
-    assert K.default_split(1, 8, 384, w13) == 2 and K.default_split(1, 8, 384, w2) == 1
-    assert K.default_split(9, 8, 384, w13) == 1
-    assert K.default_split(1, 8, 384, leaf(384, 4096, 768)) == 1      # 3 steps: no even split
+    assert K.default_split(1, 8, 384, w13) == 1 and K.default_split(1, 8, 384, w2) == 1
+    assert K.default_split(1, 8, 384, w13, num_sms=300) == 2 and K.default_split(1, 8, 384, w2, num_sms=300) == 1
+    assert K.default_split(1, 2, 384, w13) == 2                       # 2 experts (e.g. one device's share)
+    assert K.default_split(9, 8, 384, w13, num_sms=300) == 1
+    assert K.default_split(1, 2, 384, leaf(384, 4096, 768)) == 1      # 3 steps: no even split
     assert K.default_split(1, 8, 384, w13, num_sms=16) == 1
 
 
