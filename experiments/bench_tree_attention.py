@@ -128,7 +128,7 @@ def mgpu_parts(H, B, T, S):
     returns an array, or a tuple of arrays (all kept), whose first array's [0, ...] element the next
     call's prefix_len depends on."""
     ns = M.splits_for(B, T, H, S)
-    kw = dict(scale=SCALE, kv_lora_rank=L, num_splits=ns)
+    kw = dict(scale=SCALE, kv_lora_rank=L, num_splits=ns, valid_rows=M.valid_rows_for(T, H))
 
     def glue(q, cache, plen, tkv, mask):  # -> (q rows, tail_kv, tail bits)
         qr = fold_rows(q, M.ROWS)

@@ -34,7 +34,8 @@ Design:
   the key block already in shared memory). Each program writes its normalised output (bf16) and
   log-sum-exp (f32); ~226 KiB of shared memory, so one program per SM.
 * **Merge.** With one split (the compute-bound trees) the kernel's output is the result. With
-  several (long prefixes, few rows) one XLA fusion combines the splits by their log-sum-exp.
+  several (long prefixes, few rows) one XLA fusion combines the splits by their log-sum-exp. A decode step of fewer than 64 query
+  rows (e.g. T = 1, H = 8) writes and merges the partials of its real rows only (``valid_rows_for``).
 
 Masked scores are set to a large finite negative (not -inf), so a row that has seen only masked keys
 so far carries finite placeholder weights, which the first visible key rescales to exactly zero; a
@@ -62,7 +63,7 @@ except ImportError:  # pragma: no cover
     plgpu = None
 
 __all__ = ["tree_attention_mgpu", "split_attention", "split_attention_ref", "tail_inputs", "default_splits",
-           "splits_for", "unsupported_reason", "smem_bytes"]
+           "splits_for", "unsupported_reason", "smem_bytes", "valid_rows_for"]
 
 ROWS = 64              # query rows per program (one wgmma M tile)
 SMEM_LIMIT = 227 * 1024
@@ -158,7 +159,7 @@ def _split_range(nb, tail_blocks: int, sp, num_splits: int):
 
 
 def split_attention(q_rows, cache_kv, prefix_len, tail_kv, tail_bits, *, scale, kv_lora_rank, block_k=64,
-                    stages=2, num_splits=1, share_scores=True):
+                    stages=2, num_splits=1, share_scores=True, valid_rows=None):
     """The Mosaic GPU kernel: attention of 64-row query tiles over each stream's NB whole cache blocks
     and TB tail blocks, in NS splits.
 
@@ -166,8 +167,10 @@ def split_attention(q_rows, cache_kv, prefix_len, tail_kv, tail_bits, *, scale, 
     in [0, S] (``tree_attention_mgpu`` clamps it; a larger value would read past the cache), tail_kv
     [B, TK, C] bf16 and tail_bits int32 [B, TK/32, Np] (``tail_inputs``; TK % BK == 0). Split s takes the
     blocks ``_split_range`` gives it: cache blocks unmasked, tail blocks masked per row by the bits.
-    Returns (o [NS, B, Np, L] bf16, lse [NS, B, Np] f32, natural log), each split normalised on its own;
-    a row that sees no key in a split has o = 0 and lse = -inf there.
+    Returns (o [NS, B, V, L] bf16, lse [NS, B, V] f32, natural log), each split normalised on its own;
+    a row that sees no key in a split has o = 0 and lse = -inf there. V = ``valid_rows``: Np by default,
+    or with one 64-row tile the first V rows (a multiple of 8), so that a decode step of few heads writes
+    and merges only its real rows' partials (e.g. 8 of 64 at H = 8, T = 1).
     """
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.mosaic_gpu is not available in this JAX")
@@ -194,6 +197,7 @@ def split_attention(q_rows, cache_kv, prefix_len, tail_kv, tail_bits, *, scale, 
                          f"[B, TK, C] with TK % {BK} == 0 and int32 [B, TK/{WORD}, Np] for B={B}, C={C}, Np={Np}")
     scale_log2 = float(scale) * _LOG2E
     n_tiles, TB = Np // ROWS, TK // BK
+    V = _check_valid_rows(valid_rows, Np)
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
     def body(plen_ref, q_ref, kv_ref, tkv_ref, bits_ref, o_ref, lse_ref, qo_smem, k_smem, bits_smem, p_smem,
@@ -323,10 +327,15 @@ def split_attention(q_rows, cache_kv, prefix_len, tail_kv, tail_bits, *, scale, 
             if half == 0:
                 lse_smem[...] = jnp.where(empty, -jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem.at[half],
-                                    o_ref.at[sp, b, pl.ds(tile * ROWS, ROWS), pl.ds(half * LH, LH)])
-            if half == 0:
-                plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[sp, b, pl.ds(tile * ROWS, ROWS)])
+            if V < ROWS:  # one tile, of which only the first V rows are real
+                plgpu.copy_smem_to_gmem(o_smem.at[half, pl.ds(0, V)], o_ref.at[sp, b, :, pl.ds(half * LH, LH)])
+                if half == 0:
+                    plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, V)], lse_ref.at[sp, b])
+            else:
+                plgpu.copy_smem_to_gmem(o_smem.at[half],
+                                        o_ref.at[sp, b, pl.ds(tile * ROWS, ROWS), pl.ds(half * LH, LH)])
+                if half == 0:
+                    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[sp, b, pl.ds(tile * ROWS, ROWS)])
             plgpu.wait_smem_to_gmem(0)
 
         for half in range(2):
@@ -335,8 +344,8 @@ def split_attention(q_rows, cache_kv, prefix_len, tail_kv, tail_bits, *, scale, 
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     kernel = plgpu.kernel(
         body,
-        out_type=(jax.ShapeDtypeStruct((NS, B, Np, L), jnp.bfloat16),
-                  jax.ShapeDtypeStruct((NS, B, Np), jnp.float32)),
+        out_type=(jax.ShapeDtypeStruct((NS, B, V, L), jnp.bfloat16),
+                  jax.ShapeDtypeStruct((NS, B, V), jnp.float32)),
         scratch_types=(
             plgpu.RefUnion(plgpu.SMEM((ROWS, C), jnp.bfloat16, transforms=swizzled),
                            plgpu.SMEM((2, ROWS, LH), jnp.bfloat16, transforms=swizzled)),
@@ -362,7 +371,7 @@ def split_attention(q_rows, cache_kv, prefix_len, tail_kv, tail_bits, *, scale, 
 
 
 def split_attention_ref(q_rows, cache_kv, prefix_len, tail_kv, tail_bits, *, scale, kv_lora_rank, block_k=64,
-                        stages=2, num_splits=1, share_scores=True):
+                        stages=2, num_splits=1, share_scores=True, valid_rows=None):
     """Pure-JAX twin of :func:`split_attention` (same signature and outputs, including the split ranges,
     bf16 partials and the -inf LSE of empty rows; ``stages`` and ``share_scores`` unused). Dense
     [NS, B, Np, S + TK] f32 scores: meant for tests and small shapes."""
@@ -392,7 +401,25 @@ def split_attention_ref(q_rows, cache_kv, prefix_len, tail_kv, tail_bits, *, sca
     empty = l == 0.0
     o = jnp.where(empty[..., None], 0.0, o / jnp.where(empty, 1.0, l)[..., None]).astype(jnp.bfloat16)
     lse = jnp.where(empty, -jnp.inf, m[..., 0] + jnp.log(jnp.where(empty, 1.0, l)))
-    return o, lse
+    V = _check_valid_rows(valid_rows, Np)
+    return o[:, :, :V], lse[:, :, :V]
+
+
+def valid_rows_for(T: int, H: int) -> int | None:
+    """``split_attention``'s valid_rows for T nodes x H heads: N = T*H when that is one partial tile
+    (N < 64, a multiple of 8: the partials of only the real rows are written and merged), else None."""
+    n = T * H
+    return n if n < ROWS and n % 8 == 0 else None
+
+
+def _check_valid_rows(valid_rows, rows: int) -> int:
+    """V for ``split_attention``: ``rows`` (Np) by default, else a multiple of 8 in (0, 64) with one tile."""
+    if valid_rows is None or valid_rows == rows:
+        return rows
+    if rows != ROWS or not (0 < valid_rows < ROWS and valid_rows % 8 == 0):
+        raise ValueError(f"valid_rows={valid_rows} must be Np={rows}, or a multiple of 8 below {ROWS} when q_rows "
+                         f"is one {ROWS}-row tile")
+    return valid_rows
 
 
 def tree_attention_mgpu(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, kv_lora_rank,
@@ -422,7 +449,8 @@ def tree_attention_mgpu(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, k
     if num_splits is None:
         num_splits = splits_for(B, T, H, S, block_k, num_sms)
     o, lse = kernel(qr, cache_kv, plen, tail_kv, tail_bits, scale=scale, kv_lora_rank=L, block_k=block_k,
-                    stages=stages, num_splits=int(num_splits), share_scores=share_scores)
+                    stages=stages, num_splits=int(num_splits), share_scores=share_scores,
+                    valid_rows=valid_rows_for(T, H))
     if num_splits == 1:  # every row sees its own node: lse is finite
         out, lse = o[0], lse[0]
     else:

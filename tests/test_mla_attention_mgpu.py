@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import mla_attention_mgpu as M
-from pallas_kernels.tree_attention import tree_attention_ref
+from pallas_kernels.tree_attention import fold_rows, tree_attention_ref
 from tests.test_tree_attention_kernel import as_jax, dense_reference, make_case
 
 SCALE = 0.27
@@ -153,6 +153,28 @@ def test_errors():
     assert M.unsupported_reason((1, 1, 1, 576), (1, 64, 576), 512, jnp.bfloat16, jnp.bfloat16) is None
 
 
+def test_valid_rows_keep_only_the_real_rows_of_one_tile():
+    """One 64-row tile with fewer real rows (T = 1, H = 8): the kernel's outputs hold those rows only, equal
+    to the first rows of the full outputs; the rule and its errors; the kernel lowers for CUDA that way."""
+    assert M.valid_rows_for(1, 8) == 8 and M.valid_rows_for(4, 8) == 32 and M.valid_rows_for(8, 8) is None
+    assert M.valid_rows_for(1, 64) is None and M.valid_rows_for(3, 2) is None  # 6 rows: not a multiple of 8
+    case = as_jax(make_case(2, 2, 1, 8, 128, 64, 256, [100, 256], "chain"), jnp.bfloat16)
+    q_rows = fold_rows(case[0], M.ROWS)
+    tail = M.tail_inputs(case[1], case[2], case[3], case[4], 8, M.ROWS, 64)
+    kw = dict(scale=SCALE, kv_lora_rank=128, num_splits=3)
+    full_o, full_l = M.split_attention_ref(q_rows, case[1], case[2], *tail, **kw)
+    o, lse = M.split_attention_ref(q_rows, case[1], case[2], *tail, valid_rows=8, **kw)
+    assert o.shape == (3, 2, 8, 128) and lse.shape == (3, 2, 8)
+    np.testing.assert_array_equal(np.asarray(o, np.float32), np.asarray(full_o[:, :, :8], np.float32))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(full_l[:, :, :8]))
+    for bad in (12, 64 + 8, 0):
+        with pytest.raises(ValueError, match="valid_rows"):
+            M.split_attention_ref(q_rows, case[1], case[2], *tail, valid_rows=bad, **kw)
+    lowered = jax.jit(functools.partial(M.split_attention, valid_rows=8, **kw)).trace(
+        q_rows, case[1], case[2], *tail).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text() and lowered.out_info[0].shape == (3, 2, 8, 128)
+
+
 def test_merge_lse_weights_parts_and_keeps_empty_rows_empty():
     from pallas_kernels.tree_attention import merge_lse
     o = jnp.asarray([[[1.0, 0.0]], [[0.0, 1.0]], [[5.0, 5.0]]])          # [NS=3, rows=1, L=2]
@@ -199,6 +221,7 @@ def test_kernel_lowers_for_cuda_on_cpu(T, H, NS, share, BK, stages):
     (1, 256, 8, 1024, "tree", 1, True), (2, 33, 64, 1000, "tree", 3, True),
     (2, 1, 64, 4096, "chain", None, False), (2, 33, 64, 1000, "tree", 3, False),
     (2, 200, 8, 64, "tree", 5, True),            # splits inside the tail (4 tail blocks, 1 cache block)
+    (2, 4, 8, 2048, "tree", None, True),         # 32 real rows of one tile: only those written (valid_rows)
 ])
 def test_gpu_kernel_matches_twin_k26(B, T, H, S, kind, NS, share):
     L = K26["L"]
