@@ -34,8 +34,9 @@ Design:
   the key block already in shared memory). Each program writes its normalised output (bf16) and
   log-sum-exp (f32); ~226 KiB of shared memory, so one program per SM.
 * **Merge.** With one split (the compute-bound trees) the kernel's output is the result. With
-  several (long prefixes, few rows) one XLA fusion combines the splits by their log-sum-exp. A decode step of fewer than 64 query
-  rows (e.g. T = 1, H = 8) writes and merges the partials of its real rows only (``valid_rows_for``).
+  several (long prefixes, few rows) one XLA fusion combines the splits by their log-sum-exp. A decode
+  step of fewer than 64 query rows (e.g. T = 1, H = 8) writes and merges the partials of its real rows
+  only (``valid_rows_for``).
 
 Masked scores are set to a large finite negative (not -inf), so a row that has seen only masked keys
 so far carries finite placeholder weights, which the first visible key rescales to exactly zero; a
