@@ -355,6 +355,39 @@ def default_tile(m: int, k: int, e: int, smallest: int = 16, largest: int = 64) 
     return int(min(largest, max(smallest, 1 << max(0, math.ceil(math.log2(max(mean, 1.0)))))))
 
 
+def sort_pairs(expert_ids, num_experts: int):
+    """The M*K (token, expert) pairs sorted by local expert, for the routers: (order int32 [M*K], the
+    sorted pairs' flat indices; sorted_e [M*K], their experts clipped to [0, E); local bool [M*K], False for
+    pairs routed to another device (sorted last); counts int32 [E] per expert; rank int32 [M*K], each sorted
+    pair's position within its expert's run)."""
+    flat = expert_ids.reshape(-1).astype(jnp.int32)
+    flat = jnp.where((flat >= 0) & (flat < num_experts), flat, num_experts)  # non-local: sorted last
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+    sorted_e = flat[order]
+    local = sorted_e < num_experts
+    sorted_e = jnp.minimum(sorted_e, num_experts - 1)
+    counts = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1, mode="drop")
+    rank = jnp.arange(flat.shape[0], dtype=jnp.int32) - (jnp.cumsum(counts) - counts)[sorted_e]
+    return order, sorted_e, local, counts, rank
+
+
+def pair_rows(pos, order, p: int, m: int, k: int):
+    """Row ``pos`` int32 [M*K] of each sorted pair (>= P: no row) -> (row_pair int32 [P], M*K for padding
+    rows; row_token int32 [P], M for padding rows; pair_row int32 [M, K], the row of each pair)."""
+    pairs = m * k
+    row_pair = jnp.full((p,), pairs, jnp.int32).at[pos].set(order, mode="drop")
+    row_token = jnp.where(row_pair < pairs, row_pair // k, m).astype(jnp.int32)
+    return row_pair, row_token, jnp.zeros((pairs,), jnp.int32).at[order].set(pos).reshape(m, k)
+
+
+def run_owners(run_end, nt: int):
+    """Expert of each of ``nt`` tiles laid out as consecutive runs (run_end int32 [E]: cumulative tiles per
+    expert), -1 past the last run (no while loop)."""
+    tidx = jnp.arange(nt, dtype=jnp.int32)
+    owner = jnp.sum(run_end[None, :] <= tidx[:, None], axis=1, dtype=jnp.int32)
+    return jnp.where(tidx < run_end[-1], owner, -1)
+
+
 def _route(expert_ids, expert_weights, num_experts: int, tile: int):
     """Sorts the M*K pairs by expert, padding each expert's run to a multiple of ``tile`` rows.
 
@@ -364,31 +397,14 @@ def _route(expert_ids, expert_weights, num_experts: int, tile: int):
     num_tiles int32 [], pair_row int32 [M, K] (the row of each pair; P for pairs with no row); P = NT * tile.
     """
     m, k = expert_ids.shape
-    pairs = m * k
     nt = max_tiles(m, k, num_experts, tile)
-    flat = expert_ids.reshape(-1).astype(jnp.int32)
-    flat = jnp.where((flat >= 0) & (flat < num_experts), flat, num_experts)  # non-local: sorted last
-    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
-    sorted_e = flat[order]
-    local = sorted_e < num_experts
-    sorted_e = jnp.minimum(sorted_e, num_experts - 1)
-    counts = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1, mode="drop")
+    order, sorted_e, local, counts, rank = sort_pairs(expert_ids, num_experts)
     tiles_e = (counts + tile - 1) // tile
     tile_end = jnp.cumsum(tiles_e)
-    tile_start = tile_end - tiles_e
-    pair_start = jnp.cumsum(counts) - counts
-    rank = jnp.arange(pairs, dtype=jnp.int32) - pair_start[sorted_e]
-    pos = jnp.where(local, tile_start[sorted_e] * tile + rank, nt * tile)
-    row_pair = jnp.full((nt * tile,), pairs, jnp.int32).at[pos].set(order, mode="drop")
-    row_token = jnp.where(row_pair < pairs, row_pair // k, m).astype(jnp.int32)
+    pos = jnp.where(local, (tile_end - tiles_e)[sorted_e] * tile + rank, nt * tile)
+    row_pair, row_token, pair_row = pair_rows(pos, order, nt * tile, m, k)
     w_flat = jnp.concatenate([expert_weights.reshape(-1).astype(jnp.float32), jnp.zeros((1,), jnp.float32)])
-    row_weight = w_flat[row_pair]
-    num_tiles = tile_end[-1]
-    tidx = jnp.arange(nt, dtype=jnp.int32)
-    tile_expert = jnp.sum(tile_end[None, :] <= tidx[:, None], axis=1, dtype=jnp.int32)  # no while loop
-    tile_expert = jnp.where(tidx < num_tiles, tile_expert, -1)
-    pair_row = jnp.zeros((pairs,), jnp.int32).at[order].set(pos).reshape(m, k)
-    return row_token, row_weight, tile_expert, num_tiles, pair_row
+    return row_token, w_flat[row_pair], run_owners(tile_end, nt), tile_end[-1], pair_row
 
 
 def _combine(y_rows, row_token, m: int, dtype):

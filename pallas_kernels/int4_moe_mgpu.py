@@ -43,7 +43,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.int4_moe import _route, default_tile
+from pallas_kernels.int4_moe import _route, default_tile, pair_rows, run_owners, sort_pairs
 from pallas_kernels.int4_tiles import FRAG_ROWS, GROUP, PAIR_BLOCK, STEP, TiledInt4, _check_dims, dequantize_expert
 
 try:  # Mosaic GPU is importable on CPU builds too (lowering works anywhere; running needs an sm_90 GPU).
@@ -248,11 +248,11 @@ def grouped_int4_matmul(x_chunks, w, s, tile_expert, *, tokens_per_tile: int, ou
     only because each step ends with ``wgmma_wait(0)``, hence refused together with ``overlap``.
     ``probe`` (benchmarks only, wrong results): "no_scale" skips the per-group scale multiply; "mma_once"
     adds the eight dequantised groups of a step (bf16 adds) and issues one wgmma for them; "stream_only"
-    runs the copy pipeline with an empty step (what the memory side alone costs); "smem_a" (right results)
-    stores each dequantised chunk to shared memory and issues the wgmma with A from there."""
+    runs the copy pipeline with an empty step (what the memory side alone costs). (A fourth, the A operand
+    through shared memory, ran 35 % slower at 09fd4cc: experiments/results/probe_moe_mgpu_smem_a_h200.json.)"""
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.mosaic_gpu is not available in this JAX")
-    if probe not in ("", "no_scale", "mma_once", "stream_only", "smem_a"):
+    if probe not in ("", "no_scale", "mma_once", "stream_only"):
         raise ValueError(f"unknown probe {probe!r}")
     n = tokens_per_tile
     _check_out_layout(out_layout)
@@ -292,7 +292,7 @@ def grouped_int4_matmul(x_chunks, w, s, tile_expert, *, tokens_per_tile: int, ou
         e = te_ref[t]
 
         def program(n_rows, block):  # one tile: n_rows tokens, rows [block * n_rows, (block + 1) * n_rows)
-            def acc_scope(acc_ref, a_smem=None):
+            def acc_scope(acc_ref):
                 def step_body(_, w_smem, s_smem, x_smem):
                     if probe == "stream_only":
                         return
@@ -315,12 +315,6 @@ def grouped_int4_matmul(x_chunks, w, s, tile_expert, *, tokens_per_tile: int, ou
                         if probe == "mma_once":
                             total = wc if total is None else total + wc
                             continue
-                        if probe == "smem_a":  # A through shared memory: store, fence, wgmma, wait before reuse
-                            a_smem[...] = wc
-                            plgpu.commit_smem()
-                            plgpu.wgmma(acc_ref, a_smem, plgpu.transpose_ref(x_smem.at[c], (1, 0)))
-                            plgpu.wgmma_wait(0)
-                            continue
                         plgpu.wgmma(acc_ref, wc, plgpu.transpose_ref(x_smem.at[c], (1, 0)))
                         if mma_in_flight is not None and c < cps - 1:
                             plgpu.wgmma_wait(mma_in_flight)
@@ -342,12 +336,7 @@ def grouped_int4_matmul(x_chunks, w, s, tile_expert, *, tokens_per_tile: int, ou
                 )(w_ref.at[e, b], s_ref.at[e, b], x_ref)
                 return acc_ref[...]
 
-            if probe == "smem_a":
-                a_type = plgpu.SMEM((rows, chunk), jnp.bfloat16, transforms=(
-                    plgpu.TilingTransform((8, min(chunk, 64))), plgpu.SwizzleTransform(min(2 * chunk, 128))))
-                acc = pl.run_scoped(acc_scope, plgpu.ACC((rows, n_rows), jnp.float32), a_type)
-            else:
-                acc = pl.run_scoped(acc_scope, plgpu.ACC((rows, n_rows), jnp.float32))
+            acc = pl.run_scoped(acc_scope, plgpu.ACC((rows, n_rows), jnp.float32))
 
             def store(o_smem):  # a scope after the pipeline's: the output tile reuses its shared memory
                 if fused:  # rows [0, 64) are gate, [64, 128) up of the same f: the same registers of each thread
@@ -466,49 +455,34 @@ def check_kernel_config(w13: TiledInt4, w2: TiledInt4, n: int, stages: int, spli
                              f"[{leaf.shape[1]}, {leaf.shape[2]}] stack")
 
 
-def route_wide(expert_ids, expert_weights, num_experts: int, tile: int):
+def route_wide(expert_ids, num_experts: int, tile: int):
     """Like ``int4_moe._route`` with two tile widths: an expert with at most N = ``tile`` pairs gets one
     tile of N rows, one with more gets ceil(count / 2N) tiles of 2N rows, so that it is fed to the tensor
     cores per 2N tokens, not per N (``grouped_int4_matmul(wide_tiles=)``).
 
-    expert_ids int32 [M, K] (local ids; others get no row), expert_weights [M, K] (unused: the combine
-    weights by pair). Returns row_token int32 [P] (M for padding rows), tile_expert int32 [NT] (-1 for
+    expert_ids int32 [M, K] (local ids; others get no row; the combine weights by pair, so no weights
+    here). Returns row_token int32 [P] (M for padding rows), tile_expert int32 [NT] (-1 for
     unused tiles), W (static: the last W tiles are the wide ones) and pair_row int32 [M, K] (P for pairs
     with no row); the first NT - W tiles (an even count) are the narrow ones, P = (NT - W) N + W 2N.
     """
-    del expert_weights
     m, k = expert_ids.shape
     pairs, e_n = m * k, num_experts
     nt_narrow = min(e_n, pairs) + min(e_n, pairs) % 2
     big = min(e_n, pairs // (tile + 1))  # experts that can have more than N pairs
     nt_wide = (pairs + (2 * tile - 1) * big) // (2 * tile) if big else 0
     p = nt_narrow * tile + nt_wide * 2 * tile
-    flat = expert_ids.reshape(-1).astype(jnp.int32)
-    flat = jnp.where((flat >= 0) & (flat < e_n), flat, e_n)  # non-local: sorted last
-    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
-    sorted_e = flat[order]
-    local = sorted_e < e_n
-    sorted_e = jnp.minimum(sorted_e, e_n - 1)
-    counts = jnp.zeros((e_n,), jnp.int32).at[flat].add(1, mode="drop")
+    order, sorted_e, local, counts, rank = sort_pairs(expert_ids, e_n)
     wide = counts > tile
     narrow = (counts > 0) & ~wide
     narrow_tile = jnp.cumsum(narrow) - narrow                    # tile of each narrow expert
     wide_count = jnp.where(wide, (counts + 2 * tile - 1) // (2 * tile), 0)
     wide_end = jnp.cumsum(wide_count)
-    rank = jnp.arange(pairs, dtype=jnp.int32) - (jnp.cumsum(counts) - counts)[sorted_e]
     pos = jnp.where(wide[sorted_e], nt_narrow * tile + (wide_end - wide_count)[sorted_e] * 2 * tile + rank,
                     narrow_tile[sorted_e] * tile + rank)
-    pos = jnp.where(local, pos, p).astype(jnp.int32)
-    row_pair = jnp.full((p,), pairs, jnp.int32).at[pos].set(order, mode="drop")
-    row_token = jnp.where(row_pair < pairs, row_pair // k, m).astype(jnp.int32)
-    experts = jnp.arange(e_n, dtype=jnp.int32)
+    _, row_token, pair_row = pair_rows(jnp.where(local, pos, p).astype(jnp.int32), order, p, m, k)
     narrow_experts = jnp.full((nt_narrow,), -1, jnp.int32).at[jnp.where(narrow, narrow_tile, nt_narrow)].set(
-        experts, mode="drop")
-    tidx = jnp.arange(nt_wide, dtype=jnp.int32)
-    wide_experts = jnp.sum(wide_end[None, :] <= tidx[:, None], axis=1, dtype=jnp.int32)
-    wide_experts = jnp.where(tidx < wide_end[-1], wide_experts, -1)
-    tile_expert = jnp.concatenate([narrow_experts, wide_experts])
-    pair_row = jnp.zeros((pairs,), jnp.int32).at[order].set(pos).reshape(m, k)
+        jnp.arange(e_n, dtype=jnp.int32), mode="drop")
+    tile_expert = jnp.concatenate([narrow_experts, run_owners(wide_end, nt_wide)])
     return row_token, tile_expert, nt_wide, pair_row
 
 
@@ -553,7 +527,7 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
         mma_in_flight = default_mma_in_flight(m, k, chunk)
     _check_mma_in_flight(mma_in_flight, chunk)
     if wide:
-        row_token, tile_expert, wide_tiles, pair_row = route_wide(expert_ids - expert_offset, expert_weights, e_n, n)
+        row_token, tile_expert, wide_tiles, pair_row = route_wide(expert_ids - expert_offset, e_n, n)
     else:
         row_token, _, tile_expert, _, pair_row = _route(expert_ids - expert_offset, expert_weights, e_n, n)
         wide_tiles = 0

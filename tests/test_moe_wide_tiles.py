@@ -23,8 +23,7 @@ from tests.test_moe_tiled import MGPU_CALL, random_stack
 def check_route(ids, e, tile, offset=0):
     """route_wide's layout, checked pair by pair against what the docstring promises."""
     m, k = ids.shape
-    row_token, tile_expert, wide, pair_row = K.route_wide(jnp.asarray(ids - offset, jnp.int32),
-                                                          jnp.ones((m, k), jnp.float32), e, tile)
+    row_token, tile_expert, wide, pair_row = K.route_wide(jnp.asarray(ids - offset, jnp.int32), e, tile)
     row_token, tile_expert, pair_row = map(np.asarray, (row_token, tile_expert, pair_row))
     narrow = tile_expert.size - wide
     p = narrow * tile + wide * 2 * tile
