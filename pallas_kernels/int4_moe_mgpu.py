@@ -111,17 +111,19 @@ def check_grouped_args(x_chunks, w, s, tile_expert, n: int, wide_tiles: int = 0)
 
 
 def grouped_int4_matmul_ref(x_chunks, w, s, tile_expert, *, tokens_per_tile: int, out_layout: str = "rows",
-                            epilogue: str = "none", wide_tiles: int = 0):
+                            epilogue: str = "none", wide_tiles: int = 0, out_dtype=jnp.float32):
     """Twin of ``grouped_int4_matmul`` (same signature): x_chunks [I/C, P, C] (``to_chunks``; bf16, or f32
     for f32 models on CPU), w/s tiled weights, tile_expert int32 [NT] -> out f32 [O, P] (out_layout "rows")
     or [P, O] ("tokens"); columns (rows) of skipped tiles (expert < 0) are zero here. Expert ids >= E are
     the caller's error (``_route`` never makes them). epilogue "silu_mul" (token rows only, C >= 64, w a
     gate/up stack paired in 64-row blocks, ``TiledInt4.from_compressed_tensors(..., pair_gate_up=True)``):
     h = silu(gate) * up in x_chunks.dtype instead, as chunks [O/2/C, P, C] (the down GEMM's input).
-    wide_tiles W: the last W tiles hold 2N tokens each (rows after the NT - W tiles of N)."""
+    wide_tiles W: the last W tiles hold 2N tokens each (rows after the NT - W tiles of N). out_dtype: of the
+    f32 products (``_check_out_dtype``: bfloat16 only for token rows with no epilogue and no split)."""
     n = tokens_per_tile
     _check_out_layout(out_layout)
     _check_epilogue(epilogue, out_layout, s, x_chunks.shape[-1])
+    _check_out_dtype(out_dtype, out_layout, epilogue)
     _, i, o = check_grouped_args(x_chunks, w, s, tile_expert, n, wide_tiles)
     nc, p, chunk = x_chunks.shape
     x = jnp.swapaxes(x_chunks, 0, 1).reshape(p, nc * chunk)
@@ -146,7 +148,7 @@ def grouped_int4_matmul_ref(x_chunks, w, s, tile_expert, *, tokens_per_tile: int
     if epilogue == "silu_mul":
         gate, up = gate_and_up(out.T, PAIR_BLOCK)
         return to_chunks(silu_mul(gate, up).astype(x_chunks.dtype), chunk)
-    return out.T if out_layout == "tokens" else out
+    return out.T.astype(out_dtype) if out_layout == "tokens" else out
 
 
 
@@ -154,6 +156,18 @@ def grouped_int4_matmul_ref(x_chunks, w, s, tile_expert, *, tokens_per_tile: int
 def _check_out_layout(out_layout: str) -> None:
     if out_layout not in ("rows", "tokens"):
         raise ValueError(f"out_layout must be 'rows' ([O, P]) or 'tokens' ([P, O]), got {out_layout!r}")
+
+
+def _check_out_dtype(out_dtype, out_layout: str, epilogue: str, split: int = 1) -> None:
+    """f32 products, or bf16 ones for token rows with no epilogue and no split-K (the down GEMM's pair rows:
+    half the bytes written by the kernel and read by the combine; each expert's output rounded to bf16, as
+    a bf16 model's expert computes it)."""
+    dtype = jnp.dtype(out_dtype)
+    if dtype == jnp.float32:
+        return
+    if dtype != jnp.bfloat16 or out_layout != "tokens" or epilogue != "none" or split != 1:
+        raise ValueError(f"out_dtype must be float32, or bfloat16 with token rows, no epilogue and split=1; got "
+                         f"{dtype} with out_layout={out_layout!r}, epilogue={epilogue!r}, split={split}")
 
 
 def _check_epilogue(epilogue: str, out_layout: str, s, chunk: int, split: int = 1) -> None:
@@ -215,9 +229,9 @@ def _fragment_operand(words_ref):
 
 
 def grouped_int4_matmul(x_chunks, w, s, tile_expert, *, tokens_per_tile: int, out_layout: str = "rows",
-                        epilogue: str = "none", wide_tiles: int = 0, stages: int = 2, split: int = 1,
-                        mma_in_flight: int | None = None, overlap: bool = False, auto_barriers: bool = True,
-                        probe: str = ""):
+                        epilogue: str = "none", wide_tiles: int = 0, out_dtype=jnp.float32, stages: int = 2,
+                        split: int = 1, mma_in_flight: int | None = None, overlap: bool = False,
+                        auto_barriers: bool = True, probe: str = ""):
     """Pallas Mosaic GPU kernel (H100/H200). Same contract as ``grouped_int4_matmul_ref``, except that the
     output columns (rows) of skipped tiles are left unwritten (garbage: the MoE layer reads only the rows
     of real pairs), and with
@@ -226,7 +240,8 @@ def grouped_int4_matmul(x_chunks, w, s, tile_expert, *, tokens_per_tile: int, ou
 
     ``out_layout="tokens"`` stores each [R, N] accumulator transposed (a register shuffle into the
     transposed wgmma layout, then a [N, R] TMA box), so the output is [P, O]: token rows, which the
-    layer's next steps read without an XLA transpose.
+    layer's next steps read without an XLA transpose; ``out_dtype`` bfloat16 stores them as bf16
+    (``_check_out_dtype``).
 
     ``wide_tiles`` W: the last W tiles hold 2N tokens (``route_wide``: an expert with more than N tokens
     gets tiles of 2N, so its weights are fed to the tensor cores half as often); the kernel branches
@@ -259,6 +274,8 @@ def grouped_int4_matmul(x_chunks, w, s, tile_expert, *, tokens_per_tile: int, ou
     fragments, in_dim, out_dim = check_grouped_args(x_chunks, w, s, tile_expert, n, wide_tiles)
     chunk = x_chunks.shape[2]
     _check_epilogue(epilogue, out_layout, s, chunk, split)
+    _check_out_dtype(out_dtype, out_layout, epilogue, split)
+    out_dtype = jnp.dtype(out_dtype)
     tokens_out = out_layout == "tokens"
     fused = epilogue == "silu_mul"
     if x_chunks.dtype != jnp.bfloat16:
@@ -350,7 +367,8 @@ def grouped_int4_matmul(x_chunks, w, s, tile_expert, *, tokens_per_tile: int, ou
                 elif tokens_out:
                     # ref.transpose, not plgpu.transpose_ref: JAX 0.11's transpose_ref asks a plain scratch ref
                     # for a memory_space attribute it no longer has
-                    o_smem.transpose((1, 0))[...] = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)
+                    o_smem.transpose((1, 0))[...] = plgpu.layout_cast(acc.astype(out_dtype),
+                                                                      plgpu.Layout.WGMMA_TRANSPOSED)
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(o_smem, o_ref.at[sp, pl.ds(block * n_rows, n_rows), pl.ds(b * rows, rows)])
                 else:
@@ -360,7 +378,8 @@ def grouped_int4_matmul(x_chunks, w, s, tile_expert, *, tokens_per_tile: int, ou
                 plgpu.wait_smem_to_gmem(0)
 
             pl.run_scoped(store, plgpu.SMEM((n_rows, PAIR_BLOCK), jnp.bfloat16) if fused else
-                          plgpu.SMEM((n_rows, rows) if tokens_out else (rows, n_rows), jnp.float32))
+                          plgpu.SMEM((n_rows, rows), out_dtype) if tokens_out else
+                          plgpu.SMEM((rows, n_rows), jnp.float32))
 
         if wide_tiles:  # tiles [0, NT - W) of n tokens, then W of 2n (row block NT_n / 2 + ...)
             pl.when((e >= 0) & (t < nt_narrow))(lambda: program(n, t))
@@ -371,7 +390,7 @@ def grouped_int4_matmul(x_chunks, w, s, tile_expert, *, tokens_per_tile: int, ou
     kernel = plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((out_dim // 2 // chunk, p, chunk), jnp.bfloat16) if fused else
-        jax.ShapeDtypeStruct((split,) + ((p, out_dim) if tokens_out else (out_dim, p)), jnp.float32),
+        jax.ShapeDtypeStruct((split,) + ((p, out_dim) if tokens_out else (out_dim, p)), out_dtype),
         grid=(nt, nb, split), grid_names=("tile", "rows", "split"),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,
                                              unsafe_no_auto_barriers=not auto_barriers),
@@ -417,6 +436,17 @@ def tiled_default_tile(m: int, k: int, e: int) -> int:
 
 
 NUM_SMS_H200 = 132
+
+
+def default_wide(m: int, k: int, e: int, tile: int) -> bool:
+    """Two tile widths (``route_wide``) where the tiles are narrow (N <= 16) and the pairs at least as many
+    as the experts (M K >= E): there an expert with more than N pairs is fed once per 2N tokens instead of
+    per N. On the H200 (experiments/results/bench_moe_h200_wide.json, traced, N = 8) the layer went 2.648 ->
+    2.454 ms at M = 256 (2.686 -> 2.239 skewed) and 1.368 -> 1.255 at M = 90 skewed (2.089 -> 2.115
+    uniform: the larger static row count's gather); at M = 9 skewed narrow tiles won (0.229 vs 0.264:
+    with few busy experts their extra tiles run side by side), and at M = 1024 with N = 32 uniform too
+    (3.18 vs 3.48 ms)."""
+    return tile <= 16 and m * k >= e
 
 
 def default_split(m: int, k: int, e: int, leaf: TiledInt4, num_sms: int = NUM_SMS_H200) -> int:
@@ -489,7 +519,7 @@ def route_wide(expert_ids, num_experts: int, tile: int):
 def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: TiledInt4, *,
                          expert_offset: int | jax.Array = 0, out_dtype=None, use_kernel: bool = False,
                          tile: int | None = None, stages: int = 2, split: int | None = None,
-                         mma_in_flight: int | None | str = "auto", chunk: int = 128, wide: bool = False):
+                         mma_in_flight: int | None | str = "auto", chunk: int = 128, wide: bool | None = None):
     """Routed experts of one MoE layer on tiled INT4 stacks: the Mosaic GPU kernel (``use_kernel``) or its
     twin, around the same XLA routing and combine.
 
@@ -506,10 +536,12 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
     never gathered. The token rows are gathered straight into the kernel's chunk layout (``to_chunks``).
     split: split-K of both GEMMs (default: ``default_split`` for each). mma_in_flight: the kernel's (an int,
     or None), default ("auto") ``default_mma_in_flight``. chunk: activation chunk width C (``CHUNKS``; scale
-    groups per wgmma = C / 32); wide: experts with more than ``tile`` pairs get tiles of twice the width
-    (``route_wide``; off by default until measured on the H200). 128 chunks by default: on the H200 the layer took 75.0 / 432 / 2106 / 2661 / 3319 us
+    groups per wgmma = C / 32); 128 by default: on the H200 the layer took 75.0 / 432 / 2106 / 2661 / 3319 us
     at M = 1 / 9 / 90 / 256 / 1024 against 76.7 / 447 / 2177 / 2760 / 3684 with C = 32, mostly from the
-    XLA transposes it removes (experiments/results/bench_moe_h200_chunks.json).
+    XLA transposes it removes (experiments/results/bench_moe_h200_chunks.json). wide: experts with more
+    than ``tile`` pairs get tiles of twice the width (``route_wide``); default ``default_wide``. The down
+    GEMM's pair rows are in x.dtype where it has no split-K (each expert's output rounded as a bf16 model's
+    expert rounds it), else f32.
     """
     m, d = x.shape
     k = expert_ids.shape[1]
@@ -519,6 +551,7 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
     if use_kernel and x.dtype != jnp.bfloat16:
         raise ValueError(f"the Mosaic GPU kernel takes bf16 activations, got {x.dtype}")
     n = tile or tiled_default_tile(m, k, e_n)
+    wide = default_wide(m, k, e_n, n) if wide is None else wide
     split13, split2 = (split, split) if split else (default_split(m, k, e_n, w13), default_split(m, k, e_n, w2))
     check_kernel_config(w13, w2, 2 * n if wide else n, stages, split13, split2)  # every platform: one contract
     if chunk not in CHUNKS or d % chunk or f % chunk:
@@ -533,28 +566,30 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
         wide_tiles = 0
     xs = to_chunks(jnp.concatenate([x, jnp.zeros((1, d), x.dtype)]), chunk)[:, row_token]  # [D/C, P, C]
     if use_kernel:
-        mm = lambda *a, split, epilogue="none": grouped_int4_matmul(  # noqa: E731
+        mm = lambda *a, split, epilogue="none", out_dtype=jnp.float32: grouped_int4_matmul(  # noqa: E731
             *a, tokens_per_tile=n, out_layout="tokens", epilogue=epilogue, wide_tiles=wide_tiles, stages=stages,
-            split=split, mma_in_flight=mma_in_flight)
+            split=split, mma_in_flight=mma_in_flight, out_dtype=out_dtype)
     else:
-        mm = lambda *a, split, epilogue="none": grouped_int4_matmul_ref(  # noqa: E731
-            *a, tokens_per_tile=n, out_layout="tokens", epilogue=epilogue, wide_tiles=wide_tiles)
+        mm = lambda *a, split, epilogue="none", out_dtype=jnp.float32: grouped_int4_matmul_ref(  # noqa: E731
+            *a, tokens_per_tile=n, out_layout="tokens", epilogue=epilogue, wide_tiles=wide_tiles,
+            out_dtype=out_dtype)
     if w13.gate_up_block and split13 == 1 and chunk >= PAIR_BLOCK:  # SiLU·up in the gate+up GEMM's epilogue
         h = mm(xs, w13.packed, w13.scale, tile_expert, split=1, epilogue="silu_mul")  # [F/C, P, C]
     else:
         gu = mm(xs, w13.packed, w13.scale, tile_expert, split=split13)  # [P, 2F] f32
         gate, up = gate_and_up(gu, w13.gate_up_block)
         h = to_chunks((jax.nn.silu(gate) * up).astype(x.dtype), chunk)  # [F/C, P, C]
-    y_pairs = mm(h, w2.packed, w2.scale, tile_expert, split=split2)  # [P, D] f32
+    y_pairs = mm(h, w2.packed, w2.scale, tile_expert, split=split2,
+                 out_dtype=x.dtype if split2 == 1 else jnp.float32)  # [P, D]
     return _gather_combine(y_pairs, pair_row, expert_weights, out_dtype or x.dtype)
 
 
 def _gather_combine(y_pairs, pair_row, expert_weights, dtype):
-    """y_pairs f32 [P, D], pair_row int32 [M, K] (P: no row), expert_weights [M, K] -> y [M, D]: each
+    """y_pairs [P, D] (f32 or bf16), pair_row int32 [M, K] (P: no row), expert_weights [M, K] -> y [M, D]: each
     token's pair rows, weighted and summed in f32 (k in order). A gather, not a scatter: rows that no pair
     names (padding, skipped tiles: unwritten by the kernel) are never read."""
     p = y_pairs.shape[0]
-    rows = y_pairs[jnp.minimum(pair_row, p - 1)]  # [M, K, D]
+    rows = y_pairs[jnp.minimum(pair_row, p - 1)].astype(jnp.float32)  # [M, K, D]
     weighted = rows * expert_weights.astype(jnp.float32)[..., None]
     return jnp.sum(jnp.where((pair_row < p)[..., None], weighted, 0.0), axis=1).astype(dtype)
 

@@ -181,9 +181,9 @@ def test_skipped_tile_columns_never_reach_the_output(monkeypatch):
     plain = K.grouped_int4_matmul_ref
 
     def poisoned(x_chunks, w, s, tile_expert, *, tokens_per_tile, out_layout="rows", epilogue="none",
-                 wide_tiles=0):
+                 wide_tiles=0, out_dtype=jnp.float32):
         out = plain(x_chunks, w, s, tile_expert, tokens_per_tile=tokens_per_tile, out_layout=out_layout,
-                    epilogue=epilogue, wide_tiles=wide_tiles)
+                    epilogue=epilogue, wide_tiles=wide_tiles, out_dtype=out_dtype)
         narrow = tile_expert.shape[0] - wide_tiles
         skipped = jnp.concatenate([jnp.repeat(tile_expert[:narrow] < 0, tokens_per_tile),
                                    jnp.repeat(tile_expert[narrow:] < 0, 2 * tokens_per_tile)])

@@ -1,5 +1,6 @@
 """Two tile widths in the Mosaic GPU MoE path (``route_wide``, ``grouped_int4_matmul(wide_tiles=)``): an expert
-with more than N pairs gets tiles of 2N, so its weights are fed to the tensor cores per 2N tokens.
+with more than N pairs gets tiles of 2N, so its weights are fed to the tensor cores per 2N tokens. Also the
+down GEMM's bf16 pair rows (``out_dtype``).
 
 CPU: the routing against a plain per-pair reference, the twin against numpy tile by tile, the layer against
 the XLA path, CUDA lowering. GPU (skipped without one): the kernel against the twin."""
@@ -122,30 +123,31 @@ def test_layer_with_wide_tiles_equals_xla_path(m, k, offset, paired):
         assert rel(got, want) < 1e-5
 
 
-@pytest.mark.parametrize("n,out_layout,epilogue", [(8, "rows", "none"), (16, "tokens", "none"),
-                                                   (8, "tokens", "silu_mul")])
-def test_wide_tile_kernel_lowers_for_cuda(n, out_layout, epilogue):
+@pytest.mark.parametrize("n,out_layout,epilogue,out_dtype", [
+    (8, "rows", "none", jnp.float32), (16, "tokens", "none", jnp.bfloat16), (8, "tokens", "silu_mul", jnp.float32)])
+def test_wide_tile_kernel_lowers_for_cuda(n, out_layout, epilogue, out_dtype):
     qa = random_stack(np.random.default_rng(n), 3, 512, 512)
     leaf = TiledInt4.from_compressed_tensors(qa.packed, qa.scale, pair_gate_up=epilogue == "silu_mul")
     xg = jax.ShapeDtypeStruct((512 // 128, 2 * n + 3 * 2 * n, 128), jnp.bfloat16)
     te = jax.ShapeDtypeStruct((5,), jnp.int32)
     fn = functools.partial(K.grouped_int4_matmul, tokens_per_tile=n, wide_tiles=3, out_layout=out_layout,
-                           epilogue=epilogue)
+                           epilogue=epilogue, out_dtype=out_dtype)
     assert MGPU_CALL in jax.jit(fn).trace(xg, leaf.packed, leaf.scale, te).lower(
         lowering_platforms=("cuda",)).as_text()
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n,out_layout,epilogue", [(8, "tokens", "none"), (16, "rows", "none"),
-                                                   (8, "tokens", "silu_mul")])
-def test_gpu_wide_tile_kernel_matches_twin(n, out_layout, epilogue):
+@pytest.mark.parametrize("n,out_layout,epilogue,out_dtype", [
+    (8, "tokens", "none", jnp.float32), (16, "rows", "none", jnp.float32), (8, "tokens", "silu_mul", jnp.float32),
+    (8, "tokens", "none", jnp.bfloat16)])
+def test_gpu_wide_tile_kernel_matches_twin(n, out_layout, epilogue, out_dtype):
     rng = np.random.default_rng(n)
     qa = random_stack(rng, 5, 512, 1024)
     leaf = TiledInt4.from_compressed_tensors(qa.packed, qa.scale, pair_gate_up=epilogue == "silu_mul")
     te = jnp.asarray([4, 0, -1, -1, 2, 4, -1], jnp.int32)  # 4 narrow, 3 wide
     rows = 4 * n + 3 * 2 * n
     xg = K.to_chunks(jnp.asarray(rng.standard_normal((rows, 1024)), jnp.bfloat16), 128)
-    kw = dict(tokens_per_tile=n, wide_tiles=3, out_layout=out_layout, epilogue=epilogue)
+    kw = dict(tokens_per_tile=n, wide_tiles=3, out_layout=out_layout, epilogue=epilogue, out_dtype=out_dtype)
     got = np.asarray(jax.jit(functools.partial(K.grouped_int4_matmul, **kw))(xg, leaf.packed, leaf.scale, te),
                      np.float32)
     want = np.asarray(K.grouped_int4_matmul_ref(xg, leaf.packed, leaf.scale, te, **kw), np.float32)
@@ -155,4 +157,30 @@ def test_gpu_wide_tile_kernel_matches_twin(n, out_layout, epilogue):
         got, want = got.T, want.T
     valid = np.concatenate([np.repeat(np.asarray(te[:4]) >= 0, n), np.repeat(np.asarray(te[4:]) >= 0, 2 * n)])
     assert np.isfinite(got[valid]).all()
-    assert rel_norm(got[valid], want[valid]) < (1e-2 if epilogue == "silu_mul" else 1e-5)
+    assert rel_norm(got[valid], want[valid]) < (1e-5 if epilogue == "none" and out_dtype == jnp.float32 else 1e-2)
+
+
+def test_bf16_pair_rows_are_the_f32_products_rounded():
+    """out_dtype bfloat16 (token rows, no epilogue, no split) is the f32 result rounded once; anything else
+    asking for it is refused, by the kernel and the twin alike."""
+    rng = np.random.default_rng(3)
+    qa = random_stack(rng, 3, 256, 256)
+    leaf = TiledInt4.from_compressed_tensors(qa.packed, qa.scale)
+    te = jnp.asarray([2, 0, -1], jnp.int32)
+    xg = K.to_chunks(jnp.asarray(rng.standard_normal((24, 256)), jnp.bfloat16), 128)
+    kw = dict(tokens_per_tile=8, out_layout="tokens")
+    f32 = K.grouped_int4_matmul_ref(xg, leaf.packed, leaf.scale, te, **kw)
+    bf16 = K.grouped_int4_matmul_ref(xg, leaf.packed, leaf.scale, te, out_dtype=jnp.bfloat16, **kw)
+    assert bf16.dtype == jnp.bfloat16 and bool(jnp.all(bf16 == f32.astype(jnp.bfloat16)))
+    for fn in (K.grouped_int4_matmul, K.grouped_int4_matmul_ref):
+        for bad in (dict(out_layout="rows"), dict(out_layout="tokens", out_dtype=jnp.float16)):
+            with pytest.raises(ValueError, match="out_dtype must be float32, or bfloat16 with token rows"):
+                fn(xg, leaf.packed, leaf.scale, te, tokens_per_tile=8, **dict(dict(out_dtype=jnp.bfloat16), **bad))
+    with pytest.raises(ValueError, match="split=2"):
+        K.grouped_int4_matmul(xg, leaf.packed, leaf.scale, te, split=2, out_dtype=jnp.bfloat16, **kw)
+
+
+def test_default_wide_where_tiles_are_narrow_and_pairs_many():
+    assert [K.default_wide(m, 8, 384, K.tiled_default_tile(m, 8, 384)) for m in (1, 9, 32, 48, 90, 256, 512, 1024)] \
+        == [False, False, False, True, True, True, True, False]
+    assert not K.default_wide(256, 8, 384, 32) and K.default_wide(4, 2, 8, 8)
