@@ -62,7 +62,10 @@ def build_layer(size: str):
 def parts(cfg, layer, m: int, prefix: int, rt: Runtime = Runtime()):
     """name -> (step(state, x, aux) -> next x, aux) for one step of M tokens."""
     cos, sin = rope_cos_sin(prefix + jnp.arange(m)[None], cfg.rope, cfg.qk_rope_head_dim)
-    kv = 0.1 * jax.random.normal(jax.random.key(1), (1, prefix + m, cfg.latent_dim), jnp.float32)
+    # an engine's cache: capacity a multiple of 64 (Engine's is), so the Mosaic GPU attention kernel takes it
+    # (it needs S % 8 == 0; before session 8 the capacity was prefix + m and the layer ran the Triton kernel)
+    capacity = -(-(prefix + m) // 64) * 64
+    kv = 0.1 * jax.random.normal(jax.random.key(1), (1, capacity, cfg.latent_dim), jnp.float32)
     kv = kv.astype(jnp.dtype(cfg.dtype))
     lengths, mask = jnp.array([prefix]), causal_mask(1, m)
     moe = layer.mlp

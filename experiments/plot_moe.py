@@ -1,7 +1,10 @@
 """Plot ms per MoE call vs M from bench_moe JSON (kernels, twin, ragged_dot, bandwidth floor, goal).
 
-    python3 experiments/plot_moe.py experiments/results/bench_moe_h200_mgpu.json \\
-        experiments/results/bench_moe_h200.json -o experiments/results/bench_moe_h200.png
+    python3 experiments/plot_moe.py experiments/results/bench_moe_s8.json experiments/results/bench_moe_h200.json \\
+        --merge experiments/results/bench_moe_s8_large.json -o experiments/results/bench_moe_h200.png
+
+--merge: more rows of the main run (other M of the same commit), drawn as the main file's. Of the Mosaic
+GPU rows only the default configuration ("mgpu[]") is drawn where a file has it.
 """
 import argparse
 import json
@@ -20,9 +23,15 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("main")
     ap.add_argument("extra", nargs="*", help="more result files (earlier runs), drawn faint")
+    ap.add_argument("--merge", action="append", default=[], help="more rows of the main run (same commit)")
     ap.add_argument("-o", "--out", required=True)
     args = ap.parse_args()
     d = json.load(open(args.main))
+    for path in args.merge:
+        more = json.load(open(path))
+        if more.get("commit") != d.get("commit"):
+            raise SystemExit(f"{path} is from commit {more.get('commit')}, the main file from {d.get('commit')}")
+        d["rows"] = d["rows"] + more["rows"]
     bw = d.get("ref_bw_Bps") or d["torch_copy_bw_Bps"]
     rows = [r for r in d["rows"] if r.get("phase", "table") == "table"]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
@@ -36,8 +45,9 @@ def main():
             e = d if path == args.main else json.load(open(path))
             stem = path.rsplit("/", 1)[-1].removesuffix(".json")
             for impl, style, lab in IMPLS:
-                pts = sorted((r["M"], r["ms"]) for r in e["rows"] if r.get("phase", "table") == "table"
-                             and r["routing"] == kind and r["impl"].startswith(impl))
+                table = [r for r in e["rows"] if r.get("phase", "table") == "table" and r["routing"] == kind]
+                chosen = [r for r in table if r["impl"] == "mgpu[]"] if impl == "mgpu" else []
+                pts = sorted((r["M"], r["ms"]) for r in chosen or [r for r in table if r["impl"].startswith(impl)])
                 if pts:
                     ax.plot(*zip(*pts), style, alpha=0.45 if faint else 1.0, label=f"{lab} ({stem})")
         ax.set_xscale("log")
