@@ -1,9 +1,11 @@
 """Grouped INT4 x bf16 GEMM for the routed experts on Hopper: Pallas Mosaic GPU (wgmma) + pure-JAX twin.
 
 Dimension letters: E experts, O output rows of one expert matrix, I input columns, G scale group (32),
-N tokens per tile, NT tiles (the last W of them 2N wide, ``wide_tiles``; W = 0 by default), P = (NT - W) N
-+ W 2N expert-sorted token rows, R rows per program (64 or 128), S = 256 input columns per pipeline step
-(8 scale groups), C activation columns per wgmma (32, 64 or 128).
+N tokens per tile, NT tiles (the last W of them 2N wide, ``wide_tiles``; W = 0 by default), P expert-sorted
+token rows (NT N with one width; with two, narrow tile t holds rows [t N, (t+1) N) and wide tile j, the
+(NT - W + j)-th, rows [P - (j+1) 2N, P - j 2N): the narrow ones fill P from the front, the wide ones from the
+back), R rows per program (64 or 128), S = 256 input columns per pipeline step (8 scale groups), C
+activation columns per wgmma (32, 64 or 128).
 
     out[o, r0_t + j] = sum_i  dequant(W[e_t])[o, i] * x[r0_t + j, i],     e_t = tile_expert[t]
 
@@ -104,9 +106,9 @@ def check_grouped_args(x_chunks, w, s, tile_expert, n: int, wide_tiles: int = 0)
     narrow = nt - wide_tiles
     if not wide_tiles and (p % n or nt != p // n):
         raise ValueError(f"tile_expert must be [P/N] = [{p // n}] with N={n} dividing P={p}, got {nt} tiles")
-    if wide_tiles and (wide_tiles < 0 or narrow < 0 or narrow % 2 or p != narrow * n + wide_tiles * 2 * n):
-        raise ValueError(f"P={p} rows must hold NT - W tiles of N={n} then W={wide_tiles} tiles of 2N (NT={nt}; "
-                         f"NT - W even)")
+    if wide_tiles and (wide_tiles < 0 or narrow < 0 or p % (2 * n) or narrow * n > p):
+        raise ValueError(f"P={p} rows must be a multiple of 2N={2 * n} holding the NT - W = {nt - wide_tiles} "
+                         f"narrow tiles of N (W={wide_tiles} wide tiles of 2N fill P from the back)")
     return fragments, in_dim, out_dim
 
 
@@ -118,7 +120,8 @@ def grouped_int4_matmul_ref(x_chunks, w, s, tile_expert, *, tokens_per_tile: int
     the caller's error (``_route`` never makes them). epilogue "silu_mul" (token rows only, C >= 64, w a
     gate/up stack paired in 64-row blocks, ``TiledInt4.from_compressed_tensors(..., pair_gate_up=True)``):
     h = silu(gate) * up in x_chunks.dtype instead, as chunks [O/2/C, P, C] (the down GEMM's input).
-    wide_tiles W: the last W tiles hold 2N tokens each (rows after the NT - W tiles of N). out_dtype: of the
+    wide_tiles W: the last W tiles hold 2N tokens each, wide tile j rows [P - (j+1) 2N, P - j 2N) (a used
+    one must not overlap a used narrow tile; ``route_wide`` lays them out so). out_dtype: of the
     f32 products (``_check_out_dtype``: bfloat16 only for token rows with no epilogue and no split)."""
     n = tokens_per_tile
     _check_out_layout(out_layout)
@@ -132,7 +135,7 @@ def grouped_int4_matmul_ref(x_chunks, w, s, tile_expert, *, tokens_per_tile: int
     def body(n_rows, first, t, carry):  # skipped tiles do no work; an expert is dequantised once per run
         out, prev, wt = carry
         e = tile_expert[t]
-        row0 = first * n + (t - first) * n_rows
+        row0 = t * n if n_rows == n else p - (t - first + 1) * n_rows
         wt = lax.cond((e >= 0) & (e != prev), lambda: dequantize_expert(w, s, e, x.dtype), lambda: wt)
 
         def tile_product(out):
@@ -243,9 +246,9 @@ def grouped_int4_matmul(x_chunks, w, s, tile_expert, *, tokens_per_tile: int, ou
     layer's next steps read without an XLA transpose; ``out_dtype`` bfloat16 stores them as bf16
     (``_check_out_dtype``).
 
-    ``wide_tiles`` W: the last W tiles hold 2N tokens (``route_wide``: an expert with more than N tokens
-    gets tiles of 2N, so its weights are fed to the tensor cores half as often); the kernel branches
-    per program between the two tile widths.
+    ``wide_tiles`` W: the last W tiles hold 2N tokens, from the back of P (``route_wide``: an expert with
+    more than N tokens gets tiles of 2N, so its weights are fed to the tensor cores half as often); the
+    kernel branches per program between the two tile widths.
     ``epilogue="silu_mul"`` (token rows, split 1, a gate/up stack paired in 64-row blocks so that each
     128-row program holds the gate and up rows of the same 64 f): each program's accumulator halves give
     h = silu(gate) * up in registers, stored as bf16 chunks [O/2/C, P, C], the down GEMM's input.
@@ -381,9 +384,9 @@ def grouped_int4_matmul(x_chunks, w, s, tile_expert, *, tokens_per_tile: int, ou
                           plgpu.SMEM((n_rows, rows), out_dtype) if tokens_out else
                           plgpu.SMEM((rows, n_rows), jnp.float32))
 
-        if wide_tiles:  # tiles [0, NT - W) of n tokens, then W of 2n (row block NT_n / 2 + ...)
+        if wide_tiles:  # tiles [0, NT - W) of n tokens from the front, then W of 2n from the back
             pl.when((e >= 0) & (t < nt_narrow))(lambda: program(n, t))
-            pl.when((e >= 0) & (t >= nt_narrow))(lambda: program(2 * n, nt_narrow // 2 + t - nt_narrow))
+            pl.when((e >= 0) & (t >= nt_narrow))(lambda: program(2 * n, p // (2 * n) - 1 - (t - nt_narrow)))
         else:
             pl.when(e >= 0)(lambda: program(n, t))
 
@@ -485,6 +488,15 @@ def check_kernel_config(w13: TiledInt4, w2: TiledInt4, n: int, stages: int, spli
                              f"[{leaf.shape[1]}, {leaf.shape[2]}] stack")
 
 
+def wide_rows_bound(pairs: int, num_experts: int, tile: int) -> int:
+    """Rows P of ``route_wide`` with wide tiles: the most rows its tiles can use, rounded up to 2N. An expert
+    with c pairs uses N rows (c <= N) or 2N ceil(c / 2N) (c > N): at most N - 1 padding rows, or 2N - 1 when
+    c > 2N, and at most pairs // (2N + 1) experts have more than 2N pairs."""
+    busy, over = min(num_experts, pairs), min(num_experts, pairs // (2 * tile + 1))
+    rows = pairs + (tile - 1) * busy + tile * over
+    return -(-rows // (2 * tile)) * 2 * tile
+
+
 def route_wide(expert_ids, num_experts: int, tile: int):
     """Like ``int4_moe._route`` with two tile widths: an expert with at most N = ``tile`` pairs gets one
     tile of N rows, one with more gets ceil(count / 2N) tiles of 2N rows, so that it is fed to the tensor
@@ -493,21 +505,24 @@ def route_wide(expert_ids, num_experts: int, tile: int):
     expert_ids int32 [M, K] (local ids; others get no row; the combine weights by pair, so no weights
     here). Returns row_token int32 [P] (M for padding rows), tile_expert int32 [NT] (-1 for
     unused tiles), W (static: the last W tiles are the wide ones) and pair_row int32 [M, K] (P for pairs
-    with no row); the first NT - W tiles (an even count) are the narrow ones, P = (NT - W) N + W 2N.
+    with no row). Narrow tiles fill the rows from the front, wide ones from the back, so P need only hold
+    the most rows the two can use together: the pairs plus at most N - 1 padding rows per busy expert and N
+    more per expert with over 2N pairs (``wide_rows_bound``), not each kind's worst case added.
     """
     m, k = expert_ids.shape
     pairs, e_n = m * k, num_experts
-    nt_narrow = min(e_n, pairs) + min(e_n, pairs) % 2
+    nt_narrow = min(e_n, pairs)
     big = min(e_n, pairs // (tile + 1))  # experts that can have more than N pairs
     nt_wide = (pairs + (2 * tile - 1) * big) // (2 * tile) if big else 0
-    p = nt_narrow * tile + nt_wide * 2 * tile
+    p = wide_rows_bound(pairs, e_n, tile) if nt_wide else nt_narrow * tile
     order, sorted_e, local, counts, rank = sort_pairs(expert_ids, e_n)
     wide = counts > tile
     narrow = (counts > 0) & ~wide
     narrow_tile = jnp.cumsum(narrow) - narrow                    # tile of each narrow expert
     wide_count = jnp.where(wide, (counts + 2 * tile - 1) // (2 * tile), 0)
     wide_end = jnp.cumsum(wide_count)
-    pos = jnp.where(wide[sorted_e], nt_narrow * tile + (wide_end - wide_count)[sorted_e] * 2 * tile + rank,
+    wide_slot = (wide_end - wide_count)[sorted_e] + rank // (2 * tile)
+    pos = jnp.where(wide[sorted_e], p - (wide_slot + 1) * 2 * tile + rank % (2 * tile),
                     narrow_tile[sorted_e] * tile + rank)
     _, row_token, pair_row = pair_rows(jnp.where(local, pos, p).astype(jnp.int32), order, p, m, k)
     narrow_experts = jnp.full((nt_narrow,), -1, jnp.int32).at[jnp.where(narrow, narrow_tile, nt_narrow)].set(

@@ -184,9 +184,12 @@ def test_skipped_tile_columns_never_reach_the_output(monkeypatch):
                  wide_tiles=0, out_dtype=jnp.float32):
         out = plain(x_chunks, w, s, tile_expert, tokens_per_tile=tokens_per_tile, out_layout=out_layout,
                     epilogue=epilogue, wide_tiles=wide_tiles, out_dtype=out_dtype)
-        narrow = tile_expert.shape[0] - wide_tiles
-        skipped = jnp.concatenate([jnp.repeat(tile_expert[:narrow] < 0, tokens_per_tile),
-                                   jnp.repeat(tile_expert[narrow:] < 0, 2 * tokens_per_tile)])
+        n, p, narrow = tokens_per_tile, x_chunks.shape[1], tile_expert.shape[0] - wide_tiles
+        row = jnp.arange(p)  # rows no used tile holds (skipped tiles, and the gap between the two widths)
+        wide_j = (p - 1 - row) // (2 * n)  # narrow tiles fill P from the front, wide ones from the back
+        used_narrow = (row < narrow * n) & (tile_expert[jnp.minimum(row // n, narrow - 1)] >= 0)
+        used_wide = (wide_j < wide_tiles) & (tile_expert[jnp.minimum(narrow + wide_j, tile_expert.shape[0] - 1)] >= 0)
+        skipped = ~(used_narrow | used_wide)
         if epilogue == "silu_mul":  # h chunks [F/C, P, C]
             return jnp.where(skipped[None, :, None], jnp.nan, out)
         return jnp.where(skipped[:, None] if out_layout == "tokens" else skipped[None, :], jnp.nan, out)

@@ -21,16 +21,27 @@ from tests.test_moe_kernel_model import rel, rel_norm
 from tests.test_moe_tiled import MGPU_CALL, random_stack
 
 
+def tile_spans(nt, wide, n, p):
+    """(first row, width) of each tile: narrow tile t at t N, wide tile j (the (NT - W + j)-th) at
+    P - (j + 1) 2N, as the module docstring lays them out."""
+    narrow = nt - wide
+    return [(t * n, n) for t in range(narrow)] + [(p - (j + 1) * 2 * n, 2 * n) for j in range(wide)]
+
+
 def check_route(ids, e, tile, offset=0):
     """route_wide's layout, checked pair by pair against what the docstring promises."""
     m, k = ids.shape
     row_token, tile_expert, wide, pair_row = K.route_wide(jnp.asarray(ids - offset, jnp.int32), e, tile)
     row_token, tile_expert, pair_row = map(np.asarray, (row_token, tile_expert, pair_row))
     narrow = tile_expert.size - wide
-    p = narrow * tile + wide * 2 * tile
-    assert narrow % 2 == 0 and row_token.shape == (p,)
-    starts = np.concatenate([np.arange(narrow) * tile, narrow * tile + np.arange(wide) * 2 * tile])
-    widths = np.array([tile] * narrow + [2 * tile] * wide)
+    p = row_token.shape[0]
+    assert p == (K.wide_rows_bound(m * k, e, tile) if wide else narrow * tile)
+    spans = tile_spans(tile_expert.size, wide, tile, p)
+    owner = np.full(p, -1)  # the used tile holding each row: used tiles lie inside P and never overlap
+    for t, (start, width) in enumerate(spans):
+        if tile_expert[t] >= 0:
+            assert 0 <= start and start + width <= p and (owner[start:start + width] == -1).all()
+            owner[start:start + width] = t
     local_ids = ids.ravel() - offset
     counts = np.bincount(local_ids[(local_ids >= 0) & (local_ids < e)], minlength=e)
     seen = np.zeros(p, bool)
@@ -43,10 +54,10 @@ def check_route(ids, e, tile, offset=0):
                 continue
             assert row_token[r] == t and not seen[r]
             seen[r] = True
-            tile_of = np.searchsorted(starts, r, side="right") - 1
+            tile_of = owner[r]
             ex = tile_expert[tile_of]
-            assert ex == ids[t, j] - offset
-            assert (widths[tile_of] == 2 * tile) == (counts[ex] > tile)  # wide tiles exactly for busy experts
+            assert tile_of >= 0 and ex == ids[t, j] - offset
+            assert (spans[tile_of][1] == 2 * tile) == (counts[ex] > tile)  # wide tiles exactly for busy experts
     assert (row_token[~seen] == m).all()  # every other row is padding
     used = tile_expert >= 0
     assert sorted(set(tile_expert[used])) == sorted(np.flatnonzero(counts))
@@ -76,14 +87,12 @@ def test_twin_wide_tiles_match_numpy(n, rows):
     sc = jnp.asarray(rng.uniform(0.01, 0.1, (e, o, i // 32)), jnp.bfloat16)
     w, s = TL.tile_weights(q, sc, rows)
     te = np.array([3, 0, -1, -1, 2, 2, 1, -1], np.int32)  # 4 narrow tiles, then 4 wide ones
-    widths = [n] * 4 + [2 * n] * 4
-    x = jnp.asarray(rng.standard_normal((sum(widths), i)), jnp.bfloat16)
+    p = 4 * n + 4 * 2 * n
+    x = jnp.asarray(rng.standard_normal((p, i)), jnp.bfloat16)
     out = np.asarray(K.grouped_int4_matmul_ref(K.to_chunks(x, 64), w, s, jnp.asarray(te), tokens_per_tile=n,
                                                wide_tiles=4))
-    start = 0
-    for ex, width in zip(te, widths):
+    for ex, (start, width) in zip(te, tile_spans(8, 4, n, p)):
         cols = slice(start, start + width)
-        start += width
         if ex < 0:
             assert not out[:, cols].any()
             continue
@@ -97,10 +106,10 @@ def test_wide_tile_arguments_are_checked():
     s = jnp.zeros((2, 2, 512 // 32, 128), jnp.bfloat16)
     x = jnp.zeros((512 // 64, 6 * 8, 64), jnp.bfloat16)  # 48 rows
     for fn in (K.grouped_int4_matmul_ref, K.grouped_int4_matmul):
-        with pytest.raises(ValueError, match="NT - W even"):  # 3 narrow tiles: odd
-            fn(x, w, s, jnp.zeros((4,), jnp.int32), tokens_per_tile=8, wide_tiles=1)
-        with pytest.raises(ValueError, match="rows must hold"):
-            fn(x, w, s, jnp.zeros((4,), jnp.int32), tokens_per_tile=8, wide_tiles=3)
+        with pytest.raises(ValueError, match="rows must be a multiple of 2N=32"):  # 48 % 32
+            fn(x, w, s, jnp.zeros((4,), jnp.int32), tokens_per_tile=16, wide_tiles=1)
+        with pytest.raises(ValueError, match="holding the NT - W = 7 narrow tiles"):  # 7 x 8 > 48
+            fn(x, w, s, jnp.zeros((8,), jnp.int32), tokens_per_tile=8, wide_tiles=1)
 
 
 @pytest.mark.parametrize("m,k,offset,paired", [(40, 4, 0, True), (33, 2, 0, False), (60, 3, 4, True),
@@ -155,7 +164,9 @@ def test_gpu_wide_tile_kernel_matches_twin(n, out_layout, epilogue, out_dtype):
         got, want = (np.swapaxes(a, 0, 1).reshape(rows, -1) for a in (got, want))
     elif out_layout == "rows":
         got, want = got.T, want.T
-    valid = np.concatenate([np.repeat(np.asarray(te[:4]) >= 0, n), np.repeat(np.asarray(te[4:]) >= 0, 2 * n)])
+    valid = np.zeros(rows, bool)
+    for ex, (start, width) in zip(np.asarray(te), tile_spans(7, 3, n, rows)):
+        valid[start:start + width] = ex >= 0
     assert np.isfinite(got[valid]).all()
     assert rel_norm(got[valid], want[valid]) < (1e-5 if epilogue == "none" and out_dtype == jnp.float32 else 1e-2)
 
