@@ -44,7 +44,7 @@ from ddtree_jax.moe import prepare_for_kernels, route, routed_experts  # noqa: E
 from ddtree_jax.rope import rope_cos_sin  # noqa: E402
 from experiments.bench_engine import bytes_of, random_state  # noqa: E402
 from experiments.bench_util import (measure_copy_bandwidth, measure_torch_copy_bandwidth, print_table,  # noqa: E402
-                                    time_fn, traced_call_time, write_result)
+                                    tie_to, time_fn, traced_call_time, write_result)
 
 
 def build_layer(size: str):
@@ -74,9 +74,9 @@ def parts(cfg, layer, m: int, prefix: int, rt: Runtime = Runtime()):
     ids = jax.random.randint(jax.random.key(2), ids.shape, 0, cfg.n_routed_experts)  # distinct enough
     flat = lambda x: x.reshape(m, cfg.hidden_size)  # noqa: E731
 
-    def routed(mod, x, aux):
-        y = routed_experts(flat(x), aux[0], aux[1], mod.w13.get_value(), mod.w2.get_value(), mesh=rt.mesh,
-                           rules=rt.rules)
+    def routed(mod, x, aux):  # ids tied to x: each step sorts them (fixed ids would be sorted once per chain)
+        y = routed_experts(flat(x), tie_to(aux[0], x), aux[1], mod.w13.get_value(), mod.w2.get_value(),
+                           mesh=rt.mesh, rules=rt.rules)
         return x + y.reshape(x.shape).astype(x.dtype)
 
     return {

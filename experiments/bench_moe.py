@@ -12,7 +12,9 @@ counted; the yardstick of issue #5's goal), pct_xla_copy against XLA's elementwi
 (bench_util.measure_copy_bandwidth, lower on this machine). Timing: back-to-back calls,
 blocked once at the end, median over several such batches. The Mosaic GPU rows report the device time
 per call instead, from a profiler trace of an unrolled chain of dependent calls
-(``bench_util.traced_call_time``: first kernel's start to last kernel's end, XLA glue included;
+(``bench_util.traced_call_time``: first kernel's start to last kernel's end, XLA glue included, the
+routing ids tied to each call's x so that every call sorts them: before session 8 the chain sorted the
+fixed ids once for all its calls, ``bench_util.tie_to``;
 kernel_us: the two Mosaic launches, glue_us: the other kernels), with the wall-clock chained figure
 (``chained_call_time``, session 5's table) and the dispatched time beside it (ms_chained, ms_dispatched). Weights are random (words are uniformly
 random nibbles, scales in [0.01, 0.03]); routing is uniform (distinct random top-8 per token) or skewed
@@ -221,8 +223,10 @@ def main(argv=None):
             if args.interpret:
                 t, extra = t_disp, {}
             else:
-                t_chained = bench_util.chained_call_time(fn, (x, ids, w, *stacks))
-                traced = bench_util.traced_call_time(fn, (x, ids, w, *stacks))
+                # each call of the chain sorts its routing afresh (fixed ids would be sorted once per chain)
+                tied = lambda x, ids, *rest: fn(x, bench_util.tie_to(ids, x), *rest)  # noqa: E731
+                t_chained = bench_util.chained_call_time(tied, (x, ids, w, *stacks))
+                traced = bench_util.traced_call_time(tied, (x, ids, w, *stacks))
                 t = traced["span_s"]
                 extra = dict(ms_chained=t_chained * 1e3, kernel_us=[round(u, 2) for u in next(
                     (v for k_, v in traced["launches_us"].items() if "mosaic" in k_), [])[:2]],

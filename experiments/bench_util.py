@@ -76,6 +76,15 @@ def time_fn(fn: Callable, *args, repeats: int = 20, warmup: int = 2) -> dict[str
     return {"median_s": statistics.median(times), "min_s": min(times), "repeats": repeats}
 
 
+def tie_to(a: jax.Array, b: jax.Array) -> jax.Array:
+    """``a`` plus a zero XLA cannot prove zero, computed from ``b``: work on ``a`` then depends on ``b``.
+    In a ``dependent_chain`` the arguments other than x are the same in every call, so XLA computes what
+    depends only on them once for the whole chain (common subexpressions: an MoE layer's sort by expert
+    of fixed routing ids ran once for 8 calls until session 8). Tying them to x makes each call redo it."""
+    first = b.ravel()[0]
+    return a + (first != first).astype(a.dtype)
+
+
 def dependent_chain(fn: Callable, n: int) -> Callable:
     """A jitted program of n unrolled calls of ``fn(x, *rest)``, each call's x taking one element of the
     previous call's output (so no call can be hoisted, merged or reordered); returns every output.

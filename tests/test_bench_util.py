@@ -1,5 +1,7 @@
 """The benchmarks' device-time plumbing: a profiler trace of a dependent chain, read back per kernel."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +14,24 @@ def test_dependent_chain_feeds_each_output_into_the_next_call():
     outs = chain(jnp.ones((2,)), jnp.zeros((2,)))
     # x0 = [1, 1]; y_i = 2 x_i; x_{i+1} = x_i with element 0 set to y_i[0]
     np.testing.assert_allclose(np.stack(outs), [[2.0, 2.0], [4.0, 2.0], [8.0, 2.0]])
+
+
+def test_tied_arguments_are_recomputed_in_every_call_of_a_chain():
+    """Work on a fixed argument is shared by the chain's calls (XLA's CSE) unless tie_to makes it depend on
+    each call's x: one sort for 4 calls untied, 4 tied."""
+    def routed(x, ids):
+        order = jnp.argsort(ids.reshape(-1))
+        return x[order % x.shape[0]] * 2.0
+
+    x, ids = jnp.ones((4, 8)), jnp.arange(8, dtype=jnp.int32)[::-1].reshape(4, 2)
+    tied = lambda x, ids: routed(x, bench_util.tie_to(ids, x))  # noqa: E731
+
+    def sorts(fn):
+        hlo = bench_util.dependent_chain(fn, 4).lower(x, ids).compile().as_text()
+        return len(re.findall(r"^\s*(?:ROOT )?%\S+ = .* sort\(", hlo, flags=re.MULTILINE))
+
+    assert sorts(routed) == 1 and sorts(tied) == 4
+    np.testing.assert_array_equal(bench_util.tie_to(ids, x), ids)
 
 
 def test_traced_call_time_reads_kernels_from_the_trace():
