@@ -9,7 +9,9 @@ Modes
   --mode sweep  tuning configs on a few shapes, each checked against the twin (f32) first.
   --mode grid   the trimmed grid below with the library's default config (or --cfg JSON).
   --mode parts  the Mosaic GPU op at the grid points, whole and in parts: glue (row folding, tail
-                inputs), kernel alone, merge (``mgpu_parts``); says where a small problem's time goes.
+                inputs), kernel alone, merge (``mgpu_parts``; both ``merge_lse`` weighted sums, "dot"
+                as the library has it and "reduce"); says where a small problem's time goes.
+  --points "H,B,T,P;..."  the points of --mode parts or splits instead of GRID / SPLIT_SHAPES.
   --mode splits the Mosaic GPU kernel at memory-bound points (``SPLIT_SHAPES``) with its default split
                 count and 1/2, 1/4, 1/8 of it: whether fewer, longer splits beat the merge's cost.
 
@@ -153,14 +155,15 @@ def mgpu_parts(H, B, T, S):
         qr, cache, tail_kv, bits = kernel_inputs(q, cache, plen, tkv, mask)
         return M.split_attention(qr, cache, plen, tail_kv, bits, **kw)
 
-    def merge_step(prep, plen):
+    def merge_step(prep, plen, weighted_sum="dot"):
         o, lse = prep
         bump = (plen[0] > 1 << 30).astype(jnp.float32)  # 0, but traced: the calls stay in order
-        out, _ = merge_lse(o, lse + bump) if ns > 1 else (o[0], lse[0])
+        out, _ = merge_lse(o, lse + bump, weighted_sum=weighted_sum) if ns > 1 else (o[0], lse[0])
         return out[:, :T * H].reshape(B, T, H, L).astype(jnp.bfloat16)
 
     return {"glue": (inputs_as_given, glue_step), "kernel": (kernel_inputs, kernel_step),
-            "merge": (kernel_outputs, merge_step)}
+            "merge": (kernel_outputs, merge_step),  # the library's merge ("dot"); "reduce" beside it
+            "merge_reduce": (kernel_outputs, functools.partial(merge_step, weighted_sum="reduce"))}
 
 
 def chained_parts(prepare, step, n):
@@ -290,6 +293,7 @@ def main():
     ap.add_argument("--mgpu-cfg", default=None, help="JSON dict of tuning overrides for the Mosaic GPU kernel")
     ap.add_argument("--name", default=None, help="result file name (default from the mode)")
     ap.add_argument("--start", type=int, default=0, help="skip the first N grid points")
+    ap.add_argument("--points", default=None, help="'H,B,T,P;...': the points of --mode parts / splits")
     ap.add_argument("--extra-s", type=float, default=0.0,
                     help="after the grid, this many seconds of EXTRA tuning points (sweep rows)")
     ap.add_argument("--commit", default=None,
@@ -297,6 +301,12 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="CPU smoke: tiny shapes, interpret mode")
     ap.add_argument("--no-check-above", type=int, default=8192, help="skip parity for P above this")
     args = ap.parse_args()
+    try:
+        points = [tuple(int(v) for v in pt.split(",")) for pt in args.points.split(";")] if args.points else None
+    except ValueError:
+        points = [()]
+    if points and any(len(pt) != 4 for pt in points):
+        ap.error(f"--points takes integers 'H,B,T,P;...', got {args.points!r}")
     t_start = time.time()
     print("jax", jax.__version__, jax.devices()[0].device_kind, flush=True)
     if args.smoke:
@@ -360,7 +370,7 @@ def main():
             save()
 
     if args.mode == "parts":
-        for H, B, T, P in GRID[args.start:]:
+        for H, B, T, P in (points or GRID)[args.start:]:
             if time.time() - t_start > args.budget_s:
                 print("budget reached; skipping the rest", flush=True)
                 break
@@ -375,12 +385,13 @@ def main():
             print(json.dumps(row, default=str), flush=True)
             save()
         bench_util.print_table([r for r in rows if "error" not in r],
-                               ["H", "B", "T", "P", "floor_ms", "ms", "glue_ms", "kernel_ms", "merge_ms", "rest_ms"])
+                               ["H", "B", "T", "P", "floor_ms", "ms", "glue_ms", "kernel_ms", "merge_ms",
+                                "merge_reduce_ms", "rest_ms"])
         return 0
     if args.mode == "splits":  # the Mosaic GPU kernel at its default split count, and 1/2, 1/4, 1/8 of it
         if args.smoke or jax.default_backend() != "gpu":
             ap.error("--mode splits times the Mosaic GPU kernel, which runs on a Hopper GPU only")
-        for H, B, T, P in SPLIT_SHAPES[args.start:]:
+        for H, B, T, P in (points or SPLIT_SHAPES)[args.start:]:
             default = M.splits_for(B, T, H, P)
             for ns in sorted({default, max(1, default // 2), max(1, default // 4), max(1, default // 8)},
                              reverse=True):

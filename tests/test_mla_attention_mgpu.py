@@ -175,8 +175,10 @@ def test_valid_rows_keep_only_the_real_rows_of_one_tile():
     assert "mosaic_gpu" in lowered.as_text() and lowered.out_info[0].shape == (3, 2, 8, 128)
 
 
-def test_merge_lse_weights_parts_and_keeps_empty_rows_empty():
-    from pallas_kernels.tree_attention import merge_lse
+@pytest.mark.parametrize("weighted_sum", ["dot", "reduce"])
+def test_merge_lse_weights_parts_and_keeps_empty_rows_empty(weighted_sum):
+    from pallas_kernels.tree_attention import merge_lse as merge
+    merge_lse = functools.partial(merge, weighted_sum=weighted_sum)
     o = jnp.asarray([[[1.0, 0.0]], [[0.0, 1.0]], [[5.0, 5.0]]])          # [NS=3, rows=1, L=2]
     lse = jnp.asarray([[0.0], [jnp.log(3.0)], [-jnp.inf]])
     out, l = merge_lse(o, lse)
@@ -187,6 +189,8 @@ def test_merge_lse_weights_parts_and_keeps_empty_rows_empty():
     np.testing.assert_allclose(np.asarray(out), [[0.625, 0.875]], rtol=1e-6)
     empty, l = merge_lse(o[:1], jnp.full((1, 1), -jnp.inf))
     assert not np.asarray(empty).any() and np.isneginf(np.asarray(l)).all()
+    with pytest.raises(ValueError, match="weighted_sum must be"):
+        merge(o, lse, weighted_sum="sum")
 
 
 K26 = dict(C=576, L=512, scale=0.14468)
