@@ -56,7 +56,7 @@ def main(argv=None):
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--commit", default=None, help="commit hash to record (a copied checkout may report a stale HEAD)")
-    ap.add_argument("--plan", default="full", choices=["full", "flags", "stages", "fragments", "net", "anatomy", "inflight", "chunks"])
+    ap.add_argument("--plan", default="full", choices=["full", "flags", "stages", "fragments", "net", "anatomy", "inflight", "chunks", "m1"])
     ap.add_argument("--chunk", type=int, default=32, help="activation chunk width (columns per wgmma) unless a plan sets it")
     ap.add_argument("--timing", default="chained", choices=["chained", "traced"],
                     help="chained: wall clock of call chains, differenced; traced: the kernel's device time from a "
@@ -67,11 +67,11 @@ def main(argv=None):
     key = jax.random.key(0)
     gemms = {"gate_up": (2 * F, D), "down": (D, F)}
     weights = {}
-    for rows in (() if args.plan in ("net", "anatomy", "inflight", "chunks") else (64, 128)):
+    for rows in (() if args.plan in ("net", "anatomy", "inflight", "chunks", "m1") else (64, 128)):
         for name, (o, i) in gemms.items():
             key, sub = jax.random.split(key)
             weights[name, rows] = random_tiled(sub, E, o, i, rows)
-    if args.plan in ("fragments", "net", "anatomy", "inflight", "chunks"):
+    if args.plan in ("fragments", "net", "anatomy", "inflight", "chunks", "m1"):
         for name, (o, i) in gemms.items():
             key, sub = jax.random.split(key)
             weights[name, "fragments"] = random_fragments(sub, E, o, i)
@@ -149,6 +149,11 @@ def main(argv=None):
         variants = [ch(32, 2), ch(64, None), ch(64, 0), ch(64, 1), ch(128, None), ch(128, 0), ch(128, 1)]
         plan = {1: ([8], [ch(32, None), ch(64, None), ch(128, None), ch(64, 1), ch(128, 0)]),
                 9: ([8], variants), 256: ([8], variants), 512: ([16], variants), 1024: ([32], variants)}
+    if args.plan == "m1":  # one token: deeper pipelines (more bytes in flight per SM) and split-K
+        v = lambda stages, split=1, inflight=None, probe="": (128, stages, split, False, True, probe,  # noqa: E731
+                                                              "fragments", inflight, 128)
+        plan = {1: ([8], [v(2), v(3), v(4), v(3, inflight=0), v(4, inflight=0), v(2, split=2), v(3, split=2),
+                          v(2, probe="stream_only"), v(4, probe="stream_only")])}
     if args.quick:
         plan = {m: (ns[:1], cf[:1]) for m, (ns, cf) in plan.items()}
     ms = [int(v) for v in args.ms.split(",")]
