@@ -444,11 +444,12 @@ NUM_SMS_H200 = 132
 def default_wide(m: int, k: int, e: int, tile: int) -> bool:
     """Two tile widths (``route_wide``) where the tiles are narrow (N <= 16) and the pairs at least as many
     as the experts (M K >= E): there an expert with more than N pairs is fed once per 2N tokens instead of
-    per N. On the H200 (experiments/results/bench_moe_h200_wide.json, traced, N = 8) the layer went 2.648 ->
-    2.454 ms at M = 256 (2.686 -> 2.239 skewed) and 1.368 -> 1.255 at M = 90 skewed (2.089 -> 2.115
-    uniform: the larger static row count's gather); at M = 9 skewed narrow tiles won (0.229 vs 0.264:
-    with few busy experts their extra tiles run side by side), and at M = 1024 with N = 32 uniform too
-    (3.18 vs 3.48 ms)."""
+    per N. On the H200 (traced, against one width in the same run: experiments/results/bench_moe_s8.json,
+    bench_moe_s8_large.json) the layer went 2.633 -> 2.468 ms at M = 256 (2.655 -> 2.217 skewed), 1.350 ->
+    1.245 at M = 90 skewed and 3.537 -> 3.060 at M = 512 skewed (uniform M = 90 and 512 within 1 %, the
+    larger static row count's gather); at M = 9 skewed narrow tiles won (0.229 vs 0.264 ms: with few busy
+    experts their extra tiles run side by side), and at M = 1024 with N = 32 (3.18 vs 3.48 ms uniform,
+    bench_moe_wide.json)."""
     return tile <= 16 and m * k >= e
 
 
@@ -555,8 +556,8 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
     at M = 1 / 9 / 90 / 256 / 1024 against 76.7 / 447 / 2177 / 2760 / 3684 with C = 32, mostly from the
     XLA transposes it removes (experiments/results/bench_moe_h200_chunks.json). wide: experts with more
     than ``tile`` pairs get tiles of twice the width (``route_wide``); default ``default_wide``. The down
-    GEMM's pair rows are in x.dtype where it has no split-K (each expert's output rounded as a bf16 model's
-    expert rounds it), else f32.
+    GEMM's pair rows are bf16 for bf16 x where it has no split-K (each expert's output rounded as a bf16
+    model's expert rounds it), else f32.
     """
     m, d = x.shape
     k = expert_ids.shape[1]
@@ -594,8 +595,8 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
         gu = mm(xs, w13.packed, w13.scale, tile_expert, split=split13)  # [P, 2F] f32
         gate, up = gate_and_up(gu, w13.gate_up_block)
         h = to_chunks((jax.nn.silu(gate) * up).astype(x.dtype), chunk)  # [F/C, P, C]
-    y_pairs = mm(h, w2.packed, w2.scale, tile_expert, split=split2,
-                 out_dtype=x.dtype if split2 == 1 else jnp.float32)  # [P, D]
+    pair_dtype = jnp.bfloat16 if x.dtype == jnp.bfloat16 and split2 == 1 else jnp.float32
+    y_pairs = mm(h, w2.packed, w2.scale, tile_expert, split=split2, out_dtype=pair_dtype)  # [P, D]
     return _gather_combine(y_pairs, pair_row, expert_weights, out_dtype or x.dtype)
 
 
