@@ -64,8 +64,27 @@ def taus(result: dict) -> dict[int, float]:
     return {r["budget"]: r["tau"] for r in result["results"] if r["mode"] == "ddtree" and r["temperature"] == 0.0}
 
 
+def timing_of(result: dict) -> str:
+    """How a bench_layer result timed the layer: "traced" (device time of unrolled steps, since session 6)
+    or "fori_loop" (wall time of a loop, ~30 µs of loop step per layer included)."""
+    return "traced" if result.get("config", {}).get("traced") else "fori_loop"
+
+
+def check_comparable(one: dict, two: dict) -> None:
+    """The fit's two inputs must time the layer the same way and come from the same code: otherwise b
+    (what sharding divides) absorbs the difference (a faster kernel on one side reads as scaling)."""
+    if timing_of(one) != timing_of(two):
+        raise ValueError(f"the 1-GPU layer times are {timing_of(one)}, the 2-GPU ones {timing_of(two)}: "
+                         "measure both the same way (or pass allow_mixed / --allow-mixed)")
+    if one.get("commit") != two.get("commit"):
+        raise ValueError(f"the 1-GPU layer times come from commit {one.get('commit')}, the 2-GPU ones from "
+                         f"{two.get('commit')}: measure both at one commit (or pass allow_mixed / --allow-mixed)")
+
+
 def project(one: dict, two: dict, tau_by_budget: dict[int, float], gpus: int, layers: int = K26_LAYERS,
-            streams=(1, 10)) -> list[dict]:
+            streams=(1, 10), allow_mixed: bool = False) -> list[dict]:
+    if not allow_mixed:
+        check_comparable(one, two)
     coeffs = fit(layer_times(one), layer_times(two))
     rows = []
     cases = [("AR", 1, None)] + [("DDTree", s, b) for s in streams for b in sorted(tau_by_budget)]
@@ -90,15 +109,18 @@ def main(argv=None):
     ap.add_argument("--eval", default=None, help="eval_grid JSON with the trained pair's tau per budget")
     ap.add_argument("--gpus", type=int, default=8)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--allow-mixed", action="store_true",
+                    help="fit inputs of different commits or timing methods (recorded as such)")
     args = ap.parse_args(argv)
     load = lambda p: json.load(open(p))  # noqa: E731
     one, two = load(args.one), load(args.two)
     tau = taus(load(args.eval)) if args.eval else {}
-    rows = project(one, two, tau, args.gpus)
+    rows = project(one, two, tau, args.gpus, allow_mixed=args.allow_mixed)
     payload = dict(kind="projection, not a measurement", gpus=args.gpus, layers=K26_LAYERS,
                    inputs=dict(one=args.one, two=args.two, eval=args.eval,
-                               one_timing="traced" if one["config"].get("traced") else "fori_loop",
-                               two_timing="traced" if two["config"].get("traced") else "fori_loop"),
+                               one_timing=timing_of(one), two_timing=timing_of(two),
+                               one_commit=one.get("commit"), two_commit=two.get("commit"),
+                               mixed=args.allow_mixed),
                    assumptions=__doc__.split("assumptions, which the output repeats:")[1].strip(),
                    fit={m: dict(a_us=a, b_us=b) for m, (a, b) in fit(layer_times(one), layer_times(two)).items()},
                    rows=rows)

@@ -40,3 +40,13 @@ def test_project_rows():
     assert "outside" in by_key[("DDTree", 10, 64)]["note"]  # M = 650: not measured, not projected
     with pytest.raises(ValueError, match="no 'layer' rows"):
         P.project({"rows": []}, two, {}, gpus=8)
+
+
+def test_refuses_inputs_of_different_commits_or_timing_unless_allowed():
+    one, two = result({1: 300.0}), result({1: 290.0})
+    traced = dict(two, config={"traced": True})
+    with pytest.raises(ValueError, match="1-GPU layer times are fori_loop, the 2-GPU ones traced"):
+        P.project(one, traced, {}, gpus=8)
+    with pytest.raises(ValueError, match="from commit a, the 2-GPU ones from b"):
+        P.project(dict(one, commit="a"), dict(two, commit="b"), {}, gpus=8)
+    assert P.project(dict(one, commit="a"), dict(two, commit="b"), {}, gpus=8, allow_mixed=True)[0]["mode"] == "AR"
