@@ -171,7 +171,8 @@ def main(argv=None):
     def save():
         payload = dict(config=dict(E=E, D=D, F=F, K=K, G=G, bytes_per_expert=per_expert, ms=ms,
                                    routings=routings, configs=configs, tiled_configs=tiled_configs,
-                                   triton_ms=sorted(triton_ms), sweep=sweep, argv=sys.argv[1:]),
+                                   triton_ms=sorted(triton_ms), sweep=sweep, argv=sys.argv[1:],
+                                   routing_sorted_every_call=True),  # bench_util.tie_to (session 8 on)
                        copy_bw_Bps=copy_bw, torch_copy_bw_Bps=tcopy, traced_copy_bw_Bps=traced_bw, ref_bw_Bps=ref_bw,
                        rows=rows,
                        **({"commit": args.commit} if args.commit else {}))
