@@ -345,6 +345,21 @@ def main():
     if args.smoke:
         kernels = ["triton"]  # the Mosaic GPU kernel has no CPU interpret mode
 
+    def measure(make_row, point, **tags):
+        """One point: the row ``make_row()`` gives, or on failure ``point`` with the error; with its wall
+        seconds and ``tags``, appended, printed and saved (a run cut short keeps what it measured)."""
+        t0 = time.time()
+        try:
+            row = make_row()
+        except Exception as e:  # noqa: BLE001 - record and go on
+            row = dict(point, error=f"{type(e).__name__}: {str(e)[:300]}")
+            traceback.print_exc(limit=2)
+        row.update(wall_s=round(time.time() - t0, 1), **tags)
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "default_cfg"}, default=str), flush=True)
+        save()
+        return row
+
     def run_points(points, mode, budget):
         todo = [(pt, cfg, "triton") for pt, cfg in points] if mode == "sweep" else \
             [(pt, cfg if k == "triton" else mgpu_cfg, k) for pt, cfg in points for k in kernels]
@@ -352,38 +367,19 @@ def main():
             if time.time() - t_start > budget:
                 print("budget reached; skipping the rest", flush=True)
                 break
-            t0 = time.time()
-            try:
-                check = (mode == "sweep" or P <= args.no_check_above)
-                row = bench_point(H, B, T, P, cfg, bw, peak, with_xla=(mode == "grid" and kernel == kernels[0]),
-                                  check=check, bw_jax=bw_jax, kernel=kernel, bw_traced=traced_bw)
-            except Exception as e:  # noqa: BLE001
-                row = dict(H=H, B=B, T=T, P=P, cfg=cfg, kernel=kernel, error=f"{type(e).__name__}: {str(e)[:300]}")
-                traceback.print_exc(limit=2)
-            row["wall_s"] = round(time.time() - t0, 1)
-            row["mode"] = mode
-            if kernel == "triton":
-                row["default_cfg"] = default_config(B, T, H, P, C, L)
-            rows.append(row)
-            print(json.dumps({k: v for k, v in row.items() if k not in ("default_cfg",)}, default=str),
-                  flush=True)
-            save()
+            check = (mode == "sweep" or P <= args.no_check_above)
+            measure(lambda: bench_point(H, B, T, P, cfg, bw, peak, with_xla=(mode == "grid" and kernel == kernels[0]),
+                                        check=check, bw_jax=bw_jax, kernel=kernel, bw_traced=traced_bw),
+                    dict(H=H, B=B, T=T, P=P, cfg=cfg, kernel=kernel), mode=mode,
+                    **({"default_cfg": default_config(B, T, H, P, C, L)} if kernel == "triton" else {}))
 
     if args.mode == "parts":
         for H, B, T, P in (points or GRID)[args.start:]:
             if time.time() - t_start > args.budget_s:
                 print("budget reached; skipping the rest", flush=True)
                 break
-            t0 = time.time()
-            try:
-                row = bench_parts(H, B, T, P, bw, peak)
-            except Exception as e:  # noqa: BLE001
-                row = dict(H=H, B=B, T=T, P=P, kernel="mgpu_parts", error=f"{type(e).__name__}: {str(e)[:300]}")
-                traceback.print_exc(limit=2)
-            row.update(wall_s=round(time.time() - t0, 1), mode="parts")
-            rows.append(row)
-            print(json.dumps(row, default=str), flush=True)
-            save()
+            measure(lambda: bench_parts(H, B, T, P, bw, peak), dict(H=H, B=B, T=T, P=P, kernel="mgpu_parts"),
+                    mode="parts")
         bench_util.print_table([r for r in rows if "error" not in r],
                                ["H", "B", "T", "P", "floor_ms", "ms", "glue_ms", "kernel_ms", "merge_ms",
                                 "merge_reduce_ms", "rest_ms"])
@@ -397,17 +393,11 @@ def main():
                              reverse=True):
                 if time.time() - t_start > args.budget_s:
                     break
-                t0 = time.time()
                 cfg = dict(mgpu_cfg, num_splits=ns)
-                try:
-                    row = bench_point(H, B, T, P, cfg, bw, peak, with_xla=False, check=P <= args.no_check_above,
-                                      bw_jax=bw_jax, kernel="mgpu", bw_traced=traced_bw)
-                except Exception as e:  # noqa: BLE001
-                    row = dict(H=H, B=B, T=T, P=P, cfg=cfg, kernel="mgpu", error=f"{type(e).__name__}: {str(e)[:300]}")
-                row.update(wall_s=round(time.time() - t0, 1), mode="splits", num_splits=ns, default_splits=default)
-                rows.append(row)
-                print(json.dumps(row, default=str), flush=True)
-                save()
+                measure(lambda: bench_point(H, B, T, P, cfg, bw, peak, with_xla=False, check=P <= args.no_check_above,
+                                            bw_jax=bw_jax, kernel="mgpu", bw_traced=traced_bw),
+                        dict(H=H, B=B, T=T, P=P, cfg=cfg, kernel="mgpu"), mode="splits", num_splits=ns,
+                        default_splits=default)
         bench_util.print_table([r for r in rows if "error" not in r],
                                ["H", "B", "T", "P", "num_splits", "default_splits", "ms", "floor_ms", "pct_bw",
                                 "pct_bw_traced", "rel_err"])
