@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import sys
 import tempfile
 
@@ -94,7 +95,12 @@ def main(argv=None):
     ap.add_argument("--commit", default=None)
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true", help="CPU: one tiny XLA case, host thunk events")
+    ap.add_argument("--hlo", action="store_true",
+                    help="also write each case's optimized HLO (the traced chain) to OUT/hlo_CASE.txt, to read "
+                         "what a fusion named in the trace computes")
     args = ap.parse_args(argv)
+    if args.hlo and not args.out:
+        ap.error("--hlo needs --out")
     cases = {
         "copy_1G": lambda: (lambda a: a + 1.0, (jnp.arange(1 << 28, dtype=jnp.float32),)),
         "att_T1_H8_B16_8K": lambda: attention_case(8, 16, 1, 8192),
@@ -118,6 +124,11 @@ def main(argv=None):
     results = {}
     for name in names:
         fn, fargs = cases[name]()
+        if args.hlo:
+            os.makedirs(args.out, exist_ok=True)
+            hlo = bench_util.dependent_chain(fn, args.calls).lower(*fargs).compile().as_text()
+            with open(os.path.join(args.out, f"hlo_{name}.txt"), "w") as f:
+                f.write(hlo)
         try:
             results[name] = profile(fn, fargs, args.calls, with_wall=not args.no_wall)
         except Exception as e:  # noqa: BLE001 - report and go on
