@@ -23,7 +23,7 @@ import numpy as np
 from experiments import bench_util
 from experiments.bench_moe import rel_err, routing
 from pallas_kernels import int4_moe_mgpu as K
-from pallas_kernels.int4_moe import _route
+from pallas_kernels.moe_routing import route_narrow
 
 E, D, F, TOPK = 384, 7168, 2048, 8
 
@@ -164,7 +164,7 @@ def main(argv=None):
         ids, wts = routing(m, "uniform", seed=m)
         ns, configs = plan[m]
         for n in ns:
-            row_token, _, tile_expert, _, _ = _route(ids, wts, E, n)
+            row_token, _, tile_expert, _, _ = route_narrow(ids, wts, E, n)
             active = int(np.unique(np.asarray(tile_expert)[np.asarray(tile_expert) >= 0]).size)
             p = tile_expert.shape[0] * n
             for name, (o, i) in gemms.items():

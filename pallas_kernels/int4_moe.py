@@ -26,7 +26,7 @@ The model holds each stack as a ``PlanarInt4`` leaf (experts leading, so expert 
 
 Kernel (Pallas, Triton backend)
 -------------------------------
-Routing metadata is computed in XLA (``_route``): the M*K (token, slot) pairs are sorted by expert and
+Routing metadata is computed in XLA (``moe_routing.route_narrow``): the M*K (token, slot) pairs are sorted by expert and
 each expert's run is padded to a multiple of T rows, so that a tile of T rows belongs to one expert
 (tile_expert[i] = -1 for unused tiles). Activations travel transposed ([D, P], [F, P]) so the token tile
 is the N side of the dot and the weights are the M side ("swap AB": one token per expert wastes no
@@ -63,6 +63,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.sharding import NamedSharding, PartitionSpec
+
+from pallas_kernels.moe_routing import route_narrow
 
 try:  # Triton backend params (present in 0.10.2 and 0.11.x, deprecated in 0.11).
     from jax.experimental.pallas import triton as pltriton
@@ -343,68 +345,10 @@ def _dequant_planar(planar, scale_gm, bw: int, dtype):
 # ----------------------------------------------------------------------------------------------
 # Routing metadata (XLA), shared by kernel and twin
 # ----------------------------------------------------------------------------------------------
-def max_tiles(m: int, k: int, e: int, t: int) -> int:
-    """Static upper bound on sum_e ceil(count_e / t) for m*k pairs over e experts."""
-    pairs = m * k
-    return max(1, (pairs + min(e, pairs) * (t - 1)) // t)
-
-
 def default_tile(m: int, k: int, e: int, smallest: int = 16, largest: int = 64) -> int:
     """Tokens per tile: about the mean pairs per active expert, a power of two in [smallest, largest]."""
     mean = m * k / min(e, m * k)
     return int(min(largest, max(smallest, 1 << max(0, math.ceil(math.log2(max(mean, 1.0)))))))
-
-
-def sort_pairs(expert_ids, num_experts: int):
-    """The M*K (token, expert) pairs sorted by local expert, for the routers: (order int32 [M*K], the
-    sorted pairs' flat indices; sorted_e [M*K], their experts clipped to [0, E); local bool [M*K], False for
-    pairs routed to another device (sorted last); counts int32 [E] per expert; rank int32 [M*K], each sorted
-    pair's position within its expert's run)."""
-    flat = expert_ids.reshape(-1).astype(jnp.int32)
-    flat = jnp.where((flat >= 0) & (flat < num_experts), flat, num_experts)  # non-local: sorted last
-    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
-    sorted_e = flat[order]
-    local = sorted_e < num_experts
-    sorted_e = jnp.minimum(sorted_e, num_experts - 1)
-    counts = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1, mode="drop")
-    rank = jnp.arange(flat.shape[0], dtype=jnp.int32) - (jnp.cumsum(counts) - counts)[sorted_e]
-    return order, sorted_e, local, counts, rank
-
-
-def pair_rows(pos, order, p: int, m: int, k: int):
-    """Row ``pos`` int32 [M*K] of each sorted pair (>= P: no row) -> (row_pair int32 [P], M*K for padding
-    rows; row_token int32 [P], M for padding rows; pair_row int32 [M, K], the row of each pair)."""
-    pairs = m * k
-    row_pair = jnp.full((p,), pairs, jnp.int32).at[pos].set(order, mode="drop")
-    row_token = jnp.where(row_pair < pairs, row_pair // k, m).astype(jnp.int32)
-    return row_pair, row_token, jnp.zeros((pairs,), jnp.int32).at[order].set(pos).reshape(m, k)
-
-
-def run_owners(run_end, nt: int):
-    """Expert of each of ``nt`` tiles laid out as consecutive runs (run_end int32 [E]: cumulative tiles per
-    expert), -1 past the last run (no while loop)."""
-    tidx = jnp.arange(nt, dtype=jnp.int32)
-    owner = jnp.sum(run_end[None, :] <= tidx[:, None], axis=1, dtype=jnp.int32)
-    return jnp.where(tidx < run_end[-1], owner, -1)
-
-
-def _route(expert_ids, expert_weights, num_experts: int, tile: int):
-    """Sorts the M*K pairs by expert, padding each expert's run to a multiple of ``tile`` rows.
-
-    expert_ids int32 [M, K] are local ids: pairs with an id outside [0, num_experts) (experts held by
-    another device under expert parallelism) get no row. Returns row_token int32 [P] (M for padding
-    rows), row_weight f32 [P] (0 for padding rows), tile_expert int32 [NT] (-1 for unused tiles),
-    num_tiles int32 [], pair_row int32 [M, K] (the row of each pair; P for pairs with no row); P = NT * tile.
-    """
-    m, k = expert_ids.shape
-    nt = max_tiles(m, k, num_experts, tile)
-    order, sorted_e, local, counts, rank = sort_pairs(expert_ids, num_experts)
-    tiles_e = (counts + tile - 1) // tile
-    tile_end = jnp.cumsum(tiles_e)
-    pos = jnp.where(local, (tile_end - tiles_e)[sorted_e] * tile + rank, nt * tile)
-    row_pair, row_token, pair_row = pair_rows(pos, order, nt * tile, m, k)
-    w_flat = jnp.concatenate([expert_weights.reshape(-1).astype(jnp.float32), jnp.zeros((1,), jnp.float32)])
-    return row_token, w_flat[row_pair], run_owners(tile_end, nt), tile_end[-1], pair_row
 
 
 def _combine(y_rows, row_token, m: int, dtype):
@@ -429,7 +373,7 @@ def int4_moe_ref(x, expert_ids, expert_weights, weights: Int4ExpertWeights, *, t
     k = expert_ids.shape[1]
     e_n, f = weights.num_experts, weights.d_ff
     t = tile or default_tile(m, k, e_n)
-    row_token, row_weight, tile_expert, num_tiles, _ = _route(expert_ids - expert_offset, expert_weights, e_n, t)
+    row_token, row_weight, tile_expert, num_tiles, _ = route_narrow(expert_ids - expert_offset, expert_weights, e_n, t)
     x_pad = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)])[row_token]  # [P, D]
     dt = x.dtype
 
@@ -638,7 +582,7 @@ def int4_moe(x, expert_ids, expert_weights, weights: Int4ExpertWeights, *, inter
     bn1, bn2 = min(block_n1, f), min(block_n2, d)
     if f % bn1 or d % bn2:
         raise ValueError(f"block_n1={bn1} must divide F={f} and block_n2={bn2} must divide D={d}")
-    row_token, row_weight, tile_expert, _, _ = _route(expert_ids - expert_offset, expert_weights, e_n, t)
+    row_token, row_weight, tile_expert, _, _ = route_narrow(expert_ids - expert_offset, expert_weights, e_n, t)
     nt = tile_expert.shape[0]
     p = nt * t
     bw13, bw2 = weights.w13_block_words, weights.w2_block_words

@@ -45,7 +45,8 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.int4_moe import _route, default_tile, pair_rows, run_owners, sort_pairs
+from pallas_kernels.int4_moe import default_tile
+from pallas_kernels.moe_routing import route_narrow, route_wide
 from pallas_kernels.int4_tiles import FRAG_ROWS, GROUP, PAIR_BLOCK, STEP, TiledInt4, _check_dims, dequantize_expert
 
 try:  # Mosaic GPU is importable on CPU builds too (lowering works anywhere; running needs an sm_90 GPU).
@@ -117,7 +118,7 @@ def grouped_int4_matmul_ref(x_chunks, w, s, tile_expert, *, tokens_per_tile: int
     """Twin of ``grouped_int4_matmul`` (same signature): x_chunks [I/C, P, C] (``to_chunks``; bf16, or f32
     for f32 models on CPU), w/s tiled weights, tile_expert int32 [NT] -> out f32 [O, P] (out_layout "rows")
     or [P, O] ("tokens"); columns (rows) of skipped tiles (expert < 0) are zero here. Expert ids >= E are
-    the caller's error (``_route`` never makes them). epilogue "silu_mul" (token rows only, C >= 64, w a
+    the caller's error (``moe_routing`` never makes them). epilogue "silu_mul" (token rows only, C >= 64, w a
     gate/up stack paired in 64-row blocks, ``TiledInt4.from_compressed_tensors(..., pair_gate_up=True)``):
     h = silu(gate) * up in x_chunks.dtype instead, as chunks [O/2/C, P, C] (the down GEMM's input).
     wide_tiles W: the last W tiles hold 2N tokens each, wide tile j rows [P - (j+1) 2N, P - j 2N) (a used
@@ -489,53 +490,11 @@ def check_kernel_config(w13: TiledInt4, w2: TiledInt4, n: int, stages: int, spli
                              f"[{leaf.shape[1]}, {leaf.shape[2]}] stack")
 
 
-def wide_rows_bound(pairs: int, num_experts: int, tile: int) -> int:
-    """Rows P of ``route_wide`` with wide tiles: the most rows its tiles can use, rounded up to 2N. An expert
-    with c pairs uses N rows (c <= N) or 2N ceil(c / 2N) (c > N): at most N - 1 padding rows, or 2N - 1 when
-    c > 2N, and at most pairs // (2N + 1) experts have more than 2N pairs."""
-    busy, over = min(num_experts, pairs), min(num_experts, pairs // (2 * tile + 1))
-    rows = pairs + (tile - 1) * busy + tile * over
-    return -(-rows // (2 * tile)) * 2 * tile
-
-
-def route_wide(expert_ids, num_experts: int, tile: int):
-    """Like ``int4_moe._route`` with two tile widths: an expert with at most N = ``tile`` pairs gets one
-    tile of N rows, one with more gets ceil(count / 2N) tiles of 2N rows, so that it is fed to the tensor
-    cores per 2N tokens, not per N (``grouped_int4_matmul(wide_tiles=)``).
-
-    expert_ids int32 [M, K] (local ids; others get no row; the combine weights by pair, so no weights
-    here). Returns row_token int32 [P] (M for padding rows), tile_expert int32 [NT] (-1 for
-    unused tiles), W (static: the last W tiles are the wide ones) and pair_row int32 [M, K] (P for pairs
-    with no row). Narrow tiles fill the rows from the front, wide ones from the back, so P need only hold
-    the most rows the two can use together: the pairs plus at most N - 1 padding rows per busy expert and N
-    more per expert with over 2N pairs (``wide_rows_bound``), not each kind's worst case added.
-    """
-    m, k = expert_ids.shape
-    pairs, e_n = m * k, num_experts
-    nt_narrow = min(e_n, pairs)
-    big = min(e_n, pairs // (tile + 1))  # experts that can have more than N pairs
-    nt_wide = (pairs + (2 * tile - 1) * big) // (2 * tile) if big else 0
-    p = wide_rows_bound(pairs, e_n, tile) if nt_wide else nt_narrow * tile
-    order, sorted_e, local, counts, rank = sort_pairs(expert_ids, e_n)
-    wide = counts > tile
-    narrow = (counts > 0) & ~wide
-    narrow_tile = jnp.cumsum(narrow) - narrow                    # tile of each narrow expert
-    wide_count = jnp.where(wide, (counts + 2 * tile - 1) // (2 * tile), 0)
-    wide_end = jnp.cumsum(wide_count)
-    wide_slot = (wide_end - wide_count)[sorted_e] + rank // (2 * tile)
-    pos = jnp.where(wide[sorted_e], p - (wide_slot + 1) * 2 * tile + rank % (2 * tile),
-                    narrow_tile[sorted_e] * tile + rank)
-    _, row_token, pair_row = pair_rows(jnp.where(local, pos, p).astype(jnp.int32), order, p, m, k)
-    narrow_experts = jnp.full((nt_narrow,), -1, jnp.int32).at[jnp.where(narrow, narrow_tile, nt_narrow)].set(
-        jnp.arange(e_n, dtype=jnp.int32), mode="drop")
-    tile_expert = jnp.concatenate([narrow_experts, run_owners(wide_end, nt_wide)])
-    return row_token, tile_expert, nt_wide, pair_row
-
-
 def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: TiledInt4, *,
                          expert_offset: int | jax.Array = 0, out_dtype=None, use_kernel: bool = False,
                          tile: int | None = None, stages: int = 2, split: int | None = None,
-                         mma_in_flight: int | None | str = "auto", chunk: int = 128, wide: bool | None = None):
+                         mma_in_flight: int | None | str = "auto", chunk: int = 128, wide: bool | None = None,
+                         routing: str = "auto"):
     """Routed experts of one MoE layer on tiled INT4 stacks: the Mosaic GPU kernel (``use_kernel``) or its
     twin, around the same XLA routing and combine.
 
@@ -544,7 +503,7 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
     expert_offset + E - 1 (pairs routed elsewhere contribute nothing) -> y [M, D] in ``out_dtype``
     (default x.dtype; summed in f32). tile: tokens per tile N (default from M, 8..64).
 
-    The pairs are sorted by expert into tiles of N rows (``int4_moe._route``); kernel 1 gives gate and up
+    The pairs are laid out by expert in tiles of N rows (``moe_routing.route_narrow``); kernel 1 gives gate and up
     [P, 2F] in f32 (token rows: ``out_layout="tokens"``), XLA forms h = silu(gate) * up in x.dtype (or,
     for a w13 stored with gate/up rows paired and no split-K, kernel 1's epilogue does and gives h in the
     down GEMM's chunk layout), kernel 2 gives [P, D]; each token gathers its K pair rows, weights and adds
@@ -557,7 +516,8 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
     XLA transposes it removes (experiments/results/bench_moe_h200_chunks.json). wide: experts with more
     than ``tile`` pairs get tiles of twice the width (``route_wide``); default ``default_wide``. The down
     GEMM's pair rows are bf16 for bf16 x where it has no split-K (each expert's output rounded as a bf16
-    model's expert rounds it), else f32.
+    model's expert rounds it), else f32. routing: ``moe_routing``'s method ("auto", "sort" or "compare"; the
+    same layout either way).
     """
     m, d = x.shape
     k = expert_ids.shape[1]
@@ -576,9 +536,10 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
         mma_in_flight = default_mma_in_flight(m, k, chunk)
     _check_mma_in_flight(mma_in_flight, chunk)
     if wide:
-        row_token, tile_expert, wide_tiles, pair_row = route_wide(expert_ids - expert_offset, e_n, n)
+        row_token, tile_expert, wide_tiles, pair_row = route_wide(expert_ids - expert_offset, e_n, n, routing)
     else:
-        row_token, _, tile_expert, _, pair_row = _route(expert_ids - expert_offset, expert_weights, e_n, n)
+        row_token, _, tile_expert, _, pair_row = route_narrow(expert_ids - expert_offset, expert_weights, e_n, n,
+                                                              routing)
         wide_tiles = 0
     xs = to_chunks(jnp.concatenate([x, jnp.zeros((1, d), x.dtype)]), chunk)[:, row_token]  # [D/C, P, C]
     if use_kernel:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from ddtree_jax.quant import dequantize_int4, pack_int4
-from pallas_kernels.int4_moe import (Int4ExpertWeights, PlanarInt4, _dequant_planar, _route, int4_moe,
+from pallas_kernels.int4_moe import (Int4ExpertWeights, PlanarInt4, _dequant_planar, int4_moe,
                                      int4_moe_ref, routed_experts)
 
 
@@ -101,44 +101,6 @@ def test_weights_are_a_pytree(tiny):
     assert len(leaves) == 4
     again = jax.tree_util.tree_unflatten(tdef, leaves)
     assert again.w13_block_words == wts.w13_block_words and again.group_size == 32
-
-
-def test_route_metadata():
-    m, k, e, t = 17, 4, 8, 4
-    ids, w = make_routing(m, k, e, seed=5, skew=True)
-    row_token, row_weight, tile_expert, num_tiles, pair_row = map(np.asarray, _route(jnp.asarray(ids), jnp.asarray(w), e, t))
-    counts = np.bincount(ids.reshape(-1), minlength=e)
-    assert int(num_tiles) == int(np.sum((counts + t - 1) // t))
-    assert np.all(tile_expert[int(num_tiles):] == -1)
-    seen = []
-    for i in range(int(num_tiles)):
-        ex = tile_expert[i]
-        for r in range(i * t, (i + 1) * t):
-            if row_token[r] < m:
-                assert ex in ids[row_token[r]]
-                kk = list(ids[row_token[r]]).index(ex)
-                assert row_weight[r] == w[row_token[r], kk]
-                seen.append((row_token[r], ex))
-            else:
-                assert row_weight[r] == 0
-    assert sorted(seen) == sorted((mm, ids[mm, kk]) for mm in range(m) for kk in range(k))
-    assert set(tile_expert[:int(num_tiles)]) == set(np.nonzero(counts)[0])  # no tile for idle experts
-    # pair_row is the inverse map: pair (m, k) sits at that row
-    assert pair_row.shape == (m, k)
-    for mm in range(m):
-        for kk in range(k):
-            r = pair_row[mm, kk]
-            assert row_token[r] == mm and row_weight[r] == w[mm, kk]
-            assert tile_expert[r // t] == ids[mm, kk]
-
-
-def test_route_pair_row_marks_pairs_without_a_row():
-    ids = jnp.asarray([[0, 5], [2, 1]], jnp.int32)  # experts 5 (and 2 under offset) are held elsewhere
-    w = jnp.ones((2, 2), jnp.float32)
-    row_token, _, tile_expert, _, pair_row = map(np.asarray, _route(ids, w, 2, 8))
-    p = row_token.shape[0]
-    assert pair_row[0, 1] == p and pair_row[1, 0] == p
-    assert row_token[pair_row[0, 0]] == 0 and row_token[pair_row[1, 1]] == 1
 
 
 @pytest.mark.parametrize("m", [1, 3, 17, 64])

@@ -28,57 +28,6 @@ def tile_spans(nt, wide, n, p):
     return [(t * n, n) for t in range(narrow)] + [(p - (j + 1) * 2 * n, 2 * n) for j in range(wide)]
 
 
-def check_route(ids, e, tile, offset=0):
-    """route_wide's layout, checked pair by pair against what the docstring promises."""
-    m, k = ids.shape
-    row_token, tile_expert, wide, pair_row = K.route_wide(jnp.asarray(ids - offset, jnp.int32), e, tile)
-    row_token, tile_expert, pair_row = map(np.asarray, (row_token, tile_expert, pair_row))
-    narrow = tile_expert.size - wide
-    p = row_token.shape[0]
-    assert p == (K.wide_rows_bound(m * k, e, tile) if wide else narrow * tile)
-    spans = tile_spans(tile_expert.size, wide, tile, p)
-    owner = np.full(p, -1)  # the used tile holding each row: used tiles lie inside P and never overlap
-    for t, (start, width) in enumerate(spans):
-        if tile_expert[t] >= 0:
-            assert 0 <= start and start + width <= p and (owner[start:start + width] == -1).all()
-            owner[start:start + width] = t
-    local_ids = ids.ravel() - offset
-    counts = np.bincount(local_ids[(local_ids >= 0) & (local_ids < e)], minlength=e)
-    seen = np.zeros(p, bool)
-    for t in range(m):
-        for j in range(k):
-            local = 0 <= ids[t, j] - offset < e
-            r = pair_row[t, j]
-            if not local:
-                assert r == p
-                continue
-            assert row_token[r] == t and not seen[r]
-            seen[r] = True
-            tile_of = owner[r]
-            ex = tile_expert[tile_of]
-            assert tile_of >= 0 and ex == ids[t, j] - offset
-            assert (spans[tile_of][1] == 2 * tile) == (counts[ex] > tile)  # wide tiles exactly for busy experts
-    assert (row_token[~seen] == m).all()  # every other row is padding
-    used = tile_expert >= 0
-    assert sorted(set(tile_expert[used])) == sorted(np.flatnonzero(counts))
-    return wide
-
-
-@pytest.mark.parametrize("m,k,e,tile,offset", [(1, 8, 16, 8, 0), (40, 4, 16, 8, 0), (64, 8, 384, 8, 0),
-                                               (50, 3, 12, 8, 4), (9, 2, 4, 16, 0)])
-def test_route_wide_places_every_pair(m, k, e, tile, offset):
-    rng = np.random.default_rng(m * k)
-    ids = np.stack([rng.choice(e + offset + 3, k, replace=False) for _ in range(m)]).astype(np.int32)
-    check_route(ids, e, tile, offset)
-
-
-def test_route_wide_bounds_hold_in_the_extremes():
-    m, k, e, tile = 33, 4, 16, 8
-    assert check_route(np.tile(np.arange(k, dtype=np.int32), (m, 1)), e, tile) > 0  # every pair on 4 experts
-    check_route(np.arange(m * k, dtype=np.int32).reshape(m, k) % e, e, tile)          # spread evenly
-    assert check_route(np.zeros((2, 1), np.int32), e, tile) == 0                      # too few pairs for wide
-
-
 @pytest.mark.parametrize("n,rows", [(8, 128), (16, 64)])
 def test_twin_wide_tiles_match_numpy(n, rows):
     rng = np.random.default_rng(n)

@@ -1,0 +1,158 @@
+"""Routing metadata of the grouped INT4 expert GEMMs, in XLA: shared by the kernels and their twins.
+
+Dimension letters: M tokens, K top-k, Q = M K (token, slot) pairs, E local experts, N tokens per tile,
+NT tiles, P rows.
+
+Every router gives each busy expert a run of consecutive rows, padded to whole tiles, so that a tile
+belongs to one expert. Experts' runs come in expert order, and within a run the pairs keep their flat
+(token-major) order. A pair whose expert id lies outside [0, E) (held by another device under expert
+parallelism) gets no row.
+
+Two ways (``method``) compute the same layout, bit for bit:
+- "sort": a stable sort of the pairs by expert, per-expert counts by scatter-add, prefix sums over E, and
+  the rows' pairs by scatter. Its cost grows as Q log Q.
+- "compare": [Q, Q] comparisons between pairs give each pair's rank within its expert, [E, Q] the
+  counts, [E, E] the prefix sums and [P, Q] each row's pair. There is no sort, scatter or scan, so XLA
+  fuses the lot into a few kernels, but the work grows as Q^2. On the H200 at one token (session 9
+  trace) the sort path's routing was a dozen small launches, about 18 us of the layer's 89; the largest
+  was one fusion of 6 us that recomputed two prefix sums over E inline.
+"auto" takes "compare" up to ``COMPARE_MAX_PAIRS`` pairs: 32 tokens at top-8.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+COMPARE_MAX_PAIRS = 256
+METHODS = ("auto", "sort", "compare")
+
+
+def routing_method(pairs: int, method: str = "auto") -> str:
+    """The method that ``method`` resolves to for ``pairs`` pairs; ValueError for an unknown one."""
+    if method not in METHODS:
+        raise ValueError(f"routing method must be one of {METHODS}, got {method!r}")
+    if method == "auto":
+        return "compare" if pairs <= COMPARE_MAX_PAIRS else "sort"
+    return method
+
+
+def max_tiles(m: int, k: int, e: int, t: int) -> int:
+    """Static upper bound on sum_e ceil(count_e / t) for m*k pairs over e experts."""
+    pairs = m * k
+    return max(1, (pairs + min(e, pairs) * (t - 1)) // t)
+
+
+def count_and_rank(flat, num_experts: int, method: str):
+    """flat int32 [Q] local expert ids -> (local bool [Q]: id in [0, E); counts int32 [E]: pairs per expert;
+    rank int32 [Q]: earlier pairs of the same expert, in flat order; 0 for non-local pairs)."""
+    q = flat.shape[0]
+    local = (flat >= 0) & (flat < num_experts)
+    idx = jnp.arange(q, dtype=jnp.int32)
+    if method == "compare":
+        same = (flat[:, None] == flat[None, :]) & local[:, None]
+        rank = jnp.sum(same & (idx[None, :] < idx[:, None]), axis=1, dtype=jnp.int32)
+        counts = jnp.sum(flat[None, :] == jnp.arange(num_experts, dtype=jnp.int32)[:, None], axis=1, dtype=jnp.int32)
+        return local, counts, rank
+    keyed = jnp.where(local, flat, num_experts)  # non-local pairs sort last
+    order = jnp.argsort(keyed, stable=True).astype(jnp.int32)
+    counts = jnp.zeros((num_experts,), jnp.int32).at[keyed].add(1, mode="drop")
+    sorted_e = jnp.minimum(keyed[order], num_experts - 1)
+    rank_sorted = idx - exclusive_prefix(counts, method)[sorted_e]
+    rank = jnp.zeros((q,), jnp.int32).at[order].set(rank_sorted)
+    return local, counts, jnp.where(local, rank, 0)
+
+
+def exclusive_prefix(v, method: str):
+    """int32 [E] -> [E]: the sum of the entries before each."""
+    if method == "compare":
+        idx = jnp.arange(v.shape[0], dtype=jnp.int32)
+        return jnp.sum(jnp.where(idx[None, :] < idx[:, None], v[None, :], 0), axis=1, dtype=jnp.int32)
+    return (jnp.cumsum(v) - v).astype(jnp.int32)
+
+
+def rows_of_pairs(pos, p: int, m: int, k: int, method: str):
+    """Row ``pos`` int32 [Q] of each pair in flat order (>= P: no row) -> (row_pair int32 [P], Q for padding
+    rows; row_token int32 [P], M for padding rows; pair_row int32 [M, K], ``pos`` itself)."""
+    q = m * k
+    pair_idx = jnp.arange(q, dtype=jnp.int32)
+    if method == "compare":
+        hit = pos[None, :] == jnp.arange(p, dtype=jnp.int32)[:, None]  # [P, Q]: a row holds at most one pair
+        row_pair = jnp.sum(jnp.where(hit, pair_idx[None, :] - q, 0), axis=1, dtype=jnp.int32) + q
+    else:
+        row_pair = jnp.full((p,), q, jnp.int32).at[pos].set(pair_idx, mode="drop")
+    row_token = jnp.where(row_pair < q, row_pair // k, m).astype(jnp.int32)
+    return row_pair, row_token, pos.reshape(m, k)
+
+
+def run_owners(run_end, nt: int):
+    """Expert of each of ``nt`` tiles laid out as consecutive runs (run_end int32 [E]: cumulative tiles per
+    expert), -1 past the last run (no while loop)."""
+    tidx = jnp.arange(nt, dtype=jnp.int32)
+    owner = jnp.sum(run_end[None, :] <= tidx[:, None], axis=1, dtype=jnp.int32)
+    return jnp.where(tidx < run_end[-1], owner, -1)
+
+
+def route_narrow(expert_ids, expert_weights, num_experts: int, tile: int, method: str = "auto"):
+    """Pads each expert's run to a multiple of ``tile`` rows.
+
+    expert_ids int32 [M, K] local ids, expert_weights [M, K]. Returns row_token int32 [P] (M for padding
+    rows), row_weight f32 [P] (0 for padding rows), tile_expert int32 [NT] (-1 for unused tiles),
+    num_tiles int32 [] and pair_row int32 [M, K] (the row of each pair; P for pairs with no row);
+    P = NT N with NT = ``max_tiles``.
+    """
+    m, k = expert_ids.shape
+    nt = max_tiles(m, k, num_experts, tile)
+    p = nt * tile
+    method = routing_method(m * k, method)
+    flat = expert_ids.reshape(-1).astype(jnp.int32)
+    local, counts, rank = count_and_rank(flat, num_experts, method)
+    tiles = (counts + tile - 1) // tile
+    start = exclusive_prefix(tiles, method)
+    pos = jnp.where(local, start[jnp.clip(flat, 0, num_experts - 1)] * tile + rank, p)
+    row_pair, row_token, pair_row = rows_of_pairs(pos, p, m, k, method)
+    w_flat = jnp.concatenate([expert_weights.reshape(-1).astype(jnp.float32), jnp.zeros((1,), jnp.float32)])
+    return row_token, w_flat[row_pair], run_owners(start + tiles, nt), jnp.sum(tiles), pair_row
+
+
+def wide_rows_bound(pairs: int, num_experts: int, tile: int) -> int:
+    """Rows P of ``route_wide`` with wide tiles: the most rows its tiles can use, rounded up to 2N. An expert
+    with c pairs uses N rows (c <= N) or 2N ceil(c / 2N) (c > N): at most N - 1 padding rows, or 2N - 1 when
+    c > 2N, and at most pairs // (2N + 1) experts have more than 2N pairs."""
+    busy, over = min(num_experts, pairs), min(num_experts, pairs // (2 * tile + 1))
+    rows = pairs + (tile - 1) * busy + tile * over
+    return -(-rows // (2 * tile)) * 2 * tile
+
+
+def route_wide(expert_ids, num_experts: int, tile: int, method: str = "auto"):
+    """Like ``route_narrow`` with two tile widths: an expert with at most N = ``tile`` pairs gets one
+    tile of N rows, one with more gets ceil(count / 2N) tiles of 2N rows, so that it is fed to the tensor
+    cores per 2N tokens, not per N (``grouped_int4_matmul(wide_tiles=)``).
+
+    expert_ids int32 [M, K] (local ids; others get no row; the combine weights by pair, so no weights
+    here). Returns row_token int32 [P] (M for padding rows), tile_expert int32 [NT] (-1 for
+    unused tiles), W (static: the last W tiles are the wide ones) and pair_row int32 [M, K] (P for pairs
+    with no row). Narrow tiles fill the rows from the front, wide ones from the back, so P need only hold
+    the most rows the two can use together: the pairs plus at most N - 1 padding rows per busy expert and N
+    more per expert with over 2N pairs (``wide_rows_bound``), not each kind's worst case added.
+    """
+    m, k = expert_ids.shape
+    pairs, e_n = m * k, num_experts
+    nt_narrow = min(e_n, pairs)
+    big = min(e_n, pairs // (tile + 1))  # experts that can have more than N pairs
+    nt_wide = (pairs + (2 * tile - 1) * big) // (2 * tile) if big else 0
+    p = wide_rows_bound(pairs, e_n, tile) if nt_wide else nt_narrow * tile
+    method = routing_method(pairs, method)
+    flat = expert_ids.reshape(-1).astype(jnp.int32)
+    local, counts, rank = count_and_rank(flat, e_n, method)
+    e = jnp.clip(flat, 0, e_n - 1)
+    wide = counts > tile
+    narrow = ((counts > 0) & ~wide).astype(jnp.int32)
+    narrow_tile = exclusive_prefix(narrow, method)  # tile of each narrow expert
+    wide_count = jnp.where(wide, (counts + 2 * tile - 1) // (2 * tile), 0)
+    wide_start = exclusive_prefix(wide_count, method)
+    wide_slot = wide_start[e] + rank // (2 * tile)
+    pos = jnp.where(wide[e], p - (wide_slot + 1) * 2 * tile + rank % (2 * tile), narrow_tile[e] * tile + rank)
+    _, row_token, pair_row = rows_of_pairs(jnp.where(local, pos, p).astype(jnp.int32), p, m, k, method)
+    tile_expert = jnp.concatenate([run_owners(narrow_tile + narrow, nt_narrow),
+                                   run_owners(wide_start + wide_count, nt_wide)])
+    return row_token, tile_expert, nt_wide, pair_row

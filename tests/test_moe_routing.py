@@ -1,0 +1,144 @@
+"""Routing metadata of the grouped expert GEMMs (``pallas_kernels.moe_routing``): each layout checked pair
+by pair against what its docstring promises, for both methods, and the two methods against each other bit
+for bit (random, skewed and expert-parallel routings)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import moe_routing as R
+from tests.test_int4_moe_kernel import make_routing
+from tests.test_moe_wide_tiles import tile_spans
+
+route_narrow = jax.jit(R.route_narrow, static_argnums=(2, 3, 4))  # one compile per case, not one per op
+route_wide = jax.jit(R.route_wide, static_argnums=(1, 2, 3))
+
+
+@pytest.mark.parametrize("method", ["sort", "compare"])
+def test_route_narrow_metadata(method):
+    m, k, e, t = 17, 4, 8, 4
+    ids, w = make_routing(m, k, e, seed=5, skew=True)
+    row_token, row_weight, tile_expert, num_tiles, pair_row = map(np.asarray, route_narrow(jnp.asarray(ids), jnp.asarray(w), e, t, method))
+    counts = np.bincount(ids.reshape(-1), minlength=e)
+    assert int(num_tiles) == int(np.sum((counts + t - 1) // t))
+    assert np.all(tile_expert[int(num_tiles):] == -1)
+    seen = []
+    for i in range(int(num_tiles)):
+        ex = tile_expert[i]
+        for r in range(i * t, (i + 1) * t):
+            if row_token[r] < m:
+                assert ex in ids[row_token[r]]
+                kk = list(ids[row_token[r]]).index(ex)
+                assert row_weight[r] == w[row_token[r], kk]
+                seen.append((row_token[r], ex))
+            else:
+                assert row_weight[r] == 0
+    assert sorted(seen) == sorted((mm, ids[mm, kk]) for mm in range(m) for kk in range(k))
+    assert set(tile_expert[:int(num_tiles)]) == set(np.nonzero(counts)[0])  # no tile for idle experts
+    # pair_row is the inverse map: pair (m, k) sits at that row
+    assert pair_row.shape == (m, k)
+    for mm in range(m):
+        for kk in range(k):
+            r = pair_row[mm, kk]
+            assert row_token[r] == mm and row_weight[r] == w[mm, kk]
+            assert tile_expert[r // t] == ids[mm, kk]
+
+
+@pytest.mark.parametrize("method", ["sort", "compare"])
+def test_route_pair_row_marks_pairs_without_a_row(method):
+    ids = jnp.asarray([[0, 5], [2, 1]], jnp.int32)  # experts 5 (and 2 under offset) are held elsewhere
+    w = jnp.ones((2, 2), jnp.float32)
+    row_token, _, tile_expert, _, pair_row = map(np.asarray, route_narrow(ids, w, 2, 8, method))
+    p = row_token.shape[0]
+    assert pair_row[0, 1] == p and pair_row[1, 0] == p
+    assert row_token[pair_row[0, 0]] == 0 and row_token[pair_row[1, 1]] == 1
+
+
+def check_route(ids, e, tile, offset=0, method="auto"):
+    """route_wide's layout, checked pair by pair against what the docstring promises."""
+    m, k = ids.shape
+    row_token, tile_expert, wide, pair_row = route_wide(jnp.asarray(ids - offset, jnp.int32), e, tile, method)
+    row_token, tile_expert, pair_row = map(np.asarray, (row_token, tile_expert, pair_row))
+    narrow = tile_expert.size - wide
+    p = row_token.shape[0]
+    assert p == (R.wide_rows_bound(m * k, e, tile) if wide else narrow * tile)
+    spans = tile_spans(tile_expert.size, wide, tile, p)
+    owner = np.full(p, -1)  # the used tile holding each row: used tiles lie inside P and never overlap
+    for t, (start, width) in enumerate(spans):
+        if tile_expert[t] >= 0:
+            assert 0 <= start and start + width <= p and (owner[start:start + width] == -1).all()
+            owner[start:start + width] = t
+    local_ids = ids.ravel() - offset
+    counts = np.bincount(local_ids[(local_ids >= 0) & (local_ids < e)], minlength=e)
+    seen = np.zeros(p, bool)
+    for t in range(m):
+        for j in range(k):
+            local = 0 <= ids[t, j] - offset < e
+            r = pair_row[t, j]
+            if not local:
+                assert r == p
+                continue
+            assert row_token[r] == t and not seen[r]
+            seen[r] = True
+            tile_of = owner[r]
+            ex = tile_expert[tile_of]
+            assert tile_of >= 0 and ex == ids[t, j] - offset
+            assert (spans[tile_of][1] == 2 * tile) == (counts[ex] > tile)  # wide tiles exactly for busy experts
+    assert (row_token[~seen] == m).all()  # every other row is padding
+    used = tile_expert >= 0
+    assert sorted(set(tile_expert[used])) == sorted(np.flatnonzero(counts))
+    return wide
+
+
+@pytest.mark.parametrize("m,k,e,tile,offset", [(1, 8, 16, 8, 0), (40, 4, 16, 8, 0), (64, 8, 384, 8, 0),
+                                               (50, 3, 12, 8, 4), (9, 2, 4, 16, 0)])
+@pytest.mark.parametrize("method", ["sort", "compare"])
+def test_route_wide_places_every_pair(m, k, e, tile, offset, method):
+    rng = np.random.default_rng(m * k)
+    ids = np.stack([rng.choice(e + offset + 3, k, replace=False) for _ in range(m)]).astype(np.int32)
+    check_route(ids, e, tile, offset, method)
+
+
+@pytest.mark.parametrize("method", ["sort", "compare"])
+def test_route_wide_bounds_hold_in_the_extremes(method):
+    m, k, e, tile = 33, 4, 16, 8
+    assert check_route(np.tile(np.arange(k, dtype=np.int32), (m, 1)), e, tile, method=method) > 0  # every pair on 4 experts
+    check_route(np.arange(m * k, dtype=np.int32).reshape(m, k) % e, e, tile, method=method)  # spread evenly
+    assert check_route(np.zeros((2, 1), np.int32), e, tile, method=method) == 0  # too few pairs for wide
+
+
+def routings():
+    """(ids int32 [M, K], E, N) cases: uniform, skewed, one expert for all, other devices' experts."""
+    cases = []
+    for m, k, e, n, skew in [(1, 8, 384, 8, False), (9, 8, 384, 8, True), (32, 8, 384, 8, False), (5, 8, 48, 8, False),
+                             (17, 4, 8, 4, True), (40, 4, 16, 8, True)]:
+        name = f"{'skewed' if skew else 'uniform'}-{m}x{k}-e{e}"
+        cases.append(pytest.param(make_routing(m, k, e, seed=m, skew=skew)[0], e, n, id=name))
+    cases.append(pytest.param(np.zeros((12, 1), np.int32), 4, 8, id="one-expert"))
+    rng = np.random.default_rng(3)
+    cases.append(pytest.param(rng.integers(0, 64, (9, 8)).astype(np.int32) - 16, 16, 8, id="expert-parallel"))
+    return cases
+
+
+@pytest.mark.parametrize("ids,e,n", routings())
+def test_compare_and_sort_give_the_same_layout(ids, e, n):
+    w = jnp.asarray(np.random.default_rng(0).uniform(size=ids.shape), jnp.float32)
+    ids = jnp.asarray(ids)
+    narrow = [route_narrow(ids, w, e, n, method) for method in ("sort", "compare")]
+    for a, b in zip(*narrow):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    wide = [route_wide(ids, e, n, method) for method in ("sort", "compare")]
+    assert wide[0][2] == wide[1][2]
+    for a, b in zip(wide[0][:2] + wide[0][3:], wide[1][:2] + wide[1][3:]):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_routing_method_resolves_and_refuses():
+    assert R.routing_method(R.COMPARE_MAX_PAIRS) == "compare"
+    assert R.routing_method(R.COMPARE_MAX_PAIRS + 1) == "sort"
+    assert R.routing_method(8, "sort") == "sort"
+    with pytest.raises(ValueError, match="routing method"):
+        R.routing_method(8, "bitonic")
