@@ -42,24 +42,27 @@ def max_tiles(m: int, k: int, e: int, t: int) -> int:
     return max(1, (pairs + min(e, pairs) * (t - 1)) // t)
 
 
-def count_and_rank(flat, num_experts: int, method: str):
-    """flat int32 [Q] local expert ids -> (local bool [Q]: id in [0, E); counts int32 [E]: pairs per expert;
-    rank int32 [Q]: earlier pairs of the same expert, in flat order; 0 for non-local pairs)."""
+def group_pairs(flat, num_experts: int, method: str):
+    """flat int32 [Q] local expert ids -> (order, e, local, counts, rank): the pairs in the method's order
+    ("sort": by expert, stable; order int32 [Q] the flat index of each; "compare": flat order, order None),
+    each pair's expert e int32 [Q] (clipped to [0, E)), local bool [Q] (id in [0, E)) and rank int32 [Q]
+    (earlier pairs of the same expert), and counts int32 [E] (pairs per expert)."""
     q = flat.shape[0]
-    local = (flat >= 0) & (flat < num_experts)
     idx = jnp.arange(q, dtype=jnp.int32)
+    e_range = jnp.arange(num_experts, dtype=jnp.int32)
     if method == "compare":
+        local = (flat >= 0) & (flat < num_experts)
         same = (flat[:, None] == flat[None, :]) & local[:, None]
         rank = jnp.sum(same & (idx[None, :] < idx[:, None]), axis=1, dtype=jnp.int32)
-        counts = jnp.sum(flat[None, :] == jnp.arange(num_experts, dtype=jnp.int32)[:, None], axis=1, dtype=jnp.int32)
-        return local, counts, rank
-    keyed = jnp.where(local, flat, num_experts)  # non-local pairs sort last
+        counts = jnp.sum(flat[None, :] == e_range[:, None], axis=1, dtype=jnp.int32)
+        return None, jnp.clip(flat, 0, num_experts - 1), local, counts, rank
+    keyed = jnp.where((flat >= 0) & (flat < num_experts), flat, num_experts)  # non-local pairs sort last
     order = jnp.argsort(keyed, stable=True).astype(jnp.int32)
+    sorted_e = keyed[order]
+    local = sorted_e < num_experts
+    e = jnp.minimum(sorted_e, num_experts - 1)
     counts = jnp.zeros((num_experts,), jnp.int32).at[keyed].add(1, mode="drop")
-    sorted_e = jnp.minimum(keyed[order], num_experts - 1)
-    rank_sorted = idx - exclusive_prefix(counts, method)[sorted_e]
-    rank = jnp.zeros((q,), jnp.int32).at[order].set(rank_sorted)
-    return local, counts, jnp.where(local, rank, 0)
+    return order, e, local, counts, idx - exclusive_prefix(counts, method)[e]
 
 
 def exclusive_prefix(v, method: str):
@@ -70,18 +73,20 @@ def exclusive_prefix(v, method: str):
     return (jnp.cumsum(v) - v).astype(jnp.int32)
 
 
-def rows_of_pairs(pos, p: int, m: int, k: int, method: str):
-    """Row ``pos`` int32 [Q] of each pair in flat order (>= P: no row) -> (row_pair int32 [P], Q for padding
-    rows; row_token int32 [P], M for padding rows; pair_row int32 [M, K], ``pos`` itself)."""
+def rows_of_pairs(pos, order, p: int, m: int, k: int):
+    """Row ``pos`` int32 [Q] of each pair, in ``group_pairs``' order (>= P: no row) -> (row_pair int32 [P], the
+    flat pair index, Q for padding rows; row_token int32 [P], M for padding rows; pair_row int32 [M, K])."""
     q = m * k
-    pair_idx = jnp.arange(q, dtype=jnp.int32)
-    if method == "compare":
+    if order is None:  # "compare": pos is in flat order
         hit = pos[None, :] == jnp.arange(p, dtype=jnp.int32)[:, None]  # [P, Q]: a row holds at most one pair
-        row_pair = jnp.sum(jnp.where(hit, pair_idx[None, :] - q, 0), axis=1, dtype=jnp.int32) + q
+        row_pair = jnp.sum(jnp.where(hit, jnp.arange(q, dtype=jnp.int32)[None, :] - q, 0), axis=1,
+                           dtype=jnp.int32) + q
+        pair_row = pos
     else:
-        row_pair = jnp.full((p,), q, jnp.int32).at[pos].set(pair_idx, mode="drop")
+        row_pair = jnp.full((p,), q, jnp.int32).at[pos].set(order, mode="drop")
+        pair_row = jnp.zeros((q,), jnp.int32).at[order].set(pos)
     row_token = jnp.where(row_pair < q, row_pair // k, m).astype(jnp.int32)
-    return row_pair, row_token, pos.reshape(m, k)
+    return row_pair, row_token, pair_row.reshape(m, k)
 
 
 def run_owners(run_end, nt: int):
@@ -104,12 +109,11 @@ def route_narrow(expert_ids, expert_weights, num_experts: int, tile: int, method
     nt = max_tiles(m, k, num_experts, tile)
     p = nt * tile
     method = routing_method(m * k, method)
-    flat = expert_ids.reshape(-1).astype(jnp.int32)
-    local, counts, rank = count_and_rank(flat, num_experts, method)
+    order, e, local, counts, rank = group_pairs(expert_ids.reshape(-1).astype(jnp.int32), num_experts, method)
     tiles = (counts + tile - 1) // tile
     start = exclusive_prefix(tiles, method)
-    pos = jnp.where(local, start[jnp.clip(flat, 0, num_experts - 1)] * tile + rank, p)
-    row_pair, row_token, pair_row = rows_of_pairs(pos, p, m, k, method)
+    pos = jnp.where(local, start[e] * tile + rank, p)
+    row_pair, row_token, pair_row = rows_of_pairs(pos, order, p, m, k)
     w_flat = jnp.concatenate([expert_weights.reshape(-1).astype(jnp.float32), jnp.zeros((1,), jnp.float32)])
     return row_token, w_flat[row_pair], run_owners(start + tiles, nt), jnp.sum(tiles), pair_row
 
@@ -142,9 +146,7 @@ def route_wide(expert_ids, num_experts: int, tile: int, method: str = "auto"):
     nt_wide = (pairs + (2 * tile - 1) * big) // (2 * tile) if big else 0
     p = wide_rows_bound(pairs, e_n, tile) if nt_wide else nt_narrow * tile
     method = routing_method(pairs, method)
-    flat = expert_ids.reshape(-1).astype(jnp.int32)
-    local, counts, rank = count_and_rank(flat, e_n, method)
-    e = jnp.clip(flat, 0, e_n - 1)
+    order, e, local, counts, rank = group_pairs(expert_ids.reshape(-1).astype(jnp.int32), e_n, method)
     wide = counts > tile
     narrow = ((counts > 0) & ~wide).astype(jnp.int32)
     narrow_tile = exclusive_prefix(narrow, method)  # tile of each narrow expert
@@ -152,7 +154,7 @@ def route_wide(expert_ids, num_experts: int, tile: int, method: str = "auto"):
     wide_start = exclusive_prefix(wide_count, method)
     wide_slot = wide_start[e] + rank // (2 * tile)
     pos = jnp.where(wide[e], p - (wide_slot + 1) * 2 * tile + rank % (2 * tile), narrow_tile[e] * tile + rank)
-    _, row_token, pair_row = rows_of_pairs(jnp.where(local, pos, p).astype(jnp.int32), p, m, k, method)
+    _, row_token, pair_row = rows_of_pairs(jnp.where(local, pos, p).astype(jnp.int32), order, p, m, k)
     tile_expert = jnp.concatenate([run_owners(narrow_tile + narrow, nt_narrow),
                                    run_owners(wide_start + wide_count, nt_wide)])
     return row_token, tile_expert, nt_wide, pair_row
