@@ -13,17 +13,20 @@ Two ways (``method``) compute the same layout, bit for bit:
   the rows' pairs by scatter. Its cost grows as Q log Q.
 - "compare": [Q, Q] comparisons between pairs give each pair's rank within its expert, [E, Q] the
   counts, [E, E] the prefix sums and [P, Q] each row's pair. There is no sort, scatter or scan, so XLA
-  fuses the lot into a few kernels, but the work grows as Q^2. On the H200 at one token (session 9
-  trace) the sort path's routing was a dozen small launches, about 18 us of the layer's 89; the largest
-  was one fusion of 6 us that recomputed two prefix sums over E inline.
-"auto" takes "compare" up to ``COMPARE_MAX_PAIRS`` pairs: 32 tokens at top-8.
+  fuses the lot into a few kernels, but the work grows as Q^2.
+"auto" takes "compare" up to ``COMPARE_MAX_PAIRS`` = 2048 pairs (256 tokens at top-8). On the H200 (session 9,
+traced, the whole routed-expert layer at K2.6 dims, uniform routing) the sort path's routing was a dozen
+small launches at one token, one of them a 6 us fusion that recomputed two prefix sums over E inline; with
+"compare" the layer took 75.4 us at M = 1 against 89.5 (glue 12 us against 25), 0.435 ms at 9 against
+0.449 and 2.492 ms at 256 against 2.501 (experiments/results/bench_moe_s9.json for "sort",
+bench_moe_s9_routing*.json for "compare": two runs of the same hour). Above 256 tokens "compare" is unmeasured.
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
-COMPARE_MAX_PAIRS = 256
+COMPARE_MAX_PAIRS = 2048
 METHODS = ("auto", "sort", "compare")
 
 
