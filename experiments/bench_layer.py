@@ -136,7 +136,14 @@ def main(argv=None):
     p.add_argument("--mesh", default=None, help="DATAxMODEL, e.g. 1x2: run the layer sharded over that mesh")
     p.add_argument("--calls", type=int, default=8, help="unrolled steps of the traced chain")
     p.add_argument("--no-loop", action="store_true", help="on a GPU, skip the fori_loop timing (us_loop): half the run")
+    p.add_argument("--parts", default="", help="comma list of the parts to time (layer, attention, moe, router, "
+                   "routed_experts, shared_expert, elementwise, dispatched: the layer as one dispatched call); "
+                   "default all")
     args = p.parse_args(argv)
+    wanted = {v for v in args.parts.split(",") if v}
+    known = {"layer", "attention", "moe", "router", "routed_experts", "shared_expert", "elementwise", "dispatched"}
+    if wanted - known:
+        p.error(f"unknown parts {sorted(wanted - known)}; known: {sorted(known)}")
     traced = jax.default_backend() == "gpu"  # a CPU trace holds host thunks, not a device timeline
     bandwidth = measure_torch_copy_bandwidth() or measure_copy_bandwidth()
     cfg, layer = build_layer(args.size)
@@ -178,6 +185,8 @@ def main(argv=None):
                   "moe": (shared_bytes + routed_bytes) / n, "routed_experts": routed_bytes / n,
                   "shared_expert": shared_bytes / n}
         for name, (step, aux) in parts(cfg, layer, m, args.prefix, rt).items():
+            if wanted and name not in wanted:
+                continue
             fn = looped(gdef, step, args.iters)
             try:
                 t_loop = None if traced and args.no_loop else \
@@ -196,13 +205,16 @@ def main(argv=None):
                 row["pct_of_bw"] = 100 * row["floor_us"] / row["us"]
             rows.append(row)
             print({k: v for k, v in row.items() if k != "kernels"}, flush=True)
+            save(rows)  # after every part, so that a run cut short keeps what it measured
+        if wanted and "dispatched" not in wanted:
+            continue
         single = jax.jit(lambda st, x, aux: parts(cfg, nnx.merge(gdef, st), m, args.prefix, rt)["layer"][0](
             nnx.merge(gdef, st), x, aux))
         kv = parts(cfg, layer, m, args.prefix, rt)["layer"][1]
         rows.append({"M": m, "part": "layer, one dispatched call",
                      "us": 1e6 * time_fn(single, state, x, kv, repeats=args.repeats)["median_s"]})
         print(rows[-1], flush=True)
-        save(rows)  # after every M, so that a run cut short keeps what it measured
+        save(rows)
     print_table(rows, ["M", "part", "us", "us_loop", "floor_us", "pct_of_bw"])
 
 

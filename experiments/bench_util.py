@@ -46,6 +46,7 @@ def hardware() -> dict[str, Any]:
         "cpu": platform.processor() or platform.machine(),
         "jax": jax.__version__,
         "jaxlib": getattr(jax.lib, "__version__", None) or jax.__version__,
+        **({"xla_flags": os.environ["XLA_FLAGS"]} if os.environ.get("XLA_FLAGS") else {}),  # an A/B's setting
     }
 
 
