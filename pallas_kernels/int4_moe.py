@@ -26,16 +26,17 @@ The model holds each stack as a ``PlanarInt4`` leaf (experts leading, so expert 
 
 Kernel (Pallas, Triton backend)
 -------------------------------
-Routing metadata is computed in XLA (``moe_routing.route_narrow``): the M*K (token, slot) pairs are sorted by expert and
-each expert's run is padded to a multiple of T rows, so that a tile of T rows belongs to one expert
-(tile_expert[i] = -1 for unused tiles). Activations travel transposed ([D, P], [F, P]) so the token tile
-is the N side of the dot and the weights are the M side ("swap AB": one token per expert wastes no
-weight reads). Kernel 1 (grid tiles x F/BN1 x split-K) streams gate and up rows of the tile's expert,
-does the SiLU*up epilogue and writes h^T [F, P]; kernel 2 (grid tiles x D/BN2 x split-K) streams down rows
-and multiplies by the routing weight, writing y^T [D, P] (f32); XLA adds the pair rows into y [M, D]
-(and split-K partial sums). No work is done for experts with no tokens. Under expert parallelism the
-weights hold experts expert_offset .. expert_offset + E - 1; pairs routed to other experts get no row.
-``routed_experts`` runs the kernel when lowered for CUDA and the twin elsewhere (``lax.platform_dependent``).
+Routing metadata is computed in XLA (``moe_routing.route_narrow``): the M*K (token, slot) pairs are laid
+out by expert and each expert's run is padded to a multiple of T rows, so that a tile of T rows belongs
+to one expert (tile_expert[i] = -1 for unused tiles). Activations travel transposed ([D, P], [F, P]) so
+the token tile is the N side of the dot and the weights are the M side ("swap AB": one token per expert
+wastes no weight reads). Kernel 1 (grid tiles x F/BN1 x split-K) streams gate and up rows of the tile's
+expert, does the SiLU*up epilogue and writes h^T [F, P]; kernel 2 (grid tiles x D/BN2 x split-K) streams
+down rows and multiplies by the routing weight, writing y^T [D, P] (f32); XLA adds the pair rows into y
+[M, D] (and split-K partial sums). No work is done for experts with no tokens. Under expert parallelism
+the weights hold experts expert_offset .. expert_offset + E - 1; pairs routed to other experts get no
+row. ``routed_experts`` runs the kernel when lowered for CUDA and the twin elsewhere
+(``lax.platform_dependent``).
 
 Two inner loops (``design=``), measured on one H200 (experiments/results/bench_moe_h200.md):
   "planes" (default): per 256-column block, eight K=32 dots, one per nibble plane, each scaled in f32 by
@@ -343,7 +344,7 @@ def _dequant_planar(planar, scale_gm, bw: int, dtype):
 
 
 # ----------------------------------------------------------------------------------------------
-# Routing metadata (XLA), shared by kernel and twin
+# Tile size and the combine (XLA), shared by kernel and twin
 # ----------------------------------------------------------------------------------------------
 def default_tile(m: int, k: int, e: int, smallest: int = 16, largest: int = 64) -> int:
     """Tokens per tile: about the mean pairs per active expert, a power of two in [smallest, largest]."""

@@ -46,8 +46,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.int4_moe import default_tile
-from pallas_kernels.moe_routing import route_narrow, route_wide
 from pallas_kernels.int4_tiles import FRAG_ROWS, GROUP, PAIR_BLOCK, STEP, TiledInt4, _check_dims, dequantize_expert
+from pallas_kernels.moe_routing import route_narrow, route_wide
 
 try:  # Mosaic GPU is importable on CPU builds too (lowering works anywhere; running needs an sm_90 GPU).
     from jax.experimental.pallas import mosaic_gpu as plgpu

@@ -52,8 +52,8 @@ def group_pairs(flat, num_experts: int, method: str):
     (earlier pairs of the same expert), and counts int32 [E] (pairs per expert)."""
     q = flat.shape[0]
     idx = jnp.arange(q, dtype=jnp.int32)
-    e_range = jnp.arange(num_experts, dtype=jnp.int32)
     if method == "compare":
+        e_range = jnp.arange(num_experts, dtype=jnp.int32)
         local = (flat >= 0) & (flat < num_experts)
         same = (flat[:, None] == flat[None, :]) & local[:, None]
         rank = jnp.sum(same & (idx[None, :] < idx[:, None]), axis=1, dtype=jnp.int32)

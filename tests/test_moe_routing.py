@@ -21,7 +21,8 @@ route_wide = jax.jit(R.route_wide, static_argnums=(1, 2, 3))
 def test_route_narrow_metadata(method):
     m, k, e, t = 17, 4, 8, 4
     ids, w = make_routing(m, k, e, seed=5, skew=True)
-    row_token, row_weight, tile_expert, num_tiles, pair_row = map(np.asarray, route_narrow(jnp.asarray(ids), jnp.asarray(w), e, t, method))
+    routed = route_narrow(jnp.asarray(ids), jnp.asarray(w), e, t, method)
+    row_token, row_weight, tile_expert, num_tiles, pair_row = map(np.asarray, routed)
     counts = np.bincount(ids.reshape(-1), minlength=e)
     assert int(num_tiles) == int(np.sum((counts + t - 1) // t))
     assert np.all(tile_expert[int(num_tiles):] == -1)
@@ -105,7 +106,8 @@ def test_route_wide_places_every_pair(m, k, e, tile, offset, method):
 @pytest.mark.parametrize("method", ["sort", "compare"])
 def test_route_wide_bounds_hold_in_the_extremes(method):
     m, k, e, tile = 33, 4, 16, 8
-    assert check_route(np.tile(np.arange(k, dtype=np.int32), (m, 1)), e, tile, method=method) > 0  # every pair on 4 experts
+    every_pair_on_k_experts = np.tile(np.arange(k, dtype=np.int32), (m, 1))
+    assert check_route(every_pair_on_k_experts, e, tile, method=method) > 0
     check_route(np.arange(m * k, dtype=np.int32).reshape(m, k) % e, e, tile, method=method)  # spread evenly
     assert check_route(np.zeros((2, 1), np.int32), e, tile, method=method) == 0  # too few pairs for wide
 
