@@ -74,6 +74,10 @@ def parts(cfg, layer, m: int, prefix: int, rt: Runtime = Runtime()):
     ids = jax.random.randint(jax.random.key(2), ids.shape, 0, cfg.n_routed_experts)  # distinct enough
     flat = lambda x: x.reshape(m, cfg.hidden_size)  # noqa: E731
 
+    def router(lay, x, top_k_method):
+        weights = route(flat(x), lay.mlp.router.get_value(), lay.mlp.router_bias.get_value(), cfg, top_k_method)[1]
+        return x + (1e-6 * weights.sum()).astype(x.dtype)
+
     def routed(mod, x, aux):  # ids tied to x: each step sorts them (fixed ids would be sorted once per chain)
         y = routed_experts(flat(x), tie_to(aux[0], x), aux[1], mod.w13.get_value(), mod.w2.get_value(),
                            mesh=rt.mesh, rules=rt.rules)
@@ -84,9 +88,8 @@ def parts(cfg, layer, m: int, prefix: int, rt: Runtime = Runtime()):
         "attention": (lambda lay, x, aux: x + lay.attn(lay.input_norm(x), cos, sin, aux, lengths, mask, rt)[0], kv),
         "moe": (lambda lay, x, aux: x + lay.mlp(lay.post_norm(x), mesh=rt.mesh, rules=rt.rules).astype(x.dtype),
                 None),
-        "router": (lambda lay, x, aux: x + (1e-6 * route(flat(x), lay.mlp.router.get_value(),
-                                                        lay.mlp.router_bias.get_value(), cfg)[1].sum()).astype(x.dtype),
-                   None),
+        "router": (lambda lay, x, aux: router(lay, x, "sort"), None),
+        "router_compare": (lambda lay, x, aux: router(lay, x, "compare"), None),  # top-k by comparisons (A/B)
         "routed_experts": (lambda lay, x, aux: routed(lay.mlp, x, aux), (ids, weights)),
         "shared_expert": (lambda lay, x, aux: x + lay.mlp.shared(x).astype(x.dtype), None),
         "elementwise": (lambda lay, x, aux: x + 1e-6 * x, None),
@@ -137,11 +140,12 @@ def main(argv=None):
     p.add_argument("--calls", type=int, default=8, help="unrolled steps of the traced chain")
     p.add_argument("--no-loop", action="store_true", help="on a GPU, skip the fori_loop timing (us_loop): half the run")
     p.add_argument("--parts", default="", help="comma list of the parts to time (layer, attention, moe, router, "
-                   "routed_experts, shared_expert, elementwise, dispatched: the layer as one dispatched call); "
+                   "router_compare, routed_experts, shared_expert, elementwise, dispatched: the layer as one dispatched call); "
                    "default all")
     args = p.parse_args(argv)
     wanted = {v for v in args.parts.split(",") if v}
-    known = {"layer", "attention", "moe", "router", "routed_experts", "shared_expert", "elementwise", "dispatched"}
+    known = {"layer", "attention", "moe", "router", "router_compare", "routed_experts", "shared_expert", "elementwise",
+             "dispatched"}
     if wanted - known:
         p.error(f"unknown parts {sorted(wanted - known)}; known: {sorted(known)}")
     traced = jax.default_backend() == "gpu"  # a CPU trace holds host thunks, not a device timeline

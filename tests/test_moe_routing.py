@@ -1,6 +1,7 @@
 """Routing metadata of the grouped expert GEMMs (``pallas_kernels.moe_routing``): each layout checked pair
 by pair against what its docstring promises, for both methods, and the two methods against each other bit
-for bit (random, skewed and expert-parallel routings)."""
+for bit (random, skewed and expert-parallel routings). Also the router's two top-k methods
+(``ddtree_jax.moe.top_k``) against ``lax.top_k``."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from ddtree_jax.config import tiny_config
+from ddtree_jax.moe import route, top_k
 from pallas_kernels import moe_routing as R
 from tests.test_int4_moe_kernel import make_routing
 from tests.test_moe_wide_tiles import tile_spans
@@ -144,3 +147,29 @@ def test_routing_method_resolves_and_refuses():
     assert R.routing_method(8, "sort") == "sort"
     with pytest.raises(ValueError, match="routing method"):
         R.routing_method(8, "bitonic")
+
+
+@pytest.mark.parametrize("m,e,k", [(1, 384, 8), (9, 384, 8), (5, 16, 4)])
+def test_compare_top_k_is_lax_top_k_with_ties_and_masks(m, e, k):
+    rng = np.random.default_rng(m * e)
+    values = rng.integers(0, 6, (m, e)).astype(np.float32)  # many ties: lower index first, as lax.top_k
+    values[:, rng.random(e) < 0.3] = -np.inf                 # masked groups' experts
+    values[0] = -np.inf                                      # a row with nothing but masks
+    want = jax.lax.top_k(jnp.asarray(values), k)
+    got = jax.jit(lambda v: top_k(v, k, "compare"))(jnp.asarray(values))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    with pytest.raises(ValueError, match="top-k method"):
+        top_k(jnp.asarray(values), k, "heap")
+
+
+@pytest.mark.parametrize("groups", [1, 4])
+def test_router_picks_the_same_experts_with_either_top_k(groups):
+    cfg = tiny_config(n_routed_experts=32, num_experts_per_tok=4, n_group=groups, topk_group=min(2, groups))
+    rng = np.random.default_rng(groups)
+    x = jnp.asarray(rng.standard_normal((7, cfg.hidden_size)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((32, cfg.hidden_size)) * 0.05, jnp.float32)
+    bias = jnp.asarray(rng.standard_normal(32) * 0.1, jnp.float32)
+    sort, compare = (route(x, w, bias, cfg, top_k_method=method) for method in ("sort", "compare"))
+    np.testing.assert_array_equal(np.asarray(sort[0]), np.asarray(compare[0]))
+    np.testing.assert_array_equal(np.asarray(sort[1]), np.asarray(compare[1]))
