@@ -1,10 +1,14 @@
 """Plot ms per MoE call vs M from bench_moe JSON (kernels, twin, ragged_dot, bandwidth floor, goal).
 
-    python3 experiments/plot_moe.py experiments/results/bench_moe_s8.json experiments/results/bench_moe_h200.json \\
-        --merge experiments/results/bench_moe_s8_large.json -o experiments/results/bench_moe_h200.png
-
 --merge: more rows of the main run (other M of the same commit), drawn as the main file's. Of the Mosaic
-GPU rows only the default configuration ("mgpu[]") is drawn where a file has it.
+GPU rows only the default configuration is drawn where a file has it: "mgpu[]", or the configurations named
+by --kernel-impls (e.g. a run that timed today's default under an explicit name).
+
+The README's plot (session 9)::
+
+    python3 experiments/plot_moe.py experiments/results/bench_moe_s9_routing.json experiments/results/bench_moe_s9.json \\
+        experiments/results/bench_moe_h200.json --merge experiments/results/bench_moe_s9_routing_large.json \\
+        --kernel-impls "mgpu[],mgpu[routing=compare]" -o experiments/results/bench_moe_h200.png
 """
 import argparse
 import json
@@ -24,8 +28,11 @@ def main():
     ap.add_argument("main")
     ap.add_argument("extra", nargs="*", help="more result files (earlier runs), drawn faint")
     ap.add_argument("--merge", action="append", default=[], help="more rows of the main run (same commit)")
+    ap.add_argument("--kernel-impls", default="mgpu[]",
+                    help="comma list of the Mosaic GPU configurations drawn as the kernel (default: mgpu[])")
     ap.add_argument("-o", "--out", required=True)
     args = ap.parse_args()
+    kernel_impls = set(args.kernel_impls.split(","))
     d = json.load(open(args.main))
     for path in args.merge:
         more = json.load(open(path))
@@ -46,7 +53,7 @@ def main():
             stem = path.rsplit("/", 1)[-1].removesuffix(".json")
             for impl, style, lab in IMPLS:
                 table = [r for r in e["rows"] if r.get("phase", "table") == "table" and r["routing"] == kind]
-                chosen = [r for r in table if r["impl"] == "mgpu[]"] if impl == "mgpu" else []
+                chosen = [r for r in table if r["impl"] in kernel_impls] if impl == "mgpu" else []
                 pts = sorted((r["M"], r["ms"]) for r in chosen or [r for r in table if r["impl"].startswith(impl)])
                 if pts:
                     ax.plot(*zip(*pts), style, alpha=0.45 if faint else 1.0, label=f"{lab} ({stem})")
