@@ -51,6 +51,8 @@ def top_k(values: jax.Array, k: int, method: str = "sort"):
     Not for NaN scores."""
     if method not in TOP_K_METHODS:
         raise ValueError(f"top-k method must be one of {TOP_K_METHODS}, got {method!r}")
+    if not 0 < k <= values.shape[-1]:
+        raise ValueError(f"k={k} must be in [1, {values.shape[-1]}] (the values per row)")
     if method == "sort":
         top, indices = jax.lax.top_k(values, k)
         return top, indices.astype(jnp.int32)

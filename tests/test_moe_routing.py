@@ -161,6 +161,8 @@ def test_compare_top_k_is_lax_top_k_with_ties_and_masks(m, e, k):
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
     with pytest.raises(ValueError, match="top-k method"):
         top_k(jnp.asarray(values), k, "heap")
+    with pytest.raises(ValueError, match="must be in"):
+        top_k(jnp.asarray(values), e + 1, "compare")
 
 
 @pytest.mark.parametrize("groups", [1, 4])
