@@ -140,8 +140,8 @@ def main(argv=None):
     p.add_argument("--calls", type=int, default=8, help="unrolled steps of the traced chain")
     p.add_argument("--no-loop", action="store_true", help="on a GPU, skip the fori_loop timing (us_loop): half the run")
     p.add_argument("--parts", default="", help="comma list of the parts to time (layer, attention, moe, router, "
-                   "router_compare, routed_experts, shared_expert, elementwise, dispatched: the layer as one dispatched call); "
-                   "default all")
+                   "router_compare, routed_experts, shared_expert, elementwise, and dispatched: the layer as one "
+                   "dispatched call); default all")
     args = p.parse_args(argv)
     wanted = {v for v in args.parts.split(",") if v}
     known = {"layer", "attention", "moe", "router", "router_compare", "routed_experts", "shared_expert", "elementwise",
