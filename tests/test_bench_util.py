@@ -1,10 +1,13 @@
-"""The benchmarks' device-time plumbing: a profiler trace of a dependent chain, read back per kernel."""
+"""The benchmarks' device-time plumbing: a profiler trace of a dependent chain, read back per kernel; and
+the device lease's step runner."""
 
+import json
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from experiments import bench_util
 
@@ -55,3 +58,20 @@ def test_traced_call_time_takes_a_chain_builder():
 
     r = bench_util.traced_call_time(lambda a: jnp.tanh(a @ a), (jnp.ones((128, 128)),), calls=2, chain=chain)
     assert built == [2] and r["span_s"] > 0
+
+
+def test_lease_runs_steps_in_order_and_stops_a_slow_one(tmp_path):
+    from experiments import lease
+
+    steps = [lease.parse_step(s) for s in ("first:20:echo one; echo two", "slow:1:sleep 30; echo never",
+                                           "failing:20:exit 3")]
+    records = lease.run_steps(steps, str(tmp_path))
+    assert [(r["step"], r["rc"], r["last"]) for r in records] == [
+        ("first", 0, "two"), ("slow", "timeout", ""), ("failing", 3, "")]
+    assert records[1]["seconds"] < 10  # the sleep's process group was killed, not waited for
+    assert (tmp_path / "first.txt").read_text() == "one\ntwo\n"
+    assert json.loads((tmp_path / "lease.json").read_text()) == records
+    for bad, message in (("noseconds", "NAME:SECONDS:COMMAND"), ("a b:5:echo", "step name"),
+                         ("x:soon:echo", "not a number"), ("x:0:echo", "positive")):
+        with pytest.raises(ValueError, match=message):
+            lease.parse_step(bad)
