@@ -40,19 +40,24 @@ KERNEL_AXES = ("experts", None, None)
 KERNEL_LAYOUTS = {"tiles": TiledInt4, "planar": PlanarInt4}
 
 
-TOP_K_METHODS = ("sort", "compare")
+TOP_K_METHODS = ("auto", "sort", "compare")
+COMPARE_TOP_K_MAX_ROWS = 16
 
 
-def top_k(values: jax.Array, k: int, method: str = "sort"):
+def top_k(values: jax.Array, k: int, method: str = "auto"):
     """values [M, E] -> (top values [M, K], their indices int32 [M, K]): largest first, ties to the lower
     index, as ``lax.top_k``. "sort": ``lax.top_k`` (on the H200 an XLA sort, 5.6 us for 384 scores of one
     token, session 9). "compare": each value's rank is the number of values that beat it, from [M, E, E]
     comparisons; no sort, so XLA fuses it into a few kernels (147K comparisons for one token of K2.6).
-    Not for NaN scores."""
+    "auto": "compare" up to ``COMPARE_TOP_K_MAX_ROWS`` rows, else "sort". On the H200 (session 10, traced,
+    K2.6's whole router: experiments/results/bench_layer_h200_s10.json) the router took 9.0 us at M = 1
+    against 11.4 with the sort, 21.4 against 24.3 at M = 9; larger M unmeasured. Not for NaN scores."""
     if method not in TOP_K_METHODS:
         raise ValueError(f"top-k method must be one of {TOP_K_METHODS}, got {method!r}")
     if not 0 < k <= values.shape[-1]:
         raise ValueError(f"k={k} must be in [1, {values.shape[-1]}] (the values per row)")
+    if method == "auto":
+        method = "compare" if values.shape[0] <= COMPARE_TOP_K_MAX_ROWS else "sort"
     if method == "sort":
         top, indices = jax.lax.top_k(values, k)
         return top, indices.astype(jnp.int32)
@@ -65,7 +70,7 @@ def top_k(values: jax.Array, k: int, method: str = "sort"):
     return jnp.take_along_axis(values, indices, axis=1), indices
 
 
-def route(x: jax.Array, router_weight: jax.Array, bias: jax.Array, cfg: ModelConfig, top_k_method: str = "sort"):
+def route(x: jax.Array, router_weight: jax.Array, bias: jax.Array, cfg: ModelConfig, top_k_method: str = "auto"):
     """Exactly the HF DeepseekV3 noaux_tc gate.
 
     x [M, D]; router_weight [E, D] f32; bias [E] f32 (used for selection only). top_k_method: ``top_k``'s

@@ -88,8 +88,9 @@ def parts(cfg, layer, m: int, prefix: int, rt: Runtime = Runtime()):
         "attention": (lambda lay, x, aux: x + lay.attn(lay.input_norm(x), cos, sin, aux, lengths, mask, rt)[0], kv),
         "moe": (lambda lay, x, aux: x + lay.mlp(lay.post_norm(x), mesh=rt.mesh, rules=rt.rules).astype(x.dtype),
                 None),
-        "router": (lambda lay, x, aux: router(lay, x, "sort"), None),
-        "router_compare": (lambda lay, x, aux: router(lay, x, "compare"), None),  # top-k by comparisons (A/B)
+        "router": (lambda lay, x, aux: router(lay, x, "auto"), None),  # the model's default top-k
+        "router_sort": (lambda lay, x, aux: router(lay, x, "sort"), None),  # the two top-k methods (A/B)
+        "router_compare": (lambda lay, x, aux: router(lay, x, "compare"), None),
         "routed_experts": (lambda lay, x, aux: routed(lay.mlp, x, aux), (ids, weights)),
         "shared_expert": (lambda lay, x, aux: x + lay.mlp.shared(x).astype(x.dtype), None),
         "elementwise": (lambda lay, x, aux: x + 1e-6 * x, None),
@@ -140,12 +141,12 @@ def main(argv=None):
     p.add_argument("--calls", type=int, default=8, help="unrolled steps of the traced chain")
     p.add_argument("--no-loop", action="store_true", help="on a GPU, skip the fori_loop timing (us_loop): half the run")
     p.add_argument("--parts", default="", help="comma list of the parts to time (layer, attention, moe, router, "
-                   "router_compare, routed_experts, shared_expert, elementwise, and dispatched: the layer as one "
-                   "dispatched call); default all")
+                   "router_sort, router_compare, routed_experts, shared_expert, elementwise, and dispatched: the "
+                   "layer as one dispatched call); default all")
     args = p.parse_args(argv)
     wanted = {v for v in args.parts.split(",") if v}
-    known = {"layer", "attention", "moe", "router", "router_compare", "routed_experts", "shared_expert", "elementwise",
-             "dispatched"}
+    known = {"layer", "attention", "moe", "router", "router_sort", "router_compare", "routed_experts", "shared_expert",
+             "elementwise", "dispatched"}
     if wanted - known:
         p.error(f"unknown parts {sorted(wanted - known)}; known: {sorted(known)}")
     traced = jax.default_backend() == "gpu"  # a CPU trace holds host thunks, not a device timeline

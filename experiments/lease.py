@@ -8,7 +8,9 @@ last line) goes to OUT/lease.json after every step and is printed as a table at 
 
 A step is NAME:SECONDS:COMMAND (a shell command, run from the current directory). --budget-s caps the
 total: a step that would start with less time left than its own limit gets the time left, or is
-skipped if under 10 s.
+skipped if under 10 s. --pack FILE.tar.gz moves everything the steps left under OUT (logs, results,
+subfolders) into that one archive at the end, beside lease.json: for a transport that brings back only
+a few files.
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ import json
 import os
 import re
 import signal
+import shutil
 import subprocess
 import sys
+import tarfile
 import time
 
 NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -77,14 +81,30 @@ def run_steps(steps, out_dir: str, budget_s: float | None = None) -> list[dict]:
     return records
 
 
+def pack(out_dir: str, archive: str) -> list[str]:
+    """Moves every entry of ``out_dir`` except lease.json into ``out_dir/archive`` (gzip tar); returns the
+    archived names."""
+    names = sorted(n for n in os.listdir(out_dir) if n not in ("lease.json", archive))
+    with tarfile.open(os.path.join(out_dir, archive), "w:gz") as tar:
+        for name in names:
+            tar.add(os.path.join(out_dir, name), arcname=name)
+    for name in names:
+        path = os.path.join(out_dir, name)
+        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    return names
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--step", action="append", default=[], help="NAME:SECONDS:COMMAND (repeatable)")
     ap.add_argument("--budget-s", type=float, default=None, help="total seconds for all steps")
+    ap.add_argument("--pack", default=None, help="archive name (NAME.tar.gz): move OUT's other files into it")
     args = ap.parse_args(argv)
     if not args.step:
         ap.error("give at least one --step")
+    if args.pack is not None and (not NAME.match(args.pack) or not args.pack.endswith(".tar.gz")):
+        ap.error(f"--pack {args.pack!r} must be a plain file name ending in .tar.gz")
     try:
         steps = [parse_step(s) for s in args.step]
     except ValueError as e:
@@ -93,6 +113,8 @@ def main(argv=None) -> int:
     if len(set(names)) != len(names):
         ap.error(f"step names must be distinct, got {names}")
     records = run_steps(steps, args.out, args.budget_s)
+    if args.pack:
+        print(f"packed {len(pack(args.out, args.pack))} entries into {os.path.join(args.out, args.pack)}")
     print(f"\n{'step':16s} {'rc':>8s} {'seconds':>8s}  last line")
     for r in records:
         print(f"{r['step']:16s} {str(r['rc']):>8s} {r['seconds']:8.1f}  {r['last'][:90]}")

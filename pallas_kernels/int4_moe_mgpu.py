@@ -47,7 +47,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.int4_moe import default_tile
 from pallas_kernels.int4_tiles import FRAG_ROWS, GROUP, PAIR_BLOCK, STEP, TiledInt4, _check_dims, dequantize_expert
-from pallas_kernels.moe_routing import route_narrow, route_wide
+from pallas_kernels.moe_routing import METHODS, route_narrow, route_per_pair, route_wide
 
 try:  # Mosaic GPU is importable on CPU builds too (lowering works anywhere; running needs an sm_90 GPU).
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -413,6 +413,23 @@ def to_chunks(x, chunk: int) -> jax.Array:
     return jnp.swapaxes(x.reshape(p, i // chunk, chunk), 0, 1)
 
 
+GATHERS = ("elements", "words")
+
+
+def gather_token_chunks(x, row_token, chunk: int, gather: str = "elements") -> jax.Array:
+    """x [M, I], row_token int32 [P] (M: a zero row) -> the gathered rows in chunk-major layout [I/C, P, C].
+    "words" moves bf16 pairs as uint32 (half the elements for XLA's gather to index; bf16 x only)."""
+    if gather not in GATHERS:
+        raise ValueError(f"gather must be one of {GATHERS}, got {gather!r}")
+    m, i = x.shape
+    padded = jnp.concatenate([x, jnp.zeros((1, i), x.dtype)])
+    if gather == "elements" or x.dtype != jnp.bfloat16:
+        return to_chunks(padded, chunk)[:, row_token]
+    words = lax.bitcast_convert_type(padded.reshape(m + 1, i // 2, 2), jnp.uint32)  # [M + 1, I/2]
+    rows = jnp.swapaxes(words.reshape(m + 1, i // chunk, chunk // 2), 0, 1)[:, row_token]  # [I/C, P, C/2]
+    return lax.bitcast_convert_type(rows, jnp.bfloat16).reshape(i // chunk, row_token.shape[0], chunk)
+
+
 def _concat_columns(parts):
     """bf16 [R, 32] WGMMA-layout operands -> their [R, 32 * len(parts)] concatenation (no instructions: the
     registers of 8-column tile j of part k become tile 4 k + j)."""
@@ -494,7 +511,7 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
                          expert_offset: int | jax.Array = 0, out_dtype=None, use_kernel: bool = False,
                          tile: int | None = None, stages: int = 2, split: int | None = None,
                          mma_in_flight: int | None | str = "auto", chunk: int = 128, wide: bool | None = None,
-                         routing: str = "auto"):
+                         routing: str = "auto", gather: str = "elements"):
     """Routed experts of one MoE layer on tiled INT4 stacks: the Mosaic GPU kernel (``use_kernel``) or its
     twin, around the same XLA routing and combine.
 
@@ -517,7 +534,8 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
     than ``tile`` pairs get tiles of twice the width (``route_wide``); default ``default_wide``. The down
     GEMM's pair rows are bf16 for bf16 x where it has no split-K (each expert's output rounded as a bf16
     model's expert rounds it), else f32. routing: ``moe_routing``'s method ("auto", "sort" or "compare"; the
-    same layout either way).
+    same layout either way), or "per_pair" (``route_per_pair``: a tile per pair, no grouping); "auto" takes
+    "per_pair" for one token (M = 1), else ``moe_routing``'s choice. gather: ``gather_token_chunks``'.
     """
     m, d = x.shape
     k = expert_ids.shape[1]
@@ -526,8 +544,14 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
         raise ValueError(f"w13 {w13.shape} / w2 {w2.shape} do not match x [M, {d}]")
     if use_kernel and x.dtype != jnp.bfloat16:
         raise ValueError(f"the Mosaic GPU kernel takes bf16 activations, got {x.dtype}")
+    if routing not in METHODS + ("per_pair",):
+        raise ValueError(f"routing must be one of {METHODS + ('per_pair',)}, got {routing!r}")
+    per_pair = routing == "per_pair" or (routing == "auto" and m == 1)
+    if per_pair and wide:
+        raise ValueError("per-pair tiles (routing='per_pair', the default at M = 1) have one width: wide=True "
+                         "needs a grouped routing")
     n = tile or tiled_default_tile(m, k, e_n)
-    wide = default_wide(m, k, e_n, n) if wide is None else wide
+    wide = False if per_pair else default_wide(m, k, e_n, n) if wide is None else wide
     split13, split2 = (split, split) if split else (default_split(m, k, e_n, w13), default_split(m, k, e_n, w2))
     check_kernel_config(w13, w2, 2 * n if wide else n, stages, split13, split2)  # every platform: one contract
     if chunk not in CHUNKS or d % chunk or f % chunk:
@@ -535,13 +559,16 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
     if mma_in_flight == "auto":
         mma_in_flight = default_mma_in_flight(m, k, chunk)
     _check_mma_in_flight(mma_in_flight, chunk)
-    if wide:
+    if per_pair:
+        row_token, tile_expert, pair_row = route_per_pair(expert_ids - expert_offset, e_n, n)
+        wide_tiles = 0
+    elif wide:
         row_token, tile_expert, wide_tiles, pair_row = route_wide(expert_ids - expert_offset, e_n, n, routing)
     else:
         row_token, _, tile_expert, _, pair_row = route_narrow(expert_ids - expert_offset, expert_weights, e_n, n,
                                                               routing)
         wide_tiles = 0
-    xs = to_chunks(jnp.concatenate([x, jnp.zeros((1, d), x.dtype)]), chunk)[:, row_token]  # [D/C, P, C]
+    xs = gather_token_chunks(x, row_token, chunk, gather)  # [D/C, P, C]
     if use_kernel:
         mm = lambda *a, split, epilogue="none", out_dtype=jnp.float32: grouped_int4_matmul(  # noqa: E731
             *a, tokens_per_tile=n, out_layout="tokens", epilogue=epilogue, wide_tiles=wide_tiles, stages=stages,

@@ -20,6 +20,8 @@ small launches at one token, one of them a 6 us fusion that recomputed two prefi
 "compare" the layer took 75.4 us at M = 1 against 89.5 (glue 12 us against 25), 0.435 ms at 9 against
 0.449 and 2.492 ms at 256 against 2.501 (experiments/results/bench_moe_s9.json for "sort",
 bench_moe_s9_routing*.json for "compare": two runs of the same hour). Above 256 tokens "compare" is unmeasured.
+
+``route_per_pair`` is the third layout, for one token: a tile per pair in flat order, no grouping at all.
 """
 
 from __future__ import annotations
@@ -161,3 +163,24 @@ def route_wide(expert_ids, num_experts: int, tile: int, method: str = "auto"):
     tile_expert = jnp.concatenate([run_owners(narrow_tile + narrow, nt_narrow),
                                    run_owners(wide_start + wide_count, nt_wide)])
     return row_token, tile_expert, nt_wide, pair_row
+
+
+def route_per_pair(expert_ids, num_experts: int, tile: int):
+    """One tile per pair, in flat order: tile q holds pair q in its first row, the other N - 1 rows are
+    padding. Nothing is grouped (no comparisons, sort or prefix sums), so the routing is a handful of
+    elementwise ops. For one token, whose K experts are distinct, this is the grouped layout's tile count
+    and traffic; pairs that share an expert each stream its weights (correct, but only worth it where they
+    cannot share, as at M = 1).
+
+    expert_ids int32 [M, K] local ids. Returns row_token int32 [P = Q N] (M for padding rows), tile_expert
+    int32 [Q] (-1 for a pair held elsewhere: its tile is skipped) and pair_row int32 [M, K] (P for pairs
+    with no row).
+    """
+    m, k = expert_ids.shape
+    q, p = m * k, m * k * tile
+    flat = expert_ids.reshape(-1).astype(jnp.int32)
+    local = (flat >= 0) & (flat < num_experts)
+    rows = jnp.arange(p, dtype=jnp.int32)
+    row_token = jnp.where(rows % tile == 0, rows // (tile * k), m).astype(jnp.int32)
+    pair_row = jnp.where(local, jnp.arange(q, dtype=jnp.int32) * tile, p).reshape(m, k)
+    return row_token, jnp.where(local, flat, -1), pair_row

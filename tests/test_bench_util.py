@@ -75,3 +75,20 @@ def test_lease_runs_steps_in_order_and_stops_a_slow_one(tmp_path):
                          ("x:soon:echo", "not a number"), ("x:0:echo", "positive")):
         with pytest.raises(ValueError, match=message):
             lease.parse_step(bad)
+
+
+def test_lease_packs_what_the_steps_left_into_one_archive(tmp_path):
+    import tarfile
+
+    from experiments import lease
+
+    out = tmp_path / "out"
+    rc = lease.main(["--out", str(out), "--pack", "all.tar.gz",
+                     "--step", f"a:20:mkdir -p {out}/sub && echo x > {out}/sub/r.json && echo done"])
+    assert rc == 0
+    assert sorted(p.name for p in out.iterdir()) == ["all.tar.gz", "lease.json"]
+    with tarfile.open(out / "all.tar.gz") as tar:
+        assert sorted(tar.getnames()) == ["a.txt", "sub", "sub/r.json"]
+        assert tar.extractfile("a.txt").read() == b"done\n"
+    with pytest.raises(SystemExit):
+        lease.main(["--out", str(out), "--pack", "../x.tar.gz", "--step", "a:5:true"])

@@ -175,3 +175,20 @@ def test_router_picks_the_same_experts_with_either_top_k(groups):
     sort, compare = (route(x, w, bias, cfg, top_k_method=method) for method in ("sort", "compare"))
     np.testing.assert_array_equal(np.asarray(sort[0]), np.asarray(compare[0]))
     np.testing.assert_array_equal(np.asarray(sort[1]), np.asarray(compare[1]))
+
+
+@pytest.mark.parametrize("m,k,e,n,offset", [(1, 8, 384, 8, 0), (3, 4, 16, 8, 0), (2, 4, 8, 16, 4)])
+def test_route_per_pair_gives_each_pair_its_own_tile(m, k, e, n, offset):
+    rng = np.random.default_rng(m + offset)
+    ids = rng.integers(0, e + offset, (m, k)).astype(np.int32)  # repeats allowed: each pair still its tile
+    row_token, tile_expert, pair_row = map(np.asarray, jax.jit(R.route_per_pair, static_argnums=(1, 2))(
+        jnp.asarray(ids - offset), e, n))
+    p = m * k * n
+    assert row_token.shape == (p,) and tile_expert.shape == (m * k,) and pair_row.shape == (m, k)
+    for mm in range(m):
+        for kk in range(k):
+            q, local = mm * k + kk, 0 <= ids[mm, kk] - offset < e
+            assert tile_expert[q] == (ids[mm, kk] - offset if local else -1)
+            assert pair_row[mm, kk] == (q * n if local else p)
+            tile_rows = row_token[q * n:(q + 1) * n]
+            assert tile_rows[0] == mm and np.all(tile_rows[1:] == m)  # the pair, then padding

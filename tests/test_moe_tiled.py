@@ -111,6 +111,34 @@ def test_routed_layer_twin_equals_xla_path(m, k, offset):
     assert rel(routed_experts_tiled(x, ids, wts, t13, t2, expert_offset=offset), want) < 1e-5
 
 
+@pytest.mark.parametrize("m,offset", [(1, 0), (1, 3), (4, 0)])
+def test_per_pair_tiles_and_word_gather_equal_the_grouped_layout(m, offset):
+    """The layer on a tile per pair (the default at M = 1) and with the token rows gathered as uint32 words
+    gives what the grouped layout and the element gather give, bit for bit (same rows, same products)."""
+    rng = np.random.default_rng(7 + m)
+    e, d, f, k = 8, 256, 256, 4
+    w13, w2 = random_stack(rng, e, 2 * f, d), random_stack(rng, e, d, f)
+    t13 = TiledInt4.from_compressed_tensors(w13.packed, w13.scale)
+    t2 = TiledInt4.from_compressed_tensors(w2.packed, w2.scale)
+    x = jnp.asarray(rng.standard_normal((m, d)), jnp.bfloat16)
+    ids = jnp.asarray(rng.integers(0, e + offset, (m, k)), jnp.int32)
+    wts = jnp.asarray(rng.random((m, k)), jnp.float32)
+    layer = jax.jit(functools.partial(K.routed_experts_tiled, out_dtype=jnp.float32, expert_offset=offset),
+                    static_argnames=("routing", "gather"))
+    grouped = np.asarray(layer(x, ids, wts, t13, t2, routing="compare"))
+    for routing, gather in (("per_pair", "elements"), ("per_pair", "words"), ("compare", "words")):
+        np.testing.assert_array_equal(np.asarray(layer(x, ids, wts, t13, t2, routing=routing, gather=gather)),
+                                      grouped, err_msg=f"{routing}, {gather}")
+    want = routed_experts_xla(x.astype(jnp.float32), ids, wts, w13, w2, expert_offset=offset)
+    assert rel(grouped, want) < 2e-2  # bf16 activations and h against the f32 path
+    with pytest.raises(ValueError, match="one width"):
+        K.routed_experts_tiled(x, ids, wts, t13, t2, routing="per_pair", wide=True)
+    with pytest.raises(ValueError, match="routing must be"):
+        K.routed_experts_tiled(x, ids, wts, t13, t2, routing="bitonic")
+    with pytest.raises(ValueError, match="gather must be"):
+        K.routed_experts_tiled(x, ids, wts, t13, t2, gather="bytes")
+
+
 def tiny_model(seed=0, dtype="float32", **overrides):
     return KimiModel(tiny_config(dtype=dtype, **{**TCFG, **overrides}), nnx.Rngs(seed))
 
@@ -324,6 +352,28 @@ def test_gpu_kernel_matches_twin(rows, n, split, out_layout, chunk):
     valid = np.repeat(np.asarray(te) >= 0, n)
     assert np.isfinite(got[:, valid]).all()
     assert rel_norm(got[:, valid], want[:, valid]) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 3])
+def test_gpu_per_pair_tiles_and_word_gather_match_the_grouped_kernel(m):
+    """On the GPU: the layer on a tile per pair and with the word gather gives the grouped layout's output
+    bit for bit (the same tiles' products), and the twin's within bf16 rounding."""
+    rng = np.random.default_rng(m)
+    e, d, f, k = 16, 1024, 512, 8
+    w13, w2 = random_stack(rng, e, 2 * f, d), random_stack(rng, e, d, f)
+    t13 = TiledInt4.from_compressed_tensors(w13.packed, w13.scale)
+    t2 = TiledInt4.from_compressed_tensors(w2.packed, w2.scale)
+    x = jnp.asarray(rng.standard_normal((m, d)), jnp.bfloat16)
+    ids = jnp.asarray(np.stack([rng.choice(e, k, replace=False) for _ in range(m)]), jnp.int32)
+    wts = jnp.asarray(rng.random((m, k)), jnp.float32)
+    layer = jax.jit(functools.partial(K.routed_experts_tiled, out_dtype=jnp.float32),
+                    static_argnames=("routing", "gather", "use_kernel"))
+    grouped = np.asarray(layer(x, ids, wts, t13, t2, routing="compare", use_kernel=True))
+    for routing, gather in (("per_pair", "elements"), ("per_pair", "words"), ("compare", "words")):
+        got = np.asarray(layer(x, ids, wts, t13, t2, routing=routing, gather=gather, use_kernel=True))
+        np.testing.assert_array_equal(got, grouped, err_msg=f"{routing}, {gather}")
+    assert rel_norm(grouped, layer(x, ids, wts, t13, t2, routing="compare", use_kernel=False)) < 1e-2
 
 
 @pytest.mark.gpu
