@@ -112,10 +112,11 @@ def chained_call_time(fn: Callable, args: tuple, n_long: int = 17, n_short: int 
     return (median_s(n_long) - median_s(n_short)) / (n_long - n_short)
 
 
-def trace_kernel_events(program: Callable, args: tuple) -> list[tuple[str, int, int]]:
-    """(name, start_ns, duration_ns) of the device kernels of one run of ``program(*args)`` (compiled and
-    run once before), from a ``jax.profiler`` trace read back with ``ProfileData``: the GPU planes' stream
-    lines (CUPTI's device timestamps), or on a CPU host the XLA client's thunk events (smoke runs)."""
+def trace_kernel_events(program: Callable, args: tuple) -> list[tuple[str, int, int, str]]:
+    """(name, start_ns, duration_ns, device) of the device kernels of one run of ``program(*args)`` (compiled
+    and run once before), from a ``jax.profiler`` trace read back with ``ProfileData``: the GPU planes' stream
+    lines (CUPTI's device timestamps; device: the plane's name), or on a CPU host the XLA client's thunk
+    events (smoke runs; one device, "host")."""
     import glob
     import tempfile
 
@@ -126,10 +127,11 @@ def trace_kernel_events(program: Callable, args: tuple) -> list[tuple[str, int, 
         with jax.profiler.trace(tmp):
             block(program(*args))
         data = ProfileData.from_file(glob.glob(os.path.join(tmp, "**", "*.xplane.pb"), recursive=True)[0])
-    events = [(e.name, e.start_ns, e.duration_ns) for plane in data.planes if plane.name.startswith("/device:GPU")
-              for line in plane.lines if line.name.startswith("Stream") for e in line.events]
+    events = [(e.name, e.start_ns, e.duration_ns, plane.name) for plane in data.planes
+              if plane.name.startswith("/device:GPU") for line in plane.lines if line.name.startswith("Stream")
+              for e in line.events]
     if not events:
-        events = [(e.name, e.start_ns, e.duration_ns) for plane in data.planes if plane.name == "/host:CPU"
+        events = [(e.name, e.start_ns, e.duration_ns, "host") for plane in data.planes if plane.name == "/host:CPU"
                   for line in plane.lines if "PjRtCpuClient" in line.name for e in line.events
                   if e.duration_ns > 0 and not e.name.startswith(("Threadpool", "end:", "ThunkExecutor"))]
     return sorted(events, key=lambda e: e[1])
@@ -137,21 +139,31 @@ def trace_kernel_events(program: Callable, args: tuple) -> list[tuple[str, int, 
 
 def traced_call_time(fn: Callable, args: tuple, calls: int = 8, chain: Callable = None) -> dict[str, Any]:
     """Device time per call of ``fn(*args)`` from a profiler trace of a chain of ``calls`` dependent calls
-    (``chain(fn, calls)``, default ``dependent_chain``; a benchmark passes its own to rotate inputs): span_s (first kernel's start to last kernel's end, over calls: the figure benchmarks quote),
-    busy_s (summed kernel time), idle_s (gaps between kernels), kernels (name, launches, seconds, all per
-    call, slowest first) and launches_us (every launch's microseconds, for names launched every call).
+    (``chain(fn, calls)``, default ``dependent_chain``; a benchmark passes its own to rotate inputs).
+
+    Per device (each GPU's own timeline; devices' clocks are not compared): span (first kernel's start to
+    last kernel's end), busy (summed kernel time) and idle (the gaps). Returned per call: span_s (the
+    slowest device's span: the figure benchmarks quote), busy_s and idle_s (that device's),
+    span_per_device_s, and over all devices' kernels, averaged per device: kernels (name, launches,
+    seconds, slowest first) and launches_us (every launch's microseconds, for names launched every call).
     The host's work (dispatch, per-launch setup) shows only as idle gaps when the GPU waits for it."""
     events = trace_kernel_events((chain or dependent_chain)(fn, calls), args)
     if not events:
         raise RuntimeError("the profiler trace holds no kernel events")
+    per_device: dict[str, list] = {}
+    for ev in events:
+        per_device.setdefault(ev[3], []).append(ev)
+    spans = {dev: (evs[-1][1] + evs[-1][2] - evs[0][1], sum(e[2] for e in evs)) for dev, evs in per_device.items()}
+    slowest = max(spans, key=lambda dev: spans[dev][0])
+    span, busy = spans[slowest]
     per_name: dict[str, list[int]] = {}
-    for name, _, dur in events:
+    for name, _, dur, _ in events:
         per_name.setdefault(name, []).append(dur)
-    busy = sum(d for _, _, d in events)
-    span = events[-1][1] + events[-1][2] - events[0][1]
-    return {"calls": calls, "span_s": span / calls / 1e9, "busy_s": busy / calls / 1e9,
+    n_dev, per = len(per_device), calls * len(per_device)
+    return {"calls": calls, "devices": n_dev, "span_s": span / calls / 1e9, "busy_s": busy / calls / 1e9,
             "idle_s": (span - busy) / calls / 1e9,
-            "kernels": sorted(([n, len(d) / calls, sum(d) / calls / 1e9] for n, d in per_name.items()),
+            "span_per_device_s": [spans[dev][0] / calls / 1e9 for dev in sorted(spans)],
+            "kernels": sorted(([n, len(d) / per, sum(d) / per / 1e9] for n, d in per_name.items()),
                               key=lambda k: -k[2]),
             "launches_us": {n: [round(x / 1e3, 2) for x in d] for n, d in per_name.items() if len(d) >= calls}}
 

@@ -416,9 +416,12 @@ def to_chunks(x, chunk: int) -> jax.Array:
 GATHERS = ("elements", "words")
 
 
-def gather_token_chunks(x, row_token, chunk: int, gather: str = "elements") -> jax.Array:
+def gather_token_chunks(x, row_token, chunk: int, gather: str = "words") -> jax.Array:
     """x [M, I], row_token int32 [P] (M: a zero row) -> the gathered rows in chunk-major layout [I/C, P, C].
-    "words" moves bf16 pairs as uint32 (half the elements for XLA's gather to index; bf16 x only)."""
+    "words" moves bf16 pairs as uint32 (half the elements for XLA's gather to index; bf16 x only, other
+    dtypes take "elements"). On the H200 (session 10, traced, the routed-expert layer at K2.6 dims, uniform
+    routing: experiments/results/bench_moe_s10_gather.json) the layer's XLA glue went 77 -> 58 us at
+    M = 256 and 268 -> 194 us at M = 1024; the same bits either way."""
     if gather not in GATHERS:
         raise ValueError(f"gather must be one of {GATHERS}, got {gather!r}")
     m, i = x.shape
@@ -511,7 +514,7 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
                          expert_offset: int | jax.Array = 0, out_dtype=None, use_kernel: bool = False,
                          tile: int | None = None, stages: int = 2, split: int | None = None,
                          mma_in_flight: int | None | str = "auto", chunk: int = 128, wide: bool | None = None,
-                         routing: str = "auto", gather: str = "elements"):
+                         routing: str = "auto", gather: str = "words"):
     """Routed experts of one MoE layer on tiled INT4 stacks: the Mosaic GPU kernel (``use_kernel``) or its
     twin, around the same XLA routing and combine.
 
@@ -525,7 +528,7 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
     for a w13 stored with gate/up rows paired and no split-K, kernel 1's epilogue does and gives h in the
     down GEMM's chunk layout), kernel 2 gives [P, D]; each token gathers its K pair rows, weights and adds
     them (``_gather_combine``). Tiles past the busy ones are skipped by the kernel; their unwritten rows are
-    never gathered. The token rows are gathered straight into the kernel's chunk layout (``to_chunks``).
+    never gathered. The token rows are gathered straight into the kernel's chunk layout (``gather_token_chunks``).
     split: split-K of both GEMMs (default: ``default_split`` for each). mma_in_flight: the kernel's (an int,
     or None), default ("auto") ``default_mma_in_flight``. chunk: activation chunk width C (``CHUNKS``; scale
     groups per wgmma = C / 32); 128 by default: on the H200 the layer took 75.0 / 432 / 2106 / 2661 / 3319 us

@@ -49,6 +49,20 @@ def test_traced_call_time_reads_kernels_from_the_trace():
     assert [k[2] for k in r["kernels"]] == sorted((k[2] for k in r["kernels"]), reverse=True)
 
 
+def test_traced_call_time_spans_each_device_on_its_own_clock(monkeypatch):
+    """Two GPUs' timelines whose clocks differ by 1 ms: the span is the slower device's own (3 us over 2
+    calls), not first-to-last across both planes; kernel times are per device."""
+    skew = 1_000_000
+    events = [("a", 0, 1000, "/device:GPU:0"), ("b", 2000, 4000, "/device:GPU:0"),
+              ("a", skew, 1000, "/device:GPU:1"), ("b", skew + 1000, 1000, "/device:GPU:1")]
+    monkeypatch.setattr(bench_util, "trace_kernel_events", lambda program, args: sorted(events, key=lambda e: e[1]))
+    r = bench_util.traced_call_time(lambda a: a, (None,), calls=2, chain=lambda fn, n: fn)
+    assert r["devices"] == 2
+    assert r["span_s"] == pytest.approx(3e-6) and r["busy_s"] == pytest.approx(2.5e-6)
+    assert r["span_per_device_s"] == pytest.approx([3e-6, 1e-6])
+    assert r["kernels"] == [["b", 0.5, pytest.approx(1.25e-6)], ["a", 0.5, pytest.approx(0.5e-6)]]
+
+
 def test_traced_call_time_takes_a_chain_builder():
     built = []
 
