@@ -3,7 +3,7 @@
     PYTHONPATH=. python experiments/project_k26.py \
         --one experiments/results/bench_layer_h200.json \
         --two experiments/results/bench_layer_h200x2_mesh1x2.json \
-        [--eval experiments/results/eval_grid_h200.json] [--gpus 8] [--out DIR]
+        [--eval experiments/results/eval_grid_h200.json] [--gpus 8] [--figure span|busy] [--out DIR]
 
 A projection, not a measurement. It is only as good as these assumptions, which the output repeats:
 - Per MoE layer at G GPUs, t_G(M) = a(M) + b(M) / G, fitted exactly through the measured 1- and 2-GPU
@@ -13,6 +13,9 @@ A projection, not a measurement. It is only as good as these assumptions, which 
 - A step of M tokens costs num_layers * t_G(M): the dense first layer is counted as a MoE layer (an
   upper bound for it); the LM head, the embedding and the drafter are left out (a lower bound for the step).
 - Between measured M the time is interpolated linearly; outside them nothing is projected.
+- ``--figure busy`` fits each device's summed kernel time instead of the trace's span (traced inputs
+  only): the layer as if the GPU never waited between kernels. Session 10 needed it: on two H200s the
+  traced spans were 3-8x the kernels' time, idle gaps the one-GPU runs do not have (a lower bound then).
 - AR tok/s = 1 / step(1). DDTree at S streams and budget B verifies M = S (B + 1) tokens per step and
   accepts S * tau(B) tokens, tau measured with the shipped trained pair (a 30M-parameter target on
   Python code; K2.6 with a trained K2.6 drafter will differ).
@@ -29,12 +32,21 @@ from experiments import bench_util
 K26_LAYERS = 61
 
 
-def layer_times(result: dict) -> dict[int, float]:
-    """M -> µs of the whole layer in a bench_layer result."""
-    times = {r["M"]: r["us"] for r in result["rows"] if r["part"] == "layer"}
-    if not times:
+FIGURES = {"span": "us", "busy": "busy_us"}
+
+
+def layer_times(result: dict, figure: str = "span") -> dict[int, float]:
+    """M -> µs of the whole layer in a bench_layer result: the trace's span ("span"; a fori_loop result's
+    time) or the slowest device's summed kernel time ("busy")."""
+    if figure not in FIGURES:
+        raise ValueError(f"figure must be one of {sorted(FIGURES)}, got {figure!r}")
+    rows = [r for r in result["rows"] if r["part"] == "layer"]
+    if not rows:
         raise ValueError(f"{result.get('name', 'result')} holds no 'layer' rows")
-    return times
+    if any(FIGURES[figure] not in r for r in rows):
+        raise ValueError(f"{result.get('name', 'result')} has no {FIGURES[figure]!r} in its layer rows: "
+                         f"figure={figure!r} needs traced results of session 10 or later")
+    return {r["M"]: r[FIGURES[figure]] for r in rows}
 
 
 def fit(one: dict[int, float], two: dict[int, float]) -> dict[int, tuple[float, float]]:
@@ -82,10 +94,10 @@ def check_comparable(one: dict, two: dict) -> None:
 
 
 def project(one: dict, two: dict, tau_by_budget: dict[int, float], gpus: int, layers: int = K26_LAYERS,
-            streams=(1, 10), allow_mixed: bool = False) -> list[dict]:
+            streams=(1, 10), allow_mixed: bool = False, figure: str = "span") -> list[dict]:
     if not allow_mixed:
         check_comparable(one, two)
-    coeffs = fit(layer_times(one), layer_times(two))
+    coeffs = fit(layer_times(one, figure), layer_times(two, figure))
     rows = []
     cases = [("AR", 1, None)] + [("DDTree", s, b) for s in streams for b in sorted(tau_by_budget)]
     for mode, s, budget in cases:
@@ -111,20 +123,24 @@ def main(argv=None):
     ap.add_argument("--out", default=None)
     ap.add_argument("--allow-mixed", action="store_true",
                     help="fit inputs of different commits or timing methods (recorded as such)")
+    ap.add_argument("--figure", default="span", choices=sorted(FIGURES),
+                    help="the layer time fitted: the trace's span, or each device's summed kernel time")
     args = ap.parse_args(argv)
     load = lambda p: json.load(open(p))  # noqa: E731
     one, two = load(args.one), load(args.two)
     tau = taus(load(args.eval)) if args.eval else {}
-    rows = project(one, two, tau, args.gpus, allow_mixed=args.allow_mixed)
+    rows = project(one, two, tau, args.gpus, allow_mixed=args.allow_mixed, figure=args.figure)
     payload = dict(kind="projection, not a measurement", gpus=args.gpus, layers=K26_LAYERS,
                    inputs=dict(one=args.one, two=args.two, eval=args.eval,
                                one_timing=timing_of(one), two_timing=timing_of(two),
                                one_commit=one.get("commit"), two_commit=two.get("commit"),
-                               mixed=args.allow_mixed),
+                               mixed=args.allow_mixed, figure=args.figure),
                    assumptions=__doc__.split("assumptions, which the output repeats:")[1].strip(),
-                   fit={m: dict(a_us=a, b_us=b) for m, (a, b) in fit(layer_times(one), layer_times(two)).items()},
+                   fit={m: dict(a_us=a, b_us=b) for m, (a, b) in fit(layer_times(one, args.figure),
+                                                                        layer_times(two, args.figure)).items()},
                    rows=rows)
-    print("wrote", bench_util.write_result(f"project_k26_{args.gpus}gpu", payload, args.out))
+    suffix = "" if args.figure == "span" else f"_{args.figure}"
+    print("wrote", bench_util.write_result(f"project_k26_{args.gpus}gpu{suffix}", payload, args.out))
     bench_util.print_table(rows, ["mode", "streams", "budget", "M", "layer_us", "step_ms", "tokens_per_step", "tok_s",
                                   "note"])
     return 0
