@@ -184,8 +184,8 @@ class MoE(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         dtype = jnp.dtype(cfg.dtype)
         e, d, f = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        self.router = declare(rngs, (e, d), ("experts", "embed"), jnp.float32)
-        self.router_bias = declare(None, (e,), ("experts",), jnp.float32, init="zeros")
+        self.router = declare(rngs, (e, d), ("router", "embed"), jnp.float32)
+        self.router_bias = declare(None, (e,), ("router",), jnp.float32, init="zeros")
         self.w13 = declare(rngs, (e, 2 * f, d), W13_AXES, dtype)
         self.w2 = declare(rngs, (e, d, f), W2_AXES, dtype)
         if cfg.quant is not None:  # INT4 experts: the same declaration, quantized

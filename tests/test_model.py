@@ -1,9 +1,11 @@
 """Target-model invariants: torch parity, absorbed == naive MLA, cached decode == full forward,
 tree block == sequential paths, sharded == unsharded."""
 
-import numpy as np
+import re
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -198,3 +200,8 @@ def test_sharded_equals_unsharded(pair):
     sharded = run(sharded_state, jnp.asarray(tokens))
     plain = full_forward(model, tokens).logits
     assert rel_err(sharded, plain) <= 1e-5
+    # the router is replicated, so routing needs no collective: the model axis sees only sums (attention
+    # output, expert shares, the LM head's gather), never the all-to-alls of a top-k across devices
+    hlo = run.lower(sharded_state, jnp.asarray(tokens)).compile().as_text()
+    assert not re.search(r"\b(all-to-all|collective-permute)(-start)?\(", hlo)
+    assert sharded_state["layers"][1]["mlp"]["router"].value.sharding.is_fully_replicated
