@@ -16,6 +16,8 @@ elsewhere).
 
 from __future__ import annotations
 
+import functools
+
 from typing import Callable
 
 import jax
@@ -50,8 +52,9 @@ def top_k(values: jax.Array, k: int, method: str = "auto"):
     token, session 9). "compare": each value's rank is the number of values that beat it, from [M, E, E]
     comparisons; no sort, so XLA fuses it into a few kernels (147K comparisons for one token of K2.6).
     "auto": "compare" up to ``COMPARE_TOP_K_MAX_ROWS`` rows, else "sort". On the H200 (session 10, traced,
-    K2.6's whole router: experiments/results/bench_layer_h200_s10.json) the router took 9.0 us at M = 1
-    against 11.4 with the sort, 21.4 against 24.3 at M = 9; larger M unmeasured. Not for NaN scores."""
+    K2.6's whole router: experiments/results/bench_layer_h200_s10.json, ..._s10_router.json) the router
+    took 9.0 us at M = 1 against 11.4 with the sort, 21.4 against 24.3 at M = 9, 30.2 against 30.8 at 33
+    and 39.0 against 37.1 at 65. Not for NaN scores."""
     if method not in TOP_K_METHODS:
         raise ValueError(f"top-k method must be one of {TOP_K_METHODS}, got {method!r}")
     if not 0 < k <= values.shape[-1]:
@@ -214,7 +217,8 @@ def routed_experts(x, expert_ids, expert_weights, w13, w2, *, mesh: Mesh | None 
     Without a mesh (or with the experts axis unsharded) it runs ``routed_fn`` (default: chosen by the
     weights' type, ``default_routed_fn``) on all experts. With experts sharded over a mesh axis it runs
     expert-parallel under shard_map: tokens and routing are replicated, each device computes its own
-    experts' share, and one psum over the expert axis (M x D f32 per device) adds the shares.
+    experts' share, and one psum over the expert axis (M x D f32 per device) adds the shares. The tiled
+    kernel's routed fn is told how many devices share the experts (``expert_shards``, for its split-K).
     """
     routed_fn = routed_fn or default_routed_fn(w13)
     axis = None if mesh is None or rules is None else rules.mesh_axis("experts")
@@ -227,6 +231,9 @@ def routed_experts(x, expert_ids, expert_weights, w13, w2, *, mesh: Mesh | None 
     local = num_experts // n
     expert_spec = jax.tree.map(lambda _: PartitionSpec(axis), w13)
     expert_spec2 = jax.tree.map(lambda _: PartitionSpec(axis), w2)
+
+    if routed_fn is routed_experts_tiled:  # its split-K default counts the busy experts one device expects
+        routed_fn = functools.partial(routed_experts_tiled, expert_shards=n)
 
     def shard_body(x, ids, weights, w13_local, w2_local):
         offset = jax.lax.axis_index(axis) * local

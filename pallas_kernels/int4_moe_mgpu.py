@@ -474,15 +474,16 @@ def default_wide(m: int, k: int, e: int, tile: int) -> bool:
     return tile <= 16 and m * k >= e
 
 
-def default_split(m: int, k: int, e: int, leaf: TiledInt4, num_sms: int = NUM_SMS_H200) -> int:
-    """Split-K for one GEMM of the layer: 2 where the busy programs (at most min(M*K, E) busy tiles x
-    O/R row blocks) would not give each of ``num_sms`` SMs one, else 1 (e.g. a device's few experts at
-    one token under expert parallelism). At M = 1 on one H200 (256 busy gate+up programs) split 2 no
+def default_split(m: int, k: int, e: int, leaf: TiledInt4, num_sms: int = NUM_SMS_H200, shards: int = 1) -> int:
+    """Split-K for one GEMM of the layer: 2 where the busy programs (at most min(ceil(M*K / shards), E)
+    busy tiles x O/R row blocks) would not give each of ``num_sms`` SMs one, else 1 (e.g. a device's few
+    experts at one token under expert parallelism: ``shards`` devices share the experts, so one expects
+    1/shards of the pairs on each). At M = 1 on one H200 (256 busy gate+up programs) split 2 no
     longer helps in device time (gate+up 41.2-41.6 us unsplit, 41.8-42.3 split in two, traced:
     experiments/results/probe_moe_mgpu_anatomy_h200.json, probe_moe_mgpu_inflight_h200.json), and
     unsplit it takes the SiLU·up epilogue; the wall-clock chains of session 4 had shown 65 -> 51 us."""
     steps = leaf.shape[2] // STEP
-    busy = min(m * k, e) * (leaf.shape[1] // leaf.rows)
+    busy = min(-(-m * k // shards), e) * (leaf.shape[1] // leaf.rows)
     return 2 if busy < num_sms and steps % 2 == 0 else 1
 
 
@@ -514,7 +515,7 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
                          expert_offset: int | jax.Array = 0, out_dtype=None, use_kernel: bool = False,
                          tile: int | None = None, stages: int = 2, split: int | None = None,
                          mma_in_flight: int | None | str = "auto", chunk: int = 128, wide: bool | None = None,
-                         routing: str = "auto", gather: str = "words"):
+                         routing: str = "auto", gather: str = "words", expert_shards: int = 1):
     """Routed experts of one MoE layer on tiled INT4 stacks: the Mosaic GPU kernel (``use_kernel``) or its
     twin, around the same XLA routing and combine.
 
@@ -539,6 +540,8 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
     model's expert rounds it), else f32. routing: ``moe_routing``'s method ("auto", "sort" or "compare"; the
     same layout either way), or "per_pair" (``route_per_pair``: a tile per pair, no grouping); "auto" takes
     "per_pair" for one token (M = 1), else ``moe_routing``'s choice. gather: ``gather_token_chunks``'.
+    expert_shards: how many devices share the experts under expert parallelism (this call holds one
+    share); only ``default_split``'s estimate of the busy tiles uses it.
     """
     m, d = x.shape
     k = expert_ids.shape[1]
@@ -555,7 +558,10 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
                          "needs a grouped routing")
     n = tile or tiled_default_tile(m, k, e_n)
     wide = False if per_pair else default_wide(m, k, e_n, n) if wide is None else wide
-    split13, split2 = (split, split) if split else (default_split(m, k, e_n, w13), default_split(m, k, e_n, w2))
+    if not isinstance(expert_shards, int) or expert_shards < 1:
+        raise ValueError(f"expert_shards must be a positive int, got {expert_shards!r}")
+    split13, split2 = (split, split) if split else (default_split(m, k, e_n, w13, shards=expert_shards),
+                                                    default_split(m, k, e_n, w2, shards=expert_shards))
     check_kernel_config(w13, w2, 2 * n if wide else n, stages, split13, split2)  # every platform: one contract
     if chunk not in CHUNKS or d % chunk or f % chunk:
         raise ValueError(f"chunk={chunk} must be one of {CHUNKS} dividing D={d} and F={f}")

@@ -179,6 +179,29 @@ def test_expert_parallel_tiles_equal_unsharded(pair, tokens):
     assert rel(got, forward(model, tokens)) < 1e-5
 
 
+def test_expert_parallel_tiles_tell_the_kernel_its_share(pair, tokens, monkeypatch):
+    """Under expert parallelism each device's call learns how many devices share the experts (its split-K
+    default counts the busy experts one device can expect) and still computes the unsharded result."""
+    model, prepared = pair
+    mesh = make_mesh(data=2, model=4, devices=jax.devices("cpu"))
+    seen, inner = [], K.routed_experts
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("expert_shards"))
+        return inner(*args, **kwargs)
+
+    monkeypatch.setattr(K, "routed_experts", spy)
+    _, state = nnx.split(prepared)
+    sharded = jax.device_put(state, param_shardings(state, mesh, DEFAULT_RULES))
+    tokens = tokens[:, :6]  # shapes no other test compiles: the spy sees a fresh trace
+    got = forward(prepared, tokens, Runtime(mesh=mesh, rules=DEFAULT_RULES), state=sharded)
+    assert seen and set(seen) == {4}
+    assert rel(got, forward(model, tokens)) < 1e-5
+    seen.clear()
+    forward(prepared, tokens[:1])  # unsharded: the default share
+    assert seen and set(seen) == {None}
+
+
 def test_prepare_a_sharded_model_repacks_tiles_in_place(pair):
     """A model already split over experts is repacked per device and stays split (never gathered)."""
     model, prepared = pair
@@ -476,6 +499,12 @@ def test_default_split_only_where_few_programs_are_busy():
     assert K.default_split(9, 8, 384, w13, num_sms=300) == 1
     assert K.default_split(1, 2, 384, leaf(384, 4096, 768)) == 1      # 3 steps: no even split
     assert K.default_split(1, 8, 384, w13, num_sms=16) == 1
+    local13 = leaf(192, 4096, 7168)  # one of two devices' experts: about 4 of a token's 8 pairs each
+    assert K.default_split(1, 8, 192, local13) == 1 and K.default_split(1, 8, 192, local13, shards=2) == 2
+    assert K.default_split(9, 8, 192, local13, shards=2) == 1
+    with pytest.raises(ValueError, match="expert_shards"):
+        K.routed_experts_tiled(jnp.zeros((1, 256)), jnp.zeros((1, 2), jnp.int32), jnp.ones((1, 2)),
+                               leaf(2, 512, 256), leaf(2, 256, 256), expert_shards=0)
 
 
 def test_default_split_is_checked_per_gemm():
