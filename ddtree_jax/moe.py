@@ -17,7 +17,6 @@ elsewhere).
 from __future__ import annotations
 
 import functools
-
 from typing import Callable
 
 import jax

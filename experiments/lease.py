@@ -19,8 +19,8 @@ import argparse
 import json
 import os
 import re
-import signal
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile

@@ -13,9 +13,10 @@ A projection, not a measurement. It is only as good as these assumptions, which 
 - A step of M tokens costs num_layers * t_G(M): the dense first layer is counted as a MoE layer (an
   upper bound for it); the LM head, the embedding and the drafter are left out (a lower bound for the step).
 - Between measured M the time is interpolated linearly; outside them nothing is projected.
-- ``--figure busy`` fits each device's summed kernel time instead of the trace's span (traced inputs
-  only): the layer as if the GPU never waited between kernels. Session 10 needed it: on two H200s the
-  traced spans were 3-8x the kernels' time, idle gaps the one-GPU runs do not have (a lower bound then).
+- ``--figure busy`` fits the summed kernel time (of the device with the longest span) instead of the
+  trace's span (traced inputs only): the layer as if the GPU never waited between kernels, so the fitted
+  times are lower bounds. Session 10 needed it: on two H200s the traced spans were 2-8x the kernels'
+  time, idle gaps that the one-GPU runs do not have.
 - AR tok/s = 1 / step(1). DDTree at S streams and budget B verifies M = S (B + 1) tokens per step and
   accepts S * tau(B) tokens, tau measured with the shipped trained pair (a 30M-parameter target on
   Python code; K2.6 with a trained K2.6 drafter will differ).
@@ -37,7 +38,7 @@ FIGURES = {"span": "us", "busy": "busy_us"}
 
 def layer_times(result: dict, figure: str = "span") -> dict[int, float]:
     """M -> µs of the whole layer in a bench_layer result: the trace's span ("span"; a fori_loop result's
-    time) or the slowest device's summed kernel time ("busy")."""
+    time) or the summed kernel time of the device with the longest span ("busy")."""
     if figure not in FIGURES:
         raise ValueError(f"figure must be one of {sorted(FIGURES)}, got {figure!r}")
     rows = [r for r in result["rows"] if r["part"] == "layer"]
