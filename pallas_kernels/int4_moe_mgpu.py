@@ -235,7 +235,7 @@ def _fragment_operand(words_ref):
 def grouped_int4_matmul(x_chunks, w, s, tile_expert, *, tokens_per_tile: int, out_layout: str = "rows",
                         epilogue: str = "none", wide_tiles: int = 0, out_dtype=jnp.float32, stages: int = 2,
                         split: int = 1, mma_in_flight: int | None = None, overlap: bool = False,
-                        auto_barriers: bool = True, probe: str = ""):
+                        auto_barriers: bool = True, dependent_launch: bool = False, probe: str = ""):
     """Pallas Mosaic GPU kernel (H100/H200). Same contract as ``grouped_int4_matmul_ref``, except that the
     output columns (rows) of skipped tiles are left unwritten (garbage: the MoE layer reads only the rows
     of real pairs), and with
@@ -265,6 +265,12 @@ def grouped_int4_matmul(x_chunks, w, s, tile_expert, *, tokens_per_tile: int, ou
     is released a step late); otherwise each step waits for its own wgmmas. ``auto_barriers=False`` drops
     Mosaic GPU's warpgroup barriers before a pipeline slot is refilled (``unsafe_no_auto_barriers``); safe
     only because each step ends with ``wgmma_wait(0)``, hence refused together with ``overlap``.
+    ``dependent_launch`` (a probe of programmatic dependent launch, off by default): every program
+    first waits for the grids before it to complete (``griddepcontrol.wait``: nothing is read before), then
+    lets the next grid launch (``griddepcontrol.launch_dependents``), so that a next kernel launched with
+    CUDA's programmatic stream serialization can be resident and past its launch while this one runs.
+    Without that launch attribute both instructions do nothing; whether XLA sets it for a Mosaic GPU
+    kernel is what the probe is for (the result is the same either way).
     ``probe`` (benchmarks only, wrong results): "no_scale" skips the per-group scale multiply; "mma_once"
     adds the eight dequantised groups of a step (bf16 adds) and issues one wgmma for them; "stream_only"
     runs the copy pipeline with an empty step (what the memory side alone costs). (A fourth, the A operand
@@ -307,6 +313,9 @@ def grouped_int4_matmul(x_chunks, w, s, tile_expert, *, tokens_per_tile: int, ou
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
     def body(te_ref, x_ref, w_ref, s_ref, o_ref):
+        if dependent_launch:  # wait before the first read (tile_expert too), then free the next grid's launch
+            plgpu.griddepcontrol_wait()
+            plgpu.griddepcontrol_launch_dependents()
         t = lax.axis_index("tile")
         b = lax.axis_index("rows")
         sp = lax.axis_index("split")
@@ -515,7 +524,8 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
                          expert_offset: int | jax.Array = 0, out_dtype=None, use_kernel: bool = False,
                          tile: int | None = None, stages: int = 2, split: int | None = None,
                          mma_in_flight: int | None | str = "auto", chunk: int = 128, wide: bool | None = None,
-                         routing: str = "auto", gather: str = "words", expert_shards: int = 1):
+                         routing: str = "auto", gather: str = "words", expert_shards: int = 1,
+                         dependent_launch: bool = False):
     """Routed experts of one MoE layer on tiled INT4 stacks: the Mosaic GPU kernel (``use_kernel``) or its
     twin, around the same XLA routing and combine.
 
@@ -541,7 +551,8 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
     same layout either way), or "per_pair" (``route_per_pair``: a tile per pair, no grouping); "auto" takes
     "per_pair" for one token (M = 1), else ``moe_routing``'s choice. gather: ``gather_token_chunks``'.
     expert_shards: how many devices share the experts under expert parallelism (this call holds one
-    share); only ``default_split``'s estimate of the busy tiles uses it.
+    share); only ``default_split``'s estimate of the busy tiles uses it. dependent_launch: both GEMMs'
+    ``grouped_int4_matmul(dependent_launch=)`` (a probe; the twin ignores it).
     """
     m, d = x.shape
     k = expert_ids.shape[1]
@@ -581,7 +592,7 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
     if use_kernel:
         mm = lambda *a, split, epilogue="none", out_dtype=jnp.float32: grouped_int4_matmul(  # noqa: E731
             *a, tokens_per_tile=n, out_layout="tokens", epilogue=epilogue, wide_tiles=wide_tiles, stages=stages,
-            split=split, mma_in_flight=mma_in_flight, out_dtype=out_dtype)
+            split=split, mma_in_flight=mma_in_flight, out_dtype=out_dtype, dependent_launch=dependent_launch)
     else:
         mm = lambda *a, split, epilogue="none", out_dtype=jnp.float32: grouped_int4_matmul_ref(  # noqa: E731
             *a, tokens_per_tile=n, out_layout="tokens", epilogue=epilogue, wide_tiles=wide_tiles,

@@ -299,6 +299,24 @@ def test_kernel_lowers_for_cuda(rows, n, stages, split, out_layout, inflight):
     assert MGPU_CALL in text
 
 
+@pytest.mark.parametrize("dependent_launch", [False, True])
+def test_dependent_launch_probe_lowers_with_the_grid_controls(dependent_launch):
+    """The probe's two instructions are in the lowered kernel only when asked for, wait before signal."""
+    n, rows = 8, 128
+    w = jax.ShapeDtypeStruct((3, 2, 2 * rows, K.STEP), jnp.int4)
+    s = jax.ShapeDtypeStruct((3, 2, 2 * K.STEP // K.GROUP, rows), jnp.bfloat16)
+    xg = jax.ShapeDtypeStruct((2 * K.STEP // K.GROUP, 2 * n, K.GROUP), jnp.bfloat16)
+    te = jax.ShapeDtypeStruct((2,), jnp.int32)
+    fn = functools.partial(K.grouped_int4_matmul, tokens_per_tile=n, dependent_launch=dependent_launch)
+    text = jax.jit(fn).trace(xg, w, s, te).lower(lowering_platforms=("cuda",)).as_text()
+    waits, signals = text.count("griddepcontrol.wait"), text.count("griddepcontrol.launch_dependents")
+    if dependent_launch:
+        assert waits >= 1 and signals >= 1
+        assert text.index("griddepcontrol.wait") < text.index("griddepcontrol.launch_dependents")
+    else:
+        assert waits == signals == 0
+
+
 def test_bad_input_errors():
     rng = np.random.default_rng(0)
     qa = random_stack(rng, 2, 128, 256)
