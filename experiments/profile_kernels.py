@@ -43,8 +43,9 @@ def profile(fn, args, calls: int, with_wall: bool) -> dict:
     return out
 
 
-def attention_case(H, B, T, P, kernel="mgpu", C=576, L=512):
-    """The tree attention at one shape: the Mosaic GPU op, or (kernel="xla") plain XLA masked attention."""
+def attention_case(H, B, T, P, kernel="mgpu", C=576, L=512, weighted_sum="dot"):
+    """The tree attention at one shape: the Mosaic GPU op (its split merge's ``weighted_sum``), or
+    (kernel="xla") plain XLA masked attention."""
     from ddtree_jax.tree import make_tree
     from experiments.bench_tree_attention import xla_masked
     from pallas_kernels.mla_attention_mgpu import tree_attention_mgpu
@@ -57,7 +58,8 @@ def attention_case(H, B, T, P, kernel="mgpu", C=576, L=512):
     rng = np.random.default_rng(T)
     parents = np.array([[-1] + [int(rng.integers(0, i)) for i in range(1, T)] for _ in range(B)], np.int32)
     mask = make_tree(np.zeros((B, T), np.int32), parents, max_depth=T - 1).visibility
-    fn = functools.partial(tree_attention_mgpu, scale=0.14468, kv_lora_rank=L) if kernel == "mgpu" else xla_masked
+    fn = functools.partial(tree_attention_mgpu, scale=0.14468, kv_lora_rank=L, weighted_sum=weighted_sum) \
+        if kernel == "mgpu" else xla_masked
     # prefix_len tied to q: each chained call builds its tail inputs (fixed ones would be built once per chain)
     return (lambda q, cache, plen, tkv, mask: fn(q, cache, bench_util.tie_to(plen, q), tkv, mask)), \
         (q, cache, jnp.full((B,), P, jnp.int32), tkv, mask)
@@ -108,10 +110,13 @@ def main(argv=None):
         "xla_T1_H8_B16_8K": lambda: attention_case(8, 16, 1, 8192, kernel="xla"),
         "att_T1_H64_B1_8K": lambda: attention_case(64, 1, 1, 8192),
         "att_T1_H8_B1_64K": lambda: attention_case(8, 1, 1, 65536),
+        "att_T1_H8_B1_64K_reduce": lambda: attention_case(8, 1, 1, 65536, weighted_sum="reduce"),  # merge A/B
+        "att_T1_H64_B1_8K_reduce": lambda: attention_case(64, 1, 1, 8192, weighted_sum="reduce"),
         "att_T64_H8_B4_8K": lambda: attention_case(8, 4, 64, 8192),
         "moe_M1": lambda: moe_case(1),
         "moe_M9": lambda: moe_case(9),
         "moe_M256": lambda: moe_case(256),
+        "moe_M512": lambda: moe_case(512),
         "moe_M1024": lambda: moe_case(1024),
     }
     if args.smoke:

@@ -425,14 +425,15 @@ def _check_valid_rows(valid_rows, rows: int) -> int:
 
 def tree_attention_mgpu(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, kv_lora_rank,
                         interpret=False, return_lse=False, block_k=64, stages=2, num_splits=None,
-                        share_scores=True, num_sms=_NUM_SMS_H200, kernel=split_attention):
+                        share_scores=True, num_sms=_NUM_SMS_H200, kernel=split_attention, weighted_sum="dot"):
     """MLA tree-verify attention on the Mosaic GPU kernel (module docstring).
 
     q [B, T, H, C] bf16, cache_kv [B, S, C] bf16, prefix_len [B] int32 (values outside [0, S] are
     clamped), tree_kv [B, T, C] bf16, tree_mask [B, T, T] bool (diagonal True). Returns out [B, T, H, L]
     bf16 (and lse [B, T, H] f32 with ``return_lse``). ``num_splits`` defaults to :func:`default_splits`
     for ``num_sms`` SMs. ``kernel`` is :func:`split_attention`, or its twin :func:`split_attention_ref`
-    (CPU tests of everything around the kernel). ``interpret=True`` is refused: JAX's Mosaic GPU
+    (CPU tests of everything around the kernel). ``weighted_sum``: the split merge's (``merge_lse``; an
+    A/B, "dot" by default). ``interpret=True`` is refused: JAX's Mosaic GPU
     interpreter (0.10) has neither register-operand wgmma nor accumulator stores; CPU tests lower the
     kernel for CUDA.
     """
@@ -455,6 +456,6 @@ def tree_attention_mgpu(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, k
     if num_splits == 1:  # every row sees its own node: lse is finite
         out, lse = o[0], lse[0]
     else:
-        out, lse = merge_lse(o, lse)
+        out, lse = merge_lse(o, lse, weighted_sum=weighted_sum)
     out = out[:, :N].reshape(B, T, H, L).astype(q.dtype)
     return (out, lse[:, :N].reshape(B, T, H)) if return_lse else out

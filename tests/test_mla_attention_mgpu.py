@@ -109,6 +109,12 @@ def test_cascade_with_twin_prefix_matches_dense(B, T, H, S, plens, kind, NS):
     np.testing.assert_allclose(np.asarray(lse), r_l, atol=1e-3, rtol=1e-4)
     t_o = jax.jit(functools.partial(tree_attention_ref, scale=SCALE, kv_lora_rank=L))(*args)
     np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(t_o, np.float32), atol=2e-2, rtol=2e-2)
+    if NS > 1:  # the merge's other weighted sum: the same f32 values up to summation order
+        o2, lse2 = jax.jit(functools.partial(M.tree_attention_mgpu, scale=SCALE, kv_lora_rank=L, num_splits=NS,
+                                             return_lse=True, kernel=M.split_attention_ref,
+                                             weighted_sum="reduce"))(*args)
+        np.testing.assert_allclose(np.asarray(o2, np.float32), np.asarray(o, np.float32), atol=8e-3, rtol=8e-3)
+        np.testing.assert_allclose(np.asarray(lse2), np.asarray(lse), rtol=1e-6, atol=1e-6)
 
 
 def test_default_splits_fill_the_gpu_only_when_needed():
