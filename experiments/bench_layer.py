@@ -206,7 +206,8 @@ def main(argv=None):
             if trace:  # where the part's device time goes: its slowest kernels, µs per call (per device)
                 row["kernels"] = [[k, launches, round(1e6 * sec, 2)] for k, launches, sec in trace["kernels"][:12]]
                 row.update(busy_us=1e6 * trace["busy_s"], idle_us=1e6 * trace["idle_s"],
-                           span_per_device_us=[round(1e6 * v, 2) for v in trace["span_per_device_s"]])
+                           span_per_device_us=[round(1e6 * v, 2) for v in trace["span_per_device_s"]],
+                           largest_gaps_us=trace["largest_gaps_us"])
             if name in floors:
                 row["floor_us"] = 1e6 * floors[name] / bandwidth
                 row["pct_of_bw"] = 100 * row["floor_us"] / row["us"]

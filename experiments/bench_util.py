@@ -137,7 +137,20 @@ def trace_kernel_events(program: Callable, args: tuple) -> list[tuple[str, int, 
     return sorted(events, key=lambda e: e[1])
 
 
-def traced_call_time(fn: Callable, args: tuple, calls: int = 8, chain: Callable = None) -> dict[str, Any]:
+def largest_gaps(events, n: int) -> list[list]:
+    """The ``n`` longest idle gaps of one device's (name, start_ns, duration_ns, ...) events sorted by start:
+    [[µs, kernel before, kernel after], ...], longest first (overlapping kernels are no gap)."""
+    gaps, end, before = [], None, None
+    for name, start, dur, *_ in events:
+        if end is not None and start > end:
+            gaps.append([round((start - end) / 1e3, 2), before, name])
+        if end is None or start + dur >= end:
+            end, before = start + dur, name
+    return sorted(gaps, key=lambda g: -g[0])[:n]
+
+
+def traced_call_time(fn: Callable, args: tuple, calls: int = 8, chain: Callable = None,
+                     gaps: int = 4) -> dict[str, Any]:
     """Device time per call of ``fn(*args)`` from a profiler trace of a chain of ``calls`` dependent calls
     (``chain(fn, calls)``, default ``dependent_chain``; a benchmark passes its own to rotate inputs).
 
@@ -146,7 +159,9 @@ def traced_call_time(fn: Callable, args: tuple, calls: int = 8, chain: Callable 
     slowest device's span: the figure benchmarks quote), busy_s and idle_s (that device's),
     span_per_device_s, and over all devices' kernels, averaged per device: kernels (name, launches,
     seconds, slowest first) and launches_us (every launch's microseconds, for names launched every call).
-    The host's work (dispatch, per-launch setup) shows only as idle gaps when the GPU waits for it."""
+    The host's work (dispatch, per-launch setup) shows only as idle gaps when the GPU waits for it:
+    largest_gaps_us lists each device's ``gaps`` longest gaps over the whole chain (µs, the kernel
+    before, the kernel after), to tell a launch skew at the start from waits between kernels."""
     events = trace_kernel_events((chain or dependent_chain)(fn, calls), args)
     if not events:
         raise RuntimeError("the profiler trace holds no kernel events")
@@ -163,6 +178,7 @@ def traced_call_time(fn: Callable, args: tuple, calls: int = 8, chain: Callable 
     return {"calls": calls, "devices": n_dev, "span_s": span / calls / 1e9, "busy_s": busy / calls / 1e9,
             "idle_s": (span - busy) / calls / 1e9,
             "span_per_device_s": [spans[dev][0] / calls / 1e9 for dev in sorted(spans)],
+            "largest_gaps_us": [largest_gaps(per_device[dev], gaps) for dev in sorted(per_device)],
             "kernels": sorted(([n, len(d) / per, sum(d) / per / 1e9] for n, d in per_name.items()),
                               key=lambda k: -k[2]),
             "launches_us": {n: [round(x / 1e3, 2) for x in d] for n, d in per_name.items() if len(d) >= calls}}

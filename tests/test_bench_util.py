@@ -61,6 +61,9 @@ def test_traced_call_time_spans_each_device_on_its_own_clock(monkeypatch):
     assert r["span_s"] == pytest.approx(3e-6) and r["busy_s"] == pytest.approx(2.5e-6)
     assert r["span_per_device_s"] == pytest.approx([3e-6, 1e-6])
     assert r["kernels"] == [["b", 0.5, pytest.approx(1.25e-6)], ["a", 0.5, pytest.approx(0.5e-6)]]
+    assert r["largest_gaps_us"] == [[[1.0, "a", "b"]], []]  # GPU 0 idles 1 us between a and b; GPU 1 never
+    overlapping = [("x", 0, 5000), ("y", 1000, 1000), ("z", 7000, 1000)]  # y inside x: the gap is x -> z
+    assert bench_util.largest_gaps(overlapping, 3) == [[2.0, "x", "z"]]
 
 
 def test_traced_call_time_takes_a_chain_builder():
