@@ -172,11 +172,13 @@ def routed_experts_tiled(x: jax.Array, expert_ids: jax.Array, expert_weights: ja
                                        out_dtype=jnp.float32, **tuning)
 
 
-def default_routed_fn(w13) -> Callable:
-    """The routed-expert compute for a w13 leaf: ``routed_experts_tiled`` for TiledInt4 stacks,
+def default_routed_fn(w13, expert_shards: int = 1) -> Callable:
+    """The routed-expert compute for a w13 leaf: ``routed_experts_tiled`` for TiledInt4 stacks (told that
+    ``expert_shards`` devices share the experts, for its split-K, when more than one),
     ``routed_experts_int4`` for PlanarInt4 stacks, else ``routed_experts_xla``."""
     if isinstance(w13, TiledInt4):
-        return routed_experts_tiled
+        return routed_experts_tiled if expert_shards == 1 else functools.partial(routed_experts_tiled,
+                                                                                 expert_shards=expert_shards)
     return routed_experts_int4 if isinstance(w13, PlanarInt4) else routed_experts_xla
 
 
@@ -216,23 +218,19 @@ def routed_experts(x, expert_ids, expert_weights, w13, w2, *, mesh: Mesh | None 
     Without a mesh (or with the experts axis unsharded) it runs ``routed_fn`` (default: chosen by the
     weights' type, ``default_routed_fn``) on all experts. With experts sharded over a mesh axis it runs
     expert-parallel under shard_map: tokens and routing are replicated, each device computes its own
-    experts' share, and one psum over the expert axis (M x D f32 per device) adds the shares. The tiled
-    kernel's routed fn is told how many devices share the experts (``expert_shards``, for its split-K).
+    experts' share, and one psum over the expert axis (M x D f32 per device) adds the shares.
     """
-    routed_fn = routed_fn or default_routed_fn(w13)
     axis = None if mesh is None or rules is None else rules.mesh_axis("experts")
     if axis is None or mesh.shape[axis] == 1:
-        return routed_fn(x, expert_ids, expert_weights, w13, w2)
+        return (routed_fn or default_routed_fn(w13))(x, expert_ids, expert_weights, w13, w2)
     n = mesh.shape[axis]
+    routed_fn = routed_fn or default_routed_fn(w13, expert_shards=n)
     num_experts = w13.shape[0]
     if num_experts % n:
         raise ValueError(f"{num_experts} experts do not split over mesh axis {axis!r} of size {n}")
     local = num_experts // n
     expert_spec = jax.tree.map(lambda _: PartitionSpec(axis), w13)
     expert_spec2 = jax.tree.map(lambda _: PartitionSpec(axis), w2)
-
-    if routed_fn is routed_experts_tiled:  # its split-K default counts the busy experts one device expects
-        routed_fn = functools.partial(routed_experts_tiled, expert_shards=n)
 
     def shard_body(x, ids, weights, w13_local, w2_local):
         offset = jax.lax.axis_index(axis) * local

@@ -437,9 +437,9 @@ def gather_token_chunks(x, row_token, chunk: int, gather: str = "words") -> jax.
     padded = jnp.concatenate([x, jnp.zeros((1, i), x.dtype)])
     if gather == "elements" or x.dtype != jnp.bfloat16:
         return to_chunks(padded, chunk)[:, row_token]
-    words = lax.bitcast_convert_type(padded.reshape(m + 1, i // 2, 2), jnp.uint32)  # [M + 1, I/2]
-    rows = jnp.swapaxes(words.reshape(m + 1, i // chunk, chunk // 2), 0, 1)[:, row_token]  # [I/C, P, C/2]
-    return lax.bitcast_convert_type(rows, jnp.bfloat16).reshape(i // chunk, row_token.shape[0], chunk)
+    chunks = to_chunks(padded, chunk)  # [I/C, M + 1, C]
+    words = lax.bitcast_convert_type(chunks.reshape(i // chunk, m + 1, chunk // 2, 2), jnp.uint32)
+    return lax.bitcast_convert_type(words[:, row_token], jnp.bfloat16).reshape(i // chunk, -1, chunk)
 
 
 def _concat_columns(parts):
