@@ -232,6 +232,68 @@ def _fragment_operand(words_ref):
     return build(words_ref)
 
 
+def tile_product(x_ref, w_ref, s_ref, *, n_rows: int, block, first_step, steps: int, chunk: int, stages: int,
+                 mma_in_flight: int | None = None, overlap: bool = False, probe: str = ""):
+    """Inside a Mosaic GPU kernel: one expert row block times one token tile, [R, n_rows] f32 (layout WGMMA).
+
+    x_ref: the chunk-major activations in global memory [I/C, P, C]; w_ref / s_ref: the expert's row block
+    of a tiled stack ([KR, 128] words in fragments order or [KR, S] int4 in groups order; scales [I/G, R]);
+    the tile's rows are [block * n_rows, (block + 1) * n_rows) of P and the pipeline runs ``steps`` steps of
+    S columns from ``first_step``. The options are ``grouped_int4_matmul``'s."""
+    fragments = w_ref.dtype == jnp.int32
+    rows = s_ref.shape[-1]
+    slab = (32, 128) if fragments else (rows, STEP)
+    gps, gpc, cps = STEP // GROUP, chunk // GROUP, STEP // chunk  # scale groups per step, per chunk; chunks per step
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+
+    def acc_scope(acc_ref):
+        def step_body(_, w_smem, s_smem, x_smem):
+            if probe == "stream_only":
+                return
+            w_groups = w_smem.reshape(gps, 512) if fragments else w_smem.reshape(gps, rows, GROUP)
+
+            def group_operand(g):  # scale group g of the step: bf16 [R, 32], layout WGMMA
+                if fragments:
+                    wg = _fragment_operand(w_groups.at[g])
+                else:
+                    wq = plgpu.load(w_groups.at[g], (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
+                    wg = plgpu.layout_cast(wq, plgpu.Layout.WGMMA).astype(jnp.bfloat16)
+                if probe != "no_scale":
+                    sg = plgpu.load(s_smem.at[g], (), layout=row_layout)
+                    wg = wg * lax.broadcast_in_dim(sg, wg.shape, [0])
+                return wg
+
+            total = None
+            for c in range(cps):  # one wgmma per chunk of gpc scale groups
+                wc = _concat([group_operand(c * gpc + j) for j in range(gpc)], axis=1)
+                if probe == "mma_once":
+                    total = wc if total is None else total + wc
+                    continue
+                plgpu.wgmma(acc_ref, wc, plgpu.transpose_ref(x_smem.at[c], (1, 0)))
+                if mma_in_flight is not None and c < cps - 1:
+                    plgpu.wgmma_wait(mma_in_flight)
+            if probe == "mma_once":
+                plgpu.wgmma(acc_ref, total, plgpu.transpose_ref(x_smem.at[0], (1, 0)))
+            plgpu.wgmma_wait(cps if overlap else 0)
+
+        plgpu.emit_pipeline(
+            step_body, grid=(steps,),
+            in_specs=[
+                plgpu.BlockSpec(slab, lambda k: (k + first_step, 0)),
+                plgpu.BlockSpec((gps, rows), lambda k: (k + first_step, 0)),
+                plgpu.BlockSpec((cps, n_rows, chunk), lambda k: (k + first_step, block, 0),
+                                transforms=(plgpu.TilingTransform((8, min(chunk, 64))),
+                                            plgpu.SwizzleTransform(min(2 * chunk, 128))),
+                                delay_release=1 if overlap else 0),
+            ],
+            max_concurrent_steps=stages,
+        )(w_ref, s_ref, x_ref)
+        return acc_ref[...]
+
+    return pl.run_scoped(acc_scope, plgpu.ACC((rows, n_rows), jnp.float32))
+
+
+
 def grouped_int4_matmul(x_chunks, w, s, tile_expert, *, tokens_per_tile: int, out_layout: str = "rows",
                         epilogue: str = "none", wide_tiles: int = 0, out_dtype=jnp.float32, stages: int = 2,
                         split: int = 1, mma_in_flight: int | None = None, overlap: bool = False,
@@ -296,7 +358,6 @@ def grouped_int4_matmul(x_chunks, w, s, tile_expert, *, tokens_per_tile: int, ou
     p = x_chunks.shape[1]
     e_n, nb, kr, step = w.shape
     rows = s.shape[-1]
-    slab = (32, 128) if fragments else (rows, STEP)  # one pipeline step's weight block
     ksteps = in_dim // STEP
     if ksteps % split:
         raise ValueError(f"split={split} must divide the {ksteps} pipeline steps")
@@ -308,9 +369,6 @@ def grouped_int4_matmul(x_chunks, w, s, tile_expert, *, tokens_per_tile: int, ou
                          f"(limit {SMEM_LIMIT}): fewer tokens per tile or stages")
     nt = tile_expert.shape[0]
     nt_narrow = nt - wide_tiles
-    gps, gpc, cps = STEP // GROUP, chunk // GROUP, STEP // chunk  # scale groups per step, per chunk; chunks per step
-    wgmma_layout = plgpu.Layout.WGMMA
-    row_layout = plgpu.Layout.WGMMA.reduce(1)
 
     def body(te_ref, x_ref, w_ref, s_ref, o_ref):
         if dependent_launch:  # wait before the first read (tile_expert too), then free the next grid's launch
@@ -322,51 +380,9 @@ def grouped_int4_matmul(x_chunks, w, s, tile_expert, *, tokens_per_tile: int, ou
         e = te_ref[t]
 
         def program(n_rows, block):  # one tile: n_rows tokens, rows [block * n_rows, (block + 1) * n_rows)
-            def acc_scope(acc_ref):
-                def step_body(_, w_smem, s_smem, x_smem):
-                    if probe == "stream_only":
-                        return
-                    w_groups = w_smem.reshape(gps, 512) if fragments else w_smem.reshape(gps, rows, GROUP)
-
-                    def group_operand(g):  # scale group g of the step: bf16 [R, 32], layout WGMMA
-                        if fragments:
-                            wg = _fragment_operand(w_groups.at[g])
-                        else:
-                            wq = plgpu.load(w_groups.at[g], (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
-                            wg = plgpu.layout_cast(wq, wgmma_layout).astype(jnp.bfloat16)
-                        if probe != "no_scale":
-                            sg = plgpu.load(s_smem.at[g], (), layout=row_layout)
-                            wg = wg * lax.broadcast_in_dim(sg, wg.shape, [0])
-                        return wg
-
-                    total = None
-                    for c in range(cps):  # one wgmma per chunk of gpc scale groups
-                        wc = _concat_columns([group_operand(c * gpc + j) for j in range(gpc)])
-                        if probe == "mma_once":
-                            total = wc if total is None else total + wc
-                            continue
-                        plgpu.wgmma(acc_ref, wc, plgpu.transpose_ref(x_smem.at[c], (1, 0)))
-                        if mma_in_flight is not None and c < cps - 1:
-                            plgpu.wgmma_wait(mma_in_flight)
-                    if probe == "mma_once":
-                        plgpu.wgmma(acc_ref, total, plgpu.transpose_ref(x_smem.at[0], (1, 0)))
-                    plgpu.wgmma_wait(cps if overlap else 0)
-
-                plgpu.emit_pipeline(
-                    step_body, grid=(kps,),
-                    in_specs=[
-                        plgpu.BlockSpec(slab, lambda k: (k + sp * kps, 0)),
-                        plgpu.BlockSpec((gps, rows), lambda k: (k + sp * kps, 0)),
-                        plgpu.BlockSpec((cps, n_rows, chunk), lambda k: (k + sp * kps, block, 0),
-                                        transforms=(plgpu.TilingTransform((8, min(chunk, 64))),
-                                                    plgpu.SwizzleTransform(min(2 * chunk, 128))),
-                                        delay_release=1 if overlap else 0),
-                    ],
-                    max_concurrent_steps=stages,
-                )(w_ref.at[e, b], s_ref.at[e, b], x_ref)
-                return acc_ref[...]
-
-            acc = pl.run_scoped(acc_scope, plgpu.ACC((rows, n_rows), jnp.float32))
+            acc = tile_product(x_ref, w_ref.at[e, b], s_ref.at[e, b], n_rows=n_rows, block=block,
+                               first_step=sp * kps, steps=kps, chunk=chunk, stages=stages,
+                               mma_in_flight=mma_in_flight, overlap=overlap, probe=probe)
 
             def store(o_smem):  # a scope after the pipeline's: the output tile reuses its shared memory
                 if fused:  # rows [0, 64) are gate, [64, 128) up of the same f: the same registers of each thread
@@ -423,6 +439,7 @@ def to_chunks(x, chunk: int) -> jax.Array:
 
 
 GATHERS = ("elements", "words")
+LAUNCHES = ("two", "one")
 
 
 def gather_token_chunks(x, row_token, chunk: int, gather: str = "words") -> jax.Array:
@@ -442,18 +459,20 @@ def gather_token_chunks(x, row_token, chunk: int, gather: str = "words") -> jax.
     return lax.bitcast_convert_type(words[:, row_token], jnp.bfloat16).reshape(i // chunk, -1, chunk)
 
 
-def _concat_columns(parts):
-    """bf16 [R, 32] WGMMA-layout operands -> their [R, 32 * len(parts)] concatenation (no instructions: the
-    registers of 8-column tile j of part k become tile 4 k + j)."""
+def _concat(parts, axis: int):
+    """bf16 WGMMA-layout operands -> their concatenation along rows (axis 0, in 64-row blocks) or columns
+    (axis 1, in 8-column tiles); no instructions: the parts' registers are renumbered (e.g. [R, 32] groups:
+    8-column tile j of part k becomes tile 4 k + j)."""
     if len(parts) == 1:
         return parts[0]
-    rows = parts[0].shape[0]
+    shape = list(parts[0].shape)
+    shape[axis] *= len(parts)
 
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,) * len(parts), return_type=plgpu.ShapeDtypeStruct(
-        (rows, GROUP * len(parts)), jnp.bfloat16, layout=plgpu.Layout.WGMMA))
+        tuple(shape), jnp.bfloat16, layout=plgpu.Layout.WGMMA))
     def concat(ctx, *arrays):
         del ctx
-        regs = np.concatenate([a.registers for a in arrays], axis=1)
+        regs = np.concatenate([a.registers for a in arrays], axis=axis)
         return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
 
     return concat(*parts)
@@ -525,7 +544,7 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
                          tile: int | None = None, stages: int = 2, split: int | None = None,
                          mma_in_flight: int | None | str = "auto", chunk: int = 128, wide: bool | None = None,
                          routing: str = "auto", gather: str = "words", expert_shards: int = 1,
-                         dependent_launch: bool = False):
+                         dependent_launch: bool = False, launch: str = "two"):
     """Routed experts of one MoE layer on tiled INT4 stacks: the Mosaic GPU kernel (``use_kernel``) or its
     twin, around the same XLA routing and combine.
 
@@ -552,7 +571,10 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
     "per_pair" for one token (M = 1), else ``moe_routing``'s choice. gather: ``gather_token_chunks``'.
     expert_shards: how many devices share the experts under expert parallelism (this call holds one
     share); only ``default_split``'s estimate of the busy tiles uses it. dependent_launch: both GEMMs'
-    ``grouped_int4_matmul(dependent_launch=)`` (a probe; the twin ignores it).
+    ``grouped_int4_matmul(dependent_launch=)`` (a probe; the twin ignores it). launch: "two" (the gate+up
+    GEMM, then the down GEMM) or "one" (``int4_moe_fused``: one launch whose programs each run gate+up for
+    64 f and that block's share of the down GEMM; XLA sums the shares; per-pair tiles and a paired gate/up
+    stack only).
     """
     m, d = x.shape
     k = expert_ids.shape[1]
@@ -564,6 +586,12 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
     if routing not in METHODS + ("per_pair",):
         raise ValueError(f"routing must be one of {METHODS + ('per_pair',)}, got {routing!r}")
     per_pair = routing == "per_pair" or (routing == "auto" and m == 1)
+    if launch not in LAUNCHES:
+        raise ValueError(f"launch must be one of {LAUNCHES}, got {launch!r}")
+    if launch == "one" and (not per_pair or w13.gate_up_block != PAIR_BLOCK):
+        raise ValueError("launch='one' needs per-pair tiles (routing='per_pair', or 'auto' at M = 1) and a w13 "
+                         f"paired in {PAIR_BLOCK}-row blocks; got routing={routing!r} at M = {m}, gate_up_block="
+                         f"{w13.gate_up_block}")
     if per_pair and wide:
         raise ValueError("per-pair tiles (routing='per_pair', the default at M = 1) have one width: wide=True "
                          "needs a grouped routing")
@@ -589,6 +617,14 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
                                                               routing)
         wide_tiles = 0
     xs = gather_token_chunks(x, row_token, chunk, gather)  # [D/C, P, C]
+    pair_dtype = jnp.bfloat16 if x.dtype == jnp.bfloat16 and split2 == 1 else jnp.float32
+    if launch == "one":
+        from pallas_kernels.int4_moe_fused import fused_int4_moe, fused_int4_moe_ref  # (it builds on this module)
+        fused = fused_int4_moe if use_kernel else fused_int4_moe_ref
+        partials = fused(xs, w13.packed, w13.scale, w2.packed, w2.scale, tile_expert, tokens_per_tile=n,
+                         stages=stages)  # [F/64, NT, D]
+        y_tiles = jnp.sum(partials, axis=0).astype(jnp.bfloat16 if x.dtype == jnp.bfloat16 else jnp.float32)
+        return _gather_combine(y_tiles, pair_row // n, expert_weights, out_dtype or x.dtype)
     if use_kernel:
         mm = lambda *a, split, epilogue="none", out_dtype=jnp.float32: grouped_int4_matmul(  # noqa: E731
             *a, tokens_per_tile=n, out_layout="tokens", epilogue=epilogue, wide_tiles=wide_tiles, stages=stages,
@@ -603,7 +639,6 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
         gu = mm(xs, w13.packed, w13.scale, tile_expert, split=split13)  # [P, 2F] f32
         gate, up = gate_and_up(gu, w13.gate_up_block)
         h = to_chunks((jax.nn.silu(gate) * up).astype(x.dtype), chunk)  # [F/C, P, C]
-    pair_dtype = jnp.bfloat16 if x.dtype == jnp.bfloat16 and split2 == 1 else jnp.float32
     y_pairs = mm(h, w2.packed, w2.scale, tile_expert, split=split2, out_dtype=pair_dtype)  # [P, D]
     return _gather_combine(y_pairs, pair_row, expert_weights, out_dtype or x.dtype)
 

@@ -1,0 +1,188 @@
+"""The routed experts of one token in one Mosaic GPU launch (H100/H200): gate+up, SiLU·up and a split of the
+down GEMM per program, + pure-JAX twin.
+
+Dimension letters: E experts, D model width, F expert width, B = F/64 blocks of 64 f (one paired gate/up
+row block of 128 rows each), NT tiles of N tokens (only a tile's first row is a real pair: the per-pair
+layout of ``moe_routing.route_per_pair``), C activation chunk width.
+
+    h_t[f]         = silu(gate_t[f]) * up_t[f]                  (bf16; gate/up = W13[e_t] x_t, f32 sums)
+    partial[b, t]  = W2[e_t][:, 64 b : 64 b + 64] h_t[64 b : 64 b + 64]        (f32, [D])
+
+so that sum_b partial[b, t] is tile t's down product (the expert's output for its pair).
+
+Why: with two GEMM launches (``int4_moe_mgpu.routed_experts_tiled``) the down GEMM waits for the whole
+gate+up GEMM, and its pipeline fill cannot overlap the first's tail. At one token (M = 1 on the H200,
+session 10) the two kernels took 40 + 25 us for a 47 us floor. Here program (t, b) needs only its own 64
+values of h, so each program runs gate+up for its block and goes straight on to its share of the down
+GEMM: one launch, no dependency between programs; programs still in their first phase overlap those in
+their second. The price is the partials: B x NT x D f32 (7.3 MB at M = 1 for K2.6, written here and summed
+by XLA) instead of the NT x D down rows.
+
+Kernel
+------
+Grid (NT, B), one warpgroup. Phase 1 is ``int4_moe_mgpu.tile_product`` on row block b of the paired
+gate/up stack (``TiledInt4.from_compressed_tensors(..., pair_gate_up=True)``: rows [0, 64) gate and
+[64, 128) up of the same 64 f), then h = silu(gate) * up in registers, stored transposed to shared memory
+as the down GEMM's B operand ([N, 64] bf16, swizzled). Phase 2 streams, for the program's 64 columns of
+W2, ``D_BLOCKS_PER_STEP`` 128-row blocks per pipeline step (16 KB of words and 2 KB of scales, as one
+gate+up step): the 64 f columns of a fragment-ordered slab are its rows [8 q, 8 q + 8) (q = b mod 4 the
+64-column quarter of a 256-column step), so W2 is viewed as [E, D/128, B, 8, 128] words at no cost. Each step
+dequantises its 2 x D_BLOCKS_PER_STEP groups, issues one [512, 64] x [64, N] wgmma and stores the first row of
+the f32 result with TMA.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.int4_moe_mgpu import (
+    SMEM_LIMIT, _concat, _fragment_operand, check_grouped_args, grouped_int4_matmul_ref, silu_mul, smem_bytes,
+    tile_product)
+from pallas_kernels.int4_tiles import FRAG_ROWS, GROUP, PAIR_BLOCK, STEP, dequantize_expert
+
+try:
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+except ImportError:  # pragma: no cover
+    plgpu = None
+
+D_BLOCKS_PER_STEP = 4  # 128-row blocks of W2 per phase-2 pipeline step
+WORD_ROWS = PAIR_BLOCK // GROUP * 4  # rows of a [32, 128]-word fragment slab that hold 64 columns (8)
+STORE_BOX = 256  # widest TMA box dimension
+
+
+def check_fused_args(x_chunks, w13, s13, w2, s2, tile_expert, n: int) -> tuple[int, int]:
+    """Validates ``fused_int4_moe``'s arguments statically; returns (D, F). Raises ValueError naming the
+    mismatch."""
+    fragments, d, two_f = check_grouped_args(x_chunks, w13, s13, tile_expert, n)
+    if not fragments:
+        raise ValueError("the fused kernel takes stacks in fragments order (int32 words), got int4 groups order")
+    if x_chunks.shape[-1] < PAIR_BLOCK:
+        raise ValueError(f"activation chunks must be >= {PAIR_BLOCK} columns (the paired gate/up epilogue), got "
+                         f"{x_chunks.shape[-1]}")
+    f = two_f // 2
+    e_n = w13.shape[0]
+    if w2.dtype != jnp.int32 or tuple(w2.shape) != (e_n, d // FRAG_ROWS, f // STEP * 32, 128) or \
+            tuple(s2.shape) != (e_n, d // FRAG_ROWS, f // GROUP, FRAG_ROWS):
+        raise ValueError(f"w2 {w2.dtype} {tuple(w2.shape)} / scales {tuple(s2.shape)} are not a fragments-order "
+                         f"[{e_n}, {d}, {f}] stack (expected words {(e_n, d // FRAG_ROWS, f // STEP * 32, 128)})")
+    if (d // FRAG_ROWS) % D_BLOCKS_PER_STEP:
+        raise ValueError(f"D={d} must be a multiple of {FRAG_ROWS * D_BLOCKS_PER_STEP}")
+    return d, f
+
+
+def fused_int4_moe_ref(x_chunks, w13, s13, w2, s2, tile_expert, *, tokens_per_tile: int, stages: int = 2):
+    """Twin of ``fused_int4_moe`` (same signature): x_chunks [D/C, NT N, C] (tile t's pair in row t N),
+    w13/s13 a paired gate/up stack and w2/s2 a down stack in fragments order, tile_expert int32 [NT] ->
+    partials f32 [F/64, NT, D] (zero for skipped tiles, expert < 0). stages: the kernel's (unused here)."""
+    del stages
+    n = tokens_per_tile
+    d, f = check_fused_args(x_chunks, w13, s13, w2, s2, tile_expert, n)
+    nt = tile_expert.shape[0]
+    h = grouped_int4_matmul_ref(x_chunks, w13, s13, tile_expert, tokens_per_tile=n, out_layout="tokens",
+                                epilogue="silu_mul")  # [F/C, NT N, C]
+    h_first = jnp.swapaxes(h, 0, 1).reshape(nt, n, f)[:, 0].astype(jnp.float32)  # [NT, F]
+
+    def tile_partials(e, hrow):
+        w_down = dequantize_expert(w2, s2, jnp.maximum(e, 0), x_chunks.dtype).astype(jnp.float32)  # [D, F]
+        blocks = w_down.reshape(d, f // PAIR_BLOCK, PAIR_BLOCK) * hrow.reshape(f // PAIR_BLOCK, PAIR_BLOCK)
+        return jnp.where(e >= 0, jnp.sum(blocks, axis=-1).T, 0.0)  # [F/64, D]
+
+    return jnp.swapaxes(lax.map(lambda a: tile_partials(*a), (tile_expert, h_first)), 0, 1)
+
+
+def fused_smem_bytes(n: int, stages: int) -> int:
+    """Shared memory of one program: the larger of phase 1 (``smem_bytes``) and phase 2 (h, ``stages`` x
+    (W2 words + scales) and the f32 result staged for its store)."""
+    step2 = D_BLOCKS_PER_STEP * (WORD_ROWS * 128 * 4 + 2 * FRAG_ROWS * 2)
+    return max(smem_bytes(FRAG_ROWS, n, stages), n * PAIR_BLOCK * 2 + stages * step2 +
+               n * D_BLOCKS_PER_STEP * FRAG_ROWS * 4)
+
+
+def fused_int4_moe(x_chunks, w13, s13, w2, s2, tile_expert, *, tokens_per_tile: int, stages: int = 2):
+    """Pallas Mosaic GPU kernel (H100/H200). Same contract as ``fused_int4_moe_ref``, except that the
+    partials of skipped tiles are left unwritten (the caller reads only real pairs' rows)."""
+    if plgpu is None:
+        raise RuntimeError("jax.experimental.pallas.mosaic_gpu is not available in this JAX")
+    n = tokens_per_tile
+    d, f = check_fused_args(x_chunks, w13, s13, w2, s2, tile_expert, n)
+    if x_chunks.dtype != jnp.bfloat16:
+        raise ValueError(f"the kernel takes bf16 activations, got {x_chunks.dtype}")
+    smem = fused_smem_bytes(n, stages)
+    if smem > SMEM_LIMIT:
+        raise ValueError(f"tiles of {n} tokens with stages={stages} need {smem} bytes of shared memory "
+                         f"(limit {SMEM_LIMIT})")
+    chunk = x_chunks.shape[-1]
+    e_n = w13.shape[0]
+    nt, nb = tile_expert.shape[0], f // PAIR_BLOCK
+    d_blocks = d // FRAG_ROWS
+    rows_per_step = D_BLOCKS_PER_STEP * FRAG_ROWS
+    w2_view = w2.reshape(e_n, d_blocks, nb, WORD_ROWS, 128)  # f block b of row block j: [8, 128] words
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+
+    def body(te_ref, x_ref, w13_ref, s13_ref, w2_ref, s2_ref, o_ref):
+        t = lax.axis_index("tile")
+        b = lax.axis_index("fblock")
+        e = te_ref[t]
+
+        def program():
+            acc = tile_product(x_ref, w13_ref.at[e, b], s13_ref.at[e, b], n_rows=n, block=t, first_step=0,
+                               steps=d // STEP, chunk=chunk, stages=stages)
+            h = silu_mul(acc[:PAIR_BLOCK], acc[PAIR_BLOCK:]).astype(jnp.bfloat16)  # [64, N]
+
+            def down(h_smem, out_smem):
+                h_smem.transpose((1, 0))[...] = plgpu.layout_cast(h, plgpu.Layout.WGMMA_TRANSPOSED)
+                plgpu.commit_smem()
+
+                def step_body(idx, w_smem, s_smem):
+                    groups = w_smem.reshape(2 * D_BLOCKS_PER_STEP, 512)
+                    blocks = []
+                    for i in range(D_BLOCKS_PER_STEP):
+                        parts = []
+                        for g in range(2):
+                            wg = _fragment_operand(groups.at[2 * i + g])
+                            sg = plgpu.load(s_smem.at[i, g], (), layout=row_layout)
+                            parts.append(wg * lax.broadcast_in_dim(sg, wg.shape, [0]))
+                        blocks.append(_concat(parts, axis=1))  # [128, 64]
+                    a = _concat(blocks, axis=0)  # [512, 64]
+
+                    def product(acc_ref):
+                        plgpu.wgmma(acc_ref, a, plgpu.transpose_ref(h_smem, (1, 0)))
+                        plgpu.wgmma_wait(0)
+                        return acc_ref[...]
+
+                    y = pl.run_scoped(product, plgpu.ACC((rows_per_step, n), jnp.float32))
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last step's store has read out_smem
+                    out_smem.transpose((1, 0))[...] = plgpu.layout_cast(y, plgpu.Layout.WGMMA_TRANSPOSED)
+                    plgpu.commit_smem()
+                    col0 = idx[0] * rows_per_step
+                    for c in range(0, rows_per_step, STORE_BOX):
+                        plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(0, 1), pl.ds(c, STORE_BOX)],
+                                                o_ref.at[b, pl.ds(t, 1), pl.ds(col0 + c, STORE_BOX)],
+                                                commit_group=c + STORE_BOX >= rows_per_step)
+
+                plgpu.emit_pipeline(
+                    step_body, grid=(d_blocks // D_BLOCKS_PER_STEP,),
+                    in_specs=[
+                        plgpu.BlockSpec((D_BLOCKS_PER_STEP, None, WORD_ROWS, 128), lambda j: (j, b, 0, 0)),
+                        plgpu.BlockSpec((D_BLOCKS_PER_STEP, 2, FRAG_ROWS), lambda j: (j, b, 0)),
+                    ],
+                    max_concurrent_steps=stages,
+                )(w2_ref.at[e], s2_ref.at[e])
+                plgpu.wait_smem_to_gmem(0)
+
+            pl.run_scoped(down,
+                          plgpu.SMEM((n, PAIR_BLOCK), jnp.bfloat16,
+                                     transforms=(plgpu.TilingTransform((8, PAIR_BLOCK)), plgpu.SwizzleTransform(128))),
+                          plgpu.SMEM((n, rows_per_step), jnp.float32))
+
+        pl.when(e >= 0)(program)
+
+    kernel = plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((nb, nt, d), jnp.float32),
+        grid=(nt, nb), grid_names=("tile", "fblock"),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+    )
+    return kernel(tile_expert, x_chunks, w13, s13, w2_view, s2)
