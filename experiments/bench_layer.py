@@ -34,6 +34,7 @@ sys.path.insert(0, ROOT)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from ddtree_jax.config import QuantConfig, k26_config, tiny_config  # noqa: E402
 from ddtree_jax.hf_loader import ShapeOnlyRngs  # noqa: E402
@@ -192,6 +193,8 @@ def main(argv=None):
         for name, (step, aux) in parts(cfg, layer, m, args.prefix, rt).items():
             if wanted and name not in wanted:
                 continue
+            if rt.mesh is not None:  # inputs on every device up front: else each call copies them over (P2P)
+                x, aux = jax.device_put((x, aux), NamedSharding(rt.mesh, PartitionSpec()))
             fn = looped(gdef, step, args.iters)
             try:
                 t_loop = None if traced and args.no_loop else \
