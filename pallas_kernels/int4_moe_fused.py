@@ -24,11 +24,12 @@ Grid (NT, B), one warpgroup. Phase 1 is ``int4_moe_mgpu.tile_product`` on row bl
 gate/up stack (``TiledInt4.from_compressed_tensors(..., pair_gate_up=True)``: rows [0, 64) gate and
 [64, 128) up of the same 64 f), then h = silu(gate) * up in registers, stored transposed to shared memory
 as the down GEMM's B operand ([N, 64] bf16, swizzled). Phase 2 streams, for the program's 64 columns of
-W2, ``D_BLOCKS_PER_STEP`` 128-row blocks per pipeline step (16 KB of words and 2 KB of scales, as one
-gate+up step): the 64 f columns of a fragment-ordered slab are its rows [8 q, 8 q + 8) (q = b mod 4 the
+W2, ``down_blocks`` 128-row blocks per pipeline step (4 by default: 16 KB of words and 2 KB of scales, as
+one gate+up step): the 64 f columns of a fragment-ordered slab are its rows [8 q, 8 q + 8) (q = b mod 4 the
 64-column quarter of a 256-column step), so W2 is viewed as [E, D/128, B, 8, 128] words at no cost. Each step
-dequantises its 2 x D_BLOCKS_PER_STEP groups, issues one [512, 64] x [64, N] wgmma and stores the first row of
-the f32 result with TMA.
+dequantises its 2 x down_blocks groups, issues one [128 down_blocks, 64] x [64, N] wgmma, sums the
+result's N columns in registers (the padding rows' h is exactly zero, so the sum is the first row's
+product) and stores it with TMA from a two-slot staging buffer.
 """
 
 from __future__ import annotations
@@ -48,12 +49,12 @@ try:
 except ImportError:  # pragma: no cover
     plgpu = None
 
-D_BLOCKS_PER_STEP = 4  # 128-row blocks of W2 per phase-2 pipeline step
+DOWN_BLOCKS = (2, 4, 8)  # choices of 128-row blocks of W2 per phase-2 pipeline step
 WORD_ROWS = PAIR_BLOCK // GROUP * 4  # rows of a [32, 128]-word fragment slab that hold 64 columns (8)
 STORE_BOX = 256  # widest TMA box dimension
 
 
-def check_fused_args(x_chunks, w13, s13, w2, s2, tile_expert, n: int) -> tuple[int, int]:
+def check_fused_args(x_chunks, w13, s13, w2, s2, tile_expert, n: int, down_blocks: int = 4) -> tuple[int, int]:
     """Validates ``fused_int4_moe``'s arguments statically; returns (D, F). Raises ValueError naming the
     mismatch."""
     fragments, d, two_f = check_grouped_args(x_chunks, w13, s13, tile_expert, n)
@@ -68,18 +69,23 @@ def check_fused_args(x_chunks, w13, s13, w2, s2, tile_expert, n: int) -> tuple[i
             tuple(s2.shape) != (e_n, d // FRAG_ROWS, f // GROUP, FRAG_ROWS):
         raise ValueError(f"w2 {w2.dtype} {tuple(w2.shape)} / scales {tuple(s2.shape)} are not a fragments-order "
                          f"[{e_n}, {d}, {f}] stack (expected words {(e_n, d // FRAG_ROWS, f // STEP * 32, 128)})")
-    if (d // FRAG_ROWS) % D_BLOCKS_PER_STEP:
-        raise ValueError(f"D={d} must be a multiple of {FRAG_ROWS * D_BLOCKS_PER_STEP}")
+    if down_blocks not in DOWN_BLOCKS:
+        raise ValueError(f"down_blocks must be one of {DOWN_BLOCKS}, got {down_blocks!r}")
+    if (d // FRAG_ROWS) % down_blocks:
+        raise ValueError(f"D={d} must be a multiple of {FRAG_ROWS * down_blocks}")
     return d, f
 
 
-def fused_int4_moe_ref(x_chunks, w13, s13, w2, s2, tile_expert, *, tokens_per_tile: int, stages: int = 2):
+def fused_int4_moe_ref(x_chunks, w13, s13, w2, s2, tile_expert, *, tokens_per_tile: int, stages: int = 2,
+                       down_blocks: int = 4):
     """Twin of ``fused_int4_moe`` (same signature): x_chunks [D/C, NT N, C] (tile t's pair in row t N),
     w13/s13 a paired gate/up stack and w2/s2 a down stack in fragments order, tile_expert int32 [NT] ->
-    partials f32 [F/64, NT, D] (zero for skipped tiles, expert < 0). stages: the kernel's (unused here)."""
+    partials f32 [F/64, NT, D] (zero for skipped tiles, expert < 0). A tile's other N - 1 rows must be zero
+    (the per-pair layout gathers the zero row there): the kernel sums all N products. stages, down_blocks:
+    the kernel's (checked, else unused here)."""
     del stages
     n = tokens_per_tile
-    d, f = check_fused_args(x_chunks, w13, s13, w2, s2, tile_expert, n)
+    d, f = check_fused_args(x_chunks, w13, s13, w2, s2, tile_expert, n, down_blocks)
     nt = tile_expert.shape[0]
     h = grouped_int4_matmul_ref(x_chunks, w13, s13, tile_expert, tokens_per_tile=n, out_layout="tokens",
                                 epilogue="silu_mul")  # [F/C, NT N, C]
@@ -93,24 +99,25 @@ def fused_int4_moe_ref(x_chunks, w13, s13, w2, s2, tile_expert, *, tokens_per_ti
     return jnp.swapaxes(lax.map(lambda a: tile_partials(*a), (tile_expert, h_first)), 0, 1)
 
 
-def fused_smem_bytes(n: int, stages: int) -> int:
+def fused_smem_bytes(n: int, stages: int, down_blocks: int = 4) -> int:
     """Shared memory of one program: the larger of phase 1 (``smem_bytes``) and phase 2 (h, ``stages`` x
     (W2 words + scales) and the f32 result staged for its store)."""
-    step2 = D_BLOCKS_PER_STEP * (WORD_ROWS * 128 * 4 + 2 * FRAG_ROWS * 2)
+    step2 = down_blocks * (WORD_ROWS * 128 * 4 + 2 * FRAG_ROWS * 2)
     return max(smem_bytes(FRAG_ROWS, n, stages), n * PAIR_BLOCK * 2 + stages * step2 +
-               n * D_BLOCKS_PER_STEP * FRAG_ROWS * 4)
+               2 * down_blocks * FRAG_ROWS * 4)
 
 
-def fused_int4_moe(x_chunks, w13, s13, w2, s2, tile_expert, *, tokens_per_tile: int, stages: int = 2):
+def fused_int4_moe(x_chunks, w13, s13, w2, s2, tile_expert, *, tokens_per_tile: int, stages: int = 2,
+                   down_blocks: int = 4):
     """Pallas Mosaic GPU kernel (H100/H200). Same contract as ``fused_int4_moe_ref``, except that the
     partials of skipped tiles are left unwritten (the caller reads only real pairs' rows)."""
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.mosaic_gpu is not available in this JAX")
     n = tokens_per_tile
-    d, f = check_fused_args(x_chunks, w13, s13, w2, s2, tile_expert, n)
+    d, f = check_fused_args(x_chunks, w13, s13, w2, s2, tile_expert, n, down_blocks)
     if x_chunks.dtype != jnp.bfloat16:
         raise ValueError(f"the kernel takes bf16 activations, got {x_chunks.dtype}")
-    smem = fused_smem_bytes(n, stages)
+    smem = fused_smem_bytes(n, stages, down_blocks)
     if smem > SMEM_LIMIT:
         raise ValueError(f"tiles of {n} tokens with stages={stages} need {smem} bytes of shared memory "
                          f"(limit {SMEM_LIMIT})")
@@ -118,7 +125,7 @@ def fused_int4_moe(x_chunks, w13, s13, w2, s2, tile_expert, *, tokens_per_tile: 
     e_n = w13.shape[0]
     nt, nb = tile_expert.shape[0], f // PAIR_BLOCK
     d_blocks = d // FRAG_ROWS
-    rows_per_step = D_BLOCKS_PER_STEP * FRAG_ROWS
+    rows_per_step = down_blocks * FRAG_ROWS
     w2_view = w2.reshape(e_n, d_blocks, nb, WORD_ROWS, 128)  # f block b of row block j: [8, 128] words
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
@@ -137,9 +144,9 @@ def fused_int4_moe(x_chunks, w13, s13, w2, s2, tile_expert, *, tokens_per_tile: 
                 plgpu.commit_smem()
 
                 def step_body(idx, w_smem, s_smem):
-                    groups = w_smem.reshape(2 * D_BLOCKS_PER_STEP, 512)
+                    groups = w_smem.reshape(2 * down_blocks, 512)
                     blocks = []
-                    for i in range(D_BLOCKS_PER_STEP):
+                    for i in range(down_blocks):
                         parts = []
                         for g in range(2):
                             wg = _fragment_operand(groups.at[2 * i + g])
@@ -154,20 +161,23 @@ def fused_int4_moe(x_chunks, w13, s13, w2, s2, tile_expert, *, tokens_per_tile: 
                         return acc_ref[...]
 
                     y = pl.run_scoped(product, plgpu.ACC((rows_per_step, n), jnp.float32))
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last step's store has read out_smem
-                    out_smem.transpose((1, 0))[...] = plgpu.layout_cast(y, plgpu.Layout.WGMMA_TRANSPOSED)
+                    # the padding columns are exact zeros (their h is silu(0) * 0), so the row sums are column 0
+                    first = jnp.sum(y, axis=1)  # [rows_per_step], layout WGMMA_ROW
+                    slot = idx[0] % 2
+                    plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # this slot's last store has read it
+                    out_smem.at[slot][...] = first
                     plgpu.commit_smem()
                     col0 = idx[0] * rows_per_step
                     for c in range(0, rows_per_step, STORE_BOX):
-                        plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(0, 1), pl.ds(c, STORE_BOX)],
-                                                o_ref.at[b, pl.ds(t, 1), pl.ds(col0 + c, STORE_BOX)],
+                        plgpu.copy_smem_to_gmem(out_smem.at[slot, pl.ds(c, STORE_BOX)],
+                                                o_ref.at[b, t, pl.ds(col0 + c, STORE_BOX)],
                                                 commit_group=c + STORE_BOX >= rows_per_step)
 
                 plgpu.emit_pipeline(
-                    step_body, grid=(d_blocks // D_BLOCKS_PER_STEP,),
+                    step_body, grid=(d_blocks // down_blocks,),
                     in_specs=[
-                        plgpu.BlockSpec((D_BLOCKS_PER_STEP, None, WORD_ROWS, 128), lambda j: (j, b, 0, 0)),
-                        plgpu.BlockSpec((D_BLOCKS_PER_STEP, 2, FRAG_ROWS), lambda j: (j, b, 0)),
+                        plgpu.BlockSpec((down_blocks, None, WORD_ROWS, 128), lambda j: (j, b, 0, 0)),
+                        plgpu.BlockSpec((down_blocks, 2, FRAG_ROWS), lambda j: (j, b, 0)),
                     ],
                     max_concurrent_steps=stages,
                 )(w2_ref.at[e], s2_ref.at[e])
@@ -176,7 +186,7 @@ def fused_int4_moe(x_chunks, w13, s13, w2, s2, tile_expert, *, tokens_per_tile: 
             pl.run_scoped(down,
                           plgpu.SMEM((n, PAIR_BLOCK), jnp.bfloat16,
                                      transforms=(plgpu.TilingTransform((8, PAIR_BLOCK)), plgpu.SwizzleTransform(128))),
-                          plgpu.SMEM((n, rows_per_step), jnp.float32))
+                          plgpu.SMEM((2, rows_per_step), jnp.float32))
 
         pl.when(e >= 0)(program)
 

@@ -544,7 +544,7 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
                          tile: int | None = None, stages: int = 2, split: int | None = None,
                          mma_in_flight: int | None | str = "auto", chunk: int = 128, wide: bool | None = None,
                          routing: str = "auto", gather: str = "words", expert_shards: int = 1,
-                         dependent_launch: bool = False, launch: str = "two"):
+                         dependent_launch: bool = False, launch: str = "two", down_blocks: int = 4):
     """Routed experts of one MoE layer on tiled INT4 stacks: the Mosaic GPU kernel (``use_kernel``) or its
     twin, around the same XLA routing and combine.
 
@@ -574,7 +574,7 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
     ``grouped_int4_matmul(dependent_launch=)`` (a probe; the twin ignores it). launch: "two" (the gate+up
     GEMM, then the down GEMM) or "one" (``int4_moe_fused``: one launch whose programs each run gate+up for
     64 f and that block's share of the down GEMM; XLA sums the shares; per-pair tiles and a paired gate/up
-    stack only).
+    stack only; ``down_blocks``: its 128-row blocks of W2 per pipeline step).
     """
     m, d = x.shape
     k = expert_ids.shape[1]
@@ -622,7 +622,7 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
         from pallas_kernels.int4_moe_fused import fused_int4_moe, fused_int4_moe_ref  # (it builds on this module)
         fused = fused_int4_moe if use_kernel else fused_int4_moe_ref
         partials = fused(xs, w13.packed, w13.scale, w2.packed, w2.scale, tile_expert, tokens_per_tile=n,
-                         stages=stages)  # [F/64, NT, D]
+                         stages=stages, down_blocks=down_blocks)  # [F/64, NT, D]
         y_tiles = jnp.sum(partials, axis=0).astype(jnp.bfloat16 if x.dtype == jnp.bfloat16 else jnp.float32)
         return _gather_combine(y_tiles, pair_row // n, expert_weights, out_dtype or x.dtype)
     if use_kernel:

@@ -95,12 +95,14 @@ def test_one_launch_errors():
     te = jnp.zeros((TOPK,), jnp.int32)
     with pytest.raises(ValueError, match="fragments"):
         FU.fused_int4_moe_ref(xs, t13.packed, t13.scale, groups.packed, groups.scale, te, tokens_per_tile=8)
+    with pytest.raises(ValueError, match="down_blocks must be"):
+        FU.fused_int4_moe_ref(xs, t13.packed, t13.scale, t2.packed, t2.scale, te, tokens_per_tile=8, down_blocks=3)
     with pytest.raises(ValueError, match="shared memory"):
         FU.fused_int4_moe(xs, t13.packed, t13.scale, t2.packed, t2.scale, te, tokens_per_tile=8, stages=12)
 
 
-@pytest.mark.parametrize("n,stages", [(8, 2), (16, 3)])
-def test_fused_kernel_lowers_for_cuda(n, stages):
+@pytest.mark.parametrize("n,stages,down_blocks", [(8, 2, 4), (16, 3, 2), (8, 2, 8)])
+def test_fused_kernel_lowers_for_cuda(n, stages, down_blocks):
     f, d, e, nt = 512, 1024, 3, 2
     w13 = jax.ShapeDtypeStruct((e, 2 * f // 128, d // 256 * 32, 128), jnp.int32)
     s13 = jax.ShapeDtypeStruct((e, 2 * f // 128, d // 32, 128), jnp.bfloat16)
@@ -108,19 +110,20 @@ def test_fused_kernel_lowers_for_cuda(n, stages):
     s2 = jax.ShapeDtypeStruct((e, d // 128, f // 32, 128), jnp.bfloat16)
     x = jax.ShapeDtypeStruct((d // 128, nt * n, 128), jnp.bfloat16)
     te = jax.ShapeDtypeStruct((nt,), jnp.int32)
-    fn = functools.partial(FU.fused_int4_moe, tokens_per_tile=n, stages=stages)
+    fn = functools.partial(FU.fused_int4_moe, tokens_per_tile=n, stages=stages, down_blocks=down_blocks)
     lowered = jax.jit(fn).trace(x, w13, s13, w2, s2, te)
     assert lowered.out_info.shape == (f // 64, nt, d) and lowered.out_info.dtype == jnp.float32
     assert MGPU_CALL in lowered.lower(lowering_platforms=("cuda",)).as_text()
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 2])
-def test_gpu_fused_kernel_matches_twin(m):
+@pytest.mark.parametrize("m,down_blocks", [(1, 4), (2, 2), (1, 8)])
+def test_gpu_fused_kernel_matches_twin(m, down_blocks):
     rng = np.random.default_rng(10 + m)
     _, x, ids, args = fused_inputs(rng, m, e=16, d=1024, f=512, k=8)
     tile_expert = args[-1].at[1].set(-1)
-    got = np.asarray(jax.jit(functools.partial(FU.fused_int4_moe, tokens_per_tile=8))(*args[:-1], tile_expert))
+    kernel = functools.partial(FU.fused_int4_moe, tokens_per_tile=8, down_blocks=down_blocks)
+    got = np.asarray(jax.jit(kernel)(*args[:-1], tile_expert))
     want = np.asarray(FU.fused_int4_moe_ref(*args[:-1], tile_expert, tokens_per_tile=8))
     real = np.asarray(tile_expert) >= 0
     assert rel_norm(got[:, real], want[:, real]) < 1e-3
