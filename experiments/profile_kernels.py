@@ -112,11 +112,7 @@ def main(argv=None):
         "att_T1_H8_B1_64K": lambda: attention_case(8, 1, 1, 65536),
         "att_T1_H8_B1_64K_reduce": lambda: attention_case(8, 1, 1, 65536, weighted_sum="reduce"),  # merge A/B
         "att_T1_H64_B1_8K_reduce": lambda: attention_case(64, 1, 1, 8192, weighted_sum="reduce"),
-        "att_T1_H8_B1_64K_online": lambda: attention_case(8, 1, 1, 65536, weighted_sum="online"),
-        "att_T1_H64_B1_8K_online": lambda: attention_case(64, 1, 1, 8192, weighted_sum="online"),
-        "att_T8_H8_B1_64K_online": lambda: attention_case(8, 1, 8, 65536, weighted_sum="online"),
         "att_T8_H8_B1_64K": lambda: attention_case(8, 1, 8, 65536),
-        "att_T1_H8_B16_8K_online": lambda: attention_case(8, 16, 1, 8192, weighted_sum="online"),
         "att_T64_H8_B4_8K": lambda: attention_case(8, 4, 64, 8192),
         "moe_M1": lambda: moe_case(1),
         "moe_M9": lambda: moe_case(9),

@@ -90,25 +90,18 @@ def fold_rows(q, multiple: int) -> jax.Array:
     return jnp.pad(rows, ((0, 0), (0, pad), (0, 0))) if pad else rows
 
 
-MERGES = ("dot", "reduce", "online")
-
-
 def merge_lse(o_parts, lse_parts, *, weighted_sum: str = "dot"):
     """Log-sum-exp combine of normalised partial attention outputs.
 
     o_parts [NS, ..., L] (any float dtype), lse_parts [NS, ...] f32 natural-log (-inf: an empty part).
     Returns (out f32 [..., L], lse f32 [...]); a row whose parts are all empty gets out 0 and lse -inf.
     weighted_sum: how the parts are weighted and added, "dot" (an f32 einsum over NS) or "reduce" (a
-    product and a sum over NS, which XLA may fuse with the weights' exp), both after a max and a sum of the
-    weights over NS, or "online": one variadic reduction over NS of (running max, weight sum, weighted sum),
-    each pair combined by rescaling to the larger max (the kernel's own online softmax), so the parts are
-    read once, in one XLA reduction. The same f32 values up to rounding. ``bench_tree_attention.py --mode
-    parts`` and ``profile_kernels.py`` time them (the merge costs several µs at B = 1 on the H200).
+    product and a sum over NS, which XLA may fuse with the weights' exp); the same f32 values up to
+    summation order. ``bench_tree_attention.py --mode parts`` times both (the merge costs several µs at
+    B = 1 on the H200).
     """
-    if weighted_sum not in MERGES:
-        raise ValueError(f"weighted_sum must be one of {MERGES}, got {weighted_sum!r}")
-    if weighted_sum == "online":
-        return _merge_online(o_parts, lse_parts)
+    if weighted_sum not in ("dot", "reduce"):
+        raise ValueError(f"weighted_sum must be 'dot' or 'reduce', got {weighted_sum!r}")
     top = lse_parts.max(0)
     top = jnp.where(jnp.isfinite(top), top, 0.0)
     w = jnp.exp(lse_parts - top)
@@ -118,27 +111,6 @@ def merge_lse(o_parts, lse_parts, *, weighted_sum: str = "dot"):
     else:
         acc = jnp.einsum("s...,s...l->...l", w, o_parts.astype(jnp.float32), precision=lax.Precision.HIGHEST)
     return acc / jnp.where(tot > 0, tot, 1.0)[..., None], top + jnp.log(tot)
-
-
-def _merge_online(o_parts, lse_parts):
-    """``merge_lse``'s "online" form: (m, s, a) per row and column, a part being (lse, 1, o) (an empty one
-    (-inf, 0, 0)); two combine as m = max(m1, m2), s = s1 e^(m1 - m) + s2 e^(m2 - m), a likewise."""
-    m = jnp.broadcast_to(lse_parts.astype(jnp.float32)[..., None], o_parts.shape)
-    present = m > -jnp.inf  # an empty part is (-inf, 0, 0), the combine's identity (XLA may skip the init)
-    o = jnp.where(present, o_parts.astype(jnp.float32), 0.0)
-
-    def combine(x, y):
-        (m1, s1, a1), (m2, s2, a2) = x, y
-        top = jnp.maximum(m1, m2)
-        w1 = jnp.where(m1 > -jnp.inf, jnp.exp(m1 - top), 0.0)
-        w2 = jnp.where(m2 > -jnp.inf, jnp.exp(m2 - top), 0.0)
-        return top, s1 * w1 + s2 * w2, a1 * w1 + a2 * w2
-
-    zero = jnp.zeros((), jnp.float32)
-    top, tot, acc = lax.reduce((m, present.astype(jnp.float32), o), (jnp.float32(-jnp.inf), zero, zero),
-                               combine, (0,))
-    out = jnp.where(tot > 0, acc / jnp.where(tot > 0, tot, 1.0), 0.0)
-    return out, top[..., 0] + jnp.log(tot[..., 0])
 
 
 def _check_shapes(q, cache_kv, prefix_len, tree_kv, tree_mask, kv_lora_rank):

@@ -109,12 +109,12 @@ def test_cascade_with_twin_prefix_matches_dense(B, T, H, S, plens, kind, NS):
     np.testing.assert_allclose(np.asarray(lse), r_l, atol=1e-3, rtol=1e-4)
     t_o = jax.jit(functools.partial(tree_attention_ref, scale=SCALE, kv_lora_rank=L))(*args)
     np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(t_o, np.float32), atol=2e-2, rtol=2e-2)
-    for weighted_sum in ("reduce", "online") if NS > 1 else ():  # the merge's other forms: the same f32 values
+    if NS > 1:  # the merge's other weighted sum: the same f32 values up to summation order
         o2, lse2 = jax.jit(functools.partial(M.tree_attention_mgpu, scale=SCALE, kv_lora_rank=L, num_splits=NS,
                                              return_lse=True, kernel=M.split_attention_ref,
-                                             weighted_sum=weighted_sum))(*args)  # up to rounding
+                                             weighted_sum="reduce"))(*args)
         np.testing.assert_allclose(np.asarray(o2, np.float32), np.asarray(o, np.float32), atol=8e-3, rtol=8e-3)
-        np.testing.assert_allclose(np.asarray(lse2), np.asarray(lse), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(lse2), np.asarray(lse), rtol=1e-6, atol=1e-6)
 
 
 def test_default_splits_fill_the_gpu_only_when_needed():
@@ -181,7 +181,7 @@ def test_valid_rows_keep_only_the_real_rows_of_one_tile():
     assert "mosaic_gpu" in lowered.as_text() and lowered.out_info[0].shape == (3, 2, 8, 128)
 
 
-@pytest.mark.parametrize("weighted_sum", ["dot", "reduce", "online"])
+@pytest.mark.parametrize("weighted_sum", ["dot", "reduce"])
 def test_merge_lse_weights_parts_and_keeps_empty_rows_empty(weighted_sum):
     from pallas_kernels.tree_attention import merge_lse as merge
     merge_lse = functools.partial(merge, weighted_sum=weighted_sum)
