@@ -18,6 +18,14 @@ GEMM: one launch, no dependency between programs; programs still in their first 
 their second. The price is the partials: B x NT x D f32 (7.3 MB at M = 1 for K2.6, written here and summed
 by XLA) instead of the NT x D down rows.
 
+Measured (H200, M = 1, K2.6 dims, traced, against two launches in the same run,
+experiments/results/bench_moe_s11_fused.json): the kernel takes 62.3 us against 39.0 + 25.3, but the layer
+71.9 us against 71.2, since XLA's sum of the partials adds ~3 us of glue; so two launches stay the default
+(``routed_experts_tiled(launch="two")``). The 256 programs all fit on the 132 SMs at once, so they run
+phase 1 together and then phase 2 together: the hoped-for overlap of one program's phase 2 with another's
+phase 1 does not happen. down_blocks 2 / 8 took 74.4 / 84.5 us, stages 3 72.6; the first form of phase 2
+(each step's whole [512, N] tile transposed through shared memory) 86.4 (bench_moe_s11_m1.json).
+
 Kernel
 ------
 Grid (NT, B), one warpgroup. Phase 1 is ``int4_moe_mgpu.tile_product`` on row block b of the paired

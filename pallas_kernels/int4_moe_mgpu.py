@@ -574,7 +574,8 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
     ``grouped_int4_matmul(dependent_launch=)`` (a probe; the twin ignores it). launch: "two" (the gate+up
     GEMM, then the down GEMM) or "one" (``int4_moe_fused``: one launch whose programs each run gate+up for
     64 f and that block's share of the down GEMM; XLA sums the shares; per-pair tiles and a paired gate/up
-    stack only; ``down_blocks``: its 128-row blocks of W2 per pipeline step).
+    stack only; ``down_blocks``: its 128-row blocks of W2 per pipeline step; on the H200 at M = 1 it took
+    71.9 us against 71.2 for two launches: see that module).
     """
     m, d = x.shape
     k = expert_ids.shape[1]
