@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -151,6 +152,7 @@ def main(argv=None):
     if wanted - known:
         p.error(f"unknown parts {sorted(wanted - known)}; known: {sorted(known)}")
     traced = jax.default_backend() == "gpu"  # a CPU trace holds host thunks, not a device timeline
+    started = time.perf_counter()  # the script's own seconds per phase go to the log (device time is scarce)
     bandwidth = measure_torch_copy_bandwidth() or measure_copy_bandwidth()
     cfg, layer = build_layer(args.size)
     gdef, state = nnx.split(layer)
@@ -163,6 +165,7 @@ def main(argv=None):
         layer = nnx.merge(gdef, state)
         memory = weight_bytes_per_device(state, mesh_shape)
         print("weights per device", memory, flush=True)
+    print(f"setup {time.perf_counter() - started:.1f} s (copy bandwidth, weights, repack)", flush=True)
     moe_bytes = bytes_of(nnx.state(layer.mlp))
     rest_bytes = bytes_of(state) - moe_bytes
     shared_bytes = bytes_of(nnx.state(layer.mlp.shared))
@@ -196,6 +199,7 @@ def main(argv=None):
             if rt.mesh is not None:  # inputs on every device up front: else each call copies them over (P2P)
                 x, aux = jax.device_put((x, aux), NamedSharding(rt.mesh, PartitionSpec()))
             fn = looped(gdef, step, args.iters)
+            part_started = time.perf_counter()
             try:
                 t_loop = None if traced and args.no_loop else \
                     time_fn(fn, state, x, aux, repeats=args.repeats)["median_s"] / args.iters
@@ -214,6 +218,7 @@ def main(argv=None):
             if name in floors:
                 row["floor_us"] = 1e6 * floors[name] / bandwidth
                 row["pct_of_bw"] = 100 * row["floor_us"] / row["us"]
+            row["script_s"] = round(time.perf_counter() - part_started, 1)  # compiles included
             rows.append(row)
             print({k: v for k, v in row.items() if k != "kernels"}, flush=True)
             save(rows)  # after every part, so that a run cut short keeps what it measured

@@ -293,7 +293,6 @@ def tile_product(x_ref, w_ref, s_ref, *, n_rows: int, block, first_step, steps: 
     return pl.run_scoped(acc_scope, plgpu.ACC((rows, n_rows), jnp.float32))
 
 
-
 def grouped_int4_matmul(x_chunks, w, s, tile_expert, *, tokens_per_tile: int, out_layout: str = "rows",
                         epilogue: str = "none", wide_tiles: int = 0, out_dtype=jnp.float32, stages: int = 2,
                         split: int = 1, mma_in_flight: int | None = None, overlap: bool = False,

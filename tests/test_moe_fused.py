@@ -62,7 +62,7 @@ def test_twin_partials_match_numpy():
         np.testing.assert_allclose(got[:, t], want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
 
 
-@pytest.mark.parametrize("offset", [0, 3])
+@pytest.mark.parametrize("offset", [3])  # experts held elsewhere (ids past the offset's share) are skipped
 def test_one_launch_layer_equals_two_launches(offset):
     """The layer with launch="one" (partials summed by XLA) gives the two-launch layer's output up to the
     order of f32 sums before each expert's bf16 rounding."""
