@@ -1,8 +1,8 @@
 """Projected full-size K2.6 decode on an 8-GPU mesh from per-layer measurements on 1 and 2 GPUs (issue #7).
 
     PYTHONPATH=. python experiments/project_k26.py \
-        --one experiments/results/bench_layer_h200.json \
-        --two experiments/results/bench_layer_h200x2_mesh1x2.json \
+        --one experiments/results/bench_layer_h200.json [more files of other M] \
+        --two experiments/results/bench_layer_h200x2_mesh1x2.json [...] \
         [--eval experiments/results/eval_grid_h200.json] [--gpus 8] [--figure span|busy] [--out DIR]
 
 A projection, not a measurement. It is only as good as these assumptions, which the output repeats:
@@ -48,6 +48,28 @@ def layer_times(result: dict, figure: str = "span") -> dict[int, float]:
         raise ValueError(f"{result.get('name', 'result')} has no {FIGURES[figure]!r} in its layer rows: "
                          f"figure={figure!r} needs traced results of session 10 or later")
     return {r["M"]: r[FIGURES[figure]] for r in rows}
+
+
+def combine_results(results: list[dict], names: list[str]) -> dict:
+    """Several bench_layer results of one mesh (e.g. M = 1, 9, 65 from one device call and M = 90 from
+    another) as one: their layer rows, each tagged with its file's commit; ``commit`` is the sorted set of
+    commits joined by "+" (so differing commits across files count as mixed). Raises ValueError if the
+    files time the layer differently or measure the same M twice."""
+    if len(results) == 1:
+        return results[0]
+    timings = {timing_of(r) for r in results}
+    if len(timings) > 1:
+        raise ValueError(f"{names} time the layer differently ({sorted(timings)}): measure them the same way")
+    rows, seen = [], {}
+    for result, name in zip(results, names):
+        for row in result["rows"]:
+            if row["part"] == "layer" and row["M"] in seen:
+                raise ValueError(f"M={row['M']} is in both {seen[row['M']]} and {name}")
+            if row["part"] == "layer":
+                seen[row["M"]] = name
+            rows.append(dict(row, commit=result.get("commit")))
+    commits = sorted({str(r.get("commit")) for r in results})
+    return dict(results[0], name="+".join(names), commit="+".join(commits), rows=rows)
 
 
 def fit(one: dict[int, float], two: dict[int, float]) -> dict[int, tuple[float, float]]:
@@ -117,8 +139,8 @@ def project(one: dict, two: dict, tau_by_budget: dict[int, float], gpus: int, la
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--one", required=True, help="bench_layer JSON on one GPU")
-    ap.add_argument("--two", required=True, help="bench_layer JSON on a 1x2 mesh")
+    ap.add_argument("--one", required=True, nargs="+", help="bench_layer JSON on one GPU (several: their M combined)")
+    ap.add_argument("--two", required=True, nargs="+", help="bench_layer JSON on a 1x2 mesh (likewise)")
     ap.add_argument("--eval", default=None, help="eval_grid JSON with the trained pair's tau per budget")
     ap.add_argument("--gpus", type=int, default=8)
     ap.add_argument("--out", default=None)
@@ -128,7 +150,8 @@ def main(argv=None):
                     help="the layer time fitted: the trace's span, or each device's summed kernel time")
     args = ap.parse_args(argv)
     load = lambda p: json.load(open(p))  # noqa: E731
-    one, two = load(args.one), load(args.two)
+    one = combine_results([load(p) for p in args.one], args.one)
+    two = combine_results([load(p) for p in args.two], args.two)
     tau = taus(load(args.eval)) if args.eval else {}
     rows = project(one, two, tau, args.gpus, allow_mixed=args.allow_mixed, figure=args.figure)
     payload = dict(kind="projection, not a measurement", gpus=args.gpus, layers=K26_LAYERS,

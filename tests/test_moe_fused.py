@@ -30,8 +30,13 @@ def stacks(rng, e=E, d=D, f=F):
     return w13, w2, t13, t2
 
 
-def fused_inputs(rng, m, e=E, d=D, f=F, k=TOPK, n=8):
-    w13, w2, t13, t2 = stacks(rng, e, d, f)
+@pytest.fixture(scope="module")
+def cpu_stacks():  # the CPU tests' experts, quantized and repacked once (seconds each time)
+    return stacks(np.random.default_rng(0))
+
+
+def fused_inputs(rng, m, e=E, d=D, f=F, k=TOPK, n=8, made=None):
+    w13, w2, t13, t2 = made or stacks(rng, e, d, f)
     x = jnp.asarray(rng.standard_normal((m, d)), jnp.bfloat16)
     ids = jnp.asarray(np.stack([rng.choice(e, k, replace=False) for _ in range(m)]), jnp.int32)
     row_token, tile_expert, _ = route_per_pair(ids, e, n)
@@ -39,11 +44,11 @@ def fused_inputs(rng, m, e=E, d=D, f=F, k=TOPK, n=8):
     return (w13, w2), x, ids, (xs, t13.packed, t13.scale, t2.packed, t2.scale, tile_expert)
 
 
-def test_twin_partials_match_numpy():
+def test_twin_partials_match_numpy(cpu_stacks):
     """partial[b, t] = W2[e_t][:, 64b:64b+64] h_t[64b:64b+64], h_t = silu(gate) * up (rounded to bf16) of
     the tile's first row, from the compressed-tensors weights; skipped tiles (expert -1) are zero."""
     rng = np.random.default_rng(0)
-    (w13, w2), x, ids, args = fused_inputs(rng, m=2)
+    (w13, w2), x, ids, args = fused_inputs(rng, m=2, made=cpu_stacks)
     tile_expert = args[-1].at[3].set(-1)
     got = np.asarray(FU.fused_int4_moe_ref(*args[:-1], tile_expert, tokens_per_tile=8))
     assert got.shape == (F // 64, 2 * TOPK, D)
@@ -63,11 +68,11 @@ def test_twin_partials_match_numpy():
 
 
 @pytest.mark.parametrize("offset", [3])  # experts held elsewhere (ids past the offset's share) are skipped
-def test_one_launch_layer_equals_two_launches(offset):
+def test_one_launch_layer_equals_two_launches(offset, cpu_stacks):
     """The layer with launch="one" (partials summed by XLA) gives the two-launch layer's output up to the
     order of f32 sums before each expert's bf16 rounding."""
     rng = np.random.default_rng(1 + offset)
-    _, _, t13, t2 = stacks(rng)
+    _, _, t13, t2 = cpu_stacks
     x = jnp.asarray(rng.standard_normal((1, D)), jnp.bfloat16)
     ids = jnp.asarray(rng.choice(E + offset, TOPK, replace=False)[None], jnp.int32)
     wts = jnp.asarray(rng.random((1, TOPK)), jnp.float32)
@@ -78,9 +83,8 @@ def test_one_launch_layer_equals_two_launches(offset):
     assert rel_norm(one, two) < 4e-3
 
 
-def test_one_launch_errors():
-    rng = np.random.default_rng(2)
-    w13, w2, t13, t2 = stacks(rng)
+def test_one_launch_errors(cpu_stacks):
+    w13, w2, t13, t2 = cpu_stacks
     x = jnp.zeros((3, D), jnp.bfloat16)
     ids, wts = jnp.zeros((3, TOPK), jnp.int32), jnp.ones((3, TOPK), jnp.float32)
     with pytest.raises(ValueError, match="per-pair tiles"):  # M = 3 groups its pairs by default

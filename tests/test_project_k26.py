@@ -62,3 +62,16 @@ def test_busy_figure_fits_the_kernels_time_and_needs_it_recorded():
         P.layer_times(result({1: 300.0}), "busy")
     with pytest.raises(ValueError, match="figure must be"):
         P.layer_times(one, "wall")
+
+
+def test_results_of_several_calls_combine_by_m():
+    a = dict(result({1: 300.0, 9: 500.0}, "a"), commit="c1")
+    b = dict(result({90: 1800.0}, "b"), commit="c2")
+    both = P.combine_results([a, b], ["a.json", "b.json"])
+    assert P.layer_times(both) == {1: 300.0, 9: 500.0, 90: 1800.0} and both["commit"] == "c1+c2"
+    assert {r["commit"] for r in both["rows"] if r["M"] == 90} == {"c2"}
+    assert P.combine_results([a], ["a.json"]) is a
+    with pytest.raises(ValueError, match="M=1 is in both a.json and c.json"):
+        P.combine_results([a, dict(result({1: 1.0}), commit="c3")], ["a.json", "c.json"])
+    with pytest.raises(ValueError, match="time the layer differently"):
+        P.combine_results([a, dict(b, config={"traced": True})], ["a.json", "b.json"])
