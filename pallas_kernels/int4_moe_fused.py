@@ -48,8 +48,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.int4_moe_mgpu import (
-    SMEM_LIMIT, _concat, _fragment_operand, check_grouped_args, grouped_int4_matmul_ref, silu_mul, smem_bytes,
-    tile_product)
+    SMEM_LIMIT, _concat, _fragment_operand, check_grouped_args, grouped_int4_matmul_ref, scale_rows, silu_mul,
+    smem_bytes, tile_product)
 from pallas_kernels.int4_tiles import FRAG_ROWS, GROUP, PAIR_BLOCK, STEP, dequantize_expert
 
 try:
@@ -135,7 +135,6 @@ def fused_int4_moe(x_chunks, w13, s13, w2, s2, tile_expert, *, tokens_per_tile: 
     d_blocks = d // FRAG_ROWS
     rows_per_step = down_blocks * FRAG_ROWS
     w2_view = w2.reshape(e_n, d_blocks, nb, WORD_ROWS, 128)  # f block b of row block j: [8, 128] words
-    row_layout = plgpu.Layout.WGMMA.reduce(1)
 
     def body(te_ref, x_ref, w13_ref, s13_ref, w2_ref, s2_ref, o_ref):
         t = lax.axis_index("tile")
@@ -155,11 +154,7 @@ def fused_int4_moe(x_chunks, w13, s13, w2, s2, tile_expert, *, tokens_per_tile: 
                     groups = w_smem.reshape(2 * down_blocks, 512)
                     blocks = []
                     for i in range(down_blocks):
-                        parts = []
-                        for g in range(2):
-                            wg = _fragment_operand(groups.at[2 * i + g])
-                            sg = plgpu.load(s_smem.at[i, g], (), layout=row_layout)
-                            parts.append(wg * lax.broadcast_in_dim(sg, wg.shape, [0]))
+                        parts = [scale_rows(_fragment_operand(groups.at[2 * i + g]), s_smem.at[i, g]) for g in range(2)]
                         blocks.append(_concat(parts, axis=1))  # [128, 64]
                     a = _concat(blocks, axis=0)  # [512, 64]
 

@@ -232,6 +232,13 @@ def _fragment_operand(words_ref):
     return build(words_ref)
 
 
+def scale_rows(wg, scale_ref):
+    """Inside a Mosaic GPU kernel: a dequantised group wg [R, 32] (layout WGMMA) times its rows' bf16 scales
+    (scale_ref: [R] in shared memory)."""
+    sg = plgpu.load(scale_ref, (), layout=plgpu.Layout.WGMMA.reduce(1))
+    return wg * lax.broadcast_in_dim(sg, wg.shape, [0])
+
+
 def tile_product(x_ref, w_ref, s_ref, *, n_rows: int, block, first_step, steps: int, chunk: int, stages: int,
                  mma_in_flight: int | None = None, overlap: bool = False, probe: str = ""):
     """Inside a Mosaic GPU kernel: one expert row block times one token tile, [R, n_rows] f32 (layout WGMMA).
@@ -244,7 +251,6 @@ def tile_product(x_ref, w_ref, s_ref, *, n_rows: int, block, first_step, steps: 
     rows = s_ref.shape[-1]
     slab = (32, 128) if fragments else (rows, STEP)
     gps, gpc, cps = STEP // GROUP, chunk // GROUP, STEP // chunk  # scale groups per step, per chunk; chunks per step
-    row_layout = plgpu.Layout.WGMMA.reduce(1)
 
     def acc_scope(acc_ref):
         def step_body(_, w_smem, s_smem, x_smem):
@@ -258,10 +264,7 @@ def tile_product(x_ref, w_ref, s_ref, *, n_rows: int, block, first_step, steps: 
                 else:
                     wq = plgpu.load(w_groups.at[g], (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
                     wg = plgpu.layout_cast(wq, plgpu.Layout.WGMMA).astype(jnp.bfloat16)
-                if probe != "no_scale":
-                    sg = plgpu.load(s_smem.at[g], (), layout=row_layout)
-                    wg = wg * lax.broadcast_in_dim(sg, wg.shape, [0])
-                return wg
+                return wg if probe == "no_scale" else scale_rows(wg, s_smem.at[g])
 
             total = None
             for c in range(cps):  # one wgmma per chunk of gpc scale groups
