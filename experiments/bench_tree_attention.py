@@ -9,8 +9,8 @@ Modes
   --mode sweep  tuning configs on a few shapes, each checked against the twin (f32) first.
   --mode grid   the trimmed grid below with the library's default config (or --cfg JSON).
   --mode parts  the Mosaic GPU op at the grid points, whole and in parts: glue (row folding, tail
-                inputs), kernel alone, merge (``mgpu_parts``; both ``merge_lse`` weighted sums, "dot"
-                as the library has it and "reduce"); says where a small problem's time goes.
+                inputs), kernel alone, merge (``mgpu_parts``; the library's one-launch ``combine_splits``
+                and its XLA twin beside it); says where a small problem's time goes.
   --points "H,B,T,P;..."  the points of --mode parts or splits instead of GRID / SPLIT_SHAPES.
   --mode splits the Mosaic GPU kernel at memory-bound points (``SPLIT_SHAPES``) with its default split
                 count and 1/2, 1/4, 1/8 of it: whether fewer, longer splits beat the merge's cost.
@@ -50,7 +50,8 @@ from ddtree_jax.tree import make_tree  # noqa: E402
 from experiments import bench_util  # noqa: E402
 from pallas_kernels import mla_attention_mgpu as M  # noqa: E402
 from pallas_kernels.mla_attention_mgpu import tree_attention_mgpu  # noqa: E402
-from pallas_kernels.tree_attention import (default_config, fold_rows, merge_lse, tree_attention,  # noqa: E402
+from pallas_kernels.split_combine import combine_splits, combine_splits_ref  # noqa: E402
+from pallas_kernels.tree_attention import (default_config, fold_rows, tree_attention,  # noqa: E402
                                            tree_attention_ref)
 
 KERNELS = {"triton": tree_attention, "mgpu": tree_attention_mgpu,
@@ -155,15 +156,15 @@ def mgpu_parts(H, B, T, S):
         qr, cache, tail_kv, bits = kernel_inputs(q, cache, plen, tkv, mask)
         return M.split_attention(qr, cache, plen, tail_kv, bits, **kw)
 
-    def merge_step(prep, plen, weighted_sum="dot"):
+    def merge_step(prep, plen, combine=combine_splits):
         o, lse = prep
         bump = (plen[0] > 1 << 30).astype(jnp.float32)  # 0, but traced: the calls stay in order
-        out, _ = merge_lse(o, lse + bump, weighted_sum=weighted_sum) if ns > 1 else (o[0], lse[0])
+        out, _ = combine(o, lse + bump, out_dtype=jnp.bfloat16) if ns > 1 else (o[0], lse[0])
         return out[:, :T * H].reshape(B, T, H, L).astype(jnp.bfloat16)
 
     return {"glue": (inputs_as_given, glue_step), "kernel": (kernel_inputs, kernel_step),
-            "merge": (kernel_outputs, merge_step),  # the library's merge ("dot"); "reduce" beside it
-            "merge_reduce": (kernel_outputs, functools.partial(merge_step, weighted_sum="reduce"))}
+            "merge": (kernel_outputs, merge_step),  # the library's one-launch merge; XLA's beside it
+            "merge_xla": (kernel_outputs, functools.partial(merge_step, combine=combine_splits_ref))}
 
 
 def chained_parts(prepare, step, n):
@@ -382,7 +383,7 @@ def main():
                     mode="parts")
         bench_util.print_table([r for r in rows if "error" not in r],
                                ["H", "B", "T", "P", "floor_ms", "ms", "glue_ms", "kernel_ms", "merge_ms",
-                                "merge_reduce_ms", "rest_ms"])
+                                "merge_xla_ms", "rest_ms"])
         return 0
     if args.mode == "splits":  # the Mosaic GPU kernel at its default split count, and 1/2, 1/4, 1/8 of it
         if args.smoke or jax.default_backend() != "gpu":

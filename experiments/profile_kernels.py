@@ -43,12 +43,13 @@ def profile(fn, args, calls: int, with_wall: bool) -> dict:
     return out
 
 
-def attention_case(H, B, T, P, kernel="mgpu", C=576, L=512, weighted_sum="dot"):
-    """The tree attention at one shape: the Mosaic GPU op (its split merge's ``weighted_sum``), or
-    (kernel="xla") plain XLA masked attention."""
+def attention_case(H, B, T, P, kernel="mgpu", C=576, L=512, merge="kernel"):
+    """The tree attention at one shape: the Mosaic GPU op (its splits merged by the one-launch
+    ``combine_splits`` or, merge="xla", by its XLA twin), or (kernel="xla") plain XLA masked attention."""
     from ddtree_jax.tree import make_tree
     from experiments.bench_tree_attention import xla_masked
     from pallas_kernels.mla_attention_mgpu import tree_attention_mgpu
+    from pallas_kernels.split_combine import combine_splits, combine_splits_ref
     import numpy as np
 
     ks = jax.random.split(jax.random.key(T * 31 + B), 3)
@@ -58,7 +59,10 @@ def attention_case(H, B, T, P, kernel="mgpu", C=576, L=512, weighted_sum="dot"):
     rng = np.random.default_rng(T)
     parents = np.array([[-1] + [int(rng.integers(0, i)) for i in range(1, T)] for _ in range(B)], np.int32)
     mask = make_tree(np.zeros((B, T), np.int32), parents, max_depth=T - 1).visibility
-    fn = functools.partial(tree_attention_mgpu, scale=0.14468, kv_lora_rank=L, weighted_sum=weighted_sum) \
+    if merge not in ("kernel", "xla"):
+        raise ValueError(f"merge must be 'kernel' or 'xla', got {merge!r}")
+    combine = combine_splits if merge == "kernel" else combine_splits_ref
+    fn = functools.partial(tree_attention_mgpu, scale=0.14468, kv_lora_rank=L, combine=combine) \
         if kernel == "mgpu" else xla_masked
     # prefix_len tied to q: each chained call builds its tail inputs (fixed ones would be built once per chain)
     return (lambda q, cache, plen, tkv, mask: fn(q, cache, bench_util.tie_to(plen, q), tkv, mask)), \
@@ -110,8 +114,10 @@ def main(argv=None):
         "xla_T1_H8_B16_8K": lambda: attention_case(8, 16, 1, 8192, kernel="xla"),
         "att_T1_H64_B1_8K": lambda: attention_case(64, 1, 1, 8192),
         "att_T1_H8_B1_64K": lambda: attention_case(8, 1, 1, 65536),
-        "att_T1_H8_B1_64K_reduce": lambda: attention_case(8, 1, 1, 65536, weighted_sum="reduce"),  # merge A/B
-        "att_T1_H64_B1_8K_reduce": lambda: attention_case(64, 1, 1, 8192, weighted_sum="reduce"),
+        "att_T1_H8_B1_64K_xla": lambda: attention_case(8, 1, 1, 65536, merge="xla"),  # merge A/B
+        "att_T1_H64_B1_8K_xla": lambda: attention_case(64, 1, 1, 8192, merge="xla"),
+        "att_T8_H8_B1_64K_xla": lambda: attention_case(8, 1, 8, 65536, merge="xla"),
+        "att_T1_H8_B16_8K_xla": lambda: attention_case(8, 16, 1, 8192, merge="xla"),
         "att_T8_H8_B1_64K": lambda: attention_case(8, 1, 8, 65536),
         "att_T64_H8_B4_8K": lambda: attention_case(8, 4, 64, 8192),
         "moe_M1": lambda: moe_case(1),

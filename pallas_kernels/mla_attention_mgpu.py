@@ -6,7 +6,7 @@ is this kernel's twin too; the kernel on prepared rows, :func:`split_attention`,
 
     tree_attention_mgpu(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, kv_lora_rank,
                         interpret=False, return_lse=False, block_k=64, stages=2, num_splits=None,
-                        share_scores=True, num_sms=132, kernel=split_attention)
+                        share_scores=True, num_sms=132, kernel=split_attention, combine=combine_splits)
 
 Dimension letters: B streams, T tree nodes, H heads, S cache slots, C latent+rope width (576),
 L latent width = value width (512), N = T*H query rows, Np rows padded to whole 64-row tiles,
@@ -34,7 +34,8 @@ Design:
   the key block already in shared memory). Each program writes its normalised output (bf16) and
   log-sum-exp (f32); ~226 KiB of shared memory, so one program per SM.
 * **Merge.** With one split (the compute-bound trees) the kernel's output is the result. With
-  several (long prefixes, few rows) one XLA fusion combines the splits by their log-sum-exp. A decode
+  several (long prefixes, few rows) one more launch (``split_combine.combine_splits``) combines the
+  splits by their log-sum-exp. A decode
   step of fewer than 64 query rows (e.g. T = 1, H = 8) writes and merges the partials of its real rows
   only (``valid_rows_for``).
 
@@ -56,7 +57,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.tree_attention import _LN2, _LOG2E, _NUM_SMS_H200, _check_shapes, fold_rows, merge_lse
+from pallas_kernels.split_combine import combine_splits
+from pallas_kernels.tree_attention import _LN2, _LOG2E, _NUM_SMS_H200, _check_shapes, fold_rows
 
 try:  # Mosaic GPU Pallas (present in the JAX versions this repo supports; guarded for clarity)
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -425,15 +427,16 @@ def _check_valid_rows(valid_rows, rows: int) -> int:
 
 def tree_attention_mgpu(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, kv_lora_rank,
                         interpret=False, return_lse=False, block_k=64, stages=2, num_splits=None,
-                        share_scores=True, num_sms=_NUM_SMS_H200, kernel=split_attention, weighted_sum="dot"):
+                        share_scores=True, num_sms=_NUM_SMS_H200, kernel=split_attention, combine=combine_splits):
     """MLA tree-verify attention on the Mosaic GPU kernel (module docstring).
 
     q [B, T, H, C] bf16, cache_kv [B, S, C] bf16, prefix_len [B] int32 (values outside [0, S] are
     clamped), tree_kv [B, T, C] bf16, tree_mask [B, T, T] bool (diagonal True). Returns out [B, T, H, L]
     bf16 (and lse [B, T, H] f32 with ``return_lse``). ``num_splits`` defaults to :func:`default_splits`
     for ``num_sms`` SMs. ``kernel`` is :func:`split_attention`, or its twin :func:`split_attention_ref`
-    (CPU tests of everything around the kernel). ``weighted_sum``: the split merge's (``merge_lse``; an
-    A/B, "dot" by default). ``interpret=True`` is refused: JAX's Mosaic GPU
+    (CPU tests of everything around the kernel). ``combine`` merges several splits:
+    ``split_combine.combine_splits`` (one Pallas-Triton launch), or its XLA twin ``combine_splits_ref``
+    (CPU tests; the A/B of ``profile_kernels``). ``interpret=True`` is refused: JAX's Mosaic GPU
     interpreter (0.10) has neither register-operand wgmma nor accumulator stores; CPU tests lower the
     kernel for CUDA.
     """
@@ -456,6 +459,6 @@ def tree_attention_mgpu(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, k
     if num_splits == 1:  # every row sees its own node: lse is finite
         out, lse = o[0], lse[0]
     else:
-        out, lse = merge_lse(o, lse, weighted_sum=weighted_sum)
+        out, lse = combine(o, lse, out_dtype=q.dtype)
     out = out[:, :N].reshape(B, T, H, L).astype(q.dtype)
     return (out, lse[:, :N].reshape(B, T, H)) if return_lse else out

@@ -44,8 +44,8 @@ the dispatcher's default on CUDA wherever it can run; this one serves the dims i
   prefix_len cannot reach the result. The tree tail is a second short loop with the mask.
 * Split-KV (flash-decoding): with few query tiles and a long prefix the prefix is cut into
   ``num_splits`` contiguous ranges (per stream, from its own prefix_len), each program writes a
-  normalised partial output (16-bit inputs: in that dtype) and its f32 LSE, and XLA merges them
-  with a log-sum-exp combine. The tree
+  normalised partial output (16-bit inputs: in that dtype) and its f32 LSE, and one more launch
+  (``split_combine.combine_splits``) merges them by log-sum-exp. The tree
   tail and the ragged last block are done by the last split.
 * Online softmax in f32 with exp2 (scale*log2(e) folded into the scores); p is cast to the input
   dtype for the value dot, as in flash attention.
@@ -60,6 +60,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.split_combine import combine_splits, merge_lse
 
 __all__ = ["tree_attention", "tree_attention_ref", "mla_attention", "default_config", "kernel_supports",
            "fold_rows", "merge_lse"]
@@ -88,29 +90,6 @@ def fold_rows(q, multiple: int) -> jax.Array:
     rows = q.reshape(B, n, C)
     pad = -(-n // multiple) * multiple - n
     return jnp.pad(rows, ((0, 0), (0, pad), (0, 0))) if pad else rows
-
-
-def merge_lse(o_parts, lse_parts, *, weighted_sum: str = "dot"):
-    """Log-sum-exp combine of normalised partial attention outputs.
-
-    o_parts [NS, ..., L] (any float dtype), lse_parts [NS, ...] f32 natural-log (-inf: an empty part).
-    Returns (out f32 [..., L], lse f32 [...]); a row whose parts are all empty gets out 0 and lse -inf.
-    weighted_sum: how the parts are weighted and added, "dot" (an f32 einsum over NS) or "reduce" (a
-    product and a sum over NS, which XLA may fuse with the weights' exp); the same f32 values up to
-    summation order. ``bench_tree_attention.py --mode parts`` times both (the merge costs several µs at
-    B = 1 on the H200).
-    """
-    if weighted_sum not in ("dot", "reduce"):
-        raise ValueError(f"weighted_sum must be 'dot' or 'reduce', got {weighted_sum!r}")
-    top = lse_parts.max(0)
-    top = jnp.where(jnp.isfinite(top), top, 0.0)
-    w = jnp.exp(lse_parts - top)
-    tot = w.sum(0)
-    if weighted_sum == "reduce":
-        acc = jnp.sum(w[..., None] * o_parts.astype(jnp.float32), axis=0)
-    else:
-        acc = jnp.einsum("s...,s...l->...l", w, o_parts.astype(jnp.float32), precision=lax.Precision.HIGHEST)
-    return acc / jnp.where(tot > 0, tot, 1.0)[..., None], top + jnp.log(tot)
 
 
 def _check_shapes(q, cache_kv, prefix_len, tree_kv, tree_mask, kv_lora_rank):
@@ -414,9 +393,8 @@ def tree_attention(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, kv_lor
         name="mla_tree_attention",
     )(plen, qr, cache, tkv, mask)
 
-    if NS > 1:  # log-sum-exp combine of the splits
-        o, lse = merge_lse(jnp.moveaxis(o, 1, 0), jnp.moveaxis(lse, 1, 0))
-        o = o.astype(q.dtype)
+    if NS > 1:  # log-sum-exp combine of the splits, one launch
+        o, lse = combine_splits(o, lse, split_axis=1, out_dtype=q.dtype, interpret=interpret)
     out = o[:, :N].reshape(B, T, H, L)
     if return_lse:
         return out, lse[:, :N].reshape(B, T, H)

@@ -1,0 +1,147 @@
+"""Log-sum-exp combine of split-KV attention partials in one kernel launch (Pallas-Triton) + its twin.
+
+    combine_splits(o_parts, lse_parts, *, split_axis=0, out_dtype=None, interpret=False)
+    combine_splits_ref(...)        # same signature: XLA's ``merge_lse`` and a cast
+
+Dimension letters: NS splits, B streams, V rows (heads folded in), L value width; RB rows and LB
+columns per program.
+
+A split program of the attention kernels writes its normalised output o_s and log-sum-exp lse_s per
+row. The result is sum_s w_s o_s / sum_s w_s with w_s = exp(lse_s - max_s lse_s), and its LSE is
+max + log(sum_s w_s). In XLA that is a max, an exp-sum, a weighted sum and a cast: four small fusions,
+each a launch of 1-2 µs at B = 1 on the H200 (``profile_kernels_s11_merge.json``). Here one program per
+(stream, RB rows, LB columns) loads the LSEs of all splits (padded to a power of two, masked to -inf)
+and its [NS, RB, LB] slab of partials, and writes the bf16 (``out_dtype``) output and the f32 LSE.
+More than ``_CHUNK`` splits are taken in chunks: a first pass finds the max, a second sums.
+
+A row whose splits are all empty (lse -inf everywhere) gets output 0 and LSE -inf, as in ``merge_lse``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+__all__ = ["combine_splits", "combine_splits_ref", "combine_blocks", "merge_lse"]
+
+_CHUNK = 128          # splits loaded at once (power of two)
+_SLAB = 8192          # partial elements one program holds per chunk (4 warps: 64 f32 each)
+ROW_BLOCK = 8
+
+
+def _check(o_parts, lse_parts, split_axis: int):
+    if split_axis not in (0, 1):
+        raise ValueError(f"split_axis must be 0 ([NS, B, V, L]) or 1 ([B, NS, V, L]), got {split_axis}")
+    if o_parts.ndim != 4 or lse_parts.shape != o_parts.shape[:3]:
+        raise ValueError(f"o_parts must be 4-D with lse_parts its first three dims, got {o_parts.shape} and "
+                         f"{lse_parts.shape}")
+    if lse_parts.dtype != jnp.float32:
+        raise ValueError(f"lse_parts must be float32, got {lse_parts.dtype}")
+    NS = o_parts.shape[split_axis]
+    B, V, L = (o_parts.shape[1], *o_parts.shape[2:]) if split_axis == 0 else (o_parts.shape[0], *o_parts.shape[2:])
+    if NS < 1:
+        raise ValueError("o_parts holds no split")
+    return NS, B, V, L
+
+
+def combine_blocks(NS: int, V: int, L: int) -> tuple[int, int, int]:
+    """(RB rows, LB columns, splits per chunk) of one program; ValueError where the kernel cannot tile."""
+    if V % ROW_BLOCK:
+        raise ValueError(f"combine_splits needs the row count V={V} to be a multiple of {ROW_BLOCK}")
+    chunk = min(_CHUNK, 1 << max(0, NS - 1).bit_length())
+    lb = max(8, min(128, _SLAB // (chunk * ROW_BLOCK)))
+    while lb > 8 and L % lb:
+        lb //= 2
+    if L % lb:
+        raise ValueError(f"combine_splits needs the value width L={L} to be a multiple of 8")
+    return ROW_BLOCK, lb, chunk
+
+
+def _kernel(lse_ref, o_ref, out_ref, lse_out_ref, *, NS, RB, LB, CH, split_axis):
+    b, r, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    rows, cols = pl.ds(r * RB, RB), pl.ds(c * LB, LB)
+    # chunks [start, start + CH) of the split axis, each taking the splits from ``first`` on: with one
+    # chunk, lanes past NS are masked (never read); with several, the last one ends at NS and masks the
+    # splits the one before it took
+    chunks = [(0, 0)] if NS <= CH else \
+        [(s, s) for s in range(0, NS - CH, CH)] + [(NS - CH, (NS - 1) // CH * CH)]
+
+    def at(ref, start, *rest):
+        idx = (pl.ds(start, CH), b) if split_axis == 0 else (b, pl.ds(start, CH))
+        return ref.at[idx + (rows,) + rest]
+
+    def lse_chunk(start, first):
+        split = lax.broadcasted_iota(jnp.int32, (CH, RB), 0) + start
+        valid = (split >= first) & (split < NS)
+        return pltriton.load(at(lse_ref, start), mask=valid, other=-jnp.inf), valid
+
+    top = None
+    for start, first in chunks:
+        m = lse_chunk(start, first)[0].max(0)
+        top = m if top is None else jnp.maximum(top, m)
+    top = jnp.where(top > -jnp.inf, top, 0.0)  # all splits empty: weights exp(-inf) = 0
+    tot = jnp.zeros((RB,), jnp.float32)
+    acc = jnp.zeros((RB, LB), jnp.float32)
+    for start, first in chunks:
+        lse, valid = lse_chunk(start, first)
+        w = jnp.exp(lse - top[None])
+        o = pltriton.load(at(o_ref, start, cols), mask=jnp.broadcast_to(valid[:, :, None], (CH, RB, LB)),
+                          other=0.0).astype(jnp.float32)
+        tot += w.sum(0)
+        acc += (w[:, :, None] * o).sum(0)
+    out_ref[...] = (acc / jnp.where(tot > 0, tot, 1.0)[:, None]).astype(out_ref.dtype)
+    lse_out_ref[...] = top + jnp.log(tot)
+
+
+def combine_splits(o_parts, lse_parts, *, split_axis=0, out_dtype=None, interpret=False):
+    """Combine split partials in one Pallas-Triton launch.
+
+    o_parts [NS, B, V, L] (``split_axis`` 0) or [B, NS, V, L] (1), any float dtype; lse_parts the same
+    without L, f32 natural log (-inf: an empty split). V % 8 == 0, L % 8 == 0. Returns (out [B, V, L] in
+    ``out_dtype`` (default o_parts.dtype), lse [B, V] f32). ``interpret=True`` runs the Pallas
+    interpreter (CPU tests).
+    """
+    NS, B, V, L = _check(o_parts, lse_parts, split_axis)
+    RB, LB, CH = combine_blocks(NS, V, L)
+    out_dtype = jnp.dtype(out_dtype or o_parts.dtype)
+    kernel = functools.partial(_kernel, NS=NS, RB=RB, LB=LB, CH=CH, split_axis=split_axis)
+    return pl.pallas_call(
+        kernel,
+        grid=(B, V // RB, L // LB),
+        in_specs=[pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=[pl.BlockSpec((None, RB, LB), lambda b, r, c: (b, r, c)),
+                   pl.BlockSpec((None, RB), lambda b, r, c: (b, r))],
+        out_shape=[jax.ShapeDtypeStruct((B, V, L), out_dtype), jax.ShapeDtypeStruct((B, V), jnp.float32)],
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="combine_splits",
+    )(lse_parts, o_parts)
+
+
+def merge_lse(o_parts, lse_parts):
+    """Log-sum-exp combine of normalised partial attention outputs (XLA; the core of the twin).
+
+    o_parts [NS, ..., L] (any float dtype), lse_parts [NS, ...] f32 natural-log (-inf: an empty part).
+    Returns (out f32 [..., L], lse f32 [...]); a row whose parts are all empty gets out 0 and lse -inf.
+    """
+    top = lse_parts.max(0)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    w = jnp.exp(lse_parts - top)
+    tot = w.sum(0)
+    acc = jnp.einsum("s...,s...l->...l", w, o_parts.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+    return acc / jnp.where(tot > 0, tot, 1.0)[..., None], top + jnp.log(tot)
+
+
+def combine_splits_ref(o_parts, lse_parts, *, split_axis=0, out_dtype=None, interpret=False):
+    """Pure-JAX twin of :func:`combine_splits` (``merge_lse``, then the cast; ``interpret`` unused)."""
+    del interpret
+    _check(o_parts, lse_parts, split_axis)
+    if split_axis == 1:
+        o_parts, lse_parts = jnp.moveaxis(o_parts, 1, 0), jnp.moveaxis(lse_parts, 1, 0)
+    out, lse = merge_lse(o_parts, lse_parts)
+    return out.astype(out_dtype or o_parts.dtype), lse
