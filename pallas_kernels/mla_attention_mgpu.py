@@ -142,13 +142,15 @@ def tail_inputs(cache_kv, prefix_len, tree_kv, tree_mask, heads: int, rows: int,
                      jnp.where(is_tree[..., None], jnp.take_along_axis(tree_kv.astype(cache_kv.dtype),
                                                                        tree_idx[..., None], axis=1),
                                jnp.zeros((), cache_kv.dtype)))
-    sees_tree = jnp.take_along_axis(tree_mask, jnp.broadcast_to(tree_idx[:, None, :], (B, T, TK)), axis=2)
-    visible = from_cache[:, None, :] | (is_tree[:, None, :] & sees_tree)         # [B, T, TK]
-    bits = visible.reshape(B, T, TK // WORD, WORD).astype(jnp.uint32) << jnp.arange(WORD, dtype=jnp.uint32)
-    words = lax.bitcast_convert_type(bits.sum(-1, dtype=jnp.uint32), jnp.int32)   # [B, T, W]
-    words = jnp.broadcast_to(words[:, :, None], (B, T, heads, TK // WORD)).reshape(B, T * heads, TK // WORD)
-    words = jnp.pad(words, ((0, 0), (0, rows - T * heads), (0, 0)))
-    return keys, jnp.swapaxes(words, 1, 2)
+    # built key-major, [B, TK, Np] -> [B, W, 32, Np], so that the bit sum writes [B, W, Np] as it is
+    sees_tree = jnp.take_along_axis(jnp.swapaxes(tree_mask, 1, 2),
+                                    jnp.broadcast_to(tree_idx[:, :, None], (B, TK, T)), axis=1)
+    visible = from_cache[:, :, None] | (is_tree[:, :, None] & sees_tree)         # [B, TK, T]
+    row = jnp.arange(rows)
+    visible = visible[:, :, jnp.minimum(row // heads, T - 1)] & (row < T * heads)  # [B, TK, Np]
+    bits = visible.reshape(B, TK // WORD, WORD, rows).astype(jnp.uint32) \
+        << jnp.arange(WORD, dtype=jnp.uint32)[:, None]
+    return keys, lax.bitcast_convert_type(bits.sum(2, dtype=jnp.uint32), jnp.int32)
 
 
 def _split_range(nb, tail_blocks: int, sp, num_splits: int):
