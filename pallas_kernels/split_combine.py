@@ -10,9 +10,11 @@ A split program of the attention kernels writes its normalised output o_s and lo
 row. The result is sum_s w_s o_s / sum_s w_s with w_s = exp(lse_s - max_s lse_s), and its LSE is
 max + log(sum_s w_s). In XLA that is a max, an exp-sum, a weighted sum and a cast: four small fusions,
 each a launch of 1-2 µs at B = 1 on the H200 (``profile_kernels_s11_merge.json``). Here one program per
-(stream, RB rows, LB columns) loads the LSEs of all splits (padded to a power of two, masked to -inf)
-and its [NS, RB, LB] slab of partials, and writes the bf16 (``out_dtype``) output and the f32 LSE.
-More than ``_CHUNK`` splits are taken in chunks: a first pass finds the max, a second sums.
+(stream, row, LB = 64 columns) loads the LSEs of all splits (padded to a power of two, masked to -inf)
+and its [NS, LB] slab of partials (128 contiguous bytes per split: whole DRAM sectors), and writes the
+bf16 (``out_dtype``) output and the f32 LSE. More than ``_CHUNK`` splits are taken in chunks: a first
+pass finds the max, a second sums. (A first form, 8 rows x 8 columns a program, read 16-byte pieces
+and took 8.8 µs for the 8.4 MB of partials at T = 8, H = 8, B = 1, 64K: ``profile_kernels_s12_combine.json``.)
 
 A row whose splits are all empty (lse -inf everywhere) gets output 0 and LSE -inf, as in ``merge_lse``.
 """
@@ -30,8 +32,7 @@ from jax.experimental.pallas import triton as pltriton
 __all__ = ["combine_splits", "combine_splits_ref", "combine_blocks", "merge_lse"]
 
 _CHUNK = 128          # splits loaded at once (power of two)
-_SLAB = 8192          # partial elements one program holds per chunk (4 warps: 64 f32 each)
-ROW_BLOCK = 8
+_COLS = 64            # value columns of one program: 128 contiguous bytes of bf16 per split
 
 
 def _check(o_parts, lse_parts, split_axis: int):
@@ -49,22 +50,19 @@ def _check(o_parts, lse_parts, split_axis: int):
     return NS, B, V, L
 
 
-def combine_blocks(NS: int, V: int, L: int) -> tuple[int, int, int]:
-    """(RB rows, LB columns, splits per chunk) of one program; ValueError where the kernel cannot tile."""
-    if V % ROW_BLOCK:
-        raise ValueError(f"combine_splits needs the row count V={V} to be a multiple of {ROW_BLOCK}")
-    chunk = min(_CHUNK, 1 << max(0, NS - 1).bit_length())
-    lb = max(8, min(128, _SLAB // (chunk * ROW_BLOCK)))
+def combine_blocks(NS: int, L: int) -> tuple[int, int]:
+    """(LB value columns, CH splits per chunk) of one program (one row); ValueError where the kernel
+    cannot tile L."""
+    lb = _COLS
     while lb > 8 and L % lb:
         lb //= 2
     if L % lb:
         raise ValueError(f"combine_splits needs the value width L={L} to be a multiple of 8")
-    return ROW_BLOCK, lb, chunk
+    return lb, min(_CHUNK, 1 << max(0, NS - 1).bit_length())
 
 
-def _kernel(lse_ref, o_ref, out_ref, lse_out_ref, *, NS, RB, LB, CH, split_axis):
-    b, r, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    rows, cols = pl.ds(r * RB, RB), pl.ds(c * LB, LB)
+def _kernel(lse_ref, o_ref, out_ref, lse_out_ref, *, NS, LB, CH, split_axis):
+    b, row, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     # chunks [start, start + CH) of the split axis, each taking the splits from ``first`` on: with one
     # chunk, lanes past NS are masked (never read); with several, the last one ends at NS and masks the
     # splits the one before it took
@@ -73,49 +71,49 @@ def _kernel(lse_ref, o_ref, out_ref, lse_out_ref, *, NS, RB, LB, CH, split_axis)
 
     def at(ref, start, *rest):
         idx = (pl.ds(start, CH), b) if split_axis == 0 else (b, pl.ds(start, CH))
-        return ref.at[idx + (rows,) + rest]
+        return ref.at[idx + (row,) + rest]
 
     def lse_chunk(start, first):
-        split = lax.broadcasted_iota(jnp.int32, (CH, RB), 0) + start
+        split = lax.broadcasted_iota(jnp.int32, (CH,), 0) + start
         valid = (split >= first) & (split < NS)
         return pltriton.load(at(lse_ref, start), mask=valid, other=-jnp.inf), valid
 
     top = None
     for start, first in chunks:
-        m = lse_chunk(start, first)[0].max(0)
+        m = lse_chunk(start, first)[0].max()
         top = m if top is None else jnp.maximum(top, m)
     top = jnp.where(top > -jnp.inf, top, 0.0)  # all splits empty: weights exp(-inf) = 0
-    tot = jnp.zeros((RB,), jnp.float32)
-    acc = jnp.zeros((RB, LB), jnp.float32)
+    tot = jnp.zeros((), jnp.float32)
+    acc = jnp.zeros((LB,), jnp.float32)
     for start, first in chunks:
         lse, valid = lse_chunk(start, first)
-        w = jnp.exp(lse - top[None])
-        o = pltriton.load(at(o_ref, start, cols), mask=jnp.broadcast_to(valid[:, :, None], (CH, RB, LB)),
+        w = jnp.exp(lse - top)
+        o = pltriton.load(at(o_ref, start, pl.ds(c * LB, LB)), mask=jnp.broadcast_to(valid[:, None], (CH, LB)),
                           other=0.0).astype(jnp.float32)
-        tot += w.sum(0)
-        acc += (w[:, :, None] * o).sum(0)
-    out_ref[...] = (acc / jnp.where(tot > 0, tot, 1.0)[:, None]).astype(out_ref.dtype)
-    lse_out_ref[...] = top + jnp.log(tot)
+        tot += w.sum()
+        acc += (w[:, None] * o).sum(0)
+    out_ref[...] = (acc / jnp.where(tot > 0, tot, 1.0)).astype(out_ref.dtype)
+    lse_out_ref[...] = jnp.broadcast_to(top + jnp.log(tot), (1,))
 
 
 def combine_splits(o_parts, lse_parts, *, split_axis=0, out_dtype=None, interpret=False):
     """Combine split partials in one Pallas-Triton launch.
 
     o_parts [NS, B, V, L] (``split_axis`` 0) or [B, NS, V, L] (1), any float dtype; lse_parts the same
-    without L, f32 natural log (-inf: an empty split). V % 8 == 0, L % 8 == 0. Returns (out [B, V, L] in
+    without L, f32 natural log (-inf: an empty split). L % 8 == 0. Returns (out [B, V, L] in
     ``out_dtype`` (default o_parts.dtype), lse [B, V] f32). ``interpret=True`` runs the Pallas
     interpreter (CPU tests).
     """
     NS, B, V, L = _check(o_parts, lse_parts, split_axis)
-    RB, LB, CH = combine_blocks(NS, V, L)
+    LB, CH = combine_blocks(NS, L)
     out_dtype = jnp.dtype(out_dtype or o_parts.dtype)
-    kernel = functools.partial(_kernel, NS=NS, RB=RB, LB=LB, CH=CH, split_axis=split_axis)
+    kernel = functools.partial(_kernel, NS=NS, LB=LB, CH=CH, split_axis=split_axis)
     return pl.pallas_call(
         kernel,
-        grid=(B, V // RB, L // LB),
+        grid=(B, V, L // LB),
         in_specs=[pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
-        out_specs=[pl.BlockSpec((None, RB, LB), lambda b, r, c: (b, r, c)),
-                   pl.BlockSpec((None, RB), lambda b, r, c: (b, r))],
+        out_specs=[pl.BlockSpec((None, None, LB), lambda b, r, c: (b, r, c)),
+                   pl.BlockSpec((None, 1), lambda b, r, c: (b, r))],
         out_shape=[jax.ShapeDtypeStruct((B, V, L), out_dtype), jax.ShapeDtypeStruct((B, V), jnp.float32)],
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
