@@ -10,8 +10,8 @@ A split program of the attention kernels writes its normalised output o_s and lo
 row. The result is sum_s w_s o_s / sum_s w_s with w_s = exp(lse_s - max_s lse_s), and its LSE is
 max + log(sum_s w_s). In XLA that is a max, an exp-sum, a weighted sum and a cast: four small fusions,
 each a launch of 1-2 µs at B = 1 on the H200 (``profile_kernels_s11_merge.json``). Here one program per
-(stream, row, LB = 64 columns) loads the LSEs of all splits (padded to a power of two, masked to -inf)
-and its [NS, LB] slab of partials (128 contiguous bytes per split: whole DRAM sectors), and writes the
+(stream, row, LB >= 64 columns) loads the LSEs of all splits (padded to a power of two, masked to -inf)
+and its [NS, LB] slab of partials (>= 128 contiguous bytes per split: whole DRAM sectors), and writes the
 bf16 (``out_dtype``) output and the f32 LSE. More than ``_CHUNK`` splits are taken in chunks: a first
 pass finds the max, a second sums. (A first form, 8 rows x 8 columns a program, read 16-byte pieces
 and took 8.8 µs for the 8.4 MB of partials at T = 8, H = 8, B = 1, 64K: ``profile_kernels_s12_combine.json``.)
@@ -32,7 +32,8 @@ from jax.experimental.pallas import triton as pltriton
 __all__ = ["combine_splits", "combine_splits_ref", "combine_blocks", "merge_lse"]
 
 _CHUNK = 128          # splits loaded at once (power of two)
-_COLS = 64            # value columns of one program: 128 contiguous bytes of bf16 per split
+_COLS = 64            # value columns of one program, at least: 128 contiguous bytes of bf16 per split
+_SLAB = 8192          # partials one program holds per chunk (4 warps: 64 f32 each)
 
 
 def _check(o_parts, lse_parts, split_axis: int):
@@ -51,14 +52,16 @@ def _check(o_parts, lse_parts, split_axis: int):
 
 
 def combine_blocks(NS: int, L: int) -> tuple[int, int]:
-    """(LB value columns, CH splits per chunk) of one program (one row); ValueError where the kernel
-    cannot tile L."""
-    lb = _COLS
+    """(LB value columns, CH splits per chunk) of one program (one row): at least 64 columns (whole
+    128-byte pieces), more while a chunk stays within ``_SLAB`` elements, so that few splits do not make
+    many tiny programs; ValueError where the kernel cannot tile L."""
+    chunk = min(_CHUNK, 1 << max(0, NS - 1).bit_length())
+    lb = max(_COLS, _SLAB // chunk)
     while lb > 8 and L % lb:
         lb //= 2
     if L % lb:
         raise ValueError(f"combine_splits needs the value width L={L} to be a multiple of 8")
-    return lb, min(_CHUNK, 1 << max(0, NS - 1).bit_length())
+    return lb, chunk
 
 
 def _kernel(lse_ref, o_ref, out_ref, lse_out_ref, *, NS, LB, CH, split_axis):

@@ -78,7 +78,9 @@ def test_merge_lse_weights_parts_and_keeps_empty_rows_empty():
 
 def test_blocks_divide_the_width_and_chunk_the_splits():
     assert combine_blocks(128, 512) == (64, 128)
-    assert combine_blocks(13, 512) == (64, 16)
+    assert combine_blocks(13, 512) == (512, 16)
+    assert combine_blocks(8, 512) == (512, 8)
+    assert combine_blocks(64, 512) == (128, 64)
     assert combine_blocks(300, 512) == (64, 128)
     assert combine_blocks(3, 40) == (8, 4)
 
