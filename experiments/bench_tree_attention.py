@@ -51,7 +51,7 @@ from experiments import bench_util  # noqa: E402
 from pallas_kernels import mla_attention_mgpu as M  # noqa: E402
 from pallas_kernels.mla_attention_mgpu import tree_attention_mgpu  # noqa: E402
 from pallas_kernels.split_combine import combine_splits, combine_splits_ref  # noqa: E402
-from pallas_kernels.tree_attention import (default_config, tree_attention,  # noqa: E402
+from pallas_kernels.tree_attention import (default_config, fold_rows, tree_attention,  # noqa: E402
                                            tree_attention_ref)
 
 KERNELS = {"triton": tree_attention, "mgpu": tree_attention_mgpu,
@@ -134,8 +134,8 @@ def mgpu_parts(H, B, T, S):
     kw = dict(scale=SCALE, kv_lora_rank=L, num_splits=ns, valid_rows=M.valid_rows_for(T, H))
 
     def glue(q, cache, plen, tkv, mask):  # -> (q rows, tail_kv, tail bits)
-        qr, rows = M.query_rows(q)
-        return (qr,) + M.tail_inputs(cache, plen, tkv, mask, H, rows, 64)
+        qr = fold_rows(q, M.ROWS)
+        return (qr,) + M.tail_inputs(cache, plen, tkv, mask, H, qr.shape[1], 64)
 
     def inputs_as_given(q, cache, plen, tkv, mask):
         return q, cache, tkv, mask

@@ -9,16 +9,14 @@ is this kernel's twin too; the kernel on prepared rows, :func:`split_attention`,
                         share_scores=True, num_sms=132, kernel=split_attention, combine=combine_splits)
 
 Dimension letters: B streams, T tree nodes, H heads, S cache slots, C latent+rope width (576),
-L latent width = value width (512), N = T*H query rows, Np rows padded to whole 64-row tiles (or
-N itself when it is one partial tile), R = Np rounded up to whole tiles,
+L latent width = value width (512), N = T*H query rows, Np rows padded to whole 64-row tiles,
 BK keys per block, NB = prefix_len // BK whole prefix blocks, TK tail keys (TB = TK / BK blocks),
 W = TK / 32 mask words, NS splits.
 
 Design:
 
 * **Rows.** Heads are folded into query rows (row = node*H + head), so one 64-row tile is 64 / H
-  nodes, or one node and 64 of its heads. A decode step of fewer rows (T = 1, H = 8) passes its 8 rows
-  unpadded and the kernel loads just those (``query_rows``).
+  nodes, or one node and 64 of its heads.
 * **Tail** (built in XLA, small: ``tail_inputs``): the prefix's last partial block (prefix_len % BK
   rows of the cache) followed by the T tree latents, zero-padded to whole blocks (TK = BK - 1 + T
   rounded up to BK, so a decode token adds one block), and per row a bit mask of the tail keys it
@@ -68,7 +66,7 @@ except ImportError:  # pragma: no cover
     plgpu = None
 
 __all__ = ["tree_attention_mgpu", "split_attention", "split_attention_ref", "tail_inputs", "default_splits",
-           "splits_for", "unsupported_reason", "smem_bytes", "valid_rows_for", "query_rows"]
+           "splits_for", "unsupported_reason", "smem_bytes", "valid_rows_for"]
 
 ROWS = 64              # query rows per program (one wgmma M tile)
 SMEM_LIMIT = 227 * 1024
@@ -170,18 +168,14 @@ def split_attention(q_rows, cache_kv, prefix_len, tail_kv, tail_bits, *, scale, 
     """The Mosaic GPU kernel: attention of 64-row query tiles over each stream's NB whole cache blocks
     and TB tail blocks, in NS splits.
 
-    q_rows [B, Np, C] bf16 (Np % 64 == 0, or one partial tile: Np < 64, a multiple of 8, of which the
-    kernel loads only those rows; ``query_rows``), cache_kv [B, S, C] bf16, prefix_len [B] int32, which must
-    lie in [0, S] (``tree_attention_mgpu`` clamps it; a larger value would read past the cache), tail_kv
-    [B, TK, C] bf16 and tail_bits int32 [B, TK/32, R] with R = Np rounded up to whole 64-row tiles
-    (``tail_inputs``; TK % BK == 0). Split s takes the
+    q_rows [B, Np, C] bf16 (Np % 64 == 0), cache_kv [B, S, C] bf16, prefix_len [B] int32, which must lie
+    in [0, S] (``tree_attention_mgpu`` clamps it; a larger value would read past the cache), tail_kv
+    [B, TK, C] bf16 and tail_bits int32 [B, TK/32, Np] (``tail_inputs``; TK % BK == 0). Split s takes the
     blocks ``_split_range`` gives it: cache blocks unmasked, tail blocks masked per row by the bits.
     Returns (o [NS, B, V, L] bf16, lse [NS, B, V] f32, natural log), each split normalised on its own;
     a row that sees no key in a split has o = 0 and lse = -inf there. V = ``valid_rows``: Np by default,
     or with one 64-row tile the first V rows (a multiple of 8), so that a decode step of few heads writes
-    and merges only its real rows' partials (e.g. 8 of 64 at H = 8, T = 1). With a partial tile the
-    shared-memory rows past Np hold whatever was there; each row's scores, softmax and output depend on
-    its own query row alone, and those rows are never written out.
+    and merges only its real rows' partials (e.g. 8 of 64 at H = 8, T = 1).
     """
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.mosaic_gpu is not available in this JAX")
@@ -191,10 +185,8 @@ def split_attention(q_rows, cache_kv, prefix_len, tail_kv, tail_bits, *, scale, 
     LH = L // 2
     BK, NS = int(block_k), int(num_splits)
     WB = BK // WORD  # mask words per block
-    if Np % ROWS and not (Np < ROWS and Np % 8 == 0):
-        raise ValueError(f"q_rows must hold whole {ROWS}-row tiles or one partial tile of a multiple of 8 "
-                         f"rows, got {Np} rows")
-    R = -(-Np // ROWS) * ROWS
+    if Np % ROWS:
+        raise ValueError(f"q_rows must hold whole {ROWS}-row tiles, got {Np} rows")
     if BK not in (64, 128, 256):  # Mosaic's wgmma needs K (keys, for p.v) % 64 == 0
         raise ValueError(f"block_k={BK} must be 64, 128 or 256")
     if stages < 2:
@@ -204,12 +196,12 @@ def split_attention(q_rows, cache_kv, prefix_len, tail_kv, tail_bits, *, scale, 
     smem = smem_bytes(C, BK, stages, share_scores)
     if smem > SMEM_LIMIT:
         raise ValueError(f"block_k={BK}, stages={stages} need {smem} bytes of shared memory (limit {SMEM_LIMIT})")
-    if tail_kv.shape != (B, TK, C) or TK % BK or tail_bits.shape != (B, TK // WORD, R) \
+    if tail_kv.shape != (B, TK, C) or TK % BK or tail_bits.shape != (B, TK // WORD, Np) \
             or tail_bits.dtype != jnp.int32:
         raise ValueError(f"tail_kv {tail_kv.shape} / tail_bits {tail_bits.dtype}{tail_bits.shape} must be "
-                         f"[B, TK, C] with TK % {BK} == 0 and int32 [B, TK/{WORD}, R] for B={B}, C={C}, R={R}")
+                         f"[B, TK, C] with TK % {BK} == 0 and int32 [B, TK/{WORD}, Np] for B={B}, C={C}, Np={Np}")
     scale_log2 = float(scale) * _LOG2E
-    n_tiles, TB = R // ROWS, TK // BK
+    n_tiles, TB = Np // ROWS, TK // BK
     V = _check_valid_rows(valid_rows, Np)
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
@@ -228,10 +220,7 @@ def split_attention(q_rows, cache_kv, prefix_len, tail_kv, tail_bits, *, scale, 
         @pl.when(wg == 2)
         def _producer():
             plgpu.set_max_registers(40, action="decrease")
-            if Np < ROWS:  # one partial tile: its rows alone
-                plgpu.copy_gmem_to_smem(q_ref.at[b], q_smem.at[pl.ds(0, Np)], q_bar)
-            else:
-                plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(tile * ROWS, ROWS)], q_smem, q_bar)
+            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(tile * ROWS, ROWS)], q_smem, q_bar)
 
             @pl.loop(0, n_all)
             def _(j):
@@ -402,7 +391,7 @@ def split_attention_ref(q_rows, cache_kv, prefix_len, tail_kv, tail_bits, *, sca
     tail_block = nb[None, :, None] + jnp.arange(TK) // BK
     in_tail = (tail_block >= mid[..., None]) & (tail_block < hi[..., None])        # [NS, B, TK]
     k = jnp.arange(TK)
-    bit = (lax.shift_right_logical(tail_bits[:, k // WORD, :Np], (k % WORD)[None, :, None]) & 1) == 1  # [B, TK, Np]
+    bit = (lax.shift_right_logical(tail_bits[:, k // WORD, :], (k % WORD)[None, :, None]) & 1) == 1  # [B, TK, Np]
     sees = jnp.concatenate([jnp.broadcast_to(in_cache[:, :, None, :], (NS, B, Np, S)),
                             in_tail[:, :, None, :] & jnp.swapaxes(bit, 1, 2)[None]], axis=-1)
     keys = jnp.concatenate([cache_kv, tail_kv.astype(cache_kv.dtype)], axis=1)    # [B, S + TK, C]
@@ -426,15 +415,6 @@ def valid_rows_for(T: int, H: int) -> int | None:
     (N < 64, a multiple of 8: the partials of only the real rows are written and merged), else None."""
     n = T * H
     return n if n < ROWS and n % 8 == 0 else None
-
-
-def query_rows(q) -> tuple[jax.Array, int]:
-    """q [B, T, H, C] -> (q_rows [B, Np, C] for :func:`split_attention`, R rows of its tail bits): N = T*H
-    rows (row = node*H + head) as they are where ``valid_rows_for`` takes them (one partial tile: no
-    padding copy), else zero-padded to whole 64-row tiles; R is Np rounded up to whole tiles."""
-    B, T, H, C = q.shape
-    q_rows = q.reshape(B, T * H, C) if valid_rows_for(T, H) else fold_rows(q, ROWS)
-    return q_rows, -(-q_rows.shape[1] // ROWS) * ROWS
 
 
 def _check_valid_rows(valid_rows, rows: int) -> int:
@@ -470,9 +450,9 @@ def tree_attention_mgpu(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, k
     if problem:
         raise ValueError(f"tree_attention_mgpu cannot take {problem}; use tree_attention_ref")
     L, N = kv_lora_rank, T * H
-    qr, rows = query_rows(q)
+    qr = fold_rows(q, ROWS)
     plen = jnp.clip(prefix_len.astype(jnp.int32), 0, S)
-    tail_kv, tail_bits = tail_inputs(cache_kv, plen, tree_kv, tree_mask, H, rows, block_k)
+    tail_kv, tail_bits = tail_inputs(cache_kv, plen, tree_kv, tree_mask, H, qr.shape[1], block_k)
     if num_splits is None:
         num_splits = splits_for(B, T, H, S, block_k, num_sms)
     o, lse = kernel(qr, cache_kv, plen, tail_kv, tail_bits, scale=scale, kv_lora_rank=L, block_k=block_k,

@@ -142,9 +142,8 @@ def test_errors():
         M.split_attention(q_rows, case[1], case[2], *tail, block_k=32, **kw)
     with pytest.raises(ValueError, match="shared memory"):
         M.split_attention(q_rows, case[1], case[2], *tail, block_k=256, stages=4, **kw)
-    for bad_rows in (36, 72):
-        with pytest.raises(ValueError, match="whole 64-row tiles"):
-            M.split_attention(jnp.zeros((1, bad_rows, 192), jnp.bfloat16), case[1], case[2], *tail, **kw)
+    with pytest.raises(ValueError, match="whole 64-row tiles"):
+        M.split_attention(q_rows[:, :40], case[1], case[2], *tail, **kw)
     with pytest.raises(ValueError, match="tail_kv"):
         M.split_attention(q_rows, case[1], case[2], tail[0][:, :32], tail[1], **kw)
     with pytest.raises(ValueError, match="capacity S=100"):
@@ -180,22 +179,6 @@ def test_valid_rows_keep_only_the_real_rows_of_one_tile():
     lowered = jax.jit(functools.partial(M.split_attention, valid_rows=8, **kw)).trace(
         q_rows, case[1], case[2], *tail).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text() and lowered.out_info[0].shape == (3, 2, 8, 128)
-    # the same tile passed as its 8 rows alone (query_rows: no padding copy), the tail bits still 64 rows
-    short, rows = M.query_rows(case[0])
-    assert short.shape == (2, 8, 192) and rows == M.ROWS
-    np.testing.assert_array_equal(np.asarray(short), np.asarray(q_rows[:, :8]))
-    o8, l8 = M.split_attention_ref(short, case[1], case[2], *tail, **kw)
-    np.testing.assert_array_equal(np.asarray(o8, np.float32), np.asarray(o, np.float32))
-    np.testing.assert_array_equal(np.asarray(l8), np.asarray(lse))
-    with pytest.raises(ValueError, match="valid_rows"):
-        M.split_attention_ref(short, case[1], case[2], *tail, valid_rows=16, **kw)
-    with pytest.raises(ValueError, match="tail_kv"):      # tail bits of 8 rows: they must cover the tile
-        M.split_attention(short, case[1], case[2], tail[0], tail[1][..., :8], **kw)
-    lowered = jax.jit(functools.partial(M.split_attention, **kw)).trace(
-        short, case[1], case[2], *tail).lower(lowering_platforms=("cuda",))
-    assert "mosaic_gpu" in lowered.as_text() and lowered.out_info[0].shape == (3, 2, 8, 128)
-    full, rows = M.query_rows(jnp.zeros((2, 9, 8, 192), jnp.bfloat16))    # 72 rows: two padded tiles
-    assert full.shape == (2, 128, 192) and rows == 128
 
 
 K26 = dict(C=576, L=512, scale=0.14468)
