@@ -120,7 +120,6 @@ def main(argv=None):
         "att_T1_H8_B16_8K_xla": lambda: attention_case(8, 16, 1, 8192, merge="xla"),
         "att_T8_H8_B1_64K": lambda: attention_case(8, 1, 8, 65536),
         "att_T9_H8_B1_64K": lambda: attention_case(8, 1, 9, 65536),  # 72 rows: two tiles read the prefix
-        "att_T9_H8_B1_64K": lambda: attention_case(8, 1, 9, 65536),  # 72 rows: two tiles read the prefix
         "att_T8_H8_B16_8K": lambda: attention_case(8, 16, 8, 8192),
         "att_T8_H8_B16_8K_xla": lambda: attention_case(8, 16, 8, 8192, merge="xla"),
         "att_T1_H64_B16_64K": lambda: attention_case(64, 16, 1, 65536),
