@@ -38,9 +38,10 @@ def make_parts(seed, NS, B, V, L, dtype=jnp.bfloat16):
     return jnp.asarray(o, dtype), jnp.asarray(lse)
 
 
-@pytest.mark.parametrize("NS,B,V,L", [(1, 1, 8, 64), (5, 2, 6, 128), (13, 3, 8, 512), (128, 1, 8, 512),
-                                      (200, 2, 8, 64), (4, 1, 5, 40)])   # 200: two chunks of 128 splits
-@pytest.mark.parametrize("split_axis", [0, 1])
+@pytest.mark.parametrize("NS,B,V,L,split_axis", [
+    (1, 1, 8, 64, 0), (5, 2, 6, 128, 0), (13, 3, 8, 512, 0), (128, 1, 8, 512, 0), (4, 1, 5, 40, 0),
+    (200, 2, 8, 64, 0), (200, 2, 8, 64, 1),     # 200: two chunks of 128 splits
+    (13, 3, 8, 512, 1), (5, 2, 6, 128, 1)])     # split_axis 1: the Triton attention's [B, NS, V, L]
 def test_kernel_interpret_matches_twin_and_reference(NS, B, V, L, split_axis):
     o, lse = make_parts(NS * 7 + V, NS, B, V, L)
     if split_axis == 1:
