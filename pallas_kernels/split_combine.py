@@ -3,8 +3,8 @@
     combine_splits(o_parts, lse_parts, *, split_axis=0, out_dtype=None, interpret=False)
     combine_splits_ref(...)        # same signature: XLA's ``merge_lse`` and a cast
 
-Dimension letters: NS splits, B streams, V rows (heads folded in), L value width; RB rows and LB
-columns per program.
+Dimension letters: NS splits, B streams, V rows (heads folded in), L value width; LB columns of one
+row per program, CH splits per chunk.
 
 A split program of the attention kernels writes its normalised output o_s and log-sum-exp lse_s per
 row. The result is sum_s w_s o_s / sum_s w_s with w_s = exp(lse_s - max_s lse_s), and its LSE is
@@ -13,8 +13,9 @@ each a launch of 1-2 µs at B = 1 on the H200 (``profile_kernels_s11_merge.json`
 (stream, row, LB >= 64 columns) loads the LSEs of all splits (padded to a power of two, masked to -inf)
 and its [NS, LB] slab of partials (>= 128 contiguous bytes per split: whole DRAM sectors), and writes the
 bf16 (``out_dtype``) output and the f32 LSE. More than ``_CHUNK`` splits are taken in chunks: a first
-pass finds the max, a second sums. (A first form, 8 rows x 8 columns a program, read 16-byte pieces
-and took 8.8 µs for the 8.4 MB of partials at T = 8, H = 8, B = 1, 64K: ``profile_kernels_s12_combine.json``.)
+pass finds the max, a second sums. (Earlier forms, measured on the H200: 8 rows x 8 columns a program
+read 16-byte pieces and took 8.8 µs for the 8.4 MB of partials at T = 8, H = 8, B = 1, 64K; 64 columns
+whatever the split count made 8 192 tiny programs at B = 16, 9.6 µs. ``experiments/RESULTS.md``.)
 
 A row whose splits are all empty (lse -inf everywhere) gets output 0 and LSE -inf, as in ``merge_lse``.
 """
