@@ -61,10 +61,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.split_combine import combine_splits, merge_lse
+from pallas_kernels.split_combine import combine_splits
 
 __all__ = ["tree_attention", "tree_attention_ref", "mla_attention", "default_config", "kernel_supports",
-           "fold_rows", "merge_lse"]
+           "fold_rows"]
 
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
