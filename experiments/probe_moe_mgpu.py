@@ -56,7 +56,10 @@ def main(argv=None):
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--commit", default=None, help="commit hash to record (a copied checkout may report a stale HEAD)")
-    ap.add_argument("--plan", default="full", choices=["full", "flags", "stages", "fragments", "net", "anatomy", "inflight", "chunks", "m1"])
+    ap.add_argument("--plan", default="full", choices=["full", "flags", "stages", "fragments", "net", "anatomy", "inflight", "chunks", "m1",
+                             "width"])
+    ap.add_argument("--widths", default="8,16,24,32,40,48,64",
+                    help="plan width: tokens per tile N, one tile per expert (all E streamed once, whatever N)")
     ap.add_argument("--chunk", type=int, default=32, help="activation chunk width (columns per wgmma) unless a plan sets it")
     ap.add_argument("--timing", default="chained", choices=["chained", "traced"],
                     help="chained: wall clock of call chains, differenced; traced: the kernel's device time from a "
@@ -67,11 +70,12 @@ def main(argv=None):
     key = jax.random.key(0)
     gemms = {"gate_up": (2 * F, D), "down": (D, F)}
     weights = {}
-    for rows in (() if args.plan in ("net", "anatomy", "inflight", "chunks", "m1") else (64, 128)):
+    fragment_plans = ("fragments", "net", "anatomy", "inflight", "chunks", "m1", "width")
+    for rows in (() if args.plan in fragment_plans[1:] else (64, 128)):
         for name, (o, i) in gemms.items():
             key, sub = jax.random.split(key)
             weights[name, rows] = random_tiled(sub, E, o, i, rows)
-    if args.plan in ("fragments", "net", "anatomy", "inflight", "chunks", "m1"):
+    if args.plan in fragment_plans:
         for name, (o, i) in gemms.items():
             key, sub = jax.random.split(key)
             weights[name, "fragments"] = random_fragments(sub, E, o, i)
@@ -89,6 +93,9 @@ def main(argv=None):
         with open(os.path.join(args.out, "probe_moe_mgpu.json"), "w") as fh:
             json.dump(payload, fh, indent=1, default=str)
 
+    if args.plan == "width":
+        width_sweep(args, weights, gemms, bw, records, save)
+        return
     # correctness: kernel vs twin on the real arrays, a few tiles incl. a skipped one
     for (name, rows), (w, s) in weights.items():
         o, i = gemms[name]
@@ -200,6 +207,43 @@ def main(argv=None):
     save(records)
     bench_util.print_table([{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items() if k != "kind"}
                             for r in table], ["gemm", "m", "n", "stages", "split", "probe", "mma_in_flight", "chunk", "active", "ms", "floor_ms", "pct_copy"])
+
+
+def width_sweep(args, weights, gemms, bw, records, save):
+    """Kernel device time against tokens per tile N at fixed weight bytes: one tile per expert, so every
+    GEMM streams all E experts once whatever N is, as the layer runs them (gate+up with the SiLU·up
+    epilogue, down storing bf16 token rows; 128-column chunks, no chunk left in flight). What grows with N
+    is the tensor work alone (and the token tiles' bytes, listed). "stream_only" rows run the copy
+    pipeline with an empty step."""
+    te = jnp.arange(E, dtype=jnp.int32)
+    table = []
+    for n in [int(v) for v in args.widths.split(",")]:
+        for name, (o, i) in gemms.items():
+            x = jax.random.normal(jax.random.key(n), (E * n, i), jnp.float32).astype(jnp.bfloat16)
+            xg = K.to_chunks(x, 128)
+            w, s = weights[name, "fragments"]
+            nbytes = E * (o * i // 2 + o * (i // K.GROUP) * 2)
+            kw = (dict(out_layout="tokens", epilogue="silu_mul") if name == "gate_up" else
+                  dict(out_layout="tokens", out_dtype=jnp.bfloat16))
+            for probe in ("", "stream_only") if n in (8, 32) else ("",):
+                fn = functools.partial(K.grouped_int4_matmul, tokens_per_tile=n, mma_in_flight=0, probe=probe, **kw)
+                try:
+                    trace = bench_util.traced_call_time(fn, (xg, w, s, te))
+                except Exception as exc:  # noqa: BLE001 - report and go on
+                    print(f"FAILED {name} N={n} {probe}: {exc!r:.300}", flush=True)
+                    continue
+                t = sum(sec for kname, _, sec in trace["kernels"] if "mosaic" in kname) or trace["span_s"]
+                rec = dict(kind="width", gemm=name, n=n, probe=probe or "-", tiles=E, gb=nbytes / 1e9,
+                           x_gb=x.size * 2 / 1e9, ms=t * 1e3, floor_ms=nbytes / bw * 1e3,
+                           pct_copy=100 * nbytes / t / bw, tflops=2 * E * n * o * i / t / 1e12)
+                records.append(rec)
+                table.append(rec)
+                print(f"{name:8s} N={n:3d} {probe or '-':11s} {t * 1e3:8.3f} ms {rec['pct_copy']:5.1f} % "
+                      f"{rec['tflops']:6.1f} TFLOP/s", flush=True)
+                save(records)
+    save(records)
+    bench_util.print_table([{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items() if k != "kind"}
+                            for r in table], ["gemm", "n", "probe", "ms", "floor_ms", "pct_copy", "tflops"])
 
 
 if __name__ == "__main__":
