@@ -208,7 +208,8 @@ def main(argv=None):
         except Exception as ex:  # noqa: BLE001
             print(f"{name} M={base['M']} failed: {type(ex).__name__}: {str(ex)[-1500:]}", flush=True)
 
-    def run_tiled(cfg, x, ids, w, base, nbytes, y_ref):
+    def run_tiled(cfg, x, ids, w, base, nbytes, y_ref, ref_name):
+        """Times one Mosaic GPU config; returns its output (None if it failed)."""
         name = "mgpu[" + ",".join(f"{k_}={v}" for k_, v in cfg.items()) + "]"
         cfg = dict(cfg)
         stacks = tiled if cfg.pop("fuse", 1) else (unpaired13, tiled[1])
@@ -234,9 +235,11 @@ def main(argv=None):
                     glue_us=(traced["busy_s"] - sum(s_ for k_, _, s_ in traced["kernels"] if "mosaic" in k_)) * 1e6)
             tile = cfg.get("tile") or tiled_default_tile(base["M"], K, E)
             record(dict(base, tile=tile), name, t, nbytes, ms_min=tmin * 1e3, ms_dispatched=t_disp * 1e3, err=err,
-                   first_call_s=comp, phase="table", **extra)
+                   err_against=ref_name, first_call_s=comp, phase="table", **extra)
+            return y
         except Exception as ex:  # noqa: BLE001
             print(f"{name} M={base['M']} failed: {type(ex).__name__}: {str(ex)[-1500:]}", flush=True)
+            return None
 
     # phase 1: the table (kernel configs, twin, ragged_dot) at every M and routing
     for m in ms:
@@ -250,8 +253,11 @@ def main(argv=None):
                     record(base, "twin", t, nbytes, err=0.0, phase="table")
                 except Exception as ex:  # noqa: BLE001
                     print(f"twin M={m} failed: {type(ex).__name__}: {str(ex)[:300]}", flush=True)
-            for cfg in tiled_configs:
-                run_tiled(cfg, x, ids, w, base, nbytes, y_ref)
+            ref, ref_name = y_ref, "twin" if y_ref is not None else None
+            for cfg in tiled_configs:  # without the twin, each config's error is against the first config's output
+                y = run_tiled(cfg, x, ids, w, base, nbytes, ref, ref_name)
+                if ref is None and y is not None:
+                    ref, ref_name = y, "mgpu[" + ",".join(f"{k_}={v}" for k_, v in cfg.items()) + "]"
             for cfg in configs if m in triton_ms else []:
                 run_kernel(cfg, x, ids, w, base, nbytes, y_ref, "table")
             if m <= args.ragged_max_m and kind == "uniform":

@@ -142,7 +142,7 @@ def fused_int4_moe(x_chunks, w13, s13, w2, s2, tile_expert, *, tokens_per_tile: 
         e = te_ref[t]
 
         def program():
-            acc = tile_product(x_ref, w13_ref.at[e, b], s13_ref.at[e, b], n_rows=n, block=t, first_step=0,
+            acc = tile_product(x_ref, w13_ref.at[e, b], s13_ref.at[e, b], n_rows=n, row0=t * n, first_step=0,
                                steps=d // STEP, chunk=chunk, stages=stages)
             h = silu_mul(acc[:PAIR_BLOCK], acc[PAIR_BLOCK:]).astype(jnp.bfloat16)  # [64, N]
 

@@ -47,7 +47,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.int4_moe import default_tile
 from pallas_kernels.int4_tiles import FRAG_ROWS, GROUP, PAIR_BLOCK, STEP, TiledInt4, _check_dims, dequantize_expert
-from pallas_kernels.moe_routing import METHODS, route_narrow, route_per_pair, route_wide
+from pallas_kernels.moe_routing import METHODS, route_narrow, route_per_pair, route_ragged, route_wide
 
 try:  # Mosaic GPU is importable on CPU builds too (lowering works anywhere; running needs an sm_90 GPU).
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -78,7 +78,8 @@ def _check_mma_in_flight(mma_in_flight, chunk: int) -> None:
                          f"per step), got {mma_in_flight!r}")
 
 
-def check_grouped_args(x_chunks, w, s, tile_expert, n: int, wide_tiles: int = 0) -> tuple[bool, int, int]:
+def check_grouped_args(x_chunks, w, s, tile_expert, n: int, wide_tiles: int = 0,
+                       tile_rows=None) -> tuple[bool, int, int]:
     """Validates the arguments of ``grouped_int4_matmul`` (and its twin) statically; returns
     (fragment order?, I, O). Raises ValueError naming the mismatch."""
     if len(x_chunks.shape) != 3 or x_chunks.shape[2] not in CHUNKS:
@@ -105,6 +106,13 @@ def check_grouped_args(x_chunks, w, s, tile_expert, n: int, wide_tiles: int = 0)
         raise ValueError(f"tile_expert must be [NT], got {tuple(tile_expert.shape)}")
     nt = tile_expert.shape[0]
     narrow = nt - wide_tiles
+    if tile_rows is not None:
+        if wide_tiles:
+            raise ValueError("tile_rows (ragged tiles) and wide_tiles are two layouts: pass one")
+        if tuple(tile_rows.shape) != (2, nt) or tile_rows.dtype != jnp.int32:
+            raise ValueError(f"tile_rows must be int32 [2, NT] = [2, {nt}] (first row, width), got "
+                             f"{tile_rows.dtype} {tuple(tile_rows.shape)}")
+        return fragments, in_dim, out_dim
     if not wide_tiles and (p % n or nt != p // n):
         raise ValueError(f"tile_expert must be [P/N] = [{p // n}] with N={n} dividing P={p}, got {nt} tiles")
     if wide_tiles and (wide_tiles < 0 or narrow < 0 or p % (2 * n) or narrow * n > p):
@@ -113,8 +121,9 @@ def check_grouped_args(x_chunks, w, s, tile_expert, n: int, wide_tiles: int = 0)
     return fragments, in_dim, out_dim
 
 
-def grouped_int4_matmul_ref(x_chunks, w, s, tile_expert, *, tokens_per_tile: int, out_layout: str = "rows",
-                            epilogue: str = "none", wide_tiles: int = 0, out_dtype=jnp.float32):
+def grouped_int4_matmul_ref(x_chunks, w, s, tile_expert, tile_rows=None, *, tokens_per_tile: int,
+                            out_layout: str = "rows", epilogue: str = "none", wide_tiles: int = 0,
+                            out_dtype=jnp.float32):
     """Twin of ``grouped_int4_matmul`` (same signature): x_chunks [I/C, P, C] (``to_chunks``; bf16, or f32
     for f32 models on CPU), w/s tiled weights, tile_expert int32 [NT] -> out f32 [O, P] (out_layout "rows")
     or [P, O] ("tokens"); columns (rows) of skipped tiles (expert < 0) are zero here. Expert ids >= E are
@@ -122,33 +131,43 @@ def grouped_int4_matmul_ref(x_chunks, w, s, tile_expert, *, tokens_per_tile: int
     gate/up stack paired in 64-row blocks, ``TiledInt4.from_compressed_tensors(..., pair_gate_up=True)``):
     h = silu(gate) * up in x_chunks.dtype instead, as chunks [O/2/C, P, C] (the down GEMM's input).
     wide_tiles W: the last W tiles hold 2N tokens each, wide tile j rows [P - (j+1) 2N, P - j 2N) (a used
-    one must not overlap a used narrow tile; ``route_wide`` lays them out so). out_dtype: of the
+    one must not overlap a used narrow tile; ``route_wide`` lays them out so). tile_rows int32 [2, NT]
+    (ragged tiles, ``route_ragged``): tile t holds rows [tile_rows[0, t], tile_rows[0, t] + tile_rows[1, t]),
+    its width a multiple of 8 in [8, N] and the used tiles' rows disjoint within [0, P) (anything else is
+    the caller's error, as expert ids >= E are). out_dtype: of the
     f32 products (``_check_out_dtype``: bfloat16 only for token rows with no epilogue and no split)."""
     n = tokens_per_tile
     _check_out_layout(out_layout)
     _check_epilogue(epilogue, out_layout, s, x_chunks.shape[-1])
     _check_out_dtype(out_dtype, out_layout, epilogue)
-    _, i, o = check_grouped_args(x_chunks, w, s, tile_expert, n, wide_tiles)
+    _, i, o = check_grouped_args(x_chunks, w, s, tile_expert, n, wide_tiles, tile_rows)
     nc, p, chunk = x_chunks.shape
     x = jnp.swapaxes(x_chunks, 0, 1).reshape(p, nc * chunk)
     narrow = tile_expert.shape[0] - wide_tiles
+    pad = n if tile_rows is not None else 0  # a ragged tile reads N rows from its first: room past P
+    x = jnp.pad(x, ((0, pad), (0, 0)))
 
     def body(n_rows, first, t, carry):  # skipped tiles do no work; an expert is dequantised once per run
         out, prev, wt = carry
         e = tile_expert[t]
-        row0 = t * n if n_rows == n else p - (t - first + 1) * n_rows
+        if tile_rows is not None:
+            row0, width = tile_rows[0, t], tile_rows[1, t]
+        else:
+            row0, width = (t * n if n_rows == n else p - (t - first + 1) * n_rows), n_rows
         wt = lax.cond((e >= 0) & (e != prev), lambda: dequantize_expert(w, s, e, x.dtype), lambda: wt)
 
         def tile_product(out):
             yt = jnp.dot(wt, lax.dynamic_slice_in_dim(x, row0, n_rows).T, preferred_element_type=jnp.float32)
+            keep = lax.dynamic_slice_in_dim(out, row0, n_rows, 1)  # a ragged tile's rows past its width
+            yt = jnp.where(jnp.arange(n_rows) < width, yt, keep)
             return lax.dynamic_update_slice_in_dim(out, yt, row0, 1)
 
         out = lax.cond(e >= 0, tile_product, lambda out: out, out)
         return out, jnp.where(e >= 0, e, prev), wt
 
-    carry = (jnp.zeros((o, p), jnp.float32), jnp.int32(-1), jnp.zeros((o, i), x.dtype))
+    carry = (jnp.zeros((o, p + pad), jnp.float32), jnp.int32(-1), jnp.zeros((o, i), x.dtype))
     carry = lax.fori_loop(0, narrow, functools.partial(body, n, 0), carry)
-    out = lax.fori_loop(narrow, narrow + wide_tiles, functools.partial(body, 2 * n, narrow), carry)[0]
+    out = lax.fori_loop(narrow, narrow + wide_tiles, functools.partial(body, 2 * n, narrow), carry)[0][:, :p]
     if epilogue == "silu_mul":
         gate, up = gate_and_up(out.T, PAIR_BLOCK)
         return to_chunks(silu_mul(gate, up).astype(x_chunks.dtype), chunk)
@@ -239,13 +258,13 @@ def scale_rows(wg, scale_ref):
     return wg * lax.broadcast_in_dim(sg, wg.shape, [0])
 
 
-def tile_product(x_ref, w_ref, s_ref, *, n_rows: int, block, first_step, steps: int, chunk: int, stages: int,
+def tile_product(x_ref, w_ref, s_ref, *, n_rows: int, row0, first_step, steps: int, chunk: int, stages: int,
                  mma_in_flight: int | None = None, overlap: bool = False, probe: str = ""):
     """Inside a Mosaic GPU kernel: one expert row block times one token tile, [R, n_rows] f32 (layout WGMMA).
 
     x_ref: the chunk-major activations in global memory [I/C, P, C]; w_ref / s_ref: the expert's row block
     of a tiled stack ([KR, 128] words in fragments order or [KR, S] int4 in groups order; scales [I/G, R]);
-    the tile's rows are [block * n_rows, (block + 1) * n_rows) of P and the pipeline runs ``steps`` steps of
+    the tile's rows are [row0, row0 + n_rows) of P and the pipeline runs ``steps`` steps of
     S columns from ``first_step``. The options are ``grouped_int4_matmul``'s."""
     fragments = w_ref.dtype == jnp.int32
     rows = s_ref.shape[-1]
@@ -284,20 +303,21 @@ def tile_product(x_ref, w_ref, s_ref, *, n_rows: int, block, first_step, steps: 
             in_specs=[
                 plgpu.BlockSpec(slab, lambda k: (k + first_step, 0)),
                 plgpu.BlockSpec((gps, rows), lambda k: (k + first_step, 0)),
-                plgpu.BlockSpec((cps, n_rows, chunk), lambda k: (k + first_step, block, 0),
+                plgpu.BlockSpec((cps, n_rows, chunk), lambda k: (k + first_step, 0, 0),
                                 transforms=(plgpu.TilingTransform((8, min(chunk, 64))),
                                             plgpu.SwizzleTransform(min(2 * chunk, 128))),
                                 delay_release=1 if overlap else 0),
             ],
             max_concurrent_steps=stages,
-        )(w_ref, s_ref, x_ref)
+        )(w_ref, s_ref, x_ref.at[:, pl.ds(row0, n_rows), :])
         return acc_ref[...]
 
     return pl.run_scoped(acc_scope, plgpu.ACC((rows, n_rows), jnp.float32))
 
 
-def grouped_int4_matmul(x_chunks, w, s, tile_expert, *, tokens_per_tile: int, out_layout: str = "rows",
-                        epilogue: str = "none", wide_tiles: int = 0, out_dtype=jnp.float32, stages: int = 2,
+def grouped_int4_matmul(x_chunks, w, s, tile_expert, tile_rows=None, *, tokens_per_tile: int,
+                        out_layout: str = "rows", epilogue: str = "none", wide_tiles: int = 0,
+                        out_dtype=jnp.float32, stages: int = 2,
                         split: int = 1, mma_in_flight: int | None = None, overlap: bool = False,
                         auto_barriers: bool = True, dependent_launch: bool = False, probe: str = ""):
     """Pallas Mosaic GPU kernel (H100/H200). Same contract as ``grouped_int4_matmul_ref``, except that the
@@ -314,6 +334,11 @@ def grouped_int4_matmul(x_chunks, w, s, tile_expert, *, tokens_per_tile: int, ou
     ``wide_tiles`` W: the last W tiles hold 2N tokens, from the back of P (``route_wide``: an expert with
     more than N tokens gets tiles of 2N, so its weights are fed to the tensor cores half as often); the
     kernel branches per program between the two tile widths.
+    ``tile_rows`` int32 [2, NT] (ragged tiles, ``route_ragged``; not with ``wide_tiles``): tile t holds
+    rows [tile_rows[0, t], + tile_rows[1, t]), a width that is a multiple of 8 in [8, N], so that an
+    expert's last tile is no wider than its pairs need rounded up to 8 (on the H200 each 8 tokens of tile
+    width cost a fixed share of tensor time per weight byte: experiments/results/probe_moe_mgpu_width_h200.json);
+    the kernel branches per program between the N / 8 widths (a tile of any other width is skipped).
     ``epilogue="silu_mul"`` (token rows, split 1, a gate/up stack paired in 64-row blocks so that each
     128-row program holds the gate and up rows of the same 64 f): each program's accumulator halves give
     h = silu(gate) * up in registers, stored as bf16 chunks [O/2/C, P, C], the down GEMM's input.
@@ -345,7 +370,7 @@ def grouped_int4_matmul(x_chunks, w, s, tile_expert, *, tokens_per_tile: int, ou
         raise ValueError(f"unknown probe {probe!r}")
     n = tokens_per_tile
     _check_out_layout(out_layout)
-    fragments, in_dim, out_dim = check_grouped_args(x_chunks, w, s, tile_expert, n, wide_tiles)
+    fragments, in_dim, out_dim = check_grouped_args(x_chunks, w, s, tile_expert, n, wide_tiles, tile_rows)
     chunk = x_chunks.shape[2]
     _check_epilogue(epilogue, out_layout, s, chunk, split)
     _check_out_dtype(out_dtype, out_layout, epilogue, split)
@@ -371,8 +396,9 @@ def grouped_int4_matmul(x_chunks, w, s, tile_expert, *, tokens_per_tile: int, ou
                          f"(limit {SMEM_LIMIT}): fewer tokens per tile or stages")
     nt = tile_expert.shape[0]
     nt_narrow = nt - wide_tiles
+    ragged = tile_rows is not None
 
-    def body(te_ref, x_ref, w_ref, s_ref, o_ref):
+    def body(te_ref, tr_ref, x_ref, w_ref, s_ref, o_ref):
         if dependent_launch:  # wait before the first read (tile_expert too), then free the next grid's launch
             plgpu.griddepcontrol_wait()
             plgpu.griddepcontrol_launch_dependents()
@@ -381,8 +407,8 @@ def grouped_int4_matmul(x_chunks, w, s, tile_expert, *, tokens_per_tile: int, ou
         sp = lax.axis_index("split")
         e = te_ref[t]
 
-        def program(n_rows, block):  # one tile: n_rows tokens, rows [block * n_rows, (block + 1) * n_rows)
-            acc = tile_product(x_ref, w_ref.at[e, b], s_ref.at[e, b], n_rows=n_rows, block=block,
+        def program(n_rows, row0):  # one tile: n_rows tokens, rows [row0, row0 + n_rows)
+            acc = tile_product(x_ref, w_ref.at[e, b], s_ref.at[e, b], n_rows=n_rows, row0=row0,
                                first_step=sp * kps, steps=kps, chunk=chunk, stages=stages,
                                mma_in_flight=mma_in_flight, overlap=overlap, probe=probe)
 
@@ -393,7 +419,7 @@ def grouped_int4_matmul(x_chunks, w, s, tile_expert, *, tokens_per_tile: int, ou
                     o_smem.transpose((1, 0))[...] = plgpu.layout_cast(h, plgpu.Layout.WGMMA_TRANSPOSED)
                     plgpu.commit_smem()
                     per_chunk = chunk // PAIR_BLOCK  # this program's 64 f are (part of) one chunk of h
-                    plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b // per_chunk, pl.ds(block * n_rows, n_rows),
+                    plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b // per_chunk, pl.ds(row0, n_rows),
                                                              pl.ds((b % per_chunk) * PAIR_BLOCK, PAIR_BLOCK)])
                 elif tokens_out:
                     # ref.transpose, not plgpu.transpose_ref: JAX 0.11's transpose_ref asks a plain scratch ref
@@ -401,22 +427,26 @@ def grouped_int4_matmul(x_chunks, w, s, tile_expert, *, tokens_per_tile: int, ou
                     o_smem.transpose((1, 0))[...] = plgpu.layout_cast(acc.astype(out_dtype),
                                                                       plgpu.Layout.WGMMA_TRANSPOSED)
                     plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(o_smem, o_ref.at[sp, pl.ds(block * n_rows, n_rows), pl.ds(b * rows, rows)])
+                    plgpu.copy_smem_to_gmem(o_smem, o_ref.at[sp, pl.ds(row0, n_rows), pl.ds(b * rows, rows)])
                 else:
                     o_smem[...] = acc
                     plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(o_smem, o_ref.at[sp, pl.ds(b * rows, rows), pl.ds(block * n_rows, n_rows)])
+                    plgpu.copy_smem_to_gmem(o_smem, o_ref.at[sp, pl.ds(b * rows, rows), pl.ds(row0, n_rows)])
                 plgpu.wait_smem_to_gmem(0)
 
             pl.run_scoped(store, plgpu.SMEM((n_rows, PAIR_BLOCK), jnp.bfloat16) if fused else
                           plgpu.SMEM((n_rows, rows), out_dtype) if tokens_out else
                           plgpu.SMEM((rows, n_rows), jnp.float32))
 
-        if wide_tiles:  # tiles [0, NT - W) of n tokens from the front, then W of 2n from the back
-            pl.when((e >= 0) & (t < nt_narrow))(lambda: program(n, t))
-            pl.when((e >= 0) & (t >= nt_narrow))(lambda: program(2 * n, p // (2 * n) - 1 - (t - nt_narrow)))
+        if ragged:  # one branch per width; each tile runs the one its width names
+            row0, width = tr_ref[0, t], tr_ref[1, t]
+            for n_rows in range(8, n + 1, 8):
+                pl.when((e >= 0) & (width == n_rows))(functools.partial(program, n_rows, row0))
+        elif wide_tiles:  # tiles [0, NT - W) of n tokens from the front, then W of 2n from the back
+            pl.when((e >= 0) & (t < nt_narrow))(lambda: program(n, t * n))
+            pl.when((e >= 0) & (t >= nt_narrow))(lambda: program(2 * n, p - (t - nt_narrow + 1) * 2 * n))
         else:
-            pl.when(e >= 0)(lambda: program(n, t))
+            pl.when(e >= 0)(lambda: program(n, t * n))
 
     kernel = plgpu.kernel(
         body,
@@ -426,7 +456,7 @@ def grouped_int4_matmul(x_chunks, w, s, tile_expert, *, tokens_per_tile: int, ou
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,
                                              unsafe_no_auto_barriers=not auto_barriers),
     )
-    out = kernel(tile_expert, x_chunks, w, s)
+    out = kernel(tile_expert, tile_rows if ragged else jnp.zeros((2, 1), jnp.int32), x_chunks, w, s)
     if fused:
         return out
     return out[0] if split == 1 else out.sum(0)
@@ -490,6 +520,7 @@ def tiled_default_tile(m: int, k: int, e: int) -> int:
 
 
 NUM_SMS_H200 = 132
+TILE_WIDTHS = ("one", "two", "ragged")  # routed_experts_tiled(widths=): route_narrow, route_wide, route_ragged
 
 
 def default_wide(m: int, k: int, e: int, tile: int) -> bool:
@@ -544,7 +575,7 @@ def check_kernel_config(w13: TiledInt4, w2: TiledInt4, n: int, stages: int, spli
 def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: TiledInt4, *,
                          expert_offset: int | jax.Array = 0, out_dtype=None, use_kernel: bool = False,
                          tile: int | None = None, stages: int = 2, split: int | None = None,
-                         mma_in_flight: int | None | str = "auto", chunk: int = 128, wide: bool | None = None,
+                         mma_in_flight: int | None | str = "auto", chunk: int = 128, widths: str | None = None,
                          routing: str = "auto", gather: str = "words", expert_shards: int = 1,
                          dependent_launch: bool = False, launch: str = "two", down_blocks: int = 4):
     """Routed experts of one MoE layer on tiled INT4 stacks: the Mosaic GPU kernel (``use_kernel``) or its
@@ -565,8 +596,10 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
     or None), default ("auto") ``default_mma_in_flight``. chunk: activation chunk width C (``CHUNKS``; scale
     groups per wgmma = C / 32); 128 by default: on the H200 the layer took 75.0 / 432 / 2106 / 2661 / 3319 us
     at M = 1 / 9 / 90 / 256 / 1024 against 76.7 / 447 / 2177 / 2760 / 3684 with C = 32, mostly from the
-    XLA transposes it removes (experiments/results/bench_moe_h200_chunks.json). wide: experts with more
-    than ``tile`` pairs get tiles of twice the width (``route_wide``); default ``default_wide``. The down
+    XLA transposes it removes (experiments/results/bench_moe_h200_chunks.json). widths: "one" (every tile
+    N wide, ``route_narrow``), "two" (experts with more than N = ``tile`` pairs get tiles of 2N,
+    ``route_wide``) or "ragged" (tiles of at most N, an expert's last one as wide as its pairs rounded up
+    to 8, ``route_ragged``); default "two" where ``default_wide``, else "one". The down
     GEMM's pair rows are bf16 for bf16 x where it has no split-K (each expert's output rounded as a bf16
     model's expert rounds it), else f32. routing: ``moe_routing``'s method ("auto", "sort" or "compare"; the
     same layout either way), or "per_pair" (``route_per_pair``: a tile per pair, no grouping); "auto" takes
@@ -595,11 +628,15 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
         raise ValueError("launch='one' needs per-pair tiles (routing='per_pair', or 'auto' at M = 1) and a w13 "
                          f"paired in {PAIR_BLOCK}-row blocks; got routing={routing!r} at M = {m}, gate_up_block="
                          f"{w13.gate_up_block}")
-    if per_pair and wide:
-        raise ValueError("per-pair tiles (routing='per_pair', the default at M = 1) have one width: wide=True "
-                         "needs a grouped routing")
+    if widths not in (None,) + TILE_WIDTHS:
+        raise ValueError(f"widths must be None or one of {TILE_WIDTHS}, got {widths!r}")
+    if per_pair and widths not in (None, "one"):
+        raise ValueError(f"per-pair tiles (routing='per_pair', the default at M = 1) have one width: widths="
+                         f"{widths!r} needs a grouped routing")
     n = tile or tiled_default_tile(m, k, e_n)
-    wide = False if per_pair else default_wide(m, k, e_n, n) if wide is None else wide
+    if widths is None:
+        widths = "two" if not per_pair and default_wide(m, k, e_n, n) else "one"
+    wide = widths == "two"
     if not isinstance(expert_shards, int) or expert_shards < 1:
         raise ValueError(f"expert_shards must be a positive int, got {expert_shards!r}")
     split13, split2 = (split, split) if split else (default_split(m, k, e_n, w13, shards=expert_shards),
@@ -610,15 +647,16 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
     if mma_in_flight == "auto":
         mma_in_flight = default_mma_in_flight(m, k, chunk)
     _check_mma_in_flight(mma_in_flight, chunk)
+    tile_rows, wide_tiles = None, 0
     if per_pair:
         row_token, tile_expert, pair_row = route_per_pair(expert_ids - expert_offset, e_n, n)
-        wide_tiles = 0
+    elif widths == "ragged":
+        row_token, tile_expert, tile_rows, pair_row = route_ragged(expert_ids - expert_offset, e_n, n, routing)
     elif wide:
         row_token, tile_expert, wide_tiles, pair_row = route_wide(expert_ids - expert_offset, e_n, n, routing)
     else:
         row_token, _, tile_expert, _, pair_row = route_narrow(expert_ids - expert_offset, expert_weights, e_n, n,
                                                               routing)
-        wide_tiles = 0
     xs = gather_token_chunks(x, row_token, chunk, gather)  # [D/C, P, C]
     pair_dtype = jnp.bfloat16 if x.dtype == jnp.bfloat16 and split2 == 1 else jnp.float32
     if launch == "one":
@@ -637,12 +675,12 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
             *a, tokens_per_tile=n, out_layout="tokens", epilogue=epilogue, wide_tiles=wide_tiles,
             out_dtype=out_dtype)
     if w13.gate_up_block and split13 == 1 and chunk >= PAIR_BLOCK:  # SiLU·up in the gate+up GEMM's epilogue
-        h = mm(xs, w13.packed, w13.scale, tile_expert, split=1, epilogue="silu_mul")  # [F/C, P, C]
+        h = mm(xs, w13.packed, w13.scale, tile_expert, tile_rows, split=1, epilogue="silu_mul")  # [F/C, P, C]
     else:
-        gu = mm(xs, w13.packed, w13.scale, tile_expert, split=split13)  # [P, 2F] f32
+        gu = mm(xs, w13.packed, w13.scale, tile_expert, tile_rows, split=split13)  # [P, 2F] f32
         gate, up = gate_and_up(gu, w13.gate_up_block)
         h = to_chunks((jax.nn.silu(gate) * up).astype(x.dtype), chunk)  # [F/C, P, C]
-    y_pairs = mm(h, w2.packed, w2.scale, tile_expert, split=split2, out_dtype=pair_dtype)  # [P, D]
+    y_pairs = mm(h, w2.packed, w2.scale, tile_expert, tile_rows, split=split2, out_dtype=pair_dtype)  # [P, D]
     return _gather_combine(y_pairs, pair_row, expert_weights, out_dtype or x.dtype)
 
 

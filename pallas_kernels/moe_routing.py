@@ -22,6 +22,7 @@ small launches at one token, one of them a 6 us fusion that recomputed two prefi
 bench_moe_s9_routing*.json for "compare": two runs of the same hour). Above 256 tokens "compare" is unmeasured.
 
 ``route_per_pair`` is the third layout, for one token: a tile per pair in flat order, no grouping at all.
+``route_ragged`` is the fourth: each expert's tiles as wide as its pairs need, in steps of 8 rows.
 """
 
 from __future__ import annotations
@@ -163,6 +164,45 @@ def route_wide(expert_ids, num_experts: int, tile: int, method: str = "auto"):
     tile_expert = jnp.concatenate([run_owners(narrow_tile + narrow, nt_narrow),
                                    run_owners(wide_start + wide_count, nt_wide)])
     return row_token, tile_expert, nt_wide, pair_row
+
+
+def ragged_rows_bound(pairs: int, num_experts: int) -> int:
+    """Rows P of ``route_ragged``: the pairs plus at most 7 padding rows per busy expert (only an expert's
+    last tile is partial, and it is rounded up to a multiple of 8), rounded up to 8."""
+    return -(-(pairs + 7 * min(num_experts, pairs)) // 8) * 8
+
+
+def route_ragged(expert_ids, num_experts: int, tile: int, method: str = "auto"):
+    """Tiles as wide as the pairs need: an expert with c pairs gets c // N full tiles of N = ``tile`` rows
+    and, if N does not divide c, one more of (c mod N) rows rounded up to a multiple of 8, so that it is fed
+    to the tensor cores in ceil(c / N) passes, each no wider than its pairs plus at most 7 padding rows
+    (``grouped_int4_matmul(tile_rows=)``). Runs are consecutive in expert order; no run is padded to N.
+
+    expert_ids int32 [M, K] (local ids; others get no row). Returns row_token int32 [P] (M for padding
+    rows; P = ``ragged_rows_bound``), tile_expert int32 [NT] (-1 for unused tiles; NT = ``max_tiles``),
+    tile_rows int32 [2, NT] (each tile's first row and width; 0 and 8 for unused tiles) and pair_row int32
+    [M, K] (P for pairs with no row).
+    """
+    if tile % 8 or tile < 8:
+        raise ValueError(f"tile={tile} must be a positive multiple of 8")
+    m, k = expert_ids.shape
+    pairs = m * k
+    nt, p = max_tiles(m, k, num_experts, tile), ragged_rows_bound(pairs, num_experts)
+    method = routing_method(pairs, method)
+    order, e, local, counts, rank = group_pairs(expert_ids.reshape(-1).astype(jnp.int32), num_experts, method)
+    tiles = (counts + tile - 1) // tile
+    padded = (counts // tile) * tile + (counts % tile + 7) // 8 * 8
+    row_start, tile_start = exclusive_prefix(padded, method), exclusive_prefix(tiles, method)
+    _, row_token, pair_row = rows_of_pairs(jnp.where(local, row_start[e] + rank, p).astype(jnp.int32), order, p,
+                                           m, k)
+    tile_expert = run_owners(tile_start + tiles, nt)
+    owner = jnp.maximum(tile_expert, 0)
+    j = jnp.arange(nt, dtype=jnp.int32) - tile_start[owner]  # the tile's place in its expert's run
+    first = row_start[owner] + j * tile
+    width = jnp.minimum(tile, (counts[owner] - j * tile + 7) // 8 * 8)
+    used = tile_expert >= 0
+    tile_rows = jnp.stack([jnp.where(used, first, 0), jnp.where(used, width, 8)]).astype(jnp.int32)
+    return row_token, tile_expert, tile_rows, pair_row
 
 
 def route_per_pair(expert_ids, num_experts: int, tile: int):

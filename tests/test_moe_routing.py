@@ -18,6 +18,7 @@ from tests.test_moe_wide_tiles import tile_spans
 
 route_narrow = jax.jit(R.route_narrow, static_argnums=(2, 3, 4))  # one compile per case, not one per op
 route_wide = jax.jit(R.route_wide, static_argnums=(1, 2, 3))
+route_ragged = jax.jit(R.route_ragged, static_argnums=(1, 2, 3))
 
 
 @pytest.mark.parametrize("method", ["sort", "compare"])
@@ -115,6 +116,63 @@ def test_route_wide_bounds_hold_in_the_extremes(method):
     assert check_route(np.zeros((2, 1), np.int32), e, tile, method=method) == 0  # too few pairs for wide
 
 
+def check_ragged(ids, e, tile, offset=0, method="auto"):
+    """route_ragged's layout, checked pair by pair against what the docstring promises: every local pair in a
+    row of a tile of its expert, the used tiles disjoint inside P, an expert's tiles N wide but its last,
+    which is its remaining pairs rounded up to 8, and no tile for an idle expert."""
+    m, k = ids.shape
+    row_token, tile_expert, tile_rows, pair_row = map(np.asarray, route_ragged(jnp.asarray(ids - offset, jnp.int32),
+                                                                              e, tile, method))
+    p, nt = row_token.shape[0], tile_expert.size
+    assert p == R.ragged_rows_bound(m * k, e) and nt == R.max_tiles(m, k, e, tile) and tile_rows.shape == (2, nt)
+    local_ids = ids.ravel() - offset
+    counts = np.bincount(local_ids[(local_ids >= 0) & (local_ids < e)], minlength=e)
+    owner = np.full(p, -1)
+    for t in np.flatnonzero(tile_expert >= 0):
+        start, width = tile_rows[:, t]
+        assert 0 <= start and start + width <= p and (owner[start:start + width] == -1).all()
+        owner[start:start + width] = t
+    for ex in np.flatnonzero(counts):
+        mine = np.flatnonzero(tile_expert == ex)
+        assert (np.diff(mine) == 1).all()  # one run of tiles per expert
+        widths = tile_rows[1, mine]
+        last = counts[ex] - tile * (len(mine) - 1)
+        assert len(mine) == -(-counts[ex] // tile) and (widths[:-1] == tile).all()
+        assert widths[-1] == -(-last // 8) * 8
+    assert (tile_expert[tile_expert >= 0].size == np.sum(-(-counts // tile)))
+    seen = np.zeros(p, bool)
+    for t in range(m):
+        for j in range(k):
+            r = pair_row[t, j]
+            if not 0 <= ids[t, j] - offset < e:
+                assert r == p
+                continue
+            assert row_token[r] == t and not seen[r] and owner[r] >= 0
+            assert tile_expert[owner[r]] == ids[t, j] - offset
+            seen[r] = True
+    assert (row_token[~seen] == m).all()
+    return tile_rows
+
+
+@pytest.mark.parametrize("m,k,e,tile,offset", [(1, 8, 16, 8, 0), (40, 4, 16, 32, 0), (64, 8, 384, 16, 0),
+                                               (50, 3, 12, 24, 4), (9, 2, 4, 16, 0)])
+@pytest.mark.parametrize("method", ["sort", "compare"])
+def test_route_ragged_places_every_pair(m, k, e, tile, offset, method):
+    rng = np.random.default_rng(m * k)
+    ids = np.stack([rng.choice(e + offset + 3, k, replace=False) for _ in range(m)]).astype(np.int32)
+    check_ragged(ids, e, tile, offset, method)
+
+
+def test_route_ragged_extremes_and_errors():
+    m, k, e = 33, 4, 16
+    rows = check_ragged(np.tile(np.arange(k, dtype=np.int32), (m, 1)), e, 16)  # 33 pairs each: 16 + 16 + 8
+    assert sorted(rows[1][:3].tolist()) == [8, 16, 16]
+    check_ragged(np.arange(m * k, dtype=np.int32).reshape(m, k) % e, e, 64)  # spread evenly: one tile each
+    check_ragged(np.full((3, 2), 99, np.int32), e, 8)  # every pair held elsewhere: no tile used
+    with pytest.raises(ValueError, match="multiple of 8"):
+        R.route_ragged(jnp.zeros((2, 2), jnp.int32), e, 12)
+
+
 def routings():
     """(ids int32 [M, K], E, N) cases: uniform, skewed, one expert for all, other devices' experts."""
     cases = []
@@ -138,6 +196,9 @@ def test_compare_and_sort_give_the_same_layout(ids, e, n):
     wide = [route_wide(ids, e, n, method) for method in ("sort", "compare")]
     assert wide[0][2] == wide[1][2]
     for a, b in zip(wide[0][:2] + wide[0][3:], wide[1][:2] + wide[1][3:]):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    ragged = [route_ragged(ids, e, 2 * n, method) for method in ("sort", "compare")]
+    for a, b in zip(*ragged):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
