@@ -1,11 +1,10 @@
 """Grouped INT4 x bf16 GEMM for the routed experts on Hopper: Pallas Mosaic GPU (wgmma) + pure-JAX twin.
 
 Dimension letters: E experts, O output rows of one expert matrix, I input columns, G scale group (32),
-N tokens per tile, NT tiles (the last W of them 2N wide, ``wide_tiles``; W = 0 by default), P expert-sorted
-token rows (NT N with one width; with two, narrow tile t holds rows [t N, (t+1) N) and wide tile j, the
-(NT - W + j)-th, rows [P - (j+1) 2N, P - j 2N): the narrow ones fill P from the front, the wide ones from the
-back), R rows per program (64 or 128), S = 256 input columns per pipeline step (8 scale groups), C
-activation columns per wgmma (32, 64 or 128).
+N tokens per tile (the widest, with ragged tiles), NT tiles, P expert-sorted token rows (NT N with one
+width, tile t holding rows [t N, (t+1) N); ragged tiles, ``tile_rows``: tile t holds rows [tile_rows[0, t],
+tile_rows[0, t] + tile_rows[1, t])), R rows per program (64 or 128), S = 256 input columns per pipeline step
+(8 scale groups), C activation columns per wgmma (32, 64 or 128).
 
     out[o, r0_t + j] = sum_i  dequant(W[e_t])[o, i] * x[r0_t + j, i],     e_t = tile_expert[t]
 
@@ -47,7 +46,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.int4_moe import default_tile
 from pallas_kernels.int4_tiles import FRAG_ROWS, GROUP, PAIR_BLOCK, STEP, TiledInt4, _check_dims, dequantize_expert
-from pallas_kernels.moe_routing import METHODS, route_narrow, route_per_pair, route_ragged, route_wide
+from pallas_kernels.moe_routing import METHODS, route_narrow, route_per_pair, route_ragged
 
 try:  # Mosaic GPU is importable on CPU builds too (lowering works anywhere; running needs an sm_90 GPU).
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -70,6 +69,7 @@ def smem_bytes(rows: int, n: int, stages: int) -> int:
 # Pure-JAX twin
 # ----------------------------------------------------------------------------------------------
 CHUNKS = (32, 64, 128)  # activation chunk widths C: scale groups per wgmma = C / 32
+RAGGED_MAX_TILE = 64  # widest N with ragged tiles: the kernel compiles one branch per width 8, 16, ..., N
 
 
 def _check_mma_in_flight(mma_in_flight, chunk: int) -> None:
@@ -78,8 +78,7 @@ def _check_mma_in_flight(mma_in_flight, chunk: int) -> None:
                          f"per step), got {mma_in_flight!r}")
 
 
-def check_grouped_args(x_chunks, w, s, tile_expert, n: int, wide_tiles: int = 0,
-                       tile_rows=None) -> tuple[bool, int, int]:
+def check_grouped_args(x_chunks, w, s, tile_expert, n: int, tile_rows=None) -> tuple[bool, int, int]:
     """Validates the arguments of ``grouped_int4_matmul`` (and its twin) statically; returns
     (fragment order?, I, O). Raises ValueError naming the mismatch."""
     if len(x_chunks.shape) != 3 or x_chunks.shape[2] not in CHUNKS:
@@ -100,38 +99,31 @@ def check_grouped_args(x_chunks, w, s, tile_expert, n: int, wide_tiles: int = 0,
         raise ValueError(f"weights {w.dtype} {tuple(w.shape)} / scales {tuple(s.shape)} do not match activations "
                          f"of width {in_dim}")
     _check_dims(out_dim, in_dim, rows)
-    if n % 8 or not 8 <= n <= (128 if wide_tiles else 256):
-        raise ValueError(f"tokens_per_tile={n} must be a multiple of 8 in [8, 256] ([8, 128] with wide tiles)")
+    widest = RAGGED_MAX_TILE if tile_rows is not None else 256
+    if n % 8 or not 8 <= n <= widest:
+        raise ValueError(f"tokens_per_tile={n} must be a multiple of 8 in [8, {widest}]"
+                         + (" with ragged tiles (one kernel branch per width)" if tile_rows is not None else ""))
     if len(tile_expert.shape) != 1:
         raise ValueError(f"tile_expert must be [NT], got {tuple(tile_expert.shape)}")
     nt = tile_expert.shape[0]
-    narrow = nt - wide_tiles
     if tile_rows is not None:
-        if wide_tiles:
-            raise ValueError("tile_rows (ragged tiles) and wide_tiles are two layouts: pass one")
         if tuple(tile_rows.shape) != (2, nt) or tile_rows.dtype != jnp.int32:
             raise ValueError(f"tile_rows must be int32 [2, NT] = [2, {nt}] (first row, width), got "
                              f"{tile_rows.dtype} {tuple(tile_rows.shape)}")
-        return fragments, in_dim, out_dim
-    if not wide_tiles and (p % n or nt != p // n):
+    elif p % n or nt != p // n:
         raise ValueError(f"tile_expert must be [P/N] = [{p // n}] with N={n} dividing P={p}, got {nt} tiles")
-    if wide_tiles and (wide_tiles < 0 or narrow < 0 or p % (2 * n) or narrow * n > p):
-        raise ValueError(f"P={p} rows must be a multiple of 2N={2 * n} holding the NT - W = {nt - wide_tiles} "
-                         f"narrow tiles of N (W={wide_tiles} wide tiles of 2N fill P from the back)")
     return fragments, in_dim, out_dim
 
 
 def grouped_int4_matmul_ref(x_chunks, w, s, tile_expert, tile_rows=None, *, tokens_per_tile: int,
-                            out_layout: str = "rows", epilogue: str = "none", wide_tiles: int = 0,
-                            out_dtype=jnp.float32):
+                            out_layout: str = "rows", epilogue: str = "none", out_dtype=jnp.float32):
     """Twin of ``grouped_int4_matmul`` (same signature): x_chunks [I/C, P, C] (``to_chunks``; bf16, or f32
     for f32 models on CPU), w/s tiled weights, tile_expert int32 [NT] -> out f32 [O, P] (out_layout "rows")
     or [P, O] ("tokens"); columns (rows) of skipped tiles (expert < 0) are zero here. Expert ids >= E are
     the caller's error (``moe_routing`` never makes them). epilogue "silu_mul" (token rows only, C >= 64, w a
     gate/up stack paired in 64-row blocks, ``TiledInt4.from_compressed_tensors(..., pair_gate_up=True)``):
     h = silu(gate) * up in x_chunks.dtype instead, as chunks [O/2/C, P, C] (the down GEMM's input).
-    wide_tiles W: the last W tiles hold 2N tokens each, wide tile j rows [P - (j+1) 2N, P - j 2N) (a used
-    one must not overlap a used narrow tile; ``route_wide`` lays them out so). tile_rows int32 [2, NT]
+    tile_rows int32 [2, NT]
     (ragged tiles, ``route_ragged``): tile t holds rows [tile_rows[0, t], tile_rows[0, t] + tile_rows[1, t]),
     its width a multiple of 8 in [8, N] and the used tiles' rows disjoint within [0, P) (anything else is
     the caller's error, as expert ids >= E are). out_dtype: of the
@@ -140,34 +132,29 @@ def grouped_int4_matmul_ref(x_chunks, w, s, tile_expert, tile_rows=None, *, toke
     _check_out_layout(out_layout)
     _check_epilogue(epilogue, out_layout, s, x_chunks.shape[-1])
     _check_out_dtype(out_dtype, out_layout, epilogue)
-    _, i, o = check_grouped_args(x_chunks, w, s, tile_expert, n, wide_tiles, tile_rows)
+    _, i, o = check_grouped_args(x_chunks, w, s, tile_expert, n, tile_rows)
     nc, p, chunk = x_chunks.shape
     x = jnp.swapaxes(x_chunks, 0, 1).reshape(p, nc * chunk)
-    narrow = tile_expert.shape[0] - wide_tiles
     pad = n if tile_rows is not None else 0  # a ragged tile reads N rows from its first: room past P
     x = jnp.pad(x, ((0, pad), (0, 0)))
 
-    def body(n_rows, first, t, carry):  # skipped tiles do no work; an expert is dequantised once per run
+    def body(t, carry):  # skipped tiles do no work; an expert is dequantised once per run
         out, prev, wt = carry
         e = tile_expert[t]
-        if tile_rows is not None:
-            row0, width = tile_rows[0, t], tile_rows[1, t]
-        else:
-            row0, width = (t * n if n_rows == n else p - (t - first + 1) * n_rows), n_rows
+        row0, width = (tile_rows[0, t], tile_rows[1, t]) if tile_rows is not None else (t * n, n)
         wt = lax.cond((e >= 0) & (e != prev), lambda: dequantize_expert(w, s, e, x.dtype), lambda: wt)
 
         def tile_product(out):
-            yt = jnp.dot(wt, lax.dynamic_slice_in_dim(x, row0, n_rows).T, preferred_element_type=jnp.float32)
-            keep = lax.dynamic_slice_in_dim(out, row0, n_rows, 1)  # a ragged tile's rows past its width
-            yt = jnp.where(jnp.arange(n_rows) < width, yt, keep)
+            yt = jnp.dot(wt, lax.dynamic_slice_in_dim(x, row0, n).T, preferred_element_type=jnp.float32)
+            keep = lax.dynamic_slice_in_dim(out, row0, n, 1)  # a ragged tile's rows past its width
+            yt = jnp.where(jnp.arange(n) < width, yt, keep)
             return lax.dynamic_update_slice_in_dim(out, yt, row0, 1)
 
         out = lax.cond(e >= 0, tile_product, lambda out: out, out)
         return out, jnp.where(e >= 0, e, prev), wt
 
     carry = (jnp.zeros((o, p + pad), jnp.float32), jnp.int32(-1), jnp.zeros((o, i), x.dtype))
-    carry = lax.fori_loop(0, narrow, functools.partial(body, n, 0), carry)
-    out = lax.fori_loop(narrow, narrow + wide_tiles, functools.partial(body, 2 * n, narrow), carry)[0][:, :p]
+    out = lax.fori_loop(0, tile_expert.shape[0], body, carry)[0][:, :p]
     if epilogue == "silu_mul":
         gate, up = gate_and_up(out.T, PAIR_BLOCK)
         return to_chunks(silu_mul(gate, up).astype(x_chunks.dtype), chunk)
@@ -316,8 +303,7 @@ def tile_product(x_ref, w_ref, s_ref, *, n_rows: int, row0, first_step, steps: i
 
 
 def grouped_int4_matmul(x_chunks, w, s, tile_expert, tile_rows=None, *, tokens_per_tile: int,
-                        out_layout: str = "rows", epilogue: str = "none", wide_tiles: int = 0,
-                        out_dtype=jnp.float32, stages: int = 2,
+                        out_layout: str = "rows", epilogue: str = "none", out_dtype=jnp.float32, stages: int = 2,
                         split: int = 1, mma_in_flight: int | None = None, overlap: bool = False,
                         auto_barriers: bool = True, dependent_launch: bool = False, probe: str = ""):
     """Pallas Mosaic GPU kernel (H100/H200). Same contract as ``grouped_int4_matmul_ref``, except that the
@@ -331,10 +317,7 @@ def grouped_int4_matmul(x_chunks, w, s, tile_expert, tile_rows=None, *, tokens_p
     layer's next steps read without an XLA transpose; ``out_dtype`` bfloat16 stores them as bf16
     (``_check_out_dtype``).
 
-    ``wide_tiles`` W: the last W tiles hold 2N tokens, from the back of P (``route_wide``: an expert with
-    more than N tokens gets tiles of 2N, so its weights are fed to the tensor cores half as often); the
-    kernel branches per program between the two tile widths.
-    ``tile_rows`` int32 [2, NT] (ragged tiles, ``route_ragged``; not with ``wide_tiles``): tile t holds
+    ``tile_rows`` int32 [2, NT] (ragged tiles, ``route_ragged``; N <= ``RAGGED_MAX_TILE``): tile t holds
     rows [tile_rows[0, t], + tile_rows[1, t]), a width that is a multiple of 8 in [8, N], so that an
     expert's last tile is no wider than its pairs need rounded up to 8 (on the H200 each 8 tokens of tile
     width cost a fixed share of tensor time per weight byte: experiments/results/probe_moe_mgpu_width_h200.json);
@@ -370,7 +353,7 @@ def grouped_int4_matmul(x_chunks, w, s, tile_expert, tile_rows=None, *, tokens_p
         raise ValueError(f"unknown probe {probe!r}")
     n = tokens_per_tile
     _check_out_layout(out_layout)
-    fragments, in_dim, out_dim = check_grouped_args(x_chunks, w, s, tile_expert, n, wide_tiles, tile_rows)
+    fragments, in_dim, out_dim = check_grouped_args(x_chunks, w, s, tile_expert, n, tile_rows)
     chunk = x_chunks.shape[2]
     _check_epilogue(epilogue, out_layout, s, chunk, split)
     _check_out_dtype(out_dtype, out_layout, epilogue, split)
@@ -389,13 +372,11 @@ def grouped_int4_matmul(x_chunks, w, s, tile_expert, tile_rows=None, *, tokens_p
     if ksteps % split:
         raise ValueError(f"split={split} must divide the {ksteps} pipeline steps")
     kps = ksteps // split
-    widest = 2 * n if wide_tiles else n
-    smem = smem_bytes(rows, widest, stages)
+    smem = smem_bytes(rows, n, stages)
     if smem > SMEM_LIMIT:
-        raise ValueError(f"tiles of {widest} tokens, rows={rows}, stages={stages} need {smem} bytes of shared memory "
+        raise ValueError(f"tiles of {n} tokens, rows={rows}, stages={stages} need {smem} bytes of shared memory "
                          f"(limit {SMEM_LIMIT}): fewer tokens per tile or stages")
     nt = tile_expert.shape[0]
-    nt_narrow = nt - wide_tiles
     ragged = tile_rows is not None
 
     def body(te_ref, tr_ref, x_ref, w_ref, s_ref, o_ref):
@@ -442,9 +423,6 @@ def grouped_int4_matmul(x_chunks, w, s, tile_expert, tile_rows=None, *, tokens_p
             row0, width = tr_ref[0, t], tr_ref[1, t]
             for n_rows in range(8, n + 1, 8):
                 pl.when((e >= 0) & (width == n_rows))(functools.partial(program, n_rows, row0))
-        elif wide_tiles:  # tiles [0, NT - W) of n tokens from the front, then W of 2n from the back
-            pl.when((e >= 0) & (t < nt_narrow))(lambda: program(n, t * n))
-            pl.when((e >= 0) & (t >= nt_narrow))(lambda: program(2 * n, p - (t - nt_narrow + 1) * 2 * n))
         else:
             pl.when(e >= 0)(lambda: program(n, t * n))
 
@@ -520,19 +498,22 @@ def tiled_default_tile(m: int, k: int, e: int) -> int:
 
 
 NUM_SMS_H200 = 132
-TILE_WIDTHS = ("one", "two", "ragged")  # routed_experts_tiled(widths=): route_narrow, route_wide, route_ragged
+TILE_WIDTHS = ("one", "ragged")  # routed_experts_tiled(widths=): route_narrow, route_ragged
 
 
-def default_wide(m: int, k: int, e: int, tile: int) -> bool:
-    """Two tile widths (``route_wide``) where the tiles are narrow (N <= 16) and the pairs at least as many
-    as the experts (M K >= E): there an expert with more than N pairs is fed once per 2N tokens instead of
-    per N. On the H200 (traced, against one width in the same run: experiments/results/bench_moe_s8.json,
-    bench_moe_s8_large.json) the layer went 2.633 -> 2.468 ms at M = 256 (2.655 -> 2.217 skewed), 1.350 ->
-    1.245 at M = 90 skewed and 3.537 -> 3.060 at M = 512 skewed (uniform M = 90 and 512 within 1 %, the
-    larger static row count's gather); at M = 9 skewed narrow tiles won (0.229 vs 0.264 ms: with few busy
-    experts their extra tiles run side by side), and at M = 1024 with N = 32 (3.18 vs 3.48 ms uniform,
-    bench_moe_wide.json)."""
-    return tile <= 16 and m * k >= e
+def default_widths(m: int, k: int, e: int) -> tuple[str, int]:
+    """(widths, N) of ``routed_experts_tiled`` by default: one width of ``tiled_default_tile`` while the
+    pairs are fewer than the experts (M K < E: an expert rarely has more than 8), else ragged tiles of at
+    most 16 tokens while the experts average at most 8 pairs (M K <= 8 E), else at most 32. A wider N costs
+    shared memory for every tile, so fewer programs share an SM; a narrower one splits more experts, and
+    each extra tile streams its expert's weights again. On the H200 (traced, against session 12's two-width
+    layout in the same runs: experiments/results/bench_moe_s13_ragged*.json, uniform / skewed, ms):
+    M = 90 2.080 / 1.205 against 2.074 / 1.224; 256 2.370 / 1.985 (N 32) against 2.397 / 2.180; 512
+    2.719 / 2.856 against 2.728 / 2.992; 1024 3.008 / 3.822 against 3.176 / 4.054. N = 64 lost at every M
+    (2.811 at 256), and N = 16 lost at 1024 (4.875: most experts split in two)."""
+    if m * k < e:
+        return "one", tiled_default_tile(m, k, e)
+    return "ragged", 16 if m * k <= 8 * e else 32
 
 
 def default_split(m: int, k: int, e: int, leaf: TiledInt4, num_sms: int = NUM_SMS_H200, shards: int = 1) -> int:
@@ -558,11 +539,13 @@ def default_mma_in_flight(m: int, k: int, chunk: int) -> int | None:
     return None if m * k < 64 else 64 // chunk
 
 
-def check_kernel_config(w13: TiledInt4, w2: TiledInt4, n: int, stages: int, split13: int, split2: int) -> None:
+def check_kernel_config(w13: TiledInt4, w2: TiledInt4, n: int, stages: int, split13: int, split2: int,
+                        ragged: bool = False) -> None:
     """Raises ValueError for a tile size, pipeline depth or split-K (one per GEMM) the kernel cannot run
     on these stacks (checked on every platform, so the CPU twin refuses what the GPU kernel would)."""
-    if n % 8 or not 8 <= n <= 256:
-        raise ValueError(f"tile={n} must be a multiple of 8 in [8, 256]")
+    widest = RAGGED_MAX_TILE if ragged else 256
+    if n % 8 or not 8 <= n <= widest:
+        raise ValueError(f"tile={n} must be a multiple of 8 in [8, {widest}]" + (" with ragged tiles" if ragged else ""))
     for leaf, split in ((w13, split13), (w2, split2)):
         if smem_bytes(leaf.rows, n, stages) > SMEM_LIMIT:
             raise ValueError(f"tile={n}, stages={stages} need {smem_bytes(leaf.rows, n, stages)} bytes of shared "
@@ -597,9 +580,8 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
     groups per wgmma = C / 32); 128 by default: on the H200 the layer took 75.0 / 432 / 2106 / 2661 / 3319 us
     at M = 1 / 9 / 90 / 256 / 1024 against 76.7 / 447 / 2177 / 2760 / 3684 with C = 32, mostly from the
     XLA transposes it removes (experiments/results/bench_moe_h200_chunks.json). widths: "one" (every tile
-    N wide, ``route_narrow``), "two" (experts with more than N = ``tile`` pairs get tiles of 2N,
-    ``route_wide``) or "ragged" (tiles of at most N, an expert's last one as wide as its pairs rounded up
-    to 8, ``route_ragged``); default "two" where ``default_wide``, else "one". The down
+    N = ``tile`` wide, ``route_narrow``) or "ragged" (tiles of at most N, an expert's last one as wide as
+    its pairs rounded up to 8, ``route_ragged``); default and the default N: ``default_widths``. The down
     GEMM's pair rows are bf16 for bf16 x where it has no split-K (each expert's output rounded as a bf16
     model's expert rounds it), else f32. routing: ``moe_routing``'s method ("auto", "sort" or "compare"; the
     same layout either way), or "per_pair" (``route_per_pair``: a tile per pair, no grouping); "auto" takes
@@ -633,27 +615,24 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
     if per_pair and widths not in (None, "one"):
         raise ValueError(f"per-pair tiles (routing='per_pair', the default at M = 1) have one width: widths="
                          f"{widths!r} needs a grouped routing")
-    n = tile or tiled_default_tile(m, k, e_n)
-    if widths is None:
-        widths = "two" if not per_pair and default_wide(m, k, e_n, n) else "one"
-    wide = widths == "two"
+    auto_widths, auto_tile = ("one", tiled_default_tile(m, k, e_n)) if per_pair else default_widths(m, k, e_n)
+    widths = widths or auto_widths
+    n = tile or (auto_tile if widths == auto_widths else tiled_default_tile(m, k, e_n))
     if not isinstance(expert_shards, int) or expert_shards < 1:
         raise ValueError(f"expert_shards must be a positive int, got {expert_shards!r}")
     split13, split2 = (split, split) if split else (default_split(m, k, e_n, w13, shards=expert_shards),
                                                     default_split(m, k, e_n, w2, shards=expert_shards))
-    check_kernel_config(w13, w2, 2 * n if wide else n, stages, split13, split2)  # every platform: one contract
+    check_kernel_config(w13, w2, n, stages, split13, split2, ragged=widths == "ragged")  # every platform: one contract
     if chunk not in CHUNKS or d % chunk or f % chunk:
         raise ValueError(f"chunk={chunk} must be one of {CHUNKS} dividing D={d} and F={f}")
     if mma_in_flight == "auto":
         mma_in_flight = default_mma_in_flight(m, k, chunk)
     _check_mma_in_flight(mma_in_flight, chunk)
-    tile_rows, wide_tiles = None, 0
+    tile_rows = None
     if per_pair:
         row_token, tile_expert, pair_row = route_per_pair(expert_ids - expert_offset, e_n, n)
     elif widths == "ragged":
         row_token, tile_expert, tile_rows, pair_row = route_ragged(expert_ids - expert_offset, e_n, n, routing)
-    elif wide:
-        row_token, tile_expert, wide_tiles, pair_row = route_wide(expert_ids - expert_offset, e_n, n, routing)
     else:
         row_token, _, tile_expert, _, pair_row = route_narrow(expert_ids - expert_offset, expert_weights, e_n, n,
                                                               routing)
@@ -668,11 +647,11 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
         return _gather_combine(y_tiles, pair_row // n, expert_weights, out_dtype or x.dtype)
     if use_kernel:
         mm = lambda *a, split, epilogue="none", out_dtype=jnp.float32: grouped_int4_matmul(  # noqa: E731
-            *a, tokens_per_tile=n, out_layout="tokens", epilogue=epilogue, wide_tiles=wide_tiles, stages=stages,
+            *a, tokens_per_tile=n, out_layout="tokens", epilogue=epilogue, stages=stages,
             split=split, mma_in_flight=mma_in_flight, out_dtype=out_dtype, dependent_launch=dependent_launch)
     else:
         mm = lambda *a, split, epilogue="none", out_dtype=jnp.float32: grouped_int4_matmul_ref(  # noqa: E731
-            *a, tokens_per_tile=n, out_layout="tokens", epilogue=epilogue, wide_tiles=wide_tiles,
+            *a, tokens_per_tile=n, out_layout="tokens", epilogue=epilogue,
             out_dtype=out_dtype)
     if w13.gate_up_block and split13 == 1 and chunk >= PAIR_BLOCK:  # SiLU·up in the gate+up GEMM's epilogue
         h = mm(xs, w13.packed, w13.scale, tile_expert, tile_rows, split=1, epilogue="silu_mul")  # [F/C, P, C]

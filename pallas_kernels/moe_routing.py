@@ -21,8 +21,8 @@ small launches at one token, one of them a 6 us fusion that recomputed two prefi
 0.449 and 2.492 ms at 256 against 2.501 (experiments/results/bench_moe_s9.json for "sort",
 bench_moe_s9_routing*.json for "compare": two runs of the same hour). Above 256 tokens "compare" is unmeasured.
 
-``route_per_pair`` is the third layout, for one token: a tile per pair in flat order, no grouping at all.
-``route_ragged`` is the fourth: each expert's tiles as wide as its pairs need, in steps of 8 rows.
+``route_ragged`` lays the runs out in tiles as wide as the pairs need, in steps of 8 rows; ``route_per_pair``
+is the layout for one token: a tile per pair in flat order, no grouping at all.
 """
 
 from __future__ import annotations
@@ -122,48 +122,6 @@ def route_narrow(expert_ids, expert_weights, num_experts: int, tile: int, method
     row_pair, row_token, pair_row = rows_of_pairs(pos, order, p, m, k)
     w_flat = jnp.concatenate([expert_weights.reshape(-1).astype(jnp.float32), jnp.zeros((1,), jnp.float32)])
     return row_token, w_flat[row_pair], run_owners(start + tiles, nt), jnp.sum(tiles), pair_row
-
-
-def wide_rows_bound(pairs: int, num_experts: int, tile: int) -> int:
-    """Rows P of ``route_wide`` with wide tiles: the most rows its tiles can use, rounded up to 2N. An expert
-    with c pairs uses N rows (c <= N) or 2N ceil(c / 2N) (c > N): at most N - 1 padding rows, or 2N - 1 when
-    c > 2N, and at most pairs // (2N + 1) experts have more than 2N pairs."""
-    busy, over = min(num_experts, pairs), min(num_experts, pairs // (2 * tile + 1))
-    rows = pairs + (tile - 1) * busy + tile * over
-    return -(-rows // (2 * tile)) * 2 * tile
-
-
-def route_wide(expert_ids, num_experts: int, tile: int, method: str = "auto"):
-    """Like ``route_narrow`` with two tile widths: an expert with at most N = ``tile`` pairs gets one
-    tile of N rows, one with more gets ceil(count / 2N) tiles of 2N rows, so that it is fed to the tensor
-    cores per 2N tokens, not per N (``grouped_int4_matmul(wide_tiles=)``).
-
-    expert_ids int32 [M, K] (local ids; others get no row; the combine weights by pair, so no weights
-    here). Returns row_token int32 [P] (M for padding rows), tile_expert int32 [NT] (-1 for
-    unused tiles), W (static: the last W tiles are the wide ones) and pair_row int32 [M, K] (P for pairs
-    with no row). Narrow tiles fill the rows from the front, wide ones from the back, so P need only hold
-    the most rows the two can use together: the pairs plus at most N - 1 padding rows per busy expert and N
-    more per expert with over 2N pairs (``wide_rows_bound``), not each kind's worst case added.
-    """
-    m, k = expert_ids.shape
-    pairs, e_n = m * k, num_experts
-    nt_narrow = min(e_n, pairs)
-    big = min(e_n, pairs // (tile + 1))  # experts that can have more than N pairs
-    nt_wide = (pairs + (2 * tile - 1) * big) // (2 * tile) if big else 0
-    p = wide_rows_bound(pairs, e_n, tile) if nt_wide else nt_narrow * tile
-    method = routing_method(pairs, method)
-    order, e, local, counts, rank = group_pairs(expert_ids.reshape(-1).astype(jnp.int32), e_n, method)
-    wide = counts > tile
-    narrow = ((counts > 0) & ~wide).astype(jnp.int32)
-    narrow_tile = exclusive_prefix(narrow, method)  # tile of each narrow expert
-    wide_count = jnp.where(wide, (counts + 2 * tile - 1) // (2 * tile), 0)
-    wide_start = exclusive_prefix(wide_count, method)
-    wide_slot = wide_start[e] + rank // (2 * tile)
-    pos = jnp.where(wide[e], p - (wide_slot + 1) * 2 * tile + rank % (2 * tile), narrow_tile[e] * tile + rank)
-    _, row_token, pair_row = rows_of_pairs(jnp.where(local, pos, p).astype(jnp.int32), order, p, m, k)
-    tile_expert = jnp.concatenate([run_owners(narrow_tile + narrow, nt_narrow),
-                                   run_owners(wide_start + wide_count, nt_wide)])
-    return row_token, tile_expert, nt_wide, pair_row
 
 
 def ragged_rows_bound(pairs: int, num_experts: int) -> int:

@@ -14,10 +14,8 @@ from ddtree_jax.config import tiny_config
 from ddtree_jax.moe import route, top_k
 from pallas_kernels import moe_routing as R
 from tests.test_int4_moe_kernel import make_routing
-from tests.test_moe_wide_tiles import tile_spans
 
 route_narrow = jax.jit(R.route_narrow, static_argnums=(2, 3, 4))  # one compile per case, not one per op
-route_wide = jax.jit(R.route_wide, static_argnums=(1, 2, 3))
 route_ragged = jax.jit(R.route_ragged, static_argnums=(1, 2, 3))
 
 
@@ -60,60 +58,6 @@ def test_route_pair_row_marks_pairs_without_a_row(method):
     p = row_token.shape[0]
     assert pair_row[0, 1] == p and pair_row[1, 0] == p
     assert row_token[pair_row[0, 0]] == 0 and row_token[pair_row[1, 1]] == 1
-
-
-def check_route(ids, e, tile, offset=0, method="auto"):
-    """route_wide's layout, checked pair by pair against what the docstring promises."""
-    m, k = ids.shape
-    row_token, tile_expert, wide, pair_row = route_wide(jnp.asarray(ids - offset, jnp.int32), e, tile, method)
-    row_token, tile_expert, pair_row = map(np.asarray, (row_token, tile_expert, pair_row))
-    narrow = tile_expert.size - wide
-    p = row_token.shape[0]
-    assert p == (R.wide_rows_bound(m * k, e, tile) if wide else narrow * tile)
-    spans = tile_spans(tile_expert.size, wide, tile, p)
-    owner = np.full(p, -1)  # the used tile holding each row: used tiles lie inside P and never overlap
-    for t, (start, width) in enumerate(spans):
-        if tile_expert[t] >= 0:
-            assert 0 <= start and start + width <= p and (owner[start:start + width] == -1).all()
-            owner[start:start + width] = t
-    local_ids = ids.ravel() - offset
-    counts = np.bincount(local_ids[(local_ids >= 0) & (local_ids < e)], minlength=e)
-    seen = np.zeros(p, bool)
-    for t in range(m):
-        for j in range(k):
-            local = 0 <= ids[t, j] - offset < e
-            r = pair_row[t, j]
-            if not local:
-                assert r == p
-                continue
-            assert row_token[r] == t and not seen[r]
-            seen[r] = True
-            tile_of = owner[r]
-            ex = tile_expert[tile_of]
-            assert tile_of >= 0 and ex == ids[t, j] - offset
-            assert (spans[tile_of][1] == 2 * tile) == (counts[ex] > tile)  # wide tiles exactly for busy experts
-    assert (row_token[~seen] == m).all()  # every other row is padding
-    used = tile_expert >= 0
-    assert sorted(set(tile_expert[used])) == sorted(np.flatnonzero(counts))
-    return wide
-
-
-@pytest.mark.parametrize("m,k,e,tile,offset", [(1, 8, 16, 8, 0), (40, 4, 16, 8, 0), (64, 8, 384, 8, 0),
-                                               (50, 3, 12, 8, 4), (9, 2, 4, 16, 0)])
-@pytest.mark.parametrize("method", ["sort", "compare"])
-def test_route_wide_places_every_pair(m, k, e, tile, offset, method):
-    rng = np.random.default_rng(m * k)
-    ids = np.stack([rng.choice(e + offset + 3, k, replace=False) for _ in range(m)]).astype(np.int32)
-    check_route(ids, e, tile, offset, method)
-
-
-@pytest.mark.parametrize("method", ["sort", "compare"])
-def test_route_wide_bounds_hold_in_the_extremes(method):
-    m, k, e, tile = 33, 4, 16, 8
-    every_pair_on_k_experts = np.tile(np.arange(k, dtype=np.int32), (m, 1))
-    assert check_route(every_pair_on_k_experts, e, tile, method=method) > 0
-    check_route(np.arange(m * k, dtype=np.int32).reshape(m, k) % e, e, tile, method=method)  # spread evenly
-    assert check_route(np.zeros((2, 1), np.int32), e, tile, method=method) == 0  # too few pairs for wide
 
 
 def check_ragged(ids, e, tile, offset=0, method="auto"):
@@ -192,10 +136,6 @@ def test_compare_and_sort_give_the_same_layout(ids, e, n):
     ids = jnp.asarray(ids)
     narrow = [route_narrow(ids, w, e, n, method) for method in ("sort", "compare")]
     for a, b in zip(*narrow):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    wide = [route_wide(ids, e, n, method) for method in ("sort", "compare")]
-    assert wide[0][2] == wide[1][2]
-    for a, b in zip(wide[0][:2] + wide[0][3:], wide[1][:2] + wide[1][3:]):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     ragged = [route_ragged(ids, e, 2 * n, method) for method in ("sort", "compare")]
     for a, b in zip(*ragged):

@@ -132,7 +132,7 @@ def test_per_pair_tiles_and_word_gather_equal_the_grouped_layout(m, offset):
     want = routed_experts_xla(x.astype(jnp.float32), ids, wts, w13, w2, expert_offset=offset)
     assert rel(grouped, want) < 2e-2  # bf16 activations and h against the f32 path
     with pytest.raises(ValueError, match="one width"):
-        K.routed_experts_tiled(x, ids, wts, t13, t2, routing="per_pair", widths="two")
+        K.routed_experts_tiled(x, ids, wts, t13, t2, routing="per_pair", widths="ragged")
     with pytest.raises(ValueError, match="routing must be"):
         K.routed_experts_tiled(x, ids, wts, t13, t2, routing="bitonic")
     with pytest.raises(ValueError, match="gather must be"):
@@ -224,7 +224,7 @@ def test_prepare_a_sharded_model_repacks_tiles_in_place(pair):
 def test_skipped_tile_columns_never_reach_the_output(monkeypatch):
     """The kernel leaves skipped tiles' columns unwritten: a twin that fills them with NaN gives the same
     finite result, with an expert offset and when every pair is routed to another device, with and without
-    the SiLU·up epilogue (gate/up rows paired), with one tile width, two, and ragged tiles."""
+    the SiLU·up epilogue (gate/up rows paired), with one tile width and with ragged tiles."""
     rng = np.random.default_rng(7)
     e, d, f = 8, 256, 256
     w13, w2 = random_stack(rng, e, 2 * f, d), random_stack(rng, e, d, f)
@@ -232,15 +232,12 @@ def test_skipped_tile_columns_never_reach_the_output(monkeypatch):
     plain = K.grouped_int4_matmul_ref
 
     def poisoned(x_chunks, w, s, tile_expert, tile_rows=None, *, tokens_per_tile, out_layout="rows",
-                 epilogue="none", wide_tiles=0, out_dtype=jnp.float32):
+                 epilogue="none", out_dtype=jnp.float32):
         out = plain(x_chunks, w, s, tile_expert, tile_rows, tokens_per_tile=tokens_per_tile, out_layout=out_layout,
-                    epilogue=epilogue, wide_tiles=wide_tiles, out_dtype=out_dtype)
+                    epilogue=epilogue, out_dtype=out_dtype)
         n, p, nt = tokens_per_tile, x_chunks.shape[1], tile_expert.shape[0]
-        if tile_rows is None:  # narrow tiles fill P from the front, wide ones from the back
-            t = jnp.arange(nt)
-            narrow = t < nt - wide_tiles
-            tile_rows = jnp.stack([jnp.where(narrow, t * n, p - (t - (nt - wide_tiles) + 1) * 2 * n),
-                                   jnp.where(narrow, n, 2 * n)])
+        if tile_rows is None:  # one width: tile t holds rows [t N, (t + 1) N)
+            tile_rows = jnp.stack([jnp.arange(nt) * n, jnp.full((nt,), n)])
         row = jnp.arange(p)[:, None]  # rows no used tile holds (skipped tiles, padding past the used ones)
         held = (tile_expert >= 0) & (row >= tile_rows[0]) & (row < tile_rows[0] + tile_rows[1])
         skipped = ~held.any(axis=1)
@@ -251,7 +248,7 @@ def test_skipped_tile_columns_never_reach_the_output(monkeypatch):
     x = jnp.asarray(rng.standard_normal((5, d)), jnp.float32)
     wts = jnp.asarray(rng.random((5, 2)), jnp.float32)
     cases = [(rng.integers(0, 16, (5, 2)), 4), (rng.integers(20, 30, (5, 2)), 0)]
-    layouts = [(True, "one"), (False, "two"), (True, "ragged"), (False, "ragged")]  # each epilogue path, each width
+    layouts = [(True, "one"), (False, "one"), (True, "ragged"), (False, "ragged")]  # each epilogue path, each layout
     for (ids, offset), paired, widths in [(c, p, wd) for c in cases for p, wd in layouts]:
         t13 = TiledInt4.from_compressed_tensors(w13.packed, w13.scale, pair_gate_up=paired)
         ids = jnp.asarray(ids, jnp.int32)
