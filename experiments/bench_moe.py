@@ -35,7 +35,7 @@ import numpy as np
 
 from experiments import bench_util
 from pallas_kernels.int4_moe import Int4ExpertWeights, default_tile, int4_moe, int4_moe_ref
-from pallas_kernels.int4_moe_mgpu import routed_experts_tiled, tiled_default_tile
+from pallas_kernels.int4_moe_mgpu import routed_experts_tiled, tile_layout, uses_per_pair
 from pallas_kernels.int4_tiles import TiledInt4
 
 E, D, F, K, G = 384, 7168, 2048, 8, 32
@@ -233,8 +233,9 @@ def main(argv=None):
                 extra = dict(ms_chained=t_chained * 1e3, kernel_us=[round(u, 2) for u in next(
                     (v for k_, v in traced["launches_us"].items() if "mosaic" in k_), [])[:2]],
                     glue_us=(traced["busy_s"] - sum(s_ for k_, _, s_ in traced["kernels"] if "mosaic" in k_)) * 1e6)
-            tile = cfg.get("tile") or tiled_default_tile(base["M"], K, E)
-            record(dict(base, tile=tile), name, t, nbytes, ms_min=tmin * 1e3, ms_dispatched=t_disp * 1e3, err=err,
+            widths, tile = tile_layout(base["M"], K, E, cfg.get("widths"), cfg.get("tile"),
+                                       uses_per_pair(base["M"], cfg.get("routing", "auto")))
+            record(dict(base, tile=tile, widths=widths), name, t, nbytes, ms_min=tmin * 1e3, ms_dispatched=t_disp * 1e3, err=err,
                    err_against=ref_name, first_call_s=comp, phase="table", **extra)
             return y
         except Exception as ex:  # noqa: BLE001

@@ -539,6 +539,21 @@ def default_mma_in_flight(m: int, k: int, chunk: int) -> int | None:
     return None if m * k < 64 else 64 // chunk
 
 
+def uses_per_pair(m: int, routing: str = "auto") -> bool:
+    """Whether ``routed_experts_tiled(routing=)`` lays out one tile per pair: asked for, or "auto" at M = 1."""
+    return routing == "per_pair" or (routing == "auto" and m == 1)
+
+
+def tile_layout(m: int, k: int, e: int, widths: str | None = None, tile: int | None = None,
+                per_pair: bool = False) -> tuple[str, int]:
+    """(widths, N) that ``routed_experts_tiled`` runs for these arguments: ``default_widths`` for what is
+    not given (one width of ``tiled_default_tile`` with per-pair tiles, or where another layout is asked
+    for than the default's)."""
+    auto_widths, auto_tile = ("one", tiled_default_tile(m, k, e)) if per_pair else default_widths(m, k, e)
+    widths = widths or auto_widths
+    return widths, tile or (auto_tile if widths == auto_widths else tiled_default_tile(m, k, e))
+
+
 def check_kernel_config(w13: TiledInt4, w2: TiledInt4, n: int, stages: int, split13: int, split2: int,
                         ragged: bool = False) -> None:
     """Raises ValueError for a tile size, pipeline depth or split-K (one per GEMM) the kernel cannot run
@@ -603,7 +618,7 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
         raise ValueError(f"the Mosaic GPU kernel takes bf16 activations, got {x.dtype}")
     if routing not in METHODS + ("per_pair",):
         raise ValueError(f"routing must be one of {METHODS + ('per_pair',)}, got {routing!r}")
-    per_pair = routing == "per_pair" or (routing == "auto" and m == 1)
+    per_pair = uses_per_pair(m, routing)
     if launch not in LAUNCHES:
         raise ValueError(f"launch must be one of {LAUNCHES}, got {launch!r}")
     if launch == "one" and (not per_pair or w13.gate_up_block != PAIR_BLOCK):
@@ -615,9 +630,7 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
     if per_pair and widths not in (None, "one"):
         raise ValueError(f"per-pair tiles (routing='per_pair', the default at M = 1) have one width: widths="
                          f"{widths!r} needs a grouped routing")
-    auto_widths, auto_tile = ("one", tiled_default_tile(m, k, e_n)) if per_pair else default_widths(m, k, e_n)
-    widths = widths or auto_widths
-    n = tile or (auto_tile if widths == auto_widths else tiled_default_tile(m, k, e_n))
+    widths, n = tile_layout(m, k, e_n, widths, tile, per_pair)
     if not isinstance(expert_shards, int) or expert_shards < 1:
         raise ValueError(f"expert_shards must be a positive int, got {expert_shards!r}")
     split13, split2 = (split, split) if split else (default_split(m, k, e_n, w13, shards=expert_shards),
