@@ -4,11 +4,11 @@
 GPU rows only the default configuration is drawn where a file has it: "mgpu[]", or the configurations named
 by --kernel-impls (e.g. a run that timed today's default under an explicit name).
 
-The README's plot (session 9)::
+The plot in experiments/results (session 13; session 9's default faint)::
 
-    python3 experiments/plot_moe.py experiments/results/bench_moe_s9_routing.json experiments/results/bench_moe_s9.json \\
-        experiments/results/bench_moe_h200.json --merge experiments/results/bench_moe_s9_routing_large.json \\
-        --kernel-impls "mgpu[],mgpu[routing=compare]" -o experiments/results/bench_moe_h200.png
+    python3 experiments/plot_moe.py experiments/results/bench_moe_s13_defaults.json \\
+        experiments/results/bench_moe_s9_routing.json experiments/results/bench_moe_h200.json \\
+        --merge experiments/results/bench_moe_s13_defaults_skewed.json -o experiments/results/bench_moe_h200.png
 """
 import argparse
 import json
