@@ -123,11 +123,10 @@ def grouped_int4_matmul_ref(x_chunks, w, s, tile_expert, tile_rows=None, *, toke
     the caller's error (``moe_routing`` never makes them). epilogue "silu_mul" (token rows only, C >= 64, w a
     gate/up stack paired in 64-row blocks, ``TiledInt4.from_compressed_tensors(..., pair_gate_up=True)``):
     h = silu(gate) * up in x_chunks.dtype instead, as chunks [O/2/C, P, C] (the down GEMM's input).
-    tile_rows int32 [2, NT]
-    (ragged tiles, ``route_ragged``): tile t holds rows [tile_rows[0, t], tile_rows[0, t] + tile_rows[1, t]),
-    its width a multiple of 8 in [8, N] and the used tiles' rows disjoint within [0, P) (anything else is
-    the caller's error, as expert ids >= E are). out_dtype: of the
-    f32 products (``_check_out_dtype``: bfloat16 only for token rows with no epilogue and no split)."""
+    tile_rows int32 [2, NT] (ragged tiles, ``route_ragged``): tile t holds rows [tile_rows[0, t],
+    tile_rows[0, t] + tile_rows[1, t]), its width a multiple of 8 in [8, N] and the used tiles' rows
+    disjoint within [0, P) (anything else is the caller's error, as expert ids >= E are). out_dtype: of
+    the f32 products (``_check_out_dtype``: bfloat16 only for token rows with no epilogue and no split)."""
     n = tokens_per_tile
     _check_out_layout(out_layout)
     _check_epilogue(epilogue, out_layout, s, x_chunks.shape[-1])
@@ -506,11 +505,13 @@ def default_widths(m: int, k: int, e: int) -> tuple[str, int]:
     pairs are fewer than the experts (M K < E: an expert rarely has more than 8), else ragged tiles of at
     most 16 tokens while the experts average at most 8 pairs (M K <= 8 E), else at most 32. A wider N costs
     shared memory for every tile, so fewer programs share an SM; a narrower one splits more experts, and
-    each extra tile streams its expert's weights again. On the H200 (traced, against session 12's two-width
-    layout in the same runs: experiments/results/bench_moe_s13_ragged*.json, uniform / skewed, ms):
-    M = 90 2.080 / 1.205 against 2.074 / 1.224; 256 2.370 / 1.985 (N 32) against 2.397 / 2.180; 512
-    2.719 / 2.856 against 2.728 / 2.992; 1024 3.008 / 3.822 against 3.176 / 4.054. N = 64 lost at every M
-    (2.811 at 256), and N = 16 lost at 1024 (4.875: most experts split in two)."""
+    each extra tile streams its expert's weights again. On the H200 (traced, ms, against session 12's
+    two-width layout in the same runs: experiments/results/bench_moe_s13_ragged*.json): N <= 16 took
+    2.080 / 1.205 at M = 90 uniform / skewed (2.074 / 1.224) and 2.370 at 256 uniform (2.397); N <= 32 took
+    2.719 / 2.856 at 512 (2.728 / 2.992) and 3.008 / 3.822 at 1024 (3.176 / 4.054). The other bound won
+    three of those cases: N <= 32 at 90 skewed (1.176) and 256 skewed (1.985 against 2.180), N <= 16 at
+    512 uniform (2.671). N <= 64 lost at every M (2.811 at 256); N <= 16 at 1024 split most experts in
+    two (4.875)."""
     if m * k < e:
         return "one", tiled_default_tile(m, k, e)
     return "ragged", 16 if m * k <= 8 * e else 32
