@@ -235,8 +235,9 @@ def main(argv=None):
                     glue_us=(traced["busy_s"] - sum(s_ for k_, _, s_ in traced["kernels"] if "mosaic" in k_)) * 1e6)
             widths, tile = tile_layout(base["M"], K, E, cfg.get("widths"), cfg.get("tile"),
                                        uses_per_pair(base["M"], cfg.get("routing", "auto")))
-            record(dict(base, tile=tile, widths=widths), name, t, nbytes, ms_min=tmin * 1e3, ms_dispatched=t_disp * 1e3, err=err,
-                   err_against=ref_name, first_call_s=comp, phase="table", **extra)
+            record(dict(base, tile=tile, widths=widths), name, t, nbytes, ms_min=tmin * 1e3,
+                   ms_dispatched=t_disp * 1e3, err=err, err_against=ref_name, first_call_s=comp, phase="table",
+                   **extra)
             return y
         except Exception as ex:  # noqa: BLE001
             print(f"{name} M={base['M']} failed: {type(ex).__name__}: {str(ex)[-1500:]}", flush=True)

@@ -500,10 +500,12 @@ NUM_SMS_H200 = 132
 TILE_WIDTHS = ("one", "ragged")  # routed_experts_tiled(widths=): route_narrow, route_ragged
 
 
-def default_widths(m: int, k: int, e: int) -> tuple[str, int]:
-    """(widths, N) of ``routed_experts_tiled`` by default: one width of ``tiled_default_tile`` while the
-    pairs are fewer than the experts (M K < E: an expert rarely has more than 8), else ragged tiles of at
-    most 16 tokens while the experts average at most 8 pairs (M K <= 8 E), else at most 32. A wider N costs
+def default_widths(m: int, k: int, e: int, shards: int = 1) -> tuple[str, int]:
+    """(widths, N) of ``routed_experts_tiled`` by default for M tokens, top-K, E local experts of
+    ``shards`` devices' (expert parallelism: about Q = M K / shards pairs are local): one width of
+    ``tiled_default_tile`` while the pairs are fewer than the experts (Q < E: an expert rarely has more than
+    8), else ragged tiles of at most 16 tokens while the experts average at most 8 pairs (Q <= 8 E), else
+    at most 32. A wider N costs
     shared memory for every tile, so fewer programs share an SM; a narrower one splits more experts, and
     each extra tile streams its expert's weights again. On the H200 (traced, ms, against session 12's
     two-width layout in the same runs: experiments/results/bench_moe_s13_ragged*.json): N <= 16 took
@@ -512,9 +514,10 @@ def default_widths(m: int, k: int, e: int) -> tuple[str, int]:
     three of those cases: N <= 32 at 90 skewed (1.176) and 256 skewed (1.985 against 2.180), N <= 16 at
     512 uniform (2.671). N <= 64 lost at every M (2.811 at 256); N <= 16 at 1024 split most experts in
     two (4.875)."""
-    if m * k < e:
-        return "one", tiled_default_tile(m, k, e)
-    return "ragged", 16 if m * k <= 8 * e else 32
+    pairs = -(-m * k // shards)
+    if pairs < e:
+        return "one", tiled_default_tile(pairs, 1, e)
+    return "ragged", 16 if pairs <= 8 * e else 32
 
 
 def default_split(m: int, k: int, e: int, leaf: TiledInt4, num_sms: int = NUM_SMS_H200, shards: int = 1) -> int:
@@ -546,11 +549,11 @@ def uses_per_pair(m: int, routing: str = "auto") -> bool:
 
 
 def tile_layout(m: int, k: int, e: int, widths: str | None = None, tile: int | None = None,
-                per_pair: bool = False) -> tuple[str, int]:
+                per_pair: bool = False, shards: int = 1) -> tuple[str, int]:
     """(widths, N) that ``routed_experts_tiled`` runs for these arguments: ``default_widths`` for what is
     not given (one width of ``tiled_default_tile`` with per-pair tiles, or where another layout is asked
     for than the default's)."""
-    auto_widths, auto_tile = ("one", tiled_default_tile(m, k, e)) if per_pair else default_widths(m, k, e)
+    auto_widths, auto_tile = ("one", tiled_default_tile(m, k, e)) if per_pair else default_widths(m, k, e, shards)
     widths = widths or auto_widths
     return widths, tile or (auto_tile if widths == auto_widths else tiled_default_tile(m, k, e))
 
@@ -561,7 +564,8 @@ def check_kernel_config(w13: TiledInt4, w2: TiledInt4, n: int, stages: int, spli
     on these stacks (checked on every platform, so the CPU twin refuses what the GPU kernel would)."""
     widest = RAGGED_MAX_TILE if ragged else 256
     if n % 8 or not 8 <= n <= widest:
-        raise ValueError(f"tile={n} must be a multiple of 8 in [8, {widest}]" + (" with ragged tiles" if ragged else ""))
+        raise ValueError(f"tile={n} must be a multiple of 8 in [8, {widest}]"
+                         + (" with ragged tiles" if ragged else ""))
     for leaf, split in ((w13, split13), (w2, split2)):
         if smem_bytes(leaf.rows, n, stages) > SMEM_LIMIT:
             raise ValueError(f"tile={n}, stages={stages} need {smem_bytes(leaf.rows, n, stages)} bytes of shared "
@@ -603,12 +607,12 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
     same layout either way), or "per_pair" (``route_per_pair``: a tile per pair, no grouping); "auto" takes
     "per_pair" for one token (M = 1), else ``moe_routing``'s choice. gather: ``gather_token_chunks``'.
     expert_shards: how many devices share the experts under expert parallelism (this call holds one
-    share); only ``default_split``'s estimate of the busy tiles uses it. dependent_launch: both GEMMs'
-    ``grouped_int4_matmul(dependent_launch=)`` (a probe; the twin ignores it). launch: "two" (the gate+up
-    GEMM, then the down GEMM) or "one" (``int4_moe_fused``: one launch whose programs each run gate+up for
-    64 f and that block's share of the down GEMM; XLA sums the shares; per-pair tiles and a paired gate/up
-    stack only; ``down_blocks``: its 128-row blocks of W2 per pipeline step; on the H200 at M = 1 it took
-    71.9 us against 71.2 for two launches: see that module).
+    share); ``default_split``'s and ``default_widths``' estimates of the local pairs use it.
+    dependent_launch: both GEMMs' ``grouped_int4_matmul(dependent_launch=)`` (a probe; the twin ignores
+    it). launch: "two" (the gate+up GEMM, then the down GEMM) or "one" (``int4_moe_fused``: one launch
+    whose programs each run gate+up for 64 f and that block's share of the down GEMM; XLA sums the
+    shares; per-pair tiles and a paired gate/up stack only; ``down_blocks``: its 128-row blocks of W2 per
+    pipeline step; on the H200 at M = 1 it took 71.9 us against 71.2 for two launches: see that module).
     """
     m, d = x.shape
     k = expert_ids.shape[1]
@@ -631,9 +635,9 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
     if per_pair and widths not in (None, "one"):
         raise ValueError(f"per-pair tiles (routing='per_pair', the default at M = 1) have one width: widths="
                          f"{widths!r} needs a grouped routing")
-    widths, n = tile_layout(m, k, e_n, widths, tile, per_pair)
     if not isinstance(expert_shards, int) or expert_shards < 1:
         raise ValueError(f"expert_shards must be a positive int, got {expert_shards!r}")
+    widths, n = tile_layout(m, k, e_n, widths, tile, per_pair, expert_shards)
     split13, split2 = (split, split) if split else (default_split(m, k, e_n, w13, shards=expert_shards),
                                                     default_split(m, k, e_n, w2, shards=expert_shards))
     check_kernel_config(w13, w2, n, stages, split13, split2, ragged=widths == "ragged")  # every platform: one contract

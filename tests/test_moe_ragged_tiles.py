@@ -47,10 +47,15 @@ def test_default_widths():
     assert [K.default_widths(m, 8, 384) for m in (9, 32, 48, 90, 256, 384, 512, 1024)] == [
         ("one", 8), ("one", 8), ("ragged", 16), ("ragged", 16), ("ragged", 16), ("ragged", 16), ("ragged", 32),
         ("ragged", 32)]
-    assert K.uses_per_pair(1) and not K.uses_per_pair(2) and K.uses_per_pair(5, "per_pair") and not K.uses_per_pair(1, "sort")
+    assert K.uses_per_pair(1) and not K.uses_per_pair(2)
+    assert K.uses_per_pair(5, "per_pair") and not K.uses_per_pair(1, "sort")
     assert K.tile_layout(1, 8, 384, per_pair=True) == ("one", 8)  # per-pair tiles: one width
     assert K.tile_layout(512, 8, 384, "one") == ("one", 16)  # another layout than the default's: its own N
     assert K.tile_layout(512, 8, 384, "ragged", 16) == ("ragged", 16)
+    # expert parallelism: 8 devices hold 48 experts each and see about an eighth of the pairs locally
+    assert [K.default_widths(m, 8, 48, shards=8) for m in (32, 90, 512, 1024)] == [
+        ("one", 8), ("ragged", 16), ("ragged", 32), ("ragged", 32)]  # the same mean per expert as one device
+    assert K.tile_layout(90, 8, 48, shards=8) == ("ragged", 16) and K.tile_layout(90, 8, 48) == ("ragged", 32)
 
 
 RAGGED_TILES = np.array([[0, 8, 16, 48, 0], [8, 8, 32, 24, 8]], np.int32)  # (first row, width); the last unused
