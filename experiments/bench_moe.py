@@ -15,7 +15,8 @@ per call instead, from a profiler trace of an unrolled chain of dependent calls
 (``bench_util.traced_call_time``: first kernel's start to last kernel's end, XLA glue included, the
 routing ids tied to each call's x so that every call sorts them: before session 8 the chain sorted the
 fixed ids once for all its calls, ``bench_util.tie_to``;
-kernel_us: the two Mosaic launches, glue_us: the other kernels), with the wall-clock chained figure
+kernel_us: the two Mosaic launches, glue_us: the other kernels, kernels: each kernel's µs per call), with
+the wall-clock chained figure
 (``chained_call_time``, session 5's table) and the dispatched time beside it (ms_chained, ms_dispatched). Weights are random (words are uniformly
 random nibbles, scales in [0.01, 0.03]); routing is uniform (distinct random top-8 per token) or skewed
 (Zipf-like expert popularity, exponent 1.2, top-8 without replacement via Gumbel top-k).
@@ -232,7 +233,9 @@ def main(argv=None):
                 t = traced["span_s"]
                 extra = dict(ms_chained=t_chained * 1e3, kernel_us=[round(u, 2) for u in next(
                     (v for k_, v in traced["launches_us"].items() if "mosaic" in k_), [])[:2]],
-                    glue_us=(traced["busy_s"] - sum(s_ for k_, _, s_ in traced["kernels"] if "mosaic" in k_)) * 1e6)
+                    glue_us=(traced["busy_s"] - sum(s_ for k_, _, s_ in traced["kernels"] if "mosaic" in k_)) * 1e6,
+                    # every kernel of a call (name, launches per call, µs per call), slowest first: the glue's parts
+                    kernels=[[k_, round(n_, 2), round(s_ * 1e6, 2)] for k_, n_, s_ in traced["kernels"]])
             widths, tile = tile_layout(base["M"], K, E, cfg.get("widths"), cfg.get("tile"),
                                        uses_per_pair(base["M"], cfg.get("routing", "auto")))
             record(dict(base, tile=tile, widths=widths), name, t, nbytes, ms_min=tmin * 1e3,
