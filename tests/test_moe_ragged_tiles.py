@@ -3,8 +3,9 @@ tiles are N wide but its last, which is only as wide as its remaining pairs roun
 tensor cores do no work on more than 7 padding tokens per expert. Also the down GEMM's bf16 pair rows
 (``out_dtype``) and the default tile layout.
 
-CPU: the routing against a plain per-pair reference, the twin against numpy tile by tile, the layer against
-the XLA path, CUDA lowering. GPU (skipped without one): the kernel against the twin."""
+CPU: the twin against numpy tile by tile, argument errors, the default layout, the layer against the XLA
+path, CUDA lowering (``route_ragged`` itself is checked pair by pair in test_moe_routing.py). GPU (skipped
+without one): the kernel against the twin, with and without split-K."""
 
 from __future__ import annotations
 
