@@ -209,9 +209,12 @@ def main(argv=None):
         except Exception as ex:  # noqa: BLE001
             print(f"{name} M={base['M']} failed: {type(ex).__name__}: {str(ex)[-1500:]}", flush=True)
 
+    def tiled_name(cfg):
+        return "mgpu[" + ",".join(f"{k_}={v}" for k_, v in cfg.items()) + "]"
+
     def run_tiled(cfg, x, ids, w, base, nbytes, y_ref, ref_name):
         """Times one Mosaic GPU config; returns its output (None if it failed)."""
-        name = "mgpu[" + ",".join(f"{k_}={v}" for k_, v in cfg.items()) + "]"
+        name = tiled_name(cfg)
         cfg = dict(cfg)
         stacks = tiled if cfg.pop("fuse", 1) else (unpaired13, tiled[1])
         try:
@@ -262,7 +265,7 @@ def main(argv=None):
             for cfg in tiled_configs:  # without the twin, each config's error is against the first config's output
                 y = run_tiled(cfg, x, ids, w, base, nbytes, ref, ref_name)
                 if ref is None and y is not None:
-                    ref, ref_name = y, "mgpu[" + ",".join(f"{k_}={v}" for k_, v in cfg.items()) + "]"
+                    ref, ref_name = y, tiled_name(cfg)
             for cfg in configs if m in triton_ms else []:
                 run_kernel(cfg, x, ids, w, base, nbytes, y_ref, "table")
             if m <= args.ragged_max_m and kind == "uniform":

@@ -50,6 +50,13 @@ def random_fragments(key, e, o, i):
     return jax.block_until_ready(jax.jit(lambda ks: jax.lax.map(one, ks))(jax.random.split(key, e)))
 
 
+def kernel_device_time(fn, args) -> float:
+    """Seconds per call of the Mosaic GPU kernels in ``fn(*args)``, from a profiler trace (the whole span if
+    the trace names none)."""
+    trace = bench_util.traced_call_time(fn, args)
+    return sum(sec for kname, _, sec in trace["kernels"] if "mosaic" in kname) or trace["span_s"]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--ms", default="1,9,32,90,256,512,1024")
@@ -189,8 +196,7 @@ def main(argv=None):
                                            mma_in_flight=inflight, overlap=overlap, auto_barriers=auto, probe=probe)
                     try:
                         if args.timing == "traced":
-                            trace = bench_util.traced_call_time(fn, (xg, w, s, tile_expert))
-                            t = sum(sec for kname, _, sec in trace["kernels"] if "mosaic" in kname) or trace["span_s"]
+                            t = kernel_device_time(fn, (xg, w, s, tile_expert))
                         else:
                             t = bench_util.chained_call_time(fn, (xg, w, s, tile_expert))
                     except Exception as exc:  # noqa: BLE001 - report and go on
@@ -228,11 +234,10 @@ def width_sweep(args, weights, gemms, bw, records, save):
             for probe in ("", "stream_only") if n in (8, 32) else ("",):
                 fn = functools.partial(K.grouped_int4_matmul, tokens_per_tile=n, mma_in_flight=0, probe=probe, **kw)
                 try:
-                    trace = bench_util.traced_call_time(fn, (xg, w, s, te))
+                    t = kernel_device_time(fn, (xg, w, s, te))
                 except Exception as exc:  # noqa: BLE001 - report and go on
                     print(f"FAILED {name} N={n} {probe}: {exc!r:.300}", flush=True)
                     continue
-                t = sum(sec for kname, _, sec in trace["kernels"] if "mosaic" in kname) or trace["span_s"]
                 rec = dict(kind="width", gemm=name, n=n, probe=probe or "-", tiles=E, gb=nbytes / 1e9,
                            x_gb=x.size * 2 / 1e9, ms=t * 1e3, floor_ms=nbytes / bw * 1e3,
                            pct_copy=100 * nbytes / t / bw, tflops=2 * E * n * o * i / t / 1e12)

@@ -551,11 +551,12 @@ def uses_per_pair(m: int, routing: str = "auto") -> bool:
 def tile_layout(m: int, k: int, e: int, widths: str | None = None, tile: int | None = None,
                 per_pair: bool = False, shards: int = 1) -> tuple[str, int]:
     """(widths, N) that ``routed_experts_tiled`` runs for these arguments: ``default_widths`` for what is
-    not given (one width of ``tiled_default_tile`` with per-pair tiles, or where another layout is asked
-    for than the default's)."""
-    auto_widths, auto_tile = ("one", tiled_default_tile(m, k, e)) if per_pair else default_widths(m, k, e, shards)
+    not given (one width of ``tiled_default_tile`` over the local pairs with per-pair tiles, or where
+    another layout is asked for than the default's)."""
+    one_width = tiled_default_tile(-(-m * k // shards), 1, e)
+    auto_widths, auto_tile = ("one", one_width) if per_pair else default_widths(m, k, e, shards)
     widths = widths or auto_widths
-    return widths, tile or (auto_tile if widths == auto_widths else tiled_default_tile(m, k, e))
+    return widths, tile or (auto_tile if widths == auto_widths else one_width)
 
 
 def check_kernel_config(w13: TiledInt4, w2: TiledInt4, n: int, stages: int, split13: int, split2: int,
