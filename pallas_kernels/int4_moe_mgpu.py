@@ -70,6 +70,7 @@ def smem_bytes(rows: int, n: int, stages: int) -> int:
 # ----------------------------------------------------------------------------------------------
 CHUNKS = (32, 64, 128)  # activation chunk widths C: scale groups per wgmma = C / 32
 RAGGED_MAX_TILE = 64  # widest N with ragged tiles: the kernel compiles one branch per width 8, 16, ..., N
+GRID_ORDERS = ("tiles", "rows")  # grouped_int4_matmul(grid_order=): the outer grid axis (the last one launches fastest)
 
 
 def _check_mma_in_flight(mma_in_flight, chunk: int) -> None:
@@ -304,7 +305,8 @@ def tile_product(x_ref, w_ref, s_ref, *, n_rows: int, row0, first_step, steps: i
 def grouped_int4_matmul(x_chunks, w, s, tile_expert, tile_rows=None, *, tokens_per_tile: int,
                         out_layout: str = "rows", epilogue: str = "none", out_dtype=jnp.float32, stages: int = 2,
                         split: int = 1, mma_in_flight: int | None = None, overlap: bool = False,
-                        auto_barriers: bool = True, dependent_launch: bool = False, probe: str = ""):
+                        auto_barriers: bool = True, dependent_launch: bool = False, grid_order: str = "tiles",
+                        probe: str = ""):
     """Pallas Mosaic GPU kernel (H100/H200). Same contract as ``grouped_int4_matmul_ref``, except that the
     output columns (rows) of skipped tiles are left unwritten (garbage: the MoE layer reads only the rows
     of real pairs), and with
@@ -342,6 +344,10 @@ def grouped_int4_matmul(x_chunks, w, s, tile_expert, tile_rows=None, *, tokens_p
     CUDA's programmatic stream serialization can be resident and past its launch while this one runs.
     Without that launch attribute both instructions do nothing; whether XLA sets it for a Mosaic GPU
     kernel is what the probe is for (the result is the same either way).
+    ``grid_order``: which grid axis is outer, so in which order the programs launch (the last axis fastest).
+    "tiles": grid (NT, O/R, split), a tile's row blocks launch together; "rows": grid (O/R, NT, split), a row
+    block's tiles launch together, so the tiles of one expert (consecutive) stream the same weight slab at
+    about the same time and can share it through L2. The result is the same either way.
     ``probe`` (benchmarks only, wrong results): "no_scale" skips the per-group scale multiply; "mma_once"
     adds the eight dequantised groups of a step (bf16 adds) and issues one wgmma for them; "stream_only"
     runs the copy pipeline with an empty step (what the memory side alone costs). (A fourth, the A operand
@@ -350,6 +356,8 @@ def grouped_int4_matmul(x_chunks, w, s, tile_expert, tile_rows=None, *, tokens_p
         raise RuntimeError("jax.experimental.pallas.mosaic_gpu is not available in this JAX")
     if probe not in ("", "no_scale", "mma_once", "stream_only"):
         raise ValueError(f"unknown probe {probe!r}")
+    if grid_order not in GRID_ORDERS:
+        raise ValueError(f"grid_order must be one of {GRID_ORDERS}, got {grid_order!r}")
     n = tokens_per_tile
     _check_out_layout(out_layout)
     fragments, in_dim, out_dim = check_grouped_args(x_chunks, w, s, tile_expert, n, tile_rows)
@@ -429,7 +437,8 @@ def grouped_int4_matmul(x_chunks, w, s, tile_expert, tile_rows=None, *, tokens_p
         body,
         out_type=jax.ShapeDtypeStruct((out_dim // 2 // chunk, p, chunk), jnp.bfloat16) if fused else
         jax.ShapeDtypeStruct((split,) + ((p, out_dim) if tokens_out else (out_dim, p)), out_dtype),
-        grid=(nt, nb, split), grid_names=("tile", "rows", "split"),
+        grid=(nt, nb, split) if grid_order == "tiles" else (nb, nt, split),
+        grid_names=("tile", "rows", "split") if grid_order == "tiles" else ("rows", "tile", "split"),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,
                                              unsafe_no_auto_barriers=not auto_barriers),
     )
@@ -581,7 +590,8 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
                          tile: int | None = None, stages: int = 2, split: int | None = None,
                          mma_in_flight: int | None | str = "auto", chunk: int = 128, widths: str | None = None,
                          routing: str = "auto", gather: str = "words", expert_shards: int = 1,
-                         dependent_launch: bool = False, launch: str = "two", down_blocks: int = 4):
+                         dependent_launch: bool = False, launch: str = "two", down_blocks: int = 4,
+                         grid_order: str = "tiles"):
     """Routed experts of one MoE layer on tiled INT4 stacks: the Mosaic GPU kernel (``use_kernel``) or its
     twin, around the same XLA routing and combine.
 
@@ -610,7 +620,8 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
     expert_shards: how many devices share the experts under expert parallelism (this call holds one
     share); ``default_split``'s and ``default_widths``' estimates of the local pairs use it.
     dependent_launch: both GEMMs' ``grouped_int4_matmul(dependent_launch=)`` (a probe; the twin ignores
-    it). launch: "two" (the gate+up GEMM, then the down GEMM) or "one" (``int4_moe_fused``: one launch
+    it). grid_order: both GEMMs' ``grouped_int4_matmul(grid_order=)`` (the twin checks and ignores it).
+    launch: "two" (the gate+up GEMM, then the down GEMM) or "one" (``int4_moe_fused``: one launch
     whose programs each run gate+up for 64 f and that block's share of the down GEMM; XLA sums the
     shares; per-pair tiles and a paired gate/up stack only; ``down_blocks``: its 128-row blocks of W2 per
     pipeline step; on the H200 at M = 1 it took 71.9 us against 71.2 for two launches: see that module).
@@ -627,6 +638,8 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
     per_pair = uses_per_pair(m, routing)
     if launch not in LAUNCHES:
         raise ValueError(f"launch must be one of {LAUNCHES}, got {launch!r}")
+    if grid_order not in GRID_ORDERS:
+        raise ValueError(f"grid_order must be one of {GRID_ORDERS}, got {grid_order!r}")
     if launch == "one" and (not per_pair or w13.gate_up_block != PAIR_BLOCK):
         raise ValueError("launch='one' needs per-pair tiles (routing='per_pair', or 'auto' at M = 1) and a w13 "
                          f"paired in {PAIR_BLOCK}-row blocks; got routing={routing!r} at M = {m}, gate_up_block="
@@ -667,7 +680,8 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
     if use_kernel:
         mm = lambda *a, split, epilogue="none", out_dtype=jnp.float32: grouped_int4_matmul(  # noqa: E731
             *a, tokens_per_tile=n, out_layout="tokens", epilogue=epilogue, stages=stages,
-            split=split, mma_in_flight=mma_in_flight, out_dtype=out_dtype, dependent_launch=dependent_launch)
+            split=split, mma_in_flight=mma_in_flight, out_dtype=out_dtype, dependent_launch=dependent_launch,
+            grid_order=grid_order)
     else:
         mm = lambda *a, split, epilogue="none", out_dtype=jnp.float32: grouped_int4_matmul_ref(  # noqa: E731
             *a, tokens_per_tile=n, out_layout="tokens", epilogue=epilogue,
