@@ -65,6 +65,9 @@ def main(argv=None):
     ap.add_argument("--commit", default=None, help="commit hash to record (a copied checkout may report a stale HEAD)")
     ap.add_argument("--plan", default="full", choices=["full", "flags", "stages", "fragments", "net", "anatomy", "inflight", "chunks", "m1",
                              "width"])
+    ap.add_argument("--width-probes", default="",
+                    help="plan width: comma list of probes run at every N ('full': none; default: full at every N, "
+                         "stream_only at 8 and 32)")
     ap.add_argument("--widths", default="8,16,24,32,40,48,64",
                     help="plan width: tokens per tile N, one tile per expert (all E streamed once, whatever N)")
     ap.add_argument("--chunk", type=int, default=32, help="activation chunk width (columns per wgmma) unless a plan sets it")
@@ -231,7 +234,9 @@ def width_sweep(args, weights, gemms, bw, records, save):
             nbytes = E * (o * i // 2 + o * (i // K.GROUP) * 2)
             kw = (dict(out_layout="tokens", epilogue="silu_mul") if name == "gate_up" else
                   dict(out_layout="tokens", out_dtype=jnp.bfloat16))
-            for probe in ("", "stream_only") if n in (8, 32) else ("",):
+            probes = (args.width_probes.split(",") if args.width_probes else
+                      ("", "stream_only") if n in (8, 32) else ("",))
+            for probe in (p_.replace("full", "") for p_ in probes):
                 fn = functools.partial(K.grouped_int4_matmul, tokens_per_tile=n, mma_in_flight=0, probe=probe, **kw)
                 try:
                     t = kernel_device_time(fn, (xg, w, s, te))

@@ -52,7 +52,7 @@ try:  # Mosaic GPU is importable on CPU builds too (lowering works anywhere; run
     from jax.experimental.pallas import mosaic_gpu as plgpu
     from jax.experimental.mosaic import gpu as mgpu
     from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith
+    from jax._src.lib.mlir.dialects import arith, memref
 except ImportError:  # pragma: no cover
     plgpu = None
 
@@ -211,24 +211,31 @@ def silu_mul(gate, up):
 # ----------------------------------------------------------------------------------------------
 # Mosaic GPU kernel
 # ----------------------------------------------------------------------------------------------
-def _fragment_operand(words_ref):
+def _fragment_operand(words_ref, load: bool = True):
     """One 32-column group of a fragment-ordered slab ([512] int32 words in shared memory) -> the bf16
     [128, 32] wgmma A operand (layout WGMMA), unscaled: per thread two 8-byte loads, then per pair of
     values a shift, a mask-and-or (0x4300 exponent: bf16 128 + u) and a bf16x2 subtraction of 136; no
-    register shuffles (the values already sit where the wgmma fragment wants them)."""
+    register shuffles (the values already sit where the wgmma fragment wants them). ``load=False`` (the
+    "no_weight_load" probe, wrong results): one broadcast 4-byte load per thread in place of the two 8-byte
+    loads, the same upcast instructions after it."""
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),), return_type=plgpu.ShapeDtypeStruct(
         (FRAG_ROWS, GROUP), jnp.bfloat16, layout=plgpu.Layout.WGMMA))
     def build(ctx, ref):
         del ctx
         i32 = ir.IntegerType.get_signless(32)
         pair_ty = ir.VectorType.get((2,), ir.BF16Type.get())
-        words = mgpu.FragmentedArray.load_strided(ref, is_signed=False, vec_size=2)
+        if load:
+            words = [w for w in mgpu.FragmentedArray.load_strided(ref, is_signed=False, vec_size=2).registers]
+        else:  # one word for all threads (a broadcast), varied per (h, i) so that nothing folds
+            w0 = memref.load(ref, [mgpu.c(0, ir.IndexType.get())])
+            words = [[arith.xori(w0, mgpu.c(2 * h + i + 1, i32)) for i in range(2)] for h in range(2)]
         mask, magic = mgpu.c(0x000F000F, i32), mgpu.c(0x43004300, i32)
         bias = mgpu.utils.bitcast(mgpu.c(0x43084308, i32), pair_ty)  # (136, 136)
         regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((FRAG_ROWS, GROUP)), dtype=object)
         for h in range(2):  # 64-row half
             for i in range(2):  # 8-row sub-tile
-                word = mgpu.utils.bitcast(mgpu.utils.vector_slice(words.registers[h], slice(i, i + 1)), i32)
+                word = (mgpu.utils.bitcast(mgpu.utils.vector_slice(words[h], slice(i, i + 1)), i32) if load
+                        else words[h][i])
                 for j in range(4):  # 8-column tile
                     shifted = word if j == 0 else arith.shrui(word, mgpu.c(4 * j, i32))
                     pair = arith.ori(arith.andi(shifted, mask), magic)
@@ -266,7 +273,7 @@ def tile_product(x_ref, w_ref, s_ref, *, n_rows: int, row0, first_step, steps: i
 
             def group_operand(g):  # scale group g of the step: bf16 [R, 32], layout WGMMA
                 if fragments:
-                    wg = _fragment_operand(w_groups.at[g])
+                    wg = _fragment_operand(w_groups.at[g], load=probe != "no_weight_load")
                 else:
                     wq = plgpu.load(w_groups.at[g], (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
                     wg = plgpu.layout_cast(wq, plgpu.Layout.WGMMA).astype(jnp.bfloat16)
@@ -350,11 +357,12 @@ def grouped_int4_matmul(x_chunks, w, s, tile_expert, tile_rows=None, *, tokens_p
     about the same time and can share it through L2. The result is the same either way.
     ``probe`` (benchmarks only, wrong results): "no_scale" skips the per-group scale multiply; "mma_once"
     adds the eight dequantised groups of a step (bf16 adds) and issues one wgmma for them; "stream_only"
-    runs the copy pipeline with an empty step (what the memory side alone costs). (A fourth, the A operand
+    runs the copy pipeline with an empty step (what the memory side alone costs); "no_weight_load" (fragments
+    order) dequantises a broadcast word instead of loading the slab from shared memory (what those loads cost). (A fourth, the A operand
     through shared memory, ran 35 % slower at 09fd4cc: experiments/results/probe_moe_mgpu_smem_a_h200.json.)"""
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.mosaic_gpu is not available in this JAX")
-    if probe not in ("", "no_scale", "mma_once", "stream_only"):
+    if probe not in ("", "no_scale", "mma_once", "stream_only", "no_weight_load"):
         raise ValueError(f"unknown probe {probe!r}")
     if grid_order not in GRID_ORDERS:
         raise ValueError(f"grid_order must be one of {GRID_ORDERS}, got {grid_order!r}")
