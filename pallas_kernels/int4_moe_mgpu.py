@@ -52,7 +52,7 @@ try:  # Mosaic GPU is importable on CPU builds too (lowering works anywhere; run
     from jax.experimental.pallas import mosaic_gpu as plgpu
     from jax.experimental.mosaic import gpu as mgpu
     from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, memref
+    from jax._src.lib.mlir.dialects import arith, memref, vector
 except ImportError:  # pragma: no cover
     plgpu = None
 
@@ -211,49 +211,69 @@ def silu_mul(gate, up):
 # ----------------------------------------------------------------------------------------------
 # Mosaic GPU kernel
 # ----------------------------------------------------------------------------------------------
-def _fragment_operand(words_ref, load: bool = True):
-    """One 32-column group of a fragment-ordered slab ([512] int32 words in shared memory) -> the bf16
-    [128, 32] wgmma A operand (layout WGMMA), unscaled: per thread two 8-byte loads, then per pair of
-    values a shift, a mask-and-or (0x4300 exponent: bf16 128 + u) and a bf16x2 subtraction of 136; no
-    register shuffles (the values already sit where the wgmma fragment wants them). ``load=False`` (the
-    "no_weight_load" probe, wrong results): one broadcast 4-byte load per thread in place of the two 8-byte
-    loads, the same upcast instructions after it."""
+def _words_layout():
+    """A 32-column group's [512] int32 fragment words as loaded: two 8-byte vectors per thread."""
+    return plgpu.Layout.WG_STRIDED((FRAG_ROWS * GROUP // 8,), 2)
+
+
+def _load_words(words_ref, load: bool = True):
+    """One 32-column group of a fragment-ordered slab ([512] int32 words in shared memory) -> its words in
+    registers (two 8-byte loads per thread; ``_words_layout``). ``load=False`` (the "no_weight_load" probe,
+    wrong results): one broadcast 4-byte load per thread instead, varied per register so nothing folds."""
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),), return_type=plgpu.ShapeDtypeStruct(
+        (FRAG_ROWS * GROUP // 8,), jnp.int32, layout=_words_layout()))
+    def load_words(ctx, ref):
+        del ctx
+        if load:
+            return mgpu.FragmentedArray.load_strided(ref, is_signed=True, vec_size=2)
+        i32 = ir.IntegerType.get_signless(32)
+        w0 = memref.load(ref, [mgpu.c(0, ir.IndexType.get())])
+        regs = np.array([vector.broadcast(ir.VectorType.get((2,), i32), arith.xori(w0, mgpu.c(h + 1, i32)))
+                         for h in range(2)], dtype=object)
+        return mgpu.FragmentedArray(_registers=regs, _layout=_words_layout().to_mgpu(), _is_signed=True)
+
+    return load_words(words_ref)
+
+
+def _upcast_words(words):
+    """A group's fragment words in registers (``_load_words``) -> the bf16 [128, 32] wgmma A operand (layout
+    WGMMA), unscaled: per pair of values a shift, a mask-and-or (0x4300 exponent: bf16 128 + u) and a bf16x2
+    subtraction of 136; no register shuffles (the values already sit where the wgmma fragment wants them)."""
+    @plgpu.inline_mgpu(arg_types=(_words_layout(),), return_type=plgpu.ShapeDtypeStruct(
         (FRAG_ROWS, GROUP), jnp.bfloat16, layout=plgpu.Layout.WGMMA))
-    def build(ctx, ref):
+    def build(ctx, loaded):
         del ctx
         i32 = ir.IntegerType.get_signless(32)
         pair_ty = ir.VectorType.get((2,), ir.BF16Type.get())
-        if load:
-            words = [w for w in mgpu.FragmentedArray.load_strided(ref, is_signed=False, vec_size=2).registers]
-        else:  # one word for all threads (a broadcast), varied per (h, i) so that nothing folds
-            w0 = memref.load(ref, [mgpu.c(0, ir.IndexType.get())])
-            words = [[arith.xori(w0, mgpu.c(2 * h + i + 1, i32)) for i in range(2)] for h in range(2)]
         mask, magic = mgpu.c(0x000F000F, i32), mgpu.c(0x43004300, i32)
         bias = mgpu.utils.bitcast(mgpu.c(0x43084308, i32), pair_ty)  # (136, 136)
         regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((FRAG_ROWS, GROUP)), dtype=object)
         for h in range(2):  # 64-row half
             for i in range(2):  # 8-row sub-tile
-                word = (mgpu.utils.bitcast(mgpu.utils.vector_slice(words[h], slice(i, i + 1)), i32) if load
-                        else words[h][i])
+                word = mgpu.utils.bitcast(mgpu.utils.vector_slice(loaded.registers[h], slice(i, i + 1)), i32)
                 for j in range(4):  # 8-column tile
                     shifted = word if j == 0 else arith.shrui(word, mgpu.c(4 * j, i32))
                     pair = arith.ori(arith.andi(shifted, mask), magic)
                     regs[h, j, 0, 0, i, 0, 0, 0, 0] = arith.subf(mgpu.utils.bitcast(pair, pair_ty), bias)
         return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
 
-    return build(words_ref)
+    return build(words)
 
 
-def scale_rows(wg, scale_ref):
+def load_scales(scale_ref):
+    """Inside a Mosaic GPU kernel: a group's bf16 row scales [R] (shared memory) -> registers, as ``scale_rows``
+    takes them."""
+    return plgpu.load(scale_ref, (), layout=plgpu.Layout.WGMMA.reduce(1))
+
+
+def scale_rows(wg, scales):
     """Inside a Mosaic GPU kernel: a dequantised group wg [R, 32] (layout WGMMA) times its rows' bf16 scales
-    (scale_ref: [R] in shared memory)."""
-    sg = plgpu.load(scale_ref, (), layout=plgpu.Layout.WGMMA.reduce(1))
-    return wg * lax.broadcast_in_dim(sg, wg.shape, [0])
+    (``load_scales``)."""
+    return wg * lax.broadcast_in_dim(scales, wg.shape, [0])
 
 
 def tile_product(x_ref, w_ref, s_ref, *, n_rows: int, row0, first_step, steps: int, chunk: int, stages: int,
-                 mma_in_flight: int | None = None, overlap: bool = False, probe: str = ""):
+                 mma_in_flight: int | None = None, overlap: bool = False, prefetch: bool = False, probe: str = ""):
     """Inside a Mosaic GPU kernel: one expert row block times one token tile, [R, n_rows] f32 (layout WGMMA).
 
     x_ref: the chunk-major activations in global memory [I/C, P, C]; w_ref / s_ref: the expert's row block
@@ -270,14 +290,21 @@ def tile_product(x_ref, w_ref, s_ref, *, n_rows: int, row0, first_step, steps: i
             if probe == "stream_only":
                 return
             w_groups = w_smem.reshape(gps, 512) if fragments else w_smem.reshape(gps, rows, GROUP)
+            load = probe != "no_weight_load"
+            # prefetch: every group's words and scales are loaded at the step's start, so that the loads of
+            # later chunks are in flight while the earlier chunks are dequantised and multiplied
+            words = [_load_words(w_groups.at[g], load) for g in range(gps)] if prefetch and fragments else None
+            scales = [load_scales(s_smem.at[g]) for g in range(gps)] if prefetch and probe != "no_scale" else None
 
             def group_operand(g):  # scale group g of the step: bf16 [R, 32], layout WGMMA
                 if fragments:
-                    wg = _fragment_operand(w_groups.at[g], load=probe != "no_weight_load")
+                    wg = _upcast_words(words[g] if words else _load_words(w_groups.at[g], load))
                 else:
                     wq = plgpu.load(w_groups.at[g], (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
                     wg = plgpu.layout_cast(wq, plgpu.Layout.WGMMA).astype(jnp.bfloat16)
-                return wg if probe == "no_scale" else scale_rows(wg, s_smem.at[g])
+                if probe == "no_scale":
+                    return wg
+                return scale_rows(wg, scales[g] if scales else load_scales(s_smem.at[g]))
 
             total = None
             for c in range(cps):  # one wgmma per chunk of gpc scale groups
@@ -313,7 +340,7 @@ def grouped_int4_matmul(x_chunks, w, s, tile_expert, tile_rows=None, *, tokens_p
                         out_layout: str = "rows", epilogue: str = "none", out_dtype=jnp.float32, stages: int = 2,
                         split: int = 1, mma_in_flight: int | None = None, overlap: bool = False,
                         auto_barriers: bool = True, dependent_launch: bool = False, grid_order: str = "tiles",
-                        probe: str = ""):
+                        prefetch: bool = False, probe: str = ""):
     """Pallas Mosaic GPU kernel (H100/H200). Same contract as ``grouped_int4_matmul_ref``, except that the
     output columns (rows) of skipped tiles are left unwritten (garbage: the MoE layer reads only the rows
     of real pairs), and with
@@ -355,6 +382,10 @@ def grouped_int4_matmul(x_chunks, w, s, tile_expert, tile_rows=None, *, tokens_p
     "tiles": grid (NT, O/R, split), a tile's row blocks launch together; "rows": grid (O/R, NT, split), a row
     block's tiles launch together, so the tiles of one expert (consecutive) stream the same weight slab at
     about the same time and can share it through L2. The result is the same either way.
+    ``prefetch``: load every scale group's weight words (fragments order) and scales of a pipeline step into
+    registers at the step's start (~48 more registers per thread), so that the loads of a step's later chunks
+    are in flight while its first is dequantised and multiplied, instead of each group's loads waiting
+    behind the previous chunk's wgmma.
     ``probe`` (benchmarks only, wrong results): "no_scale" skips the per-group scale multiply; "mma_once"
     adds the eight dequantised groups of a step (bf16 adds) and issues one wgmma for them; "stream_only"
     runs the copy pipeline with an empty step (what the memory side alone costs); "no_weight_load" (fragments
@@ -406,7 +437,7 @@ def grouped_int4_matmul(x_chunks, w, s, tile_expert, tile_rows=None, *, tokens_p
         def program(n_rows, row0):  # one tile: n_rows tokens, rows [row0, row0 + n_rows)
             acc = tile_product(x_ref, w_ref.at[e, b], s_ref.at[e, b], n_rows=n_rows, row0=row0,
                                first_step=sp * kps, steps=kps, chunk=chunk, stages=stages,
-                               mma_in_flight=mma_in_flight, overlap=overlap, probe=probe)
+                               mma_in_flight=mma_in_flight, overlap=overlap, prefetch=prefetch, probe=probe)
 
             def store(o_smem):  # a scope after the pipeline's: the output tile reuses its shared memory
                 if fused:  # rows [0, 64) are gate, [64, 128) up of the same f: the same registers of each thread
@@ -599,7 +630,7 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
                          mma_in_flight: int | None | str = "auto", chunk: int = 128, widths: str | None = None,
                          routing: str = "auto", gather: str = "words", expert_shards: int = 1,
                          dependent_launch: bool = False, launch: str = "two", down_blocks: int = 4,
-                         grid_order: str = "tiles"):
+                         grid_order: str = "tiles", prefetch: bool = False):
     """Routed experts of one MoE layer on tiled INT4 stacks: the Mosaic GPU kernel (``use_kernel``) or its
     twin, around the same XLA routing and combine.
 
@@ -628,7 +659,8 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
     expert_shards: how many devices share the experts under expert parallelism (this call holds one
     share); ``default_split``'s and ``default_widths``' estimates of the local pairs use it.
     dependent_launch: both GEMMs' ``grouped_int4_matmul(dependent_launch=)`` (a probe; the twin ignores
-    it). grid_order: both GEMMs' ``grouped_int4_matmul(grid_order=)`` (the twin checks and ignores it).
+    it). grid_order, prefetch: both GEMMs' ``grouped_int4_matmul(grid_order=, prefetch=)`` (the twin checks
+    grid_order and ignores both).
     launch: "two" (the gate+up GEMM, then the down GEMM) or "one" (``int4_moe_fused``: one launch
     whose programs each run gate+up for 64 f and that block's share of the down GEMM; XLA sums the
     shares; per-pair tiles and a paired gate/up stack only; ``down_blocks``: its 128-row blocks of W2 per
@@ -689,7 +721,7 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
         mm = lambda *a, split, epilogue="none", out_dtype=jnp.float32: grouped_int4_matmul(  # noqa: E731
             *a, tokens_per_tile=n, out_layout="tokens", epilogue=epilogue, stages=stages,
             split=split, mma_in_flight=mma_in_flight, out_dtype=out_dtype, dependent_launch=dependent_launch,
-            grid_order=grid_order)
+            grid_order=grid_order, prefetch=prefetch)
     else:
         mm = lambda *a, split, epilogue="none", out_dtype=jnp.float32: grouped_int4_matmul_ref(  # noqa: E731
             *a, tokens_per_tile=n, out_layout="tokens", epilogue=epilogue,

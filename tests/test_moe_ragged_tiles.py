@@ -127,26 +127,27 @@ def test_layer_with_ragged_tiles_equals_xla_path(m, k, offset, tile):
     assert rel(got, want) < 1e-5
 
 
-@pytest.mark.parametrize("out_layout,epilogue,out_dtype,split,grid_order", [
-    ("rows", "none", jnp.float32, 1, "tiles"), ("tokens", "none", jnp.bfloat16, 1, "rows"),
-    ("tokens", "silu_mul", jnp.float32, 1, "rows"), ("tokens", "none", jnp.float32, 2, "tiles")])
-def test_ragged_tile_kernel_lowers_for_cuda(out_layout, epilogue, out_dtype, split, grid_order):
+@pytest.mark.parametrize("out_layout,epilogue,out_dtype,split,grid_order,prefetch", [
+    ("rows", "none", jnp.float32, 1, "tiles", True), ("tokens", "none", jnp.bfloat16, 1, "rows", False),
+    ("tokens", "silu_mul", jnp.float32, 1, "rows", True), ("tokens", "none", jnp.float32, 2, "tiles", False)])
+def test_ragged_tile_kernel_lowers_for_cuda(out_layout, epilogue, out_dtype, split, grid_order, prefetch):
     qa = random_stack(np.random.default_rng(2), 4, 512, 512)
     leaf = TiledInt4.from_compressed_tensors(qa.packed, qa.scale, pair_gate_up=epilogue == "silu_mul")
     xg = jax.ShapeDtypeStruct((512 // 128, 80, 128), jnp.bfloat16)
     fn = functools.partial(K.grouped_int4_matmul, tokens_per_tile=32, out_layout=out_layout, epilogue=epilogue,
-                           out_dtype=out_dtype, split=split, grid_order=grid_order)
+                           out_dtype=out_dtype, split=split, grid_order=grid_order, prefetch=prefetch)
     assert MGPU_CALL in jax.jit(fn).trace(xg, leaf.packed, leaf.scale, jnp.asarray(RAGGED_EXPERTS),
                                           jnp.asarray(RAGGED_TILES)).lower(lowering_platforms=("cuda",)).as_text()
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("out_layout,epilogue,out_dtype,split,grid_order", [
-    ("tokens", "none", jnp.float32, 1, "tiles"), ("rows", "none", jnp.float32, 1, "rows"),
-    ("tokens", "silu_mul", jnp.float32, 1, "tiles"), ("tokens", "silu_mul", jnp.float32, 1, "rows"),
-    ("tokens", "none", jnp.bfloat16, 1, "rows"), ("tokens", "none", jnp.float32, 2, "tiles"),
-    ("tokens", "none", jnp.float32, 2, "rows")])
-def test_gpu_ragged_tile_kernel_matches_twin(out_layout, epilogue, out_dtype, split, grid_order):
+@pytest.mark.parametrize("out_layout,epilogue,out_dtype,split,grid_order,prefetch", [
+    ("tokens", "none", jnp.float32, 1, "tiles", False), ("rows", "none", jnp.float32, 1, "rows", True),
+    ("tokens", "silu_mul", jnp.float32, 1, "tiles", False), ("tokens", "silu_mul", jnp.float32, 1, "rows", False),
+    ("tokens", "silu_mul", jnp.float32, 1, "tiles", True), ("tokens", "none", jnp.bfloat16, 1, "rows", False),
+    ("tokens", "none", jnp.bfloat16, 1, "tiles", True), ("tokens", "none", jnp.float32, 2, "tiles", False),
+    ("tokens", "none", jnp.float32, 2, "rows", True)])
+def test_gpu_ragged_tile_kernel_matches_twin(out_layout, epilogue, out_dtype, split, grid_order, prefetch):
     rng = np.random.default_rng(9)
     qa = random_stack(rng, 4, 512, 1024)
     leaf = TiledInt4.from_compressed_tensors(qa.packed, qa.scale, pair_gate_up=epilogue == "silu_mul")
@@ -154,8 +155,8 @@ def test_gpu_ragged_tile_kernel_matches_twin(out_layout, epilogue, out_dtype, sp
     xg = K.to_chunks(jnp.asarray(rng.standard_normal((p, 1024)), jnp.bfloat16), 128)
     kw = dict(tokens_per_tile=32, out_layout=out_layout, epilogue=epilogue, out_dtype=out_dtype)
     args = (xg, leaf.packed, leaf.scale, jnp.asarray(RAGGED_EXPERTS), jnp.asarray(RAGGED_TILES))
-    got = np.asarray(jax.jit(functools.partial(K.grouped_int4_matmul, split=split, grid_order=grid_order, **kw))(*args),
-                     np.float32)
+    got = np.asarray(jax.jit(functools.partial(K.grouped_int4_matmul, split=split, grid_order=grid_order,
+                                               prefetch=prefetch, **kw))(*args), np.float32)
     want = np.asarray(K.grouped_int4_matmul_ref(*args, **kw), np.float32)  # the twin has no split-K
     if epilogue == "silu_mul":
         got, want = (np.swapaxes(a, 0, 1).reshape(p, -1) for a in (got, want))
