@@ -70,7 +70,6 @@ def smem_bytes(rows: int, n: int, stages: int) -> int:
 # ----------------------------------------------------------------------------------------------
 CHUNKS = (32, 64, 128)  # activation chunk widths C: scale groups per wgmma = C / 32
 RAGGED_MAX_TILE = 64  # widest N with ragged tiles: the kernel compiles one branch per width 8, 16, ..., N
-GRID_ORDERS = ("tiles", "rows")  # grouped_int4_matmul(grid_order=): the outer grid axis (the last one launches fastest)
 
 
 def _check_mma_in_flight(mma_in_flight, chunk: int) -> None:
@@ -273,7 +272,7 @@ def scale_rows(wg, scales):
 
 
 def tile_product(x_ref, w_ref, s_ref, *, n_rows: int, row0, first_step, steps: int, chunk: int, stages: int,
-                 mma_in_flight: int | None = None, overlap: bool = False, prefetch: bool = False, probe: str = ""):
+                 mma_in_flight: int | None = None, overlap: bool = False, probe: str = ""):
     """Inside a Mosaic GPU kernel: one expert row block times one token tile, [R, n_rows] f32 (layout WGMMA).
 
     x_ref: the chunk-major activations in global memory [I/C, P, C]; w_ref / s_ref: the expert's row block
@@ -290,21 +289,16 @@ def tile_product(x_ref, w_ref, s_ref, *, n_rows: int, row0, first_step, steps: i
             if probe == "stream_only":
                 return
             w_groups = w_smem.reshape(gps, 512) if fragments else w_smem.reshape(gps, rows, GROUP)
-            load = probe != "no_weight_load"
-            # prefetch: every group's words and scales are loaded at the step's start, so that the loads of
-            # later chunks are in flight while the earlier chunks are dequantised and multiplied
-            words = [_load_words(w_groups.at[g], load) for g in range(gps)] if prefetch and fragments else None
-            scales = [load_scales(s_smem.at[g]) for g in range(gps)] if prefetch and probe != "no_scale" else None
 
             def group_operand(g):  # scale group g of the step: bf16 [R, 32], layout WGMMA
                 if fragments:
-                    wg = _upcast_words(words[g] if words else _load_words(w_groups.at[g], load))
+                    wg = _upcast_words(_load_words(w_groups.at[g], load=probe != "no_weight_load"))
                 else:
                     wq = plgpu.load(w_groups.at[g], (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
                     wg = plgpu.layout_cast(wq, plgpu.Layout.WGMMA).astype(jnp.bfloat16)
                 if probe == "no_scale":
                     return wg
-                return scale_rows(wg, scales[g] if scales else load_scales(s_smem.at[g]))
+                return scale_rows(wg, load_scales(s_smem.at[g]))
 
             total = None
             for c in range(cps):  # one wgmma per chunk of gpc scale groups
@@ -339,8 +333,7 @@ def tile_product(x_ref, w_ref, s_ref, *, n_rows: int, row0, first_step, steps: i
 def grouped_int4_matmul(x_chunks, w, s, tile_expert, tile_rows=None, *, tokens_per_tile: int,
                         out_layout: str = "rows", epilogue: str = "none", out_dtype=jnp.float32, stages: int = 2,
                         split: int = 1, mma_in_flight: int | None = None, overlap: bool = False,
-                        auto_barriers: bool = True, dependent_launch: bool = False, grid_order: str = "tiles",
-                        prefetch: bool = False, probe: str = ""):
+                        auto_barriers: bool = True, dependent_launch: bool = False, probe: str = ""):
     """Pallas Mosaic GPU kernel (H100/H200). Same contract as ``grouped_int4_matmul_ref``, except that the
     output columns (rows) of skipped tiles are left unwritten (garbage: the MoE layer reads only the rows
     of real pairs), and with
@@ -378,14 +371,6 @@ def grouped_int4_matmul(x_chunks, w, s, tile_expert, tile_rows=None, *, tokens_p
     CUDA's programmatic stream serialization can be resident and past its launch while this one runs.
     Without that launch attribute both instructions do nothing; whether XLA sets it for a Mosaic GPU
     kernel is what the probe is for (the result is the same either way).
-    ``grid_order``: which grid axis is outer, so in which order the programs launch (the last axis fastest).
-    "tiles": grid (NT, O/R, split), a tile's row blocks launch together; "rows": grid (O/R, NT, split), a row
-    block's tiles launch together, so the tiles of one expert (consecutive) stream the same weight slab at
-    about the same time and can share it through L2. The result is the same either way.
-    ``prefetch``: load every scale group's weight words (fragments order) and scales of a pipeline step into
-    registers at the step's start (~48 more registers per thread), so that the loads of a step's later chunks
-    are in flight while its first is dequantised and multiplied, instead of each group's loads waiting
-    behind the previous chunk's wgmma.
     ``probe`` (benchmarks only, wrong results): "no_scale" skips the per-group scale multiply; "mma_once"
     adds the eight dequantised groups of a step (bf16 adds) and issues one wgmma for them; "stream_only"
     runs the copy pipeline with an empty step (what the memory side alone costs); "no_weight_load" (fragments
@@ -395,8 +380,6 @@ def grouped_int4_matmul(x_chunks, w, s, tile_expert, tile_rows=None, *, tokens_p
         raise RuntimeError("jax.experimental.pallas.mosaic_gpu is not available in this JAX")
     if probe not in ("", "no_scale", "mma_once", "stream_only", "no_weight_load"):
         raise ValueError(f"unknown probe {probe!r}")
-    if grid_order not in GRID_ORDERS:
-        raise ValueError(f"grid_order must be one of {GRID_ORDERS}, got {grid_order!r}")
     n = tokens_per_tile
     _check_out_layout(out_layout)
     fragments, in_dim, out_dim = check_grouped_args(x_chunks, w, s, tile_expert, n, tile_rows)
@@ -437,7 +420,7 @@ def grouped_int4_matmul(x_chunks, w, s, tile_expert, tile_rows=None, *, tokens_p
         def program(n_rows, row0):  # one tile: n_rows tokens, rows [row0, row0 + n_rows)
             acc = tile_product(x_ref, w_ref.at[e, b], s_ref.at[e, b], n_rows=n_rows, row0=row0,
                                first_step=sp * kps, steps=kps, chunk=chunk, stages=stages,
-                               mma_in_flight=mma_in_flight, overlap=overlap, prefetch=prefetch, probe=probe)
+                               mma_in_flight=mma_in_flight, overlap=overlap, probe=probe)
 
             def store(o_smem):  # a scope after the pipeline's: the output tile reuses its shared memory
                 if fused:  # rows [0, 64) are gate, [64, 128) up of the same f: the same registers of each thread
@@ -476,8 +459,7 @@ def grouped_int4_matmul(x_chunks, w, s, tile_expert, tile_rows=None, *, tokens_p
         body,
         out_type=jax.ShapeDtypeStruct((out_dim // 2 // chunk, p, chunk), jnp.bfloat16) if fused else
         jax.ShapeDtypeStruct((split,) + ((p, out_dim) if tokens_out else (out_dim, p)), out_dtype),
-        grid=(nt, nb, split) if grid_order == "tiles" else (nb, nt, split),
-        grid_names=("tile", "rows", "split") if grid_order == "tiles" else ("rows", "tile", "split"),
+        grid=(nt, nb, split), grid_names=("tile", "rows", "split"),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,
                                              unsafe_no_auto_barriers=not auto_barriers),
     )
@@ -629,8 +611,7 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
                          tile: int | None = None, stages: int = 2, split: int | None = None,
                          mma_in_flight: int | None | str = "auto", chunk: int = 128, widths: str | None = None,
                          routing: str = "auto", gather: str = "words", expert_shards: int = 1,
-                         dependent_launch: bool = False, launch: str = "two", down_blocks: int = 4,
-                         grid_order: str = "tiles", prefetch: bool = False):
+                         dependent_launch: bool = False, launch: str = "two", down_blocks: int = 4):
     """Routed experts of one MoE layer on tiled INT4 stacks: the Mosaic GPU kernel (``use_kernel``) or its
     twin, around the same XLA routing and combine.
 
@@ -659,8 +640,6 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
     expert_shards: how many devices share the experts under expert parallelism (this call holds one
     share); ``default_split``'s and ``default_widths``' estimates of the local pairs use it.
     dependent_launch: both GEMMs' ``grouped_int4_matmul(dependent_launch=)`` (a probe; the twin ignores
-    it). grid_order, prefetch: both GEMMs' ``grouped_int4_matmul(grid_order=, prefetch=)`` (the twin checks
-    grid_order and ignores both).
     launch: "two" (the gate+up GEMM, then the down GEMM) or "one" (``int4_moe_fused``: one launch
     whose programs each run gate+up for 64 f and that block's share of the down GEMM; XLA sums the
     shares; per-pair tiles and a paired gate/up stack only; ``down_blocks``: its 128-row blocks of W2 per
@@ -678,8 +657,6 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
     per_pair = uses_per_pair(m, routing)
     if launch not in LAUNCHES:
         raise ValueError(f"launch must be one of {LAUNCHES}, got {launch!r}")
-    if grid_order not in GRID_ORDERS:
-        raise ValueError(f"grid_order must be one of {GRID_ORDERS}, got {grid_order!r}")
     if launch == "one" and (not per_pair or w13.gate_up_block != PAIR_BLOCK):
         raise ValueError("launch='one' needs per-pair tiles (routing='per_pair', or 'auto' at M = 1) and a w13 "
                          f"paired in {PAIR_BLOCK}-row blocks; got routing={routing!r} at M = {m}, gate_up_block="
@@ -720,8 +697,7 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
     if use_kernel:
         mm = lambda *a, split, epilogue="none", out_dtype=jnp.float32: grouped_int4_matmul(  # noqa: E731
             *a, tokens_per_tile=n, out_layout="tokens", epilogue=epilogue, stages=stages,
-            split=split, mma_in_flight=mma_in_flight, out_dtype=out_dtype, dependent_launch=dependent_launch,
-            grid_order=grid_order, prefetch=prefetch)
+            split=split, mma_in_flight=mma_in_flight, out_dtype=out_dtype, dependent_launch=dependent_launch)
     else:
         mm = lambda *a, split, epilogue="none", out_dtype=jnp.float32: grouped_int4_matmul_ref(  # noqa: E731
             *a, tokens_per_tile=n, out_layout="tokens", epilogue=epilogue,

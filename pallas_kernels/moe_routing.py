@@ -14,12 +14,15 @@ Two ways (``method``) compute the same layout, bit for bit:
 - "compare": [Q, Q] comparisons between pairs give each pair's rank within its expert, [E, Q] the
   counts, [E, E] the prefix sums and [P, Q] each row's pair. There is no sort, scatter or scan, so XLA
   fuses the lot into a few kernels, but the work grows as Q^2.
-"auto" takes "compare" up to ``COMPARE_MAX_PAIRS`` = 2048 pairs (256 tokens at top-8). On the H200 (session 9,
+"auto" takes "compare" up to ``COMPARE_MAX_PAIRS`` = 4096 pairs (512 tokens at top-8). On the H200 (session 9,
 traced, the whole routed-expert layer at K2.6 dims, uniform routing) the sort path's routing was a dozen
 small launches at one token, one of them a 6 us fusion that recomputed two prefix sums over E inline; with
 "compare" the layer took 75.4 us at M = 1 against 89.5 (glue 12 us against 25), 0.435 ms at 9 against
 0.449 and 2.492 ms at 256 against 2.501 (experiments/results/bench_moe_s9.json for "sort",
-bench_moe_s9_routing*.json for "compare": two runs of the same hour). Above 256 tokens "compare" is unmeasured.
+bench_moe_s9_routing*.json for "compare": two runs of the same hour). Session 14 (ragged tiles, same
+method): at M = 512 "compare" took the glue from 111 to 85 us (2.715 ms against 2.742; the sort's eight
+4 us kernels against two reductions of 10 and 8 us: bench_moe_s14_compare512.json); at 1024 it lost,
+179 against 159 us (bench_moe_s14_compare1024.json), so 8192 pairs stay with the sort.
 
 ``route_ragged`` lays the runs out in tiles as wide as the pairs need, in steps of 8 rows; ``route_per_pair``
 is the layout for one token: a tile per pair in flat order, no grouping at all.
@@ -29,7 +32,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-COMPARE_MAX_PAIRS = 2048
+COMPARE_MAX_PAIRS = 4096
 METHODS = ("auto", "sort", "compare")
 
 
