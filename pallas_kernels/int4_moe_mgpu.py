@@ -374,8 +374,9 @@ def grouped_int4_matmul(x_chunks, w, s, tile_expert, tile_rows=None, *, tokens_p
     ``probe`` (benchmarks only, wrong results): "no_scale" skips the per-group scale multiply; "mma_once"
     adds the eight dequantised groups of a step (bf16 adds) and issues one wgmma for them; "stream_only"
     runs the copy pipeline with an empty step (what the memory side alone costs); "no_weight_load" (fragments
-    order) dequantises a broadcast word instead of loading the slab from shared memory (what those loads cost). (A fourth, the A operand
-    through shared memory, ran 35 % slower at 09fd4cc: experiments/results/probe_moe_mgpu_smem_a_h200.json.)"""
+    order) upcasts a broadcast word instead of loading the slab's words from shared memory (what those loads
+    cost: experiments/results/probe_moe_mgpu_s14_width_h200.json). (Another, the A operand through shared
+    memory, ran 35 % slower at 09fd4cc: experiments/results/probe_moe_mgpu_smem_a_h200.json.)"""
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.mosaic_gpu is not available in this JAX")
     if probe not in ("", "no_scale", "mma_once", "stream_only", "no_weight_load"):
