@@ -66,8 +66,8 @@ def main(argv=None):
     ap.add_argument("--plan", default="full", choices=["full", "flags", "stages", "fragments", "net", "anatomy", "inflight", "chunks", "m1",
                              "width"])
     ap.add_argument("--width-probes", default="",
-                    help="plan width: comma list of probes run at every N ('full': none; 'registers': weight_path="
-                         "'registers'; default: full at every N, stream_only at 8 and 32)")
+                    help="plan width: comma list of probes run at every N ('full': none; default: full at every N, "
+                         "stream_only at 8 and 32)")
     ap.add_argument("--widths", default="8,16,24,32,40,48,64",
                     help="plan width: tokens per tile N, one tile per expert (all E streamed once, whatever N)")
     ap.add_argument("--chunk", type=int, default=32, help="activation chunk width (columns per wgmma) unless a plan sets it")
@@ -236,21 +236,19 @@ def width_sweep(args, weights, gemms, bw, records, save):
                   dict(out_layout="tokens", out_dtype=jnp.bfloat16))
             probes = (args.width_probes.split(",") if args.width_probes else
                       ("", "stream_only") if n in (8, 32) else ("",))
-            for variant in probes:  # "registers": weight_path="registers", no probe
-                probe = "" if variant in ("full", "registers") else variant
-                fn = functools.partial(K.grouped_int4_matmul, tokens_per_tile=n, mma_in_flight=0, probe=probe,
-                                       weight_path="registers" if variant == "registers" else "smem", **kw)
+            for probe in (p_.replace("full", "") for p_ in probes):
+                fn = functools.partial(K.grouped_int4_matmul, tokens_per_tile=n, mma_in_flight=0, probe=probe, **kw)
                 try:
                     t = kernel_device_time(fn, (xg, w, s, te))
                 except Exception as exc:  # noqa: BLE001 - report and go on
-                    print(f"FAILED {name} N={n} {variant}: {exc!r:.300}", flush=True)
+                    print(f"FAILED {name} N={n} {probe}: {exc!r:.300}", flush=True)
                     continue
-                rec = dict(kind="width", gemm=name, n=n, probe=variant or "-", tiles=E, gb=nbytes / 1e9,
+                rec = dict(kind="width", gemm=name, n=n, probe=probe or "-", tiles=E, gb=nbytes / 1e9,
                            x_gb=x.size * 2 / 1e9, ms=t * 1e3, floor_ms=nbytes / bw * 1e3,
                            pct_copy=100 * nbytes / t / bw, tflops=2 * E * n * o * i / t / 1e12)
                 records.append(rec)
                 table.append(rec)
-                print(f"{name:8s} N={n:3d} {variant or '-':11s} {t * 1e3:8.3f} ms {rec['pct_copy']:5.1f} % "
+                print(f"{name:8s} N={n:3d} {probe or '-':11s} {t * 1e3:8.3f} ms {rec['pct_copy']:5.1f} % "
                       f"{rec['tflops']:6.1f} TFLOP/s", flush=True)
                 save(records)
     save(records)

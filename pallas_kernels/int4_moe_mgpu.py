@@ -70,7 +70,6 @@ def smem_bytes(rows: int, n: int, stages: int) -> int:
 # ----------------------------------------------------------------------------------------------
 CHUNKS = (32, 64, 128)  # activation chunk widths C: scale groups per wgmma = C / 32
 RAGGED_MAX_TILE = 64  # widest N with ragged tiles: the kernel compiles one branch per width 8, 16, ..., N
-WEIGHT_PATHS = ("smem", "registers")  # grouped_int4_matmul(weight_path=)
 
 
 def _check_mma_in_flight(mma_in_flight, chunk: int) -> None:
@@ -217,15 +216,13 @@ def _words_layout():
 
 
 def _load_words(words_ref, load: bool = True):
-    """One 32-column group of a fragment-ordered slab ([512] int32 words in shared memory, or its [4, 128]
-    rows in global memory) -> its words in registers (two 8-byte loads per thread; ``_words_layout``). ``load=False`` (the "no_weight_load" probe,
+    """One 32-column group of a fragment-ordered slab ([512] int32 words in shared memory) -> its words in
+    registers (two 8-byte loads per thread; ``_words_layout``). ``load=False`` (the "no_weight_load" probe,
     wrong results): one broadcast 4-byte load per thread instead, varied per register so nothing folds."""
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),), return_type=plgpu.ShapeDtypeStruct(
         (FRAG_ROWS * GROUP // 8,), jnp.int32, layout=_words_layout()))
     def load_words(ctx, ref):
         del ctx
-        if len(ir.MemRefType(ref.type).shape) > 1:  # [4, 128] rows of a slab in global memory: one group
-            ref = mgpu.memref_fold(ref, 0, len(ir.MemRefType(ref.type).shape))
         if load:
             return mgpu.FragmentedArray.load_strided(ref, is_signed=True, vec_size=2)
         i32 = ir.IntegerType.get_signless(32)
@@ -275,7 +272,7 @@ def scale_rows(wg, scales):
 
 
 def tile_product(x_ref, w_ref, s_ref, *, n_rows: int, row0, first_step, steps: int, chunk: int, stages: int,
-                 mma_in_flight: int | None = None, overlap: bool = False, weight_path: str = "smem", probe: str = ""):
+                 mma_in_flight: int | None = None, overlap: bool = False, probe: str = ""):
     """Inside a Mosaic GPU kernel: one expert row block times one token tile, [R, n_rows] f32 (layout WGMMA).
 
     x_ref: the chunk-major activations in global memory [I/C, P, C]; w_ref / s_ref: the expert's row block
@@ -287,20 +284,18 @@ def tile_product(x_ref, w_ref, s_ref, *, n_rows: int, row0, first_step, steps: i
     slab = (32, 128) if fragments else (rows, STEP)
     gps, gpc, cps = STEP // GROUP, chunk // GROUP, STEP // chunk  # scale groups per step, per chunk; chunks per step
 
-    if weight_path not in WEIGHT_PATHS or (weight_path == "registers" and not fragments):
-        raise ValueError(f"weight_path must be one of {WEIGHT_PATHS} ('registers' with fragment-ordered weights), "
-                         f"got {weight_path!r}")
-    x_spec = plgpu.BlockSpec((cps, n_rows, chunk), lambda k: (k + first_step, 0, 0),
-                             transforms=(plgpu.TilingTransform((8, min(chunk, 64))),
-                                         plgpu.SwizzleTransform(min(2 * chunk, 128))),
-                             delay_release=1 if overlap else 0)
-    s_spec = plgpu.BlockSpec((gps, rows), lambda k: (k + first_step, 0))
-    x_tile = x_ref.at[:, pl.ds(row0, n_rows), :]
-
     def acc_scope(acc_ref):
-        def multiply_step(unscaled, s_smem, x_smem):  # unscaled(g): scale group g of the step, bf16 [R, 32]
-            def group_operand(g):  # scaled: bf16 [R, 32], layout WGMMA
-                wg = unscaled(g)
+        def step_body(_, w_smem, s_smem, x_smem):
+            if probe == "stream_only":
+                return
+            w_groups = w_smem.reshape(gps, 512) if fragments else w_smem.reshape(gps, rows, GROUP)
+
+            def group_operand(g):  # scale group g of the step: bf16 [R, 32], layout WGMMA
+                if fragments:
+                    wg = _upcast_words(_load_words(w_groups.at[g], load=probe != "no_weight_load"))
+                else:
+                    wq = plgpu.load(w_groups.at[g], (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
+                    wg = plgpu.layout_cast(wq, plgpu.Layout.WGMMA).astype(jnp.bfloat16)
                 if probe == "no_scale":
                     return wg
                 return scale_rows(wg, load_scales(s_smem.at[g]))
@@ -318,39 +313,18 @@ def tile_product(x_ref, w_ref, s_ref, *, n_rows: int, row0, first_step, steps: i
                 plgpu.wgmma(acc_ref, total, plgpu.transpose_ref(x_smem.at[0], (1, 0)))
             plgpu.wgmma_wait(cps if overlap else 0)
 
-        if weight_path == "registers":  # no weight slab in shared memory: each step loads the next one's words
-            last = first_step + steps - 1
-
-            def step_words(k):  # the step's words, straight from global memory
-                return [_load_words(w_ref.at[pl.ds(k * slab[0] + g * (slab[0] // gps), slab[0] // gps)])
-                        for g in range(gps)]
-
-            def registers_body(idx, s_smem, x_smem, words):
-                following = step_words(jnp.minimum(idx[0] + first_step + 1, last))  # the last step reloads itself
-                if probe != "stream_only":
-                    multiply_step(lambda g: _upcast_words(words[g]), s_smem, x_smem)
-                return following
-
-            plgpu.emit_pipeline(registers_body, grid=(steps,), in_specs=[s_spec, x_spec], max_concurrent_steps=stages,
-                                init_carry=step_words(first_step))(s_ref, x_tile)
-            return acc_ref[...]
-
-        def smem_body(_, w_smem, s_smem, x_smem):
-            if probe == "stream_only":
-                return
-            w_groups = w_smem.reshape(gps, 512) if fragments else w_smem.reshape(gps, rows, GROUP)
-
-            def unscaled(g):
-                if fragments:
-                    return _upcast_words(_load_words(w_groups.at[g], load=probe != "no_weight_load"))
-                wq = plgpu.load(w_groups.at[g], (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
-                return plgpu.layout_cast(wq, plgpu.Layout.WGMMA).astype(jnp.bfloat16)
-
-            multiply_step(unscaled, s_smem, x_smem)
-
-        plgpu.emit_pipeline(smem_body, grid=(steps,), in_specs=[plgpu.BlockSpec(slab, lambda k: (k + first_step, 0)),
-                                                                s_spec, x_spec],
-                            max_concurrent_steps=stages)(w_ref, s_ref, x_tile)
+        plgpu.emit_pipeline(
+            step_body, grid=(steps,),
+            in_specs=[
+                plgpu.BlockSpec(slab, lambda k: (k + first_step, 0)),
+                plgpu.BlockSpec((gps, rows), lambda k: (k + first_step, 0)),
+                plgpu.BlockSpec((cps, n_rows, chunk), lambda k: (k + first_step, 0, 0),
+                                transforms=(plgpu.TilingTransform((8, min(chunk, 64))),
+                                            plgpu.SwizzleTransform(min(2 * chunk, 128))),
+                                delay_release=1 if overlap else 0),
+            ],
+            max_concurrent_steps=stages,
+        )(w_ref, s_ref, x_ref.at[:, pl.ds(row0, n_rows), :])
         return acc_ref[...]
 
     return pl.run_scoped(acc_scope, plgpu.ACC((rows, n_rows), jnp.float32))
@@ -359,8 +333,7 @@ def tile_product(x_ref, w_ref, s_ref, *, n_rows: int, row0, first_step, steps: i
 def grouped_int4_matmul(x_chunks, w, s, tile_expert, tile_rows=None, *, tokens_per_tile: int,
                         out_layout: str = "rows", epilogue: str = "none", out_dtype=jnp.float32, stages: int = 2,
                         split: int = 1, mma_in_flight: int | None = None, overlap: bool = False,
-                        auto_barriers: bool = True, dependent_launch: bool = False, weight_path: str = "smem",
-                        probe: str = ""):
+                        auto_barriers: bool = True, dependent_launch: bool = False, probe: str = ""):
     """Pallas Mosaic GPU kernel (H100/H200). Same contract as ``grouped_int4_matmul_ref``, except that the
     output columns (rows) of skipped tiles are left unwritten (garbage: the MoE layer reads only the rows
     of real pairs), and with
@@ -398,11 +371,6 @@ def grouped_int4_matmul(x_chunks, w, s, tile_expert, tile_rows=None, *, tokens_p
     CUDA's programmatic stream serialization can be resident and past its launch while this one runs.
     Without that launch attribute both instructions do nothing; whether XLA sets it for a Mosaic GPU
     kernel is what the probe is for (the result is the same either way).
-    ``weight_path``: how the weight words reach the registers. "smem": TMA copies of each step's slab into
-    shared memory, then loads from there. "registers" (fragments order): each step loads the next step's
-    words straight from global memory into registers (two 8-byte loads per thread and scale group), so the slab never
-    touches shared memory, whose load traffic is what wider tiles pay for
-    (experiments/results/probe_moe_mgpu_s14_width_h200.json).
     ``probe`` (benchmarks only, wrong results): "no_scale" skips the per-group scale multiply; "mma_once"
     adds the eight dequantised groups of a step (bf16 adds) and issues one wgmma for them; "stream_only"
     runs the copy pipeline with an empty step (what the memory side alone costs); "no_weight_load" (fragments
@@ -453,7 +421,7 @@ def grouped_int4_matmul(x_chunks, w, s, tile_expert, tile_rows=None, *, tokens_p
         def program(n_rows, row0):  # one tile: n_rows tokens, rows [row0, row0 + n_rows)
             acc = tile_product(x_ref, w_ref.at[e, b], s_ref.at[e, b], n_rows=n_rows, row0=row0,
                                first_step=sp * kps, steps=kps, chunk=chunk, stages=stages,
-                               mma_in_flight=mma_in_flight, overlap=overlap, weight_path=weight_path, probe=probe)
+                               mma_in_flight=mma_in_flight, overlap=overlap, probe=probe)
 
             def store(o_smem):  # a scope after the pipeline's: the output tile reuses its shared memory
                 if fused:  # rows [0, 64) are gate, [64, 128) up of the same f: the same registers of each thread
@@ -644,8 +612,7 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
                          tile: int | None = None, stages: int = 2, split: int | None = None,
                          mma_in_flight: int | None | str = "auto", chunk: int = 128, widths: str | None = None,
                          routing: str = "auto", gather: str = "words", expert_shards: int = 1,
-                         dependent_launch: bool = False, launch: str = "two", down_blocks: int = 4,
-                         weight_path: str = "smem"):
+                         dependent_launch: bool = False, launch: str = "two", down_blocks: int = 4):
     """Routed experts of one MoE layer on tiled INT4 stacks: the Mosaic GPU kernel (``use_kernel``) or its
     twin, around the same XLA routing and combine.
 
@@ -673,8 +640,7 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
     "per_pair" for one token (M = 1), else ``moe_routing``'s choice. gather: ``gather_token_chunks``'.
     expert_shards: how many devices share the experts under expert parallelism (this call holds one
     share); ``default_split``'s and ``default_widths``' estimates of the local pairs use it.
-    dependent_launch, weight_path: both GEMMs' ``grouped_int4_matmul(dependent_launch=, weight_path=)`` (the
-    twin checks weight_path and ignores both).
+    dependent_launch: both GEMMs' ``grouped_int4_matmul(dependent_launch=)`` (a probe; the twin ignores
     launch: "two" (the gate+up GEMM, then the down GEMM) or "one" (``int4_moe_fused``: one launch
     whose programs each run gate+up for 64 f and that block's share of the down GEMM; XLA sums the
     shares; per-pair tiles and a paired gate/up stack only; ``down_blocks``: its 128-row blocks of W2 per
@@ -692,8 +658,6 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
     per_pair = uses_per_pair(m, routing)
     if launch not in LAUNCHES:
         raise ValueError(f"launch must be one of {LAUNCHES}, got {launch!r}")
-    if weight_path not in WEIGHT_PATHS:
-        raise ValueError(f"weight_path must be one of {WEIGHT_PATHS}, got {weight_path!r}")
     if launch == "one" and (not per_pair or w13.gate_up_block != PAIR_BLOCK):
         raise ValueError("launch='one' needs per-pair tiles (routing='per_pair', or 'auto' at M = 1) and a w13 "
                          f"paired in {PAIR_BLOCK}-row blocks; got routing={routing!r} at M = {m}, gate_up_block="
@@ -734,8 +698,7 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
     if use_kernel:
         mm = lambda *a, split, epilogue="none", out_dtype=jnp.float32: grouped_int4_matmul(  # noqa: E731
             *a, tokens_per_tile=n, out_layout="tokens", epilogue=epilogue, stages=stages,
-            split=split, mma_in_flight=mma_in_flight, out_dtype=out_dtype, dependent_launch=dependent_launch,
-            weight_path=weight_path)
+            split=split, mma_in_flight=mma_in_flight, out_dtype=out_dtype, dependent_launch=dependent_launch)
     else:
         mm = lambda *a, split, epilogue="none", out_dtype=jnp.float32: grouped_int4_matmul_ref(  # noqa: E731
             *a, tokens_per_tile=n, out_layout="tokens", epilogue=epilogue,

@@ -98,13 +98,6 @@ def test_ragged_tile_arguments_are_checked():
             fn(x, w, s, te, jnp.zeros((2, 4), jnp.int32), tokens_per_tile=8)
         with pytest.raises(ValueError, match="tile_rows must be int32"):
             fn(x, w, s, te, jnp.zeros((2, 3), jnp.float32), tokens_per_tile=8)
-    with pytest.raises(ValueError, match="weight_path must be one of"):
-        K.grouped_int4_matmul(x, w, s, te, jnp.zeros((2, 3), jnp.int32), tokens_per_tile=8, weight_path="l2")
-    with pytest.raises(ValueError, match="weight_path must be one of"):
-        K.routed_experts_tiled(jnp.zeros((2, 256)), jnp.zeros((2, 2), jnp.int32), jnp.ones((2, 2)),
-                               *[TiledInt4.from_compressed_tensors(a.packed, a.scale) for a in
-                                 (random_stack(np.random.default_rng(0), 4, 512, 256),
-                                  random_stack(np.random.default_rng(1), 4, 256, 256))], weight_path="l2")
     with pytest.raises(ValueError, match="widths must be"):
         K.routed_experts_tiled(jnp.zeros((2, 256)), jnp.zeros((2, 2), jnp.int32), jnp.ones((2, 2)),
                                *[TiledInt4.from_compressed_tensors(a.packed, a.scale) for a in
@@ -130,26 +123,24 @@ def test_layer_with_ragged_tiles_equals_xla_path(m, k, offset, tile):
     assert rel(got, want) < 1e-5
 
 
-@pytest.mark.parametrize("out_layout,epilogue,out_dtype,split,weight_path", [
-    ("rows", "none", jnp.float32, 1, "smem"), ("tokens", "none", jnp.bfloat16, 1, "registers"),
-    ("tokens", "silu_mul", jnp.float32, 1, "registers"), ("tokens", "none", jnp.float32, 2, "smem")])
-def test_ragged_tile_kernel_lowers_for_cuda(out_layout, epilogue, out_dtype, split, weight_path):
+@pytest.mark.parametrize("out_layout,epilogue,out_dtype,split", [
+    ("rows", "none", jnp.float32, 1), ("tokens", "none", jnp.bfloat16, 1), ("tokens", "silu_mul", jnp.float32, 1),
+    ("tokens", "none", jnp.float32, 2)])
+def test_ragged_tile_kernel_lowers_for_cuda(out_layout, epilogue, out_dtype, split):
     qa = random_stack(np.random.default_rng(2), 4, 512, 512)
     leaf = TiledInt4.from_compressed_tensors(qa.packed, qa.scale, pair_gate_up=epilogue == "silu_mul")
     xg = jax.ShapeDtypeStruct((512 // 128, 80, 128), jnp.bfloat16)
     fn = functools.partial(K.grouped_int4_matmul, tokens_per_tile=32, out_layout=out_layout, epilogue=epilogue,
-                           out_dtype=out_dtype, split=split, weight_path=weight_path)
+                           out_dtype=out_dtype, split=split)
     assert MGPU_CALL in jax.jit(fn).trace(xg, leaf.packed, leaf.scale, jnp.asarray(RAGGED_EXPERTS),
                                           jnp.asarray(RAGGED_TILES)).lower(lowering_platforms=("cuda",)).as_text()
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("out_layout,epilogue,out_dtype,split,weight_path", [
-    ("tokens", "none", jnp.float32, 1, "smem"), ("rows", "none", jnp.float32, 1, "registers"),
-    ("tokens", "silu_mul", jnp.float32, 1, "smem"), ("tokens", "silu_mul", jnp.float32, 1, "registers"),
-    ("tokens", "none", jnp.bfloat16, 1, "smem"), ("tokens", "none", jnp.bfloat16, 1, "registers"),
-    ("tokens", "none", jnp.float32, 2, "smem"), ("tokens", "none", jnp.float32, 2, "registers")])
-def test_gpu_ragged_tile_kernel_matches_twin(out_layout, epilogue, out_dtype, split, weight_path):
+@pytest.mark.parametrize("out_layout,epilogue,out_dtype,split", [
+    ("tokens", "none", jnp.float32, 1), ("rows", "none", jnp.float32, 1), ("tokens", "silu_mul", jnp.float32, 1),
+    ("tokens", "none", jnp.bfloat16, 1), ("tokens", "none", jnp.float32, 2)])
+def test_gpu_ragged_tile_kernel_matches_twin(out_layout, epilogue, out_dtype, split):
     rng = np.random.default_rng(9)
     qa = random_stack(rng, 4, 512, 1024)
     leaf = TiledInt4.from_compressed_tensors(qa.packed, qa.scale, pair_gate_up=epilogue == "silu_mul")
@@ -157,8 +148,7 @@ def test_gpu_ragged_tile_kernel_matches_twin(out_layout, epilogue, out_dtype, sp
     xg = K.to_chunks(jnp.asarray(rng.standard_normal((p, 1024)), jnp.bfloat16), 128)
     kw = dict(tokens_per_tile=32, out_layout=out_layout, epilogue=epilogue, out_dtype=out_dtype)
     args = (xg, leaf.packed, leaf.scale, jnp.asarray(RAGGED_EXPERTS), jnp.asarray(RAGGED_TILES))
-    got = np.asarray(jax.jit(functools.partial(K.grouped_int4_matmul, split=split, weight_path=weight_path, **kw))(
-        *args), np.float32)
+    got = np.asarray(jax.jit(functools.partial(K.grouped_int4_matmul, split=split, **kw))(*args), np.float32)
     want = np.asarray(K.grouped_int4_matmul_ref(*args, **kw), np.float32)  # the twin has no split-K
     if epilogue == "silu_mul":
         got, want = (np.swapaxes(a, 0, 1).reshape(p, -1) for a in (got, want))
