@@ -215,14 +215,20 @@ def _words_layout():
     return plgpu.Layout.WG_STRIDED((FRAG_ROWS * GROUP // 8,), 2)
 
 
-def _load_words(words_ref, load: bool = True):
+def _load_words(words_ref, load: bool = True, vec_size: int = 2):
     """One 32-column group of a fragment-ordered slab ([512] int32 words in shared memory) -> its words in
     registers (two 8-byte loads per thread; ``_words_layout``). ``load=False`` (the "no_weight_load" probe,
-    wrong results): one broadcast 4-byte load per thread instead, varied per register so nothing folds."""
+    wrong results): one broadcast 4-byte load per thread instead, varied per register so nothing folds.
+    ``vec_size=4`` (the "wide_load" probe, wrong results): one 16-byte load per thread, the words of a
+    different thread order in the same registers (what a 16-byte fragment order would cost to load)."""
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),), return_type=plgpu.ShapeDtypeStruct(
         (FRAG_ROWS * GROUP // 8,), jnp.int32, layout=_words_layout()))
     def load_words(ctx, ref):
         del ctx
+        if load and vec_size == 4:
+            wide = mgpu.FragmentedArray.load_strided(ref, is_signed=True, vec_size=4).registers[0]
+            regs = np.array([mgpu.utils.vector_slice(wide, slice(2 * h, 2 * h + 2)) for h in range(2)], dtype=object)
+            return mgpu.FragmentedArray(_registers=regs, _layout=_words_layout().to_mgpu(), _is_signed=True)
         if load:
             return mgpu.FragmentedArray.load_strided(ref, is_signed=True, vec_size=2)
         i32 = ir.IntegerType.get_signless(32)
@@ -292,13 +298,14 @@ def tile_product(x_ref, w_ref, s_ref, *, n_rows: int, row0, first_step, steps: i
 
             def group_operand(g):  # scale group g of the step: bf16 [R, 32], layout WGMMA
                 if fragments:
-                    wg = _upcast_words(_load_words(w_groups.at[g], load=probe != "no_weight_load"))
+                    wg = _upcast_words(_load_words(w_groups.at[g], load=probe != "no_weight_load",
+                                                   vec_size=4 if probe == "wide_load" else 2))
                 else:
                     wq = plgpu.load(w_groups.at[g], (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
                     wg = plgpu.layout_cast(wq, plgpu.Layout.WGMMA).astype(jnp.bfloat16)
                 if probe == "no_scale":
                     return wg
-                return scale_rows(wg, load_scales(s_smem.at[g]))
+                return scale_rows(wg, load_scales(s_smem.at[0 if probe == "one_scale_load" else g]))
 
             total = None
             for c in range(cps):  # one wgmma per chunk of gpc scale groups
@@ -375,11 +382,13 @@ def grouped_int4_matmul(x_chunks, w, s, tile_expert, tile_rows=None, *, tokens_p
     adds the eight dequantised groups of a step (bf16 adds) and issues one wgmma for them; "stream_only"
     runs the copy pipeline with an empty step (what the memory side alone costs); "no_weight_load" (fragments
     order) upcasts a broadcast word instead of loading the slab's words from shared memory (what those loads
-    cost: experiments/results/probe_moe_mgpu_s14_width_h200.json). (Another, the A operand through shared
+    cost: experiments/results/probe_moe_mgpu_s14_width_h200.json); "wide_load" loads them with one 16-byte
+    load per thread instead of two 8-byte ones (the words land in the wrong registers); "one_scale_load"
+    multiplies every group of a step by group 0's scales (one scale load per step instead of eight). (Another, the A operand through shared
     memory, ran 35 % slower at 09fd4cc: experiments/results/probe_moe_mgpu_smem_a_h200.json.)"""
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.mosaic_gpu is not available in this JAX")
-    if probe not in ("", "no_scale", "mma_once", "stream_only", "no_weight_load"):
+    if probe not in ("", "no_scale", "mma_once", "stream_only", "no_weight_load", "wide_load", "one_scale_load"):
         raise ValueError(f"unknown probe {probe!r}")
     n = tokens_per_tile
     _check_out_layout(out_layout)
@@ -641,7 +650,7 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
     expert_shards: how many devices share the experts under expert parallelism (this call holds one
     share); ``default_split``'s and ``default_widths``' estimates of the local pairs use it.
     dependent_launch: both GEMMs' ``grouped_int4_matmul(dependent_launch=)`` (a probe; the twin ignores
-    launch: "two" (the gate+up GEMM, then the down GEMM) or "one" (``int4_moe_fused``: one launch
+    it). launch: "two" (the gate+up GEMM, then the down GEMM) or "one" (``int4_moe_fused``: one launch
     whose programs each run gate+up for 64 f and that block's share of the down GEMM; XLA sums the
     shares; per-pair tiles and a paired gate/up stack only; ``down_blocks``: its 128-row blocks of W2 per
     pipeline step; on the H200 at M = 1 it took 71.9 us against 71.2 for two launches: see that module).
