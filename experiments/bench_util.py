@@ -246,6 +246,54 @@ def measure_torch_copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 20) -> fl
     return bandwidth
 
 
+SMI_FIELDS = ("clocks.sm", "clocks.mem", "power.draw", "temperature.gpu")
+
+
+def parse_smi_samples(text: str) -> dict[str, Any] | None:
+    """nvidia-smi CSV lines (``SMI_FIELDS``, no header, no units) -> the samples' count, median and extremes of
+    each field (SM clock and memory clock in MHz, power in W, temperature in C); None if no line parses."""
+    rows = []
+    for line in text.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        try:
+            rows.append([float(p) for p in parts])
+        except ValueError:
+            continue
+    rows = [r for r in rows if len(r) == len(SMI_FIELDS)]
+    if not rows:
+        return None
+    out: dict[str, Any] = {"samples": len(rows)}
+    for j, name in enumerate(("sm_mhz", "mem_mhz", "power_w", "temp_c")):
+        col = [r[j] for r in rows]
+        out[name] = dict(median=statistics.median(col), min=min(col), max=max(col))
+    return out
+
+
+def sustained_gpu_state(fn: Callable, args: tuple, seconds: float = 0.5, interval_ms: int = 20) -> dict | None:
+    """Calls ``fn(*args)`` back to back for ``seconds`` while nvidia-smi samples the SM clock, memory clock,
+    power and temperature every ``interval_ms``; returns ``parse_smi_samples`` of the samples, or None where
+    nvidia-smi is missing. Tells whether a kernel's speed depends on the clock its data allows (dynamic
+    power: random operands toggle more bits than zeros)."""
+    block(fn(*args))
+    query = f"--query-gpu={','.join(SMI_FIELDS)}"
+    try:
+        proc = subprocess.Popen(["nvidia-smi", query, "--format=csv,noheader,nounits", f"-lms={interval_ms}"],
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    except OSError:
+        return None
+    try:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            out = fn(*args)
+            for _ in range(4):
+                out = fn(*args)
+            block(out)
+    finally:
+        proc.terminate()
+        text, _ = proc.communicate(timeout=10)
+    return parse_smi_samples(text)
+
+
 def measure_bf16_peak(sizes: tuple[int, ...] = (8192, 16384), repeats: int = 5) -> float:
     """Dense bf16 matmul throughput in FLOP/s (the compute roofline we quote): the best over square
     [n, n] x [n, n] products with bf16 output (f32 accumulation), each timed as a chain of dependent

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import os
 import sys
@@ -26,6 +27,8 @@ from pallas_kernels import int4_moe_mgpu as K
 from pallas_kernels.moe_routing import route_narrow
 
 E, D, F, TOPK = 384, 7168, 2048, 8
+# plan width's operand values: random weights and tokens; every q = 0 (the scales stay random); every token 1.0
+WIDTH_DATA = ("random", "zero_weights", "constant_tokens")
 
 
 def random_tiled(key, e, o, i, rows):
@@ -68,6 +71,10 @@ def main(argv=None):
     ap.add_argument("--width-probes", default="",
                     help="plan width: comma list of probes run at every N ('full': none; default: full at every N, "
                          "stream_only at 8 and 32)")
+    ap.add_argument("--width-data", default="random",
+                    help=f"plan width: comma list of operand values, of {WIDTH_DATA}")
+    ap.add_argument("--width-clocks", action="store_true",
+                    help="plan width: sample the SM clock and power (nvidia-smi) over ~0.5 s of calls of each kernel")
     ap.add_argument("--widths", default="8,16,24,32,40,48,64",
                     help="plan width: tokens per tile N, one tile per expert (all E streamed once, whatever N)")
     ap.add_argument("--chunk", type=int, default=32, help="activation chunk width (columns per wgmma) unless a plan sets it")
@@ -223,37 +230,49 @@ def width_sweep(args, weights, gemms, bw, records, save):
     GEMM streams all E experts once whatever N is, as the layer runs them (gate+up with the SiLU·up
     epilogue, down storing bf16 token rows; 128-column chunks, no chunk left in flight). What grows with N
     is the tensor work alone (and the token tiles' bytes, listed). "stream_only" rows run the copy
-    pipeline with an empty step."""
+    pipeline with an empty step. ``--width-data`` runs the same kernels on other operand values
+    (``WIDTH_DATA``), and ``--width-clocks`` samples the SM clock and power over ~0.5 s of back-to-back calls
+    of each (``bench_util.sustained_gpu_state``): whether the width's cost is the clock that random
+    operands allow (dynamic power) rather than any stage of the kernel."""
     te = jnp.arange(E, dtype=jnp.int32)
     table = []
-    for n in [int(v) for v in args.widths.split(",")]:
-        for name, (o, i) in gemms.items():
-            x = jax.random.normal(jax.random.key(n), (E * n, i), jnp.float32).astype(jnp.bfloat16)
-            xg = K.to_chunks(x, 128)
-            w, s = weights[name, "fragments"]
-            nbytes = E * (o * i // 2 + o * (i // K.GROUP) * 2)
-            kw = (dict(out_layout="tokens", epilogue="silu_mul") if name == "gate_up" else
-                  dict(out_layout="tokens", out_dtype=jnp.bfloat16))
-            probes = (args.width_probes.split(",") if args.width_probes else
-                      ("", "stream_only") if n in (8, 32) else ("",))
-            for probe in (p_.replace("full", "") for p_ in probes):
-                fn = functools.partial(K.grouped_int4_matmul, tokens_per_tile=n, mma_in_flight=0, probe=probe, **kw)
-                try:
-                    t = kernel_device_time(fn, (xg, w, s, te))
-                except Exception as exc:  # noqa: BLE001 - report and go on
-                    print(f"FAILED {name} N={n} {probe}: {exc!r:.300}", flush=True)
-                    continue
-                rec = dict(kind="width", gemm=name, n=n, probe=probe or "-", tiles=E, gb=nbytes / 1e9,
-                           x_gb=x.size * 2 / 1e9, ms=t * 1e3, floor_ms=nbytes / bw * 1e3,
-                           pct_copy=100 * nbytes / t / bw, tflops=2 * E * n * o * i / t / 1e12)
-                records.append(rec)
-                table.append(rec)
-                print(f"{name:8s} N={n:3d} {probe or '-':11s} {t * 1e3:8.3f} ms {rec['pct_copy']:5.1f} % "
-                      f"{rec['tflops']:6.1f} TFLOP/s", flush=True)
-                save(records)
+    zero_word = np.uint32(0x88888888).view(np.int32)  # eight nibbles of 8: q = 0 everywhere
+    cases = itertools.product([int(v) for v in args.widths.split(",")], args.width_data.split(","), gemms.items())
+    for n, data, (name, (o, i)) in cases:
+        if data not in WIDTH_DATA:
+            raise SystemExit(f"--width-data: {data!r} is not one of {WIDTH_DATA}")
+        x = jax.random.normal(jax.random.key(n), (E * n, i), jnp.float32).astype(jnp.bfloat16)
+        xg = K.to_chunks(jnp.ones_like(x) if data == "constant_tokens" else x, 128)
+        w, s = weights[name, "fragments"]
+        if data == "zero_weights":
+            w = jnp.full_like(w, zero_word)
+        nbytes = E * (o * i // 2 + o * (i // K.GROUP) * 2)
+        kw = (dict(out_layout="tokens", epilogue="silu_mul") if name == "gate_up" else
+              dict(out_layout="tokens", out_dtype=jnp.bfloat16))
+        probes = (args.width_probes.split(",") if args.width_probes else
+                  ("", "stream_only") if n in (8, 32) else ("",))
+        for probe in (p_.replace("full", "") for p_ in probes):
+            fn = functools.partial(K.grouped_int4_matmul, tokens_per_tile=n, mma_in_flight=0, probe=probe, **kw)
+            try:
+                t = kernel_device_time(fn, (xg, w, s, te))
+                state = bench_util.sustained_gpu_state(jax.jit(fn), (xg, w, s, te)) if args.width_clocks else None
+            except Exception as exc:  # noqa: BLE001 - report and go on
+                print(f"FAILED {name} N={n} {data} {probe}: {exc!r:.300}", flush=True)
+                continue
+            rec = dict(kind="width", gemm=name, n=n, data=data, probe=probe or "-", tiles=E, gb=nbytes / 1e9,
+                       x_gb=x.size * 2 / 1e9, ms=t * 1e3, floor_ms=nbytes / bw * 1e3,
+                       pct_copy=100 * nbytes / t / bw, tflops=2 * E * n * o * i / t / 1e12,
+                       **({"sm_mhz": state["sm_mhz"]["median"], "power_w": state["power_w"]["median"],
+                           "gpu_state": state} if state else {}))
+            records.append(rec)
+            table.append(rec)
+            print(f"{name:8s} N={n:3d} {data:15s} {probe or '-':11s} {t * 1e3:8.3f} ms {rec['pct_copy']:5.1f} % "
+                  f"{rec['tflops']:6.1f} TFLOP/s {rec.get('sm_mhz', '-')} MHz {rec.get('power_w', '-')} W", flush=True)
+            save(records)
     save(records)
     bench_util.print_table([{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items() if k != "kind"}
-                            for r in table], ["gemm", "n", "probe", "ms", "floor_ms", "pct_copy", "tflops"])
+                            for r in table],
+                           ["gemm", "n", "data", "probe", "ms", "floor_ms", "pct_copy", "tflops", "sm_mhz", "power_w"])
 
 
 if __name__ == "__main__":

@@ -109,3 +109,23 @@ def test_lease_packs_what_the_steps_left_into_one_archive(tmp_path):
         assert tar.extractfile("a.txt").read() == b"done\n"
     with pytest.raises(SystemExit):
         lease.main(["--out", str(out), "--pack", "../x.tar.gz", "--step", "a:5:true"])
+
+
+def test_nvidia_smi_samples_are_summarised_per_field():
+    text = "1980, 3201, 650.5, 61\n1755, 3201, 699.9, 63\nnot, a, sample, line\n1830, 3201, 690.0, 62\n\n"
+    got = bench_util.parse_smi_samples(text)
+    assert got["samples"] == 3
+    assert got["sm_mhz"] == dict(median=1830.0, min=1755.0, max=1980.0)
+    assert got["power_w"]["max"] == 699.9 and got["temp_c"]["median"] == 62.0
+    assert bench_util.parse_smi_samples("[N/A], [N/A], [N/A], [N/A]\n") is None
+    assert bench_util.parse_smi_samples("1980, 3201\n") is None  # too few fields: not a sample
+
+
+def test_sustained_gpu_state_without_nvidia_smi_is_none(monkeypatch):
+    def missing(*args, **kwargs):
+        raise FileNotFoundError("nvidia-smi")
+
+    monkeypatch.setattr(bench_util.subprocess, "Popen", missing)
+    calls = []
+    assert bench_util.sustained_gpu_state(lambda x: calls.append(1) or x + 1, (jnp.ones(2),), seconds=0.01) is None
+    assert calls  # the warm-up call ran before the sampler was asked for
