@@ -246,12 +246,13 @@ def measure_torch_copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 20) -> fl
     return bandwidth
 
 
-SMI_FIELDS = ("clocks.sm", "clocks.mem", "power.draw", "temperature.gpu")
+SMI_FIELDS = {"clocks.sm": "sm_mhz", "clocks.mem": "mem_mhz", "power.draw": "power_w", "temperature.gpu": "temp_c"}
 
 
 def parse_smi_samples(text: str) -> dict[str, Any] | None:
-    """nvidia-smi CSV lines (``SMI_FIELDS``, no header, no units) -> the samples' count, median and extremes of
-    each field (SM clock and memory clock in MHz, power in W, temperature in C); None if no line parses."""
+    """nvidia-smi CSV lines (the ``SMI_FIELDS`` queried, no header, no units) -> the samples' count, and the
+    median and extremes of each field under its ``SMI_FIELDS`` name (SM clock and memory clock in MHz, power
+    in W, temperature in C); None if no line parses."""
     rows = []
     for line in text.splitlines():
         parts = [p.strip() for p in line.split(",")]
@@ -263,7 +264,7 @@ def parse_smi_samples(text: str) -> dict[str, Any] | None:
     if not rows:
         return None
     out: dict[str, Any] = {"samples": len(rows)}
-    for j, name in enumerate(("sm_mhz", "mem_mhz", "power_w", "temp_c")):
+    for j, name in enumerate(SMI_FIELDS.values()):
         col = [r[j] for r in rows]
         out[name] = dict(median=statistics.median(col), min=min(col), max=max(col))
     return out
@@ -284,8 +285,7 @@ def sustained_gpu_state(fn: Callable, args: tuple, seconds: float = 0.5, interva
     try:
         end = time.perf_counter() + seconds
         while time.perf_counter() < end:
-            out = fn(*args)
-            for _ in range(4):
+            for _ in range(5):
                 out = fn(*args)
             block(out)
     finally:

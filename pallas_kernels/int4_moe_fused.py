@@ -48,8 +48,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.int4_moe_mgpu import (
-    SMEM_LIMIT, _concat, _load_words, _upcast_words, check_grouped_args, grouped_int4_matmul_ref, load_scales,
-    scale_rows, silu_mul,
+    SMEM_LIMIT, _concat, _fragment_operand, check_grouped_args, grouped_int4_matmul_ref, scale_rows, silu_mul,
     smem_bytes, tile_product)
 from pallas_kernels.int4_tiles import FRAG_ROWS, GROUP, PAIR_BLOCK, STEP, dequantize_expert
 
@@ -155,8 +154,7 @@ def fused_int4_moe(x_chunks, w13, s13, w2, s2, tile_expert, *, tokens_per_tile: 
                     groups = w_smem.reshape(2 * down_blocks, 512)
                     blocks = []
                     for i in range(down_blocks):
-                        parts = [scale_rows(_upcast_words(_load_words(groups.at[2 * i + g])), load_scales(s_smem.at[i, g]))
-                                 for g in range(2)]
+                        parts = [scale_rows(_fragment_operand(groups.at[2 * i + g]), s_smem.at[i, g]) for g in range(2)]
                         blocks.append(_concat(parts, axis=1))  # [128, 64]
                     a = _concat(blocks, axis=0)  # [512, 64]
 

@@ -265,16 +265,17 @@ def _upcast_words(words):
     return build(words)
 
 
-def load_scales(scale_ref):
-    """Inside a Mosaic GPU kernel: a group's bf16 row scales [R] (shared memory) -> registers, as ``scale_rows``
-    takes them."""
-    return plgpu.load(scale_ref, (), layout=plgpu.Layout.WGMMA.reduce(1))
+def _fragment_operand(words_ref, load: bool = True, vec_size: int = 2):
+    """One 32-column group of a fragment-ordered slab in shared memory -> its unscaled bf16 [128, 32] wgmma
+    A operand: ``_upcast_words`` of ``_load_words`` (whose probe options these are)."""
+    return _upcast_words(_load_words(words_ref, load, vec_size))
 
 
-def scale_rows(wg, scales):
+def scale_rows(wg, scale_ref):
     """Inside a Mosaic GPU kernel: a dequantised group wg [R, 32] (layout WGMMA) times its rows' bf16 scales
-    (``load_scales``)."""
-    return wg * lax.broadcast_in_dim(scales, wg.shape, [0])
+    (scale_ref: [R] in shared memory)."""
+    sg = plgpu.load(scale_ref, (), layout=plgpu.Layout.WGMMA.reduce(1))
+    return wg * lax.broadcast_in_dim(sg, wg.shape, [0])
 
 
 def tile_product(x_ref, w_ref, s_ref, *, n_rows: int, row0, first_step, steps: int, chunk: int, stages: int,
@@ -298,14 +299,14 @@ def tile_product(x_ref, w_ref, s_ref, *, n_rows: int, row0, first_step, steps: i
 
             def group_operand(g):  # scale group g of the step: bf16 [R, 32], layout WGMMA
                 if fragments:
-                    wg = _upcast_words(_load_words(w_groups.at[g], load=probe != "no_weight_load",
-                                                   vec_size=4 if probe == "wide_load" else 2))
+                    wg = _fragment_operand(w_groups.at[g], load=probe != "no_weight_load",
+                                           vec_size=4 if probe == "wide_load" else 2)
                 else:
                     wq = plgpu.load(w_groups.at[g], (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
                     wg = plgpu.layout_cast(wq, plgpu.Layout.WGMMA).astype(jnp.bfloat16)
                 if probe == "no_scale":
                     return wg
-                return scale_rows(wg, load_scales(s_smem.at[0 if probe == "one_scale_load" else g]))
+                return scale_rows(wg, s_smem.at[0 if probe == "one_scale_load" else g])
 
             total = None
             for c in range(cps):  # one wgmma per chunk of gpc scale groups
