@@ -129,3 +129,23 @@ def test_sustained_gpu_state_without_nvidia_smi_is_none(monkeypatch):
     calls = []
     assert bench_util.sustained_gpu_state(lambda x: calls.append(1) or x + 1, (jnp.ones(2),), seconds=0.01) is None
     assert calls  # the warm-up call ran before the sampler was asked for
+
+
+def test_parse_ncu_csv_details_and_raw():
+    from experiments.ncu_kernels import parse_ncu_csv
+
+    details = ('==PROF== Connected to process 1\ncase 0: moe\n'
+               '"ID","Kernel Name","Section Name","Metric Name","Metric Unit","Metric Value"\n'
+               '"0","body_mosaic_gpu_kernel","SOL","Duration","nsecond","1,532,000"\n'
+               '"0","body_mosaic_gpu_kernel","SOL","DRAM Throughput","%","91.5"\n'
+               '"1","body_mosaic_gpu_kernel","SOL","Duration","nsecond","870"\n')
+    recs = parse_ncu_csv(details)
+    assert [r["id"] for r in recs] == [0, 1]
+    assert recs[0]["Duration"] == 1532000.0 and recs[0]["DRAM Throughput"] == 91.5 and recs[1]["Duration"] == 870.0
+    raw = ('"ID","Kernel Name","gpu__time_duration.sum","launch__grid_size"\n'
+           '"","","nsecond",""\n'
+           '"0","k","1,000","132"\n"1","k","2,000","264"\n')
+    recs = parse_ncu_csv(raw)
+    assert [(r["gpu__time_duration.sum"], r["launch__grid_size"]) for r in recs] == [(1000.0, 132.0), (2000.0, 264.0)]
+    with pytest.raises(ValueError, match="no ncu CSV header"):
+        parse_ncu_csv("==ERR== nothing profiled\n")

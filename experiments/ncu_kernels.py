@@ -1,0 +1,148 @@
+"""One launch of each Mosaic GPU kernel case, for Nsight Compute's hardware counters (the H200 lease runs
+on Firecracker, where ``ncu`` reads them; on gVisor it cannot).
+
+Each case is one jitted call that launches exactly the Mosaic GPU kernels it names, in the order printed;
+everything else it launches (input generation, routing glue, the split merge) is XLA or Pallas-Triton and
+``-k regex:mosaic_gpu`` leaves it out. Cases:
+
+* ``moe_*``: the grouped INT4 GEMM of ``probe_moe_mgpu --plan width`` (one tile of N tokens per expert,
+  gate+up with the SiLU·up epilogue) over ``--moe-experts`` experts, full and with a stage probed away,
+  on random weights and on weights that are all q = 0.
+* ``layer_m1``: the routed experts of one layer at one token (gate+up, then down: two kernels).
+* ``att_*``: the MLA attention kernel at the memory-bound decode points of issue #6.
+
+    ncu --clock-control none -k regex:mosaic_gpu --csv --page details --log-file $OUT/ncu.csv \\
+        --section SpeedOfLight --section WarpStateStats ... python experiments/ncu_kernels.py
+
+Without ncu it runs the same calls once each (a smoke test on a GPU). ``parse_ncu_csv`` turns the log
+into one record per launch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import functools
+import io
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+D, F, TOPK = 7168, 2048, 8
+ZERO_WORD = int(np.uint32(0x88888888).view(np.int32))  # eight nibbles of 8: q = 0
+MOE_CASES = (  # (tokens per tile N, probe, operand values)
+    (8, "", "random"), (16, "", "random"), (32, "", "random"), (32, "", "zero_weights"),
+    (16, "stream_only", "random"), (16, "no_weight_load", "random"), (32, "no_weight_load", "random"))
+ATT_CASES = ((1, 8, 16, 8192), (1, 8, 1, 65536), (8, 8, 1, 65536))  # (T, H, B, prefix)
+
+
+def moe_cases(n_experts: int):
+    """(name, thunk) per ``MOE_CASES`` entry: the gate+up GEMM over n_experts tiles."""
+    from experiments.probe_moe_mgpu import random_fragments
+    from pallas_kernels import int4_moe_mgpu as K
+
+    w, s = random_fragments(jax.random.key(0), n_experts, 2 * F, D)
+    te = jnp.arange(n_experts, dtype=jnp.int32)
+    cases = []
+    for n, probe, data in MOE_CASES:
+        x = jax.random.normal(jax.random.key(n), (n_experts * n, D), jnp.float32).astype(jnp.bfloat16)
+        xg = K.to_chunks(x, 128)
+        wd = jnp.full_like(w, ZERO_WORD) if data == "zero_weights" else w
+        fn = jax.jit(functools.partial(K.grouped_int4_matmul, tokens_per_tile=n, mma_in_flight=0, probe=probe,
+                                       out_layout="tokens", epilogue="silu_mul"))
+        cases.append((f"moe_gate_up_n{n}_{probe or 'full'}_{data}", functools.partial(fn, xg, wd, s, te)))
+    return cases
+
+
+def layer_m1_case(n_experts: int):
+    """The routed experts of one layer at M = 1 over n_experts random experts (8 of them busy)."""
+    from experiments.bench_moe import random_weights, routing
+    from pallas_kernels.int4_moe_mgpu import routed_experts_tiled
+    from pallas_kernels.int4_tiles import TiledInt4
+
+    ct = random_weights(jax.random.key(1), e=n_experts).to_compressed_tensors()
+    w13 = TiledInt4.from_compressed_tensors(ct[0], ct[1], pair_gate_up=True)
+    w2 = TiledInt4.from_compressed_tensors(ct[2], ct[3])
+    ids, wts = routing(1, "uniform", seed=1, e=n_experts)
+    x = jax.random.normal(jax.random.key(2), (1, D), jnp.float32).astype(jnp.bfloat16)
+    fn = jax.jit(functools.partial(routed_experts_tiled, use_kernel=True))
+    return [("layer_m1_gate_up+down", functools.partial(fn, x, ids, wts, w13, w2))]
+
+
+def attention_cases():
+    from experiments.bench_tree_attention import C, L, SCALE, make_inputs
+    from pallas_kernels.mla_attention_mgpu import tree_attention_mgpu
+
+    cases = []
+    for t, h, b, p in ATT_CASES:
+        q, caches, plen, tkv, mask = make_inputs(jax.random.key(t * 7 + b), h, b, t, p, 1)
+        fn = jax.jit(functools.partial(tree_attention_mgpu, scale=SCALE, kv_lora_rank=L))
+        cases.append((f"att_t{t}_h{h}_b{b}_p{p}", functools.partial(fn, q, caches[0], plen, tkv, mask)))
+    del C
+    return cases
+
+
+def parse_ncu_csv(text: str) -> list[dict]:
+    """An ncu CSV log -> one dict per launch: {"id", "kernel", metric name: value (float where numeric)}.
+    Takes ``--page details`` (one row per metric: "Metric Name", "Metric Value") or ``--page raw`` (one
+    row per launch, a column per metric, a row of units under the header). Lines before the CSV header
+    (ncu's messages, the program's output) are skipped."""
+    lines = text.splitlines()
+    start = next((i for i, ln in enumerate(lines) if ln.startswith('"ID"')), None)
+    if start is None:
+        raise ValueError('no ncu CSV header (a line starting with "ID") in the log')
+    rows = list(csv.DictReader(io.StringIO("\n".join(ln for ln in lines[start:] if ln.startswith('"')))))
+
+    def number(value: str):
+        try:
+            return float(value.replace(",", ""))
+        except ValueError:
+            return value
+
+    launches: dict[str, dict] = {}
+    details = rows and "Metric Name" in rows[0]
+    for row in rows:
+        if not row["ID"].strip().isdigit():  # raw page: the units row
+            continue
+        rec = launches.setdefault(row["ID"], {"id": int(row["ID"]), "kernel": row.get("Kernel Name", "")})
+        if details:
+            rec[row["Metric Name"]] = number(row.get("Metric Value", ""))
+        else:
+            rec.update({k: number(v) for k, v in row.items() if k not in ("ID", "Kernel Name")})
+    return sorted(launches.values(), key=lambda r: r["id"])
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--what", default="moe,layer_m1,attention")
+    ap.add_argument("--moe-experts", type=int, default=128,
+                    help="experts (tiles) in the moe_* cases: fewer than 384 keeps ncu's memory save/restore small")
+    ap.add_argument("--out", default=None, help="writes ncu_cases.json (the case order) here")
+    args = ap.parse_args(argv)
+    what = set(args.what.split(","))
+    unknown = what - {"moe", "layer_m1", "attention"}
+    if unknown:
+        raise SystemExit(f"--what: unknown {sorted(unknown)}")
+    cases = []
+    if "moe" in what:
+        cases += moe_cases(args.moe_experts)
+    if "layer_m1" in what:
+        cases += layer_m1_case(64)
+    if "attention" in what:
+        cases += attention_cases()
+    order = []
+    for name, thunk in cases:
+        jax.block_until_ready(thunk())
+        order.append(name)
+        print(f"case {len(order) - 1}: {name}", flush=True)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "ncu_cases.json"), "w") as fh:
+            json.dump(dict(jax=jax.__version__, devices=[str(d) for d in jax.devices()], cases=order), fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
