@@ -75,9 +75,6 @@ def main(argv=None):
                     help=f"plan width: comma list of operand values, of {WIDTH_DATA}")
     ap.add_argument("--width-clocks", action="store_true",
                     help="plan width: sample the SM clock and power (nvidia-smi) over ~0.5 s of calls of each kernel")
-    ap.add_argument("--step-cols", default="256",
-                    help="plan width: comma list of the kernel's columns per pipeline step (256, or 128: half the "
-                         "shared memory per stage)")
     ap.add_argument("--widths", default="8,16,24,32,40,48,64",
                     help="plan width: tokens per tile N, one tile per expert (all E streamed once, whatever N)")
     ap.add_argument("--chunk", type=int, default=32, help="activation chunk width (columns per wgmma) unless a plan sets it")
@@ -240,9 +237,8 @@ def width_sweep(args, weights, gemms, bw, records, save):
     te = jnp.arange(E, dtype=jnp.int32)
     table = []
     zero_word = np.uint32(0x88888888).view(np.int32)  # eight nibbles of 8: q = 0 everywhere
-    cases = itertools.product([int(v) for v in args.widths.split(",")], args.width_data.split(","),
-                              [int(v) for v in args.step_cols.split(",")], gemms.items())
-    for n, data, step_cols, (name, (o, i)) in cases:
+    cases = itertools.product([int(v) for v in args.widths.split(",")], args.width_data.split(","), gemms.items())
+    for n, data, (name, (o, i)) in cases:
         if data not in WIDTH_DATA:
             raise SystemExit(f"--width-data: {data!r} is not one of {WIDTH_DATA}")
         x = jax.random.normal(jax.random.key(n), (E * n, i), jnp.float32).astype(jnp.bfloat16)
@@ -256,29 +252,27 @@ def width_sweep(args, weights, gemms, bw, records, save):
         probes = (args.width_probes.split(",") if args.width_probes else
                   ("", "stream_only") if n in (8, 32) else ("",))
         for probe in (p_.replace("full", "") for p_ in probes):
-            fn = functools.partial(K.grouped_int4_matmul, tokens_per_tile=n, mma_in_flight=0, probe=probe,
-                                   step_cols=step_cols, **kw)
+            fn = functools.partial(K.grouped_int4_matmul, tokens_per_tile=n, mma_in_flight=0, probe=probe, **kw)
             try:
                 t = kernel_device_time(fn, (xg, w, s, te))
                 state = bench_util.sustained_gpu_state(jax.jit(fn), (xg, w, s, te)) if args.width_clocks else None
             except Exception as exc:  # noqa: BLE001 - report and go on
                 print(f"FAILED {name} N={n} {data} {probe}: {exc!r:.300}", flush=True)
                 continue
-            rec = dict(kind="width", gemm=name, n=n, data=data, probe=probe or "-", step_cols=step_cols, tiles=E,
-                       gb=nbytes / 1e9,
+            rec = dict(kind="width", gemm=name, n=n, data=data, probe=probe or "-", tiles=E, gb=nbytes / 1e9,
                        x_gb=x.size * 2 / 1e9, ms=t * 1e3, floor_ms=nbytes / bw * 1e3,
                        pct_copy=100 * nbytes / t / bw, tflops=2 * E * n * o * i / t / 1e12,
                        **({"sm_mhz": state["sm_mhz"]["median"], "power_w": state["power_w"]["median"],
                            "gpu_state": state} if state else {}))
             records.append(rec)
             table.append(rec)
-            print(f"{name:8s} N={n:3d} {data:15s} {probe or '-':11s} s{step_cols} {t * 1e3:8.3f} ms {rec['pct_copy']:5.1f} % "
+            print(f"{name:8s} N={n:3d} {data:15s} {probe or '-':11s} {t * 1e3:8.3f} ms {rec['pct_copy']:5.1f} % "
                   f"{rec['tflops']:6.1f} TFLOP/s {rec.get('sm_mhz', '-')} MHz {rec.get('power_w', '-')} W", flush=True)
             save(records)
     save(records)
     bench_util.print_table([{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items() if k != "kind"}
                             for r in table],
-                           ["gemm", "n", "data", "probe", "step_cols", "ms", "floor_ms", "pct_copy", "tflops", "sm_mhz", "power_w"])
+                           ["gemm", "n", "data", "probe", "ms", "floor_ms", "pct_copy", "tflops", "sm_mhz", "power_w"])
 
 
 if __name__ == "__main__":

@@ -59,11 +59,10 @@ except ImportError:  # pragma: no cover
 SMEM_LIMIT = 227 * 1024  # per block on sm_90
 
 
-def smem_bytes(rows: int, n: int, stages: int, step_cols: int = STEP) -> int:
-    """Shared memory of one program: ``stages`` x (weight slab + scales + token tile of ``step_cols``
-    columns) while the pipeline runs, then the f32 output tile in the same bytes (a later scope), so the
-    larger of the two."""
-    return max(stages * (rows * step_cols // 2 + (step_cols // GROUP) * rows * 2 + step_cols * n * 2), rows * n * 4)
+def smem_bytes(rows: int, n: int, stages: int) -> int:
+    """Shared memory of one program: ``stages`` x (weight slab + scales + token tile) while the pipeline runs,
+    then the f32 output tile in the same bytes (a later scope), so the larger of the two."""
+    return max(stages * (rows * STEP // 2 + (STEP // GROUP) * rows * 2 + STEP * n * 2), rows * n * 4)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -73,20 +72,10 @@ CHUNKS = (32, 64, 128)  # activation chunk widths C: scale groups per wgmma = C 
 RAGGED_MAX_TILE = 64  # widest N with ragged tiles: the kernel compiles one branch per width 8, 16, ..., N
 
 
-def _check_mma_in_flight(mma_in_flight, chunk: int, step_cols: int = STEP) -> None:
-    if mma_in_flight is not None and (not isinstance(mma_in_flight, int) or not 0 <= mma_in_flight < step_cols // chunk):
-        raise ValueError(f"mma_in_flight must be None or an int in [0, {step_cols // chunk}) (chunks of {chunk} "
-                         f"columns per step of {step_cols}), got {mma_in_flight!r}")
-
-
-STEP_COLS = (128, STEP)  # pipeline step widths: a whole 256-column slab, or (fragments order) half of one
-
-
-def _check_step_cols(step_cols: int, chunk: int, fragments: bool) -> None:
-    if step_cols not in STEP_COLS or step_cols % chunk:
-        raise ValueError(f"step_cols={step_cols} must be one of {STEP_COLS} and a multiple of the chunk width {chunk}")
-    if step_cols != STEP and not fragments:
-        raise ValueError(f"step_cols={step_cols} needs weights in the fragments order (groups order steps {STEP})")
+def _check_mma_in_flight(mma_in_flight, chunk: int) -> None:
+    if mma_in_flight is not None and (not isinstance(mma_in_flight, int) or not 0 <= mma_in_flight < STEP // chunk):
+        raise ValueError(f"mma_in_flight must be None or an int in [0, {STEP // chunk}) (chunks of {chunk} columns "
+                         f"per step), got {mma_in_flight!r}")
 
 
 def check_grouped_args(x_chunks, w, s, tile_expert, n: int, tile_rows=None) -> tuple[bool, int, int]:
@@ -290,17 +279,17 @@ def scale_rows(wg, scale_ref):
 
 
 def tile_product(x_ref, w_ref, s_ref, *, n_rows: int, row0, first_step, steps: int, chunk: int, stages: int,
-                 mma_in_flight: int | None = None, overlap: bool = False, probe: str = "", step_cols: int = STEP):
+                 mma_in_flight: int | None = None, overlap: bool = False, probe: str = ""):
     """Inside a Mosaic GPU kernel: one expert row block times one token tile, [R, n_rows] f32 (layout WGMMA).
 
     x_ref: the chunk-major activations in global memory [I/C, P, C]; w_ref / s_ref: the expert's row block
     of a tiled stack ([KR, 128] words in fragments order or [KR, S] int4 in groups order; scales [I/G, R]);
     the tile's rows are [row0, row0 + n_rows) of P and the pipeline runs ``steps`` steps of
-    ``step_cols`` columns from ``first_step``. The options are ``grouped_int4_matmul``'s."""
+    S columns from ``first_step``. The options are ``grouped_int4_matmul``'s."""
     fragments = w_ref.dtype == jnp.int32
     rows = s_ref.shape[-1]
-    slab = (step_cols // 8, 128) if fragments else (rows, STEP)  # fragments: 4 rows of 128 words per group
-    gps, gpc, cps = step_cols // GROUP, chunk // GROUP, step_cols // chunk  # groups per step, per chunk; chunks per step
+    slab = (32, 128) if fragments else (rows, STEP)
+    gps, gpc, cps = STEP // GROUP, chunk // GROUP, STEP // chunk  # scale groups per step, per chunk; chunks per step
 
     def acc_scope(acc_ref):
         def step_body(_, w_smem, s_smem, x_smem):
@@ -352,8 +341,7 @@ def tile_product(x_ref, w_ref, s_ref, *, n_rows: int, row0, first_step, steps: i
 def grouped_int4_matmul(x_chunks, w, s, tile_expert, tile_rows=None, *, tokens_per_tile: int,
                         out_layout: str = "rows", epilogue: str = "none", out_dtype=jnp.float32, stages: int = 2,
                         split: int = 1, mma_in_flight: int | None = None, overlap: bool = False,
-                        auto_barriers: bool = True, dependent_launch: bool = False, probe: str = "",
-                        step_cols: int = STEP):
+                        auto_barriers: bool = True, dependent_launch: bool = False, probe: str = ""):
     """Pallas Mosaic GPU kernel (H100/H200). Same contract as ``grouped_int4_matmul_ref``, except that the
     output columns (rows) of skipped tiles are left unwritten (garbage: the MoE layer reads only the rows
     of real pairs), and with
@@ -381,9 +369,6 @@ def grouped_int4_matmul(x_chunks, w, s, tile_expert, tile_rows=None, *, tokens_p
     flight (their A operands are registers, held until the wgmma completes), so that fewer dequantised
     groups are live at once: fewer registers per thread, more programs per SM. None: wait once, at the end
     of the step (the whole step's operands live).
-    ``step_cols``: columns per pipeline step (``STEP_COLS``): 128 (fragments order) halves each stage's
-    shared memory, so that more programs share an SM where shared memory is what limits them (N = 32 at
-    256 columns: 70 KB, three programs per SM; at 128: 35 KB).
     ``overlap``: keep one step's wgmmas in flight while the next step is dequantised (the token tile
     is released a step late); otherwise each step waits for its own wgmmas. ``auto_barriers=False`` drops
     Mosaic GPU's warpgroup barriers before a pipeline slot is refilled (``unsafe_no_auto_barriers``); safe
@@ -417,18 +402,17 @@ def grouped_int4_matmul(x_chunks, w, s, tile_expert, tile_rows=None, *, tokens_p
     fused = epilogue == "silu_mul"
     if x_chunks.dtype != jnp.bfloat16:
         raise ValueError(f"the kernel takes bf16 activations, got {x_chunks.dtype}")
-    _check_mma_in_flight(mma_in_flight, chunk, step_cols)
-    _check_step_cols(step_cols, chunk, fragments)
+    _check_mma_in_flight(mma_in_flight, chunk)
     if overlap and not auto_barriers:
         raise ValueError("overlap=True needs auto_barriers: the next copy into a slot must wait for every warp's reads")
     p = x_chunks.shape[1]
     e_n, nb, kr, step = w.shape
     rows = s.shape[-1]
-    ksteps = in_dim // step_cols
+    ksteps = in_dim // STEP
     if ksteps % split:
         raise ValueError(f"split={split} must divide the {ksteps} pipeline steps")
     kps = ksteps // split
-    smem = smem_bytes(rows, n, stages, step_cols)
+    smem = smem_bytes(rows, n, stages)
     if smem > SMEM_LIMIT:
         raise ValueError(f"tiles of {n} tokens, rows={rows}, stages={stages} need {smem} bytes of shared memory "
                          f"(limit {SMEM_LIMIT}): fewer tokens per tile or stages")
@@ -447,7 +431,7 @@ def grouped_int4_matmul(x_chunks, w, s, tile_expert, tile_rows=None, *, tokens_p
         def program(n_rows, row0):  # one tile: n_rows tokens, rows [row0, row0 + n_rows)
             acc = tile_product(x_ref, w_ref.at[e, b], s_ref.at[e, b], n_rows=n_rows, row0=row0,
                                first_step=sp * kps, steps=kps, chunk=chunk, stages=stages,
-                               mma_in_flight=mma_in_flight, overlap=overlap, probe=probe, step_cols=step_cols)
+                               mma_in_flight=mma_in_flight, overlap=overlap, probe=probe)
 
             def store(o_smem):  # a scope after the pipeline's: the output tile reuses its shared memory
                 if fused:  # rows [0, 64) are gate, [64, 128) up of the same f: the same registers of each thread
@@ -617,22 +601,19 @@ def tile_layout(m: int, k: int, e: int, widths: str | None = None, tile: int | N
 
 
 def check_kernel_config(w13: TiledInt4, w2: TiledInt4, n: int, stages: int, split13: int, split2: int,
-                        ragged: bool = False, chunk: int = 128, step_cols: int = STEP) -> None:
-    """Raises ValueError for a tile size, pipeline depth, step width or split-K (one per GEMM) the kernel
-    cannot run on these stacks (checked on every platform, so the CPU twin refuses what the GPU kernel
-    would)."""
+                        ragged: bool = False) -> None:
+    """Raises ValueError for a tile size, pipeline depth or split-K (one per GEMM) the kernel cannot run
+    on these stacks (checked on every platform, so the CPU twin refuses what the GPU kernel would)."""
     widest = RAGGED_MAX_TILE if ragged else 256
     if n % 8 or not 8 <= n <= widest:
         raise ValueError(f"tile={n} must be a multiple of 8 in [8, {widest}]"
                          + (" with ragged tiles" if ragged else ""))
     for leaf, split in ((w13, split13), (w2, split2)):
-        _check_step_cols(step_cols, chunk, leaf.order == "fragments")
-        smem = smem_bytes(leaf.rows, n, stages, step_cols)
-        if smem > SMEM_LIMIT:
-            raise ValueError(f"tile={n}, stages={stages} need {smem} bytes of shared memory at {leaf.rows} rows "
-                             f"(limit {SMEM_LIMIT})")
-        if (leaf.shape[2] // step_cols) % split:
-            raise ValueError(f"split={split} must divide the {leaf.shape[2] // step_cols} pipeline steps of a "
+        if smem_bytes(leaf.rows, n, stages) > SMEM_LIMIT:
+            raise ValueError(f"tile={n}, stages={stages} need {smem_bytes(leaf.rows, n, stages)} bytes of shared "
+                             f"memory at {leaf.rows} rows (limit {SMEM_LIMIT})")
+        if (leaf.shape[2] // STEP) % split:
+            raise ValueError(f"split={split} must divide the {leaf.shape[2] // STEP} pipeline steps of a "
                              f"[{leaf.shape[1]}, {leaf.shape[2]}] stack")
 
 
@@ -641,8 +622,7 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
                          tile: int | None = None, stages: int = 2, split: int | None = None,
                          mma_in_flight: int | None | str = "auto", chunk: int = 128, widths: str | None = None,
                          routing: str = "auto", gather: str = "words", expert_shards: int = 1,
-                         dependent_launch: bool = False, launch: str = "two", down_blocks: int = 4,
-                         step_cols: int = STEP):
+                         dependent_launch: bool = False, launch: str = "two", down_blocks: int = 4):
     """Routed experts of one MoE layer on tiled INT4 stacks: the Mosaic GPU kernel (``use_kernel``) or its
     twin, around the same XLA routing and combine.
 
@@ -670,8 +650,8 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
     "per_pair" for one token (M = 1), else ``moe_routing``'s choice. gather: ``gather_token_chunks``'.
     expert_shards: how many devices share the experts under expert parallelism (this call holds one
     share); ``default_split``'s and ``default_widths``' estimates of the local pairs use it.
-    dependent_launch, step_cols: both GEMMs' ``grouped_int4_matmul`` options (the twin ignores them;
-    step_cols is checked everywhere). launch: "two" (the gate+up GEMM, then the down GEMM) or "one" (``int4_moe_fused``: one launch
+    dependent_launch: both GEMMs' ``grouped_int4_matmul(dependent_launch=)`` (a probe; the twin ignores
+    it). launch: "two" (the gate+up GEMM, then the down GEMM) or "one" (``int4_moe_fused``: one launch
     whose programs each run gate+up for 64 f and that block's share of the down GEMM; XLA sums the
     shares; per-pair tiles and a paired gate/up stack only; ``down_blocks``: its 128-row blocks of W2 per
     pipeline step; on the H200 at M = 1 it took 71.9 us against 71.2 for two launches: see that module).
@@ -692,8 +672,6 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
         raise ValueError("launch='one' needs per-pair tiles (routing='per_pair', or 'auto' at M = 1) and a w13 "
                          f"paired in {PAIR_BLOCK}-row blocks; got routing={routing!r} at M = {m}, gate_up_block="
                          f"{w13.gate_up_block}")
-    if launch == "one" and step_cols != STEP:
-        raise ValueError(f"step_cols={step_cols} is an option of the two-launch kernels (launch='two')")
     if widths not in (None,) + TILE_WIDTHS:
         raise ValueError(f"widths must be None or one of {TILE_WIDTHS}, got {widths!r}")
     if per_pair and widths not in (None, "one"):
@@ -704,13 +682,12 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
     widths, n = tile_layout(m, k, e_n, widths, tile, per_pair, expert_shards)
     split13, split2 = (split, split) if split else (default_split(m, k, e_n, w13, shards=expert_shards),
                                                     default_split(m, k, e_n, w2, shards=expert_shards))
+    check_kernel_config(w13, w2, n, stages, split13, split2, ragged=widths == "ragged")  # every platform: one contract
     if chunk not in CHUNKS or d % chunk or f % chunk:
         raise ValueError(f"chunk={chunk} must be one of {CHUNKS} dividing D={d} and F={f}")
-    check_kernel_config(w13, w2, n, stages, split13, split2, ragged=widths == "ragged", chunk=chunk,
-                        step_cols=step_cols)  # every platform: one contract
     if mma_in_flight == "auto":
         mma_in_flight = default_mma_in_flight(m, k, chunk)
-    _check_mma_in_flight(mma_in_flight, chunk, step_cols)
+    _check_mma_in_flight(mma_in_flight, chunk)
     tile_rows = None
     if per_pair:
         row_token, tile_expert, pair_row = route_per_pair(expert_ids - expert_offset, e_n, n)
@@ -731,8 +708,7 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
     if use_kernel:
         mm = lambda *a, split, epilogue="none", out_dtype=jnp.float32: grouped_int4_matmul(  # noqa: E731
             *a, tokens_per_tile=n, out_layout="tokens", epilogue=epilogue, stages=stages,
-            split=split, mma_in_flight=mma_in_flight, out_dtype=out_dtype, dependent_launch=dependent_launch,
-            step_cols=step_cols)
+            split=split, mma_in_flight=mma_in_flight, out_dtype=out_dtype, dependent_launch=dependent_launch)
     else:
         mm = lambda *a, split, epilogue="none", out_dtype=jnp.float32: grouped_int4_matmul_ref(  # noqa: E731
             *a, tokens_per_tile=n, out_layout="tokens", epilogue=epilogue,
