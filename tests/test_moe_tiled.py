@@ -478,7 +478,9 @@ def test_fragment_kernel_lowers_and_twin_agrees():
     b = K.grouped_int4_matmul_ref(xg, grp.packed, grp.scale, te, tokens_per_tile=8)
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     fn = functools.partial(K.grouped_int4_matmul, tokens_per_tile=8)
-    assert MGPU_CALL in jax.jit(fn).trace(xg, frag.packed, frag.scale, te).lower(lowering_platforms=("cuda",)).as_text()
+    text = jax.jit(fn).trace(xg, frag.packed, frag.scale, te).lower(lowering_platforms=("cuda",)).as_text()
+    assert MGPU_CALL in text
+    assert "lop3.b32 $0, $1, $2, $3, 0xEA;" in text  # the mask-and-or as one LOP3 (K._mask_or)
     with pytest.raises(ValueError, match="O % 128"):
         small = random_stack(rng, 2, 192, 256)
         TiledInt4.from_compressed_tensors(small.packed, small.scale, order="fragments")
