@@ -4,11 +4,11 @@
 GPU rows only the default configuration is drawn where a file has it: "mgpu[]", or the configurations named
 by --kernel-impls (e.g. a run that timed today's default under an explicit name).
 
-The plot in experiments/results (session 13; session 9's default faint)::
+The plot in experiments/results (session 15; session 13's default faint)::
 
-    python3 experiments/plot_moe.py experiments/results/bench_moe_s13_defaults.json \\
-        experiments/results/bench_moe_s9_routing.json experiments/results/bench_moe_h200.json \\
-        --merge experiments/results/bench_moe_s13_defaults_skewed.json -o experiments/results/bench_moe_h200.png
+    python3 experiments/plot_moe.py experiments/results/bench_moe_s15_lop3.json \\
+        experiments/results/bench_moe_s13_defaults.json experiments/results/bench_moe_h200.json \\
+        -o experiments/results/bench_moe_h200.png
 """
 import argparse
 import json
@@ -48,15 +48,17 @@ def main():
         floor = {r["M"]: r["GB"] * 1e9 / bw * 1e3 for r in rr}
         ax.plot(ms_m, [floor[m] for m in ms_m], "k--", label=f"floor: weight bytes / copy BW ({bw / 1e12:.2f} TB/s)")
         ax.plot(ms_m, [floor[m] / 0.85 for m in ms_m], "k:", label="goal: 85 % of copy BW")
+        series = 0  # one colour per (file, implementation) in both panels, whatever rows a panel lacks
         for path, faint in [(args.main, False)] + [(x, True) for x in args.extra]:
             e = d if path == args.main else json.load(open(path))
             stem = path.rsplit("/", 1)[-1].removesuffix(".json")
             for impl, style, lab in IMPLS:
+                color, series = f"C{series % 10}", series + 1
                 table = [r for r in e["rows"] if r.get("phase", "table") == "table" and r["routing"] == kind]
                 chosen = [r for r in table if r["impl"] in kernel_impls] if impl == "mgpu" else []
                 pts = sorted((r["M"], r["ms"]) for r in chosen or [r for r in table if r["impl"].startswith(impl)])
                 if pts:
-                    ax.plot(*zip(*pts), style, alpha=0.45 if faint else 1.0, label=f"{lab} ({stem})")
+                    ax.plot(*zip(*pts), style, color=color, alpha=0.45 if faint else 1.0, label=f"{lab} ({stem})")
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("tokens M")
