@@ -584,14 +584,28 @@ def default_split(m: int, k: int, e: int, leaf: TiledInt4, num_sms: int = NUM_SM
     return 2 if busy < num_sms and steps % 2 == 0 else 1
 
 
-def default_mma_in_flight(m: int, k: int, chunk: int) -> int | None:
-    """wgmma chunks left in flight after each chunk (``grouped_int4_matmul(mma_in_flight=)``): None (one
-    wait per step) below 64 routed pairs (M <= 7 at top-8), else two scale groups' worth (64 // chunk). On
-    the H200 with 32-column chunks (experiments/results/probe_moe_mgpu_inflight_h200.json; ptxas: 162 -> 82
-    registers at N=8 with 2 in flight, 186 -> 90 at N=32 with 1): at M=1 a wait per group cost 2-5 %; from
-    M=9 on, 2 in flight gained 0-3 % at N=8 and 5-15 % at N=16 and 32. With 128-column chunks, 0 in flight
-    was the best of None / 0 / 1 at every M >= 9 (probe_moe_mgpu_chunks_h200.json)."""
-    return None if m * k < 64 else 64 // chunk
+RESIDENT_ALL_IN_FLIGHT = 3  # programs per SM with every chunk in flight (162-165 registers x 128 threads)
+
+
+def default_mma_in_flight(m: int, k: int, chunk: int, leaf: TiledInt4 | None = None, e: int | None = None,
+                          split: int = 1, num_sms: int = NUM_SMS_H200, shards: int = 1) -> int | None:
+    """wgmma chunks left in flight after each chunk (``grouped_int4_matmul(mma_in_flight=)``) for one GEMM of
+    the layer: None (one wait per step) below 64 routed pairs (M <= 7 at top-8) where the GEMM's busy
+    programs (as ``default_split`` counts them, times ``split``; all of them when ``leaf`` is not given) fit
+    in one wave at ``RESIDENT_ALL_IN_FLIGHT`` programs per SM; else two scale groups' worth (64 // chunk).
+    On the H200 with 32-column chunks (experiments/results/probe_moe_mgpu_inflight_h200.json; ptxas: 162 ->
+    82 registers at N=8 with 2 in flight, 186 -> 90 at N=32 with 1): at M=1 a wait per group cost 2-5 %;
+    from M=9 on, 2 in flight gained 0-3 % at N=8 and 5-15 % at N=16 and 32. With 128-column chunks, 0 in
+    flight was the best of None / 0 / 1 at every M >= 9 (probe_moe_mgpu_chunks_h200.json). At M = 1 since
+    the one-LOP3 dequant (experiments/results/bench_moe_s15_m1.json): 0 in flight took the down GEMM's 448
+    programs from 26.1 to 22.1 us (four programs per SM instead of three: one wave instead of 1.13) and
+    gate+up's 256 from 36.0 to 38.3 (one wave either way)."""
+    if m * k >= 64:
+        return 64 // chunk
+    if leaf is None:
+        return None
+    busy = min(-(-m * k // shards), e if e is not None else leaf.shape[0]) * (leaf.shape[1] // leaf.rows) * split
+    return None if busy <= RESIDENT_ALL_IN_FLIGHT * num_sms else 64 // chunk
 
 
 def uses_per_pair(m: int, routing: str = "auto") -> bool:
@@ -648,7 +662,7 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
     them (``_gather_combine``). Tiles past the busy ones are skipped by the kernel; their unwritten rows are
     never gathered. The token rows are gathered straight into the kernel's chunk layout (``gather_token_chunks``).
     split: split-K of both GEMMs (default: ``default_split`` for each). mma_in_flight: the kernel's (an int,
-    or None), default ("auto") ``default_mma_in_flight``. chunk: activation chunk width C (``CHUNKS``; scale
+    or None) for both GEMMs, default ("auto") ``default_mma_in_flight`` of each. chunk: activation chunk width C (``CHUNKS``; scale
     groups per wgmma = C / 32); 128 by default: on the H200 the layer took 75.0 / 432 / 2106 / 2661 / 3319 us
     at M = 1 / 9 / 90 / 256 / 1024 against 76.7 / 447 / 2177 / 2760 / 3684 with C = 32, mostly from the
     XLA transposes it removes (experiments/results/bench_moe_h200_chunks.json). widths: "one" (every tile
@@ -696,8 +710,12 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
     if chunk not in CHUNKS or d % chunk or f % chunk:
         raise ValueError(f"chunk={chunk} must be one of {CHUNKS} dividing D={d} and F={f}")
     if mma_in_flight == "auto":
-        mma_in_flight = default_mma_in_flight(m, k, chunk)
-    _check_mma_in_flight(mma_in_flight, chunk)
+        inflight13, inflight2 = (default_mma_in_flight(m, k, chunk, leaf, e_n, sp, shards=expert_shards)
+                                 for leaf, sp in ((w13, split13), (w2, split2)))
+    else:
+        inflight13 = inflight2 = mma_in_flight
+    _check_mma_in_flight(inflight13, chunk)
+    _check_mma_in_flight(inflight2, chunk)
     tile_rows = None
     if per_pair:
         row_token, tile_expert, pair_row = route_per_pair(expert_ids - expert_offset, e_n, n)
@@ -716,20 +734,22 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
         y_tiles = jnp.sum(partials, axis=0).astype(jnp.bfloat16 if x.dtype == jnp.bfloat16 else jnp.float32)
         return _gather_combine(y_tiles, pair_row // n, expert_weights, out_dtype or x.dtype)
     if use_kernel:
-        mm = lambda *a, split, epilogue="none", out_dtype=jnp.float32: grouped_int4_matmul(  # noqa: E731
+        mm = lambda *a, split, inflight, epilogue="none", out_dtype=jnp.float32: grouped_int4_matmul(  # noqa: E731
             *a, tokens_per_tile=n, out_layout="tokens", epilogue=epilogue, stages=stages,
-            split=split, mma_in_flight=mma_in_flight, out_dtype=out_dtype, dependent_launch=dependent_launch)
+            split=split, mma_in_flight=inflight, out_dtype=out_dtype, dependent_launch=dependent_launch)
     else:
-        mm = lambda *a, split, epilogue="none", out_dtype=jnp.float32: grouped_int4_matmul_ref(  # noqa: E731
+        mm = lambda *a, split, inflight, epilogue="none", out_dtype=jnp.float32: grouped_int4_matmul_ref(  # noqa: E731
             *a, tokens_per_tile=n, out_layout="tokens", epilogue=epilogue,
             out_dtype=out_dtype)
     if w13.gate_up_block and split13 == 1 and chunk >= PAIR_BLOCK:  # SiLU·up in the gate+up GEMM's epilogue
-        h = mm(xs, w13.packed, w13.scale, tile_expert, tile_rows, split=1, epilogue="silu_mul")  # [F/C, P, C]
+        h = mm(xs, w13.packed, w13.scale, tile_expert, tile_rows, split=1, inflight=inflight13,
+               epilogue="silu_mul")  # [F/C, P, C]
     else:
-        gu = mm(xs, w13.packed, w13.scale, tile_expert, tile_rows, split=split13)  # [P, 2F] f32
+        gu = mm(xs, w13.packed, w13.scale, tile_expert, tile_rows, split=split13, inflight=inflight13)  # [P, 2F] f32
         gate, up = gate_and_up(gu, w13.gate_up_block)
         h = to_chunks((jax.nn.silu(gate) * up).astype(x.dtype), chunk)  # [F/C, P, C]
-    y_pairs = mm(h, w2.packed, w2.scale, tile_expert, tile_rows, split=split2, out_dtype=pair_dtype)  # [P, D]
+    y_pairs = mm(h, w2.packed, w2.scale, tile_expert, tile_rows, split=split2, inflight=inflight2,
+                 out_dtype=pair_dtype)  # [P, D]
     return _gather_combine(y_pairs, pair_row, expert_weights, out_dtype or x.dtype)
 
 

@@ -530,6 +530,23 @@ def test_default_split_only_where_few_programs_are_busy():
                                leaf(2, 512, 256), leaf(2, 256, 256), expert_shards=0)
 
 
+def test_default_mma_in_flight_is_per_gemm_at_one_token():
+    """K2.6 stacks (abstract) at one token: gate+up's 8 x 32 busy programs fit one wave at 3 per SM with every
+    chunk in flight (None); down's 8 x 56 do not, so it waits per chunk (0 with 128-column chunks) and
+    four fit per SM. From 64 pairs on both take 64 // chunk; under 8-way expert parallelism down's ~56
+    local programs keep None."""
+    def leaf(e, o, i):
+        return TiledInt4(packed=jax.ShapeDtypeStruct((e, o // 128, (i // 256) * 32, 128), jnp.int32),
+                         scale=jax.ShapeDtypeStruct((e, o // 128, i // 32, 128), jnp.bfloat16))
+    w13, w2 = leaf(384, 4096, 7168), leaf(384, 7168, 2048)
+    assert K.default_mma_in_flight(1, 8, 128, w13, 384) is None
+    assert K.default_mma_in_flight(1, 8, 128, w2, 384) == 0
+    assert K.default_mma_in_flight(1, 8, 64, w2, 384) == 1
+    assert K.default_mma_in_flight(1, 8, 128, w13, 384, split=2) == 0  # 512 programs split in two
+    assert K.default_mma_in_flight(1, 8, 128, w2, 384, shards=8) is None
+    assert K.default_mma_in_flight(9, 8, 128, w13, 384) == 0 and K.default_mma_in_flight(9, 8, 128, w2, 384) == 0
+
+
 def test_default_split_is_checked_per_gemm():
     """At one token gate+up (2 pipeline steps, 24 busy programs) splits K in two while down (3 steps)
     cannot; each GEMM's split is checked against its own stack only, and the result is the twin's."""
