@@ -69,6 +69,31 @@ def attention_case(H, B, T, P, kernel="mgpu", C=576, L=512, merge="kernel"):
         (q, cache, jnp.full((B,), P, jnp.int32), tkv, mask)
 
 
+def tiny_mgpu_case(programs: int = 132):
+    """The floor under any Mosaic GPU launch: ``programs`` programs, each a TMA round trip of 512 bytes
+    (global -> shared -> global). Its traced time per call is what a kernel costs before it moves data."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    def body(x_ref, o_ref, smem, bar):
+        i = jax.lax.axis_index("p")
+        plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(i * 128, 128)], smem, bar)
+        plgpu.barrier_wait(bar)
+        plgpu.copy_smem_to_gmem(smem, o_ref.at[pl.ds(i * 128, 128)])
+        plgpu.wait_smem_to_gmem(0)
+
+    kernel = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((programs * 128,), jnp.float32),
+                          scratch_types=(plgpu.SMEM((128,), jnp.float32), plgpu.Barrier()),
+                          grid=(programs,), grid_names=("p",))
+    return kernel, (jnp.zeros((programs * 128,), jnp.float32),)
+
+
+def read_case(rows: int, cols: int = 576):
+    """XLA reading ``rows`` x ``cols`` bf16 once (a sum): what streaming a small cache costs outside our
+    kernels (rows 65 536: the 75 MB of one stream's 64K prefix; 8 192: 9.4 MB)."""
+    return (lambda a: jnp.sum(a, axis=0, dtype=jnp.float32)), (jnp.ones((rows, cols), jnp.bfloat16),)
+
+
 @functools.lru_cache(maxsize=1)
 def tiled_experts(E, D, F):
     """Random K2.6 expert stacks in the kernel layout, w13 paired for the SiLU·up epilogue as
@@ -110,6 +135,9 @@ def main(argv=None):
         ap.error("--hlo needs --out")
     cases = {
         "copy_1G": lambda: (lambda a: a + 1.0, (jnp.arange(1 << 28, dtype=jnp.float32),)),
+        "tiny_mgpu_132": lambda: tiny_mgpu_case(132),   # a launch's floor (issue #6's few-µs points)
+        "read_75M": lambda: read_case(65536),           # T=1, H=8, B=1, 64K: the prefix's bytes
+        "read_9M": lambda: read_case(8192),             # T=1, H=64, B=1, 8K
         "att_T1_H8_B16_8K": lambda: attention_case(8, 16, 1, 8192),
         "xla_T1_H8_B16_8K": lambda: attention_case(8, 16, 1, 8192, kernel="xla"),
         "att_T1_H64_B1_8K": lambda: attention_case(64, 1, 1, 8192),

@@ -149,3 +149,14 @@ def test_parse_ncu_csv_details_and_raw():
     assert [(r["gpu__time_duration.sum"], r["launch__grid_size"]) for r in recs] == [(1000.0, 132.0), (2000.0, 264.0)]
     with pytest.raises(ValueError, match="no ncu CSV header"):
         parse_ncu_csv("==ERR== nothing profiled\n")
+
+
+def test_profile_floor_cases_build():
+    """profile_kernels' floor cases: the tiny Mosaic GPU kernel lowers for CUDA on the CPU; the XLA read
+    sums every row."""
+    from experiments.profile_kernels import read_case, tiny_mgpu_case
+
+    fn, args = tiny_mgpu_case(4)
+    assert "mosaic_gpu" in jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    fn, args = read_case(16, 64)
+    np.testing.assert_array_equal(np.asarray(fn(*args)), np.full(64, 16.0, np.float32))
