@@ -29,10 +29,8 @@ import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 D, F, TOPK = 7168, 2048, 8
-ZERO_WORD = int(np.uint32(0x88888888).view(np.int32))  # eight nibbles of 8: q = 0
 MOE_CASES = (  # (tokens per tile N, probe, operand values)
     (8, "", "random"), (16, "", "random"), (32, "", "random"), (32, "", "zero_weights"),
     (16, "stream_only", "random"), (16, "no_weight_load", "random"), (32, "no_weight_load", "random"))
@@ -41,7 +39,7 @@ ATT_CASES = ((1, 8, 16, 8192), (1, 8, 1, 65536), (8, 8, 1, 65536))  # (T, H, B, 
 
 def moe_cases(n_experts: int):
     """(name, thunk) per ``MOE_CASES`` entry: the gate+up GEMM over n_experts tiles."""
-    from experiments.probe_moe_mgpu import random_fragments
+    from experiments.probe_moe_mgpu import ZERO_WORD, random_fragments
     from pallas_kernels import int4_moe_mgpu as K
 
     w, s = random_fragments(jax.random.key(0), n_experts, 2 * F, D)
@@ -73,7 +71,7 @@ def layer_m1_case(n_experts: int):
 
 
 def attention_cases():
-    from experiments.bench_tree_attention import C, L, SCALE, make_inputs
+    from experiments.bench_tree_attention import L, SCALE, make_inputs
     from pallas_kernels.mla_attention_mgpu import tree_attention_mgpu
 
     cases = []
@@ -81,7 +79,6 @@ def attention_cases():
         q, caches, plen, tkv, mask = make_inputs(jax.random.key(t * 7 + b), h, b, t, p, 1)
         fn = jax.jit(functools.partial(tree_attention_mgpu, scale=SCALE, kv_lora_rank=L))
         cases.append((f"att_t{t}_h{h}_b{b}_p{p}", functools.partial(fn, q, caches[0], plen, tkv, mask)))
-    del C
     return cases
 
 

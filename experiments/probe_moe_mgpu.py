@@ -29,6 +29,7 @@ from pallas_kernels.moe_routing import route_narrow
 E, D, F, TOPK = 384, 7168, 2048, 8
 # plan width's operand values: random weights and tokens; every q = 0 (the scales stay random); every token 1.0
 WIDTH_DATA = ("random", "zero_weights", "constant_tokens")
+ZERO_WORD = int(np.uint32(0x88888888).view(np.int32))  # a fragment-order word of eight nibbles of 8: q = 0
 
 
 def random_tiled(key, e, o, i, rows):
@@ -236,7 +237,6 @@ def width_sweep(args, weights, gemms, bw, records, save):
     operands allow (dynamic power) rather than any stage of the kernel."""
     te = jnp.arange(E, dtype=jnp.int32)
     table = []
-    zero_word = np.uint32(0x88888888).view(np.int32)  # eight nibbles of 8: q = 0 everywhere
     cases = itertools.product([int(v) for v in args.widths.split(",")], args.width_data.split(","), gemms.items())
     for n, data, (name, (o, i)) in cases:
         if data not in WIDTH_DATA:
@@ -245,7 +245,7 @@ def width_sweep(args, weights, gemms, bw, records, save):
         xg = K.to_chunks(jnp.ones_like(x) if data == "constant_tokens" else x, 128)
         w, s = weights[name, "fragments"]
         if data == "zero_weights":
-            w = jnp.full_like(w, zero_word)
+            w = jnp.full_like(w, ZERO_WORD)
         nbytes = E * (o * i // 2 + o * (i // K.GROUP) * 2)
         kw = (dict(out_layout="tokens", epilogue="silu_mul") if name == "gate_up" else
               dict(out_layout="tokens", out_dtype=jnp.bfloat16))

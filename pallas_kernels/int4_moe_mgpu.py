@@ -580,8 +580,13 @@ def default_split(m: int, k: int, e: int, leaf: TiledInt4, num_sms: int = NUM_SM
     experiments/results/probe_moe_mgpu_anatomy_h200.json, probe_moe_mgpu_inflight_h200.json), and
     unsplit it takes the SiLU·up epilogue; the wall-clock chains of session 4 had shown 65 -> 51 us."""
     steps = leaf.shape[2] // STEP
-    busy = min(-(-m * k // shards), e) * (leaf.shape[1] // leaf.rows)
-    return 2 if busy < num_sms and steps % 2 == 0 else 1
+    return 2 if busy_programs(m, k, e, leaf, shards) < num_sms and steps % 2 == 0 else 1
+
+
+def busy_programs(m: int, k: int, e: int, leaf: TiledInt4, shards: int = 1) -> int:
+    """Programs of one unsplit GEMM of the layer that have work: at most min(ceil(M*K / shards), E) busy
+    tiles (one per pair at worst) x the stack's O/R row blocks."""
+    return min(-(-m * k // shards), e) * (leaf.shape[1] // leaf.rows)
 
 
 RESIDENT_ALL_IN_FLIGHT = 3  # programs per SM with every chunk in flight (162-165 registers x 128 threads)
@@ -591,7 +596,7 @@ def default_mma_in_flight(m: int, k: int, chunk: int, leaf: TiledInt4 | None = N
                           split: int = 1, num_sms: int = NUM_SMS_H200, shards: int = 1) -> int | None:
     """wgmma chunks left in flight after each chunk (``grouped_int4_matmul(mma_in_flight=)``) for one GEMM of
     the layer: None (one wait per step) below 64 routed pairs (M <= 7 at top-8) where the GEMM's busy
-    programs (as ``default_split`` counts them, times ``split``; all of them when ``leaf`` is not given) fit
+    programs (``busy_programs`` times ``split``; all of them when ``leaf`` is not given) fit
     in one wave at ``RESIDENT_ALL_IN_FLIGHT`` programs per SM; else two scale groups' worth (64 // chunk).
     On the H200 with 32-column chunks (experiments/results/probe_moe_mgpu_inflight_h200.json; ptxas: 162 ->
     82 registers at N=8 with 2 in flight, 186 -> 90 at N=32 with 1): at M=1 a wait per group cost 2-5 %;
@@ -604,7 +609,7 @@ def default_mma_in_flight(m: int, k: int, chunk: int, leaf: TiledInt4 | None = N
         return 64 // chunk
     if leaf is None:
         return None
-    busy = min(-(-m * k // shards), e if e is not None else leaf.shape[0]) * (leaf.shape[1] // leaf.rows) * split
+    busy = busy_programs(m, k, e if e is not None else leaf.shape[0], leaf, shards) * split
     return None if busy <= RESIDENT_ALL_IN_FLIGHT * num_sms else 64 // chunk
 
 
