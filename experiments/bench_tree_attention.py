@@ -50,12 +50,15 @@ from ddtree_jax.tree import make_tree  # noqa: E402
 from experiments import bench_util  # noqa: E402
 from pallas_kernels import mla_attention_mgpu as M  # noqa: E402
 from pallas_kernels.mla_attention_mgpu import tree_attention_mgpu  # noqa: E402
+from pallas_kernels.mla_attention_narrow import split_attention_narrow  # noqa: E402
 from pallas_kernels.split_combine import combine_splits, combine_splits_ref  # noqa: E402
 from pallas_kernels.tree_attention import (default_config, fold_rows, tree_attention,  # noqa: E402
                                            tree_attention_ref)
 
 KERNELS = {"triton": tree_attention, "mgpu": tree_attention_mgpu,
-           "mgpu_redundant": functools.partial(tree_attention_mgpu, share_scores=False)}
+           "mgpu_redundant": functools.partial(tree_attention_mgpu, share_scores=False),
+           # decode points only (T*H a multiple of 8 up to 32): keys as wgmma's M, the query rows as N
+           "mgpu_narrow": functools.partial(tree_attention_mgpu, kernel=split_attention_narrow)}
 
 C, L, SCALE = 576, 512, 0.14468
 L2_BYTES = 60 * 2**20

@@ -1,0 +1,211 @@
+"""MLA decode attention for few query rows on Hopper: ``split_attention`` with A and B swapped.
+
+UNVALIDATED ON A GPU (session 15 wrote it on a CPU-only machine: it lowers for CUDA, its GPU parity test
+has not run). Not used by default anywhere.
+
+Same contract as ``mla_attention_mgpu.split_attention`` (and the same twin, ``split_attention_ref``), for
+one 64-row tile of which only the first V rows are real (``valid_rows``, a multiple of 8 up to
+``NARROW_MAX_ROWS``): a decode step of T = 1 at H = 8 heads (tensor parallelism over 8 GPUs) is 8 rows.
+The 64-row kernel computes q·kᵀ and p·v for all 64 rows, 7/8 of it padding at V = 8 (Nsight Compute:
+the tensor pipe 43-52 % busy at T = 1, H = 8; ``experiments/RESULTS.md``, session 15). Here the keys are
+wgmma's M and the V rows its N:
+
+* sᵀ [BK, V] = k [BK, C] · qᵀ: the key block from shared memory as A, the V query rows as B;
+* the online softmax reduces over sᵀ's rows (keys, across the warpgroup's warps);
+* oᵀ [L, V] += vᵀ [L, BK] · pᵀ [BK, V]: the value columns of the key block, transposed, as A; p as B.
+
+The query tile is V x C (9 KB at V = 8 instead of 72), and the output tile reuses it. A third 72 KB
+key block still does not fit (Mosaic GPU counts 234 576 bytes at V = 8, against 232 448), so two stages.
+Two warpgroups: a producer of TMA copies (as in ``split_attention``) and one consumer.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.mla_attention_mgpu import MASKED, ROWS, SMEM_LIMIT, WORD, _split_range
+from pallas_kernels.tree_attention import _LN2, _LOG2E
+
+try:
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+except ImportError:  # pragma: no cover
+    plgpu = None
+
+__all__ = ["split_attention_narrow", "narrow_smem_bytes", "NARROW_MAX_ROWS"]
+
+NARROW_MAX_ROWS = 32
+REDUCTION_SCRATCH = 1024  # bytes (what Mosaic GPU asks for): the max and sum over keys cross the 4 warps
+
+
+def _bit_rows(V: int) -> int:
+    """Rows of mask words copied per tail block: V rounded up to 16 (a TMA copy moves a multiple of 128
+    bytes: 2 words x 16 rows x 4 bytes)."""
+    return max(16, -(-V // 16) * 16)
+
+
+def narrow_smem_bytes(V: int, C: int, block_k: int, stages: int) -> int:
+    """Shared memory of one program: the V-row query tile (the output tile reuses it), ``stages`` key blocks
+    and mask-word slots, pᵀ, the LSE row, barriers and the reduction scratch (before Mosaic GPU's alignment:
+    at V = 8 with 3 stages it counts 2.6 KB more than this, over the limit, so two stages it is)."""
+    barriers = 8 * (1 + 3 * stages)
+    return (2 * V * C + stages * 2 * block_k * C + stages * (block_k // WORD) * _bit_rows(V) * 4
+            + 2 * V * block_k + 4 * V + barriers + REDUCTION_SCRATCH)
+
+
+def split_attention_narrow(q_rows, cache_kv, prefix_len, tail_kv, tail_bits, *, scale, kv_lora_rank, block_k=64,
+                           stages=2, num_splits=1, share_scores=True, valid_rows=None):
+    """``split_attention`` for V <= ``NARROW_MAX_ROWS`` real rows of one 64-row tile (module docstring).
+
+    q_rows [B, 64, C] bf16 (rows V.. are ignored), cache_kv [B, S, C], prefix_len [B] int32 in [0, S],
+    tail_kv [B, TK, C], tail_bits int32 [B, TK/32, 64] -> (o [NS, B, V, L] bf16, lse [NS, B, V] f32, natural
+    log). ``share_scores`` is accepted for the common signature and unused (one consumer)."""
+    del share_scores
+    if plgpu is None:
+        raise RuntimeError("jax.experimental.pallas.mosaic_gpu is not available in this JAX")
+    B, Np, C = q_rows.shape
+    TK = tail_kv.shape[1]
+    L = kv_lora_rank
+    BK, NS = int(block_k), int(num_splits)
+    WB = BK // WORD
+    V = valid_rows
+    if Np != ROWS or V is None or not (0 < V <= NARROW_MAX_ROWS and V % 8 == 0):
+        raise ValueError(f"split_attention_narrow takes one {ROWS}-row tile with valid_rows a multiple of 8 up to "
+                         f"{NARROW_MAX_ROWS}; got {Np} rows, valid_rows={V}")
+    if BK != 64:
+        raise ValueError(f"block_k={BK}: the narrow kernel reads 64-key blocks")
+    if stages < 2 or NS < 1:
+        raise ValueError(f"stages={stages} must be >= 2 and num_splits={NS} >= 1")
+    if C % 64 or L % 64 or L > C:
+        raise ValueError(f"C={C}, L={L}: C and L must be multiples of 64 with L <= C")
+    smem = narrow_smem_bytes(V, C, BK, stages)
+    if smem > SMEM_LIMIT:
+        raise ValueError(f"valid_rows={V}, stages={stages} need {smem} bytes of shared memory (limit {SMEM_LIMIT})")
+    if tail_kv.shape != (B, TK, C) or TK % BK or tail_bits.shape != (B, TK // WORD, Np) \
+            or tail_bits.dtype != jnp.int32:
+        raise ValueError(f"tail_kv {tail_kv.shape} / tail_bits {tail_bits.dtype}{tail_bits.shape} must be "
+                         f"[B, TK, C] with TK % {BK} == 0 and int32 [B, TK/{WORD}, {Np}] for B={B}, C={C}")
+    scale_log2 = float(scale) * _LOG2E
+    TB = TK // BK
+    col_layout = plgpu.Layout.WGMMA.reduce(0)  # a [V] vector along sᵀ's and oᵀ's columns
+
+    BR = _bit_rows(V)
+
+    def body(plen_ref, q_ref, kv_ref, tkv_ref, bits_ref, o_ref, lse_ref, qo_smem, k_smem, bits_smem, p_smem,
+             lse_smem, q_bar, k_bars, bits_bars, consumed_bars):
+        q_smem, o_smem = qo_smem  # the output tile reuses the query tile's shared memory
+        b = lax.axis_index("stream")
+        sp = lax.axis_index("split")
+        wg = lax.axis_index("wg")
+        nb = plen_ref[b] // BK
+        lo, mid, hi = _split_range(nb, TB, sp, NS)
+        n_cache, n_all = mid - lo, hi - lo
+
+        @pl.when(wg == 1)
+        def _producer():
+            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(0, V)], q_smem, q_bar)
+
+            @pl.loop(0, n_all)
+            def _(j):
+                slot = lax.rem(j, stages)
+
+                @pl.when(j >= stages)
+                def _():
+                    plgpu.barrier_wait(consumed_bars.at[slot])
+
+                @pl.when(j < n_cache)
+                def _():
+                    plgpu.copy_gmem_to_smem(kv_ref.at[b, pl.ds((lo + j) * BK, BK)], k_smem.at[slot], k_bars.at[slot])
+
+                @pl.when(j >= n_cache)
+                def _():
+                    t = lo + j - nb
+                    plgpu.copy_gmem_to_smem(tkv_ref.at[b, pl.ds(t * BK, BK)], k_smem.at[slot], k_bars.at[slot])
+                    plgpu.copy_gmem_to_smem(bits_ref.at[b, pl.ds(t * WB, WB), pl.ds(0, BR)], bits_smem.at[slot],
+                                            bits_bars.at[slot])
+
+        @pl.when(wg == 0)
+        def _consumer():
+            plgpu.barrier_wait(q_bar)
+            m0 = plgpu.layout_cast(jnp.full((V,), -jnp.inf, jnp.float32), col_layout)
+            l0 = plgpu.layout_cast(jnp.full((V,), 0.0, jnp.float32), col_layout)
+
+            def scores(slot, masked):  # sᵀ [BK, V], log2 units
+                def qk(s_ref):
+                    plgpu.wgmma(s_ref, k_smem.at[slot], plgpu.transpose_ref(q_smem, (1, 0)))
+                    return s_ref[...]
+
+                s = pl.run_scoped(qk, plgpu.ACC((BK, V), jnp.float32)) * scale_log2
+                if not masked:
+                    return s
+                plgpu.barrier_wait(bits_bars.at[slot])
+                key = plgpu.broadcasted_iota(jnp.int32, (BK, V), 0, layout=plgpu.Layout.WGMMA)
+                word = None
+                for w in range(WB):  # the word holding each key's bit, per query row
+                    ww = lax.broadcast_in_dim(plgpu.load(bits_smem.at[slot, w, pl.ds(0, V)], (), layout=col_layout), s.shape, [1])
+                    word = ww if word is None else jnp.where(key >= w * WORD, ww, word)
+                seen = lax.shift_right_logical(word, key & (WORD - 1)) & 1
+                return jnp.where(seen != 0, s, MASKED)
+
+            def flash_loop(acc_ref):  # oᵀ [L, V] starts at zero
+                def step(masked, j, carry):
+                    m, l = carry
+                    slot = lax.rem(j, stages)
+                    plgpu.barrier_wait(k_bars.at[slot])
+                    s = scores(slot, masked)
+                    m_new = jnp.maximum(m, s.max(axis=0))
+                    alpha = jnp.exp2(m - m_new)
+                    p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [1]))
+                    l = l * alpha + p.sum(axis=0)
+                    p_smem.transpose((1, 0))[...] = plgpu.layout_cast(p.astype(jnp.bfloat16),
+                                                                      plgpu.Layout.WGMMA_TRANSPOSED)
+                    plgpu.commit_smem()
+                    acc_ref[...] = acc_ref[...] * lax.broadcast_in_dim(alpha, acc_ref.shape, [1])
+                    plgpu.wgmma(acc_ref, plgpu.transpose_ref(k_smem.at[slot, :, pl.ds(0, L)], (1, 0)),
+                                plgpu.transpose_ref(p_smem, (1, 0)))
+                    plgpu.wgmma_wait(0)
+                    plgpu.barrier_arrive(consumed_bars.at[slot])
+                    return m_new, l
+
+                carry = lax.fori_loop(0, n_cache, functools.partial(step, False), (m0, l0))
+                carry = lax.fori_loop(n_cache, n_all, functools.partial(step, True), carry)
+                return (acc_ref[...],) + carry
+
+            acc, m, l = pl.run_scoped(flash_loop, plgpu.ACC((L, V), jnp.float32))
+            l = jnp.where(m < 0.5 * MASKED, 0.0, l)  # a row that saw only masked keys in this split is empty
+            empty = l == 0.0
+            inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
+            o = acc * lax.broadcast_in_dim(inv, acc.shape, [1])
+            o_smem.transpose((1, 0))[...] = plgpu.layout_cast(o.astype(jnp.bfloat16), plgpu.Layout.WGMMA_TRANSPOSED)
+            lse_smem[...] = jnp.where(empty, -jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[sp, b])
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[sp, b])
+            plgpu.wait_smem_to_gmem(0)
+
+    swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    kernel = plgpu.kernel(
+        body,
+        out_type=(jax.ShapeDtypeStruct((NS, B, V, L), jnp.bfloat16), jax.ShapeDtypeStruct((NS, B, V), jnp.float32)),
+        scratch_types=(
+            plgpu.RefUnion(plgpu.SMEM((V, C), jnp.bfloat16, transforms=swizzled),
+                           plgpu.SMEM((V, L), jnp.bfloat16)),
+            plgpu.SMEM((stages, BK, C), jnp.bfloat16, transforms=swizzled),
+            plgpu.SMEM((stages, WB, BR), jnp.int32),
+            plgpu.SMEM((V, BK), jnp.bfloat16, transforms=swizzled),
+            plgpu.SMEM((V,), jnp.float32),
+            plgpu.Barrier(num_barriers=1),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=stages),
+        ),
+        grid=(B, NS), grid_names=("stream", "split"),
+        num_threads=2, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=REDUCTION_SCRATCH),
+    )
+    o, lse2 = kernel(prefix_len.astype(jnp.int32), q_rows, cache_kv, tail_kv, tail_bits)
+    return o, lse2 * _LN2
