@@ -297,7 +297,8 @@ def main():
     ap.add_argument("--mgpu-cfg", default=None, help="JSON dict of tuning overrides for the Mosaic GPU kernel")
     ap.add_argument("--name", default=None, help="result file name (default from the mode)")
     ap.add_argument("--start", type=int, default=0, help="skip the first N grid points")
-    ap.add_argument("--points", default=None, help="'H,B,T,P;...': the points of --mode parts / splits")
+    ap.add_argument("--points", default=None,
+                    help="'H,B,T,P;...': the points of --mode parts / splits / grid (instead of their defaults)")
     ap.add_argument("--extra-s", type=float, default=0.0,
                     help="after the grid, this many seconds of EXTRA tuning points (sweep rows)")
     ap.add_argument("--commit", default=None,
@@ -432,7 +433,7 @@ def main():
                     points.append(((H, B, T, P), dict(block_k=64, num_warps=8, num_stages=2,
                                                       num_splits=max(1, min(128, round(ns * f))))))
     else:
-        points = [(shape, dict(extra)) for shape in GRID[args.start:]]
+        points = [(shape, dict(extra)) for shape in (points or GRID)[args.start:]]
     run_points(points, args.mode, args.budget_s)
     if args.extra_s > 0:
         run_points(EXTRA, "sweep", args.budget_s + args.extra_s)

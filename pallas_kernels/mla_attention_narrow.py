@@ -11,7 +11,8 @@ the tensor pipe 43-52 % busy at T = 1, H = 8; ``experiments/RESULTS.md``, sessio
 wgmma's M and the V rows its N:
 
 * sᵀ [BK, V] = k [BK, C] · qᵀ: the key block from shared memory as A, the V query rows as B;
-* the online softmax reduces over sᵀ's rows (keys, across the warpgroup's warps);
+* the online softmax reduces over sᵀ's rows (keys, across the warpgroup's warps): the max per key block,
+  the denominators once after the loop (kept as a running [BK, V] array until then);
 * oᵀ [L, V] += vᵀ [L, BK] · pᵀ [BK, V]: the value columns of the key block, transposed, as A; p as B.
 
 The query tile is V x C (9 KB at V = 8 instead of 72), and the output tile reuses it. A third 72 KB
@@ -132,7 +133,9 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tail_kv, tail_bits, *, 
         def _consumer():
             plgpu.barrier_wait(q_bar)
             m0 = plgpu.layout_cast(jnp.full((V,), -jnp.inf, jnp.float32), col_layout)
-            l0 = plgpu.layout_cast(jnp.full((V,), 0.0, jnp.float32), col_layout)
+            # the softmax's denominators, summed over keys only after the loop: per block one reduction across
+            # the warps (the max) instead of two
+            l0 = plgpu.layout_cast(jnp.full((BK, V), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
             def scores(slot, masked):  # sᵀ [BK, V], log2 units
                 def qk(s_ref):
@@ -160,7 +163,7 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tail_kv, tail_bits, *, 
                     m_new = jnp.maximum(m, s.max(axis=0))
                     alpha = jnp.exp2(m - m_new)
                     p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [1]))
-                    l = l * alpha + p.sum(axis=0)
+                    l = l * lax.broadcast_in_dim(alpha, l.shape, [1]) + p
                     p_smem.transpose((1, 0))[...] = plgpu.layout_cast(p.astype(jnp.bfloat16),
                                                                       plgpu.Layout.WGMMA_TRANSPOSED)
                     plgpu.commit_smem()
@@ -176,7 +179,7 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tail_kv, tail_bits, *, 
                 return (acc_ref[...],) + carry
 
             acc, m, l = pl.run_scoped(flash_loop, plgpu.ACC((L, V), jnp.float32))
-            l = jnp.where(m < 0.5 * MASKED, 0.0, l)  # a row that saw only masked keys in this split is empty
+            l = jnp.where(m < 0.5 * MASKED, 0.0, l.sum(axis=0))  # a row that saw only masked keys in this split is empty
             empty = l == 0.0
             inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
             o = acc * lax.broadcast_in_dim(inv, acc.shape, [1])
