@@ -149,7 +149,8 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tail_kv, tail_bits, *, 
                 key = plgpu.broadcasted_iota(jnp.int32, (BK, V), 0, layout=plgpu.Layout.WGMMA)
                 word = None
                 for w in range(WB):  # the word holding each key's bit, per query row
-                    ww = lax.broadcast_in_dim(plgpu.load(bits_smem.at[slot, w, pl.ds(0, V)], (), layout=col_layout), s.shape, [1])
+                    row_words = plgpu.load(bits_smem.at[slot, w, pl.ds(0, V)], (), layout=col_layout)
+                    ww = lax.broadcast_in_dim(row_words, s.shape, [1])
                     word = ww if word is None else jnp.where(key >= w * WORD, ww, word)
                 seen = lax.shift_right_logical(word, key & (WORD - 1)) & 1
                 return jnp.where(seen != 0, s, MASKED)
@@ -179,7 +180,8 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tail_kv, tail_bits, *, 
                 return (acc_ref[...],) + carry
 
             acc, m, l = pl.run_scoped(flash_loop, plgpu.ACC((L, V), jnp.float32))
-            l = jnp.where(m < 0.5 * MASKED, 0.0, l.sum(axis=0))  # a row that saw only masked keys in this split is empty
+            # a row that saw only masked keys in this split is empty
+            l = jnp.where(m < 0.5 * MASKED, 0.0, l.sum(axis=0))
             empty = l == 0.0
             inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
             o = acc * lax.broadcast_in_dim(inv, acc.shape, [1])
