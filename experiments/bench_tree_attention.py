@@ -55,10 +55,13 @@ from pallas_kernels.split_combine import combine_splits, combine_splits_ref  # n
 from pallas_kernels.tree_attention import (default_config, fold_rows, tree_attention,  # noqa: E402
                                            tree_attention_ref)
 
-KERNELS = {"triton": tree_attention, "mgpu": tree_attention_mgpu,
-           "mgpu_redundant": functools.partial(tree_attention_mgpu, share_scores=False),
+KERNELS = {"triton": tree_attention,
+           "mgpu": tree_attention_mgpu,  # its default kernel: narrow for T*H <= 32 rows, else wide
+           "mgpu_wide": functools.partial(tree_attention_mgpu, kernel=M.split_attention),
+           "mgpu_redundant": functools.partial(tree_attention_mgpu, kernel=M.split_attention, share_scores=False),
            # decode points only (T*H a multiple of 8 up to 32): keys as wgmma's M, the query rows as N
-           "mgpu_narrow": functools.partial(tree_attention_mgpu, kernel=split_attention_narrow)}
+           "mgpu_narrow": functools.partial(tree_attention_mgpu, kernel=split_attention_narrow),
+           "mgpu_narrow_2stage": functools.partial(tree_attention_mgpu, kernel=split_attention_narrow, stages=2)}
 
 C, L, SCALE = 576, 512, 0.14468
 L2_BYTES = 60 * 2**20

@@ -428,15 +428,17 @@ def _check_valid_rows(valid_rows, rows: int) -> int:
 
 
 def tree_attention_mgpu(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, kv_lora_rank,
-                        interpret=False, return_lse=False, block_k=64, stages=2, num_splits=None,
-                        share_scores=True, num_sms=_NUM_SMS_H200, kernel=split_attention, combine=combine_splits):
+                        interpret=False, return_lse=False, block_k=64, stages=None, num_splits=None,
+                        share_scores=True, num_sms=_NUM_SMS_H200, kernel=None, combine=combine_splits):
     """MLA tree-verify attention on the Mosaic GPU kernel (module docstring).
 
     q [B, T, H, C] bf16, cache_kv [B, S, C] bf16, prefix_len [B] int32 (values outside [0, S] are
     clamped), tree_kv [B, T, C] bf16, tree_mask [B, T, T] bool (diagonal True). Returns out [B, T, H, L]
     bf16 (and lse [B, T, H] f32 with ``return_lse``). ``num_splits`` defaults to :func:`default_splits`
-    for ``num_sms`` SMs. ``kernel`` is :func:`split_attention`, or its twin :func:`split_attention_ref`
-    (CPU tests of everything around the kernel). ``combine`` merges several splits:
+    for ``num_sms`` SMs. ``kernel`` is :func:`split_attention`, ``mla_attention_narrow.split_attention_narrow``
+    (keys as wgmma's M: for at most 32 real rows, T*H <= 32, the default there), or their twin
+    :func:`split_attention_ref` (CPU tests of everything around the kernel); ``stages`` defaults to the
+    kernel's own. ``combine`` merges several splits:
     ``split_combine.combine_splits`` (one Pallas-Triton launch), or its XLA twin ``combine_splits_ref``
     (CPU tests; the A/B of ``profile_kernels``). ``interpret=True`` is refused: JAX's Mosaic GPU
     interpreter (0.10) has neither register-operand wgmma nor accumulator stores; CPU tests lower the
@@ -455,9 +457,14 @@ def tree_attention_mgpu(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, k
     tail_kv, tail_bits = tail_inputs(cache_kv, plen, tree_kv, tree_mask, H, qr.shape[1], block_k)
     if num_splits is None:
         num_splits = splits_for(B, T, H, S, block_k, num_sms)
+    valid_rows = valid_rows_for(T, H)
+    if kernel is None:
+        from pallas_kernels.mla_attention_narrow import NARROW_MAX_ROWS, split_attention_narrow  # it imports this
+        narrow = valid_rows is not None and valid_rows <= NARROW_MAX_ROWS
+        kernel = split_attention_narrow if narrow else split_attention
+    stage_kw = {} if stages is None else {"stages": stages}
     o, lse = kernel(qr, cache_kv, plen, tail_kv, tail_bits, scale=scale, kv_lora_rank=L, block_k=block_k,
-                    stages=stages, num_splits=int(num_splits), share_scores=share_scores,
-                    valid_rows=valid_rows_for(T, H))
+                    num_splits=int(num_splits), share_scores=share_scores, valid_rows=valid_rows, **stage_kw)
     if num_splits == 1:  # every row sees its own node: lse is finite
         out, lse = o[0], lse[0]
     else:

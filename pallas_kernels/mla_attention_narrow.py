@@ -37,34 +37,42 @@ try:
 except ImportError:  # pragma: no cover
     plgpu = None
 
-__all__ = ["split_attention_narrow", "narrow_smem_bytes", "NARROW_MAX_ROWS"]
+__all__ = ["split_attention_narrow", "narrow_smem_bytes", "max_stages", "NARROW_MAX_ROWS"]
 
 NARROW_MAX_ROWS = 32
+SMEM_ALIGNMENT = 1024  # Mosaic GPU starts every shared-memory buffer on this boundary
 REDUCTION_SCRATCH = 1024  # bytes (what Mosaic GPU asks for): the max and sum over keys cross the 4 warps
 
 
-def _bit_rows(V: int) -> int:
-    """Rows of mask words copied per tail block: V rounded up to 16 (a TMA copy moves a multiple of 128
-    bytes: 2 words x 16 rows x 4 bytes)."""
-    return max(16, -(-V // 16) * 16)
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // SMEM_ALIGNMENT) * SMEM_ALIGNMENT
 
 
 def narrow_smem_bytes(V: int, C: int, block_k: int, stages: int) -> int:
-    """Shared memory of one program: the V-row query tile (the output tile reuses it), ``stages`` key blocks
-    and mask-word slots, pᵀ, the LSE row, barriers and the reduction scratch (before Mosaic GPU's alignment:
-    at V = 8 with 3 stages it counts 2.6 KB more than this, over the limit, so two stages it is)."""
-    barriers = 8 * (1 + 3 * stages)
-    return (2 * V * C + stages * 2 * block_k * C + stages * (block_k // WORD) * _bit_rows(V) * 4
-            + 2 * V * block_k + 4 * V + barriers + REDUCTION_SCRATCH)
+    """Shared memory of one program as Mosaic GPU counts it (every buffer starts on a 1024-byte boundary):
+    ``stages`` key blocks, the V-row query tile (the output tile and the LSE row reuse it), the reduction
+    scratch and the barriers. pᵀ lives in a key block's rope columns and the tail's mask words are read
+    from global memory, so neither takes a buffer."""
+    barriers = 8 * (1 + 2 * stages)
+    return (stages * _aligned(2 * block_k * C) + _aligned(2 * V * C) + _aligned(REDUCTION_SCRATCH) + barriers)
+
+
+def max_stages(V: int, C: int, block_k: int = 64) -> int:
+    """The most key blocks in flight that fit one program's shared memory (3 at V = 8 at K2.6 dims, else 2)."""
+    stages = 2
+    while narrow_smem_bytes(V, C, block_k, stages + 1) <= SMEM_LIMIT:
+        stages += 1
+    return stages
 
 
 def split_attention_narrow(q_rows, cache_kv, prefix_len, tail_kv, tail_bits, *, scale, kv_lora_rank, block_k=64,
-                           stages=2, num_splits=1, share_scores=True, valid_rows=None):
+                           stages=None, num_splits=1, share_scores=True, valid_rows=None):
     """``split_attention`` for V <= ``NARROW_MAX_ROWS`` real rows of one 64-row tile (module docstring).
 
     q_rows [B, 64, C] bf16 (rows V.. are ignored), cache_kv [B, S, C], prefix_len [B] int32 in [0, S],
     tail_kv [B, TK, C], tail_bits int32 [B, TK/32, 64] -> (o [NS, B, V, L] bf16, lse [NS, B, V] f32, natural
-    log). ``share_scores`` is accepted for the common signature and unused (one consumer)."""
+    log). ``stages`` defaults to :func:`max_stages`. ``share_scores`` is accepted for the common signature
+    and unused (one consumer)."""
     del share_scores
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.mosaic_gpu is not available in this JAX")
@@ -79,10 +87,12 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tail_kv, tail_bits, *, 
                          f"{NARROW_MAX_ROWS}; got {Np} rows, valid_rows={V}")
     if BK != 64:
         raise ValueError(f"block_k={BK}: the narrow kernel reads 64-key blocks")
+    if C % 64 or L % 64 or L + BK > C:
+        raise ValueError(f"C={C}, L={L}: C and L must be multiples of 64 with L + {BK} <= C (pᵀ takes a key "
+                         f"block's last {BK} columns)")
+    stages = max_stages(V, C, BK) if stages is None else int(stages)
     if stages < 2 or NS < 1:
         raise ValueError(f"stages={stages} must be >= 2 and num_splits={NS} >= 1")
-    if C % 64 or L % 64 or L > C:
-        raise ValueError(f"C={C}, L={L}: C and L must be multiples of 64 with L <= C")
     smem = narrow_smem_bytes(V, C, BK, stages)
     if smem > SMEM_LIMIT:
         raise ValueError(f"valid_rows={V}, stages={stages} need {smem} bytes of shared memory (limit {SMEM_LIMIT})")
@@ -94,11 +104,9 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tail_kv, tail_bits, *, 
     TB = TK // BK
     col_layout = plgpu.Layout.WGMMA.reduce(0)  # a [V] vector along sᵀ's and oᵀ's columns
 
-    BR = _bit_rows(V)
-
-    def body(plen_ref, q_ref, kv_ref, tkv_ref, bits_ref, o_ref, lse_ref, qo_smem, k_smem, bits_smem, p_smem,
-             lse_smem, q_bar, k_bars, bits_bars, consumed_bars):
-        q_smem, o_smem = qo_smem  # the output tile reuses the query tile's shared memory
+    def narrow_body(plen_ref, q_ref, kv_ref, tkv_ref, bits_ref, o_ref, lse_ref, q_or_out, k_smem, q_bar, k_bars,
+             consumed_bars):
+        q_smem, (o_smem, lse_smem) = q_or_out  # the output tile and LSE row reuse the query tile's memory
         b = lax.axis_index("stream")
         sp = lax.axis_index("split")
         wg = lax.axis_index("wg")
@@ -124,10 +132,8 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tail_kv, tail_bits, *, 
 
                 @pl.when(j >= n_cache)
                 def _():
-                    t = lo + j - nb
-                    plgpu.copy_gmem_to_smem(tkv_ref.at[b, pl.ds(t * BK, BK)], k_smem.at[slot], k_bars.at[slot])
-                    plgpu.copy_gmem_to_smem(bits_ref.at[b, pl.ds(t * WB, WB), pl.ds(0, BR)], bits_smem.at[slot],
-                                            bits_bars.at[slot])
+                    plgpu.copy_gmem_to_smem(tkv_ref.at[b, pl.ds((lo + j - nb) * BK, BK)], k_smem.at[slot],
+                                            k_bars.at[slot])
 
         @pl.when(wg == 0)
         def _consumer():
@@ -137,20 +143,23 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tail_kv, tail_bits, *, 
             # the warps (the max) instead of two
             l0 = plgpu.layout_cast(jnp.full((BK, V), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
-            def scores(slot, masked):  # sᵀ [BK, V], log2 units
+            def scores(j, slot, masked):  # sᵀ [BK, V], log2 units
                 def qk(s_ref):
                     plgpu.wgmma(s_ref, k_smem.at[slot], plgpu.transpose_ref(q_smem, (1, 0)))
                     return s_ref[...]
 
+                if masked:  # the tail block's mask words, straight from global memory (a few per row)
+                    t = lo + j - nb
+                    row_words = [plgpu.load(bits_ref, (b, t * WB + w, pl.ds(0, V)), layout=col_layout,
+                                            optimized=False)
+                                 for w in range(WB)]
                 s = pl.run_scoped(qk, plgpu.ACC((BK, V), jnp.float32)) * scale_log2
                 if not masked:
                     return s
-                plgpu.barrier_wait(bits_bars.at[slot])
                 key = plgpu.broadcasted_iota(jnp.int32, (BK, V), 0, layout=plgpu.Layout.WGMMA)
                 word = None
-                for w in range(WB):  # the word holding each key's bit, per query row
-                    row_words = plgpu.load(bits_smem.at[slot, w, pl.ds(0, V)], (), layout=col_layout)
-                    ww = lax.broadcast_in_dim(row_words, s.shape, [1])
+                for w, words in enumerate(row_words):  # the word holding each key's bit, per query row
+                    ww = lax.broadcast_in_dim(words, s.shape, [1])
                     word = ww if word is None else jnp.where(key >= w * WORD, ww, word)
                 seen = lax.shift_right_logical(word, key & (WORD - 1)) & 1
                 return jnp.where(seen != 0, s, MASKED)
@@ -160,11 +169,13 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tail_kv, tail_bits, *, 
                     m, l = carry
                     slot = lax.rem(j, stages)
                     plgpu.barrier_wait(k_bars.at[slot])
-                    s = scores(slot, masked)
+                    s = scores(j, slot, masked)
                     m_new = jnp.maximum(m, s.max(axis=0))
                     alpha = jnp.exp2(m - m_new)
                     p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [1]))
                     l = l * lax.broadcast_in_dim(alpha, l.shape, [1]) + p
+                    # pᵀ goes to the block's rope columns, which q·kᵀ has read and p·v does not
+                    p_smem = k_smem.at[slot, pl.ds(0, V), pl.ds(C - BK, BK)]
                     p_smem.transpose((1, 0))[...] = plgpu.layout_cast(p.astype(jnp.bfloat16),
                                                                       plgpu.Layout.WGMMA_TRANSPOSED)
                     plgpu.commit_smem()
@@ -194,17 +205,13 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tail_kv, tail_bits, *, 
 
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     kernel = plgpu.kernel(
-        body,
+        narrow_body,
         out_type=(jax.ShapeDtypeStruct((NS, B, V, L), jnp.bfloat16), jax.ShapeDtypeStruct((NS, B, V), jnp.float32)),
         scratch_types=(
             plgpu.RefUnion(plgpu.SMEM((V, C), jnp.bfloat16, transforms=swizzled),
-                           plgpu.SMEM((V, L), jnp.bfloat16)),
+                           (plgpu.SMEM((V, L), jnp.bfloat16), plgpu.SMEM((V,), jnp.float32))),
             plgpu.SMEM((stages, BK, C), jnp.bfloat16, transforms=swizzled),
-            plgpu.SMEM((stages, WB, BR), jnp.int32),
-            plgpu.SMEM((V, BK), jnp.bfloat16, transforms=swizzled),
-            plgpu.SMEM((V,), jnp.float32),
             plgpu.Barrier(num_barriers=1),
-            plgpu.Barrier(num_barriers=stages),
             plgpu.Barrier(num_barriers=stages),
             plgpu.Barrier(num_barriers=stages),
         ),

@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import mla_attention_mgpu as M
-from pallas_kernels.mla_attention_narrow import NARROW_MAX_ROWS, narrow_smem_bytes, split_attention_narrow
+from pallas_kernels.mla_attention_narrow import (NARROW_MAX_ROWS, max_stages, narrow_smem_bytes,
+                                                   split_attention_narrow)
 from pallas_kernels.tree_attention import tree_attention_ref
 from tests.test_mla_attention_mgpu import K26, k26_spec
 from tests.test_tree_attention_kernel import as_jax, make_case
@@ -26,6 +27,18 @@ def test_kernel_lowers_for_cuda_on_cpu(T, H, NS):
                                   num_splits=NS, kernel=split_attention_narrow))
     text = f.trace(*k26_spec(2, T, H, 1024)).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+
+
+def test_default_kernel_is_narrow_up_to_32_rows_and_stages_fill_shared_memory():
+    """``tree_attention_mgpu`` picks the narrow kernel for T*H <= 32 real rows of one tile and the 64-row one
+    otherwise; three key blocks fit in flight at V = 8 (Mosaic GPU's own count checks it when lowering),
+    two above."""
+    f = jax.jit(functools.partial(M.tree_attention_mgpu, scale=K26["scale"], kv_lora_rank=K26["L"]))
+    for T, H, narrow in [(1, 8, True), (4, 8, True), (1, 16, True), (8, 8, False), (1, 64, False), (3, 2, False)]:
+        text = f.trace(*k26_spec(2, T, H, 1024)).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text and ("narrow_body" in text) == narrow, (T, H)
+    assert [max_stages(V, K26["C"]) for V in (8, 16, 24, 32)] == [3, 2, 2, 2]
+    assert narrow_smem_bytes(8, K26["C"], 64, 3) <= M.SMEM_LIMIT < narrow_smem_bytes(8, K26["C"], 64, 4)
 
 
 def test_errors():
@@ -46,6 +59,10 @@ def test_errors():
                                valid_rows=8, block_k=128, **kw)
     with pytest.raises(ValueError, match="shared memory"):
         split_attention_narrow(q, cache, plen, tail_kv, tail_bits, valid_rows=8, stages=4, **kw)
+    with pytest.raises(ValueError, match="shared memory"):
+        split_attention_narrow(q, cache, plen, tail_kv, tail_bits, valid_rows=16, stages=3, **kw)
+    with pytest.raises(ValueError, match="L \\+ 64 <= C"):
+        split_attention_narrow(q, cache, plen, tail_kv, tail_bits, valid_rows=8, scale=0.1, kv_lora_rank=C - 32)
     with pytest.raises(ValueError, match="tail_kv"):
         split_attention_narrow(q, cache, plen, tail_kv[:, :32], tail_bits, valid_rows=8, **kw)
     assert narrow_smem_bytes(NARROW_MAX_ROWS, C, 64, 2) <= M.SMEM_LIMIT
