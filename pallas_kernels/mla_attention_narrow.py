@@ -37,7 +37,7 @@ try:
 except ImportError:  # pragma: no cover
     plgpu = None
 
-__all__ = ["split_attention_narrow", "narrow_smem_bytes", "max_stages", "NARROW_MAX_ROWS"]
+__all__ = ["split_attention_narrow", "narrow_smem_bytes", "NARROW_MAX_ROWS"]
 
 NARROW_MAX_ROWS = 32
 SMEM_ALIGNMENT = 1024  # Mosaic GPU starts every shared-memory buffer on this boundary
@@ -57,22 +57,13 @@ def narrow_smem_bytes(V: int, C: int, block_k: int, stages: int) -> int:
     return (stages * _aligned(2 * block_k * C) + _aligned(2 * V * C) + _aligned(REDUCTION_SCRATCH) + barriers)
 
 
-def max_stages(V: int, C: int, block_k: int = 64) -> int:
-    """The most key blocks in flight that fit one program's shared memory (3 at V = 8 at K2.6 dims, else 2)."""
-    stages = 2
-    while narrow_smem_bytes(V, C, block_k, stages + 1) <= SMEM_LIMIT:
-        stages += 1
-    return stages
-
-
 def split_attention_narrow(q_rows, cache_kv, prefix_len, tail_kv, tail_bits, *, scale, kv_lora_rank, block_k=64,
-                           stages=None, num_splits=1, share_scores=True, valid_rows=None):
+                           stages=2, num_splits=1, share_scores=True, valid_rows=None):
     """``split_attention`` for V <= ``NARROW_MAX_ROWS`` real rows of one 64-row tile (module docstring).
 
     q_rows [B, 64, C] bf16 (rows V.. are ignored), cache_kv [B, S, C], prefix_len [B] int32 in [0, S],
     tail_kv [B, TK, C], tail_bits int32 [B, TK/32, 64] -> (o [NS, B, V, L] bf16, lse [NS, B, V] f32, natural
-    log). ``stages`` defaults to :func:`max_stages`. ``share_scores`` is accepted for the common signature
-    and unused (one consumer)."""
+    log). ``share_scores`` is accepted for the common signature and unused (one consumer)."""
     del share_scores
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.mosaic_gpu is not available in this JAX")
@@ -90,7 +81,6 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tail_kv, tail_bits, *, 
     if C % 64 or L % 64 or L + BK > C:
         raise ValueError(f"C={C}, L={L}: C and L must be multiples of 64 with L + {BK} <= C (pᵀ takes a key "
                          f"block's last {BK} columns)")
-    stages = max_stages(V, C, BK) if stages is None else int(stages)
     if stages < 2 or NS < 1:
         raise ValueError(f"stages={stages} must be >= 2 and num_splits={NS} >= 1")
     smem = narrow_smem_bytes(V, C, BK, stages)
