@@ -70,6 +70,9 @@ __all__ = ["tree_attention_mgpu", "split_attention", "split_attention_ref", "tai
 
 ROWS = 64              # query rows per program (one wgmma M tile)
 SMEM_LIMIT = 227 * 1024
+MAX_SPLITS = 128       # one wave of the H200 at B = 1, one tile; the merge reads NS partials per row (132
+                       # splits: 8 blocks each at B = 1, 64K, not 9, and the kernel 2 µs faster, but the
+                       # merge takes two chunks and 0.7 µs more: the op as fast; RESULTS.md, session 16)
 MASKED = -1e30         # masked score (log2 units): finite, see the module docstring
 WORD = 32              # tail keys per mask word
 
@@ -106,12 +109,11 @@ def tail_keys(T: int, block_k: int) -> int:
 
 def default_splits(B: int, n_tiles: int, S: int, block_k: int, num_sms: int = _NUM_SMS_H200) -> int:
     """Splits so that the programs fill at most one wave of SMs (one program per SM; a program past the
-    wave runs alone afterwards), with at least 2 key blocks per split at full capacity S. All of the wave:
-    a split's share is rounded up, so at B = 1, 64K (1025 blocks with the tail) 132 splits take 8 blocks
-    each where 128 would take 9. (Sized from the capacity, which is static; a short prefix in a large
-    cache leaves splits empty, each costing one small program.)"""
+    wave runs alone afterwards), with at least 2 key blocks per split at full capacity S and at most
+    MAX_SPLITS. (Sized from the capacity, which is static; a short prefix in a large cache leaves
+    splits empty, each costing one small program.)"""
     progs = max(1, B * n_tiles)
-    return max(1, min(num_sms // progs, (S // block_k) // 2))
+    return max(1, min(num_sms // progs, (S // block_k) // 2, MAX_SPLITS))
 
 
 def splits_for(B: int, T: int, H: int, S: int, block_k: int = 64, num_sms: int = _NUM_SMS_H200) -> int:
