@@ -37,7 +37,8 @@ Design:
   several (long prefixes, few rows) one more launch (``split_combine.combine_splits``) combines the
   splits by their log-sum-exp. A decode
   step of fewer than 64 query rows (e.g. T = 1, H = 8) writes and merges the partials of its real rows
-  only (``valid_rows_for``).
+  only (``valid_rows_for``). Up to 32 such rows go by default to ``mla_attention_narrow``, the same
+  program with the keys as wgmma's M and the rows as N (8x less tensor work at T = 1, H = 8).
 
 Masked scores are set to a large finite negative (not -inf), so a row that has seen only masked keys
 so far carries finite placeholder weights, which the first visible key rescales to exactly zero; a
@@ -438,7 +439,8 @@ def tree_attention_mgpu(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, k
     clamped), tree_kv [B, T, C] bf16, tree_mask [B, T, T] bool (diagonal True). Returns out [B, T, H, L]
     bf16 (and lse [B, T, H] f32 with ``return_lse``). ``num_splits`` defaults to :func:`default_splits`
     for ``num_sms`` SMs. ``kernel`` is :func:`split_attention`, ``mla_attention_narrow.split_attention_narrow``
-    (keys as wgmma's M: for at most 32 real rows, T*H <= 32, the default there), or their twin
+    (keys as wgmma's M: for at most 32 real rows, T*H <= 32, the default there where block_k = 64 and
+    C >= L + 64), or their twin
     :func:`split_attention_ref` (CPU tests of everything around the kernel); ``stages`` defaults to the
     kernel's own. ``combine`` merges several splits:
     ``split_combine.combine_splits`` (one Pallas-Triton launch), or its XLA twin ``combine_splits_ref``
@@ -462,7 +464,7 @@ def tree_attention_mgpu(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, k
     valid_rows = valid_rows_for(T, H)
     if kernel is None:
         from pallas_kernels.mla_attention_narrow import NARROW_MAX_ROWS, split_attention_narrow  # it imports this
-        narrow = valid_rows is not None and valid_rows <= NARROW_MAX_ROWS
+        narrow = valid_rows is not None and valid_rows <= NARROW_MAX_ROWS and block_k == 64 and L + 64 <= C
         kernel = split_attention_narrow if narrow else split_attention
     stage_kw = {} if stages is None else {"stages": stages}
     o, lse = kernel(qr, cache_kv, plen, tail_kv, tail_bits, scale=scale, kv_lora_rank=L, block_k=block_k,

@@ -1,23 +1,25 @@
 """MLA decode attention for few query rows on Hopper: ``split_attention`` with A and B swapped.
 
-UNVALIDATED ON A GPU (session 15 wrote it on a CPU-only machine: it lowers for CUDA, its GPU parity test
-has not run). Not used by default anywhere.
-
 Same contract as ``mla_attention_mgpu.split_attention`` (and the same twin, ``split_attention_ref``), for
 one 64-row tile of which only the first V rows are real (``valid_rows``, a multiple of 8 up to
 ``NARROW_MAX_ROWS``): a decode step of T = 1 at H = 8 heads (tensor parallelism over 8 GPUs) is 8 rows.
-The 64-row kernel computes q·kᵀ and p·v for all 64 rows, 7/8 of it padding at V = 8 (Nsight Compute:
-the tensor pipe 43-52 % busy at T = 1, H = 8; ``experiments/RESULTS.md``, session 15). Here the keys are
-wgmma's M and the V rows its N:
+``tree_attention_mgpu`` uses it by default for such steps. The 64-row kernel computes q·kᵀ and p·v for
+all 64 rows, 7/8 of it padding at V = 8 (Nsight Compute: the tensor pipe 43-52 % busy at T = 1, H = 8;
+``experiments/RESULTS.md``, session 15). Here the keys are wgmma's M and the V rows its N:
 
 * sᵀ [BK, V] = k [BK, C] · qᵀ: the key block from shared memory as A, the V query rows as B;
 * the online softmax reduces over sᵀ's rows (keys, across the warpgroup's warps): the max per key block,
   the denominators once after the loop (kept as a running [BK, V] array until then);
-* oᵀ [L, V] += vᵀ [L, BK] · pᵀ [BK, V]: the value columns of the key block, transposed, as A; p as B.
+* oᵀ [L, V] += vᵀ [L, BK] · pᵀ [BK, V]: the value columns of the key block, transposed, as A; pᵀ as B,
+  written into the block's rope columns, which q·kᵀ has read and p·v does not.
 
-The query tile is V x C (9 KB at V = 8 instead of 72), and the output tile reuses it. A third 72 KB
-key block still does not fit (Mosaic GPU counts 234 576 bytes at V = 8, against 232 448), so two stages.
-Two warpgroups: a producer of TMA copies (as in ``split_attention``) and one consumer.
+Two warpgroups: a producer of TMA copies (as in ``split_attention``) and one consumer, which reads a tail
+block's mask words straight from global memory (a few words per row, one block per stream at decode).
+The query tile is V x C (9 KB at V = 8 instead of 72); the output tile and the LSE row reuse it. Three
+72 KB key blocks would fit at V = 8 (``narrow_smem_bytes``), but the copy pipeline alone is no faster
+with three than with two, nor is the kernel, so two it is. On the H200 (session 16, RESULTS.md) it is
+5-9 % faster than the 64-row kernel at T = 1, H = 8 and 2-4 % at T = 2-4, and the kernel takes 3-11 % longer
+than its own copy pipeline alone over the same blocks.
 """
 
 from __future__ import annotations
