@@ -50,12 +50,18 @@ from ddtree_jax.tree import make_tree  # noqa: E402
 from experiments import bench_util  # noqa: E402
 from pallas_kernels import mla_attention_mgpu as M  # noqa: E402
 from pallas_kernels.mla_attention_mgpu import tree_attention_mgpu  # noqa: E402
+from pallas_kernels.mla_attention_narrow import split_attention_narrow  # noqa: E402
 from pallas_kernels.split_combine import combine_splits, combine_splits_ref  # noqa: E402
 from pallas_kernels.tree_attention import (default_config, fold_rows, tree_attention,  # noqa: E402
                                            tree_attention_ref)
 
-KERNELS = {"triton": tree_attention, "mgpu": tree_attention_mgpu,
-           "mgpu_redundant": functools.partial(tree_attention_mgpu, share_scores=False)}
+KERNELS = {"triton": tree_attention,
+           "mgpu": tree_attention_mgpu,  # its default kernel: narrow for T*H <= 32 rows, else wide
+           "mgpu_wide": functools.partial(tree_attention_mgpu, kernel=M.split_attention),
+           "mgpu_redundant": functools.partial(tree_attention_mgpu, kernel=M.split_attention, share_scores=False),
+           # decode points only (T*H a multiple of 8 up to 32): keys as wgmma's M, the query rows as N
+           "mgpu_narrow": functools.partial(tree_attention_mgpu, kernel=split_attention_narrow),
+           "mgpu_narrow_2stage": functools.partial(tree_attention_mgpu, kernel=split_attention_narrow, stages=2)}
 
 C, L, SCALE = 576, 512, 0.14468
 L2_BYTES = 60 * 2**20
@@ -294,7 +300,8 @@ def main():
     ap.add_argument("--mgpu-cfg", default=None, help="JSON dict of tuning overrides for the Mosaic GPU kernel")
     ap.add_argument("--name", default=None, help="result file name (default from the mode)")
     ap.add_argument("--start", type=int, default=0, help="skip the first N grid points")
-    ap.add_argument("--points", default=None, help="'H,B,T,P;...': the points of --mode parts / splits")
+    ap.add_argument("--points", default=None,
+                    help="'H,B,T,P;...': the points of --mode parts / splits / grid (instead of their defaults)")
     ap.add_argument("--extra-s", type=float, default=0.0,
                     help="after the grid, this many seconds of EXTRA tuning points (sweep rows)")
     ap.add_argument("--commit", default=None,
@@ -429,7 +436,7 @@ def main():
                     points.append(((H, B, T, P), dict(block_k=64, num_warps=8, num_stages=2,
                                                       num_splits=max(1, min(128, round(ns * f))))))
     else:
-        points = [(shape, dict(extra)) for shape in GRID[args.start:]]
+        points = [(shape, dict(extra)) for shape in (points or GRID)[args.start:]]
     run_points(points, args.mode, args.budget_s)
     if args.extra_s > 0:
         run_points(EXTRA, "sweep", args.budget_s + args.extra_s)

@@ -62,8 +62,13 @@ def attention_case(H, B, T, P, kernel="mgpu", C=576, L=512, merge="kernel"):
     if merge not in ("kernel", "xla"):
         raise ValueError(f"merge must be 'kernel' or 'xla', got {merge!r}")
     combine = combine_splits if merge == "kernel" else combine_splits_ref
-    fn = functools.partial(tree_attention_mgpu, scale=0.14468, kv_lora_rank=L, combine=combine) \
-        if kernel == "mgpu" else xla_masked
+    if kernel == "xla":
+        fn = xla_masked
+    else:
+        from pallas_kernels.mla_attention_mgpu import split_attention
+        from pallas_kernels.mla_attention_narrow import split_attention_narrow
+        split = {"mgpu": split_attention, "mgpu_narrow": split_attention_narrow}[kernel]
+        fn = functools.partial(tree_attention_mgpu, scale=0.14468, kv_lora_rank=L, combine=combine, kernel=split)
     # prefix_len tied to q: each chained call builds its tail inputs (fixed ones would be built once per chain)
     return (lambda q, cache, plen, tkv, mask: fn(q, cache, bench_util.tie_to(plen, q), tkv, mask)), \
         (q, cache, jnp.full((B,), P, jnp.int32), tkv, mask)
@@ -86,6 +91,57 @@ def tiny_mgpu_case(programs: int = 132):
                           scratch_types=(plgpu.SMEM((128,), jnp.float32), plgpu.Barrier()),
                           grid=(programs,), grid_names=("p",))
     return kernel, (jnp.zeros((programs * 128,), jnp.float32),)
+
+
+def stream_case(B: int, S: int, stages: int, C: int = 576, block_k: int = 64):
+    """The attention kernels' copy pipeline alone, their ceiling: B streams' S cache rows in 64-row blocks
+    (72 KB at C = 576), in the decode kernels' grid of (stream, split) programs with their default splits
+    (``splits_for`` at T = 1, H = 8), each program a producer warpgroup of TMA copies through ``stages``
+    slots and a consumer that only waits for each block and frees its slot."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    from pallas_kernels.mla_attention_mgpu import _split_range, splits_for
+
+    NS = splits_for(B, 1, 8, S, block_k)
+
+    def body(kv_ref, o_ref, k_smem, out_smem, k_bars, consumed_bars):
+        b, sp, wg = (jax.lax.axis_index(n) for n in ("stream", "split", "wg"))
+        lo, _, hi = _split_range(S // block_k, 0, sp, NS)
+
+        @pl.when(wg == 1)
+        def _producer():
+            @pl.loop(0, hi - lo)
+            def _(j):
+                slot = jax.lax.rem(j, stages)
+
+                @pl.when(j >= stages)
+                def _():
+                    plgpu.barrier_wait(consumed_bars.at[slot])
+
+                plgpu.copy_gmem_to_smem(kv_ref.at[b, pl.ds((lo + j) * block_k, block_k)], k_smem.at[slot],
+                                        k_bars.at[slot])
+
+        @pl.when(wg == 0)
+        def _consumer():
+            @pl.loop(0, hi - lo)
+            def _(j):
+                slot = jax.lax.rem(j, stages)
+                plgpu.barrier_wait(k_bars.at[slot])
+                plgpu.barrier_arrive(consumed_bars.at[slot])
+
+            out_smem[...] = jnp.zeros((128,), jnp.float32)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_smem, o_ref.at[sp, b])
+            plgpu.wait_smem_to_gmem(0)
+
+    kernel = plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((NS, B, 128), jnp.float32),
+        scratch_types=(plgpu.SMEM((stages, block_k, C), jnp.bfloat16,
+                                  transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))),
+                       plgpu.SMEM((128,), jnp.float32), plgpu.Barrier(num_barriers=stages),
+                       plgpu.Barrier(num_barriers=stages)),
+        grid=(B, NS), grid_names=("stream", "split"), num_threads=2, thread_name="wg")
+    return kernel, (jnp.ones((B, S, C), jnp.bfloat16),)
 
 
 def read_case(rows: int, cols: int = 576):
@@ -139,6 +195,14 @@ def main(argv=None):
         "read_75M": lambda: read_case(65536),           # T=1, H=8, B=1, 64K: the prefix's bytes
         "read_9M": lambda: read_case(8192),             # T=1, H=64, B=1, 8K
         "att_T1_H8_B16_8K": lambda: attention_case(8, 16, 1, 8192),
+        "natt_T1_H8_B16_8K": lambda: attention_case(8, 16, 1, 8192, kernel="mgpu_narrow"),
+        "natt_T1_H8_B1_64K": lambda: attention_case(8, 1, 1, 65536, kernel="mgpu_narrow"),
+        "natt_T4_H8_B1_64K": lambda: attention_case(8, 1, 4, 65536, kernel="mgpu_narrow"),
+        # the copy pipelines alone (the decode kernels' ceiling) with 2 and 3 blocks in flight
+        "stream2_B1_64K": lambda: stream_case(1, 65536, 2),
+        "stream3_B1_64K": lambda: stream_case(1, 65536, 3),
+        "stream2_B16_8K": lambda: stream_case(16, 8192, 2),
+        "stream3_B16_8K": lambda: stream_case(16, 8192, 3),
         "xla_T1_H8_B16_8K": lambda: attention_case(8, 16, 1, 8192, kernel="xla"),
         "att_T1_H64_B1_8K": lambda: attention_case(64, 1, 1, 8192),
         "att_T1_H8_B1_64K": lambda: attention_case(8, 1, 1, 65536),

@@ -37,7 +37,8 @@ Design:
   several (long prefixes, few rows) one more launch (``split_combine.combine_splits``) combines the
   splits by their log-sum-exp. A decode
   step of fewer than 64 query rows (e.g. T = 1, H = 8) writes and merges the partials of its real rows
-  only (``valid_rows_for``).
+  only (``valid_rows_for``). Up to 32 such rows go by default to ``mla_attention_narrow``, the same
+  program with the keys as wgmma's M and the rows as N (8x less tensor work at T = 1, H = 8).
 
 Masked scores are set to a large finite negative (not -inf), so a row that has seen only masked keys
 so far carries finite placeholder weights, which the first visible key rescales to exactly zero; a
@@ -70,7 +71,9 @@ __all__ = ["tree_attention_mgpu", "split_attention", "split_attention_ref", "tai
 
 ROWS = 64              # query rows per program (one wgmma M tile)
 SMEM_LIMIT = 227 * 1024
-MAX_SPLITS = 128       # one wave of the H200 at B = 1, one tile; the merge reads NS partials per row
+MAX_SPLITS = 128       # one wave of the H200 at B = 1, one tile; the merge reads NS partials per row (132
+                       # splits: 8 blocks each at B = 1, 64K, not 9, and the kernel 2 µs faster, but the
+                       # merge takes two chunks and 0.7 µs more: the op as fast; RESULTS.md, session 16)
 MASKED = -1e30         # masked score (log2 units): finite, see the module docstring
 WORD = 32              # tail keys per mask word
 
@@ -428,15 +431,18 @@ def _check_valid_rows(valid_rows, rows: int) -> int:
 
 
 def tree_attention_mgpu(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, kv_lora_rank,
-                        interpret=False, return_lse=False, block_k=64, stages=2, num_splits=None,
-                        share_scores=True, num_sms=_NUM_SMS_H200, kernel=split_attention, combine=combine_splits):
+                        interpret=False, return_lse=False, block_k=64, stages=None, num_splits=None,
+                        share_scores=True, num_sms=_NUM_SMS_H200, kernel=None, combine=combine_splits):
     """MLA tree-verify attention on the Mosaic GPU kernel (module docstring).
 
     q [B, T, H, C] bf16, cache_kv [B, S, C] bf16, prefix_len [B] int32 (values outside [0, S] are
     clamped), tree_kv [B, T, C] bf16, tree_mask [B, T, T] bool (diagonal True). Returns out [B, T, H, L]
     bf16 (and lse [B, T, H] f32 with ``return_lse``). ``num_splits`` defaults to :func:`default_splits`
-    for ``num_sms`` SMs. ``kernel`` is :func:`split_attention`, or its twin :func:`split_attention_ref`
-    (CPU tests of everything around the kernel). ``combine`` merges several splits:
+    for ``num_sms`` SMs. ``kernel`` is :func:`split_attention`, ``mla_attention_narrow.split_attention_narrow``
+    (keys as wgmma's M: for at most 32 real rows, T*H <= 32, the default there where block_k = 64 and
+    C >= L + 64), or their twin
+    :func:`split_attention_ref` (CPU tests of everything around the kernel); ``stages`` defaults to the
+    kernel's own. ``combine`` merges several splits:
     ``split_combine.combine_splits`` (one Pallas-Triton launch), or its XLA twin ``combine_splits_ref``
     (CPU tests; the A/B of ``profile_kernels``). ``interpret=True`` is refused: JAX's Mosaic GPU
     interpreter (0.10) has neither register-operand wgmma nor accumulator stores; CPU tests lower the
@@ -455,9 +461,14 @@ def tree_attention_mgpu(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, k
     tail_kv, tail_bits = tail_inputs(cache_kv, plen, tree_kv, tree_mask, H, qr.shape[1], block_k)
     if num_splits is None:
         num_splits = splits_for(B, T, H, S, block_k, num_sms)
+    valid_rows = valid_rows_for(T, H)
+    if kernel is None:
+        from pallas_kernels.mla_attention_narrow import NARROW_MAX_ROWS, split_attention_narrow  # it imports this
+        narrow = valid_rows is not None and valid_rows <= NARROW_MAX_ROWS and block_k == 64 and L + 64 <= C
+        kernel = split_attention_narrow if narrow else split_attention
+    stage_kw = {} if stages is None else {"stages": stages}
     o, lse = kernel(qr, cache_kv, plen, tail_kv, tail_bits, scale=scale, kv_lora_rank=L, block_k=block_k,
-                    stages=stages, num_splits=int(num_splits), share_scores=share_scores,
-                    valid_rows=valid_rows_for(T, H))
+                    num_splits=int(num_splits), share_scores=share_scores, valid_rows=valid_rows, **stage_kw)
     if num_splits == 1:  # every row sees its own node: lse is finite
         out, lse = o[0], lse[0]
     else:

@@ -216,6 +216,7 @@ def test_kernel_lowers_for_cuda_on_cpu(T, H, NS, share, BK, stages):
     (2, 4, 8, 2048, "tree", None, True),         # 32 real rows of one tile: only those written (valid_rows)
 ])
 def test_gpu_kernel_matches_twin_k26(B, T, H, S, kind, NS, share):
+    """The 64-row kernel, also where the default would take the narrow one (T*H <= 32)."""
     L = K26["L"]
     rng = np.random.default_rng(7)
     plens = [int(x) for x in rng.integers(0, S + 1, size=B)]
@@ -223,7 +224,8 @@ def test_gpu_kernel_matches_twin_k26(B, T, H, S, kind, NS, share):
     case = make_case(11, B, T, H, L, K26["C"] - L, S, plens, kind)
     args = as_jax(case, jnp.bfloat16)
     o, lse = jax.jit(lambda *a: M.tree_attention_mgpu(*a, scale=K26["scale"], kv_lora_rank=L, num_splits=NS,
-                                                      share_scores=share, return_lse=True))(*args)
+                                                      share_scores=share, return_lse=True,
+                                                      kernel=M.split_attention))(*args)
     up = [a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args]
     r_o, r_l = jax.jit(lambda *a: tree_attention_ref(*a, scale=K26["scale"], kv_lora_rank=L,
                                                      return_lse=True))(*up)

@@ -1,0 +1,215 @@
+"""MLA decode attention for few query rows on Hopper: ``split_attention`` with A and B swapped.
+
+Same contract as ``mla_attention_mgpu.split_attention`` (and the same twin, ``split_attention_ref``), for
+one 64-row tile of which only the first V rows are real (``valid_rows``, a multiple of 8 up to
+``NARROW_MAX_ROWS``): a decode step of T = 1 at H = 8 heads (tensor parallelism over 8 GPUs) is 8 rows.
+``tree_attention_mgpu`` uses it by default for such steps. The 64-row kernel computes q·kᵀ and p·v for
+all 64 rows, 7/8 of it padding at V = 8 (Nsight Compute: the tensor pipe 43-52 % busy at T = 1, H = 8;
+``experiments/RESULTS.md``, session 15). Here the keys are wgmma's M and the V rows its N:
+
+* sᵀ [BK, V] = k [BK, C] · qᵀ: the key block from shared memory as A, the V query rows as B;
+* the online softmax reduces over sᵀ's rows (keys, across the warpgroup's warps): the max per key block,
+  the denominators once after the loop (kept as a running [BK, V] array until then);
+* oᵀ [L, V] += vᵀ [L, BK] · pᵀ [BK, V]: the value columns of the key block, transposed, as A; pᵀ as B,
+  written into the block's rope columns, which q·kᵀ has read and p·v does not.
+
+Two warpgroups: a producer of TMA copies (as in ``split_attention``) and one consumer, which reads a tail
+block's mask words straight from global memory (a few words per row, one block per stream at decode).
+The query tile is V x C (9 KB at V = 8 instead of 72); the output tile and the LSE row reuse it. Three
+72 KB key blocks would fit at V = 8 (``narrow_smem_bytes``), but the copy pipeline alone is no faster
+with three than with two, nor is the kernel, so two it is. On the H200 (session 16, RESULTS.md) it is
+5-9 % faster than the 64-row kernel at T = 1, H = 8 and 2-4 % at T = 2-4, and the kernel takes 3-11 % longer
+than its own copy pipeline alone over the same blocks.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.mla_attention_mgpu import MASKED, ROWS, SMEM_LIMIT, WORD, _split_range
+from pallas_kernels.tree_attention import _LN2, _LOG2E
+
+try:
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+except ImportError:  # pragma: no cover
+    plgpu = None
+
+__all__ = ["split_attention_narrow", "narrow_smem_bytes", "NARROW_MAX_ROWS"]
+
+NARROW_MAX_ROWS = 32
+SMEM_ALIGNMENT = 1024  # Mosaic GPU starts every shared-memory buffer on this boundary
+REDUCTION_SCRATCH = 1024  # bytes (what Mosaic GPU asks for): the max and sum over keys cross the 4 warps
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // SMEM_ALIGNMENT) * SMEM_ALIGNMENT
+
+
+def narrow_smem_bytes(V: int, C: int, block_k: int, stages: int) -> int:
+    """Shared memory of one program as Mosaic GPU counts it (every buffer starts on a 1024-byte boundary):
+    ``stages`` key blocks, the V-row query tile (the output tile and the LSE row reuse it), the reduction
+    scratch and the barriers. pᵀ lives in a key block's rope columns and the tail's mask words are read
+    from global memory, so neither takes a buffer."""
+    barriers = 8 * (1 + 2 * stages)
+    return (stages * _aligned(2 * block_k * C) + _aligned(2 * V * C) + _aligned(REDUCTION_SCRATCH) + barriers)
+
+
+def split_attention_narrow(q_rows, cache_kv, prefix_len, tail_kv, tail_bits, *, scale, kv_lora_rank, block_k=64,
+                           stages=2, num_splits=1, share_scores=True, valid_rows=None):
+    """``split_attention`` for V <= ``NARROW_MAX_ROWS`` real rows of one 64-row tile (module docstring).
+
+    q_rows [B, 64, C] bf16 (rows V.. are ignored), cache_kv [B, S, C], prefix_len [B] int32 in [0, S],
+    tail_kv [B, TK, C], tail_bits int32 [B, TK/32, 64] -> (o [NS, B, V, L] bf16, lse [NS, B, V] f32, natural
+    log). ``share_scores`` is accepted for the common signature and unused (one consumer)."""
+    del share_scores
+    if plgpu is None:
+        raise RuntimeError("jax.experimental.pallas.mosaic_gpu is not available in this JAX")
+    B, Np, C = q_rows.shape
+    TK = tail_kv.shape[1]
+    L = kv_lora_rank
+    BK, NS = int(block_k), int(num_splits)
+    WB = BK // WORD
+    V = valid_rows
+    if Np != ROWS or V is None or not (0 < V <= NARROW_MAX_ROWS and V % 8 == 0):
+        raise ValueError(f"split_attention_narrow takes one {ROWS}-row tile with valid_rows a multiple of 8 up to "
+                         f"{NARROW_MAX_ROWS}; got {Np} rows, valid_rows={V}")
+    if BK != 64:
+        raise ValueError(f"block_k={BK}: the narrow kernel reads 64-key blocks")
+    if C % 64 or L % 64 or L + BK > C:
+        raise ValueError(f"C={C}, L={L}: C and L must be multiples of 64 with L + {BK} <= C (pᵀ takes a key "
+                         f"block's last {BK} columns)")
+    if stages < 2 or NS < 1:
+        raise ValueError(f"stages={stages} must be >= 2 and num_splits={NS} >= 1")
+    smem = narrow_smem_bytes(V, C, BK, stages)
+    if smem > SMEM_LIMIT:
+        raise ValueError(f"valid_rows={V}, stages={stages} need {smem} bytes of shared memory (limit {SMEM_LIMIT})")
+    if tail_kv.shape != (B, TK, C) or TK % BK or tail_bits.shape != (B, TK // WORD, Np) \
+            or tail_bits.dtype != jnp.int32:
+        raise ValueError(f"tail_kv {tail_kv.shape} / tail_bits {tail_bits.dtype}{tail_bits.shape} must be "
+                         f"[B, TK, C] with TK % {BK} == 0 and int32 [B, TK/{WORD}, {Np}] for B={B}, C={C}")
+    scale_log2 = float(scale) * _LOG2E
+    TB = TK // BK
+    col_layout = plgpu.Layout.WGMMA.reduce(0)  # a [V] vector along sᵀ's and oᵀ's columns
+
+    def narrow_body(plen_ref, q_ref, kv_ref, tkv_ref, bits_ref, o_ref, lse_ref, q_or_out, k_smem, q_bar, k_bars,
+             consumed_bars):
+        q_smem, (o_smem, lse_smem) = q_or_out  # the output tile and LSE row reuse the query tile's memory
+        b = lax.axis_index("stream")
+        sp = lax.axis_index("split")
+        wg = lax.axis_index("wg")
+        nb = plen_ref[b] // BK
+        lo, mid, hi = _split_range(nb, TB, sp, NS)
+        n_cache, n_all = mid - lo, hi - lo
+
+        @pl.when(wg == 1)
+        def _producer():
+            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(0, V)], q_smem, q_bar)
+
+            @pl.loop(0, n_all)
+            def _(j):
+                slot = lax.rem(j, stages)
+
+                @pl.when(j >= stages)
+                def _():
+                    plgpu.barrier_wait(consumed_bars.at[slot])
+
+                @pl.when(j < n_cache)
+                def _():
+                    plgpu.copy_gmem_to_smem(kv_ref.at[b, pl.ds((lo + j) * BK, BK)], k_smem.at[slot], k_bars.at[slot])
+
+                @pl.when(j >= n_cache)
+                def _():
+                    plgpu.copy_gmem_to_smem(tkv_ref.at[b, pl.ds((lo + j - nb) * BK, BK)], k_smem.at[slot],
+                                            k_bars.at[slot])
+
+        @pl.when(wg == 0)
+        def _consumer():
+            plgpu.barrier_wait(q_bar)
+            m0 = plgpu.layout_cast(jnp.full((V,), -jnp.inf, jnp.float32), col_layout)
+            # the softmax's denominators, summed over keys only after the loop: per block one reduction across
+            # the warps (the max) instead of two
+            l0 = plgpu.layout_cast(jnp.full((BK, V), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+            def scores(j, slot, masked):  # sᵀ [BK, V], log2 units
+                def qk(s_ref):
+                    plgpu.wgmma(s_ref, k_smem.at[slot], plgpu.transpose_ref(q_smem, (1, 0)))
+                    return s_ref[...]
+
+                if masked:  # the tail block's mask words, straight from global memory (a few per row)
+                    t = lo + j - nb
+                    row_words = [plgpu.load(bits_ref, (b, t * WB + w, pl.ds(0, V)), layout=col_layout,
+                                            optimized=False)
+                                 for w in range(WB)]
+                s = pl.run_scoped(qk, plgpu.ACC((BK, V), jnp.float32)) * scale_log2
+                if not masked:
+                    return s
+                key = plgpu.broadcasted_iota(jnp.int32, (BK, V), 0, layout=plgpu.Layout.WGMMA)
+                word = None
+                for w, words in enumerate(row_words):  # the word holding each key's bit, per query row
+                    ww = lax.broadcast_in_dim(words, s.shape, [1])
+                    word = ww if word is None else jnp.where(key >= w * WORD, ww, word)
+                seen = lax.shift_right_logical(word, key & (WORD - 1)) & 1
+                return jnp.where(seen != 0, s, MASKED)
+
+            def flash_loop(acc_ref):  # oᵀ [L, V] starts at zero
+                def step(masked, j, carry):
+                    m, l = carry
+                    slot = lax.rem(j, stages)
+                    plgpu.barrier_wait(k_bars.at[slot])
+                    s = scores(j, slot, masked)
+                    m_new = jnp.maximum(m, s.max(axis=0))
+                    alpha = jnp.exp2(m - m_new)
+                    p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [1]))
+                    l = l * lax.broadcast_in_dim(alpha, l.shape, [1]) + p
+                    # pᵀ goes to the block's rope columns, which q·kᵀ has read and p·v does not
+                    p_smem = k_smem.at[slot, pl.ds(0, V), pl.ds(C - BK, BK)]
+                    p_smem.transpose((1, 0))[...] = plgpu.layout_cast(p.astype(jnp.bfloat16),
+                                                                      plgpu.Layout.WGMMA_TRANSPOSED)
+                    plgpu.commit_smem()
+                    acc_ref[...] = acc_ref[...] * lax.broadcast_in_dim(alpha, acc_ref.shape, [1])
+                    plgpu.wgmma(acc_ref, plgpu.transpose_ref(k_smem.at[slot, :, pl.ds(0, L)], (1, 0)),
+                                plgpu.transpose_ref(p_smem, (1, 0)))
+                    plgpu.wgmma_wait(0)
+                    plgpu.barrier_arrive(consumed_bars.at[slot])
+                    return m_new, l
+
+                carry = lax.fori_loop(0, n_cache, functools.partial(step, False), (m0, l0))
+                carry = lax.fori_loop(n_cache, n_all, functools.partial(step, True), carry)
+                return (acc_ref[...],) + carry
+
+            acc, m, l = pl.run_scoped(flash_loop, plgpu.ACC((L, V), jnp.float32))
+            # a row that saw only masked keys in this split is empty
+            l = jnp.where(m < 0.5 * MASKED, 0.0, l.sum(axis=0))
+            empty = l == 0.0
+            inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
+            o = acc * lax.broadcast_in_dim(inv, acc.shape, [1])
+            o_smem.transpose((1, 0))[...] = plgpu.layout_cast(o.astype(jnp.bfloat16), plgpu.Layout.WGMMA_TRANSPOSED)
+            lse_smem[...] = jnp.where(empty, -jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[sp, b])
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[sp, b])
+            plgpu.wait_smem_to_gmem(0)
+
+    swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    kernel = plgpu.kernel(
+        narrow_body,
+        out_type=(jax.ShapeDtypeStruct((NS, B, V, L), jnp.bfloat16), jax.ShapeDtypeStruct((NS, B, V), jnp.float32)),
+        scratch_types=(
+            plgpu.RefUnion(plgpu.SMEM((V, C), jnp.bfloat16, transforms=swizzled),
+                           (plgpu.SMEM((V, L), jnp.bfloat16), plgpu.SMEM((V,), jnp.float32))),
+            plgpu.SMEM((stages, BK, C), jnp.bfloat16, transforms=swizzled),
+            plgpu.Barrier(num_barriers=1),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=stages),
+        ),
+        grid=(B, NS), grid_names=("stream", "split"),
+        num_threads=2, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=REDUCTION_SCRATCH),
+    )
+    o, lse2 = kernel(prefix_len.astype(jnp.int32), q_rows, cache_kv, tail_kv, tail_bits)
+    return o, lse2 * _LN2
