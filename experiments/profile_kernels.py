@@ -12,9 +12,11 @@ the span means host work per call that the GPU never waits for inside the trace 
 as Mosaic GPU's host-side TMA descriptors, or XLA's command-buffer updates); a large busy time in XLA
 fusions means glue.
 
-Cases (K2.6 dims): a 1 GiB XLA copy (control), the Mosaic GPU tree attention at three small shapes and
-plain XLA attention at one of them (control), the routed experts of one MoE layer at M = 1, 9 and 256
-(random weights, uniform routing).
+Cases (K2.6 dims): a 1 GiB XLA copy (control), the Mosaic GPU tree attention at small shapes (``att_*``:
+the 64-row kernel, ``natt_*``: the narrow decode kernel) and plain XLA attention at one of them
+(control), the attention kernels' copy pipeline alone (``stream*``: their ceiling), launch and read
+floors (``tiny_mgpu_132``, ``read_*``), the routed experts of one MoE layer at M = 1 to 1024 (random
+weights, uniform routing).
 """
 
 from __future__ import annotations

@@ -439,10 +439,9 @@ def tree_attention_mgpu(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, k
     clamped), tree_kv [B, T, C] bf16, tree_mask [B, T, T] bool (diagonal True). Returns out [B, T, H, L]
     bf16 (and lse [B, T, H] f32 with ``return_lse``). ``num_splits`` defaults to :func:`default_splits`
     for ``num_sms`` SMs. ``kernel`` is :func:`split_attention`, ``mla_attention_narrow.split_attention_narrow``
-    (keys as wgmma's M: for at most 32 real rows, T*H <= 32, the default there where block_k = 64 and
-    C >= L + 64), or their twin
-    :func:`split_attention_ref` (CPU tests of everything around the kernel); ``stages`` defaults to the
-    kernel's own. ``combine`` merges several splits:
+    (keys as wgmma's M, for at most 32 real rows; by default where T*H <= 32, block_k = 64 and
+    C >= L + 64), or their twin :func:`split_attention_ref` (CPU tests of everything around the kernel);
+    ``stages`` defaults to the kernel's own. ``combine`` merges several splits:
     ``split_combine.combine_splits`` (one Pallas-Triton launch), or its XLA twin ``combine_splits_ref``
     (CPU tests; the A/B of ``profile_kernels``). ``interpret=True`` is refused: JAX's Mosaic GPU
     interpreter (0.10) has neither register-operand wgmma nor accumulator stores; CPU tests lower the
