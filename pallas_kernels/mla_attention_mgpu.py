@@ -333,7 +333,7 @@ def split_attention(q_rows, cache_kv, prefix_len, tail_kv, tail_bits, *, scale, 
             inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
             o_smem[half] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(jnp.bfloat16)
             if half == 0:
-                lse_smem[...] = jnp.where(empty, -jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
+                lse_smem[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(jnp.where(empty, 1.0, l))) * _LN2)
             plgpu.commit_smem()
             if V < ROWS:  # one tile, of which only the first V rows are real
                 plgpu.copy_smem_to_gmem(o_smem.at[half, pl.ds(0, V)], o_ref.at[sp, b, :, pl.ds(half * LH, LH)])
@@ -374,8 +374,7 @@ def split_attention(q_rows, cache_kv, prefix_len, tail_kv, tail_bits, *, scale, 
         # the row reductions (max, sum) of the WGMMA layout stay within a warp: no smem scratch for them
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
     )
-    o, lse2 = kernel(prefix_len.astype(jnp.int32), q_rows, cache_kv, tail_kv, tail_bits)
-    return o, lse2 * _LN2
+    return kernel(prefix_len.astype(jnp.int32), q_rows, cache_kv, tail_kv, tail_bits)  # lse in natural log
 
 
 def split_attention_ref(q_rows, cache_kv, prefix_len, tail_kv, tail_bits, *, scale, kv_lora_rank, block_k=64,

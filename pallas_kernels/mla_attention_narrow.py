@@ -189,7 +189,7 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tail_kv, tail_bits, *, 
             inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
             o = acc * lax.broadcast_in_dim(inv, acc.shape, [1])
             o_smem.transpose((1, 0))[...] = plgpu.layout_cast(o.astype(jnp.bfloat16), plgpu.Layout.WGMMA_TRANSPOSED)
-            lse_smem[...] = jnp.where(empty, -jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
+            lse_smem[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(jnp.where(empty, 1.0, l))) * _LN2)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o_smem, o_ref.at[sp, b])
             plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[sp, b])
@@ -211,5 +211,4 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tail_kv, tail_bits, *, 
         num_threads=2, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=REDUCTION_SCRATCH),
     )
-    o, lse2 = kernel(prefix_len.astype(jnp.int32), q_rows, cache_kv, tail_kv, tail_bits)
-    return o, lse2 * _LN2
+    return kernel(prefix_len.astype(jnp.int32), q_rows, cache_kv, tail_kv, tail_bits)  # lse in natural log
