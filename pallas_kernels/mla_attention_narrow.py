@@ -50,13 +50,14 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // SMEM_ALIGNMENT) * SMEM_ALIGNMENT
 
 
-def narrow_smem_bytes(V: int, C: int, block_k: int, stages: int) -> int:
+def narrow_smem_bytes(V: int, C: int, block_k: int, stages: int, L: int = 512) -> int:
     """Shared memory of one program as Mosaic GPU counts it (every buffer starts on a 1024-byte boundary):
-    ``stages`` key blocks, the V-row query tile (the output tile and the LSE row reuse it), the reduction
-    scratch and the barriers. pᵀ lives in a key block's rope columns and the tail's mask words are read
-    from global memory, so neither takes a buffer."""
+    ``stages`` key blocks, the V-row query tile or in its place the output tile and the LSE row, the
+    reduction scratch and the barriers. pᵀ lives in a key block's rope columns and the tail's mask words
+    are read from global memory, so neither takes a buffer."""
     barriers = 8 * (1 + 2 * stages)
-    return (stages * _aligned(2 * block_k * C) + _aligned(2 * V * C) + _aligned(REDUCTION_SCRATCH) + barriers)
+    q_or_out = max(_aligned(2 * V * C), _aligned(2 * V * L) + _aligned(4 * V))
+    return stages * _aligned(2 * block_k * C) + q_or_out + _aligned(REDUCTION_SCRATCH) + barriers
 
 
 def split_attention_narrow(q_rows, cache_kv, prefix_len, tail_kv, tail_bits, *, scale, kv_lora_rank, block_k=64,
@@ -85,7 +86,7 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tail_kv, tail_bits, *, 
                          f"block's last {BK} columns)")
     if stages < 2 or NS < 1:
         raise ValueError(f"stages={stages} must be >= 2 and num_splits={NS} >= 1")
-    smem = narrow_smem_bytes(V, C, BK, stages)
+    smem = narrow_smem_bytes(V, C, BK, stages, L)
     if smem > SMEM_LIMIT:
         raise ValueError(f"valid_rows={V}, stages={stages} need {smem} bytes of shared memory (limit {SMEM_LIMIT})")
     if tail_kv.shape != (B, TK, C) or TK % BK or tail_bits.shape != (B, TK // WORD, Np) \
@@ -97,7 +98,7 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tail_kv, tail_bits, *, 
     col_layout = plgpu.Layout.WGMMA.reduce(0)  # a [V] vector along sᵀ's and oᵀ's columns
 
     def narrow_body(plen_ref, q_ref, kv_ref, tkv_ref, bits_ref, o_ref, lse_ref, q_or_out, k_smem, q_bar, k_bars,
-             consumed_bars):
+                    consumed_bars):
         q_smem, (o_smem, lse_smem) = q_or_out  # the output tile and LSE row reuse the query tile's memory
         b = lax.axis_index("stream")
         sp = lax.axis_index("split")
