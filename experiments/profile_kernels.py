@@ -102,7 +102,7 @@ def stream_case(B: int, S: int, stages: int, C: int = 576, block_k: int = 64):
     slots and a consumer that only waits for each block and frees its slot."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
-    from pallas_kernels.mla_attention_mgpu import _split_range, splits_for
+    from pallas_kernels.mla_attention_mgpu import _split_range, splits_for, stream_key_blocks
 
     NS = splits_for(B, 1, 8, S, block_k)
 
@@ -111,17 +111,9 @@ def stream_case(B: int, S: int, stages: int, C: int = 576, block_k: int = 64):
         lo, _, hi = _split_range(S // block_k, 0, sp, NS)
 
         @pl.when(wg == 1)
-        def _producer():
-            @pl.loop(0, hi - lo)
-            def _(j):
-                slot = jax.lax.rem(j, stages)
-
-                @pl.when(j >= stages)
-                def _():
-                    plgpu.barrier_wait(consumed_bars.at[slot])
-
-                plgpu.copy_gmem_to_smem(kv_ref.at[b, pl.ds((lo + j) * block_k, block_k)], k_smem.at[slot],
-                                        k_bars.at[slot])
+        def _producer():  # the kernels' own ring, over cache blocks only
+            n = hi - lo
+            stream_key_blocks(kv_ref, kv_ref, b, lo, 0, n, n, k_smem, k_bars, consumed_bars, stages, block_k)
 
         @pl.when(wg == 0)
         def _consumer():

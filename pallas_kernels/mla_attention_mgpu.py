@@ -67,6 +67,7 @@ except ImportError:  # pragma: no cover
     plgpu = None
 
 __all__ = ["tree_attention_mgpu", "split_attention", "split_attention_ref", "tail_inputs", "default_splits",
+           "stream_key_blocks",
            "splits_for", "unsupported_reason", "smem_bytes", "valid_rows_for"]
 
 ROWS = 64              # query rows per program (one wgmma M tile)
@@ -156,6 +157,33 @@ def tail_inputs(cache_kv, prefix_len, tree_kv, tree_mask, heads: int, rows: int,
     return keys, lax.bitcast_convert_type(bits.sum(2, dtype=jnp.uint32), jnp.int32)
 
 
+def stream_key_blocks(kv_ref, tkv_ref, b, lo, nb, n_cache, n_all, k_smem, k_bars, consumed_bars, stages: int,
+                      block_k: int, on_tail_block=None):
+    """A producer warpgroup's ring of key blocks, inside a Mosaic GPU kernel: step j in [0, n_cache) copies
+    cache block lo + j of stream b, step j in [n_cache, n_all) tail block t = lo + j - nb, each into slot
+    j % stages (``k_smem``, arriving on ``k_bars``) once the consumers have freed it (``consumed_bars``);
+    ``on_tail_block(t, slot)`` issues a tail block's further copies (its mask words)."""
+    @pl.loop(0, n_all)
+    def _(j):
+        slot = lax.rem(j, stages)
+
+        @pl.when(j >= stages)
+        def _():
+            plgpu.barrier_wait(consumed_bars.at[slot])
+
+        @pl.when(j < n_cache)
+        def _():
+            plgpu.copy_gmem_to_smem(kv_ref.at[b, pl.ds((lo + j) * block_k, block_k)], k_smem.at[slot],
+                                    k_bars.at[slot])
+
+        @pl.when(j >= n_cache)
+        def _():
+            t = lo + j - nb
+            plgpu.copy_gmem_to_smem(tkv_ref.at[b, pl.ds(t * block_k, block_k)], k_smem.at[slot], k_bars.at[slot])
+            if on_tail_block is not None:
+                on_tail_block(t, slot)
+
+
 def _split_range(nb, tail_blocks: int, sp, num_splits: int):
     """Blocks of split ``sp``: [lo, hi) of the NB + TB key blocks (cache blocks first), and ``mid``, where
     its cache blocks end and its tail blocks begin."""
@@ -225,25 +253,12 @@ def split_attention(q_rows, cache_kv, prefix_len, tail_kv, tail_bits, *, scale, 
             plgpu.set_max_registers(40, action="decrease")
             plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(tile * ROWS, ROWS)], q_smem, q_bar)
 
-            @pl.loop(0, n_all)
-            def _(j):
-                slot = lax.rem(j, stages)
+            def copy_mask_words(t, slot):
+                plgpu.copy_gmem_to_smem(bits_ref.at[b, pl.ds(t * WB, WB), pl.ds(tile * ROWS, ROWS)],
+                                        bits_smem.at[slot], bits_bars.at[slot])
 
-                @pl.when(j >= stages)
-                def _():
-                    plgpu.barrier_wait(consumed_bars.at[slot])
-
-                @pl.when(j < n_cache)
-                def _():
-                    plgpu.copy_gmem_to_smem(kv_ref.at[b, pl.ds((lo + j) * BK, BK)], k_smem.at[slot],
-                                            k_bars.at[slot])
-
-                @pl.when(j >= n_cache)
-                def _():
-                    t = lo + j - nb
-                    plgpu.copy_gmem_to_smem(tkv_ref.at[b, pl.ds(t * BK, BK)], k_smem.at[slot], k_bars.at[slot])
-                    plgpu.copy_gmem_to_smem(bits_ref.at[b, pl.ds(t * WB, WB), pl.ds(tile * ROWS, ROWS)],
-                                            bits_smem.at[slot], bits_bars.at[slot])
+            stream_key_blocks(kv_ref, tkv_ref, b, lo, nb, n_cache, n_all, k_smem, k_bars, consumed_bars, stages, BK,
+                              on_tail_block=copy_mask_words)
 
         def consumer(half):
             scores_here = half == 0 or not share_scores  # this warpgroup computes q.k and the softmax

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.mla_attention_mgpu import MASKED, ROWS, SMEM_LIMIT, WORD, _split_range
+from pallas_kernels.mla_attention_mgpu import MASKED, ROWS, SMEM_LIMIT, WORD, _split_range, stream_key_blocks
 from pallas_kernels.tree_attention import _LN2, _LOG2E
 
 try:
@@ -111,22 +111,7 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tail_kv, tail_bits, *, 
         def _producer():
             plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(0, V)], q_smem, q_bar)
 
-            @pl.loop(0, n_all)
-            def _(j):
-                slot = lax.rem(j, stages)
-
-                @pl.when(j >= stages)
-                def _():
-                    plgpu.barrier_wait(consumed_bars.at[slot])
-
-                @pl.when(j < n_cache)
-                def _():
-                    plgpu.copy_gmem_to_smem(kv_ref.at[b, pl.ds((lo + j) * BK, BK)], k_smem.at[slot], k_bars.at[slot])
-
-                @pl.when(j >= n_cache)
-                def _():
-                    plgpu.copy_gmem_to_smem(tkv_ref.at[b, pl.ds((lo + j - nb) * BK, BK)], k_smem.at[slot],
-                                            k_bars.at[slot])
+            stream_key_blocks(kv_ref, tkv_ref, b, lo, nb, n_cache, n_all, k_smem, k_bars, consumed_bars, stages, BK)
 
         @pl.when(wg == 0)
         def _consumer():
