@@ -671,7 +671,8 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
     width C (``CHUNKS``; scale groups per wgmma = C / 32); 128 by default: on the H200 the layer took
     75.0 / 432 / 2106 / 2661 / 3319 us at M = 1 / 9 / 90 / 256 / 1024 against 76.7 / 447 / 2177 / 2760 /
     3684 with C = 32, mostly from the XLA transposes it removes
-    (experiments/results/bench_moe_h200_chunks.json). widths: "one" (every tile N = ``tile`` wide, ``route_narrow``) or "ragged" (tiles of at most N, an expert's last one as wide as
+    (experiments/results/bench_moe_h200_chunks.json). widths: "one" (every tile N = ``tile`` wide,
+    ``route_narrow``) or "ragged" (tiles of at most N, an expert's last one as wide as
     its pairs rounded up to 8, ``route_ragged``); default and the default N: ``default_widths``. The down
     GEMM's pair rows are bf16 for bf16 x where it has no split-K (each expert's output rounded as a bf16
     model's expert rounds it), else f32. routing: ``moe_routing``'s method ("auto", "sort" or "compare"; the
