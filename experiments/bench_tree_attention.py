@@ -15,6 +15,8 @@ Modes
   --mode splits the Mosaic GPU kernel at memory-bound points (``SPLIT_SHAPES``) with its default split
                 count and 1/2, 1/4, 1/8 of it: whether fewer, longer splits beat the merge's cost.
 
+``--padded-tree`` hands the ops the tree latents padded to whole 64-key blocks (T <= 32), as the model does.
+
 Timing: one jitted program runs the op n times back to back (each call's prefix_len depends on the
 previous output through a NaN check, so calls cannot overlap or be elided; all outputs are returned),
 rotating over enough cache copies that the working set is > 2x the 60 MB L2 where it is small.
@@ -50,7 +52,7 @@ from ddtree_jax.tree import make_tree  # noqa: E402
 from experiments import bench_util  # noqa: E402
 from pallas_kernels import mla_attention_mgpu as M  # noqa: E402
 from pallas_kernels.mla_attention_mgpu import tree_attention_mgpu  # noqa: E402
-from pallas_kernels.mla_attention_narrow import split_attention_narrow  # noqa: E402
+from pallas_kernels.mla_attention_narrow import pad_tree_latents, split_attention_narrow  # noqa: E402
 from pallas_kernels.split_combine import combine_splits, combine_splits_ref  # noqa: E402
 from pallas_kernels.tree_attention import (default_config, fold_rows, tree_attention,  # noqa: E402
                                            tree_attention_ref)
@@ -93,10 +95,14 @@ SPLIT_SHAPES = [(8, 1, 1, 65536), (8, 1, 8, 65536), (64, 1, 1, 8192), (64, 1, 1,
 SWEEP_SPLITS = [0.25, 4.0]
 
 
-def make_inputs(key, H, B, T, P, copies):
+def make_inputs(key, H, B, T, P, copies, padded_tree=False):
+    """``padded_tree``: the tree latents padded with zeros to whole 64-key blocks (up to T = 32), as the model
+    hands them to the attention (the narrow decode kernel reads them in place)."""
     ks = jax.random.split(key, 4 + copies)
     q = jax.random.normal(ks[0], (B, T, H, C), jnp.bfloat16)
     tkv = jax.random.normal(ks[1], (B, T, C), jnp.bfloat16)
+    if padded_tree:
+        tkv = pad_tree_latents(tkv)
     rng = np.random.default_rng(T * 1000 + B)
     parents = np.array([[-1] + [int(rng.integers(0, i)) for i in range(1, T)] for _ in range(B)], np.int32)
     anc = make_tree(np.zeros((B, T), np.int32), parents, max_depth=T - 1).visibility  # ancestor-or-self
@@ -109,7 +115,7 @@ def xla_masked(q, cache, plen, tkv, mask):
     """Plain XLA: concatenated keys, dense f32 scores, masked softmax, value einsum."""
     B, T, H, _ = q.shape
     P = cache.shape[1]
-    keys = jnp.concatenate([cache, tkv], axis=1)
+    keys = jnp.concatenate([cache, tkv[:, :T]], axis=1)
     vis_prefix = jnp.broadcast_to((jnp.arange(P)[None, :] < plen[:, None])[:, None, :], (B, T, P))
     vis = jnp.concatenate([vis_prefix, mask], axis=2)
     s = jnp.einsum("bthc,bkc->bthk", q, keys, preferred_element_type=jnp.float32) * SCALE
@@ -251,13 +257,13 @@ def device_time(fn, inputs, calls=8):
 
 
 def bench_point(H, B, T, P, cfg, bw, peak, with_xla=True, check=True, repeats=5, bw_jax=None, kernel="triton",
-                with_trace=None, bw_traced=None):
+                with_trace=None, bw_traced=None, padded_tree=False):
     nbytes, flops, bound, floor_s = roofline(H, B, T, P, bw, peak)
     cache_bytes = 2 * B * P * C
     copies = int(min(16, max(1, math.ceil(2 * L2_BYTES / cache_bytes))))
-    inputs = make_inputs(jax.random.key(H * 7 + B * 131 + T * 17 + P), H, B, T, P, copies)
+    inputs = make_inputs(jax.random.key(H * 7 + B * 131 + T * 17 + P), H, B, T, P, copies, padded_tree)
     row = dict(H=H, B=B, T=T, P=P, bound=bound, bytes=nbytes, flops=flops, floor_ms=floor_s * 1e3,
-               cfg=cfg, cache_copies=copies, kernel=kernel)
+               cfg=cfg, cache_copies=copies, kernel=kernel, padded_tree=padded_tree)
     # jitted once so the chained program holds one lowered kernel called n times (not n lowerings:
     # 8 Mosaic GPU kernels lowered in 4.5 s on the CPU, the jitted one in 0.6 s)
     kern = jax.jit(functools.partial(KERNELS[kernel], scale=SCALE, kv_lora_rank=L, **cfg))
@@ -308,6 +314,8 @@ def main():
                     help="code commit to record (the device copy of the tree has no .git)")
     ap.add_argument("--smoke", action="store_true", help="CPU smoke: tiny shapes, interpret mode")
     ap.add_argument("--no-check-above", type=int, default=8192, help="skip parity for P above this")
+    ap.add_argument("--padded-tree", action="store_true",
+                    help="hand the ops tree latents padded to whole 64-key blocks (T <= 32), as the model does")
     args = ap.parse_args()
     try:
         points = [tuple(int(v) for v in pt.split(",")) for pt in args.points.split(";")] if args.points else None
@@ -377,7 +385,8 @@ def main():
                 break
             check = (mode == "sweep" or P <= args.no_check_above)
             measure(lambda: bench_point(H, B, T, P, cfg, bw, peak, with_xla=(mode == "grid" and kernel == kernels[0]),
-                                        check=check, bw_jax=bw_jax, kernel=kernel, bw_traced=traced_bw),
+                                        check=check, bw_jax=bw_jax, kernel=kernel, bw_traced=traced_bw,
+                                        padded_tree=args.padded_tree),
                     dict(H=H, B=B, T=T, P=P, cfg=cfg, kernel=kernel), mode=mode,
                     **({"default_cfg": default_config(B, T, H, P, C, L)} if kernel == "triton" else {}))
 
@@ -403,7 +412,8 @@ def main():
                     break
                 cfg = dict(mgpu_cfg, num_splits=ns)
                 measure(lambda: bench_point(H, B, T, P, cfg, bw, peak, with_xla=False, check=P <= args.no_check_above,
-                                            bw_jax=bw_jax, kernel="mgpu", bw_traced=traced_bw),
+                                            bw_jax=bw_jax, kernel="mgpu", bw_traced=traced_bw,
+                                            padded_tree=args.padded_tree),
                         dict(H=H, B=B, T=T, P=P, cfg=cfg, kernel="mgpu"), mode="splits", num_splits=ns,
                         default_splits=default)
         bench_util.print_table([r for r in rows if "error" not in r],

@@ -45,9 +45,10 @@ def profile(fn, args, calls: int, with_wall: bool) -> dict:
     return out
 
 
-def attention_case(H, B, T, P, kernel="mgpu", C=576, L=512, merge="kernel"):
+def attention_case(H, B, T, P, kernel="mgpu", C=576, L=512, merge="kernel", padded_tree=False):
     """The tree attention at one shape: the Mosaic GPU op (its splits merged by the one-launch
-    ``combine_splits`` or, merge="xla", by its XLA twin), or (kernel="xla") plain XLA masked attention."""
+    ``combine_splits`` or, merge="xla", by its XLA twin), or (kernel="xla") plain XLA masked attention.
+    ``padded_tree``: the tree latents handed over padded to whole 64-key blocks, as the model does."""
     from ddtree_jax.tree import make_tree
     from experiments.bench_tree_attention import xla_masked
     from pallas_kernels.mla_attention_mgpu import tree_attention_mgpu
@@ -58,6 +59,8 @@ def attention_case(H, B, T, P, kernel="mgpu", C=576, L=512, merge="kernel"):
     q = jax.random.normal(ks[0], (B, T, H, C), jnp.bfloat16)
     cache = jax.random.normal(ks[1], (B, P, C), jnp.bfloat16)
     tkv = jax.random.normal(ks[2], (B, T, C), jnp.bfloat16)
+    if padded_tree:
+        tkv = jnp.pad(tkv, ((0, 0), (0, -T % 64), (0, 0)))
     rng = np.random.default_rng(T)
     parents = np.array([[-1] + [int(rng.integers(0, i)) for i in range(1, T)] for _ in range(B)], np.int32)
     mask = make_tree(np.zeros((B, T), np.int32), parents, max_depth=T - 1).visibility
@@ -74,6 +77,35 @@ def attention_case(H, B, T, P, kernel="mgpu", C=576, L=512, merge="kernel"):
     # prefix_len tied to q: each chained call builds its tail inputs (fixed ones would be built once per chain)
     return (lambda q, cache, plen, tkv, mask: fn(q, cache, bench_util.tie_to(plen, q), tkv, mask)), \
         (q, cache, jnp.full((B,), P, jnp.int32), tkv, mask)
+
+
+def mla_case(B, P, T=1, H=8, kernel=None):
+    """The model's attention block (``ddtree_jax.model.MLA``: projections, latent attention, output) at K2.6
+    width with H heads (8: one GPU under TP-8), T new tokens over a P-token prefix: every launch around the
+    attention op as the model issues it. ``kernel``: the split kernel (default: the dispatcher's choice;
+    "wide" forces the 64-row kernel on its XLA-built tail, the path before session 17)."""
+    import dataclasses
+
+    from flax import nnx
+
+    from ddtree_jax.config import k26_config
+    from ddtree_jax.model import MLA, Runtime, causal_mask
+    from ddtree_jax.rope import rope_cos_sin
+    from pallas_kernels.mla_attention_mgpu import split_attention, tree_attention_mgpu
+
+    cfg = dataclasses.replace(k26_config(), num_heads=H)
+    graphdef, state = nnx.split(MLA(cfg, nnx.Rngs(0)))
+    attend = None if kernel is None else functools.partial(tree_attention_mgpu, kernel={"wide": split_attention}[kernel])
+    runtime = Runtime(attention_fn=attend)
+    cos, sin = rope_cos_sin(jnp.full((B, T), P, jnp.int32), cfg.rope, cfg.qk_rope_head_dim)
+    x = jax.random.normal(jax.random.key(1), (B, T, cfg.hidden_size), jnp.bfloat16)
+    cache = jax.random.normal(jax.random.key(2), (B, P + 64, cfg.latent_dim), jnp.bfloat16)
+
+    def fn(x, state, cache, plen, cos, sin, mask):
+        out, _ = nnx.merge(graphdef, state)(x, cos, sin, cache, bench_util.tie_to(plen, x), mask, runtime)
+        return out
+
+    return fn, (x, state, cache, jnp.full((B,), P, jnp.int32), cos, sin, causal_mask(B, T))
 
 
 def tiny_mgpu_case(programs: int = 132):
@@ -192,6 +224,14 @@ def main(argv=None):
         "natt_T1_H8_B16_8K": lambda: attention_case(8, 16, 1, 8192, kernel="mgpu_narrow"),
         "natt_T1_H8_B1_64K": lambda: attention_case(8, 1, 1, 65536, kernel="mgpu_narrow"),
         "natt_T4_H8_B1_64K": lambda: attention_case(8, 1, 4, 65536, kernel="mgpu_narrow"),
+        # the tree latents padded as the model hands them over: the op is the kernel and the merge
+        "natt_T1_H8_B16_8K_padded": lambda: attention_case(8, 16, 1, 8192, kernel="mgpu_narrow", padded_tree=True),
+        "natt_T1_H8_B1_64K_padded": lambda: attention_case(8, 1, 1, 65536, kernel="mgpu_narrow", padded_tree=True),
+        "natt_T4_H8_B16_8K_padded": lambda: attention_case(8, 16, 4, 8192, kernel="mgpu_narrow", padded_tree=True),
+        # the model's attention block around the op (K2.6 width, 8 heads): the launches the model issues
+        "mla_T1_H8_B16_8K": lambda: mla_case(16, 8192),
+        "mla_T1_H8_B16_8K_wide": lambda: mla_case(16, 8192, kernel="wide"),
+        "mla_T4_H8_B16_8K": lambda: mla_case(16, 8192, T=4),
         # the copy pipelines alone (the decode kernels' ceiling) with 2 and 3 blocks in flight
         "stream2_B1_64K": lambda: stream_case(1, 65536, 2),
         "stream3_B1_64K": lambda: stream_case(1, 65536, 3),

@@ -38,7 +38,8 @@ Design:
   splits by their log-sum-exp. A decode
   step of fewer than 64 query rows (e.g. T = 1, H = 8) writes and merges the partials of its real rows
   only (``valid_rows_for``). Up to 32 such rows go by default to ``mla_attention_narrow``, the same
-  program with the keys as wgmma's M and the rows as N (8x less tensor work at T = 1, H = 8).
+  program with the keys as wgmma's M and the rows as N (8x less tensor work at T = 1, H = 8), which
+  reads the prefix's partial block and the tree in place instead of from a tail built in XLA.
 
 Masked scores are set to a large finite negative (not -inf), so a row that has seen only masked keys
 so far carries finite placeholder weights, which the first visible key rescales to exactly zero; a
@@ -67,7 +68,7 @@ except ImportError:  # pragma: no cover
     plgpu = None
 
 __all__ = ["tree_attention_mgpu", "split_attention", "split_attention_ref", "tail_inputs", "default_splits",
-           "stream_key_blocks",
+           "stream_key_blocks", "dense_split_partials", "pack_bits", "unpack_bits",
            "splits_for", "unsupported_reason", "smem_bytes", "valid_rows_for"]
 
 ROWS = 64              # query rows per program (one wgmma M tile)
@@ -133,7 +134,8 @@ def tail_inputs(cache_kv, prefix_len, tree_kv, tree_mask, heads: int, rows: int,
     word w of row r says whether row r (node r // H) may see tail key 32 w + k (padding rows see none).
     """
     B, S, C = cache_kv.shape
-    T = tree_kv.shape[1]
+    T = tree_mask.shape[1]
+    tree_kv = tree_kv[:, :T]  # padding rows, if any, dropped
     TK = tail_keys(T, block_k)
     rem = prefix_len - (prefix_len // block_k) * block_k                        # [B] partial-block rows
     k = jnp.arange(TK)[None, :]
@@ -146,15 +148,28 @@ def tail_inputs(cache_kv, prefix_len, tree_kv, tree_mask, heads: int, rows: int,
                      jnp.where(is_tree[..., None], jnp.take_along_axis(tree_kv.astype(cache_kv.dtype),
                                                                        tree_idx[..., None], axis=1),
                                jnp.zeros((), cache_kv.dtype)))
-    # built key-major, [B, TK, Np] -> [B, W, 32, Np], so that the bit sum writes [B, W, Np] as it is
     sees_tree = jnp.take_along_axis(jnp.swapaxes(tree_mask, 1, 2),
                                     jnp.broadcast_to(tree_idx[:, :, None], (B, TK, T)), axis=1)
     visible = from_cache[:, :, None] | (is_tree[:, :, None] & sees_tree)         # [B, TK, T]
     row = jnp.arange(rows)
     visible = visible[:, :, jnp.minimum(row // heads, T - 1)] & (row < T * heads)  # [B, TK, Np]
-    bits = visible.reshape(B, TK // WORD, WORD, rows).astype(jnp.uint32) \
+    return keys, pack_bits(visible)
+
+
+def pack_bits(visible):
+    """visible bool [B, K, Np] (K % 32 == 0; key-major, so the bit sum writes its result as it is) -> int32
+    [B, K/32, Np]: bit k of word w of row r is visible[:, 32 w + k, r]."""
+    B, K, rows = visible.shape
+    bits = visible.reshape(B, K // WORD, WORD, rows).astype(jnp.uint32) \
         << jnp.arange(WORD, dtype=jnp.uint32)[:, None]
-    return keys, lax.bitcast_convert_type(bits.sum(2, dtype=jnp.uint32), jnp.int32)
+    return lax.bitcast_convert_type(bits.sum(2, dtype=jnp.uint32), jnp.int32)
+
+
+def unpack_bits(bits, keys: int):
+    """Inverse of :func:`pack_bits`: int32 [B, K/32, Np] -> bool [B, Np, K] (row-major)."""
+    k = jnp.arange(keys)
+    bit = lax.shift_right_logical(bits[:, k // WORD, :], (k % WORD)[None, :, None]) & 1  # [B, K, Np]
+    return jnp.swapaxes(bit == 1, 1, 2)
 
 
 def stream_key_blocks(kv_ref, tkv_ref, b, lo, nb, n_cache, n_all, k_smem, k_bars, consumed_bars, stages: int,
@@ -407,13 +422,22 @@ def split_attention_ref(q_rows, cache_kv, prefix_len, tail_kv, tail_bits, *, sca
     in_cache = (cache_block >= lo[..., None]) & (cache_block < mid[..., None])    # [NS, B, S]
     tail_block = nb[None, :, None] + jnp.arange(TK) // BK
     in_tail = (tail_block >= mid[..., None]) & (tail_block < hi[..., None])        # [NS, B, TK]
-    k = jnp.arange(TK)
-    bit = (lax.shift_right_logical(tail_bits[:, k // WORD, :], (k % WORD)[None, :, None]) & 1) == 1  # [B, TK, Np]
     sees = jnp.concatenate([jnp.broadcast_to(in_cache[:, :, None, :], (NS, B, Np, S)),
-                            in_tail[:, :, None, :] & jnp.swapaxes(bit, 1, 2)[None]], axis=-1)
+                            in_tail[:, :, None, :] & unpack_bits(tail_bits, TK)[None]], axis=-1)
     keys = jnp.concatenate([cache_kv, tail_kv.astype(cache_kv.dtype)], axis=1)    # [B, S + TK, C]
     readable = jnp.concatenate([in_cache, in_tail], axis=-1).any(0)               # [B, S + TK]
-    keys = jnp.where(readable[..., None], keys, jnp.zeros((), keys.dtype))        # NaN-safe
+    return dense_split_partials(q_rows, keys, sees, readable, scale=scale, kv_lora_rank=L,
+                                valid_rows=valid_rows)
+
+
+def dense_split_partials(q_rows, keys, sees, readable, *, scale, kv_lora_rank, valid_rows=None):
+    """The twins' dense core: each split's normalised attention of the rows over the keys it sees.
+
+    q_rows [B, Np, C], keys [B, K, C], sees bool [NS, B, Np, K], readable bool [B, K] (the keys some split
+    reads; the rest are zeroed first, so NaN garbage there cannot leak) -> (o [NS, B, V, L] bf16, lse
+    [NS, B, V] f32, natural log; a row that sees nothing in a split: o = 0, lse = -inf)."""
+    L = kv_lora_rank
+    keys = jnp.where(readable[..., None], keys, jnp.zeros((), keys.dtype))
     s = jnp.einsum("bnc,bkc->bnk", q_rows, keys, preferred_element_type=jnp.float32) * scale
     s = jnp.where(sees, s[None], -jnp.inf)
     m = s.max(-1, keepdims=True)
@@ -423,7 +447,7 @@ def split_attention_ref(q_rows, cache_kv, prefix_len, tail_kv, tail_bits, *, sca
     empty = l == 0.0
     o = jnp.where(empty[..., None], 0.0, o / jnp.where(empty, 1.0, l)[..., None]).astype(jnp.bfloat16)
     lse = jnp.where(empty, -jnp.inf, m[..., 0] + jnp.log(jnp.where(empty, 1.0, l)))
-    V = _check_valid_rows(valid_rows, Np)
+    V = _check_valid_rows(valid_rows, q_rows.shape[1])
     return o[:, :, :V], lse[:, :, :V]
 
 
@@ -452,10 +476,12 @@ def tree_attention_mgpu(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, k
     q [B, T, H, C] bf16, cache_kv [B, S, C] bf16, prefix_len [B] int32 (values outside [0, S] are
     clamped), tree_kv [B, T, C] bf16, tree_mask [B, T, T] bool (diagonal True). Returns out [B, T, H, L]
     bf16 (and lse [B, T, H] f32 with ``return_lse``). ``num_splits`` defaults to :func:`default_splits`
-    for ``num_sms`` SMs. ``kernel`` is :func:`split_attention`, ``mla_attention_narrow.split_attention_narrow``
-    (keys as wgmma's M, for at most 32 real rows; by default where T*H <= 32, block_k = 64 and
-    C >= L + 64), or their twin :func:`split_attention_ref` (CPU tests of everything around the kernel);
-    ``stages`` defaults to the kernel's own. ``combine`` merges several splits:
+    for ``num_sms`` SMs. ``kernel`` is :func:`split_attention` (on ``tail_inputs``) or its twin
+    :func:`split_attention_ref` (CPU tests of everything around the kernel), or one of
+    ``mla_attention_narrow.NARROW_KERNELS`` (on ``tree_inputs``: keys as wgmma's M and the prefix read in
+    place, for at most 32 real rows; by default where T*H <= 32, block_k = 64, C >= L + 64 and S % 64 == 0);
+    tree_kv may carry padding rows past T (``tree_attention``'s contract; the narrow kernel reads
+    [B, 64 k, C] latents as they are); ``stages`` defaults to the kernel's own. ``combine`` merges several splits:
     ``split_combine.combine_splits`` (one Pallas-Triton launch), or its XLA twin ``combine_splits_ref``
     (CPU tests; the A/B of ``profile_kernels``). ``interpret=True`` is refused: JAX's Mosaic GPU
     interpreter (0.10) has neither register-operand wgmma nor accumulator stores; CPU tests lower the
@@ -471,16 +497,19 @@ def tree_attention_mgpu(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, k
     L, N = kv_lora_rank, T * H
     qr = fold_rows(q, ROWS)
     plen = jnp.clip(prefix_len.astype(jnp.int32), 0, S)
-    tail_kv, tail_bits = tail_inputs(cache_kv, plen, tree_kv, tree_mask, H, qr.shape[1], block_k)
     if num_splits is None:
         num_splits = splits_for(B, T, H, S, block_k, num_sms)
     valid_rows = valid_rows_for(T, H)
+    from pallas_kernels import mla_attention_narrow as narrow  # lazy: it imports this module
     if kernel is None:
-        from pallas_kernels.mla_attention_narrow import NARROW_MAX_ROWS, split_attention_narrow  # it imports this
-        narrow = valid_rows is not None and valid_rows <= NARROW_MAX_ROWS and block_k == 64 and L + 64 <= C
-        kernel = split_attention_narrow if narrow else split_attention
+        fits = valid_rows is not None and valid_rows <= narrow.NARROW_MAX_ROWS and block_k == 64 and L + 64 <= C
+        kernel = narrow.split_attention_narrow if fits and S % 64 == 0 else split_attention
+    if kernel in narrow.NARROW_KERNELS:  # the prefix read in place, the tree padded to whole blocks
+        keys, bits = narrow.tree_inputs(tree_kv, tree_mask, H, qr.shape[1], block_k)
+    else:
+        keys, bits = tail_inputs(cache_kv, plen, tree_kv, tree_mask, H, qr.shape[1], block_k)
     stage_kw = {} if stages is None else {"stages": stages}
-    o, lse = kernel(qr, cache_kv, plen, tail_kv, tail_bits, scale=scale, kv_lora_rank=L, block_k=block_k,
+    o, lse = kernel(qr, cache_kv, plen, keys, bits, scale=scale, kv_lora_rank=L, block_k=block_k,
                     num_splits=int(num_splits), share_scores=share_scores, valid_rows=valid_rows, **stage_kw)
     if num_splits == 1:  # every row sees its own node: lse is finite
         out, lse = o[0], lse[0]

@@ -1,11 +1,11 @@
-"""MLA decode attention for few query rows on Hopper: ``split_attention`` with A and B swapped.
+"""MLA decode attention for few query rows on Hopper, reading the prefix and the tree in place.
 
-Same contract as ``mla_attention_mgpu.split_attention`` (and the same twin, ``split_attention_ref``), for
-one 64-row tile of which only the first V rows are real (``valid_rows``, a multiple of 8 up to
-``NARROW_MAX_ROWS``): a decode step of T = 1 at H = 8 heads (tensor parallelism over 8 GPUs) is 8 rows.
-``tree_attention_mgpu`` uses it by default for such steps. The 64-row kernel computes q·kᵀ and p·v for
-all 64 rows, 7/8 of it padding at V = 8 (Nsight Compute: the tensor pipe 43-52 % busy at T = 1, H = 8;
-``experiments/RESULTS.md``, session 15). Here the keys are wgmma's M and the V rows its N:
+The 64-row kernel (``mla_attention_mgpu.split_attention``) with wgmma's A and B swapped, for one 64-row
+tile of which only the first V rows are real (``valid_rows``, a multiple of 8 up to ``NARROW_MAX_ROWS``):
+a decode step of T = 1 at H = 8 heads (tensor parallelism over 8 GPUs) is 8 rows. ``tree_attention_mgpu``
+uses it by default for such steps. The 64-row kernel computes q·kᵀ and p·v for all 64 rows, 7/8 of it
+padding at V = 8 (Nsight Compute: the tensor pipe 43-52 % busy at T = 1, H = 8; ``experiments/RESULTS.md``,
+session 15). Here the keys are wgmma's M and the V rows its N:
 
 * sᵀ [BK, V] = k [BK, C] · qᵀ: the key block from shared memory as A, the V query rows as B;
 * the online softmax reduces over sᵀ's rows (keys, across the warpgroup's warps): the max per key block,
@@ -13,13 +13,19 @@ all 64 rows, 7/8 of it padding at V = 8 (Nsight Compute: the tensor pipe 43-52 %
 * oᵀ [L, V] += vᵀ [L, BK] · pᵀ [BK, V]: the value columns of the key block, transposed, as A; pᵀ as B,
   written into the block's rope columns, which q·kᵀ has read and p·v does not.
 
-Two warpgroups: a producer of TMA copies (as in ``split_attention``) and one consumer, which reads a tail
-block's mask words straight from global memory (a few words per row, one block per stream at decode).
-The query tile is V x C (9 KB at V = 8 instead of 72); the output tile and the LSE row reuse it. Three
-72 KB key blocks would fit at V = 8 (``narrow_smem_bytes``), but the copy pipeline alone is no faster
-with three than with two, nor is the kernel, so two it is. On the H200 (session 16, RESULTS.md) it is
-5-9 % faster than the 64-row kernel at T = 1, H = 8 and 2-4 % at T = 2-4, and the kernel takes 3-11 % longer
-than its own copy pipeline alone over the same blocks.
+Keys, in place (no tail copy built in XLA, unlike the 64-row kernel's ``tail_inputs``): each stream's
+sequence is NBP = ceil(prefix_len / BK) cache blocks, the last one partial when BK does not divide
+prefix_len, then TP / BK tree blocks of ``tree_kv`` padded to whole blocks (``tree_inputs``). The partial
+block is masked to its first prefix_len % BK keys and its other rows' value columns are zeroed in shared
+memory before use (NaN garbage past the prefix cannot leak); tree blocks are masked per row by mask words
+read straight from global memory (two per row and block). At T = 1 the words are a constant, and the
+model hands over its latents already padded (``ddtree_jax.model``), so the op is this kernel and the
+split merge: two launches. The cache capacity S must be a multiple of BK (the last block stays in bounds).
+
+Two warpgroups: a producer of TMA copies (``stream_key_blocks``, as in ``split_attention``) and one
+consumer. The query tile is V x C (9 KB at V = 8 instead of 72); the output tile and the LSE row reuse it.
+Three 72 KB key blocks would fit at V = 8 (``narrow_smem_bytes``), but the copy pipeline alone is no faster
+with three than with two, nor is the kernel, so two it is. Its twin is :func:`split_attention_narrow_ref`.
 """
 
 from __future__ import annotations
@@ -31,7 +37,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.mla_attention_mgpu import MASKED, ROWS, SMEM_LIMIT, WORD, _split_range, stream_key_blocks
+import numpy as np
+
+from pallas_kernels.mla_attention_mgpu import (MASKED, ROWS, SMEM_LIMIT, WORD, _split_range, dense_split_partials,
+                                               pack_bits, stream_key_blocks, unpack_bits)
 from pallas_kernels.tree_attention import _LN2, _LOG2E
 
 try:
@@ -39,7 +48,8 @@ try:
 except ImportError:  # pragma: no cover
     plgpu = None
 
-__all__ = ["split_attention_narrow", "narrow_smem_bytes", "NARROW_MAX_ROWS"]
+__all__ = ["split_attention_narrow", "split_attention_narrow_ref", "tree_inputs", "pad_tree_latents", "narrow_smem_bytes",
+           "NARROW_MAX_ROWS", "NARROW_KERNELS"]
 
 NARROW_MAX_ROWS = 32
 SMEM_ALIGNMENT = 1024  # Mosaic GPU starts every shared-memory buffer on this boundary
@@ -60,27 +70,100 @@ def narrow_smem_bytes(V: int, C: int, block_k: int, stages: int, L: int = 512) -
     return stages * _aligned(2 * block_k * C) + q_or_out + _aligned(REDUCTION_SCRATCH) + barriers
 
 
-def split_attention_narrow(q_rows, cache_kv, prefix_len, tail_kv, tail_bits, *, scale, kv_lora_rank, block_k=64,
-                           stages=2, num_splits=1, share_scores=True, valid_rows=None):
-    """``split_attention`` for V <= ``NARROW_MAX_ROWS`` real rows of one 64-row tile (module docstring).
+def pad_tree_latents(tree_kv, block_k: int = 64):
+    """tree_kv [B, T, C] -> [B, TP, C], zero-padded to whole ``block_k`` blocks where T <= ``NARROW_MAX_ROWS``
+    (the trees this kernel can take; it then reads them in place), else unchanged. The model pads its block
+    latents this way for the attention, inside the fusion that produces them."""
+    T = tree_kv.shape[1]
+    if T > NARROW_MAX_ROWS or T % block_k == 0:
+        return tree_kv
+    return jnp.pad(tree_kv, ((0, 0), (0, -T % block_k), (0, 0)))
 
-    q_rows [B, 64, C] bf16 (rows V.. are ignored), cache_kv [B, S, C], prefix_len [B] int32 in [0, S],
-    tail_kv [B, TK, C], tail_bits int32 [B, TK/32, 64] -> (o [NS, B, V, L] bf16, lse [NS, B, V] f32, natural
-    log). ``share_scores`` is accepted for the common signature and unused (one consumer)."""
-    del share_scores
-    if plgpu is None:
-        raise RuntimeError("jax.experimental.pallas.mosaic_gpu is not available in this JAX")
+
+def tree_inputs(tree_kv, tree_mask, heads: int, rows: int, block_k: int = 64):
+    """The tree part of the narrow kernel's keys (XLA; none of it per layer in the model, see below).
+
+    tree_kv [B, T', C] (T' >= T: the T latents, then padding rows, which must be finite), tree_mask
+    [B, T, T] bool (diagonal True), ``heads`` H, ``rows`` Np >= T*H. Returns tree_keys [B, TP, C], TP = T
+    rounded up to whole blocks (``tree_kv`` itself when T' == TP, else its first T rows and zeros), and
+    tree_bits int32 [B, TP/32, Np]: bit k of word w of row r says whether row r (node r // H) may see tree
+    key 32 w + k (padding rows see none). tree_bits depends on the mask alone, so in the model XLA computes
+    it once per step for all layers; at T = 1 it is a constant (row r < H sees key 0: the only mask a
+    one-node tree may have)."""
+    B, T, _ = tree_mask.shape
+    TP = -(-T // block_k) * block_k
+    if tree_kv.shape[1] != TP:
+        tree_kv = jnp.pad(tree_kv[:, :T], ((0, 0), (0, TP - T), (0, 0)))
+    row = np.arange(rows)
+    if T == 1:
+        words = np.zeros((B, TP // WORD, rows), np.int32)
+        words[:, 0, :] = row < heads
+        return tree_kv, jnp.asarray(words)
+    sees = jnp.swapaxes(tree_mask, 1, 2)[:, :, np.minimum(row // heads, T - 1)] & (row < T * heads)  # [B, T, Np]
+    return tree_kv, pack_bits(jnp.pad(sees, ((0, 0), (0, TP - T), (0, 0))))
+
+
+def _check_inputs(q_rows, cache_kv, tree_kv, tree_bits, block_k, valid_rows):
     B, Np, C = q_rows.shape
-    TK = tail_kv.shape[1]
-    L = kv_lora_rank
-    BK, NS = int(block_k), int(num_splits)
-    WB = BK // WORD
+    S, TP = cache_kv.shape[1], tree_kv.shape[1]
     V = valid_rows
     if Np != ROWS or V is None or not (0 < V <= NARROW_MAX_ROWS and V % 8 == 0):
         raise ValueError(f"split_attention_narrow takes one {ROWS}-row tile with valid_rows a multiple of 8 up to "
                          f"{NARROW_MAX_ROWS}; got {Np} rows, valid_rows={V}")
-    if BK != 64:
-        raise ValueError(f"block_k={BK}: the narrow kernel reads 64-key blocks")
+    if block_k != 64:
+        raise ValueError(f"block_k={block_k}: the narrow kernel reads 64-key blocks")
+    if S % block_k:
+        raise ValueError(f"cache capacity S={S} must be a multiple of block_k={block_k} (the prefix's last, "
+                         "partial block is read in place)")
+    if tree_kv.shape != (B, TP, C) or TP % block_k or TP == 0 or tree_bits.shape != (B, TP // WORD, Np) \
+            or tree_bits.dtype != jnp.int32:
+        raise ValueError(f"tree_kv {tree_kv.shape} / tree_bits {tree_bits.dtype}{tree_bits.shape} must be "
+                         f"[B, TP, C] with TP a positive multiple of {block_k} and int32 [B, TP/{WORD}, {Np}] "
+                         f"for B={B}, C={C} (``tree_inputs``)")
+    return B, C, S, TP, V
+
+
+def split_attention_narrow_ref(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, kv_lora_rank, block_k=64,
+                               stages=2, num_splits=1, share_scores=True, valid_rows=None):
+    """Pure-JAX twin of :func:`split_attention_narrow` (same signature and outputs, split ranges included;
+    ``stages`` and ``share_scores`` unused). Dense [NS, B, Np, S + TP] f32 scores: for tests."""
+    del stages, share_scores
+    B, C, S, TP, V = _check_inputs(q_rows, cache_kv, tree_kv, tree_bits, int(block_k), valid_rows)
+    BK, NS, Np = int(block_k), int(num_splits), q_rows.shape[1]
+    plen = jnp.clip(prefix_len.astype(jnp.int32), 0, S)
+    nbp = -(-plen // BK)                                                            # [B] cache blocks read
+    lo, mid, hi = _split_range(nbp[None], TP // BK, jnp.arange(NS)[:, None], NS)    # [NS, B]
+    cache_block = jnp.arange(S) // BK
+    in_cache = (cache_block >= lo[..., None]) & (cache_block < mid[..., None]) \
+        & (jnp.arange(S) < plen[:, None])                                           # [NS, B, S]
+    tree_block = nbp[None, :, None] + jnp.arange(TP) // BK
+    in_tree = (tree_block >= mid[..., None]) & (tree_block < hi[..., None])         # [NS, B, TP]
+    sees = jnp.concatenate([jnp.broadcast_to(in_cache[:, :, None, :], (NS, B, Np, S)),
+                            in_tree[:, :, None, :] & unpack_bits(tree_bits, TP)[None]], axis=-1)
+    keys = jnp.concatenate([cache_kv, tree_kv.astype(cache_kv.dtype)], axis=1)     # [B, S + TP, C]
+    readable = jnp.concatenate([in_cache, in_tree], axis=-1).any(0)
+    return dense_split_partials(q_rows, keys, sees, readable, scale=scale, kv_lora_rank=kv_lora_rank,
+                                valid_rows=V)
+
+
+def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, kv_lora_rank, block_k=64,
+                           stages=2, num_splits=1, share_scores=True, valid_rows=None):
+    """Attention of V <= ``NARROW_MAX_ROWS`` real rows of one 64-row tile over each stream's prefix, read
+    in place, and its tree (module docstring), in NS splits.
+
+    q_rows [B, 64, C] bf16 (rows V.. are ignored), cache_kv [B, S, C] bf16 (S % 64 == 0), prefix_len [B]
+    int32 in [0, S] (``tree_attention_mgpu`` clamps it), tree_kv [B, TP, C] bf16 and tree_bits int32
+    [B, TP/32, 64] (``tree_inputs``). Split s takes the blocks ``_split_range(NBP, TP/64, s, NS)`` gives it.
+    Returns (o [NS, B, V, L] bf16, lse [NS, B, V] f32, natural log), each split normalised on its own; a row
+    that sees no key in a split has o = 0 and lse = -inf there. ``share_scores`` is accepted for the common
+    signature and unused (one consumer)."""
+    del share_scores
+    if plgpu is None:
+        raise RuntimeError("jax.experimental.pallas.mosaic_gpu is not available in this JAX")
+    BK, NS = int(block_k), int(num_splits)
+    B, C, S, TP, V = _check_inputs(q_rows, cache_kv, tree_kv, tree_bits, BK, valid_rows)
+    L = kv_lora_rank
+    WB = BK // WORD
     if C % 64 or L % 64 or L + BK > C:
         raise ValueError(f"C={C}, L={L}: C and L must be multiples of 64 with L + {BK} <= C (pᵀ takes a key "
                          f"block's last {BK} columns)")
@@ -89,13 +172,10 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tail_kv, tail_bits, *, 
     smem = narrow_smem_bytes(V, C, BK, stages, L)
     if smem > SMEM_LIMIT:
         raise ValueError(f"valid_rows={V}, stages={stages} need {smem} bytes of shared memory (limit {SMEM_LIMIT})")
-    if tail_kv.shape != (B, TK, C) or TK % BK or tail_bits.shape != (B, TK // WORD, Np) \
-            or tail_bits.dtype != jnp.int32:
-        raise ValueError(f"tail_kv {tail_kv.shape} / tail_bits {tail_bits.dtype}{tail_bits.shape} must be "
-                         f"[B, TK, C] with TK % {BK} == 0 and int32 [B, TK/{WORD}, {Np}] for B={B}, C={C}")
     scale_log2 = float(scale) * _LOG2E
-    TB = TK // BK
+    TB = TP // BK
     col_layout = plgpu.Layout.WGMMA.reduce(0)  # a [V] vector along sᵀ's and oᵀ's columns
+    WHOLE, PARTIAL, TREE = range(3)  # the kinds of key block
 
     def narrow_body(plen_ref, q_ref, kv_ref, tkv_ref, bits_ref, o_ref, lse_ref, q_or_out, k_smem, q_bar, k_bars,
                     consumed_bars):
@@ -103,15 +183,19 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tail_kv, tail_bits, *, 
         b = lax.axis_index("stream")
         sp = lax.axis_index("split")
         wg = lax.axis_index("wg")
-        nb = plen_ref[b] // BK
-        lo, mid, hi = _split_range(nb, TB, sp, NS)
-        n_cache, n_all = mid - lo, hi - lo
+        plen = plen_ref[b]
+        nb = plen // BK
+        rem = plen - nb * BK  # keys of the partial block
+        nbp = nb + (rem > 0).astype(jnp.int32)
+        lo, mid, hi = _split_range(nbp, TB, sp, NS)
+        # steps by kind: [0, n_whole) whole cache blocks, [n_whole, n_cache) the partial one, [n_cache, n_all) tree
+        n_whole, n_cache, n_all = jnp.clip(nb, lo, mid) - lo, mid - lo, hi - lo
 
         @pl.when(wg == 1)
         def _producer():
             plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(0, V)], q_smem, q_bar)
 
-            stream_key_blocks(kv_ref, tkv_ref, b, lo, nb, n_cache, n_all, k_smem, k_bars, consumed_bars, stages, BK)
+            stream_key_blocks(kv_ref, tkv_ref, b, lo, nbp, n_cache, n_all, k_smem, k_bars, consumed_bars, stages, BK)
 
         @pl.when(wg == 0)
         def _consumer():
@@ -121,20 +205,29 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tail_kv, tail_bits, *, 
             # the warps (the max) instead of two
             l0 = plgpu.layout_cast(jnp.full((BK, V), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
-            def scores(j, slot, masked):  # sᵀ [BK, V], log2 units
+            def zero_past_prefix(slot):  # the partial block's rows past the prefix, value columns: NaN-safe p·v
+                row = plgpu.broadcasted_iota(jnp.int32, (BK, 64), 0, layout=plgpu.Layout.WGMMA)
+                for c in range(L // 64):
+                    chunk = k_smem.at[slot, :, pl.ds(c * 64, 64)]
+                    chunk[...] = jnp.where(row < rem, chunk[...], jnp.zeros((), jnp.bfloat16))
+                plgpu.commit_smem()
+
+            def scores(j, slot, kind):  # sᵀ [BK, V], log2 units
                 def qk(s_ref):
                     plgpu.wgmma(s_ref, k_smem.at[slot], plgpu.transpose_ref(q_smem, (1, 0)))
                     return s_ref[...]
 
-                if masked:  # the tail block's mask words, straight from global memory (a few per row)
-                    t = lo + j - nb
+                if kind == TREE:  # the tree block's mask words, straight from global memory (two per row)
+                    t = lo + j - nbp
                     row_words = [plgpu.load(bits_ref, (b, t * WB + w, pl.ds(0, V)), layout=col_layout,
                                             optimized=False)
                                  for w in range(WB)]
                 s = pl.run_scoped(qk, plgpu.ACC((BK, V), jnp.float32)) * scale_log2
-                if not masked:
-                    return s
                 key = plgpu.broadcasted_iota(jnp.int32, (BK, V), 0, layout=plgpu.Layout.WGMMA)
+                if kind == WHOLE:
+                    return s
+                if kind == PARTIAL:
+                    return jnp.where(key < rem, s, MASKED)
                 word = None
                 for w, words in enumerate(row_words):  # the word holding each key's bit, per query row
                     ww = lax.broadcast_in_dim(words, s.shape, [1])
@@ -143,11 +236,13 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tail_kv, tail_bits, *, 
                 return jnp.where(seen != 0, s, MASKED)
 
             def flash_loop(acc_ref):  # oᵀ [L, V] starts at zero
-                def step(masked, j, carry):
+                def step(kind, j, carry):
                     m, l = carry
                     slot = lax.rem(j, stages)
                     plgpu.barrier_wait(k_bars.at[slot])
-                    s = scores(j, slot, masked)
+                    if kind == PARTIAL:
+                        zero_past_prefix(slot)
+                    s = scores(j, slot, kind)
                     m_new = jnp.maximum(m, s.max(axis=0))
                     alpha = jnp.exp2(m - m_new)
                     p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [1]))
@@ -164,8 +259,9 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tail_kv, tail_bits, *, 
                     plgpu.barrier_arrive(consumed_bars.at[slot])
                     return m_new, l
 
-                carry = lax.fori_loop(0, n_cache, functools.partial(step, False), (m0, l0))
-                carry = lax.fori_loop(n_cache, n_all, functools.partial(step, True), carry)
+                carry = lax.fori_loop(0, n_whole, functools.partial(step, WHOLE), (m0, l0))
+                carry = lax.fori_loop(n_whole, n_cache, functools.partial(step, PARTIAL), carry)  # 0 or 1 block
+                carry = lax.fori_loop(n_cache, n_all, functools.partial(step, TREE), carry)
                 return (acc_ref[...],) + carry
 
             acc, m, l = pl.run_scoped(flash_loop, plgpu.ACC((L, V), jnp.float32))
@@ -197,4 +293,8 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tail_kv, tail_bits, *, 
         num_threads=2, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=REDUCTION_SCRATCH),
     )
-    return kernel(prefix_len.astype(jnp.int32), q_rows, cache_kv, tail_kv, tail_bits)  # lse in natural log
+    return kernel(prefix_len.astype(jnp.int32), q_rows, cache_kv, tree_kv, tree_bits)  # lse in natural log
+
+
+# the kernels that take ``tree_inputs`` in place of ``mla_attention_mgpu.tail_inputs``
+NARROW_KERNELS = (split_attention_narrow, split_attention_narrow_ref)

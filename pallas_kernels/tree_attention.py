@@ -22,7 +22,9 @@ Arguments
     cache_kv   [B, S, C]     latent cache; only rows < prefix_len[b] are read into the result (rows
                              beyond may hold anything, NaN included).
     prefix_len [B] int32     committed length per stream, 0 <= prefix_len <= S (clamped to S).
-    tree_kv    [B, T, C]     latents of the T new tokens.
+    tree_kv    [B, T, C]     latents of the T new tokens; or [B, T', C], T' > T, followed by padding rows,
+                             which must be finite (zeros): the model pads to whole 64-key blocks so
+                             that the Mosaic GPU decode kernel reads them in place.
     tree_mask  [B, T, T]     bool, tree_mask[b, i, j]: node i may see node j. The diagonal must be True.
     scale      float         softmax scale applied to the full C-wide dot (K2.6: 0.14468, not C^-0.5).
     kv_lora_rank int         L; the value is the first L dims of each key row.
@@ -100,8 +102,9 @@ def _check_shapes(q, cache_kv, prefix_len, tree_kv, tree_mask, kv_lora_rank):
         raise ValueError(f"cache_kv must be [B, S, C]={B, 'S', C}, got {cache_kv.shape}")
     if prefix_len.shape != (B,):
         raise ValueError(f"prefix_len must be [B]={B}, got {prefix_len.shape}")
-    if tree_kv.shape != (B, T, C):
-        raise ValueError(f"tree_kv must be [B, T, C]={(B, T, C)}, got {tree_kv.shape}")
+    if tree_kv.ndim != 3 or tree_kv.shape[0] != B or tree_kv.shape[1] < T or tree_kv.shape[2] != C:
+        raise ValueError(f"tree_kv must be [B, T, C]={(B, T, C)} (or [B, T', C] with T' > T padding rows), "
+                         f"got {tree_kv.shape}")
     if tree_mask.shape != (B, T, T):
         raise ValueError(f"tree_mask must be [B, T, T]={(B, T, T)}, got {tree_mask.shape}")
     if not 0 < kv_lora_rank <= C:
@@ -172,7 +175,7 @@ def tree_attention_ref(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, kv
         n_chunks = (jnp.max(plen, initial=0) + chunk - 1) // chunk
         carry = lax.fori_loop(0, n_chunks, body, carry)
 
-    tk = tree_kv.astype(cdt)
+    tk = tree_kv[:, :T].astype(cdt)  # padding rows, if any, dropped
     s_t = jnp.einsum("bthc,bkc->bthk", qc, tk, preferred_element_type=f32, precision=prec) * scale
     s_t = jnp.where(tree_mask[:, :, None, :], s_t, -jnp.inf)
     m, l, acc = update(carry, s_t, tk[..., :L])
@@ -346,7 +349,7 @@ def tree_attention(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, kv_lor
     NT = -(-T // BT)
     Tk = NT * BT
     Tn = max(T, -(-Np // H))
-    tkv = tree_kv.astype(dt)
+    tkv = tree_kv[:, :T].astype(dt)
     if Tk != T:
         tkv = jnp.pad(tkv, ((0, 0), (0, Tk - T), (0, 0)))
     mask = tree_mask.astype(jnp.int32)

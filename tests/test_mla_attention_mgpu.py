@@ -285,13 +285,14 @@ def latent_model(seed=0, abstract=False):
     return nnx.eval_shape(make) if abstract else make()
 
 
-def cached_verify_logits(model, prompt, block, runtime):
-    """Prefill ``prompt`` [B, P] into a cache, then verify ``block`` [B, T] (causal) on top of it."""
+def cached_verify_logits(model, prompt, block, runtime, capacity=None):
+    """Prefill ``prompt`` [B, P] into a cache (``capacity`` slots, default P + T + 71), then verify ``block``
+    [B, T] (causal) on top of it."""
     from ddtree_jax.cache import commit, init_cache
     from ddtree_jax.model import causal_mask
     b, p = prompt.shape
     t = block.shape[1]
-    cache = init_cache(model.cfg, b, p + t + 71)   # 280 slots: the Mosaic kernel needs S % 8 == 0
+    cache = init_cache(model.cfg, b, capacity or p + t + 71)   # 280 slots: the Mosaic kernel needs S % 8 == 0
     pos = jnp.broadcast_to(jnp.arange(p), (b, p))
     out = model(prompt, pos, cache, causal_mask(b, p), runtime=runtime)
     cache, _ = commit(cache, out.block_kv, jnp.broadcast_to(jnp.arange(p), (b, p)), jnp.full((b,), p, jnp.int32))
@@ -318,27 +319,51 @@ def test_model_verify_lowers_to_the_kernel_for_cuda():
     assert "mosaic_gpu" not in staged.lower(lowering_platforms=("cpu",)).as_text()
 
 
-def model_cached_verify_check():
+def model_cached_verify_check(block_len=9, capacity=None):
     """Cached verify on the dispatcher's attention == the same on the twin == one full forward."""
     from ddtree_jax.cache import init_cache
     from ddtree_jax.model import Runtime, causal_mask
     model = latent_model()
     rng = np.random.default_rng(0)
-    prompt = jnp.asarray(rng.integers(0, 256, (2, 200)), jnp.int32)   # 3 whole key blocks + 8 keys
-    block = jnp.asarray(rng.integers(0, 256, (2, 9)), jnp.int32)      # 72 query rows
-    kernel = cached_verify_logits(model, prompt, block, Runtime())
-    twin = cached_verify_logits(model, prompt, block, Runtime(attention_fn=tree_attention_ref))
+    prompt = jnp.asarray(rng.integers(0, 256, (2, 200)), jnp.int32)        # 3 whole key blocks + 8 keys
+    block = jnp.asarray(rng.integers(0, 256, (2, block_len)), jnp.int32)   # 9: 72 query rows
+    kernel = cached_verify_logits(model, prompt, block, Runtime(), capacity)
+    twin = cached_verify_logits(model, prompt, block, Runtime(attention_fn=tree_attention_ref), capacity)
+    n = 200 + block_len
     both = jnp.concatenate([prompt, block], 1)
-    full = model(both, jnp.broadcast_to(jnp.arange(209), (2, 209)), init_cache(model.cfg, 2, 209),
-                 causal_mask(2, 209), runtime=Runtime(attention_fn=tree_attention_ref)).logits[:, 200:]
+    full = model(both, jnp.broadcast_to(jnp.arange(n), (2, n)), init_cache(model.cfg, 2, n),
+                 causal_mask(2, n), runtime=Runtime(attention_fn=tree_attention_ref)).logits[:, 200:]
     rel = lambda a, b: float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))  # noqa: E731
     assert bool(jnp.all(jnp.isfinite(kernel)))
     assert rel(kernel, twin) < 2e-2 and rel(kernel, full) < 2e-2
 
 
 @pytest.mark.gpu
-def test_gpu_model_cached_verify_matches_twin_and_full_forward():
-    model_cached_verify_check()
+@pytest.mark.parametrize("block_len,capacity", [(9, None), (1, 256), (4, 256)])
+def test_gpu_model_cached_verify_matches_twin_and_full_forward(block_len, capacity):
+    """72 rows (the 64-row kernel), and 8 and 32 rows over a 256-slot cache (the narrow kernel, whose
+    prefix ends inside a block and whose tree latents the model pads)."""
+    model_cached_verify_check(block_len, capacity)
+
+
+def test_model_decode_lowers_to_the_narrow_kernel_for_cuda():
+    """A decode step (T = 1, 8 heads) over a cache of whole 64-key blocks: the narrow kernel reads the padded
+    latents in place (no tail gather), and the CPU lowering runs the twin."""
+    from flax import nnx
+
+    from ddtree_jax.cache import init_cache
+    from ddtree_jax.model import Runtime, causal_mask
+    model = latent_model(abstract=True)
+    graphdef, state = nnx.split(model)
+
+    def decode(state, tokens):
+        cache = init_cache(model.cfg, 2, 256)
+        m = nnx.merge(graphdef, state)
+        return m(tokens, jnp.zeros((2, 1), jnp.int32), cache, causal_mask(2, 1), runtime=Runtime()).logits
+
+    staged = jax.jit(decode).trace(state, jax.ShapeDtypeStruct((2, 1), jnp.int32))
+    assert staged.lower(lowering_platforms=("cuda",)).as_text().count("narrow_body") >= 2  # one per layer
+    assert "mosaic_gpu" not in staged.lower(lowering_platforms=("cpu",)).as_text()
 
 
 def test_sharded_latent_attention_equals_unsharded_and_lowers_to_local_kernels():
