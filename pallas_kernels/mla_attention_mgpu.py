@@ -495,7 +495,6 @@ def tree_attention_mgpu(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, k
     if problem:
         raise ValueError(f"tree_attention_mgpu cannot take {problem}; use tree_attention_ref")
     L, N = kv_lora_rank, T * H
-    qr = fold_rows(q, ROWS)
     plen = jnp.clip(prefix_len.astype(jnp.int32), 0, S)
     if num_splits is None:
         num_splits = splits_for(B, T, H, S, block_k, num_sms)
@@ -504,9 +503,11 @@ def tree_attention_mgpu(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, k
     if kernel is None:
         fits = valid_rows is not None and valid_rows <= narrow.NARROW_MAX_ROWS and block_k == 64 and L + 64 <= C
         kernel = narrow.split_attention_narrow if fits and S % 64 == 0 else split_attention
-    if kernel in narrow.NARROW_KERNELS:  # the prefix read in place, the tree padded to whole blocks
-        keys, bits = narrow.tree_inputs(tree_kv, tree_mask, H, qr.shape[1], block_k)
-    else:
+    if kernel in narrow.NARROW_KERNELS:  # the real rows alone, the prefix read in place, the tree in whole blocks
+        qr = q.reshape(B, N, C)
+        keys, bits = narrow.tree_inputs(tree_kv, tree_mask, H, N, block_k)
+    else:  # whole 64-row tiles and the tail built in XLA
+        qr = fold_rows(q, ROWS)
         keys, bits = tail_inputs(cache_kv, plen, tree_kv, tree_mask, H, qr.shape[1], block_k)
     stage_kw = {} if stages is None else {"stages": stages}
     o, lse = kernel(qr, cache_kv, plen, keys, bits, scale=scale, kv_lora_rank=L, block_k=block_k,

@@ -107,9 +107,10 @@ def _check_inputs(q_rows, cache_kv, tree_kv, tree_bits, block_k, valid_rows):
     B, Np, C = q_rows.shape
     S, TP = cache_kv.shape[1], tree_kv.shape[1]
     V = valid_rows
-    if Np != ROWS or V is None or not (0 < V <= NARROW_MAX_ROWS and V % 8 == 0):
-        raise ValueError(f"split_attention_narrow takes one {ROWS}-row tile with valid_rows a multiple of 8 up to "
-                         f"{NARROW_MAX_ROWS}; got {Np} rows, valid_rows={V}")
+    if V is None or not (0 < V <= NARROW_MAX_ROWS and V % 8 == 0) or Np not in (V, ROWS):
+        raise ValueError(f"split_attention_narrow takes V query rows, or one {ROWS}-row tile of which the first V "
+                         f"are real, with valid_rows V a multiple of 8 up to {NARROW_MAX_ROWS}; got {Np} rows, "
+                         f"valid_rows={V}")
     if block_k != 64:
         raise ValueError(f"block_k={block_k}: the narrow kernel reads 64-key blocks")
     if S % block_k:
@@ -148,12 +149,13 @@ def split_attention_narrow_ref(q_rows, cache_kv, prefix_len, tree_kv, tree_bits,
 
 def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, kv_lora_rank, block_k=64,
                            stages=2, num_splits=1, share_scores=True, valid_rows=None):
-    """Attention of V <= ``NARROW_MAX_ROWS`` real rows of one 64-row tile over each stream's prefix, read
-    in place, and its tree (module docstring), in NS splits.
+    """Attention of V <= ``NARROW_MAX_ROWS`` query rows over each stream's prefix, read in place, and its tree
+    (module docstring), in NS splits.
 
-    q_rows [B, 64, C] bf16 (rows V.. are ignored), cache_kv [B, S, C] bf16 (S % 64 == 0), prefix_len [B]
+    q_rows [B, R, C] bf16 with R = V (``tree_attention_mgpu`` hands over exactly the real rows: no padded
+    copy of the queries) or R = 64 (rows V.. are ignored), cache_kv [B, S, C] bf16 (S % 64 == 0), prefix_len [B]
     int32 in [0, S] (``tree_attention_mgpu`` clamps it), tree_kv [B, TP, C] bf16 and tree_bits int32
-    [B, TP/32, 64] (``tree_inputs``). Split s takes the blocks ``_split_range(NBP, TP/64, s, NS)`` gives it.
+    [B, TP/32, R] (``tree_inputs``). Split s takes the blocks ``_split_range(NBP, TP/64, s, NS)`` gives it.
     Returns (o [NS, B, V, L] bf16, lse [NS, B, V] f32, natural log), each split normalised on its own; a row
     that sees no key in a split has o = 0 and lse = -inf there. ``share_scores`` is accepted for the common
     signature and unused (one consumer)."""

@@ -75,6 +75,11 @@ def test_twin_matches_float64_reference_per_split(B, T, H, S, plens, kind, NS):
     up = lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16), np.float64)  # noqa: E731 (the twin's bf16 inputs)
     r_o, r_l = narrow_split_reference(up(qr), up(cache), plen, up(tree_kv), mask, H, V, SCALE, L, BK, NS)
     assert o.shape == (NS, B, V, L) and lse.shape == (NS, B, V)
+    # the real rows alone (as tree_attention_mgpu hands them over): the same partials up to f32 summation order
+    o_v, lse_v = jax.jit(functools.partial(split_attention_narrow_ref, scale=SCALE, kv_lora_rank=L, num_splits=NS,
+                                           valid_rows=V))(qr[:, :V], bf(cache), jnp.asarray(plen), keys, bits[..., :V])
+    np.testing.assert_allclose(np.asarray(o_v, np.float32), np.asarray(o, np.float32), rtol=8e-3, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(lse_v), np.asarray(lse), rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(np.isinf(np.asarray(lse)), np.isinf(r_l))
     finite = np.isfinite(r_l)
     np.testing.assert_allclose(np.asarray(lse)[finite], r_l[finite], atol=1e-4, rtol=1e-5)
@@ -185,11 +190,12 @@ def test_errors():
     kw = dict(scale=0.1, kv_lora_rank=L)
     for f in (split_attention_narrow, split_attention_narrow_ref):
         for bad in (None, 12, 40, 64):
-            with pytest.raises(ValueError, match="valid_rows a multiple of 8 up to 32"):
+            with pytest.raises(ValueError, match="valid_rows V a multiple of 8 up to 32"):
                 f(q, cache, plen, tree_kv, tree_bits, valid_rows=bad, **kw)
-        with pytest.raises(ValueError, match="one 64-row tile"):
-            f(jnp.zeros((1, 128, C), jnp.bfloat16), cache, plen, tree_kv, jnp.zeros((1, 2, 128), jnp.int32),
-              valid_rows=8, **kw)
+        for rows in (128, 16):  # V rows or one 64-row tile
+            with pytest.raises(ValueError, match="one 64-row tile of which the first V"):
+                f(jnp.zeros((1, rows, C), jnp.bfloat16), cache, plen, tree_kv, jnp.zeros((1, 2, rows), jnp.int32),
+                  valid_rows=8, **kw)
         with pytest.raises(ValueError, match="block_k=128"):
             f(q, cache, plen, jnp.zeros((1, 128, C), jnp.bfloat16), jnp.zeros((1, 4, 64), jnp.int32),
               valid_rows=8, block_k=128, **kw)
