@@ -137,7 +137,8 @@ def chained(fn, n):
 
 
 def mgpu_parts(H, B, T, S):
-    """The Mosaic GPU op in its parts, as (prepare, step) pairs for ``chained_parts``: "glue" (row
+    """The Mosaic GPU op on the 64-row kernel in its parts (the narrow kernel, the default at T*H <= 32, has
+    no glue but the mask words), as (prepare, step) pairs for ``chained_parts``: "glue" (row
     folding and the tail inputs), "kernel" (the kernel alone on prepared inputs), "merge" (the split
     merge and row unfolding on prepared kernel outputs). Each step takes (prepared, prefix_len) and
     returns an array, or a tuple of arrays (all kept), whose first array's [0, ...] element the next
@@ -223,7 +224,7 @@ def bench_parts(H, B, T, P, bw, peak, repeats=5):
     copies = int(min(16, max(1, math.ceil(2 * L2_BYTES / (2 * B * P * C)))))
     inputs = make_inputs(jax.random.key(H * 7 + B * 131 + T * 17 + P), H, B, T, P, copies)
     row = dict(H=H, B=B, T=T, P=P, bound=bound, floor_ms=floor_s * 1e3, kernel="mgpu_parts", cache_copies=copies)
-    whole = jax.jit(functools.partial(tree_attention_mgpu, scale=SCALE, kv_lora_rank=L))
+    whole = jax.jit(functools.partial(tree_attention_mgpu, scale=SCALE, kv_lora_rank=L, kernel=M.split_attention))
     row["ms"] = time_op(whole, inputs, floor_s, repeats)[0] * 1e3
     for name, (prepare, step) in mgpu_parts(H, B, T, P).items():
         chain = lambda fn, n, prepare=prepare: chained_parts(prepare, fn, n)  # noqa: E731

@@ -95,7 +95,8 @@ def mla_case(B, P, T=1, H=8, kernel=None):
 
     cfg = dataclasses.replace(k26_config(), num_heads=H)
     graphdef, state = nnx.split(MLA(cfg, nnx.Rngs(0)))
-    attend = None if kernel is None else functools.partial(tree_attention_mgpu, kernel={"wide": split_attention}[kernel])
+    attend = None if kernel is None else functools.partial(tree_attention_mgpu,
+                                                            kernel={"wide": split_attention}[kernel])
     runtime = Runtime(attention_fn=attend)
     cos, sin = rope_cos_sin(jnp.full((B, T), P, jnp.int32), cfg.rope, cfg.qk_rope_head_dim)
     x = jax.random.normal(jax.random.key(1), (B, T, cfg.hidden_size), jnp.bfloat16)

@@ -1,8 +1,8 @@
 """MLA decode attention for few query rows on Hopper, reading the prefix and the tree in place.
 
-The 64-row kernel (``mla_attention_mgpu.split_attention``) with wgmma's A and B swapped, for one 64-row
-tile of which only the first V rows are real (``valid_rows``, a multiple of 8 up to ``NARROW_MAX_ROWS``):
-a decode step of T = 1 at H = 8 heads (tensor parallelism over 8 GPUs) is 8 rows. ``tree_attention_mgpu``
+The 64-row kernel (``mla_attention_mgpu.split_attention``) with wgmma's A and B swapped, for V query rows
+(``valid_rows``, a multiple of 8 up to ``NARROW_MAX_ROWS``; or one 64-row tile of which the first V are
+real): a decode step of T = 1 at H = 8 heads (tensor parallelism over 8 GPUs) is 8 rows. ``tree_attention_mgpu``
 uses it by default for such steps. The 64-row kernel computes q·kᵀ and p·v for all 64 rows, 7/8 of it
 padding at V = 8 (Nsight Compute: the tensor pipe 43-52 % busy at T = 1, H = 8; ``experiments/RESULTS.md``,
 session 15). Here the keys are wgmma's M and the V rows its N:
@@ -34,10 +34,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
-
-import numpy as np
 
 from pallas_kernels.mla_attention_mgpu import (MASKED, ROWS, SMEM_LIMIT, WORD, _split_range, dense_split_partials,
                                                pack_bits, stream_key_blocks, unpack_bits)
@@ -48,8 +47,8 @@ try:
 except ImportError:  # pragma: no cover
     plgpu = None
 
-__all__ = ["split_attention_narrow", "split_attention_narrow_ref", "tree_inputs", "pad_tree_latents", "narrow_smem_bytes",
-           "NARROW_MAX_ROWS", "NARROW_KERNELS"]
+__all__ = ["split_attention_narrow", "split_attention_narrow_ref", "tree_inputs", "pad_tree_latents",
+           "narrow_smem_bytes", "NARROW_MAX_ROWS", "NARROW_KERNELS"]
 
 NARROW_MAX_ROWS = 32
 SMEM_ALIGNMENT = 1024  # Mosaic GPU starts every shared-memory buffer on this boundary
