@@ -25,7 +25,7 @@ from ddtree_jax.layers import RMSNorm, SwiGLU, declare, dot, rms_norm
 from ddtree_jax.moe import MoE
 from ddtree_jax.rope import apply_rope_interleaved, rope_cos_sin
 from ddtree_jax.sharding import ShardingRules
-from pallas_kernels.mla_attention_narrow import pad_tree_latents
+from pallas_kernels.mla_attention_mgpu import pad_tree_latents
 from pallas_kernels.tree_attention import mla_attention
 
 
@@ -112,8 +112,8 @@ class MLA(nnx.Module):
             q_latent = dot(q_nope, w_uk, "bthn,lhn->bthl")
             q_abs = jnp.concatenate([q_latent, q_pe], axis=-1)  # [B,T,H,C]
             attend = runtime.attention_fn or mla_attention  # Pallas kernel on GPU, JAX twin elsewhere
-            # a small block's latents padded to whole 64-key blocks here, where XLA can fuse the padding into
-            # their projection, so that the GPU decode kernel reads them in place (no copy of its own)
+            # the block's latents padded to whole 64-key blocks here, where XLA fuses the padding into the
+            # fusion that finishes them, so that the GPU kernels read them in place (no copy of their own)
             o_latent = latent_attention(attend, runtime, q_abs, cache_kv, prefix_len, pad_tree_latents(block_kv),
                                         tree_mask, scale=cfg.softmax_scale, kv_lora_rank=cfg.kv_lora_rank)
             o = dot(o_latent, w_uv, "bthl,lhv->bthv")

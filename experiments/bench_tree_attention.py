@@ -8,14 +8,14 @@ random tree of T nodes (random parent array -> ancestor-or-self mask).
 Modes
   --mode sweep  tuning configs on a few shapes, each checked against the twin (f32) first.
   --mode grid   the trimmed grid below with the library's default config (or --cfg JSON).
-  --mode parts  the Mosaic GPU op at the grid points, whole and in parts: glue (row folding, tail
+  --mode parts  the Mosaic GPU op at the grid points, whole and in parts: glue (row folding, tree
                 inputs), kernel alone, merge (``mgpu_parts``; the library's one-launch ``combine_splits``
                 and its XLA twin beside it); says where a small problem's time goes.
   --points "H,B,T,P;..."  the points of --mode parts or splits instead of GRID / SPLIT_SHAPES.
   --mode splits the Mosaic GPU kernel at memory-bound points (``SPLIT_SHAPES``) with its default split
                 count and 1/2, 1/4, 1/8 of it: whether fewer, longer splits beat the merge's cost.
 
-``--padded-tree`` hands the ops the tree latents padded to whole 64-key blocks (T <= 32), as the model does.
+``--padded-tree`` hands the ops the tree latents padded to whole 64-key blocks, as the model does.
 
 Timing: one jitted program runs the op n times back to back (each call's prefix_len depends on the
 previous output through a NaN check, so calls cannot overlap or be elided; all outputs are returned),
@@ -52,7 +52,7 @@ from ddtree_jax.tree import make_tree  # noqa: E402
 from experiments import bench_util  # noqa: E402
 from pallas_kernels import mla_attention_mgpu as M  # noqa: E402
 from pallas_kernels.mla_attention_mgpu import tree_attention_mgpu  # noqa: E402
-from pallas_kernels.mla_attention_narrow import pad_tree_latents, split_attention_narrow  # noqa: E402
+from pallas_kernels.mla_attention_narrow import split_attention_narrow  # noqa: E402
 from pallas_kernels.split_combine import combine_splits, combine_splits_ref  # noqa: E402
 from pallas_kernels.tree_attention import (default_config, fold_rows, tree_attention,  # noqa: E402
                                            tree_attention_ref)
@@ -96,13 +96,13 @@ SWEEP_SPLITS = [0.25, 4.0]
 
 
 def make_inputs(key, H, B, T, P, copies, padded_tree=False):
-    """``padded_tree``: the tree latents padded with zeros to whole 64-key blocks (up to T = 32), as the model
-    hands them to the attention (the narrow decode kernel reads them in place)."""
+    """``padded_tree``: the tree latents padded with zeros to whole 64-key blocks, as the model hands them to
+    the attention (the Mosaic GPU kernels read them in place)."""
     ks = jax.random.split(key, 4 + copies)
     q = jax.random.normal(ks[0], (B, T, H, C), jnp.bfloat16)
     tkv = jax.random.normal(ks[1], (B, T, C), jnp.bfloat16)
     if padded_tree:
-        tkv = pad_tree_latents(tkv)
+        tkv = M.pad_tree_latents(tkv)
     rng = np.random.default_rng(T * 1000 + B)
     parents = np.array([[-1] + [int(rng.integers(0, i)) for i in range(1, T)] for _ in range(B)], np.int32)
     anc = make_tree(np.zeros((B, T), np.int32), parents, max_depth=T - 1).visibility  # ancestor-or-self
@@ -137,37 +137,37 @@ def chained(fn, n):
 
 
 def mgpu_parts(H, B, T, S):
-    """The Mosaic GPU op on the 64-row kernel in its parts (the narrow kernel, the default at T*H <= 32, has
-    no glue but the mask words), as (prepare, step) pairs for ``chained_parts``: "glue" (row
-    folding and the tail inputs), "kernel" (the kernel alone on prepared inputs), "merge" (the split
-    merge and row unfolding on prepared kernel outputs). Each step takes (prepared, prefix_len) and
-    returns an array, or a tuple of arrays (all kept), whose first array's [0, ...] element the next
-    call's prefix_len depends on."""
+    """The Mosaic GPU op on the 64-row kernel in its parts (the narrow kernel, the default at T*H <= 32, takes
+    the same inputs but the queries unpadded), as (prepare, step) pairs for ``chained_parts``: "glue" (row
+    folding, the tree latents padded and their mask words), "kernel" (the kernel alone on prepared inputs),
+    "merge" (the split merge and row unfolding on prepared kernel outputs). Each step takes (prepared,
+    prefix_len) and returns an array, or a tuple of arrays (all kept), whose first array's [0, ...] element
+    the next call's prefix_len depends on."""
     ns = M.splits_for(B, T, H, S)
     kw = dict(scale=SCALE, kv_lora_rank=L, num_splits=ns, valid_rows=M.valid_rows_for(T, H))
 
-    def glue(q, cache, plen, tkv, mask):  # -> (q rows, tail_kv, tail bits)
-        qr = fold_rows(q, M.ROWS)
-        return (qr,) + M.tail_inputs(cache, plen, tkv, mask, H, qr.shape[1], 64)
+    def glue(q, cache, plen, tkv, mask):  # -> (q rows, tree keys, mask words)
+        qr = fold_rows(bench_util.tie_to(q, plen), M.ROWS)  # tied: each call redoes it
+        return (qr,) + M.tree_inputs(tkv, mask, H, qr.shape[1], 64)
 
     def inputs_as_given(q, cache, plen, tkv, mask):
         return q, cache, tkv, mask
 
     def glue_step(prep, plen):
         q, cache, tkv, mask = prep
-        return glue(q, cache, plen, tkv, mask)[::-1]  # the bits lead: the next call depends on them
+        return glue(q, cache, plen, tkv, mask)  # the rows lead: the next call depends on them
 
     def kernel_inputs(q, cache, plen, tkv, mask):
-        qr, tail_kv, bits = glue(q, cache, plen, tkv, mask)
-        return qr, cache, tail_kv, bits
+        qr, tree_kv, bits = glue(q, cache, plen, tkv, mask)
+        return qr, cache, tree_kv, bits
 
     def kernel_step(prep, plen):
-        qr, cache, tail_kv, bits = prep
-        return M.split_attention(qr, cache, plen, tail_kv, bits, **kw)[0]
+        qr, cache, tree_kv, bits = prep
+        return M.split_attention(qr, cache, plen, tree_kv, bits, **kw)[0]
 
     def kernel_outputs(q, cache, plen, tkv, mask):
-        qr, cache, tail_kv, bits = kernel_inputs(q, cache, plen, tkv, mask)
-        return M.split_attention(qr, cache, plen, tail_kv, bits, **kw)
+        qr, cache, tree_kv, bits = kernel_inputs(q, cache, plen, tkv, mask)
+        return M.split_attention(qr, cache, plen, tree_kv, bits, **kw)
 
     def merge_step(prep, plen, combine=combine_splits):
         o, lse = prep
@@ -316,7 +316,7 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="CPU smoke: tiny shapes, interpret mode")
     ap.add_argument("--no-check-above", type=int, default=8192, help="skip parity for P above this")
     ap.add_argument("--padded-tree", action="store_true",
-                    help="hand the ops tree latents padded to whole 64-key blocks (T <= 32), as the model does")
+                    help="hand the ops tree latents padded to whole 64-key blocks, as the model does")
     args = ap.parse_args()
     try:
         points = [tuple(int(v) for v in pt.split(",")) for pt in args.points.split(";")] if args.points else None

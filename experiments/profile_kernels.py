@@ -74,7 +74,7 @@ def attention_case(H, B, T, P, kernel="mgpu", C=576, L=512, merge="kernel", padd
         from pallas_kernels.mla_attention_narrow import split_attention_narrow
         split = {"mgpu": split_attention, "mgpu_narrow": split_attention_narrow}[kernel]
         fn = functools.partial(tree_attention_mgpu, scale=0.14468, kv_lora_rank=L, combine=combine, kernel=split)
-    # prefix_len tied to q: each chained call builds its tail inputs (fixed ones would be built once per chain)
+    # prefix_len tied to q: each chained call clamps it and builds its inputs (fixed ones: once per chain)
     return (lambda q, cache, plen, tkv, mask: fn(q, cache, bench_util.tie_to(plen, q), tkv, mask)), \
         (q, cache, jnp.full((B,), P, jnp.int32), tkv, mask)
 
@@ -83,7 +83,7 @@ def mla_case(B, P, T=1, H=8, kernel=None):
     """The model's attention block (``ddtree_jax.model.MLA``: projections, latent attention, output) at K2.6
     width with H heads (8: one GPU under TP-8), T new tokens over a P-token prefix: every launch around the
     attention op as the model issues it. ``kernel``: the split kernel (default: the dispatcher's choice;
-    "wide" forces the 64-row kernel on its XLA-built tail, the path before session 17)."""
+    "wide" forces the 64-row kernel, which session 17's first measurement ran on its XLA-built tail)."""
     import dataclasses
 
     from flax import nnx

@@ -10,36 +10,39 @@ is this kernel's twin too; the kernel on prepared rows, :func:`split_attention`,
 
 Dimension letters: B streams, T tree nodes, H heads, S cache slots, C latent+rope width (576),
 L latent width = value width (512), N = T*H query rows, Np rows padded to whole 64-row tiles,
-BK keys per block, NB = prefix_len // BK whole prefix blocks, TK tail keys (TB = TK / BK blocks),
-W = TK / 32 mask words, NS splits.
+BK keys per block, NB = prefix_len // BK whole prefix blocks, NBP = ceil(prefix_len / BK) cache blocks
+read, TP tree keys padded to whole blocks (TB = TP / BK blocks), NS splits.
 
 Design:
 
 * **Rows.** Heads are folded into query rows (row = node*H + head), so one 64-row tile is 64 / H
   nodes, or one node and 64 of its heads.
-* **Tail** (built in XLA, small: ``tail_inputs``): the prefix's last partial block (prefix_len % BK
-  rows of the cache) followed by the T tree latents, zero-padded to whole blocks (TK = BK - 1 + T
-  rounded up to BK, so a decode token adds one block), and per row a bit mask of the tail keys it
-  may see (the partial block's rows for every row; tree keys by ``tree_mask``). Keys that no row may
-  see are zeroed, so NaN garbage beyond the prefix cannot leak.
-* **Kernel.** Each stream's key sequence is NB whole cache blocks, then TB tail blocks; split s of
-  NS takes a contiguous run of them (``_split_range``). One program per (stream, 64-row tile, split),
-  three warpgroups: a producer issues the TMA copies (the tile's queries once, then key blocks, and
-  for tail blocks their mask words, through a ring of ``stages`` slots). Consumer 0 computes s = q·kᵀ
-  over the full C = 576 columns (wgmma, both operands in shared memory), masks tail blocks from the
-  mask words, runs the online softmax in f32 registers (exp2), and hands the bf16 probabilities and
-  the rescale factor to consumer 1 through shared memory (``share_scores``, as FlashMLA does; without
-  it both compute the same scores, 1.53x the tensor work). Each consumer multiplies p by its own half
-  of the L = 512 value columns into a [64, 256] f32 accumulator (the value is the first L columns of
-  the key block already in shared memory). Each program writes its normalised output (bf16) and
-  log-sum-exp (f32); ~226 KiB of shared memory, so one program per SM.
+* **Keys, in place.** Each stream's key sequence is NBP cache blocks read straight from the cache, the
+  last one partial when BK does not divide prefix_len, then TB tree blocks of the tree latents padded to
+  whole blocks (``tree_inputs``; the model hands them over padded, ``pad_tree_latents``). The partial
+  block is masked to its prefix_len % BK keys, and the rows past the prefix are zeroed in shared memory
+  before p·v reads them, so NaN garbage there cannot leak; where it reaches past the cache's S rows the
+  TMA unit reads zeros. Tree blocks are masked per row by mask words (``tree_bits``: they depend on the
+  tree mask alone, so in the model XLA computes them once per step; at T = 1 they are a constant). Until
+  session 17 an XLA-built tail (the partial block's rows and the tree latents, copied) cost a gather and
+  a bit-packing launch per call.
+* **Kernel.** Split s of NS takes a contiguous run of a stream's blocks (``_split_range``). One program
+  per (stream, 64-row tile, split), three warpgroups: a producer issues the TMA copies (the tile's
+  queries once, then key blocks, and for tree blocks their mask words, through a ring of ``stages``
+  slots). Consumer 0 computes s = q·kᵀ over the full C = 576 columns (wgmma, both operands in shared
+  memory), masks the partial and tree blocks, runs the online softmax in f32 registers (exp2), and
+  hands the bf16 probabilities and the rescale factor to consumer 1 through shared memory
+  (``share_scores``, as FlashMLA does; without it both compute the same scores, 1.53x the tensor work).
+  Each consumer multiplies p by its own half of the L = 512 value columns into a [64, 256] f32
+  accumulator (the value is the first L columns of the key block already in shared memory; each zeroes
+  its half of a partial block first). Each program writes its normalised output (bf16) and log-sum-exp
+  (f32); ~226 KiB of shared memory, so one program per SM.
 * **Merge.** With one split (the compute-bound trees) the kernel's output is the result. With
   several (long prefixes, few rows) one more launch (``split_combine.combine_splits``) combines the
-  splits by their log-sum-exp. A decode
-  step of fewer than 64 query rows (e.g. T = 1, H = 8) writes and merges the partials of its real rows
-  only (``valid_rows_for``). Up to 32 such rows go by default to ``mla_attention_narrow``, the same
-  program with the keys as wgmma's M and the rows as N (8x less tensor work at T = 1, H = 8), which
-  reads the prefix's partial block and the tree in place instead of from a tail built in XLA.
+  splits by their log-sum-exp. A decode step of fewer than 64 query rows (e.g. T = 1, H = 8) writes
+  and merges the partials of its real rows only (``valid_rows_for``). Up to 32 such rows go by
+  default to ``mla_attention_narrow``, the same program with the keys as wgmma's M and the rows as N
+  (8x less tensor work at T = 1, H = 8), on the same inputs.
 
 Masked scores are set to a large finite negative (not -inf), so a row that has seen only masked keys
 so far carries finite placeholder weights, which the first visible key rescales to exactly zero; a
@@ -56,6 +59,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
@@ -67,7 +71,8 @@ try:  # Mosaic GPU Pallas (present in the JAX versions this repo supports; guard
 except ImportError:  # pragma: no cover
     plgpu = None
 
-__all__ = ["tree_attention_mgpu", "split_attention", "split_attention_ref", "tail_inputs", "default_splits",
+__all__ = ["tree_attention_mgpu", "split_attention", "split_attention_ref", "tree_inputs", "pad_tree_latents",
+           "check_in_place_inputs", "zero_rows_from", "default_splits",
            "stream_key_blocks", "dense_split_partials", "pack_bits", "unpack_bits",
            "splits_for", "unsupported_reason", "smem_bytes", "valid_rows_for"]
 
@@ -77,7 +82,7 @@ MAX_SPLITS = 128       # one wave of the H200 at B = 1, one tile; the merge read
                        # splits: 8 blocks each at B = 1, 64K, not 9, and the kernel 2 µs faster, but the
                        # merge takes two chunks and 0.7 µs more: the op as fast; RESULTS.md, session 16)
 MASKED = -1e30         # masked score (log2 units): finite, see the module docstring
-WORD = 32              # tail keys per mask word
+WORD = 32              # tree keys per mask word
 
 
 def smem_bytes(C: int, block_k: int, stages: int, share_scores: bool = True) -> int:
@@ -106,7 +111,8 @@ def unsupported_reason(q_shape, cache_shape, kv_lora_rank, *dtypes) -> str | Non
 
 
 def tail_keys(T: int, block_k: int) -> int:
-    """TK: room for a partial prefix block (< BK rows) and T tree keys, in whole blocks."""
+    """Keys past a prefix's whole blocks, in whole blocks, at most: a partial block (< BK rows) and T tree
+    keys (sizes the default split count)."""
     return -(-(block_k - 1 + T) // block_k) * block_k
 
 
@@ -121,39 +127,53 @@ def default_splits(B: int, n_tiles: int, S: int, block_k: int, num_sms: int = _N
 
 def splits_for(B: int, T: int, H: int, S: int, block_k: int = 64, num_sms: int = _NUM_SMS_H200) -> int:
     """The split count ``tree_attention_mgpu`` uses by default for B streams of T nodes x H heads over a
-    cache of S slots: :func:`default_splits` of its 64-row tiles over the cache and tail blocks."""
+    cache of S slots: :func:`default_splits` of its 64-row tiles over the cache and tree blocks."""
     return default_splits(B, -(-T * H // ROWS), S + tail_keys(T, block_k), block_k, num_sms)
 
 
-def tail_inputs(cache_kv, prefix_len, tree_kv, tree_mask, heads: int, rows: int, block_k: int):
-    """The tail of every stream for :func:`split_attention` (XLA, small).
+def pad_tree_latents(tree_kv, block_k: int = 64):
+    """tree_kv [B, T, C] -> [B, TP, C], zero-padded to TP = T rounded up to whole ``block_k`` blocks, which the
+    kernels read in place. The model pads its block latents this way, inside the fusion that produces them."""
+    T = tree_kv.shape[1]
+    return tree_kv if T % block_k == 0 else jnp.pad(tree_kv, ((0, 0), (0, -T % block_k), (0, 0)))
 
-    cache_kv [B, S, C], prefix_len [B] int32 in [0, S], tree_kv [B, T, C], tree_mask [B, T, T] bool,
-    ``heads`` H, ``rows`` Np (>= T*H). Returns tail_kv [B, TK, C] in cache_kv.dtype (the cache rows
-    [NB*BK, prefix_len), then the T tree latents, then zeros) and tail_bits int32 [B, W, Np]: bit k of
-    word w of row r says whether row r (node r // H) may see tail key 32 w + k (padding rows see none).
-    """
-    B, S, C = cache_kv.shape
-    T = tree_mask.shape[1]
-    tree_kv = tree_kv[:, :T]  # padding rows, if any, dropped
-    TK = tail_keys(T, block_k)
-    rem = prefix_len - (prefix_len // block_k) * block_k                        # [B] partial-block rows
-    k = jnp.arange(TK)[None, :]
-    from_cache = k < rem[:, None]                                                 # [B, TK]
-    tree_idx = k - rem[:, None]
-    is_tree = (tree_idx >= 0) & (tree_idx < T)
-    tree_idx = jnp.clip(tree_idx, 0, T - 1)
-    cache_pos = jnp.clip(prefix_len[:, None] - rem[:, None] + k, 0, S - 1)
-    keys = jnp.where(from_cache[..., None], jnp.take_along_axis(cache_kv, cache_pos[..., None], axis=1),
-                     jnp.where(is_tree[..., None], jnp.take_along_axis(tree_kv.astype(cache_kv.dtype),
-                                                                       tree_idx[..., None], axis=1),
-                               jnp.zeros((), cache_kv.dtype)))
-    sees_tree = jnp.take_along_axis(jnp.swapaxes(tree_mask, 1, 2),
-                                    jnp.broadcast_to(tree_idx[:, :, None], (B, TK, T)), axis=1)
-    visible = from_cache[:, :, None] | (is_tree[:, :, None] & sees_tree)         # [B, TK, T]
-    row = jnp.arange(rows)
-    visible = visible[:, :, jnp.minimum(row // heads, T - 1)] & (row < T * heads)  # [B, TK, Np]
-    return keys, pack_bits(visible)
+
+def tree_inputs(tree_kv, tree_mask, heads: int, rows: int, block_k: int = 64):
+    """The tree's keys and mask words for the kernels (XLA, small; none of it per layer in the model).
+
+    tree_kv [B, T', C] (T' >= T: the T latents, then padding rows, which must be finite), tree_mask
+    [B, T, T] bool (diagonal True), ``heads`` H, ``rows`` R >= T*H query rows. Returns tree_keys [B, TP, C],
+    TP = T rounded up to whole blocks (``tree_kv`` itself when T' == TP, else its first T rows and zeros), and
+    tree_bits int32 [B, TP/32, R]: bit k of word w of row r says whether row r (node r // H) may see tree key
+    32 w + k (padding rows see none). tree_bits depends on the mask alone, so in the model XLA computes it
+    once per step for all layers; at T = 1 it is a constant (rows < H see key 0: the only mask a one-node
+    tree may have)."""
+    B, T, _ = tree_mask.shape
+    TP = -(-T // block_k) * block_k
+    if tree_kv.shape[1] != TP:
+        tree_kv = jnp.pad(tree_kv[:, :T], ((0, 0), (0, TP - T), (0, 0)))
+    row = np.arange(rows)
+    if T == 1:
+        words = np.zeros((B, TP // WORD, rows), np.int32)
+        words[:, 0, :] = row < heads
+        return tree_kv, jnp.asarray(words)
+    sees = jnp.swapaxes(tree_mask, 1, 2)[:, :, np.minimum(row // heads, T - 1)] & (row < T * heads)  # [B, T, R]
+    return tree_kv, pack_bits(jnp.pad(sees, ((0, 0), (0, TP - T), (0, 0))))
+
+
+def check_in_place_inputs(q_rows, cache_kv, tree_kv, tree_bits, block_k: int, name: str):
+    """Shapes of the kernels' common inputs (q_rows [B, R, C], cache_kv [B, S, C], tree_kv [B, TP, C] with TP
+    a positive multiple of ``block_k``, tree_bits int32 [B, TP/32, R]): (B, R, C, S, TP) or a ValueError."""
+    B, R, C = q_rows.shape
+    S, TP = cache_kv.shape[1], tree_kv.shape[1]
+    if cache_kv.shape != (B, S, C):
+        raise ValueError(f"{name}: cache_kv {cache_kv.shape} must be [B, S, C] for B={B}, C={C}")
+    if tree_kv.shape != (B, TP, C) or TP % block_k or TP == 0 or tree_bits.shape != (B, TP // WORD, R) \
+            or tree_bits.dtype != jnp.int32:
+        raise ValueError(f"{name}: tree_kv {tree_kv.shape} / tree_bits {tree_bits.dtype}{tree_bits.shape} must be "
+                         f"[B, TP, C] with TP a positive multiple of block_k={block_k} and int32 [B, TP/{WORD}, {R}] "
+                         f"for B={B}, C={C} (``tree_inputs``)")
+    return B, R, C, S, TP
 
 
 def pack_bits(visible):
@@ -173,11 +193,12 @@ def unpack_bits(bits, keys: int):
 
 
 def stream_key_blocks(kv_ref, tkv_ref, b, lo, nb, n_cache, n_all, k_smem, k_bars, consumed_bars, stages: int,
-                      block_k: int, on_tail_block=None):
+                      block_k: int, on_tree_block=None):
     """A producer warpgroup's ring of key blocks, inside a Mosaic GPU kernel: step j in [0, n_cache) copies
-    cache block lo + j of stream b, step j in [n_cache, n_all) tail block t = lo + j - nb, each into slot
-    j % stages (``k_smem``, arriving on ``k_bars``) once the consumers have freed it (``consumed_bars``);
-    ``on_tail_block(t, slot)`` issues a tail block's further copies (its mask words)."""
+    cache block lo + j of stream b, step j in [n_cache, n_all) tree block t = lo + j - nb (``nb`` = the cache
+    blocks read), each into slot j % stages (``k_smem``, arriving on ``k_bars``) once the consumers have freed
+    it (``consumed_bars``); ``on_tree_block(t, slot)`` issues a tree block's further copies (its mask words).
+    A cache block may reach past the cache's S rows: the TMA unit fills those rows with zeros."""
     @pl.loop(0, n_all)
     def _(j):
         slot = lax.rem(j, stages)
@@ -195,59 +216,80 @@ def stream_key_blocks(kv_ref, tkv_ref, b, lo, nb, n_cache, n_all, k_smem, k_bars
         def _():
             t = lo + j - nb
             plgpu.copy_gmem_to_smem(tkv_ref.at[b, pl.ds(t * block_k, block_k)], k_smem.at[slot], k_bars.at[slot])
-            if on_tail_block is not None:
-                on_tail_block(t, slot)
+            if on_tree_block is not None:
+                on_tree_block(t, slot)
 
 
-def _split_range(nb, tail_blocks: int, sp, num_splits: int):
-    """Blocks of split ``sp``: [lo, hi) of the NB + TB key blocks (cache blocks first), and ``mid``, where
-    its cache blocks end and its tail blocks begin."""
-    total = nb + tail_blocks
+WHOLE, PARTIAL, TREE = range(3)  # the kinds of key block: a whole cache block, the partial one, a tree block
+
+
+def _block_steps(plen, tree_blocks: int, sp, num_splits: int, block_k: int):
+    """A program's key blocks, inside a kernel: (nb whole cache blocks, rem keys of the partial one, nbp =
+    cache blocks read, lo = its first block, then the step bounds: [0, n_whole) whole cache blocks,
+    [n_whole, n_cache) the partial block (0 or 1 step), [n_cache, n_all) tree blocks)."""
+    nb = plen // block_k
+    rem = plen - nb * block_k
+    nbp = nb + (rem > 0).astype(jnp.int32)
+    lo, mid, hi = _split_range(nbp, tree_blocks, sp, num_splits)
+    return nb, rem, nbp, lo, jnp.clip(nb, lo, mid) - lo, mid - lo, hi - lo
+
+
+def zero_rows_from(block_ref, first_row, rows: int):
+    """Inside a kernel's consumer warpgroup: rows [first_row, rows) of a [rows, 64 k] swizzled bf16 block in
+    shared memory set to zero (64 columns at a time), then fenced for the tensor cores' reads."""
+    row = plgpu.broadcasted_iota(jnp.int32, (rows, 64), 0, layout=plgpu.Layout.WGMMA)
+    for c in range(block_ref.shape[1] // 64):
+        chunk = block_ref.at[:, pl.ds(c * 64, 64)]
+        chunk[...] = jnp.where(row < first_row, chunk[...], jnp.zeros((), block_ref.dtype))
+    plgpu.commit_smem()
+
+
+def _split_range(nb, tree_blocks: int, sp, num_splits: int):
+    """Blocks of split ``sp``: [lo, hi) of the ``nb`` cache blocks and TB tree blocks (cache blocks first),
+    and ``mid``, where its cache blocks end and its tree blocks begin."""
+    total = nb + tree_blocks
     per = (total + num_splits - 1) // num_splits
     lo = jnp.minimum(sp * per, total)
     hi = jnp.minimum(lo + per, total)
     return lo, jnp.clip(nb, lo, hi), hi
 
 
-def split_attention(q_rows, cache_kv, prefix_len, tail_kv, tail_bits, *, scale, kv_lora_rank, block_k=64,
+def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, kv_lora_rank, block_k=64,
                     stages=2, num_splits=1, share_scores=True, valid_rows=None):
-    """The Mosaic GPU kernel: attention of 64-row query tiles over each stream's NB whole cache blocks
-    and TB tail blocks, in NS splits.
+    """The Mosaic GPU kernel: attention of 64-row query tiles over each stream's prefix, read in place from
+    the cache, and its tree, in NS splits.
 
     q_rows [B, Np, C] bf16 (Np % 64 == 0), cache_kv [B, S, C] bf16, prefix_len [B] int32, which must lie
-    in [0, S] (``tree_attention_mgpu`` clamps it; a larger value would read past the cache), tail_kv
-    [B, TK, C] bf16 and tail_bits int32 [B, TK/32, Np] (``tail_inputs``; TK % BK == 0). Split s takes the
-    blocks ``_split_range`` gives it: cache blocks unmasked, tail blocks masked per row by the bits.
-    Returns (o [NS, B, V, L] bf16, lse [NS, B, V] f32, natural log), each split normalised on its own;
-    a row that sees no key in a split has o = 0 and lse = -inf there. V = ``valid_rows``: Np by default,
-    or with one 64-row tile the first V rows (a multiple of 8), so that a decode step of few heads writes
-    and merges only its real rows' partials (e.g. 8 of 64 at H = 8, T = 1).
+    in [0, S] (``tree_attention_mgpu`` clamps it; a larger value would read past the cache), tree_kv
+    [B, TP, C] bf16 and tree_bits int32 [B, TP/32, Np] (``tree_inputs``; TP % BK == 0). Each stream's keys
+    are NBP = ceil(prefix_len / BK) cache blocks, the last one partial when BK does not divide prefix_len
+    (masked to its prefix_len % BK keys, its value rows past the prefix zeroed in shared memory: NaN there
+    cannot leak), then TP / BK tree blocks masked per row by the bits. Split s takes the blocks
+    ``_split_range(NBP, TP / BK, s, NS)`` gives it. Returns (o [NS, B, V, L] bf16, lse [NS, B, V] f32,
+    natural log), each split normalised on its own; a row that sees no key in a split has o = 0 and lse =
+    -inf there. V = ``valid_rows``: Np by default, or with one 64-row tile the first V rows (a multiple of
+    8), so that a decode step of few heads writes and merges only its real rows' partials.
     """
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.mosaic_gpu is not available in this JAX")
-    B, Np, C = q_rows.shape
-    TK = tail_kv.shape[1]
+    BK, NS = int(block_k), int(num_splits)
     L = kv_lora_rank
     LH = L // 2
-    BK, NS = int(block_k), int(num_splits)
     WB = BK // WORD  # mask words per block
-    if Np % ROWS:
-        raise ValueError(f"q_rows must hold whole {ROWS}-row tiles, got {Np} rows")
     if BK not in (64, 128, 256):  # Mosaic's wgmma needs K (keys, for p.v) % 64 == 0
         raise ValueError(f"block_k={BK} must be 64, 128 or 256")
     if stages < 2:
         raise ValueError(f"stages={stages} must be >= 2")
     if NS < 1:
         raise ValueError(f"num_splits={NS} must be >= 1")
-    smem = smem_bytes(C, BK, stages, share_scores)
+    smem = smem_bytes(q_rows.shape[-1], BK, stages, share_scores)
     if smem > SMEM_LIMIT:
         raise ValueError(f"block_k={BK}, stages={stages} need {smem} bytes of shared memory (limit {SMEM_LIMIT})")
-    if tail_kv.shape != (B, TK, C) or TK % BK or tail_bits.shape != (B, TK // WORD, Np) \
-            or tail_bits.dtype != jnp.int32:
-        raise ValueError(f"tail_kv {tail_kv.shape} / tail_bits {tail_bits.dtype}{tail_bits.shape} must be "
-                         f"[B, TK, C] with TK % {BK} == 0 and int32 [B, TK/{WORD}, Np] for B={B}, C={C}, Np={Np}")
+    if q_rows.shape[1] % ROWS:
+        raise ValueError(f"q_rows must hold whole {ROWS}-row tiles, got {q_rows.shape[1]} rows")
+    B, Np, C, S, TP = check_in_place_inputs(q_rows, cache_kv, tree_kv, tree_bits, BK, "split_attention")
     scale_log2 = float(scale) * _LOG2E
-    n_tiles, TB = Np // ROWS, TK // BK
+    n_tiles, TB = Np // ROWS, TP // BK
     V = _check_valid_rows(valid_rows, Np)
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
@@ -259,9 +301,7 @@ def split_attention(q_rows, cache_kv, prefix_len, tail_kv, tail_bits, *, scale, 
         tile = lax.axis_index("tile")
         sp = lax.axis_index("split")
         wg = lax.axis_index("wg")
-        nb = plen_ref[b] // BK
-        lo, mid, hi = _split_range(nb, TB, sp, NS)
-        n_cache, n_all = mid - lo, hi - lo  # steps [0, n_cache) read the cache, [n_cache, n_all) the tail
+        nb, rem, nbp, lo, n_whole, n_cache, n_all = _block_steps(plen_ref[b], TB, sp, NS, BK)
 
         @pl.when(wg == 2)
         def _producer():
@@ -272,8 +312,8 @@ def split_attention(q_rows, cache_kv, prefix_len, tail_kv, tail_bits, *, scale, 
                 plgpu.copy_gmem_to_smem(bits_ref.at[b, pl.ds(t * WB, WB), pl.ds(tile * ROWS, ROWS)],
                                         bits_smem.at[slot], bits_bars.at[slot])
 
-            stream_key_blocks(kv_ref, tkv_ref, b, lo, nb, n_cache, n_all, k_smem, k_bars, consumed_bars, stages, BK,
-                              on_tail_block=copy_mask_words)
+            stream_key_blocks(kv_ref, tkv_ref, b, lo, nbp, n_cache, n_all, k_smem, k_bars, consumed_bars, stages, BK,
+                              on_tree_block=copy_mask_words)
 
         def consumer(half):
             scores_here = half == 0 or not share_scores  # this warpgroup computes q.k and the softmax
@@ -283,16 +323,18 @@ def split_attention(q_rows, cache_kv, prefix_len, tail_kv, tail_bits, *, scale, 
             l = plgpu.layout_cast(jnp.full((ROWS,), 0.0, jnp.float32), row_layout)
             values = lambda slot: k_smem.at[slot, :, pl.ds(half * LH, LH)]  # noqa: E731
 
-            def scores(slot, masked):
+            def scores(slot, kind):
                 def qk(s_ref):
                     plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
                     return s_ref[...]
 
                 s = pl.run_scoped(qk, plgpu.ACC((ROWS, BK), jnp.float32)) * scale_log2
-                if not masked:
+                if kind == WHOLE:
                     return s
-                plgpu.barrier_wait(bits_bars.at[slot])
                 col = plgpu.broadcasted_iota(jnp.int32, (ROWS, BK), 1, layout=plgpu.Layout.WGMMA)
+                if kind == PARTIAL:
+                    return jnp.where(col < rem, s, MASKED)
+                plgpu.barrier_wait(bits_bars.at[slot])
                 word = None
                 for w in range(WB):  # the word holding each column's bit, per row
                     ww = lax.broadcast_in_dim(plgpu.load(bits_smem.at[slot, w], (), layout=row_layout), s.shape, [0])
@@ -328,12 +370,14 @@ def split_attention(q_rows, cache_kv, prefix_len, tail_kv, tail_bits, *, scale, 
                 plgpu.barrier_arrive(consumed_bars.at[slot])
 
             def flash_loop(acc_ref):  # the [64, L/2] accumulator starts at zero
-                def step(masked, j, carry):
+                def step(kind, j, carry):
                     m, l = carry
                     slot = lax.rem(j, stages)
                     plgpu.barrier_wait(k_bars.at[slot])
+                    if kind == PARTIAL:  # this warpgroup's value columns, before its p.v reads them
+                        zero_rows_from(k_smem.at[slot, :, pl.ds(half * LH, LH)], rem, BK)
                     if scores_here:
-                        p16, alpha, m, l = softmax_share(j, scores(slot, masked), m, l)
+                        p16, alpha, m, l = softmax_share(j, scores(slot, kind), m, l)
                     else:
                         plgpu.barrier_wait(p_ready)
                         alpha = plgpu.load(stat_smem.at[0], (), layout=row_layout)
@@ -341,11 +385,10 @@ def split_attention(q_rows, cache_kv, prefix_len, tail_kv, tail_bits, *, scale, 
                     accumulate(acc_ref, slot, alpha, p16)
                     return m, l
 
-                if scores_here:  # the cache blocks, then the masked tail blocks
-                    carry = lax.fori_loop(0, n_cache, functools.partial(step, False), (m, l))
-                    carry = lax.fori_loop(n_cache, n_all, functools.partial(step, True), carry)
-                else:
-                    carry = lax.fori_loop(0, n_all, functools.partial(step, False), (m, l))
+                # whole cache blocks, the partial one (0 or 1), the tree's (the other warpgroup masks nothing)
+                carry = lax.fori_loop(0, n_whole, functools.partial(step, WHOLE), (m, l))
+                carry = lax.fori_loop(n_whole, n_cache, functools.partial(step, PARTIAL), carry)
+                carry = lax.fori_loop(n_cache, n_all, functools.partial(step, TREE if scores_here else WHOLE), carry)
                 return (acc_ref[...],) + carry
 
             acc, m, l = pl.run_scoped(flash_loop, plgpu.ACC((ROWS, LH), jnp.float32))
@@ -404,29 +447,30 @@ def split_attention(q_rows, cache_kv, prefix_len, tail_kv, tail_bits, *, scale, 
         # the row reductions (max, sum) of the WGMMA layout stay within a warp: no smem scratch for them
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
     )
-    return kernel(prefix_len.astype(jnp.int32), q_rows, cache_kv, tail_kv, tail_bits)  # lse in natural log
+    return kernel(prefix_len.astype(jnp.int32), q_rows, cache_kv, tree_kv, tree_bits)  # lse in natural log
 
 
-def split_attention_ref(q_rows, cache_kv, prefix_len, tail_kv, tail_bits, *, scale, kv_lora_rank, block_k=64,
+def split_attention_ref(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, kv_lora_rank, block_k=64,
                         stages=2, num_splits=1, share_scores=True, valid_rows=None):
-    """Pure-JAX twin of :func:`split_attention` (same signature and outputs, including the split ranges,
-    bf16 partials and the -inf LSE of empty rows; ``stages`` and ``share_scores`` unused). Dense
-    [NS, B, Np, S + TK] f32 scores: meant for tests and small shapes."""
+    """Pure-JAX twin of :func:`split_attention` and ``mla_attention_narrow.split_attention_narrow`` (same
+    signature and outputs, split ranges, bf16 partials and the -inf LSE of empty rows included; ``stages``
+    and ``share_scores`` unused). Dense [NS, B, R, S + TP] f32 scores: for tests and small shapes."""
     del stages, share_scores
-    B, Np, C = q_rows.shape
-    S, TK = cache_kv.shape[1], tail_kv.shape[1]
-    L, BK, NS = kv_lora_rank, int(block_k), int(num_splits)
-    nb = jnp.clip(prefix_len.astype(jnp.int32), 0, S) // BK                        # [B]
-    lo, mid, hi = _split_range(nb[None], TK // BK, jnp.arange(NS)[:, None], NS)    # [NS, B]
+    BK, NS = int(block_k), int(num_splits)
+    B, R, C, S, TP = check_in_place_inputs(q_rows, cache_kv, tree_kv, tree_bits, BK, "split_attention_ref")
+    plen = jnp.clip(prefix_len.astype(jnp.int32), 0, S)
+    nbp = -(-plen // BK)                                                            # [B] cache blocks read
+    lo, mid, hi = _split_range(nbp[None], TP // BK, jnp.arange(NS)[:, None], NS)    # [NS, B]
     cache_block = jnp.arange(S) // BK
-    in_cache = (cache_block >= lo[..., None]) & (cache_block < mid[..., None])    # [NS, B, S]
-    tail_block = nb[None, :, None] + jnp.arange(TK) // BK
-    in_tail = (tail_block >= mid[..., None]) & (tail_block < hi[..., None])        # [NS, B, TK]
-    sees = jnp.concatenate([jnp.broadcast_to(in_cache[:, :, None, :], (NS, B, Np, S)),
-                            in_tail[:, :, None, :] & unpack_bits(tail_bits, TK)[None]], axis=-1)
-    keys = jnp.concatenate([cache_kv, tail_kv.astype(cache_kv.dtype)], axis=1)    # [B, S + TK, C]
-    readable = jnp.concatenate([in_cache, in_tail], axis=-1).any(0)               # [B, S + TK]
-    return dense_split_partials(q_rows, keys, sees, readable, scale=scale, kv_lora_rank=L,
+    in_cache = (cache_block >= lo[..., None]) & (cache_block < mid[..., None]) \
+        & (jnp.arange(S) < plen[:, None])                                           # [NS, B, S]
+    tree_block = nbp[None, :, None] + jnp.arange(TP) // BK
+    in_tree = (tree_block >= mid[..., None]) & (tree_block < hi[..., None])         # [NS, B, TP]
+    sees = jnp.concatenate([jnp.broadcast_to(in_cache[:, :, None, :], (NS, B, R, S)),
+                            in_tree[:, :, None, :] & unpack_bits(tree_bits, TP)[None]], axis=-1)
+    keys = jnp.concatenate([cache_kv, tree_kv.astype(cache_kv.dtype)], axis=1)     # [B, S + TP, C]
+    readable = jnp.concatenate([in_cache, in_tree], axis=-1).any(0)
+    return dense_split_partials(q_rows, keys, sees, readable, scale=scale, kv_lora_rank=kv_lora_rank,
                                 valid_rows=valid_rows)
 
 
@@ -476,12 +520,11 @@ def tree_attention_mgpu(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, k
     q [B, T, H, C] bf16, cache_kv [B, S, C] bf16, prefix_len [B] int32 (values outside [0, S] are
     clamped), tree_kv [B, T, C] bf16, tree_mask [B, T, T] bool (diagonal True). Returns out [B, T, H, L]
     bf16 (and lse [B, T, H] f32 with ``return_lse``). ``num_splits`` defaults to :func:`default_splits`
-    for ``num_sms`` SMs. ``kernel`` is :func:`split_attention` (on ``tail_inputs``) or its twin
-    :func:`split_attention_ref` (CPU tests of everything around the kernel), or one of
-    ``mla_attention_narrow.NARROW_KERNELS`` (on ``tree_inputs``: keys as wgmma's M and the prefix read in
-    place, for at most 32 real rows; by default where T*H <= 32, block_k = 64, C >= L + 64 and S % 64 == 0);
-    tree_kv may carry padding rows past T (``tree_attention``'s contract; the narrow kernel reads
-    [B, 64 k, C] latents as they are); ``stages`` defaults to the kernel's own. ``combine`` merges several splits:
+    for ``num_sms`` SMs. ``kernel`` is :func:`split_attention`, ``mla_attention_narrow.split_attention_narrow``
+    (keys as wgmma's M, for at most 32 real rows; by default where T*H <= 32, block_k = 64 and C >= L + 64),
+    or their twin :func:`split_attention_ref` (CPU tests of everything around the kernel). tree_kv may carry
+    padding rows past T (``tree_attention``'s contract): latents padded to whole blocks
+    (``pad_tree_latents``, as the model hands them over) are read as they are. ``stages`` defaults to the kernel's own. ``combine`` merges several splits:
     ``split_combine.combine_splits`` (one Pallas-Triton launch), or its XLA twin ``combine_splits_ref``
     (CPU tests; the A/B of ``profile_kernels``). ``interpret=True`` is refused: JAX's Mosaic GPU
     interpreter (0.10) has neither register-operand wgmma nor accumulator stores; CPU tests lower the
@@ -499,16 +542,13 @@ def tree_attention_mgpu(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, k
     if num_splits is None:
         num_splits = splits_for(B, T, H, S, block_k, num_sms)
     valid_rows = valid_rows_for(T, H)
-    from pallas_kernels import mla_attention_narrow as narrow  # lazy: it imports this module
+    from pallas_kernels.mla_attention_narrow import NARROW_MAX_ROWS, split_attention_narrow  # it imports this
     if kernel is None:
-        fits = valid_rows is not None and valid_rows <= narrow.NARROW_MAX_ROWS and block_k == 64 and L + 64 <= C
-        kernel = narrow.split_attention_narrow if fits and S % 64 == 0 else split_attention
-    if kernel in narrow.NARROW_KERNELS:  # the real rows alone, the prefix read in place, the tree in whole blocks
-        qr = q.reshape(B, N, C)
-        keys, bits = narrow.tree_inputs(tree_kv, tree_mask, H, N, block_k)
-    else:  # whole 64-row tiles and the tail built in XLA
-        qr = fold_rows(q, ROWS)
-        keys, bits = tail_inputs(cache_kv, plen, tree_kv, tree_mask, H, qr.shape[1], block_k)
+        narrow = valid_rows is not None and valid_rows <= NARROW_MAX_ROWS and block_k == 64 and L + 64 <= C
+        kernel = split_attention_narrow if narrow else split_attention
+    # the narrow kernel takes the V real rows as they are (no padded copy of q); the others whole 64-row tiles
+    qr = q.reshape(B, N, C) if kernel is split_attention_narrow else fold_rows(q, ROWS)
+    keys, bits = tree_inputs(tree_kv, tree_mask, H, qr.shape[1], block_k)
     stage_kw = {} if stages is None else {"stages": stages}
     o, lse = kernel(qr, cache_kv, plen, keys, bits, scale=scale, kv_lora_rank=L, block_k=block_k,
                     num_splits=int(num_splits), share_scores=share_scores, valid_rows=valid_rows, **stage_kw)

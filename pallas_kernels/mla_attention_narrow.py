@@ -13,19 +13,15 @@ session 15). Here the keys are wgmma's M and the V rows its N:
 * oᵀ [L, V] += vᵀ [L, BK] · pᵀ [BK, V]: the value columns of the key block, transposed, as A; pᵀ as B,
   written into the block's rope columns, which q·kᵀ has read and p·v does not.
 
-Keys, in place (no tail copy built in XLA, unlike the 64-row kernel's ``tail_inputs``): each stream's
-sequence is NBP = ceil(prefix_len / BK) cache blocks, the last one partial when BK does not divide
-prefix_len, then TP / BK tree blocks of ``tree_kv`` padded to whole blocks (``tree_inputs``). The partial
-block is masked to its first prefix_len % BK keys and its other rows' value columns are zeroed in shared
-memory before use (NaN garbage past the prefix cannot leak); tree blocks are masked per row by mask words
-read straight from global memory (two per row and block). At T = 1 the words are a constant, and the
-model hands over its latents already padded (``ddtree_jax.model``), so the op is this kernel and the
-split merge: two launches. The cache capacity S must be a multiple of BK (the last block stays in bounds).
+Its inputs are those of the 64-row kernel (the prefix read in place from the cache, the partial block masked
+and its value rows past the prefix zeroed in shared memory, the tree latents padded to whole blocks with
+their mask words: ``mla_attention_mgpu``'s module docstring), except that the queries are the V real rows
+as they are (or one 64-row tile). At T = 1 the op is this kernel and the split merge: two launches.
 
 Two warpgroups: a producer of TMA copies (``stream_key_blocks``, as in ``split_attention``) and one
 consumer. The query tile is V x C (9 KB at V = 8 instead of 72); the output tile and the LSE row reuse it.
 Three 72 KB key blocks would fit at V = 8 (``narrow_smem_bytes``), but the copy pipeline alone is no faster
-with three than with two, nor is the kernel, so two it is. Its twin is :func:`split_attention_narrow_ref`.
+with three than with two, nor is the kernel, so two it is. Its twin is ``mla_attention_mgpu.split_attention_ref``.
 """
 
 from __future__ import annotations
@@ -34,12 +30,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.mla_attention_mgpu import (MASKED, ROWS, SMEM_LIMIT, WORD, _split_range, dense_split_partials,
-                                               pack_bits, stream_key_blocks, unpack_bits)
+from pallas_kernels.mla_attention_mgpu import (MASKED, PARTIAL, ROWS, SMEM_LIMIT, TREE, WHOLE, WORD, _block_steps,
+                                               check_in_place_inputs, stream_key_blocks, zero_rows_from)
 from pallas_kernels.tree_attention import _LN2, _LOG2E
 
 try:
@@ -47,8 +42,7 @@ try:
 except ImportError:  # pragma: no cover
     plgpu = None
 
-__all__ = ["split_attention_narrow", "split_attention_narrow_ref", "tree_inputs", "pad_tree_latents",
-           "narrow_smem_bytes", "NARROW_MAX_ROWS", "NARROW_KERNELS"]
+__all__ = ["split_attention_narrow", "narrow_smem_bytes", "NARROW_MAX_ROWS"]
 
 NARROW_MAX_ROWS = 32
 SMEM_ALIGNMENT = 1024  # Mosaic GPU starts every shared-memory buffer on this boundary
@@ -69,90 +63,22 @@ def narrow_smem_bytes(V: int, C: int, block_k: int, stages: int, L: int = 512) -
     return stages * _aligned(2 * block_k * C) + q_or_out + _aligned(REDUCTION_SCRATCH) + barriers
 
 
-def pad_tree_latents(tree_kv, block_k: int = 64):
-    """tree_kv [B, T, C] -> [B, TP, C], zero-padded to whole ``block_k`` blocks where T <= ``NARROW_MAX_ROWS``
-    (the trees this kernel can take; it then reads them in place), else unchanged. The model pads its block
-    latents this way for the attention, inside the fusion that produces them."""
-    T = tree_kv.shape[1]
-    if T > NARROW_MAX_ROWS or T % block_k == 0:
-        return tree_kv
-    return jnp.pad(tree_kv, ((0, 0), (0, -T % block_k), (0, 0)))
-
-
-def tree_inputs(tree_kv, tree_mask, heads: int, rows: int, block_k: int = 64):
-    """The tree part of the narrow kernel's keys (XLA; none of it per layer in the model, see below).
-
-    tree_kv [B, T', C] (T' >= T: the T latents, then padding rows, which must be finite), tree_mask
-    [B, T, T] bool (diagonal True), ``heads`` H, ``rows`` Np >= T*H. Returns tree_keys [B, TP, C], TP = T
-    rounded up to whole blocks (``tree_kv`` itself when T' == TP, else its first T rows and zeros), and
-    tree_bits int32 [B, TP/32, Np]: bit k of word w of row r says whether row r (node r // H) may see tree
-    key 32 w + k (padding rows see none). tree_bits depends on the mask alone, so in the model XLA computes
-    it once per step for all layers; at T = 1 it is a constant (row r < H sees key 0: the only mask a
-    one-node tree may have)."""
-    B, T, _ = tree_mask.shape
-    TP = -(-T // block_k) * block_k
-    if tree_kv.shape[1] != TP:
-        tree_kv = jnp.pad(tree_kv[:, :T], ((0, 0), (0, TP - T), (0, 0)))
-    row = np.arange(rows)
-    if T == 1:
-        words = np.zeros((B, TP // WORD, rows), np.int32)
-        words[:, 0, :] = row < heads
-        return tree_kv, jnp.asarray(words)
-    sees = jnp.swapaxes(tree_mask, 1, 2)[:, :, np.minimum(row // heads, T - 1)] & (row < T * heads)  # [B, T, Np]
-    return tree_kv, pack_bits(jnp.pad(sees, ((0, 0), (0, TP - T), (0, 0))))
-
-
-def _check_inputs(q_rows, cache_kv, tree_kv, tree_bits, block_k, valid_rows):
-    B, Np, C = q_rows.shape
-    S, TP = cache_kv.shape[1], tree_kv.shape[1]
-    V = valid_rows
-    if V is None or not (0 < V <= NARROW_MAX_ROWS and V % 8 == 0) or Np not in (V, ROWS):
+def _check_rows(q_rows, valid_rows):
+    rows, V = q_rows.shape[1], valid_rows
+    if V is None or not (0 < V <= NARROW_MAX_ROWS and V % 8 == 0) or rows not in (V, ROWS):
         raise ValueError(f"split_attention_narrow takes V query rows, or one {ROWS}-row tile of which the first V "
-                         f"are real, with valid_rows V a multiple of 8 up to {NARROW_MAX_ROWS}; got {Np} rows, "
+                         f"are real, with valid_rows V a multiple of 8 up to {NARROW_MAX_ROWS}; got {rows} rows, "
                          f"valid_rows={V}")
-    if block_k != 64:
-        raise ValueError(f"block_k={block_k}: the narrow kernel reads 64-key blocks")
-    if S % block_k:
-        raise ValueError(f"cache capacity S={S} must be a multiple of block_k={block_k} (the prefix's last, "
-                         "partial block is read in place)")
-    if tree_kv.shape != (B, TP, C) or TP % block_k or TP == 0 or tree_bits.shape != (B, TP // WORD, Np) \
-            or tree_bits.dtype != jnp.int32:
-        raise ValueError(f"tree_kv {tree_kv.shape} / tree_bits {tree_bits.dtype}{tree_bits.shape} must be "
-                         f"[B, TP, C] with TP a positive multiple of {block_k} and int32 [B, TP/{WORD}, {Np}] "
-                         f"for B={B}, C={C} (``tree_inputs``)")
-    return B, C, S, TP, V
-
-
-def split_attention_narrow_ref(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, kv_lora_rank, block_k=64,
-                               stages=2, num_splits=1, share_scores=True, valid_rows=None):
-    """Pure-JAX twin of :func:`split_attention_narrow` (same signature and outputs, split ranges included;
-    ``stages`` and ``share_scores`` unused). Dense [NS, B, Np, S + TP] f32 scores: for tests."""
-    del stages, share_scores
-    B, C, S, TP, V = _check_inputs(q_rows, cache_kv, tree_kv, tree_bits, int(block_k), valid_rows)
-    BK, NS, Np = int(block_k), int(num_splits), q_rows.shape[1]
-    plen = jnp.clip(prefix_len.astype(jnp.int32), 0, S)
-    nbp = -(-plen // BK)                                                            # [B] cache blocks read
-    lo, mid, hi = _split_range(nbp[None], TP // BK, jnp.arange(NS)[:, None], NS)    # [NS, B]
-    cache_block = jnp.arange(S) // BK
-    in_cache = (cache_block >= lo[..., None]) & (cache_block < mid[..., None]) \
-        & (jnp.arange(S) < plen[:, None])                                           # [NS, B, S]
-    tree_block = nbp[None, :, None] + jnp.arange(TP) // BK
-    in_tree = (tree_block >= mid[..., None]) & (tree_block < hi[..., None])         # [NS, B, TP]
-    sees = jnp.concatenate([jnp.broadcast_to(in_cache[:, :, None, :], (NS, B, Np, S)),
-                            in_tree[:, :, None, :] & unpack_bits(tree_bits, TP)[None]], axis=-1)
-    keys = jnp.concatenate([cache_kv, tree_kv.astype(cache_kv.dtype)], axis=1)     # [B, S + TP, C]
-    readable = jnp.concatenate([in_cache, in_tree], axis=-1).any(0)
-    return dense_split_partials(q_rows, keys, sees, readable, scale=scale, kv_lora_rank=kv_lora_rank,
-                                valid_rows=V)
+    return V
 
 
 def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, kv_lora_rank, block_k=64,
                            stages=2, num_splits=1, share_scores=True, valid_rows=None):
-    """Attention of V <= ``NARROW_MAX_ROWS`` query rows over each stream's prefix, read in place, and its tree
-    (module docstring), in NS splits.
+    """``mla_attention_mgpu.split_attention`` (same inputs, outputs and twin, ``split_attention_ref``) for
+    V <= ``NARROW_MAX_ROWS`` query rows (module docstring).
 
     q_rows [B, R, C] bf16 with R = V (``tree_attention_mgpu`` hands over exactly the real rows: no padded
-    copy of the queries) or R = 64 (rows V.. are ignored), cache_kv [B, S, C] bf16 (S % 64 == 0), prefix_len [B]
+    copy of the queries) or R = 64 (rows V.. are ignored), cache_kv [B, S, C] bf16, prefix_len [B]
     int32 in [0, S] (``tree_attention_mgpu`` clamps it), tree_kv [B, TP, C] bf16 and tree_bits int32
     [B, TP/32, R] (``tree_inputs``). Split s takes the blocks ``_split_range(NBP, TP/64, s, NS)`` gives it.
     Returns (o [NS, B, V, L] bf16, lse [NS, B, V] f32, natural log), each split normalised on its own; a row
@@ -162,7 +88,10 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.mosaic_gpu is not available in this JAX")
     BK, NS = int(block_k), int(num_splits)
-    B, C, S, TP, V = _check_inputs(q_rows, cache_kv, tree_kv, tree_bits, BK, valid_rows)
+    V = _check_rows(q_rows, valid_rows)
+    if BK != 64:
+        raise ValueError(f"block_k={BK}: the narrow kernel reads 64-key blocks")
+    B, _, C, S, TP = check_in_place_inputs(q_rows, cache_kv, tree_kv, tree_bits, BK, "split_attention_narrow")
     L = kv_lora_rank
     WB = BK // WORD
     if C % 64 or L % 64 or L + BK > C:
@@ -176,7 +105,6 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
     scale_log2 = float(scale) * _LOG2E
     TB = TP // BK
     col_layout = plgpu.Layout.WGMMA.reduce(0)  # a [V] vector along sᵀ's and oᵀ's columns
-    WHOLE, PARTIAL, TREE = range(3)  # the kinds of key block
 
     def narrow_body(plen_ref, q_ref, kv_ref, tkv_ref, bits_ref, o_ref, lse_ref, q_or_out, k_smem, q_bar, k_bars,
                     consumed_bars):
@@ -184,13 +112,7 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
         b = lax.axis_index("stream")
         sp = lax.axis_index("split")
         wg = lax.axis_index("wg")
-        plen = plen_ref[b]
-        nb = plen // BK
-        rem = plen - nb * BK  # keys of the partial block
-        nbp = nb + (rem > 0).astype(jnp.int32)
-        lo, mid, hi = _split_range(nbp, TB, sp, NS)
-        # steps by kind: [0, n_whole) whole cache blocks, [n_whole, n_cache) the partial one, [n_cache, n_all) tree
-        n_whole, n_cache, n_all = jnp.clip(nb, lo, mid) - lo, mid - lo, hi - lo
+        nb, rem, nbp, lo, n_whole, n_cache, n_all = _block_steps(plen_ref[b], TB, sp, NS, BK)
 
         @pl.when(wg == 1)
         def _producer():
@@ -205,13 +127,6 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
             # the softmax's denominators, summed over keys only after the loop: per block one reduction across
             # the warps (the max) instead of two
             l0 = plgpu.layout_cast(jnp.full((BK, V), 0.0, jnp.float32), plgpu.Layout.WGMMA)
-
-            def zero_past_prefix(slot):  # the partial block's rows past the prefix, value columns: NaN-safe p·v
-                row = plgpu.broadcasted_iota(jnp.int32, (BK, 64), 0, layout=plgpu.Layout.WGMMA)
-                for c in range(L // 64):
-                    chunk = k_smem.at[slot, :, pl.ds(c * 64, 64)]
-                    chunk[...] = jnp.where(row < rem, chunk[...], jnp.zeros((), jnp.bfloat16))
-                plgpu.commit_smem()
 
             def scores(j, slot, kind):  # sᵀ [BK, V], log2 units
                 def qk(s_ref):
@@ -241,8 +156,8 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
                     m, l = carry
                     slot = lax.rem(j, stages)
                     plgpu.barrier_wait(k_bars.at[slot])
-                    if kind == PARTIAL:
-                        zero_past_prefix(slot)
+                    if kind == PARTIAL:  # its value rows past the prefix: NaN-safe p·v
+                        zero_rows_from(k_smem.at[slot, :, pl.ds(0, L)], rem, BK)
                     s = scores(j, slot, kind)
                     m_new = jnp.maximum(m, s.max(axis=0))
                     alpha = jnp.exp2(m - m_new)
@@ -296,6 +211,3 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
     )
     return kernel(prefix_len.astype(jnp.int32), q_rows, cache_kv, tree_kv, tree_bits)  # lse in natural log
 
-
-# the kernels that take ``tree_inputs`` in place of ``mla_attention_mgpu.tail_inputs``
-NARROW_KERNELS = (split_attention_narrow, split_attention_narrow_ref)

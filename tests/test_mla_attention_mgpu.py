@@ -1,7 +1,7 @@
 """Mosaic GPU MLA tree attention (``pallas_kernels.mla_attention_mgpu``).
 
-CPU: the kernel's twin (``split_attention_ref``) against a float64 reference split by split, on tails
-built by ``tail_inputs``; the whole op (twin kernel, tail inputs, split merge) against the dense
+CPU: the kernels' twin (``split_attention_ref``) against a float64 reference split by split, on inputs
+built by ``tree_inputs``; the whole op (twin kernel, tree inputs, split merge) against the dense
 reference and ``tree_attention_ref`` (ragged prefixes incl. 0 and a partial last block, NaN garbage
 beyond the prefix, random trees, T = 1, chains, several splits); the kernel lowered for CUDA; argument
 errors; the dispatcher's routing. GPU (``gpu`` marker): the kernel against the twin at K2.6
@@ -25,31 +25,32 @@ from tests.test_tree_attention_kernel import as_jax, dense_reference, make_case
 SCALE = 0.27
 
 
-def split_reference(q_rows, cache, plen, tree_kv, tree_mask, H, scale, L, BK, NS):
-    """float64, loops: stream b's keys are its NB = plen // BK whole cache blocks, then the tail (the
-    partial block's rows, then the tree keys, padded to whole blocks); split s takes blocks
-    [s*per, min((s+1)*per, NB + TB)), per = ceil((NB + TB) / NS); row r (node r // H) sees every cache
-    key, the partial block's keys, and tree key u where tree_mask[b, r // H, u] (padding rows r >= T*H
-    the whole cache blocks alone)."""
+def split_reference(q_rows, cache, plen, tree_kv, tree_mask, H, scale, L, BK, NS, V=None):
+    """float64, loops: stream b's keys are its NBP = ceil(plen / BK) cache blocks, then the tree keys padded to
+    whole blocks (TB of them); split s takes blocks [s*per, min((s+1)*per, NBP + TB)), per = ceil((NBP + TB) /
+    NS); row r < V (node r // H) sees the cache keys below plen and tree key u where tree_mask[b, r // H, u]
+    (rows r >= T*H the cache keys alone). Returns o [NS, B, V, L], lse [NS, B, V] (-inf: sees nothing)."""
     q_rows, cache, tree_kv = (np.asarray(a, np.float64) for a in (q_rows, cache, tree_kv))
-    B, Np, _ = q_rows.shape
-    T = tree_kv.shape[1]
-    TB = -(-(BK - 1 + T) // BK)
-    o, lse = np.zeros((NS, B, Np, L)), np.full((NS, B, Np), -np.inf)
+    B, R, _ = q_rows.shape
+    V = V or R
+    T = tree_mask.shape[1]
+    TB = -(-T // BK)
+    o, lse = np.zeros((NS, B, V, L)), np.full((NS, B, V), -np.inf)
     for b in range(B):
-        nb, rem = divmod(int(plen[b]), BK)
-        tail = np.zeros((TB * BK, cache.shape[2]))
-        tail[:rem], tail[rem:rem + T] = cache[b, nb * BK:nb * BK + rem], tree_kv[b]
-        keys = np.concatenate([cache[b, :nb * BK], tail])
-        per = -(-(nb + TB) // NS)
+        nbp = -(-int(plen[b]) // BK)
+        cached = np.zeros((nbp * BK, cache.shape[2]))
+        cached[:int(plen[b])] = cache[b, :int(plen[b])]
+        tree = np.zeros((TB * BK, cache.shape[2]))
+        tree[:T] = tree_kv[b, :T]
+        keys = np.concatenate([cached, tree])
+        per = -(-(nbp + TB) // NS)
         for s in range(NS):
-            lo, hi = min(s * per, nb + TB) * BK, min(s * per + per, nb + TB) * BK
-            for r in range(Np):
+            lo, hi = min(s * per, nbp + TB) * BK, min(s * per + per, nbp + TB) * BK
+            for r in range(V):
                 vis = np.zeros(len(keys), bool)
-                vis[:nb * BK] = True  # padding rows (r >= T*H) see the whole cache blocks alone
+                vis[:int(plen[b])] = True
                 if r < T * H:
-                    vis[nb * BK:nb * BK + rem] = True
-                    vis[nb * BK + rem:nb * BK + rem + T] = tree_mask[b, r // H]
+                    vis[nbp * BK:nbp * BK + T] = tree_mask[b, r // H]
                 vis[:lo] = vis[hi:] = False
                 if not vis.any():
                     continue
@@ -60,42 +61,48 @@ def split_reference(q_rows, cache, plen, tree_kv, tree_mask, H, scale, L, BK, NS
     return o, lse
 
 
-@pytest.mark.parametrize("NS", [1, 2, 5])
-def test_split_twin_on_tail_inputs_matches_reference_per_split(NS):
-    rng = np.random.default_rng(3)
-    B, T, H, C, L, S, BK = 3, 5, 8, 192, 128, 320, 64
-    Np = 64
-    q = rng.standard_normal((B, Np, C)).astype(np.float32)
-    cache = rng.standard_normal((B, S, C)).astype(np.float32)
-    tree_kv = rng.standard_normal((B, T, C)).astype(np.float32)
-    mask = np.tril(rng.random((B, T, T)) < 0.5) | np.eye(T, dtype=bool)[None]
-    plen = np.array([0, 130, 320], np.int32)
-    for b in range(B):
-        cache[b, plen[b]:] = np.nan
+@pytest.mark.parametrize("B,T,H,S,plens,kind,NS,V", [
+    (3, 5, 8, 320, [0, 130, 320], "tree", 1, None),
+    (3, 5, 8, 320, [0, 130, 320], "tree", 2, None),
+    (3, 5, 8, 320, [0, 130, 320], "tree", 5, None),
+    (3, 1, 8, 256, [0, 64, 200], "chain", 4, 8),     # plain decode: empty prefix, whole blocks, a partial one
+    (2, 4, 8, 192, [191, 65], "tree", 5, 32),        # splits inside the tree block
+    (1, 3, 8, 100, [100], "chain", 1, 24),           # the partial block reaches past the cache (S % 64 != 0)
+])
+def test_split_twin_on_tree_inputs_matches_reference_per_split(B, T, H, S, plens, kind, NS, V):
+    """The kernels' twin on ``tree_inputs`` split by split, against the float64 loops; with V real rows also
+    on the V rows alone (the narrow kernel's form)."""
+    L, RD, BK, Np = 128, 64, 64, 64
+    q, cache, plen, tree_kv, mask = make_case(3, B, T, H, L, RD, S, plens, kind)
+    q = np.random.default_rng(4).standard_normal((B, Np, L + RD)).astype(np.float32)
     bf = lambda a: jnp.asarray(a, jnp.bfloat16)  # noqa: E731
-    tail_kv, bits = M.tail_inputs(bf(cache), jnp.asarray(plen), bf(tree_kv), jnp.asarray(mask), H, Np, BK)
-    assert tail_kv.shape == (B, 128, C) and bits.shape == (B, 4, Np) and bits.dtype == jnp.int32
-    assert np.all(np.isfinite(np.asarray(tail_kv, np.float32)))   # NaN beyond the prefix never enters
-    assert not np.asarray(bits)[:, :, T * H:].any()                 # padding rows see nothing
-    o, lse = M.split_attention_ref(bf(q), bf(cache), jnp.asarray(plen), tail_kv, bits, scale=SCALE,
-                                   kv_lora_rank=L, block_k=BK, num_splits=NS)
-    up = lambda a: np.asarray(bf(a), np.float32)  # noqa: E731
-    r_o, r_l = split_reference(up(q), np.where(np.isnan(cache), np.nan, up(cache)), plen, up(tree_kv), mask, H,
-                               SCALE, L, BK, NS)
-    assert o.shape == (NS, B, Np, L) and o.dtype == jnp.bfloat16 and lse.shape == (NS, B, Np)
+    keys, bits = M.tree_inputs(bf(tree_kv), jnp.asarray(mask), H, Np, BK)
+    assert keys.shape == (B, 64 * -(-T // 64), L + RD) and bits.shape == (B, keys.shape[1] // 32, Np)
+    assert not np.asarray(bits)[:, :, T * H:].any()                 # padding rows see no tree key
+    kw = dict(scale=SCALE, kv_lora_rank=L, block_k=BK, num_splits=NS, valid_rows=V)
+    o, lse = jax.jit(functools.partial(M.split_attention_ref, **kw))(bf(q), bf(cache), jnp.asarray(plen), keys, bits)
+    up = lambda a: np.asarray(bf(a), np.float64)  # noqa: E731
+    r_o, r_l = split_reference(up(q), up(cache), plen, up(tree_kv), mask, H, SCALE, L, BK, NS, V)
+    V = V or Np
+    assert o.shape == (NS, B, V, L) and o.dtype == jnp.bfloat16 and lse.shape == (NS, B, V)
     np.testing.assert_array_equal(np.isinf(np.asarray(lse)), np.isinf(r_l))
     fin = np.isfinite(r_l)
     np.testing.assert_allclose(np.asarray(lse)[fin], r_l[fin], atol=1e-4, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(o, np.float32), r_o, atol=2e-2, rtol=2e-2)
     assert not np.asarray(o, np.float32)[~fin].any()  # empty rows of a split: zeros
+    if V < Np:  # the V real rows alone: the same partials up to f32 summation order
+        o_v, lse_v = jax.jit(functools.partial(M.split_attention_ref, **kw))(
+            bf(q)[:, :V], bf(cache), jnp.asarray(plen), keys, bits[..., :V])
+        np.testing.assert_allclose(np.asarray(o_v, np.float32), np.asarray(o, np.float32), rtol=8e-3, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(lse_v), np.asarray(lse), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("B,T,H,S,plens,kind,NS", [
-    (3, 6, 4, 200, [0, 37, 200], "tree", 2),     # empty, short (tail only), whole blocks + partial
+    (3, 6, 4, 200, [0, 37, 200], "tree", 2),     # empty, short (partial block only), whole blocks + partial
     (2, 1, 8, 256, [256, 129], "chain", 3),      # plain decode, T = 1
     (2, 9, 2, 152, [150, 64], "chain", 1),       # DFlash chain, exactly one whole block
     (1, 12, 16, 304, [300], "tree", 4),          # 192 rows: 3 tiles
-    (2, 70, 1, 96, [96, 5], "tree", 6),          # 70 tree keys: 3 tail blocks, splits inside the tail
+    (2, 70, 1, 96, [96, 5], "tree", 6),          # 70 tree keys: 2 tree blocks, splits inside the tree
 ])
 def test_cascade_with_twin_prefix_matches_dense(B, T, H, S, plens, kind, NS):
     L, RD = 128, 64
@@ -135,7 +142,7 @@ def test_errors():
     with pytest.raises(NotImplementedError, match="interpret"):
         M.tree_attention_mgpu(*case, interpret=True, **kw)
     q_rows = jnp.zeros((1, 64, 192), jnp.bfloat16)
-    tail = M.tail_inputs(case[1], case[2], case[3], case[4], 2, 64, 64)
+    tail = M.tree_inputs(case[3], case[4], 2, 64, 64)
     with pytest.raises(ValueError, match="block_k"):
         M.split_attention(q_rows, case[1], case[2], *tail, block_k=96, **kw)
     with pytest.raises(ValueError, match="block_k"):
@@ -144,8 +151,13 @@ def test_errors():
         M.split_attention(q_rows, case[1], case[2], *tail, block_k=256, stages=4, **kw)
     with pytest.raises(ValueError, match="whole 64-row tiles"):
         M.split_attention(q_rows[:, :40], case[1], case[2], *tail, **kw)
-    with pytest.raises(ValueError, match="tail_kv"):
-        M.split_attention(q_rows, case[1], case[2], tail[0][:, :32], tail[1], **kw)
+    for f in (M.split_attention, M.split_attention_ref):
+        with pytest.raises(ValueError, match="tree_kv"):
+            f(q_rows, case[1], case[2], tail[0][:, :32], tail[1], **kw)
+        with pytest.raises(ValueError, match="tree_bits"):
+            f(q_rows, case[1], case[2], tail[0], tail[1][..., :32], **kw)
+        with pytest.raises(ValueError, match="cache_kv"):
+            f(q_rows, case[1][..., :64], case[2], *tail, **kw)
     with pytest.raises(ValueError, match="capacity S=100"):
         M.tree_attention_mgpu(case[0], case[1][:, :100], *case[2:], **kw)
     with pytest.raises(ValueError, match="bf16"):   # f32 tree latents are not silently cast
@@ -166,7 +178,7 @@ def test_valid_rows_keep_only_the_real_rows_of_one_tile():
     assert M.valid_rows_for(1, 64) is None and M.valid_rows_for(3, 2) is None  # 6 rows: not a multiple of 8
     case = as_jax(make_case(2, 2, 1, 8, 128, 64, 256, [100, 256], "chain"), jnp.bfloat16)
     q_rows = fold_rows(case[0], M.ROWS)
-    tail = M.tail_inputs(case[1], case[2], case[3], case[4], 8, M.ROWS, 64)
+    tail = M.tree_inputs(case[3], case[4], 8, M.ROWS, 64)
     kw = dict(scale=SCALE, kv_lora_rank=128, num_splits=3)
     full_o, full_l = M.split_attention_ref(q_rows, case[1], case[2], *tail, **kw)
     o, lse = M.split_attention_ref(q_rows, case[1], case[2], *tail, valid_rows=8, **kw)
@@ -212,8 +224,9 @@ def test_kernel_lowers_for_cuda_on_cpu(T, H, NS, share, BK, stages):
     (2, 8, 8, 2048, "chain", None, True), (2, 64, 64, 2048, "tree", None, True),
     (1, 256, 8, 1024, "tree", 1, True), (2, 33, 64, 1000, "tree", 3, True),
     (2, 1, 64, 4096, "chain", None, False), (2, 33, 64, 1000, "tree", 3, False),
-    (2, 200, 8, 64, "tree", 5, True),            # splits inside the tail (4 tail blocks, 1 cache block)
+    (2, 200, 8, 64, "tree", 5, True),            # splits inside the tree (4 tree blocks, 1 cache block)
     (2, 4, 8, 2048, "tree", None, True),         # 32 real rows of one tile: only those written (valid_rows)
+    (3, 9, 8, 1000, "tree", 4, True),            # DDTree budget 8 under TP-8: 72 rows, two tiles
 ])
 def test_gpu_kernel_matches_twin_k26(B, T, H, S, kind, NS, share):
     """The 64-row kernel, also where the default would take the narrow one (T*H <= 32)."""
@@ -221,6 +234,8 @@ def test_gpu_kernel_matches_twin_k26(B, T, H, S, kind, NS, share):
     rng = np.random.default_rng(7)
     plens = [int(x) for x in rng.integers(0, S + 1, size=B)]
     plens[0] = 0 if B > 1 else S
+    if S % 64 and B > 1:
+        plens[-1] = S  # the partial block reaches past the cache: the TMA unit reads zeros there
     case = make_case(11, B, T, H, L, K26["C"] - L, S, plens, kind)
     args = as_jax(case, jnp.bfloat16)
     o, lse = jax.jit(lambda *a: M.tree_attention_mgpu(*a, scale=K26["scale"], kv_lora_rank=L, num_splits=NS,

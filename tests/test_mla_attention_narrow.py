@@ -1,9 +1,9 @@
-"""The swapped decode kernel (``pallas_kernels.mla_attention_narrow``), which reads the prefix and the tree in
-place. CPU: its twin (``split_attention_narrow_ref``) against a float64 loop reference split by split, and
-through ``tree_attention_mgpu`` against the dense reference (ragged prefixes: 0, whole blocks, a partial last
-block, NaN garbage past the prefix; T = 1, chains, trees; splits inside the tree); ``tree_inputs``; padded
-tree latents; the kernel lowered for CUDA at K2.6 dims; its argument errors. GPU (``gpu`` marker): against
-the twin, split by split, and through ``tree_attention_mgpu(kernel=...)`` against ``tree_attention_ref``."""
+"""The swapped decode kernel (``pallas_kernels.mla_attention_narrow``). CPU: the op through its twin
+(``mla_attention_mgpu.split_attention_ref``, whose split-by-split tests are in ``test_mla_attention_mgpu.py``)
+against the dense reference, with tree latents as given and padded to a whole block; ``tree_inputs``;
+padded latents in every entry; the kernel lowered for CUDA at K2.6 dims and the default routing; its
+argument errors. GPU (``gpu`` marker): against the twin, split by split, and through
+``tree_attention_mgpu(kernel=...)`` against ``tree_attention_ref`` (NaN garbage past every prefix)."""
 
 import functools
 
@@ -14,76 +14,13 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import mla_attention_mgpu as M
-from pallas_kernels.mla_attention_narrow import (NARROW_MAX_ROWS, narrow_smem_bytes, split_attention_narrow,
-                                                 split_attention_narrow_ref, tree_inputs)
+from pallas_kernels.mla_attention_narrow import NARROW_MAX_ROWS, narrow_smem_bytes, split_attention_narrow
 from pallas_kernels.split_combine import combine_splits_ref
 from pallas_kernels.tree_attention import tree_attention_ref
 from tests.test_mla_attention_mgpu import K26, k26_spec
 from tests.test_tree_attention_kernel import as_jax, dense_reference, make_case
 
 SCALE = 0.27
-
-
-def narrow_split_reference(q_rows, cache, plen, tree_kv, tree_mask, H, V, scale, L, BK, NS):
-    """float64, loops: stream b's keys are its NBP = ceil(plen / BK) cache blocks, then the tree keys padded
-    to whole blocks (TB of them); split s takes blocks [s*per, min((s+1)*per, NBP + TB)), per =
-    ceil((NBP + TB) / NS); row r < V (node r // H) sees the cache keys below plen and tree key u where
-    tree_mask[b, r // H, u] (rows r >= T*H the cache keys alone)."""
-    q_rows, cache, tree_kv = (np.asarray(a, np.float64) for a in (q_rows, cache, tree_kv))
-    B = q_rows.shape[0]
-    T = tree_mask.shape[1]
-    TB = -(-T // BK)
-    o, lse = np.zeros((NS, B, V, L)), np.full((NS, B, V), -np.inf)
-    for b in range(B):
-        nbp = -(-int(plen[b]) // BK)
-        tree = np.zeros((TB * BK, cache.shape[2]))
-        tree[:T] = tree_kv[b, :T]
-        keys = np.concatenate([np.nan_to_num(cache[b, :nbp * BK]), tree])
-        per = -(-(nbp + TB) // NS)
-        for s in range(NS):
-            lo, hi = min(s * per, nbp + TB) * BK, min(s * per + per, nbp + TB) * BK
-            for r in range(V):
-                vis = np.zeros(len(keys), bool)
-                vis[:int(plen[b])] = True
-                if r < T * H:
-                    vis[nbp * BK:nbp * BK + T] = tree_mask[b, r // H]
-                vis[:lo] = vis[hi:] = False
-                if not vis.any():
-                    continue
-                sc = keys[vis] @ q_rows[b, r] * scale
-                e = np.exp(sc - sc.max())
-                o[s, b, r] = e @ keys[vis, :L] / e.sum()
-                lse[s, b, r] = sc.max() + np.log(e.sum())
-    return o, lse
-
-
-@pytest.mark.parametrize("B,T,H,S,plens,kind,NS", [
-    (3, 1, 8, 256, [0, 64, 200], "chain", 4),     # plain decode: empty prefix, whole blocks, a partial block
-    (2, 2, 8, 128, [128, 1], "tree", 3),
-    (2, 4, 8, 192, [191, 65], "tree", 5),         # splits inside the tree block
-    (1, 3, 8, 64, [30], "chain", 1),
-])
-def test_twin_matches_float64_reference_per_split(B, T, H, S, plens, kind, NS):
-    L, RD, BK = 128, 64, 64
-    q, cache, plen, tree_kv, mask = make_case(3, B, T, H, L, RD, S, plens, kind)
-    bf = lambda a: jnp.asarray(a, jnp.bfloat16)  # noqa: E731
-    qr = M.fold_rows(bf(q), M.ROWS)
-    keys, bits = tree_inputs(bf(tree_kv), jnp.asarray(mask), H, M.ROWS, BK)
-    V = T * H
-    o, lse = jax.jit(functools.partial(split_attention_narrow_ref, scale=SCALE, kv_lora_rank=L, num_splits=NS,
-                                       valid_rows=V))(qr, bf(cache), jnp.asarray(plen), keys, bits)
-    up = lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16), np.float64)  # noqa: E731 (the twin's bf16 inputs)
-    r_o, r_l = narrow_split_reference(up(qr), up(cache), plen, up(tree_kv), mask, H, V, SCALE, L, BK, NS)
-    assert o.shape == (NS, B, V, L) and lse.shape == (NS, B, V)
-    # the real rows alone (as tree_attention_mgpu hands them over): the same partials up to f32 summation order
-    o_v, lse_v = jax.jit(functools.partial(split_attention_narrow_ref, scale=SCALE, kv_lora_rank=L, num_splits=NS,
-                                           valid_rows=V))(qr[:, :V], bf(cache), jnp.asarray(plen), keys, bits[..., :V])
-    np.testing.assert_allclose(np.asarray(o_v, np.float32), np.asarray(o, np.float32), rtol=8e-3, atol=1e-6)
-    np.testing.assert_allclose(np.asarray(lse_v), np.asarray(lse), rtol=1e-6, atol=1e-6)
-    np.testing.assert_array_equal(np.isinf(np.asarray(lse)), np.isinf(r_l))
-    finite = np.isfinite(r_l)
-    np.testing.assert_allclose(np.asarray(lse)[finite], r_l[finite], atol=1e-4, rtol=1e-5)
-    np.testing.assert_allclose(np.asarray(o, np.float64), r_o, atol=1e-2, rtol=1e-2)
 
 
 @pytest.mark.parametrize("B,T,H,S,plens,kind,NS", [
@@ -97,7 +34,7 @@ def test_op_with_twin_matches_dense(B, T, H, S, plens, kind, NS):
     case = make_case(7, B, T, H, L, RD, S, plens, kind)
     args = as_jax(case, jnp.bfloat16)
     op = functools.partial(M.tree_attention_mgpu, scale=SCALE, kv_lora_rank=L, num_splits=NS, return_lse=True,
-                           kernel=split_attention_narrow_ref, combine=combine_splits_ref)
+                           kernel=M.split_attention_ref, combine=combine_splits_ref)
     o, lse = jax.jit(op)(*args)
     up = [np.asarray(a, np.float32) if a.dtype == jnp.bfloat16 else np.asarray(a) for a in args]
     r_o, r_l = dense_reference(*up, SCALE, L)
@@ -105,7 +42,7 @@ def test_op_with_twin_matches_dense(B, T, H, S, plens, kind, NS):
     np.testing.assert_allclose(np.asarray(o, np.float32), r_o, atol=2e-2, rtol=2e-2)
     np.testing.assert_allclose(np.asarray(lse), r_l, atol=1e-3, rtol=1e-4)
     # the same latents handed over padded to a whole block (as the model does): the same result, bit for bit
-    padded = jnp.pad(args[3], ((0, 0), (0, 64 - T), (0, 0)))
+    padded = M.pad_tree_latents(args[3])
     o2, lse2 = jax.jit(op)(args[0], args[1], args[2], padded, args[4])
     np.testing.assert_array_equal(np.asarray(o2, np.float32), np.asarray(o, np.float32))
     np.testing.assert_array_equal(np.asarray(lse2), np.asarray(lse))
@@ -118,7 +55,7 @@ def test_tree_inputs():
     B, T, H, C = 2, 5, 4, 16
     tkv = jnp.asarray(rng.standard_normal((B, T, C)), jnp.float32)
     mask = jnp.asarray(np.tril(rng.random((B, T, T)) < 0.6) | np.eye(T, dtype=bool))
-    keys, bits = tree_inputs(tkv, mask, H, 64, 64)
+    keys, bits = M.tree_inputs(tkv, mask, H, 64, 64)
     assert keys.shape == (B, 64, C) and bits.shape == (B, 2, 64) and bits.dtype == jnp.int32
     np.testing.assert_array_equal(np.asarray(keys[:, :T]), np.asarray(tkv))
     assert not np.asarray(keys[:, T:]).any()
@@ -128,16 +65,16 @@ def test_tree_inputs():
         if r < T * H:
             want[:, :T] = np.asarray(mask)[:, r // H]
         np.testing.assert_array_equal(seen[:, r], want)
-    assert tree_inputs(keys, mask, H, 64, 64)[0] is keys
+    assert M.tree_inputs(keys, mask, H, 64, 64)[0] is keys
     one = jnp.ones((B, 1, 1), bool)
-    const = tree_inputs(tkv[:, :1], one, 8, 64, 64)[1]
+    const = M.tree_inputs(tkv[:, :1], one, 8, 64, 64)[1]
     general = M.pack_bits(jnp.pad(jnp.broadcast_to(jnp.arange(64) < 8, (B, 1, 64)), ((0, 0), (0, 63), (0, 0))))
     np.testing.assert_array_equal(np.asarray(const), np.asarray(general))
 
 
 def test_padded_tree_latents_are_accepted_by_every_entry():
-    """tree_kv [B, T', C] with T' > T: its padding rows are ignored by the twin, the Triton kernel
-    (interpreted) and the 64-row kernel's tail; a tree_kv shorter than T is an error."""
+    """tree_kv [B, T', C] with T' > T: its padding rows are ignored by the twin and the Triton kernel
+    (interpreted); a tree_kv shorter than T is an error."""
     from pallas_kernels.tree_attention import mla_attention
     L = 32
     case = make_case(9, 2, 3, 2, L, 16, 40, [40, 7], "tree")
@@ -148,11 +85,6 @@ def test_padded_tree_latents_are_accepted_by_every_entry():
     for f in (tree_attention_ref, functools.partial(mla_attention, interpret=True)):
         np.testing.assert_allclose(np.asarray(f(args[0], args[1], args[2], padded, args[4], **kw)), np.asarray(want),
                                    atol=1e-5, rtol=1e-5)
-    cache, plen, tree, mask = (jnp.asarray(a) for a in case[1:])
-    t1 = M.tail_inputs(cache, plen, tree, mask, 2, 64, 64)
-    t2 = M.tail_inputs(cache, plen, jnp.pad(tree, ((0, 0), (0, 5), (0, 0))), mask, 2, 64, 64)
-    for a, b in zip(t1, t2):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     with pytest.raises(ValueError, match="tree_kv must be"):
         tree_attention_ref(args[0], args[1], args[2], args[3][:, :2], args[4], **kw)
 
@@ -168,12 +100,12 @@ def test_kernel_lowers_for_cuda_on_cpu(T, H, NS):
 
 
 def test_default_kernel_is_narrow_up_to_32_rows_and_its_shared_memory_count():
-    """``tree_attention_mgpu`` picks the narrow kernel for T*H <= 32 real rows of one tile and a cache capacity
-    of whole 64-key blocks, and the 64-row one otherwise; ``narrow_smem_bytes`` lets three key blocks in
+    """``tree_attention_mgpu`` picks the narrow kernel for T*H <= 32 real rows (any cache capacity: a partial
+    block past the cache reads zeros), and the 64-row one otherwise; ``narrow_smem_bytes`` lets three key blocks in
     flight at V = 8 and not at 16, and Mosaic GPU's own count (checked when lowering) agrees at V = 8."""
     f = jax.jit(functools.partial(M.tree_attention_mgpu, scale=K26["scale"], kv_lora_rank=K26["L"]))
     for T, H, S, narrow in [(1, 8, 1024, True), (4, 8, 1024, True), (1, 16, 1024, True), (8, 8, 1024, False),
-                            (1, 64, 1024, False), (3, 2, 1024, False), (1, 8, 1000, False)]:
+                            (1, 64, 1024, False), (3, 2, 1024, False), (1, 8, 1000, True)]:
         text = f.trace(*k26_spec(2, T, H, S)).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text and ("narrow_body" in text) == narrow, (T, H, S)
     assert narrow_smem_bytes(8, K26["C"], 64, 3) <= M.SMEM_LIMIT < narrow_smem_bytes(16, K26["C"], 64, 3)
@@ -188,23 +120,21 @@ def test_errors():
     plen = jnp.zeros((1,), jnp.int32)
     tree_kv, tree_bits = jnp.zeros((1, 64, C), jnp.bfloat16), jnp.zeros((1, 2, 64), jnp.int32)
     kw = dict(scale=0.1, kv_lora_rank=L)
-    for f in (split_attention_narrow, split_attention_narrow_ref):
-        for bad in (None, 12, 40, 64):
-            with pytest.raises(ValueError, match="valid_rows V a multiple of 8 up to 32"):
-                f(q, cache, plen, tree_kv, tree_bits, valid_rows=bad, **kw)
-        for rows in (128, 16):  # V rows or one 64-row tile
-            with pytest.raises(ValueError, match="one 64-row tile of which the first V"):
-                f(jnp.zeros((1, rows, C), jnp.bfloat16), cache, plen, tree_kv, jnp.zeros((1, 2, rows), jnp.int32),
-                  valid_rows=8, **kw)
-        with pytest.raises(ValueError, match="block_k=128"):
-            f(q, cache, plen, jnp.zeros((1, 128, C), jnp.bfloat16), jnp.zeros((1, 4, 64), jnp.int32),
-              valid_rows=8, block_k=128, **kw)
-        with pytest.raises(ValueError, match="S=200 must be a multiple of block_k=64"):
-            f(q, cache[:, :200], plen, tree_kv, tree_bits, valid_rows=8, **kw)
-        with pytest.raises(ValueError, match="tree_kv"):
-            f(q, cache, plen, tree_kv[:, :32], tree_bits, valid_rows=8, **kw)
-        with pytest.raises(ValueError, match="tree_bits"):
-            f(q, cache, plen, tree_kv, tree_bits.astype(jnp.uint32), valid_rows=8, **kw)
+    f = split_attention_narrow
+    for bad in (None, 12, 40, 64):
+        with pytest.raises(ValueError, match="valid_rows V a multiple of 8 up to 32"):
+            f(q, cache, plen, tree_kv, tree_bits, valid_rows=bad, **kw)
+    for rows in (128, 16):  # V rows or one 64-row tile
+        with pytest.raises(ValueError, match="one 64-row tile of which the first V"):
+            f(jnp.zeros((1, rows, C), jnp.bfloat16), cache, plen, tree_kv, jnp.zeros((1, 2, rows), jnp.int32),
+              valid_rows=8, **kw)
+    with pytest.raises(ValueError, match="block_k=128"):
+        f(q, cache, plen, jnp.zeros((1, 128, C), jnp.bfloat16), jnp.zeros((1, 4, 64), jnp.int32),
+          valid_rows=8, block_k=128, **kw)
+    with pytest.raises(ValueError, match="tree_kv"):
+        f(q, cache, plen, tree_kv[:, :32], tree_bits, valid_rows=8, **kw)
+    with pytest.raises(ValueError, match="tree_bits"):
+        f(q, cache, plen, tree_kv, tree_bits.astype(jnp.uint32), valid_rows=8, **kw)
     with pytest.raises(ValueError, match="shared memory"):
         split_attention_narrow(q, cache, plen, tree_kv, tree_bits, valid_rows=8, stages=4, **kw)
     with pytest.raises(ValueError, match="shared memory"):
@@ -221,7 +151,7 @@ def test_errors():
 @pytest.mark.gpu
 @pytest.mark.parametrize("B,T,H,S,kind,NS", [
     (3, 1, 8, 4096, "chain", 7), (2, 1, 8, 8192, "chain", None), (2, 2, 8, 2048, "tree", 4),
-    (2, 3, 8, 960, "tree", None), (2, 4, 8, 2048, "tree", 3),
+    (2, 3, 8, 1000, "tree", None), (2, 4, 8, 2048, "tree", 3),
     (2, 4, 8, 64, "tree", 5),  # splits inside the tree block
     (4, 1, 16, 1024, "chain", 5),
 ])
@@ -232,6 +162,8 @@ def test_gpu_kernel_matches_reference_k26(B, T, H, S, kind, NS):
     plens[0] = 0
     if B > 2:
         plens[1] = S // 2 // 64 * 64  # whole blocks only
+    if S % 64:
+        plens[-1] = S  # the partial block reaches past the cache: the TMA unit reads zeros there
     case = make_case(13, B, T, H, L, K26["C"] - L, S, plens, kind)
     args = as_jax(case, jnp.bfloat16)
     o, lse = jax.jit(lambda *a: M.tree_attention_mgpu(*a, scale=K26["scale"], kv_lora_rank=L, num_splits=NS,
@@ -253,10 +185,10 @@ def test_gpu_splits_match_the_twin_split_by_split(T, NS, plens):
     case = make_case(17, B, T, H, L, K26["C"] - L, S, plens, "tree")
     q, cache, plen, tkv, mask = as_jax(case, jnp.bfloat16)
     qr = M.fold_rows(q, M.ROWS)
-    keys, bits = tree_inputs(tkv, mask, H, qr.shape[1], 64)
+    keys, bits = M.tree_inputs(tkv, mask, H, qr.shape[1], 64)
     kw = dict(scale=K26["scale"], kv_lora_rank=L, num_splits=NS, valid_rows=T * H)
     o, lse = jax.jit(functools.partial(split_attention_narrow, **kw))(qr, cache, plen, keys, bits)
-    r_o, r_l = jax.jit(functools.partial(split_attention_narrow_ref, **kw))(qr, cache, plen, keys, bits)
+    r_o, r_l = jax.jit(functools.partial(M.split_attention_ref, **kw))(qr, cache, plen, keys, bits)
     o, r_o, lse, r_l = (np.asarray(a, np.float32) for a in (o, r_o, lse, r_l))
     np.testing.assert_array_equal(np.isinf(lse), np.isinf(r_l))
     assert np.all(np.isfinite(o))
