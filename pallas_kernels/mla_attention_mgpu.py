@@ -374,7 +374,10 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
                     m, l = carry
                     slot = lax.rem(j, stages)
                     plgpu.barrier_wait(k_bars.at[slot])
-                    if kind == PARTIAL:  # this warpgroup's value columns, before its p.v reads them
+                    # a partial block: this warpgroup's value columns past the prefix zeroed before its p.v reads
+                    # them (consumer 0's q.k may read them meanwhile: rows < rem are rewritten unchanged, and
+                    # the scores of the others are masked)
+                    if kind == PARTIAL:
                         zero_rows_from(k_smem.at[slot, :, pl.ds(half * LH, LH)], rem, BK)
                     if scores_here:
                         p16, alpha, m, l = softmax_share(j, scores(slot, kind), m, l)
