@@ -224,14 +224,14 @@ WHOLE, PARTIAL, TREE = range(3)  # the kinds of key block: a whole cache block, 
 
 
 def _block_steps(plen, tree_blocks: int, sp, num_splits: int, block_k: int):
-    """A program's key blocks, inside a kernel: (nb whole cache blocks, rem keys of the partial one, nbp =
-    cache blocks read, lo = its first block, then the step bounds: [0, n_whole) whole cache blocks,
-    [n_whole, n_cache) the partial block (0 or 1 step), [n_cache, n_all) tree blocks)."""
+    """A program's key blocks, inside a kernel: (rem keys of the partial cache block, nbp = cache blocks read,
+    lo = its first block, then the step bounds: [0, n_whole) whole cache blocks, [n_whole, n_cache) the
+    partial block (0 or 1 step), [n_cache, n_all) tree blocks)."""
     nb = plen // block_k
     rem = plen - nb * block_k
     nbp = nb + (rem > 0).astype(jnp.int32)
     lo, mid, hi = _split_range(nbp, tree_blocks, sp, num_splits)
-    return nb, rem, nbp, lo, jnp.clip(nb, lo, mid) - lo, mid - lo, hi - lo
+    return rem, nbp, lo, jnp.clip(nb, lo, mid) - lo, mid - lo, hi - lo
 
 
 def zero_rows_from(block_ref, first_row, rows: int):
@@ -301,7 +301,7 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
         tile = lax.axis_index("tile")
         sp = lax.axis_index("split")
         wg = lax.axis_index("wg")
-        nb, rem, nbp, lo, n_whole, n_cache, n_all = _block_steps(plen_ref[b], TB, sp, NS, BK)
+        rem, nbp, lo, n_whole, n_cache, n_all = _block_steps(plen_ref[b], TB, sp, NS, BK)
 
         @pl.when(wg == 2)
         def _producer():

@@ -112,7 +112,7 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
         b = lax.axis_index("stream")
         sp = lax.axis_index("split")
         wg = lax.axis_index("wg")
-        nb, rem, nbp, lo, n_whole, n_cache, n_all = _block_steps(plen_ref[b], TB, sp, NS, BK)
+        rem, nbp, lo, n_whole, n_cache, n_all = _block_steps(plen_ref[b], TB, sp, NS, BK)
 
         @pl.when(wg == 1)
         def _producer():
