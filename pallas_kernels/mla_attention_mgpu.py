@@ -544,16 +544,13 @@ def tree_attention_mgpu(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, k
     plen = jnp.clip(prefix_len.astype(jnp.int32), 0, S)
     if num_splits is None:
         num_splits = splits_for(B, T, H, S, block_k, num_sms)
+    valid_rows = valid_rows_for(T, H)
     from pallas_kernels.mla_attention_narrow import NARROW_MAX_ROWS, split_attention_narrow  # it imports this
     if kernel is None:
-        narrow = N % 8 == 0 and N <= NARROW_MAX_ROWS and block_k == 64 and L + 64 <= C
+        narrow = valid_rows is not None and valid_rows <= NARROW_MAX_ROWS and block_k == 64 and L + 64 <= C
         kernel = split_attention_narrow if narrow else split_attention
-    # the narrow kernel takes the V = N real rows as they are (no padded copy of q); the others whole 64-row
-    # tiles, of which with one tile only the first N rows' partials are written
-    if getattr(kernel, "func", kernel) is split_attention_narrow:
-        qr, valid_rows = q.reshape(B, N, C), N
-    else:
-        qr, valid_rows = fold_rows(q, ROWS), valid_rows_for(T, H)
+    # the narrow kernel takes the V real rows as they are (no padded copy of q); the others whole 64-row tiles
+    qr = q.reshape(B, N, C) if kernel is split_attention_narrow else fold_rows(q, ROWS)
     keys, bits = tree_inputs(tree_kv, tree_mask, H, qr.shape[1], block_k)
     stage_kw = {} if stages is None else {"stages": stages}
     o, lse = kernel(qr, cache_kv, plen, keys, bits, scale=scale, kv_lora_rank=L, block_k=block_k,

@@ -42,10 +42,9 @@ try:
 except ImportError:  # pragma: no cover
     plgpu = None
 
-__all__ = ["split_attention_narrow", "narrow_smem_bytes", "default_consumers", "NARROW_MAX_ROWS"]
+__all__ = ["split_attention_narrow", "narrow_smem_bytes", "NARROW_MAX_ROWS"]
 
-NARROW_MAX_ROWS = 64
-ONE_CONSUMER_MAX_ROWS = 32  # oᵀ [L, V] f32 in one warpgroup: 128 registers a thread at V = 32
+NARROW_MAX_ROWS = 32
 SMEM_ALIGNMENT = 1024  # Mosaic GPU starts every shared-memory buffer on this boundary
 REDUCTION_SCRATCH = 1024  # bytes (what Mosaic GPU asks for): the max and sum over keys cross the 4 warps
 
@@ -54,38 +53,27 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // SMEM_ALIGNMENT) * SMEM_ALIGNMENT
 
 
-def narrow_smem_bytes(V: int, C: int, block_k: int, stages: int, L: int = 512, consumers: int = 1) -> int:
+def narrow_smem_bytes(V: int, C: int, block_k: int, stages: int, L: int = 512) -> int:
     """Shared memory of one program as Mosaic GPU counts it (every buffer starts on a 1024-byte boundary):
     ``stages`` key blocks, the V-row query tile or in its place the output tile and the LSE row, the
-    reduction scratch, with two consumers the rescale factors of each slot and the final denominators, and
-    the barriers. pᵀ lives in a key block's rope columns and the tail's mask words are read from global
-    memory, so neither takes a buffer."""
-    two = consumers == 2
-    barriers = 8 * (1 + 2 * stages + (stages + 1 if two else 0))
+    reduction scratch and the barriers. pᵀ lives in a key block's rope columns and the tail's mask words
+    are read from global memory, so neither takes a buffer."""
+    barriers = 8 * (1 + 2 * stages)
     q_or_out = max(_aligned(2 * V * C), _aligned(2 * V * L) + _aligned(4 * V))
-    stats = _aligned(4 * (stages + 1) * V) if two else 0
-    return stages * _aligned(2 * block_k * C) + q_or_out + _aligned(REDUCTION_SCRATCH) + stats + barriers
+    return stages * _aligned(2 * block_k * C) + q_or_out + _aligned(REDUCTION_SCRATCH) + barriers
 
 
-def default_consumers(V: int) -> int:
-    """Consumer warpgroups for V query rows: one up to ``ONE_CONSUMER_MAX_ROWS``, else two."""
-    return 1 if V <= ONE_CONSUMER_MAX_ROWS else 2
-
-
-def _check_rows(q_rows, valid_rows, consumers):
+def _check_rows(q_rows, valid_rows):
     rows, V = q_rows.shape[1], valid_rows
     if V is None or not (0 < V <= NARROW_MAX_ROWS and V % 8 == 0) or rows not in (V, ROWS):
         raise ValueError(f"split_attention_narrow takes V query rows, or one {ROWS}-row tile of which the first V "
                          f"are real, with valid_rows V a multiple of 8 up to {NARROW_MAX_ROWS}; got {rows} rows, "
                          f"valid_rows={V}")
-    if consumers not in (1, 2) or (consumers == 1 and V > ONE_CONSUMER_MAX_ROWS):
-        raise ValueError(f"consumers={consumers} must be 2, or 1 with at most {ONE_CONSUMER_MAX_ROWS} rows "
-                         f"(valid_rows={V})")
     return V
 
 
 def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, kv_lora_rank, block_k=64,
-                           stages=2, num_splits=1, share_scores=True, valid_rows=None, consumers=None):
+                           stages=2, num_splits=1, share_scores=True, valid_rows=None):
     """``mla_attention_mgpu.split_attention`` (same inputs, outputs and twin, ``split_attention_ref``) for
     V <= ``NARROW_MAX_ROWS`` query rows (module docstring).
 
@@ -93,56 +81,52 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
     copy of the queries) or R = 64 (rows V.. are ignored), cache_kv [B, S, C] bf16, prefix_len [B]
     int32 in [0, S] (``tree_attention_mgpu`` clamps it), tree_kv [B, TP, C] bf16 and tree_bits int32
     [B, TP/32, R] (``tree_inputs``). Split s takes the blocks ``_split_range(NBP, TP/64, s, NS)`` gives it.
-    ``consumers`` (1 or 2; default ``default_consumers(V)``) splits p·v's L value columns over that many
-    warpgroups. Returns (o [NS, B, V, L] bf16, lse [NS, B, V] f32, natural log), each split normalised on its
-    own; a row that sees no key in a split has o = 0 and lse = -inf there. ``share_scores`` is accepted for
-    the common signature and unused (consumer 0 always computes the scores)."""
+    Returns (o [NS, B, V, L] bf16, lse [NS, B, V] f32, natural log), each split normalised on its own; a row
+    that sees no key in a split has o = 0 and lse = -inf there. ``share_scores`` is accepted for the common
+    signature and unused (one consumer)."""
     del share_scores
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.mosaic_gpu is not available in this JAX")
     BK, NS = int(block_k), int(num_splits)
-    NC = default_consumers(valid_rows or 0) if consumers is None else int(consumers)
-    V = _check_rows(q_rows, valid_rows, NC)
+    V = _check_rows(q_rows, valid_rows)
     if BK != 64:
         raise ValueError(f"block_k={BK}: the narrow kernel reads 64-key blocks")
     B, _, C, S, TP = check_in_place_inputs(q_rows, cache_kv, tree_kv, tree_bits, BK, "split_attention_narrow")
     L = kv_lora_rank
-    LC = L // NC  # value columns of one consumer
     WB = BK // WORD
-    if C % 64 or L % (64 * NC) or L + BK > C:
-        raise ValueError(f"C={C}, L={L}: C and L / consumers must be multiples of 64 with L + {BK} <= C (pᵀ takes "
-                         f"a key block's last {BK} columns)")
+    if C % 64 or L % 64 or L + BK > C:
+        raise ValueError(f"C={C}, L={L}: C and L must be multiples of 64 with L + {BK} <= C (pᵀ takes a key "
+                         f"block's last {BK} columns)")
     if stages < 2 or NS < 1:
         raise ValueError(f"stages={stages} must be >= 2 and num_splits={NS} >= 1")
-    smem = narrow_smem_bytes(V, C, BK, stages, L, NC)
+    smem = narrow_smem_bytes(V, C, BK, stages, L)
     if smem > SMEM_LIMIT:
-        raise ValueError(f"valid_rows={V}, stages={stages}, consumers={NC} need {smem} bytes of shared memory "
-                         f"(limit {SMEM_LIMIT})")
+        raise ValueError(f"valid_rows={V}, stages={stages} need {smem} bytes of shared memory (limit {SMEM_LIMIT})")
     scale_log2 = float(scale) * _LOG2E
     TB = TP // BK
     col_layout = plgpu.Layout.WGMMA.reduce(0)  # a [V] vector along sᵀ's and oᵀ's columns
 
-    def narrow_body(plen_ref, q_ref, kv_ref, tkv_ref, bits_ref, o_ref, lse_ref, q_or_out, k_smem, stat_smem, q_bar,
-                    k_bars, consumed_bars, p_ready, done_bar):
+    def narrow_body(plen_ref, q_ref, kv_ref, tkv_ref, bits_ref, o_ref, lse_ref, q_or_out, k_smem, q_bar, k_bars,
+                    consumed_bars):
         q_smem, (o_smem, lse_smem) = q_or_out  # the output tile and LSE row reuse the query tile's memory
-        # stat_smem (two consumers): rows [0, stages) each slot's rescale factor, row ``stages`` the final sums
         b = lax.axis_index("stream")
         sp = lax.axis_index("split")
         wg = lax.axis_index("wg")
         rem, nbp, lo, n_whole, n_cache, n_all = _block_steps(plen_ref[b], TB, sp, NS, BK)
 
-        @pl.when(wg == NC)
+        @pl.when(wg == 1)
         def _producer():
-            if NC == 2:
-                plgpu.set_max_registers(40, action="decrease")
             plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(0, V)], q_smem, q_bar)
 
             stream_key_blocks(kv_ref, tkv_ref, b, lo, nbp, n_cache, n_all, k_smem, k_bars, consumed_bars, stages, BK)
 
-        def consumer(half):
-            if NC == 2:
-                plgpu.set_max_registers(232, action="increase")
-            values = lambda slot: k_smem.at[slot, :, pl.ds(half * LC, LC)]  # noqa: E731
+        @pl.when(wg == 0)
+        def _consumer():
+            plgpu.barrier_wait(q_bar)
+            m0 = plgpu.layout_cast(jnp.full((V,), -jnp.inf, jnp.float32), col_layout)
+            # the softmax's denominators, summed over keys only after the loop: per block one reduction across
+            # the warps (the max) instead of two
+            l0 = plgpu.layout_cast(jnp.full((BK, V), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
             def scores(j, slot, kind):  # sᵀ [BK, V], log2 units
                 def qk(s_ref):
@@ -167,81 +151,47 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
                 seen = lax.shift_right_logical(word, key & (WORD - 1)) & 1
                 return jnp.where(seen != 0, s, MASKED)
 
-            def softmax(j, slot, kind, p_smem, m, l):
-                """Consumer 0: the block's scores, the online-softmax update, pᵀ into the block's rope columns
-                (which q·kᵀ has read and p·v does not) and, with two consumers, the rescale factor for the other
-                one."""
-                s = scores(j, slot, kind)
-                m_new = jnp.maximum(m, s.max(axis=0))
-                alpha = jnp.exp2(m - m_new)
-                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [1]))
-                l = l * lax.broadcast_in_dim(alpha, l.shape, [1]) + p
-                p_smem.transpose((1, 0))[...] = plgpu.layout_cast(p.astype(jnp.bfloat16),
-                                                                  plgpu.Layout.WGMMA_TRANSPOSED)
-                if NC == 2:
-                    stat_smem.at[slot][...] = alpha
-                plgpu.commit_smem()
-                if NC == 2:
-                    plgpu.barrier_arrive(p_ready.at[slot])
-                return alpha, m_new, l
-
-            def flash_loop(acc_ref):  # oᵀ [LC, V] starts at zero
+            def flash_loop(acc_ref):  # oᵀ [L, V] starts at zero
                 def step(kind, j, carry):
+                    m, l = carry
                     slot = lax.rem(j, stages)
                     plgpu.barrier_wait(k_bars.at[slot])
-                    if kind == PARTIAL:  # its value rows past the prefix (this consumer's columns): NaN-safe p·v
-                        zero_rows_from(values(slot), rem, BK)
+                    if kind == PARTIAL:  # its value rows past the prefix: NaN-safe p·v
+                        zero_rows_from(k_smem.at[slot, :, pl.ds(0, L)], rem, BK)
+                    s = scores(j, slot, kind)
+                    m_new = jnp.maximum(m, s.max(axis=0))
+                    alpha = jnp.exp2(m - m_new)
+                    p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [1]))
+                    l = l * lax.broadcast_in_dim(alpha, l.shape, [1]) + p
+                    # pᵀ goes to the block's rope columns, which q·kᵀ has read and p·v does not
                     p_smem = k_smem.at[slot, pl.ds(0, V), pl.ds(C - BK, BK)]
-                    if half == 0:
-                        alpha, *carry = softmax(j, slot, kind, p_smem, *carry)
-                    else:
-                        plgpu.barrier_wait(p_ready.at[slot])
-                        alpha = plgpu.load(stat_smem.at[slot], (), layout=col_layout)
+                    p_smem.transpose((1, 0))[...] = plgpu.layout_cast(p.astype(jnp.bfloat16),
+                                                                      plgpu.Layout.WGMMA_TRANSPOSED)
+                    plgpu.commit_smem()
                     acc_ref[...] = acc_ref[...] * lax.broadcast_in_dim(alpha, acc_ref.shape, [1])
-                    plgpu.wgmma(acc_ref, plgpu.transpose_ref(values(slot), (1, 0)), plgpu.transpose_ref(p_smem, (1, 0)))
+                    plgpu.wgmma(acc_ref, plgpu.transpose_ref(k_smem.at[slot, :, pl.ds(0, L)], (1, 0)),
+                                plgpu.transpose_ref(p_smem, (1, 0)))
                     plgpu.wgmma_wait(0)
                     plgpu.barrier_arrive(consumed_bars.at[slot])
-                    return tuple(carry)
+                    return m_new, l
 
-                carry = ()
-                if half == 0:
-                    # the softmax's denominators, summed over keys only after the loop: per block one reduction
-                    # across the warps (the max) instead of two
-                    carry = (plgpu.layout_cast(jnp.full((V,), -jnp.inf, jnp.float32), col_layout),
-                             plgpu.layout_cast(jnp.full((BK, V), 0.0, jnp.float32), plgpu.Layout.WGMMA))
-                    plgpu.barrier_wait(q_bar)
-                # whole cache blocks, the partial one (0 or 1), the tree's (the other consumer masks nothing)
-                carry = lax.fori_loop(0, n_whole, functools.partial(step, WHOLE), carry)
-                carry = lax.fori_loop(n_whole, n_cache, functools.partial(step, PARTIAL), carry)
-                carry = lax.fori_loop(n_cache, n_all, functools.partial(step, TREE if half == 0 else WHOLE), carry)
+                carry = lax.fori_loop(0, n_whole, functools.partial(step, WHOLE), (m0, l0))
+                carry = lax.fori_loop(n_whole, n_cache, functools.partial(step, PARTIAL), carry)  # 0 or 1 block
+                carry = lax.fori_loop(n_cache, n_all, functools.partial(step, TREE), carry)
                 return (acc_ref[...],) + carry
 
-            acc, *carry = pl.run_scoped(flash_loop, plgpu.ACC((LC, V), jnp.float32))
-            if half == 0:  # a row that saw only masked keys in this split is empty
-                m, l = carry
-                l = jnp.where(m < 0.5 * MASKED, 0.0, l.sum(axis=0))
-                if NC == 2:
-                    stat_smem[stages] = l
-            if NC == 2:  # both consumers are done with the query tile (and the sums are written): reuse its memory
-                plgpu.barrier_arrive(done_bar)
-                plgpu.barrier_wait(done_bar)
-                if half == 1:
-                    l = plgpu.load(stat_smem.at[stages], (), layout=col_layout)
+            acc, m, l = pl.run_scoped(flash_loop, plgpu.ACC((L, V), jnp.float32))
+            # a row that saw only masked keys in this split is empty
+            l = jnp.where(m < 0.5 * MASKED, 0.0, l.sum(axis=0))
             empty = l == 0.0
             inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
             o = acc * lax.broadcast_in_dim(inv, acc.shape, [1])
-            o_smem.at[half].transpose((1, 0))[...] = plgpu.layout_cast(o.astype(jnp.bfloat16),
-                                                                       plgpu.Layout.WGMMA_TRANSPOSED)
-            if half == 0:
-                lse_smem[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(jnp.where(empty, 1.0, l))) * _LN2)
+            o_smem.transpose((1, 0))[...] = plgpu.layout_cast(o.astype(jnp.bfloat16), plgpu.Layout.WGMMA_TRANSPOSED)
+            lse_smem[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(jnp.where(empty, 1.0, l))) * _LN2)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem.at[half], o_ref.at[sp, b, :, pl.ds(half * LC, LC)])
-            if half == 0:
-                plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[sp, b])
+            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[sp, b])
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[sp, b])
             plgpu.wait_smem_to_gmem(0)
-
-        for half in range(NC):
-            pl.when(wg == half)(functools.partial(consumer, half))
 
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     kernel = plgpu.kernel(
@@ -249,17 +199,14 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
         out_type=(jax.ShapeDtypeStruct((NS, B, V, L), jnp.bfloat16), jax.ShapeDtypeStruct((NS, B, V), jnp.float32)),
         scratch_types=(
             plgpu.RefUnion(plgpu.SMEM((V, C), jnp.bfloat16, transforms=swizzled),
-                           (plgpu.SMEM((NC, V, LC), jnp.bfloat16), plgpu.SMEM((V,), jnp.float32))),
+                           (plgpu.SMEM((V, L), jnp.bfloat16), plgpu.SMEM((V,), jnp.float32))),
             plgpu.SMEM((stages, BK, C), jnp.bfloat16, transforms=swizzled),
-            plgpu.SMEM((stages + 1, V), jnp.float32) if NC == 2 else None,
             plgpu.Barrier(num_barriers=1),
             plgpu.Barrier(num_barriers=stages),
-            plgpu.Barrier(num_arrivals=NC, num_barriers=stages),
-            plgpu.Barrier(num_barriers=stages) if NC == 2 else None,
-            plgpu.Barrier(num_arrivals=2) if NC == 2 else None,
+            plgpu.Barrier(num_barriers=stages),
         ),
         grid=(B, NS), grid_names=("stream", "split"),
-        num_threads=NC + 1, thread_name="wg",
+        num_threads=2, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=REDUCTION_SCRATCH),
     )
     return kernel(prefix_len.astype(jnp.int32), q_rows, cache_kv, tree_kv, tree_bits)  # lse in natural log
