@@ -78,8 +78,9 @@ __all__ = ["tree_attention_mgpu", "split_attention", "split_attention_ref", "tre
 
 ROWS = 64              # query rows per program (one wgmma M tile)
 SMEM_LIMIT = 227 * 1024
-MAX_SPLITS = 256       # the merge's one chunk (``split_combine``): at B = 1 with one tile a split per SM, 132
-                       # (at 64K 8 blocks a program, not 9 as with 128 splits; RESULTS.md, sessions 16, 18)
+MAX_SPLITS = 128       # one wave of the H200 at B = 1, one tile; the merge reads NS partials per row (132
+                       # splits: 8 blocks each at B = 1, 64K, not 9, and the kernel 2 µs faster, but the
+                       # merge takes two chunks and 0.7 µs more: the op as fast; RESULTS.md, session 16)
 MASKED = -1e30         # masked score (log2 units): finite, see the module docstring
 WORD = 32              # tree keys per mask word
 

@@ -30,11 +30,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-__all__ = ["combine_splits", "combine_splits_ref", "combine_blocks", "combine_warps", "merge_lse"]
+__all__ = ["combine_splits", "combine_splits_ref", "combine_blocks", "merge_lse"]
 
-_CHUNK = 256          # splits loaded at once (power of two): one chunk for a split per SM of the H200
+_CHUNK = 128          # splits loaded at once (power of two)
 _COLS = 64            # value columns of one program, at least: 128 contiguous bytes of bf16 per split
-_SLAB = 8192          # partials 4 warps hold per chunk (64 f32 a thread); a larger slab gets more warps
+_SLAB = 8192          # partials one program holds per chunk (4 warps: 64 f32 each)
 
 
 def _check(o_parts, lse_parts, split_axis: int):
@@ -63,12 +63,6 @@ def combine_blocks(NS: int, L: int) -> tuple[int, int]:
     if L % lb:
         raise ValueError(f"combine_splits needs the value width L={L} to be a multiple of 8")
     return lb, chunk
-
-
-def combine_warps(LB: int, CH: int) -> int:
-    """Warps of one program: 4, or more for a slab past ``_SLAB`` (256 splits x 64 columns: 8), so that each
-    thread holds 64 partials of a chunk."""
-    return 4 * max(1, CH * LB // _SLAB)
 
 
 def _kernel(lse_ref, o_ref, out_ref, lse_out_ref, *, NS, LB, CH, split_axis):
@@ -125,7 +119,7 @@ def combine_splits(o_parts, lse_parts, *, split_axis=0, out_dtype=None, interpre
         out_specs=[pl.BlockSpec((None, None, LB), lambda b, r, c: (b, r, c)),
                    pl.BlockSpec((None, 1), lambda b, r, c: (b, r))],
         out_shape=[jax.ShapeDtypeStruct((B, V, L), out_dtype), jax.ShapeDtypeStruct((B, V), jnp.float32)],
-        compiler_params=pltriton.CompilerParams(num_warps=combine_warps(LB, CH), num_stages=1),
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="combine_splits",
     )(lse_parts, o_parts)
