@@ -32,7 +32,7 @@ from flax import nnx
 
 from ddtree_jax.cache import CACHE_AXES, LatentCache, commit, init_cache
 from ddtree_jax.decode import pad_prompts
-from ddtree_jax.drafter import DFlashDrafter, DraftCache, init_draft_cache
+from ddtree_jax.drafter import DFlashDrafter, DraftCache, draft_cache_axes, init_draft_cache
 from ddtree_jax.model import KimiModel, Runtime, causal_mask
 from ddtree_jax.sharding import DEFAULT_RULES, named_sharding, shard_state
 from ddtree_jax.tree import PAD, accept_tokens, build_tree, chain_tree, check_budget, sample_target_tokens
@@ -112,6 +112,20 @@ def _stop_and_emit(state: DecodeState, emitted, n_emit, active, eos_ids, max_new
     return out, state.num_out + n_emit, status
 
 
+def place_caches(cache: LatentCache, draft_cache: DraftCache | None, runtime: Runtime):
+    """The latent cache's kv and the drafter's K/V laid out on the runtime's mesh by their logical axes
+    (``CACHE_AXES``, ``draft_cache_axes``: streams over "data", the drafter's kv heads over "model"), as
+    ``memory_plan`` counts them; unchanged without a mesh."""
+    if runtime.mesh is None:
+        return cache, draft_cache
+    rules = runtime.rules or DEFAULT_RULES
+    cache = dataclasses.replace(cache, kv=jax.device_put(cache.kv, named_sharding(runtime.mesh, rules, CACHE_AXES)))
+    if draft_cache is not None:
+        draft_cache = jax.tree.map(lambda x, axes: jax.device_put(x, named_sharding(runtime.mesh, rules, axes)),
+                                   draft_cache, draft_cache_axes(), is_leaf=lambda x: isinstance(x, tuple))
+    return cache, draft_cache
+
+
 class Engine:
     """Holds the split target (and drafter) and the compiled programs for one EngineConfig.
 
@@ -147,9 +161,7 @@ class Engine:
         # Caches are made outside jit: zeros built inside would be constant-folded through attention.
         cache = init_cache(self.cfg, b, ecfg.capacity)
         draft_cache = init_draft_cache(self.dcfg, b, ecfg.capacity) if self.taps else None
-        if self.runtime.mesh is not None:
-            cache = dataclasses.replace(cache, kv=jax.device_put(cache.kv, named_sharding(
-                self.runtime.mesh, self.runtime.rules or DEFAULT_RULES, CACHE_AXES)))
+        cache, draft_cache = place_caches(cache, draft_cache, self.runtime)
         return _prefill(self.target_def, self.target_state, self.drafter_def, self.drafter_state, cache, draft_cache,
                         jnp.asarray(tokens), jnp.asarray(lengths), jnp.float32(temperature), jax.random.key(seed),
                         max_new_tokens=ecfg.max_new_tokens, eos_ids=ecfg.eos_ids, runtime=self.runtime,

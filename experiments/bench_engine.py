@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import sys
 import time
@@ -42,30 +43,48 @@ from ddtree_jax.rope import rope_cos_sin  # noqa: E402
 from ddtree_jax.hf_loader import ShapeOnlyRngs  # noqa: E402
 from ddtree_jax.memory_plan import array_bytes  # noqa: E402
 from ddtree_jax.quant import QuantArray  # noqa: E402
+from ddtree_jax.sharding import DEFAULT_RULES, named_sharding  # noqa: E402
 from ddtree_jax.tree import accept_tokens, build_tree, sample_target_tokens  # noqa: E402
 from experiments.bench_util import (measure_copy_bandwidth, measure_torch_copy_bandwidth, print_table,  # noqa: E402
                                     time_fn, write_result)
 
 
-def random_state(abstract_state, seed: int):
-    """Random weights made on the device, leaf by leaf (norm weights = 1, INT4 = random nibbles)."""
+@functools.lru_cache(maxsize=None)
+def _maker(kind: str, shape: tuple, dtype, sharding):
+    """A jitted maker of one kind of random array (compiled once per kind, shape, dtype and placement)."""
+    def make(key):
+        if kind == "bits":  # INT4 words: random nibbles
+            return jax.lax.bitcast_convert_type(jax.random.bits(key, shape, jnp.uint32), jnp.int32)
+        if kind == "scale":
+            return jax.random.uniform(key, shape, jnp.float32, 0.001, 0.003).astype(dtype)
+        if kind in ("ones", "zeros"):
+            return (jnp.ones if kind == "ones" else jnp.zeros)(shape, dtype)
+        return (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+    return jax.jit(make, out_shardings=sharding)
+
+
+def random_state(abstract_state, seed: int, mesh=None, rules=None):
+    """Random weights made on the device, leaf by leaf (norm weights = 1, INT4 = random nibbles). With a
+    ``mesh`` each array is made in its shards, placed by its logical axes (``rules``, default
+    ``DEFAULT_RULES``): no sharded array exists whole on one device (full K2.6 fits only spread out)."""
     flat = list(abstract_state.flat_state())
     keys = jax.random.split(jax.random.key(seed), len(flat))
     out = {}
     for (path, variable), key in zip(flat, keys):
         value = variable.value
+        sharding = None
+        if mesh is not None:
+            sharding = named_sharding(mesh, rules or DEFAULT_RULES, variable.get_metadata()["logical_axes"])
         name = path[-1] if isinstance(path[-1], str) else ""
         if isinstance(value, QuantArray):
+            if value.packed.dtype != jnp.int32:
+                raise ValueError(f"{path}: random INT4 words are int32, the stack holds {value.packed.dtype}")
             k1, k2 = jax.random.split(key)
-            packed = jax.jit(lambda k, s=value.packed.shape: jax.lax.bitcast_convert_type(
-                jax.random.bits(k, s, jnp.uint32), jnp.int32))(k1)
-            scale = jax.jit(lambda k, s=value.scale.shape, d=value.scale.dtype: jax.random.uniform(
-                k, s, jnp.float32, 0.001, 0.003).astype(d))(k2)
-            new = QuantArray(packed, scale)
-        elif name == "weight" or path[-2:] == ("router_bias",):
-            new = jnp.ones(value.shape, value.dtype) if name == "weight" else jnp.zeros(value.shape, value.dtype)
+            new = QuantArray(_maker("bits", value.packed.shape, jnp.dtype(jnp.int32), sharding)(k1),
+                             _maker("scale", value.scale.shape, jnp.dtype(value.scale.dtype), sharding)(k2))
         else:
-            new = jax.jit(lambda k, s=value.shape, d=value.dtype: (0.02 * jax.random.normal(k, s, jnp.float32)).astype(d))(key)
+            kind = "ones" if name == "weight" else "zeros" if path[-2:] == ("router_bias",) else "normal"
+            new = _maker(kind, tuple(value.shape), jnp.dtype(value.dtype), sharding)(key)
         out[tuple(path)] = variable.replace(new)
     return nnx.State.from_flat_path(out)
 
