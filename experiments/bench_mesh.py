@@ -25,6 +25,11 @@ Sections (``--sections``):
           pair's own tau (meaningless: random weights).
 
 JSON (hardware, JAX version, commit, config, every row) via ``bench_util.write_result``; a table per section.
+
+Compile time at full size is not measured yet: the target's layers are unrolled in each program, and at 4
+layers a verify program compiled in ~10 s on the H200 (``bench_engine_kernel_h200.json``), so expect minutes
+per program at 61. Within one device call, split the sections over lease steps (``experiments/lease.py``)
+with ``JAX_COMPILATION_CACHE_DIR`` set, and trim ``--ms`` / ``--streams`` to the device time left.
 """
 
 from __future__ import annotations
