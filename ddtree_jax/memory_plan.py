@@ -150,6 +150,16 @@ def plan_memory(cfg: ModelConfig, mesh_shape: dict[str, int], rules: ShardingRul
     return plan
 
 
+def held_bytes_per_device(tree) -> dict:
+    """{device: bytes of the shards of ``tree``'s arrays it holds}, sub-byte dtypes counted as ``array_bytes``
+    does: what ``plan_memory``'s per-device figures predict."""
+    held = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            held[shard.device] = held.get(shard.device, 0) + array_bytes(shard.data.shape, leaf.dtype)
+    return held
+
+
 def state_bytes(state: nnx.State) -> int:
     """Actual bytes of a state's arrays (all leaves, QuantArray parts included)."""
     return int(sum(leaf.nbytes for leaf in jax.tree.leaves(state)))

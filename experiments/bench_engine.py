@@ -89,6 +89,11 @@ def random_state(abstract_state, seed: int, mesh=None, rules=None):
     return nnx.State.from_flat_path(out)
 
 
+def expert_share(cfg, m: int) -> float:
+    """Expected share of the routed experts that M tokens' top-k touches under uniform routing."""
+    return 1.0 - (1.0 - cfg.num_experts_per_tok / cfg.n_routed_experts) ** m
+
+
 def build_models(args):
     if args.size == "full":
         cfg = k26_config(dtype="bfloat16").replace(num_layers=args.layers)
@@ -233,9 +238,7 @@ def bench_layer_cost(target, args, deadline, rows, bandwidth):
             return lay(x, cos, sin, kv, jnp.array([prefix]), causal_mask(1, m), Runtime())[0]
 
         t = time_fn(step, lstate, x, kv, repeats=args.repeats)["median_s"]
-        experts = 384 * (1 - (1 - 8 / 384) ** m) if cfg.n_routed_experts == 384 else cfg.n_routed_experts
-        moved = (layer_bytes - bytes_of(nnx.state(layer.mlp)) + experts / cfg.n_routed_experts *
-                 bytes_of(nnx.state(layer.mlp)))
+        moved = layer_bytes - bytes_of(nnx.state(layer.mlp)) + expert_share(cfg, m) * bytes_of(nnx.state(layer.mlp))
         rows.append({"bench": "layer", "M": m, "ms": 1e3 * t, "bytes_floor_MB": moved / 1e6,
                      "floor_ms": 1e3 * moved / bandwidth, "pct_of_bw": 100 * moved / bandwidth / t,
                      "projected_61_layers_ms": 61 * 1e3 * t})
@@ -309,8 +312,7 @@ def bench_kernel_path(target, args, deadline, rows, bandwidth):
                     row["kernel_in_program"] = "mosaic_gpu" in text or "int4_moe_gate_up" in text
             except Exception as e:  # keep the other path's numbers
                 row[f"{path}_error"] = f"{type(e).__name__}: {e}"[:300]
-        experts = cfg.n_routed_experts * (1 - (1 - cfg.num_experts_per_tok / cfg.n_routed_experts) ** m)
-        floor_s = (layer_bytes - moe_bytes + experts / cfg.n_routed_experts * moe_bytes) / bandwidth
+        floor_s = (layer_bytes - moe_bytes + expert_share(cfg, m) * moe_bytes) / bandwidth
         row["floor_ms"] = 1e3 * floor_s
         if "xla_ms" in row and "kernel_ms" in row:
             row["speedup"] = row["xla_ms"] / row["kernel_ms"]

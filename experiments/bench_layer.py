@@ -39,12 +39,12 @@ from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from ddtree_jax.config import QuantConfig, k26_config, tiny_config  # noqa: E402
 from ddtree_jax.hf_loader import ShapeOnlyRngs  # noqa: E402
-from ddtree_jax.memory_plan import array_bytes, param_bytes, parse_mesh  # noqa: E402
+from ddtree_jax.memory_plan import held_bytes_per_device, param_bytes, parse_mesh  # noqa: E402
 from ddtree_jax.model import DecoderLayer, Runtime, causal_mask  # noqa: E402
 from ddtree_jax.sharding import DEFAULT_RULES, make_mesh, shard_state  # noqa: E402
 from ddtree_jax.moe import prepare_for_kernels, route, routed_experts  # noqa: E402
 from ddtree_jax.rope import rope_cos_sin  # noqa: E402
-from experiments.bench_engine import bytes_of, random_state  # noqa: E402
+from experiments.bench_engine import bytes_of, expert_share, random_state  # noqa: E402
 from experiments.bench_util import (measure_copy_bandwidth, measure_torch_copy_bandwidth, print_table,  # noqa: E402
                                     tie_to, time_fn, traced_call_time, write_result)
 
@@ -102,10 +102,7 @@ def parts(cfg, layer, m: int, prefix: int, rt: Runtime = Runtime()):
 def weight_bytes_per_device(state, mesh_shape) -> dict:
     """Weight bytes each device holds (its addressable shards) against the memory planner's
     per-device prediction for the same state and mesh shape."""
-    held = {}
-    for leaf in jax.tree.leaves(state):
-        for shard in leaf.addressable_shards:
-            held[shard.device] = held.get(shard.device, 0) + array_bytes(shard.data.shape, leaf.dtype)
+    held = held_bytes_per_device(state)
     planned = sum(v["per_device"] for v in param_bytes(state, mesh_shape, DEFAULT_RULES).values())
     return {"held_max": max(held.values()), "held_min": min(held.values()), "planned_per_device": planned,
             "devices": len(held)}
@@ -183,8 +180,7 @@ def main(argv=None):
 
     for m in [int(v) for v in args.ms.split(",")]:
         x = (0.1 * jax.random.normal(jax.random.key(m), (1, m, cfg.hidden_size), jnp.float32)).astype(cfg.dtype)
-        experts = cfg.n_routed_experts * (1 - (1 - cfg.num_experts_per_tok / cfg.n_routed_experts) ** m)
-        routed_bytes = experts / cfg.n_routed_experts * (moe_bytes - shared_bytes)
+        routed_bytes = expert_share(cfg, m) * (moe_bytes - shared_bytes)
         kv_bytes = (args.prefix + m) * cfg.latent_dim * jnp.dtype(cfg.dtype).itemsize
         # sharded: the weights split over the model axis (an even share per device; at small M the
         # busiest device's experts decide), the latent cache read whole by every device

@@ -53,11 +53,11 @@ from ddtree_jax.config import QuantConfig, k26_config, tiny_config  # noqa: E402
 from ddtree_jax.drafter import DFlashDrafter, k26_drafter_config, tiny_drafter_config  # noqa: E402
 from ddtree_jax.engine import Engine, EngineConfig, place_caches  # noqa: E402
 from ddtree_jax.hf_loader import ShapeOnlyRngs  # noqa: E402
-from ddtree_jax.memory_plan import parse_mesh, plan_memory  # noqa: E402
+from ddtree_jax.memory_plan import held_bytes_per_device, parse_mesh, plan_memory  # noqa: E402
 from ddtree_jax.model import KimiModel, Runtime  # noqa: E402
 from ddtree_jax.moe import prepare_for_kernels  # noqa: E402
 from ddtree_jax.sharding import DEFAULT_RULES, make_mesh  # noqa: E402
-from experiments.bench_engine import random_state, random_trees, verify_shape  # noqa: E402
+from experiments.bench_engine import expert_share, random_state, random_trees, verify_shape  # noqa: E402
 from experiments.bench_util import (measure_copy_bandwidth, measure_torch_copy_bandwidth, print_table,  # noqa: E402
                                     time_fn, write_result)
 from experiments.project_k26 import taus  # noqa: E402
@@ -91,15 +91,6 @@ def build(cfg, dcfg, mesh):
     return target, drafter
 
 
-def bytes_on_devices(tree) -> dict:
-    """{device id: bytes of the shards of ``tree``'s arrays that device holds}."""
-    per = {}
-    for leaf in jax.tree.leaves(tree):
-        for shard in leaf.addressable_shards:
-            per[shard.device.id] = per.get(shard.device.id, 0) + shard.data.nbytes
-    return per
-
-
 def bench_memory(target, drafter, cfg, dcfg, mesh, mesh_shape, args, rows):
     """Bytes on the fullest (and emptiest) device of the engine's weights and of the caches its prefill lays
     out for --cache-streams x --capacity, against the planner."""
@@ -108,9 +99,9 @@ def bench_memory(target, drafter, cfg, dcfg, mesh, mesh_shape, args, rows):
                         rounds_per_dispatch=1)
     engine = Engine(target, drafter, ecfg, runtime=Runtime(mesh=mesh, rules=DEFAULT_RULES))
     state = engine.prefill([[2, 3, 4, 5]] * args.cache_streams)
-    measured = {"target_weights": bytes_on_devices(engine.target_state),
-                "drafter_weights": bytes_on_devices(engine.drafter_state),
-                "caches": bytes_on_devices((state.cache.kv, state.draft_cache.k, state.draft_cache.v))}
+    measured = {"target_weights": held_bytes_per_device(engine.target_state),
+                "drafter_weights": held_bytes_per_device(engine.drafter_state),
+                "caches": held_bytes_per_device((state.cache.kv, state.draft_cache.k, state.draft_cache.v))}
     planned = {"target_weights": sum(v["per_device"] for v in plan.weights.values()),
                "drafter_weights": sum(v["per_device"] for v in plan.drafter_weights.values()),
                "caches": plan.cache_bytes(args.capacity, args.cache_streams)}
@@ -132,11 +123,11 @@ def step_floor_bytes(target, cfg, mesh_shape, m: int, streams: int, prefix: int)
     """Bytes the fullest device reads in a verify step of M tokens: its shards of the weights (the routed
     experts scaled by the share that M tokens' top-k touches under uniform routing) and its streams' latent
     cache (every device reads all of it: heads split, the latent shared)."""
-    expert_share = 1.0 - (1.0 - cfg.num_experts_per_tok / cfg.n_routed_experts) ** m
+    touched = expert_share(cfg, m)
     per_device = {}
     for path, variable in nnx.state(target).flat_state():
-        share = expert_share if path[-1] in ("w13", "w2") else 1.0
-        for dev, nbytes in bytes_on_devices(variable.get_value()).items():
+        share = touched if path[-1] in ("w13", "w2") else 1.0
+        for dev, nbytes in held_bytes_per_device(variable.get_value()).items():
             per_device[dev] = per_device.get(dev, 0.0) + share * nbytes
     local_streams = -(-streams // mesh_shape["data"])
     cache = local_streams * prefix * cfg.num_layers * cfg.latent_dim * jnp.dtype(cfg.dtype).itemsize
