@@ -61,14 +61,9 @@ KERNELS = {"triton": tree_attention,
            "mgpu": tree_attention_mgpu,  # its default kernel: narrow for T*H <= 32 rows, else wide
            "mgpu_wide": functools.partial(tree_attention_mgpu, kernel=M.split_attention),
            "mgpu_redundant": functools.partial(tree_attention_mgpu, kernel=M.split_attention, share_scores=False),
-           # decode points only (T*H a multiple of 8 up to 64): keys as wgmma's M, the query rows as N
+           # decode points only (T*H a multiple of 8 up to 32): keys as wgmma's M, the query rows as N
            "mgpu_narrow": functools.partial(tree_attention_mgpu, kernel=split_attention_narrow),
-           "mgpu_narrow_2stage": functools.partial(tree_attention_mgpu, kernel=split_attention_narrow, stages=2),
-           # the narrow kernel with one consumer warpgroup, or two that each take their own share of the rows
-           "mgpu_narrow1": functools.partial(tree_attention_mgpu,
-                                             kernel=functools.partial(split_attention_narrow, consumers=1)),
-           "mgpu_narrow2": functools.partial(tree_attention_mgpu,
-                                             kernel=functools.partial(split_attention_narrow, consumers=2))}
+           "mgpu_narrow_2stage": functools.partial(tree_attention_mgpu, kernel=split_attention_narrow, stages=2)}
 
 C, L, SCALE = 576, 512, 0.14468
 L2_BYTES = 60 * 2**20

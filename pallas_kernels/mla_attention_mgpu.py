@@ -524,8 +524,7 @@ def tree_attention_mgpu(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, k
     clamped), tree_kv [B, T, C] bf16, tree_mask [B, T, T] bool (diagonal True). Returns out [B, T, H, L]
     bf16 (and lse [B, T, H] f32 with ``return_lse``). ``num_splits`` defaults to :func:`default_splits`
     for ``num_sms`` SMs. ``kernel`` is :func:`split_attention`, ``mla_attention_narrow.split_attention_narrow``
-    (keys as wgmma's M, for at most 64 real rows, a multiple of 8; by default where T*H <= ``NARROW_DEFAULT_MAX_ROWS``,
-    block_k = 64 and C >= L + 64; a ``functools.partial`` of it is recognised as it),
+    (keys as wgmma's M, for at most 32 real rows; by default where T*H <= 32, block_k = 64 and C >= L + 64),
     or their twin :func:`split_attention_ref` (CPU tests of everything around the kernel). tree_kv may carry
     padding rows past T (``tree_attention``'s contract): latents padded to whole blocks
     (``pad_tree_latents``, as the model hands them over) are read as they are. ``stages`` defaults to the kernel's own. ``combine`` merges several splits:
@@ -545,14 +544,13 @@ def tree_attention_mgpu(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, k
     plen = jnp.clip(prefix_len.astype(jnp.int32), 0, S)
     if num_splits is None:
         num_splits = splits_for(B, T, H, S, block_k, num_sms)
-    from pallas_kernels.mla_attention_narrow import NARROW_DEFAULT_MAX_ROWS, split_attention_narrow  # it imports this
+    valid_rows = valid_rows_for(T, H)
+    from pallas_kernels.mla_attention_narrow import NARROW_MAX_ROWS, split_attention_narrow  # it imports this
     if kernel is None:
-        narrow = N % 8 == 0 and N <= NARROW_DEFAULT_MAX_ROWS and block_k == 64 and L + 64 <= C
+        narrow = valid_rows is not None and valid_rows <= NARROW_MAX_ROWS and block_k == 64 and L + 64 <= C
         kernel = split_attention_narrow if narrow else split_attention
-    # the narrow kernel takes the N real rows as they are (no padded copy of q); the others whole 64-row tiles
-    narrow = getattr(kernel, "func", kernel) is split_attention_narrow
-    valid_rows = N if narrow else valid_rows_for(T, H)
-    qr = q.reshape(B, N, C) if narrow else fold_rows(q, ROWS)
+    # the narrow kernel takes the V real rows as they are (no padded copy of q); the others whole 64-row tiles
+    qr = q.reshape(B, N, C) if kernel is split_attention_narrow else fold_rows(q, ROWS)
     keys, bits = tree_inputs(tree_kv, tree_mask, H, qr.shape[1], block_k)
     stage_kw = {} if stages is None else {"stages": stages}
     o, lse = kernel(qr, cache_kv, plen, keys, bits, scale=scale, kv_lora_rank=L, block_k=block_k,

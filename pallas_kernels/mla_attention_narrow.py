@@ -42,61 +42,38 @@ try:
 except ImportError:  # pragma: no cover
     plgpu = None
 
-__all__ = ["split_attention_narrow", "narrow_smem_bytes", "consumer_rows", "default_consumers", "NARROW_MAX_ROWS",
-           "NARROW_DEFAULT_MAX_ROWS"]
+__all__ = ["split_attention_narrow", "narrow_smem_bytes", "NARROW_MAX_ROWS"]
 
-NARROW_MAX_ROWS = 64
-NARROW_DEFAULT_MAX_ROWS = 32  # tree_attention_mgpu's default kernel up to this many rows (measured: RESULTS.md)
-CONSUMER_MAX_ROWS = 32  # oᵀ [L, V] f32 in one warpgroup: 128 registers a thread at 32 rows
+NARROW_MAX_ROWS = 32
 SMEM_ALIGNMENT = 1024  # Mosaic GPU starts every shared-memory buffer on this boundary
-REDUCTION_SCRATCH = 1024  # bytes (what Mosaic GPU asks for): the max over keys crosses the 4 warps
+REDUCTION_SCRATCH = 1024  # bytes (what Mosaic GPU asks for): the max and sum over keys cross the 4 warps
 
 
 def _aligned(nbytes: int) -> int:
     return -(-nbytes // SMEM_ALIGNMENT) * SMEM_ALIGNMENT
 
 
-def consumer_rows(V: int, consumers: int) -> list[tuple[int, int]]:
-    """(first row, rows) of each consumer warpgroup's share of the V query rows: multiples of 8, the first
-    share the larger."""
-    first = -(-V // (8 * consumers)) * 8
-    return [(0, V)] if consumers == 1 else [(0, first), (first, V - first)]
-
-
-def default_consumers(V: int) -> int:
-    """Consumer warpgroups for V query rows: one up to 8 rows, else two (each its own rows; measured in
-    ``experiments/RESULTS.md``, session 19)."""
-    return 1 if V <= 8 else 2
-
-
-def narrow_smem_bytes(V: int, C: int, block_k: int, stages: int, L: int = 512, consumers: int = 1) -> int:
+def narrow_smem_bytes(V: int, C: int, block_k: int, stages: int, L: int = 512) -> int:
     """Shared memory of one program as Mosaic GPU counts it (every buffer starts on a 1024-byte boundary):
     ``stages`` key blocks, the V-row query tile or in its place the output tile and the LSE row, the
-    reduction scratch and the barriers. With one consumer pᵀ lives in a key block's rope columns; with two,
-    each has a pᵀ buffer of its own (the other may still be reading those columns) and its own reduction
-    scratch. The tail's mask words are read from global memory."""
-    two = consumers == 2
-    barriers = 8 * (1 + 2 * stages + two)
+    reduction scratch and the barriers. pᵀ lives in a key block's rope columns and the tail's mask words
+    are read from global memory, so neither takes a buffer."""
+    barriers = 8 * (1 + 2 * stages)
     q_or_out = max(_aligned(2 * V * C), _aligned(2 * V * L) + _aligned(4 * V))
-    p_bufs = consumers * _aligned(2 * consumer_rows(V, consumers)[0][1] * block_k) if two else 0
-    return (stages * _aligned(2 * block_k * C) + q_or_out + consumers * _aligned(REDUCTION_SCRATCH) + p_bufs
-            + barriers)
+    return stages * _aligned(2 * block_k * C) + q_or_out + _aligned(REDUCTION_SCRATCH) + barriers
 
 
-def _check_rows(q_rows, valid_rows, consumers):
+def _check_rows(q_rows, valid_rows):
     rows, V = q_rows.shape[1], valid_rows
     if V is None or not (0 < V <= NARROW_MAX_ROWS and V % 8 == 0) or rows not in (V, ROWS):
         raise ValueError(f"split_attention_narrow takes V query rows, or one {ROWS}-row tile of which the first V "
                          f"are real, with valid_rows V a multiple of 8 up to {NARROW_MAX_ROWS}; got {rows} rows, "
                          f"valid_rows={V}")
-    if consumers not in (1, 2) or (consumers == 2 and V < 16) or (consumers == 1 and V > CONSUMER_MAX_ROWS):
-        raise ValueError(f"consumers={consumers} must be 1 (at most {CONSUMER_MAX_ROWS} rows) or 2 (at least 16 "
-                         f"rows); valid_rows={V}")
     return V
 
 
 def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, kv_lora_rank, block_k=64,
-                           stages=2, num_splits=1, share_scores=True, valid_rows=None, consumers=None):
+                           stages=2, num_splits=1, share_scores=True, valid_rows=None):
     """``mla_attention_mgpu.split_attention`` (same inputs, outputs and twin, ``split_attention_ref``) for
     V <= ``NARROW_MAX_ROWS`` query rows (module docstring).
 
@@ -104,17 +81,14 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
     copy of the queries) or R = 64 (rows V.. are ignored), cache_kv [B, S, C] bf16, prefix_len [B]
     int32 in [0, S] (``tree_attention_mgpu`` clamps it), tree_kv [B, TP, C] bf16 and tree_bits int32
     [B, TP/32, R] (``tree_inputs``). Split s takes the blocks ``_split_range(NBP, TP/64, s, NS)`` gives it.
-    ``consumers`` (1 or 2; default ``default_consumers(V)``): warpgroups that each run the whole chain (q·kᵀ,
-    softmax, p·v) for their own rows (``consumer_rows``) over the same key blocks.
     Returns (o [NS, B, V, L] bf16, lse [NS, B, V] f32, natural log), each split normalised on its own; a row
     that sees no key in a split has o = 0 and lse = -inf there. ``share_scores`` is accepted for the common
-    signature and unused."""
+    signature and unused (one consumer)."""
     del share_scores
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.mosaic_gpu is not available in this JAX")
     BK, NS = int(block_k), int(num_splits)
-    NC = default_consumers(valid_rows or 0) if consumers is None else int(consumers)
-    V = _check_rows(q_rows, valid_rows, NC)
+    V = _check_rows(q_rows, valid_rows)
     if BK != 64:
         raise ValueError(f"block_k={BK}: the narrow kernel reads 64-key blocks")
     B, _, C, S, TP = check_in_place_inputs(q_rows, cache_kv, tree_kv, tree_bits, BK, "split_attention_narrow")
@@ -125,53 +99,47 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
                          f"block's last {BK} columns)")
     if stages < 2 or NS < 1:
         raise ValueError(f"stages={stages} must be >= 2 and num_splits={NS} >= 1")
-    smem = narrow_smem_bytes(V, C, BK, stages, L, NC)
+    smem = narrow_smem_bytes(V, C, BK, stages, L)
     if smem > SMEM_LIMIT:
-        raise ValueError(f"valid_rows={V}, stages={stages}, consumers={NC} need {smem} bytes of shared memory "
-                         f"(limit {SMEM_LIMIT})")
+        raise ValueError(f"valid_rows={V}, stages={stages} need {smem} bytes of shared memory (limit {SMEM_LIMIT})")
     scale_log2 = float(scale) * _LOG2E
     TB = TP // BK
-    col_layout = plgpu.Layout.WGMMA.reduce(0)  # a vector along sᵀ's and oᵀ's columns (query rows)
-    shares = consumer_rows(V, NC)
+    col_layout = plgpu.Layout.WGMMA.reduce(0)  # a [V] vector along sᵀ's and oᵀ's columns
 
-    def narrow_body(plen_ref, q_ref, kv_ref, tkv_ref, bits_ref, o_ref, lse_ref, q_or_out, k_smem, p_bufs, q_bar,
-                    k_bars, consumed_bars, done_bar):
+    def narrow_body(plen_ref, q_ref, kv_ref, tkv_ref, bits_ref, o_ref, lse_ref, q_or_out, k_smem, q_bar, k_bars,
+                    consumed_bars):
         q_smem, (o_smem, lse_smem) = q_or_out  # the output tile and LSE row reuse the query tile's memory
         b = lax.axis_index("stream")
         sp = lax.axis_index("split")
         wg = lax.axis_index("wg")
         rem, nbp, lo, n_whole, n_cache, n_all = _block_steps(plen_ref[b], TB, sp, NS, BK)
 
-        def producer():
-            if NC == 2:
-                plgpu.set_max_registers(40, action="decrease")
+        @pl.when(wg == 1)
+        def _producer():
             plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(0, V)], q_smem, q_bar)
 
             stream_key_blocks(kv_ref, tkv_ref, b, lo, nbp, n_cache, n_all, k_smem, k_bars, consumed_bars, stages, BK)
 
-        def consumer(c):
-            r0, VC = shares[c]
-            if NC == 2:
-                plgpu.set_max_registers(232, action="increase")
+        @pl.when(wg == 0)
+        def _consumer():
             plgpu.barrier_wait(q_bar)
-            q_mine = q_smem.at[pl.ds(r0, VC)]
-            m0 = plgpu.layout_cast(jnp.full((VC,), -jnp.inf, jnp.float32), col_layout)
+            m0 = plgpu.layout_cast(jnp.full((V,), -jnp.inf, jnp.float32), col_layout)
             # the softmax's denominators, summed over keys only after the loop: per block one reduction across
             # the warps (the max) instead of two
-            l0 = plgpu.layout_cast(jnp.full((BK, VC), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+            l0 = plgpu.layout_cast(jnp.full((BK, V), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
-            def scores(j, slot, kind):  # sᵀ [BK, VC], log2 units
+            def scores(j, slot, kind):  # sᵀ [BK, V], log2 units
                 def qk(s_ref):
-                    plgpu.wgmma(s_ref, k_smem.at[slot], plgpu.transpose_ref(q_mine, (1, 0)))
+                    plgpu.wgmma(s_ref, k_smem.at[slot], plgpu.transpose_ref(q_smem, (1, 0)))
                     return s_ref[...]
 
                 if kind == TREE:  # the tree block's mask words, straight from global memory (two per row)
                     t = lo + j - nbp
-                    row_words = [plgpu.load(bits_ref, (b, t * WB + w, pl.ds(r0, VC)), layout=col_layout,
+                    row_words = [plgpu.load(bits_ref, (b, t * WB + w, pl.ds(0, V)), layout=col_layout,
                                             optimized=False)
                                  for w in range(WB)]
-                s = pl.run_scoped(qk, plgpu.ACC((BK, VC), jnp.float32)) * scale_log2
-                key = plgpu.broadcasted_iota(jnp.int32, (BK, VC), 0, layout=plgpu.Layout.WGMMA)
+                s = pl.run_scoped(qk, plgpu.ACC((BK, V), jnp.float32)) * scale_log2
+                key = plgpu.broadcasted_iota(jnp.int32, (BK, V), 0, layout=plgpu.Layout.WGMMA)
                 if kind == WHOLE:
                     return s
                 if kind == PARTIAL:
@@ -183,20 +151,20 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
                 seen = lax.shift_right_logical(word, key & (WORD - 1)) & 1
                 return jnp.where(seen != 0, s, MASKED)
 
-            def flash_loop(acc_ref):  # oᵀ [L, VC] starts at zero
+            def flash_loop(acc_ref):  # oᵀ [L, V] starts at zero
                 def step(kind, j, carry):
                     m, l = carry
                     slot = lax.rem(j, stages)
                     plgpu.barrier_wait(k_bars.at[slot])
-                    if kind == PARTIAL:  # its value rows past the prefix: NaN-safe p·v (each consumer zeroes
-                        zero_rows_from(k_smem.at[slot, :, pl.ds(0, L)], rem, BK)  # them before its own p·v)
+                    if kind == PARTIAL:  # its value rows past the prefix: NaN-safe p·v
+                        zero_rows_from(k_smem.at[slot, :, pl.ds(0, L)], rem, BK)
                     s = scores(j, slot, kind)
                     m_new = jnp.maximum(m, s.max(axis=0))
                     alpha = jnp.exp2(m - m_new)
                     p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [1]))
                     l = l * lax.broadcast_in_dim(alpha, l.shape, [1]) + p
-                    # one consumer: pᵀ goes to the block's rope columns, which q·kᵀ has read and p·v does not
-                    p_smem = k_smem.at[slot, pl.ds(0, VC), pl.ds(C - BK, BK)] if NC == 1 else p_bufs.at[c, pl.ds(0, VC)]
+                    # pᵀ goes to the block's rope columns, which q·kᵀ has read and p·v does not
+                    p_smem = k_smem.at[slot, pl.ds(0, V), pl.ds(C - BK, BK)]
                     p_smem.transpose((1, 0))[...] = plgpu.layout_cast(p.astype(jnp.bfloat16),
                                                                       plgpu.Layout.WGMMA_TRANSPOSED)
                     plgpu.commit_smem()
@@ -212,31 +180,18 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
                 carry = lax.fori_loop(n_cache, n_all, functools.partial(step, TREE), carry)
                 return (acc_ref[...],) + carry
 
-            acc, m, l = pl.run_scoped(flash_loop, plgpu.ACC((L, VC), jnp.float32))
+            acc, m, l = pl.run_scoped(flash_loop, plgpu.ACC((L, V), jnp.float32))
             # a row that saw only masked keys in this split is empty
             l = jnp.where(m < 0.5 * MASKED, 0.0, l.sum(axis=0))
             empty = l == 0.0
             inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
             o = acc * lax.broadcast_in_dim(inv, acc.shape, [1])
-            if NC == 2:  # the output tile overlaps the other consumer's query rows: wait until both are done
-                plgpu.barrier_arrive(done_bar)
-                plgpu.barrier_wait(done_bar)
-            o_mine, lse_mine = o_smem.at[pl.ds(r0, VC)], lse_smem.at[pl.ds(r0, VC)]
-            o_mine.transpose((1, 0))[...] = plgpu.layout_cast(o.astype(jnp.bfloat16), plgpu.Layout.WGMMA_TRANSPOSED)
-            lse_mine[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(jnp.where(empty, 1.0, l))) * _LN2)
+            o_smem.transpose((1, 0))[...] = plgpu.layout_cast(o.astype(jnp.bfloat16), plgpu.Layout.WGMMA_TRANSPOSED)
+            lse_smem[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(jnp.where(empty, 1.0, l))) * _LN2)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_mine, o_ref.at[sp, b, pl.ds(r0, VC)])
-            plgpu.copy_smem_to_gmem(lse_mine, lse_ref.at[sp, b, pl.ds(r0, VC)])
+            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[sp, b])
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[sp, b])
             plgpu.wait_smem_to_gmem(0)
-
-        if NC == 2:
-            # Mosaic GPU places a cross-warp reduction's scratch just above the shared memory allocated in scope,
-            # the same for every warpgroup: consumer 1 runs inside one more (unused) allocation, so that its
-            # reductions use scratch of their own while consumer 0 reduces at the same time
-            pl.run_scoped(lambda _: pl.when(wg == 1)(functools.partial(consumer, 1)),
-                          plgpu.SMEM((REDUCTION_SCRATCH // 4,), jnp.float32), collective_axes="wg")
-        pl.when(wg == 0)(functools.partial(consumer, 0))
-        pl.when(wg == NC)(producer)
 
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     kernel = plgpu.kernel(
@@ -246,14 +201,13 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
             plgpu.RefUnion(plgpu.SMEM((V, C), jnp.bfloat16, transforms=swizzled),
                            (plgpu.SMEM((V, L), jnp.bfloat16), plgpu.SMEM((V,), jnp.float32))),
             plgpu.SMEM((stages, BK, C), jnp.bfloat16, transforms=swizzled),
-            plgpu.SMEM((NC, shares[0][1], BK), jnp.bfloat16, transforms=swizzled) if NC == 2 else None,
             plgpu.Barrier(num_barriers=1),
             plgpu.Barrier(num_barriers=stages),
-            plgpu.Barrier(num_arrivals=NC, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=2) if NC == 2 else None,
+            plgpu.Barrier(num_barriers=stages),
         ),
         grid=(B, NS), grid_names=("stream", "split"),
-        num_threads=NC + 1, thread_name="wg",
+        num_threads=2, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=REDUCTION_SCRATCH),
     )
     return kernel(prefix_len.astype(jnp.int32), q_rows, cache_kv, tree_kv, tree_bits)  # lse in natural log
+

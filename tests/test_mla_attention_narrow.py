@@ -14,8 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import mla_attention_mgpu as M
-from pallas_kernels.mla_attention_narrow import (NARROW_MAX_ROWS, consumer_rows, narrow_smem_bytes,
-                                                 split_attention_narrow)
+from pallas_kernels.mla_attention_narrow import NARROW_MAX_ROWS, narrow_smem_bytes, split_attention_narrow
 from pallas_kernels.split_combine import combine_splits_ref
 from pallas_kernels.tree_attention import tree_attention_ref
 from tests.test_mla_attention_mgpu import K26, k26_spec
@@ -90,53 +89,14 @@ def test_padded_tree_latents_are_accepted_by_every_entry():
         tree_attention_ref(args[0], args[1], args[2], args[3][:, :2], args[4], **kw)
 
 
-@pytest.mark.parametrize("T,H,NS,NC", [(1, 8, 4, None), (2, 8, 1, 1), (4, 8, 3, 1), (2, 8, 1, 2), (4, 8, 3, 2),
-                                      (3, 8, 2, 2), (8, 8, 3, 2), (1, 64, 5, 2)])
-def test_kernel_lowers_for_cuda_on_cpu(T, H, NS, NC):
-    """V = T*H = 8-64 rows over one or two consumer warpgroups: layouts (the reductions over keys, the
-    transposed stores, the partial block's zeroing), transposed wgmma operands and shared memory within the
-    H200's 227 KB (64 rows over two consumers fill it to the last 1 KB)."""
+@pytest.mark.parametrize("T,H,NS", [(1, 8, 4), (2, 8, 1), (4, 8, 3)])
+def test_kernel_lowers_for_cuda_on_cpu(T, H, NS):
+    """V = T*H = 8, 16, 32 rows: layouts (the reductions over keys, the transposed stores, the partial block's
+    zeroing), transposed wgmma operands and shared memory within the H200's 227 KB."""
     f = jax.jit(functools.partial(M.tree_attention_mgpu, scale=K26["scale"], kv_lora_rank=K26["L"],
-                                  num_splits=NS, kernel=functools.partial(split_attention_narrow, consumers=NC)))
+                                  num_splits=NS, kernel=split_attention_narrow))
     text = f.trace(*k26_spec(2, T, H, 1024)).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
-
-
-def test_two_consumers_reduce_in_scratch_of_their_own():
-    """Both consumer warpgroups reduce over keys at the same time, and Mosaic GPU puts a reduction's scratch
-    just above the shared memory in scope: the second consumer runs inside one more allocation, so its
-    reductions land 1 KB higher. Checked on the lowering (JAX internals: the offsets ``scratch_view`` hands
-    out); one offset per consumer and the two apart by at least the scratch's size."""
-    import contextlib
-    from jax._src.pallas.mosaic_gpu import lowering as mgpu_lowering
-    from pallas_kernels.mla_attention_narrow import REDUCTION_SCRATCH
-    seen = []
-    original = mgpu_lowering.ModuleContext.scratch_view
-
-    @contextlib.contextmanager
-    def spy(self, struct):
-        if struct.shape == (REDUCTION_SCRATCH // 4,):
-            seen.append(self.smem_used_bytes)
-        with original(self, struct) as view:
-            yield view
-
-    mgpu_lowering.ModuleContext.scratch_view = spy
-    try:
-        f = jax.jit(functools.partial(M.tree_attention_mgpu, scale=K26["scale"], kv_lora_rank=K26["L"], num_splits=3,
-                                      kernel=functools.partial(split_attention_narrow, consumers=2)))
-        f.trace(*k26_spec(2, 4, 8, 1000)).lower(lowering_platforms=("cuda",))
-    finally:
-        mgpu_lowering.ModuleContext.scratch_view = original
-    pad, *reductions = seen  # the first is the unused allocation itself
-    offsets = sorted(set(reductions))
-    assert len(offsets) == 2 and offsets[1] - offsets[0] >= REDUCTION_SCRATCH, seen
-    assert reductions.count(offsets[0]) == reductions.count(offsets[1]) == len(reductions) // 2
-
-
-def test_consumer_rows():
-    assert consumer_rows(8, 1) == [(0, 8)] and consumer_rows(32, 2) == [(0, 16), (16, 16)]
-    assert consumer_rows(24, 2) == [(0, 16), (16, 8)] and consumer_rows(64, 2) == [(0, 32), (32, 32)]
-    assert consumer_rows(40, 2) == [(0, 24), (24, 16)]
 
 
 def test_default_kernel_is_narrow_up_to_32_rows_and_its_shared_memory_count():
@@ -161,12 +121,9 @@ def test_errors():
     tree_kv, tree_bits = jnp.zeros((1, 64, C), jnp.bfloat16), jnp.zeros((1, 2, 64), jnp.int32)
     kw = dict(scale=0.1, kv_lora_rank=L)
     f = split_attention_narrow
-    for bad in (None, 12, 0, 72):
-        with pytest.raises(ValueError, match="valid_rows V a multiple of 8 up to 64"):
+    for bad in (None, 12, 40, 64):
+        with pytest.raises(ValueError, match="valid_rows V a multiple of 8 up to 32"):
             f(q, cache, plen, tree_kv, tree_bits, valid_rows=bad, **kw)
-    for V, nc in ((40, 1), (8, 2), (16, 3), (16, 0)):
-        with pytest.raises(ValueError, match="consumers="):
-            f(q, cache, plen, tree_kv, tree_bits, valid_rows=V, consumers=nc, **kw)
     for rows in (128, 16):  # V rows or one 64-row tile
         with pytest.raises(ValueError, match="one 64-row tile of which the first V"):
             f(jnp.zeros((1, rows, C), jnp.bfloat16), cache, plen, tree_kv, jnp.zeros((1, 2, rows), jnp.int32),
@@ -184,8 +141,7 @@ def test_errors():
         split_attention_narrow(q, cache, plen, tree_kv, tree_bits, valid_rows=16, stages=3, **kw)
     with pytest.raises(ValueError, match="L \\+ 64 <= C"):
         split_attention_narrow(q, cache, plen, tree_kv, tree_bits, valid_rows=8, scale=0.1, kv_lora_rank=C - 32)
-    assert narrow_smem_bytes(NARROW_MAX_ROWS, C, 64, 2, consumers=2) <= M.SMEM_LIMIT
-    assert narrow_smem_bytes(NARROW_MAX_ROWS, C, 64, 3, consumers=2) > M.SMEM_LIMIT
+    assert narrow_smem_bytes(NARROW_MAX_ROWS, C, 64, 2) <= M.SMEM_LIMIT
 
 
 # ---------------------------------------------------------------------------------------------
@@ -193,16 +149,13 @@ def test_errors():
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("B,T,H,S,kind,NS,NC", [
-    (3, 1, 8, 4096, "chain", 7, None), (2, 1, 8, 8192, "chain", None, None), (2, 2, 8, 2048, "tree", 4, None),
-    (2, 3, 8, 1000, "tree", None, None), (2, 4, 8, 2048, "tree", 3, None),
-    (2, 4, 8, 64, "tree", 5, None),  # splits inside the tree block
-    (4, 1, 16, 1024, "chain", 5, None),
-    (2, 3, 8, 1000, "tree", None, 1), (2, 4, 8, 2048, "tree", 3, 1),  # one consumer for 24 and 32 rows
-    (2, 5, 8, 1000, "tree", 3, 2), (2, 8, 8, 2048, "tree", None, 2),  # 40 and 64 rows: two consumers only
-    (3, 8, 8, 64, "tree", 4, 2), (2, 1, 64, 1000, "chain", 6, 2),
+@pytest.mark.parametrize("B,T,H,S,kind,NS", [
+    (3, 1, 8, 4096, "chain", 7), (2, 1, 8, 8192, "chain", None), (2, 2, 8, 2048, "tree", 4),
+    (2, 3, 8, 1000, "tree", None), (2, 4, 8, 2048, "tree", 3),
+    (2, 4, 8, 64, "tree", 5),  # splits inside the tree block
+    (4, 1, 16, 1024, "chain", 5),
 ])
-def test_gpu_kernel_matches_reference_k26(B, T, H, S, kind, NS, NC):
+def test_gpu_kernel_matches_reference_k26(B, T, H, S, kind, NS):
     L = K26["L"]
     rng = np.random.default_rng(5)
     plens = [int(x) for x in rng.integers(0, S + 1, size=B)]
@@ -214,8 +167,7 @@ def test_gpu_kernel_matches_reference_k26(B, T, H, S, kind, NS, NC):
     case = make_case(13, B, T, H, L, K26["C"] - L, S, plens, kind)
     args = as_jax(case, jnp.bfloat16)
     o, lse = jax.jit(lambda *a: M.tree_attention_mgpu(*a, scale=K26["scale"], kv_lora_rank=L, num_splits=NS,
-                                                      return_lse=True,
-                                                      kernel=functools.partial(split_attention_narrow, consumers=NC)))(*args)
+                                                      return_lse=True, kernel=split_attention_narrow))(*args)
     up = [a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args]
     r_o, r_l = jax.jit(lambda *a: tree_attention_ref(*a, scale=K26["scale"], kv_lora_rank=L, return_lse=True))(*up)
     o, r_o = np.asarray(o, np.float32), np.asarray(r_o)
@@ -225,9 +177,8 @@ def test_gpu_kernel_matches_reference_k26(B, T, H, S, kind, NS, NC):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T,NS,plens,NC", [(1, 6, [0, 600], None), (4, 9, [0, 600], None), (1, 5, [640, 64], None),
-                                          (2, 3, [1, 639], None), (4, 9, [0, 600], 1), (8, 7, [1, 639], 2)])
-def test_gpu_splits_match_the_twin_split_by_split(T, NS, plens, NC):
+@pytest.mark.parametrize("T,NS,plens", [(1, 6, [0, 600]), (4, 9, [0, 600]), (1, 5, [640, 64]), (2, 3, [1, 639])])
+def test_gpu_splits_match_the_twin_split_by_split(T, NS, plens):
     """Each split's normalised partial and LSE, empty splits included (o = 0, lse = -inf), as the twin, with
     the tree latents padded as the model hands them over."""
     B, H, S, L = 2, 8, 640, K26["L"]
@@ -236,7 +187,7 @@ def test_gpu_splits_match_the_twin_split_by_split(T, NS, plens, NC):
     qr = M.fold_rows(q, M.ROWS)
     keys, bits = M.tree_inputs(tkv, mask, H, qr.shape[1], 64)
     kw = dict(scale=K26["scale"], kv_lora_rank=L, num_splits=NS, valid_rows=T * H)
-    o, lse = jax.jit(functools.partial(split_attention_narrow, consumers=NC, **kw))(qr, cache, plen, keys, bits)
+    o, lse = jax.jit(functools.partial(split_attention_narrow, **kw))(qr, cache, plen, keys, bits)
     r_o, r_l = jax.jit(functools.partial(M.split_attention_ref, **kw))(qr, cache, plen, keys, bits)
     o, r_o, lse, r_l = (np.asarray(a, np.float32) for a in (o, r_o, lse, r_l))
     np.testing.assert_array_equal(np.isinf(lse), np.isinf(r_l))
