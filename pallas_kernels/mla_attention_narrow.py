@@ -34,7 +34,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.mla_attention_mgpu import (MASKED, PARTIAL, ROWS, SMEM_LIMIT, TREE, WHOLE, WORD, _block_steps,
-                                               check_in_place_inputs, zero_rows_from)
+                                               check_in_place_inputs, stream_key_blocks, zero_rows_from)
 from pallas_kernels.tree_attention import _LN2, _LOG2E
 
 try:
@@ -42,35 +42,25 @@ try:
 except ImportError:  # pragma: no cover
     plgpu = None
 
-__all__ = ["split_attention_narrow", "narrow_smem_bytes", "max_ring_chunks", "NARROW_MAX_ROWS", "CHUNK"]
+__all__ = ["split_attention_narrow", "narrow_smem_bytes", "NARROW_MAX_ROWS"]
 
 NARROW_MAX_ROWS = 32
-CHUNK = 64  # latent columns of one ring slot: one 128-byte swizzle group of bf16, one TMA box
 SMEM_ALIGNMENT = 1024  # Mosaic GPU starts every shared-memory buffer on this boundary
 REDUCTION_SCRATCH = 1024  # bytes (what Mosaic GPU asks for): the max and sum over keys cross the 4 warps
-MAX_BARRIERS = 32  # Mosaic GPU's limit on one group of barriers (the ring has two: copied, freed)
 
 
 def _aligned(nbytes: int) -> int:
     return -(-nbytes // SMEM_ALIGNMENT) * SMEM_ALIGNMENT
 
 
-def narrow_smem_bytes(V: int, C: int, block_k: int, ring_chunks: int, L: int = 512) -> int:
+def narrow_smem_bytes(V: int, C: int, block_k: int, stages: int, L: int = 512) -> int:
     """Shared memory of one program as Mosaic GPU counts it (every buffer starts on a 1024-byte boundary):
-    ``ring_chunks`` [block_k, CHUNK] slots of the key ring, the V-row query tile or in its place the output
-    tile and the LSE row, the reduction scratch and the barriers. pᵀ lives in a key block's rope columns
-    and the tail's mask words are read from global memory, so neither takes a buffer."""
-    barriers = 8 * (1 + 2 * ring_chunks)
+    ``stages`` key blocks, the V-row query tile or in its place the output tile and the LSE row, the
+    reduction scratch and the barriers. pᵀ lives in a key block's rope columns and the tail's mask words
+    are read from global memory, so neither takes a buffer."""
+    barriers = 8 * (1 + 2 * stages)
     q_or_out = max(_aligned(2 * V * C), _aligned(2 * V * L) + _aligned(4 * V))
-    return ring_chunks * _aligned(2 * block_k * CHUNK) + q_or_out + _aligned(REDUCTION_SCRATCH) + barriers
-
-
-def max_ring_chunks(V: int, C: int, block_k: int = 64, L: int = 512) -> int:
-    """The deepest key ring that fits beside a V-row query tile (at most ``MAX_BARRIERS`` slots)."""
-    n = MAX_BARRIERS
-    while n > 0 and narrow_smem_bytes(V, C, block_k, n, L) > SMEM_LIMIT:
-        n -= 1
-    return n
+    return stages * _aligned(2 * block_k * C) + q_or_out + _aligned(REDUCTION_SCRATCH) + barriers
 
 
 def _check_rows(q_rows, valid_rows):
@@ -83,7 +73,7 @@ def _check_rows(q_rows, valid_rows):
 
 
 def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, kv_lora_rank, block_k=64,
-                           stages=None, num_splits=1, share_scores=True, valid_rows=None, ring_chunks=None):
+                           stages=2, num_splits=1, share_scores=True, valid_rows=None):
     """``mla_attention_mgpu.split_attention`` (same inputs, outputs and twin, ``split_attention_ref``) for
     V <= ``NARROW_MAX_ROWS`` query rows (module docstring).
 
@@ -91,8 +81,6 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
     copy of the queries) or R = 64 (rows V.. are ignored), cache_kv [B, S, C] bf16, prefix_len [B]
     int32 in [0, S] (``tree_attention_mgpu`` clamps it), tree_kv [B, TP, C] bf16 and tree_bits int32
     [B, TP/32, R] (``tree_inputs``). Split s takes the blocks ``_split_range(NBP, TP/64, s, NS)`` gives it.
-    The key ring holds ``ring_chunks`` slots of [64 keys, CHUNK columns] (default ``max_ring_chunks``, at
-    least C / CHUNK: one block); ``stages`` (the common signature's whole blocks) sets it to stages * C / CHUNK.
     Returns (o [NS, B, V, L] bf16, lse [NS, B, V] f32, natural log), each split normalised on its own; a row
     that sees no key in a split has o = 0 and lse = -inf there. ``share_scores`` is accepted for the common
     signature and unused (one consumer)."""
@@ -106,59 +94,31 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
     B, _, C, S, TP = check_in_place_inputs(q_rows, cache_kv, tree_kv, tree_bits, BK, "split_attention_narrow")
     L = kv_lora_rank
     WB = BK // WORD
-    if C % CHUNK or L % CHUNK or L + BK > C:
-        raise ValueError(f"C={C}, L={L}: C and L must be multiples of {CHUNK} with L + {BK} <= C (pᵀ takes a "
-                         f"key block's last {BK} columns)")
-    NCB, NVC = C // CHUNK, L // CHUNK  # ring slots of one key block, of its value columns
-    if stages is not None and ring_chunks is not None:
-        raise ValueError(f"give stages={stages} or ring_chunks={ring_chunks}, not both")
-    NCH = (max_ring_chunks(V, C, BK, L) if stages is None else int(stages) * NCB) if ring_chunks is None \
-        else int(ring_chunks)
-    if not NCB <= NCH <= MAX_BARRIERS or NS < 1:
-        raise ValueError(f"the key ring's {NCH} slots must hold one block ({NCB} slots) and at most "
-                         f"{MAX_BARRIERS} (stages={stages}, ring_chunks={ring_chunks}); num_splits={NS} must be >= 1")
-    smem = narrow_smem_bytes(V, C, BK, NCH, L)
+    if C % 64 or L % 64 or L + BK > C:
+        raise ValueError(f"C={C}, L={L}: C and L must be multiples of 64 with L + {BK} <= C (pᵀ takes a key "
+                         f"block's last {BK} columns)")
+    if stages < 2 or NS < 1:
+        raise ValueError(f"stages={stages} must be >= 2 and num_splits={NS} >= 1")
+    smem = narrow_smem_bytes(V, C, BK, stages, L)
     if smem > SMEM_LIMIT:
-        raise ValueError(f"valid_rows={V} with a {NCH}-slot key ring needs {smem} bytes of shared memory "
-                         f"(limit {SMEM_LIMIT})")
+        raise ValueError(f"valid_rows={V}, stages={stages} need {smem} bytes of shared memory (limit {SMEM_LIMIT})")
     scale_log2 = float(scale) * _LOG2E
     TB = TP // BK
     col_layout = plgpu.Layout.WGMMA.reduce(0)  # a [V] vector along sᵀ's and oᵀ's columns
 
-    def narrow_body(plen_ref, q_ref, kv_ref, tkv_ref, bits_ref, o_ref, lse_ref, q_or_out, ring, q_bar, copied,
-                    freed):
+    def narrow_body(plen_ref, q_ref, kv_ref, tkv_ref, bits_ref, o_ref, lse_ref, q_or_out, k_smem, q_bar, k_bars,
+                    consumed_bars):
         q_smem, (o_smem, lse_smem) = q_or_out  # the output tile and LSE row reuse the query tile's memory
         b = lax.axis_index("stream")
         sp = lax.axis_index("split")
         wg = lax.axis_index("wg")
         rem, nbp, lo, n_whole, n_cache, n_all = _block_steps(plen_ref[b], TB, sp, NS, BK)
 
-        def slot_of(j, c):  # the ring slot of chunk c of the program's key block j
-            return lax.rem(j * NCB + c, NCH)
-
         @pl.when(wg == 1)
         def _producer():
             plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(0, V)], q_smem, q_bar)
 
-            @pl.loop(0, n_all)
-            def _(j):
-                for c in range(NCB):
-                    slot = slot_of(j, c)
-
-                    @pl.when(j * NCB + c >= NCH)
-                    def _():
-                        plgpu.barrier_wait(freed.at[slot])
-
-                    @pl.when(j < n_cache)
-                    def _():
-                        plgpu.copy_gmem_to_smem(kv_ref.at[b, pl.ds((lo + j) * BK, BK), pl.ds(c * CHUNK, CHUNK)],
-                                                ring.at[slot], copied.at[slot])
-
-                    @pl.when(j >= n_cache)
-                    def _():
-                        t = lo + j - nbp
-                        plgpu.copy_gmem_to_smem(tkv_ref.at[b, pl.ds(t * BK, BK), pl.ds(c * CHUNK, CHUNK)],
-                                                ring.at[slot], copied.at[slot])
+            stream_key_blocks(kv_ref, tkv_ref, b, lo, nbp, n_cache, n_all, k_smem, k_bars, consumed_bars, stages, BK)
 
         @pl.when(wg == 0)
         def _consumer():
@@ -168,13 +128,9 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
             # the warps (the max) instead of two
             l0 = plgpu.layout_cast(jnp.full((BK, V), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
-            def scores(j, kind):  # sᵀ [BK, V], log2 units; each chunk's product issued as soon as it has landed
+            def scores(j, slot, kind):  # sᵀ [BK, V], log2 units
                 def qk(s_ref):
-                    for c in range(NCB):
-                        slot = slot_of(j, c)
-                        plgpu.barrier_wait(copied.at[slot])
-                        plgpu.wgmma(s_ref, ring.at[slot],
-                                    plgpu.transpose_ref(q_smem.at[:, pl.ds(c * CHUNK, CHUNK)], (1, 0)))
+                    plgpu.wgmma(s_ref, k_smem.at[slot], plgpu.transpose_ref(q_smem, (1, 0)))
                     return s_ref[...]
 
                 if kind == TREE:  # the tree block's mask words, straight from global memory (two per row)
@@ -195,45 +151,42 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
                 seen = lax.shift_right_logical(word, key & (WORD - 1)) & 1
                 return jnp.where(seen != 0, s, MASKED)
 
-            def flash_loop(*acc_refs):  # oᵀ [L, V] in NVC [CHUNK, V] pieces, starting at zero
+            def flash_loop(acc_ref):  # oᵀ [L, V] starts at zero
                 def step(kind, j, carry):
                     m, l = carry
-                    s = scores(j, kind)
+                    slot = lax.rem(j, stages)
+                    plgpu.barrier_wait(k_bars.at[slot])
                     if kind == PARTIAL:  # its value rows past the prefix: NaN-safe p·v
-                        for c in range(NVC):
-                            zero_rows_from(ring.at[slot_of(j, c)], rem, BK)
+                        zero_rows_from(k_smem.at[slot, :, pl.ds(0, L)], rem, BK)
+                    s = scores(j, slot, kind)
                     m_new = jnp.maximum(m, s.max(axis=0))
                     alpha = jnp.exp2(m - m_new)
                     p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [1]))
                     l = l * lax.broadcast_in_dim(alpha, l.shape, [1]) + p
-                    # pᵀ goes to the block's rope columns (its last chunk), which q·kᵀ has read and p·v does not
-                    p_smem = ring.at[slot_of(j, NCB - 1), pl.ds(0, V), pl.ds(CHUNK - BK, BK)]
+                    # pᵀ goes to the block's rope columns, which q·kᵀ has read and p·v does not
+                    p_smem = k_smem.at[slot, pl.ds(0, V), pl.ds(C - BK, BK)]
                     p_smem.transpose((1, 0))[...] = plgpu.layout_cast(p.astype(jnp.bfloat16),
                                                                       plgpu.Layout.WGMMA_TRANSPOSED)
                     plgpu.commit_smem()
-                    for c, acc_ref in enumerate(acc_refs):
-                        acc_ref[...] = acc_ref[...] * lax.broadcast_in_dim(alpha, acc_ref.shape, [1])
-                        plgpu.wgmma(acc_ref, plgpu.transpose_ref(ring.at[slot_of(j, c)], (1, 0)),
-                                    plgpu.transpose_ref(p_smem, (1, 0)))
+                    acc_ref[...] = acc_ref[...] * lax.broadcast_in_dim(alpha, acc_ref.shape, [1])
+                    plgpu.wgmma(acc_ref, plgpu.transpose_ref(k_smem.at[slot, :, pl.ds(0, L)], (1, 0)),
+                                plgpu.transpose_ref(p_smem, (1, 0)))
                     plgpu.wgmma_wait(0)
-                    for c in range(NCB):
-                        plgpu.barrier_arrive(freed.at[slot_of(j, c)])
+                    plgpu.barrier_arrive(consumed_bars.at[slot])
                     return m_new, l
 
                 carry = lax.fori_loop(0, n_whole, functools.partial(step, WHOLE), (m0, l0))
                 carry = lax.fori_loop(n_whole, n_cache, functools.partial(step, PARTIAL), carry)  # 0 or 1 block
                 carry = lax.fori_loop(n_cache, n_all, functools.partial(step, TREE), carry)
-                return tuple(a[...] for a in acc_refs) + carry
+                return (acc_ref[...],) + carry
 
-            *accs, m, l = pl.run_scoped(flash_loop, *[plgpu.ACC((CHUNK, V), jnp.float32)] * NVC)
+            acc, m, l = pl.run_scoped(flash_loop, plgpu.ACC((L, V), jnp.float32))
             # a row that saw only masked keys in this split is empty
             l = jnp.where(m < 0.5 * MASKED, 0.0, l.sum(axis=0))
             empty = l == 0.0
             inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
-            for c, acc in enumerate(accs):
-                o = acc * lax.broadcast_in_dim(inv, acc.shape, [1])
-                o_smem.at[:, pl.ds(c * CHUNK, CHUNK)].transpose((1, 0))[...] = plgpu.layout_cast(
-                    o.astype(jnp.bfloat16), plgpu.Layout.WGMMA_TRANSPOSED)
+            o = acc * lax.broadcast_in_dim(inv, acc.shape, [1])
+            o_smem.transpose((1, 0))[...] = plgpu.layout_cast(o.astype(jnp.bfloat16), plgpu.Layout.WGMMA_TRANSPOSED)
             lse_smem[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(jnp.where(empty, 1.0, l))) * _LN2)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o_smem, o_ref.at[sp, b])
@@ -247,13 +200,14 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
         scratch_types=(
             plgpu.RefUnion(plgpu.SMEM((V, C), jnp.bfloat16, transforms=swizzled),
                            (plgpu.SMEM((V, L), jnp.bfloat16), plgpu.SMEM((V,), jnp.float32))),
-            plgpu.SMEM((NCH, BK, CHUNK), jnp.bfloat16, transforms=swizzled),
+            plgpu.SMEM((stages, BK, C), jnp.bfloat16, transforms=swizzled),
             plgpu.Barrier(num_barriers=1),
-            plgpu.Barrier(num_barriers=NCH),
-            plgpu.Barrier(num_barriers=NCH),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=stages),
         ),
         grid=(B, NS), grid_names=("stream", "split"),
         num_threads=2, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=REDUCTION_SCRATCH),
     )
     return kernel(prefix_len.astype(jnp.int32), q_rows, cache_kv, tree_kv, tree_bits)  # lse in natural log
+

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import mla_attention_mgpu as M
-from pallas_kernels.mla_attention_narrow import max_ring_chunks, narrow_smem_bytes, split_attention_narrow
+from pallas_kernels.mla_attention_narrow import NARROW_MAX_ROWS, narrow_smem_bytes, split_attention_narrow
 from pallas_kernels.split_combine import combine_splits_ref
 from pallas_kernels.tree_attention import tree_attention_ref
 from tests.test_mla_attention_mgpu import K26, k26_spec
@@ -89,33 +89,26 @@ def test_padded_tree_latents_are_accepted_by_every_entry():
         tree_attention_ref(args[0], args[1], args[2], args[3][:, :2], args[4], **kw)
 
 
-@pytest.mark.parametrize("T,H,NS,ring", [(1, 8, 4, None), (2, 8, 1, None), (4, 8, 3, None), (4, 8, 3, 9),
-                                         (1, 8, 2, 20)])
-def test_kernel_lowers_for_cuda_on_cpu(T, H, NS, ring):
-    """V = T*H = 8, 16, 32 rows, the deepest key ring or one of 9 or 20 slots (a block is 9): layouts (the
-    reductions over keys, the transposed stores, the partial block's zeroing), transposed wgmma operands and
-    shared memory within the H200's 227 KB."""
-    f = jax.jit(functools.partial(M.tree_attention_mgpu, scale=K26["scale"], kv_lora_rank=K26["L"], num_splits=NS,
-                                  kernel=functools.partial(split_attention_narrow, ring_chunks=ring)))
+@pytest.mark.parametrize("T,H,NS", [(1, 8, 4), (2, 8, 1), (4, 8, 3)])
+def test_kernel_lowers_for_cuda_on_cpu(T, H, NS):
+    """V = T*H = 8, 16, 32 rows: layouts (the reductions over keys, the transposed stores, the partial block's
+    zeroing), transposed wgmma operands and shared memory within the H200's 227 KB."""
+    f = jax.jit(functools.partial(M.tree_attention_mgpu, scale=K26["scale"], kv_lora_rank=K26["L"],
+                                  num_splits=NS, kernel=split_attention_narrow))
     text = f.trace(*k26_spec(2, T, H, 1024)).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 
 
 def test_default_kernel_is_narrow_up_to_32_rows_and_its_shared_memory_count():
     """``tree_attention_mgpu`` picks the narrow kernel for T*H <= 32 real rows (any cache capacity: a partial
-    block past the cache reads zeros), and the 64-row one otherwise; the deepest key ring that fits
-    (``max_ring_chunks``, by ``narrow_smem_bytes``), and Mosaic GPU's own count (checked when lowering) agrees at
-    V = 8 with three whole blocks (stages=3: 27 slots)."""
+    block past the cache reads zeros), and the 64-row one otherwise; ``narrow_smem_bytes`` lets three key blocks in
+    flight at V = 8 and not at 16, and Mosaic GPU's own count (checked when lowering) agrees at V = 8."""
     f = jax.jit(functools.partial(M.tree_attention_mgpu, scale=K26["scale"], kv_lora_rank=K26["L"]))
     for T, H, S, narrow in [(1, 8, 1024, True), (4, 8, 1024, True), (1, 16, 1024, True), (8, 8, 1024, False),
                             (1, 64, 1024, False), (3, 2, 1024, False), (1, 8, 1000, True)]:
         text = f.trace(*k26_spec(2, T, H, S)).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text and ("narrow_body" in text) == narrow, (T, H, S)
-    C = K26["C"]
-    assert [max_ring_chunks(V, C) for V in (8, 16, 24, 32)] == [27, 25, 24, 23]  # 3 blocks at V = 8, 2.6 at 32
-    for V in (8, 32):
-        n = max_ring_chunks(V, C)
-        assert narrow_smem_bytes(V, C, 64, n) <= M.SMEM_LIMIT < narrow_smem_bytes(V, C, 64, n + 1)
+    assert narrow_smem_bytes(8, K26["C"], 64, 3) <= M.SMEM_LIMIT < narrow_smem_bytes(16, K26["C"], 64, 3)
     lowered = jax.jit(functools.partial(M.tree_attention_mgpu, scale=K26["scale"], kv_lora_rank=K26["L"], stages=3))
     assert "narrow_body" in lowered.trace(*k26_spec(2, 1, 8, 1024)).lower(lowering_platforms=("cuda",)).as_text()
 
@@ -142,15 +135,13 @@ def test_errors():
         f(q, cache, plen, tree_kv[:, :32], tree_bits, valid_rows=8, **kw)
     with pytest.raises(ValueError, match="tree_bits"):
         f(q, cache, plen, tree_kv, tree_bits.astype(jnp.uint32), valid_rows=8, **kw)
-    for ring in (dict(stages=4), dict(ring_chunks=8), dict(ring_chunks=33)):  # 36, 8 or 33 slots
-        with pytest.raises(ValueError, match="key ring"):
-            split_attention_narrow(q, cache, plen, tree_kv, tree_bits, valid_rows=8, **ring, **kw)
-    with pytest.raises(ValueError, match="not both"):
-        split_attention_narrow(q, cache, plen, tree_kv, tree_bits, valid_rows=8, stages=2, ring_chunks=18, **kw)
+    with pytest.raises(ValueError, match="shared memory"):
+        split_attention_narrow(q, cache, plen, tree_kv, tree_bits, valid_rows=8, stages=4, **kw)
     with pytest.raises(ValueError, match="shared memory"):
         split_attention_narrow(q, cache, plen, tree_kv, tree_bits, valid_rows=16, stages=3, **kw)
     with pytest.raises(ValueError, match="L \\+ 64 <= C"):
         split_attention_narrow(q, cache, plen, tree_kv, tree_bits, valid_rows=8, scale=0.1, kv_lora_rank=C - 32)
+    assert narrow_smem_bytes(NARROW_MAX_ROWS, C, 64, 2) <= M.SMEM_LIMIT
 
 
 # ---------------------------------------------------------------------------------------------
@@ -158,14 +149,13 @@ def test_errors():
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("B,T,H,S,kind,NS,ring", [
-    (3, 1, 8, 4096, "chain", 7, None), (2, 1, 8, 8192, "chain", None, None), (2, 2, 8, 2048, "tree", 4, None),
-    (2, 3, 8, 1000, "tree", None, None), (2, 4, 8, 2048, "tree", 3, None),
-    (2, 4, 8, 64, "tree", 5, None),  # splits inside the tree block
-    (4, 1, 16, 1024, "chain", 5, None),
-    (2, 4, 8, 1000, "tree", 2, 9), (3, 1, 8, 4096, "chain", 3, 20),  # one block's slots; slots that wrap mid-block
+@pytest.mark.parametrize("B,T,H,S,kind,NS", [
+    (3, 1, 8, 4096, "chain", 7), (2, 1, 8, 8192, "chain", None), (2, 2, 8, 2048, "tree", 4),
+    (2, 3, 8, 1000, "tree", None), (2, 4, 8, 2048, "tree", 3),
+    (2, 4, 8, 64, "tree", 5),  # splits inside the tree block
+    (4, 1, 16, 1024, "chain", 5),
 ])
-def test_gpu_kernel_matches_reference_k26(B, T, H, S, kind, NS, ring):
+def test_gpu_kernel_matches_reference_k26(B, T, H, S, kind, NS):
     L = K26["L"]
     rng = np.random.default_rng(5)
     plens = [int(x) for x in rng.integers(0, S + 1, size=B)]
@@ -177,9 +167,7 @@ def test_gpu_kernel_matches_reference_k26(B, T, H, S, kind, NS, ring):
     case = make_case(13, B, T, H, L, K26["C"] - L, S, plens, kind)
     args = as_jax(case, jnp.bfloat16)
     o, lse = jax.jit(lambda *a: M.tree_attention_mgpu(*a, scale=K26["scale"], kv_lora_rank=L, num_splits=NS,
-                                                      return_lse=True,
-                                                      kernel=functools.partial(split_attention_narrow,
-                                                                               ring_chunks=ring)))(*args)
+                                                      return_lse=True, kernel=split_attention_narrow))(*args)
     up = [a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args]
     r_o, r_l = jax.jit(lambda *a: tree_attention_ref(*a, scale=K26["scale"], kv_lora_rank=L, return_lse=True))(*up)
     o, r_o = np.asarray(o, np.float32), np.asarray(r_o)
