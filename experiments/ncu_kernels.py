@@ -34,7 +34,7 @@ D, F, TOPK = 7168, 2048, 8
 MOE_CASES = (  # (tokens per tile N, probe, operand values)
     (8, "", "random"), (16, "", "random"), (32, "", "random"), (32, "", "zero_weights"),
     (16, "stream_only", "random"), (16, "no_weight_load", "random"), (32, "no_weight_load", "random"))
-ATT_CASES = ((1, 8, 16, 8192), (1, 8, 1, 65536), (8, 8, 1, 65536))  # (T, H, B, prefix)
+ATT_CASES = ((1, 8, 16, 8192), (1, 8, 1, 65536), (8, 8, 1, 65536), (4, 8, 16, 8192), (8, 8, 16, 8192))  # T,H,B,P
 
 
 def moe_cases(n_experts: int):
