@@ -104,7 +104,7 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
     if merge_in_cluster and (NS not in (2, 4, 8) or L % (64 * NS)):
         raise ValueError(f"merge_in_cluster needs num_splits in (2, 4, 8) dividing L / 64; got {NS}, L={L}")
     LS = L // NS if merge_in_cluster else L  # value columns of the merged output one program writes
-    smem = narrow_smem_bytes(V, C, BK, stages, L) + (2 * _aligned(4 * V) if merge_in_cluster else 0)
+    smem = narrow_smem_bytes(V, C, BK, stages, L) + (_aligned(8 * V) if merge_in_cluster else 0)
     if smem > SMEM_LIMIT:
         raise ValueError(f"valid_rows={V}, stages={stages} need {smem} bytes of shared memory (limit {SMEM_LIMIT})")
     scale_log2 = float(scale) * _LOG2E
@@ -127,14 +127,13 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
             def peer(ref, t):
                 return plgpu.cluster_ref(ref, {"split": t})
 
-            # every peer load reads a whole buffer: Mosaic GPU (JAX 0.11) cannot load a peer's buffer at an offset
-            m_smem, l_smem = stats
-            m_smem[...] = m
-            l_smem[...] = l
+            stats.at[0][...] = m
+            stats.at[1][...] = l
             plgpu.commit_smem()
             plgpu.barrier_arrive(cluster_bars.at[0])
             plgpu.barrier_wait(cluster_bars.at[0])
-            peers = [tuple(plgpu.load(peer(ref, t), (), layout=col_layout, optimized=False) for ref in stats)
+            peers = [(plgpu.load(peer(stats, t), (0, pl.ds(0, V)), layout=col_layout, optimized=False),
+                      plgpu.load(peer(stats, t), (1, pl.ds(0, V)), layout=col_layout, optimized=False))
                      for t in range(NS)]
             seen = [jnp.where(l_t == 0.0, -jnp.inf, m_t) for m_t, l_t in peers]
             top = functools.reduce(jnp.maximum, seen)
@@ -143,20 +142,15 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
                                                for m_t, l_t in peers])
             empty = total == 0.0
             weight = jnp.where((l == 0.0) | empty, 0.0, jnp.exp2(m - top_safe) / jnp.where(empty, 1.0, total))
-            weighted = acc * lax.broadcast_in_dim(weight, acc.shape, [1])
-            for s_, piece in enumerate(part_smem):  # program s_ sums rows [s_ LS, (s_ + 1) LS) of oᵀ
-                piece[...] = weighted[s_ * LS:(s_ + 1) * LS]
+            part_smem[...] = acc * lax.broadcast_in_dim(weight, acc.shape, [1])
             plgpu.commit_smem()
             plgpu.barrier_arrive(cluster_bars.at[1])
             plgpu.barrier_wait(cluster_bars.at[1])
-            for s_ in range(NS):
-                @pl.when(sp == s_)
-                def _():
-                    mine = functools.reduce(jnp.add, [
-                        plgpu.load(peer(part_smem[s_], t), (), layout=plgpu.Layout.WGMMA, optimized=False)
-                        for t in range(NS)])
-                    o_smem.transpose((1, 0))[...] = plgpu.layout_cast(mine.astype(jnp.bfloat16),
-                                                                      plgpu.Layout.WGMMA_TRANSPOSED)
+            mine = functools.reduce(jnp.add, [
+                plgpu.load(peer(part_smem, t), (pl.ds(sp * LS, LS), pl.ds(0, V)), layout=plgpu.Layout.WGMMA,
+                           optimized=False) for t in range(NS)])
+            o_smem.transpose((1, 0))[...] = plgpu.layout_cast(mine.astype(jnp.bfloat16),
+                                                              plgpu.Layout.WGMMA_TRANSPOSED)
             lse_smem[...] = jnp.where(empty, -jnp.inf, (top_safe + jnp.log2(jnp.where(empty, 1.0, total))) * _LN2)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o_smem, o_ref.at[0, b, :, pl.ds(sp * LS, LS)])
@@ -262,8 +256,8 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
             plgpu.RefUnion(plgpu.SMEM((V, C), jnp.bfloat16, transforms=swizzled),
                            (plgpu.SMEM((V, LS), jnp.bfloat16), plgpu.SMEM((V,), jnp.float32))),
             plgpu.RefUnion(plgpu.SMEM((stages, BK, C), jnp.bfloat16, transforms=swizzled),
-                           tuple(plgpu.SMEM((LS, V), jnp.float32) for _ in range(L // LS))),
-            (plgpu.SMEM((V,), jnp.float32), plgpu.SMEM((V,), jnp.float32)) if merge_in_cluster else None,
+                           plgpu.SMEM((L, V), jnp.float32)),
+            plgpu.SMEM((2, V), jnp.float32) if merge_in_cluster else None,
             plgpu.Barrier(num_barriers=1),
             plgpu.Barrier(num_barriers=stages),
             plgpu.Barrier(num_barriers=stages),
