@@ -73,7 +73,7 @@ def _check_rows(q_rows, valid_rows):
 
 
 def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, kv_lora_rank, block_k=64,
-                           stages=2, num_splits=1, share_scores=True, valid_rows=None, merge_in_cluster=False):
+                           stages=2, num_splits=1, share_scores=True, valid_rows=None):
     """``mla_attention_mgpu.split_attention`` (same inputs, outputs and twin, ``split_attention_ref``) for
     V <= ``NARROW_MAX_ROWS`` query rows (module docstring).
 
@@ -83,9 +83,7 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
     [B, TP/32, R] (``tree_inputs``). Split s takes the blocks ``_split_range(NBP, TP/64, s, NS)`` gives it.
     Returns (o [NS, B, V, L] bf16, lse [NS, B, V] f32, natural log), each split normalised on its own; a row
     that sees no key in a split has o = 0 and lse = -inf there. ``share_scores`` is accepted for the common
-    signature and unused (one consumer). ``merge_in_cluster`` (NS in {2, 4, 8}): a stream's NS programs run
-    as one cluster and merge their partials through each other's shared memory (no merge launch); the outputs
-    are then the merged o [1, B, V, L] and lse [1, B, V]."""
+    signature and unused (one consumer)."""
     del share_scores
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.mosaic_gpu is not available in this JAX")
@@ -101,67 +99,20 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
                          f"block's last {BK} columns)")
     if stages < 2 or NS < 1:
         raise ValueError(f"stages={stages} must be >= 2 and num_splits={NS} >= 1")
-    if merge_in_cluster and (NS not in (2, 4, 8) or L % (64 * NS)):
-        raise ValueError(f"merge_in_cluster needs num_splits in (2, 4, 8) dividing L / 64; got {NS}, L={L}")
-    LS = L // NS if merge_in_cluster else L  # value columns of the merged output one program writes
-    smem = narrow_smem_bytes(V, C, BK, stages, L) + (_aligned(8 * V) if merge_in_cluster else 0)
+    smem = narrow_smem_bytes(V, C, BK, stages, L)
     if smem > SMEM_LIMIT:
         raise ValueError(f"valid_rows={V}, stages={stages} need {smem} bytes of shared memory (limit {SMEM_LIMIT})")
     scale_log2 = float(scale) * _LOG2E
     TB = TP // BK
     col_layout = plgpu.Layout.WGMMA.reduce(0)  # a [V] vector along sᵀ's and oᵀ's columns
 
-    def narrow_body(plen_ref, q_ref, kv_ref, tkv_ref, bits_ref, o_ref, lse_ref, q_or_out, k_or_part, stats,
-                    q_bar, k_bars, consumed_bars, cluster_bars):
+    def narrow_body(plen_ref, q_ref, kv_ref, tkv_ref, bits_ref, o_ref, lse_ref, q_or_out, k_smem, q_bar, k_bars,
+                    consumed_bars):
         q_smem, (o_smem, lse_smem) = q_or_out  # the output tile and LSE row reuse the query tile's memory
-        k_smem, part_smem = k_or_part  # after the loop the key ring holds this program's weighted partial
         b = lax.axis_index("stream")
         sp = lax.axis_index("split")
         wg = lax.axis_index("wg")
         rem, nbp, lo, n_whole, n_cache, n_all = _block_steps(plen_ref[b], TB, sp, NS, BK)
-
-        def merge_with_peers(acc, m, l):
-            """The cluster's NS partials merged through shared memory: every program reads all (max, sum)
-            pairs, writes its partial weighted by exp2(m - M) / sum into its key ring, then sums its own LS
-            value columns over the peers' partials and stores them (program 0 also the LSE)."""
-            def peer(ref, t):
-                return plgpu.cluster_ref(ref, {"split": t})
-
-            stats.at[0][...] = m
-            stats.at[1][...] = l
-            plgpu.commit_smem()
-            plgpu.barrier_arrive(cluster_bars.at[0])
-            plgpu.barrier_wait(cluster_bars.at[0])
-            peers = [(plgpu.load(peer(stats, t), (0, pl.ds(0, V)), layout=col_layout, optimized=False),
-                      plgpu.load(peer(stats, t), (1, pl.ds(0, V)), layout=col_layout, optimized=False))
-                     for t in range(NS)]
-            seen = [jnp.where(l_t == 0.0, -jnp.inf, m_t) for m_t, l_t in peers]
-            top = functools.reduce(jnp.maximum, seen)
-            top_safe = jnp.where(top == -jnp.inf, 0.0, top)
-            total = functools.reduce(jnp.add, [jnp.where(l_t == 0.0, 0.0, l_t * jnp.exp2(m_t - top_safe))
-                                               for m_t, l_t in peers])
-            empty = total == 0.0
-            weight = jnp.where((l == 0.0) | empty, 0.0, jnp.exp2(m - top_safe) / jnp.where(empty, 1.0, total))
-            part_smem[...] = acc * lax.broadcast_in_dim(weight, acc.shape, [1])
-            plgpu.commit_smem()
-            plgpu.barrier_arrive(cluster_bars.at[1])
-            plgpu.barrier_wait(cluster_bars.at[1])
-            mine = functools.reduce(jnp.add, [
-                plgpu.load(peer(part_smem, t), (pl.ds(sp * LS, LS), pl.ds(0, V)), layout=plgpu.Layout.WGMMA,
-                           optimized=False) for t in range(NS)])
-            o_smem.transpose((1, 0))[...] = plgpu.layout_cast(mine.astype(jnp.bfloat16),
-                                                              plgpu.Layout.WGMMA_TRANSPOSED)
-            lse_smem[...] = jnp.where(empty, -jnp.inf, (top_safe + jnp.log2(jnp.where(empty, 1.0, total))) * _LN2)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[0, b, :, pl.ds(sp * LS, LS)])
-
-            @pl.when(sp == 0)
-            def _():
-                plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[0, b])
-
-            plgpu.wait_smem_to_gmem(0)
-            plgpu.barrier_arrive(cluster_bars.at[2])  # the peers may still be reading this program's partial
-            plgpu.barrier_wait(cluster_bars.at[2])
 
         @pl.when(wg == 1)
         def _producer():
@@ -232,9 +183,6 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
             acc, m, l = pl.run_scoped(flash_loop, plgpu.ACC((L, V), jnp.float32))
             # a row that saw only masked keys in this split is empty
             l = jnp.where(m < 0.5 * MASKED, 0.0, l.sum(axis=0))
-            if merge_in_cluster:
-                merge_with_peers(acc, m, l)
-                return
             empty = l == 0.0
             inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
             o = acc * lax.broadcast_in_dim(inv, acc.shape, [1])
@@ -246,24 +194,18 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
             plgpu.wait_smem_to_gmem(0)
 
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-    NO = 1 if merge_in_cluster else NS
-    grid = dict(grid=(B,), grid_names=("stream",), cluster=(NS,), cluster_names=("split",)) if merge_in_cluster \
-        else dict(grid=(B, NS), grid_names=("stream", "split"))
     kernel = plgpu.kernel(
         narrow_body,
-        out_type=(jax.ShapeDtypeStruct((NO, B, V, L), jnp.bfloat16), jax.ShapeDtypeStruct((NO, B, V), jnp.float32)),
+        out_type=(jax.ShapeDtypeStruct((NS, B, V, L), jnp.bfloat16), jax.ShapeDtypeStruct((NS, B, V), jnp.float32)),
         scratch_types=(
             plgpu.RefUnion(plgpu.SMEM((V, C), jnp.bfloat16, transforms=swizzled),
-                           (plgpu.SMEM((V, LS), jnp.bfloat16), plgpu.SMEM((V,), jnp.float32))),
-            plgpu.RefUnion(plgpu.SMEM((stages, BK, C), jnp.bfloat16, transforms=swizzled),
-                           plgpu.SMEM((L, V), jnp.float32)),
-            plgpu.SMEM((2, V), jnp.float32) if merge_in_cluster else None,
+                           (plgpu.SMEM((V, L), jnp.bfloat16), plgpu.SMEM((V,), jnp.float32))),
+            plgpu.SMEM((stages, BK, C), jnp.bfloat16, transforms=swizzled),
             plgpu.Barrier(num_barriers=1),
             plgpu.Barrier(num_barriers=stages),
             plgpu.Barrier(num_barriers=stages),
-            plgpu.ClusterBarrier(collective_axes=("split",), num_barriers=3) if merge_in_cluster else None,
         ),
-        **grid,
+        grid=(B, NS), grid_names=("stream", "split"),
         num_threads=2, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=REDUCTION_SCRATCH),
     )

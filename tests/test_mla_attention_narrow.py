@@ -89,21 +89,14 @@ def test_padded_tree_latents_are_accepted_by_every_entry():
         tree_attention_ref(args[0], args[1], args[2], args[3][:, :2], args[4], **kw)
 
 
-@pytest.mark.parametrize("T,H,NS,cluster", [(1, 8, 4, False), (2, 8, 1, False), (4, 8, 3, False), (1, 8, 8, True),
-                                            (4, 8, 2, True)])
-def test_kernel_lowers_for_cuda_on_cpu(T, H, NS, cluster):
+@pytest.mark.parametrize("T,H,NS", [(1, 8, 4), (2, 8, 1), (4, 8, 3)])
+def test_kernel_lowers_for_cuda_on_cpu(T, H, NS):
     """V = T*H = 8, 16, 32 rows: layouts (the reductions over keys, the transposed stores, the partial block's
-    zeroing; with the merge in a cluster, the peers' loads), transposed wgmma operands and shared memory within
-    the H200's 227 KB; merged in the cluster, the kernel returns one merged split."""
-    f = jax.jit(functools.partial(split_attention_narrow, scale=K26["scale"], kv_lora_rank=K26["L"],
-                                  num_splits=NS, valid_rows=T * H, merge_in_cluster=cluster))
-    C = K26["C"]
-    spec = (jax.ShapeDtypeStruct((2, T * H, C), jnp.bfloat16), jax.ShapeDtypeStruct((2, 1024, C), jnp.bfloat16),
-            jax.ShapeDtypeStruct((2,), jnp.int32), jax.ShapeDtypeStruct((2, 64, C), jnp.bfloat16),
-            jax.ShapeDtypeStruct((2, 2, T * H), jnp.int32))
-    lowered = f.trace(*spec).lower(lowering_platforms=("cuda",))
-    assert "mosaic_gpu" in lowered.as_text()
-    assert lowered.out_info[0].shape == (1 if cluster else NS, 2, T * H, K26["L"])
+    zeroing), transposed wgmma operands and shared memory within the H200's 227 KB."""
+    f = jax.jit(functools.partial(M.tree_attention_mgpu, scale=K26["scale"], kv_lora_rank=K26["L"],
+                                  num_splits=NS, kernel=split_attention_narrow))
+    text = f.trace(*k26_spec(2, T, H, 1024)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
 
 
 def test_default_kernel_is_narrow_up_to_32_rows_and_its_shared_memory_count():
@@ -146,10 +139,6 @@ def test_errors():
         split_attention_narrow(q, cache, plen, tree_kv, tree_bits, valid_rows=8, stages=4, **kw)
     with pytest.raises(ValueError, match="shared memory"):
         split_attention_narrow(q, cache, plen, tree_kv, tree_bits, valid_rows=16, stages=3, **kw)
-    for ns in (3, 16):
-        with pytest.raises(ValueError, match="merge_in_cluster"):
-            split_attention_narrow(q, cache, plen, tree_kv, tree_bits, valid_rows=8, num_splits=ns,
-                                   merge_in_cluster=True, **kw)
     with pytest.raises(ValueError, match="L \\+ 64 <= C"):
         split_attention_narrow(q, cache, plen, tree_kv, tree_bits, valid_rows=8, scale=0.1, kv_lora_rank=C - 32)
     assert narrow_smem_bytes(NARROW_MAX_ROWS, C, 64, 2) <= M.SMEM_LIMIT
@@ -160,16 +149,13 @@ def test_errors():
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("B,T,H,S,kind,NS,cluster", [
-    (3, 1, 8, 4096, "chain", 7, False), (2, 1, 8, 8192, "chain", None, False), (2, 2, 8, 2048, "tree", 4, False),
-    (2, 3, 8, 1000, "tree", None, False), (2, 4, 8, 2048, "tree", 3, False),
-    (2, 4, 8, 64, "tree", 5, False),  # splits inside the tree block
-    (4, 1, 16, 1024, "chain", 5, False),
-    # the splits merged in the kernel, through the cluster's shared memory (empty splits and streams included)
-    (3, 1, 8, 4096, "chain", 8, True), (2, 4, 8, 2048, "tree", 4, True), (3, 3, 8, 1000, "tree", 2, True),
-    (2, 4, 8, 64, "tree", 8, True), (16, 1, 8, 8192, "chain", 8, True),
+@pytest.mark.parametrize("B,T,H,S,kind,NS", [
+    (3, 1, 8, 4096, "chain", 7), (2, 1, 8, 8192, "chain", None), (2, 2, 8, 2048, "tree", 4),
+    (2, 3, 8, 1000, "tree", None), (2, 4, 8, 2048, "tree", 3),
+    (2, 4, 8, 64, "tree", 5),  # splits inside the tree block
+    (4, 1, 16, 1024, "chain", 5),
 ])
-def test_gpu_kernel_matches_reference_k26(B, T, H, S, kind, NS, cluster):
+def test_gpu_kernel_matches_reference_k26(B, T, H, S, kind, NS):
     L = K26["L"]
     rng = np.random.default_rng(5)
     plens = [int(x) for x in rng.integers(0, S + 1, size=B)]
@@ -181,9 +167,7 @@ def test_gpu_kernel_matches_reference_k26(B, T, H, S, kind, NS, cluster):
     case = make_case(13, B, T, H, L, K26["C"] - L, S, plens, kind)
     args = as_jax(case, jnp.bfloat16)
     o, lse = jax.jit(lambda *a: M.tree_attention_mgpu(*a, scale=K26["scale"], kv_lora_rank=L, num_splits=NS,
-                                                      return_lse=True,
-                                                      kernel=functools.partial(split_attention_narrow,
-                                                                               merge_in_cluster=cluster)))(*args)
+                                                      return_lse=True, kernel=split_attention_narrow))(*args)
     up = [a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args]
     r_o, r_l = jax.jit(lambda *a: tree_attention_ref(*a, scale=K26["scale"], kv_lora_rank=L, return_lse=True))(*up)
     o, r_o = np.asarray(o, np.float32), np.asarray(r_o)
