@@ -244,6 +244,18 @@ def zero_rows_from(block_ref, first_row, rows: int):
     plgpu.commit_smem()
 
 
+def mask_tree_scores(s, key, row_word, row_dim: int):
+    """Inside a kernel: one tree block's scores ``s`` with every key its query row may not see set to MASKED.
+    ``key``: each score's key index in the block; ``row_word(w)``: word w of each row's mask bits (key k is
+    bit k % 32 of word k // 32), a vector along axis ``row_dim`` of s."""
+    word = None
+    for w in range(s.shape[1 - row_dim] // WORD):  # the word holding each key's bit, per query row
+        ww = lax.broadcast_in_dim(row_word(w), s.shape, [row_dim])
+        word = ww if word is None else jnp.where(key >= w * WORD, ww, word)
+    seen = lax.shift_right_logical(word, key & (WORD - 1)) & 1
+    return jnp.where(seen != 0, s, MASKED)
+
+
 def _split_range(nb, tree_blocks: int, sp, num_splits: int):
     """Blocks of split ``sp``: [lo, hi) of the ``nb`` cache blocks and TB tree blocks (cache blocks first),
     and ``mid``, where its cache blocks end and its tree blocks begin."""
@@ -335,12 +347,8 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
                 if kind == PARTIAL:
                     return jnp.where(col < rem, s, MASKED)
                 plgpu.barrier_wait(bits_bars.at[slot])
-                word = None
-                for w in range(WB):  # the word holding each column's bit, per row
-                    ww = lax.broadcast_in_dim(plgpu.load(bits_smem.at[slot, w], (), layout=row_layout), s.shape, [0])
-                    word = ww if word is None else jnp.where(col >= w * WORD, ww, word)
-                seen = lax.shift_right_logical(word, col & (WORD - 1)) & 1
-                return jnp.where(seen != 0, s, MASKED)
+                return mask_tree_scores(s, col, lambda w: plgpu.load(bits_smem.at[slot, w], (), layout=row_layout),
+                                        row_dim=0)
 
             def softmax_share(j, s, m, l):
                 """Online-softmax update for scores s (log2 units); with share_scores, p and alpha go to

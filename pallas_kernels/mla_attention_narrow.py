@@ -34,7 +34,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.mla_attention_mgpu import (MASKED, PARTIAL, ROWS, SMEM_LIMIT, TREE, WHOLE, WORD, _block_steps,
-                                               check_in_place_inputs, stream_key_blocks, zero_rows_from)
+                                               check_in_place_inputs, mask_tree_scores, stream_key_blocks,
+                                               zero_rows_from)
 from pallas_kernels.tree_attention import _LN2, _LOG2E
 
 try:
@@ -144,12 +145,7 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
                     return s
                 if kind == PARTIAL:
                     return jnp.where(key < rem, s, MASKED)
-                word = None
-                for w, words in enumerate(row_words):  # the word holding each key's bit, per query row
-                    ww = lax.broadcast_in_dim(words, s.shape, [1])
-                    word = ww if word is None else jnp.where(key >= w * WORD, ww, word)
-                seen = lax.shift_right_logical(word, key & (WORD - 1)) & 1
-                return jnp.where(seen != 0, s, MASKED)
+                return mask_tree_scores(s, key, row_words.__getitem__, row_dim=1)
 
             def flash_loop(acc_ref):  # oᵀ [L, V] starts at zero
                 def step(kind, j, carry):
