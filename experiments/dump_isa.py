@@ -1,0 +1,109 @@
+"""Compiler reports for a Mosaic GPU kernel: runs one configuration with Mosaic GPU's dump switches on (PTX,
+ptxas's resource report, SASS) so that registers, spills and the wgmma (HGMMA) sequence can be read.
+
+    PYTHONPATH=. python experiments/dump_isa.py --out $OUT moe [--n 8] [--gemm gate_up]
+    PYTHONPATH=. python experiments/dump_isa.py --out $OUT attention [--t 4] [--h 8] [--rescale always]
+
+``moe``: the INT4 grouped GEMM (``int4_moe_mgpu``). ``attention``: the MLA attention op at T nodes, H heads,
+B = 2 streams over a 1024-slot cache (the narrow kernel where T*H <= 32, else the 64-row one).
+Writes the dumps under --out/isa (Mosaic GPU writes them; names follow the kernel) and a summary to
+--out/dump_isa.json: per SASS file the instruction counts, the HGMMAs and how many ``WARPGROUP.DEPBAR`` waits
+sit between them (one after every HGMMA means ptxas serialised them), and the tail of ptxas's report (its
+"wgmma serialization" warnings included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import glob
+import json
+import os
+import re
+
+SASS_OP = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", re.M)
+
+
+def run_moe(args):
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels import int4_moe_mgpu as K
+
+    o, i = (4096, 7168) if args.gemm == "gate_up" else (7168, 2048)
+    e = 4
+    w = jax.lax.bitcast_convert_type(jax.random.bits(jax.random.key(0), (e, o // 128, (i // K.STEP) * 32, 128),
+                                                     jnp.uint32), jnp.int32)
+    s = jnp.full((e, o // 128, i // K.GROUP, 128), 0.01, jnp.bfloat16)
+    te = jnp.arange(e, dtype=jnp.int32)
+    xg = K.to_chunks(jnp.ones((e * args.n, i), jnp.bfloat16), args.chunk)
+    kwargs = {k: None if v == "None" else int(v) for k, v in (kv.split("=") for kv in args.kwargs.split(",") if kv)}
+    return jax.jit(lambda *a: K.grouped_int4_matmul(*a, tokens_per_tile=args.n, **kwargs))(xg, w, s, te)
+
+
+def run_attention(args):
+    import jax
+
+    from experiments.bench_tree_attention import L, SCALE, make_inputs
+    from pallas_kernels import mla_attention_mgpu as M
+    from pallas_kernels.mla_attention_narrow import split_attention_narrow
+
+    q, caches, plen, tkv, mask = make_inputs(jax.random.key(0), args.h, 2, args.t, 1024, 1)
+    kw = {}
+    if args.rescale:
+        kw["kernel"] = functools.partial(split_attention_narrow, rescale=args.rescale)
+    fn = jax.jit(functools.partial(M.tree_attention_mgpu, scale=SCALE, kv_lora_rank=L, **kw))
+    return fn(q, caches[0], plen, tkv, mask)
+
+
+def sass_summary(text: str) -> dict:
+    ops = collections.Counter(SASS_OP.findall(text))
+    lines = [ln for ln in text.splitlines() if SASS_OP.match(ln)]
+    hgmma = [n for n, ln in enumerate(lines) if "HGMMA" in ln]
+    waits_between = sum(any("WARPGROUP.DEPBAR" in lines[k] for k in range(a + 1, b)) for a, b in zip(hgmma, hgmma[1:]))
+    return {"ops": dict(ops.most_common(60)), "hgmma": len(hgmma), "hgmma_pairs_with_a_wait_between": waits_between}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    sub = ap.add_subparsers(dest="what", required=True)
+    moe = sub.add_parser("moe")
+    moe.add_argument("--n", type=int, default=8)
+    moe.add_argument("--gemm", default="gate_up", choices=["gate_up", "down"])
+    moe.add_argument("--chunk", type=int, default=64, help="activation chunk width (columns per wgmma)")
+    moe.add_argument("--kwargs", default="", help="k=v,... passed to grouped_int4_matmul (ints)")
+    att = sub.add_parser("attention")
+    att.add_argument("--t", type=int, default=4)
+    att.add_argument("--h", type=int, default=8)
+    att.add_argument("--rescale", default=None, choices=["lazy", "always"],
+                     help="the narrow kernel's rescale option (default: the kernel's own)")
+    args = ap.parse_args(argv)
+    dump = os.path.join(args.out, "isa")
+    os.makedirs(dump, exist_ok=True)
+    for flag in ("MOSAIC_GPU_DUMP_PTX", "MOSAIC_GPU_DUMP_PTXAS", "MOSAIC_GPU_DUMP_SASS"):
+        os.environ.setdefault(flag, "1")
+    os.environ["MOSAIC_GPU_DUMP_TO"] = dump
+
+    import jax
+
+    jax.block_until_ready(run_moe(args) if args.what == "moe" else run_attention(args))
+    files = sorted(glob.glob(os.path.join(dump, "*")))
+    summary = {"files": [os.path.basename(f) for f in files], "config": vars(args)}
+    for f in files:
+        text = open(f, errors="replace").read()
+        name = os.path.basename(f)
+        if f.endswith(".sass") or "sass" in name.lower():
+            summary.setdefault("sass", {})[name] = sass_summary(text)
+        if "ptxas" in name.lower():
+            summary.setdefault("ptxas", {})[name] = text[-3000:]
+    with open(os.path.join(args.out, "dump_isa.json"), "w") as fh:
+        json.dump(summary, fh, indent=1)
+    print(json.dumps({k: v for k, v in summary.items() if k != "sass"}, indent=1)[:4000])
+    for name, s in summary.get("sass", {}).items():
+        print(name, "HGMMA", s["hgmma"], "pairs with a wait between", s["hgmma_pairs_with_a_wait_between"])
+
+
+if __name__ == "__main__":
+    main()
