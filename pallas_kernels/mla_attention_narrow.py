@@ -164,8 +164,7 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
                     m_block = s.max(axis=0)
                     if rescale == "lazy":
                         grow = jnp.max(m_block - m) > RESCALE_SLACK
-                        # a branch, not a select: JAX 0.11's Mosaic GPU lowering has no scalar-predicate select
-                        m_new = lax.cond(grow, lambda: jnp.maximum(m, m_block), lambda: m)
+                        m_new = jnp.where(grow, jnp.maximum(m, m_block), m)
                     else:
                         m_new = jnp.maximum(m, m_block)
                     alpha = jnp.exp2(m - m_new)
