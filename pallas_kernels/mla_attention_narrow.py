@@ -47,7 +47,6 @@ __all__ = ["split_attention_narrow", "narrow_smem_bytes", "NARROW_MAX_ROWS"]
 
 NARROW_MAX_ROWS = 32
 SMEM_ALIGNMENT = 1024  # Mosaic GPU starts every shared-memory buffer on this boundary
-RESCALE_SLACK = 8.0  # log2 units: p = 2^(s - m) stays <= 256 while the running max lags the true one by this
 REDUCTION_SCRATCH = 1024  # bytes (what Mosaic GPU asks for): the max and sum over keys cross the 4 warps
 
 
@@ -75,7 +74,7 @@ def _check_rows(q_rows, valid_rows):
 
 
 def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, kv_lora_rank, block_k=64,
-                           stages=2, num_splits=1, share_scores=True, valid_rows=None, rescale="lazy"):
+                           stages=2, num_splits=1, share_scores=True, valid_rows=None):
     """``mla_attention_mgpu.split_attention`` (same inputs, outputs and twin, ``split_attention_ref``) for
     V <= ``NARROW_MAX_ROWS`` query rows (module docstring).
 
@@ -85,13 +84,8 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
     [B, TP/32, R] (``tree_inputs``). Split s takes the blocks ``_split_range(NBP, TP/64, s, NS)`` gives it.
     Returns (o [NS, B, V, L] bf16, lse [NS, B, V] f32, natural log), each split normalised on its own; a row
     that sees no key in a split has o = 0 and lse = -inf there. ``share_scores`` is accepted for the common
-    signature and unused (one consumer). ``rescale``: "lazy" (default) keeps each row's running max until a key
-    block's max passes it by more than ``RESCALE_SLACK`` (log2 units), so the accumulator oᵀ is rescaled only
-    in the blocks where some row's max grew that much (a branch the whole warpgroup takes or skips); "always"
-    rescales it every block. Both give the same result to rounding (p <= 2^RESCALE_SLACK before the bf16 cast)."""
+    signature and unused (one consumer)."""
     del share_scores
-    if rescale not in ("lazy", "always"):
-        raise ValueError(f"rescale={rescale!r}: expected 'lazy' or 'always'")
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.mosaic_gpu is not available in this JAX")
     BK, NS = int(block_k), int(num_splits)
@@ -161,12 +155,7 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
                     if kind == PARTIAL:  # its value rows past the prefix: NaN-safe p·v
                         zero_rows_from(k_smem.at[slot, :, pl.ds(0, L)], rem, BK)
                     s = scores(j, slot, kind)
-                    m_block = s.max(axis=0)
-                    if rescale == "lazy":
-                        grow = jnp.max(m_block - m) > RESCALE_SLACK
-                        m_new = jnp.where(grow, jnp.maximum(m, m_block), m)
-                    else:
-                        m_new = jnp.maximum(m, m_block)
+                    m_new = jnp.maximum(m, s.max(axis=0))
                     alpha = jnp.exp2(m - m_new)
                     p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [1]))
                     l = l * lax.broadcast_in_dim(alpha, l.shape, [1]) + p
@@ -175,12 +164,7 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
                     p_smem.transpose((1, 0))[...] = plgpu.layout_cast(p.astype(jnp.bfloat16),
                                                                       plgpu.Layout.WGMMA_TRANSPOSED)
                     plgpu.commit_smem()
-                    if rescale == "lazy":
-                        @pl.when(grow)
-                        def _():
-                            acc_ref[...] = acc_ref[...] * lax.broadcast_in_dim(alpha, acc_ref.shape, [1])
-                    else:
-                        acc_ref[...] = acc_ref[...] * lax.broadcast_in_dim(alpha, acc_ref.shape, [1])
+                    acc_ref[...] = acc_ref[...] * lax.broadcast_in_dim(alpha, acc_ref.shape, [1])
                     plgpu.wgmma(acc_ref, plgpu.transpose_ref(k_smem.at[slot, :, pl.ds(0, L)], (1, 0)),
                                 plgpu.transpose_ref(p_smem, (1, 0)))
                     plgpu.wgmma_wait(0)
