@@ -2,7 +2,7 @@
 ptxas's resource report, SASS) so that registers, spills and the wgmma (HGMMA) sequence can be read.
 
     PYTHONPATH=. python experiments/dump_isa.py --out $OUT moe [--n 8] [--gemm gate_up]
-    PYTHONPATH=. python experiments/dump_isa.py --out $OUT attention [--t 4] [--h 8] [--rescale always]
+    PYTHONPATH=. python experiments/dump_isa.py --out $OUT attention [--t 4] [--h 8] [--kwargs reduction_scratch=1024]
 
 ``moe``: the INT4 grouped GEMM (``int4_moe_mgpu``). ``attention``: the MLA attention op at T nodes, H heads,
 B = 2 streams over a 1024-slot cache (the narrow kernel where T*H <= 32, else the 64-row one).
@@ -25,6 +25,11 @@ import re
 SASS_OP = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", re.M)
 
 
+def _int_kwargs(text: str) -> dict:
+    """'k=v,...' -> {k: int(v)} ("None" -> None)."""
+    return {k: None if v == "None" else int(v) for k, v in (kv.split("=") for kv in text.split(",") if kv)}
+
+
 def run_moe(args):
     import jax
     import jax.numpy as jnp
@@ -38,8 +43,8 @@ def run_moe(args):
     s = jnp.full((e, o // 128, i // K.GROUP, 128), 0.01, jnp.bfloat16)
     te = jnp.arange(e, dtype=jnp.int32)
     xg = K.to_chunks(jnp.ones((e * args.n, i), jnp.bfloat16), args.chunk)
-    kwargs = {k: None if v == "None" else int(v) for k, v in (kv.split("=") for kv in args.kwargs.split(",") if kv)}
-    return jax.jit(lambda *a: K.grouped_int4_matmul(*a, tokens_per_tile=args.n, **kwargs))(xg, w, s, te)
+    return jax.jit(lambda *a: K.grouped_int4_matmul(*a, tokens_per_tile=args.n, **_int_kwargs(args.kwargs)))(
+        xg, w, s, te)
 
 
 def run_attention(args):
@@ -51,8 +56,8 @@ def run_attention(args):
 
     q, caches, plen, tkv, mask = make_inputs(jax.random.key(0), args.h, 2, args.t, 1024, 1)
     kw = {}
-    if args.rescale:
-        kw["kernel"] = functools.partial(split_attention_narrow, rescale=args.rescale)
+    if args.kwargs:  # options of the narrow kernel
+        kw["kernel"] = functools.partial(split_attention_narrow, **_int_kwargs(args.kwargs))
     fn = jax.jit(functools.partial(M.tree_attention_mgpu, scale=SCALE, kv_lora_rank=L, **kw))
     return fn(q, caches[0], plen, tkv, mask)
 
@@ -77,8 +82,7 @@ def main(argv=None):
     att = sub.add_parser("attention")
     att.add_argument("--t", type=int, default=4)
     att.add_argument("--h", type=int, default=8)
-    att.add_argument("--rescale", default=None, choices=["lazy", "always"],
-                     help="the narrow kernel's rescale option (default: the kernel's own)")
+    att.add_argument("--kwargs", default="", help="k=v,... passed to the narrow kernel (ints; forces it)")
     args = ap.parse_args(argv)
     dump = os.path.join(args.out, "isa")
     os.makedirs(dump, exist_ok=True)
