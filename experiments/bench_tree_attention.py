@@ -66,12 +66,7 @@ KERNELS = {"triton": tree_attention,
            "mgpu_narrow_2stage": functools.partial(tree_attention_mgpu, kernel=split_attention_narrow, stages=2),
            # the reductions over keys 8 rows a round (the narrow kernel before session 20)
            "mgpu_narrow_8row_reduce": functools.partial(
-               tree_attention_mgpu, kernel=functools.partial(split_attention_narrow, reduction_scratch=1024)),
-           # the rows in 2 or 4 groups, one program each (reading the same key blocks, through L2)
-           "mgpu_narrow_g2": functools.partial(
-               tree_attention_mgpu, kernel=functools.partial(split_attention_narrow, row_groups=2)),
-           "mgpu_narrow_g4": functools.partial(
-               tree_attention_mgpu, kernel=functools.partial(split_attention_narrow, row_groups=4))}
+               tree_attention_mgpu, kernel=functools.partial(split_attention_narrow, reduction_scratch=1024))}
 
 C, L, SCALE = 576, 512, 0.14468
 L2_BYTES = 60 * 2**20

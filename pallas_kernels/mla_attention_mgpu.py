@@ -550,12 +550,10 @@ def tree_attention_mgpu(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, k
         raise ValueError(f"tree_attention_mgpu cannot take {problem}; use tree_attention_ref")
     L, N = kv_lora_rank, T * H
     plen = jnp.clip(prefix_len.astype(jnp.int32), 0, S)
+    if num_splits is None:
+        num_splits = splits_for(B, T, H, S, block_k, num_sms)
     valid_rows = valid_rows_for(T, H)
     from pallas_kernels.mla_attention_narrow import NARROW_MAX_ROWS, split_attention_narrow  # it imports this
-    row_groups = getattr(kernel, "keywords", {}).get("row_groups", 1)
-    if num_splits is None:
-        num_splits = splits_for(B, T, H, S, block_k, num_sms) if row_groups == 1 else \
-            default_splits(B, row_groups, S + tail_keys(T, block_k), block_k, num_sms)
     if kernel is None:
         narrow = valid_rows is not None and valid_rows <= NARROW_MAX_ROWS and block_k == 64 and L + 64 <= C
         kernel = split_attention_narrow if narrow else split_attention

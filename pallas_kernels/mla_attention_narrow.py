@@ -71,9 +71,9 @@ def narrow_smem_bytes(V: int, C: int, block_k: int, stages: int, L: int = 512) -
     return stages * _aligned(2 * block_k * C) + q_or_out + _aligned(reduction_scratch_bytes(V)) + barriers
 
 
-def _check_rows(q_rows, valid_rows, row_groups=1):
+def _check_rows(q_rows, valid_rows):
     rows, V = q_rows.shape[1], valid_rows
-    if V is None or not (0 < V <= NARROW_MAX_ROWS * row_groups and V % (8 * row_groups) == 0) or rows not in (V, ROWS):
+    if V is None or not (0 < V <= NARROW_MAX_ROWS and V % 8 == 0) or rows not in (V, ROWS):
         raise ValueError(f"split_attention_narrow takes V query rows, or one {ROWS}-row tile of which the first V "
                          f"are real, with valid_rows V a multiple of 8 up to {NARROW_MAX_ROWS}; got {rows} rows, "
                          f"valid_rows={V}")
@@ -81,8 +81,7 @@ def _check_rows(q_rows, valid_rows, row_groups=1):
 
 
 def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, kv_lora_rank, block_k=64,
-                           stages=2, num_splits=1, share_scores=True, valid_rows=None, reduction_scratch=None,
-                           row_groups=1):
+                           stages=2, num_splits=1, share_scores=True, valid_rows=None, reduction_scratch=None):
     """``mla_attention_mgpu.split_attention`` (same inputs, outputs and twin, ``split_attention_ref``) for
     V <= ``NARROW_MAX_ROWS`` query rows (module docstring).
 
@@ -99,10 +98,7 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.mosaic_gpu is not available in this JAX")
     BK, NS = int(block_k), int(num_splits)
-    G = int(row_groups)
-    if G < 1:
-        raise ValueError(f"row_groups={row_groups} must be >= 1")
-    V = _check_rows(q_rows, valid_rows, G) // G  # query rows per program
+    V = _check_rows(q_rows, valid_rows)
     if BK != 64:
         raise ValueError(f"block_k={BK}: the narrow kernel reads 64-key blocks")
     B, _, C, S, TP = check_in_place_inputs(q_rows, cache_kv, tree_kv, tree_bits, BK, "split_attention_narrow")
@@ -130,12 +126,11 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
         b = lax.axis_index("stream")
         sp = lax.axis_index("split")
         wg = lax.axis_index("wg")
-        row0 = lax.axis_index("rows") * V if G > 1 else 0  # this program's first query row
         rem, nbp, lo, n_whole, n_cache, n_all = _block_steps(plen_ref[b], TB, sp, NS, BK)
 
         @pl.when(wg == 1)
         def _producer():
-            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, V)], q_smem, q_bar)
+            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(0, V)], q_smem, q_bar)
 
             stream_key_blocks(kv_ref, tkv_ref, b, lo, nbp, n_cache, n_all, k_smem, k_bars, consumed_bars, stages, BK)
 
@@ -154,7 +149,7 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
 
                 if kind == TREE:  # the tree block's mask words, straight from global memory (two per row)
                     t = lo + j - nbp
-                    row_words = [plgpu.load(bits_ref, (b, t * WB + w, pl.ds(row0, V)), layout=col_layout,
+                    row_words = [plgpu.load(bits_ref, (b, t * WB + w, pl.ds(0, V)), layout=col_layout,
                                             optimized=False)
                                  for w in range(WB)]
                 s = pl.run_scoped(qk, plgpu.ACC((BK, V), jnp.float32)) * scale_log2
@@ -203,19 +198,14 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
             o_smem.transpose((1, 0))[...] = plgpu.layout_cast(o.astype(jnp.bfloat16), plgpu.Layout.WGMMA_TRANSPOSED)
             lse_smem[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(jnp.where(empty, 1.0, l))) * _LN2)
             plgpu.commit_smem()
-            if G > 1:
-                plgpu.copy_smem_to_gmem(o_smem, o_ref.at[sp, b, pl.ds(row0, V)])
-                plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[sp, b, pl.ds(row0, V)])
-            else:
-                plgpu.copy_smem_to_gmem(o_smem, o_ref.at[sp, b])
-                plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[sp, b])
+            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[sp, b])
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[sp, b])
             plgpu.wait_smem_to_gmem(0)
 
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     kernel = plgpu.kernel(
         narrow_body,
-        out_type=(jax.ShapeDtypeStruct((NS, B, G * V, L), jnp.bfloat16),
-                  jax.ShapeDtypeStruct((NS, B, G * V), jnp.float32)),
+        out_type=(jax.ShapeDtypeStruct((NS, B, V, L), jnp.bfloat16), jax.ShapeDtypeStruct((NS, B, V), jnp.float32)),
         scratch_types=(
             plgpu.RefUnion(plgpu.SMEM((V, C), jnp.bfloat16, transforms=swizzled),
                            (plgpu.SMEM((V, L), jnp.bfloat16), plgpu.SMEM((V,), jnp.float32))),
@@ -224,9 +214,7 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
             plgpu.Barrier(num_barriers=stages),
             plgpu.Barrier(num_barriers=stages),
         ),
-        # the row groups of one stream and split next to each other in launch order: they read the same key
-        # blocks at about the same time, so all but the first should find them in L2
-        grid=(G, B, NS) if G > 1 else (B, NS), grid_names=("rows", "stream", "split") if G > 1 else ("stream", "split"),
+        grid=(B, NS), grid_names=("stream", "split"),
         num_threads=2, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=scratch),
     )

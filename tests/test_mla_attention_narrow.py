@@ -220,21 +220,3 @@ def test_gpu_where_the_max_jumps_between_blocks(T, scratch):
     assert np.all(np.isfinite(o))
     assert np.linalg.norm(o - r_o) / np.linalg.norm(r_o) < 1e-2
     np.testing.assert_allclose(np.asarray(lse), np.asarray(r_l), atol=3e-2, rtol=1e-2)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("T,G,NS", [(4, 2, 3), (4, 4, None), (6, 2, 2), (3, 3, 1)])
-def test_gpu_row_groups_match_reference(T, G, NS):
-    """The rows in G groups, one program each over the same key blocks: as ``tree_attention_ref``."""
-    B, H, S, L = 2, 8, 1000, K26["L"]
-    case = make_case(29, B, T, H, L, K26["C"] - L, S, [S, 333], "tree")
-    args = as_jax(case, jnp.bfloat16)
-    kern = functools.partial(split_attention_narrow, row_groups=G)
-    o, lse = jax.jit(lambda *a: M.tree_attention_mgpu(*a, scale=K26["scale"], kv_lora_rank=L, num_splits=NS,
-                                                      return_lse=True, kernel=kern))(*args)
-    up = [a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args]
-    r_o, r_l = jax.jit(lambda *a: tree_attention_ref(*a, scale=K26["scale"], kv_lora_rank=L, return_lse=True))(*up)
-    o, r_o = np.asarray(o, np.float32), np.asarray(r_o)
-    assert np.all(np.isfinite(o))
-    assert np.linalg.norm(o - r_o) / np.linalg.norm(r_o) < 1e-2
-    np.testing.assert_allclose(np.asarray(lse), np.asarray(r_l), atol=3e-2, rtol=1e-2)
