@@ -2,7 +2,7 @@
 ptxas's resource report, SASS) so that registers, spills and the wgmma (HGMMA) sequence can be read.
 
     PYTHONPATH=. python experiments/dump_isa.py --out $OUT moe [--n 8] [--gemm gate_up]
-    PYTHONPATH=. python experiments/dump_isa.py --out $OUT attention [--t 4] [--h 8] [--kwargs reduction_scratch=1024]
+    PYTHONPATH=. python experiments/dump_isa.py --out $OUT attention [--t 4] [--h 8] [--kwargs stages=3]
 
 ``moe``: the INT4 grouped GEMM (``int4_moe_mgpu``). ``attention``: the MLA attention op at T nodes, H heads,
 B = 2 streams over a 1024-slot cache (the narrow kernel where T*H <= 32, else the 64-row one).

@@ -558,7 +558,7 @@ def tree_attention_mgpu(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, k
         narrow = valid_rows is not None and valid_rows <= NARROW_MAX_ROWS and block_k == 64 and L + 64 <= C
         kernel = split_attention_narrow if narrow else split_attention
     # the narrow kernel takes the V real rows as they are (no padded copy of q); the others whole 64-row tiles
-    qr = q.reshape(B, N, C) if getattr(kernel, "func", kernel) is split_attention_narrow else fold_rows(q, ROWS)
+    qr = q.reshape(B, N, C) if kernel is split_attention_narrow else fold_rows(q, ROWS)
     keys, bits = tree_inputs(tree_kv, tree_mask, H, qr.shape[1], block_k)
     stage_kw = {} if stages is None else {"stages": stages}
     o, lse = kernel(qr, cache_kv, plen, keys, bits, scale=scale, kv_lora_rank=L, block_k=block_k,

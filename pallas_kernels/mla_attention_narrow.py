@@ -49,7 +49,8 @@ NARROW_MAX_ROWS = 32
 SMEM_ALIGNMENT = 1024  # Mosaic GPU starts every shared-memory buffer on this boundary
 # Shared memory for the reductions across the consumer's 4 warps (the max and sum over keys), per 8 query rows
 # (sᵀ's columns): Mosaic GPU reduces one [64 keys, 8 rows] register slice per 1024 bytes of scratch between two
-# warpgroup barriers, so V/8 KB reduce all V rows in one round (at V = 32: 2 barriers a key block, not 8).
+# warpgroup barriers, so V/8 KB reduce all V rows in one round (at V = 32: 2 barriers a key block, not 8; within
+# 1 % of the 8-row rounds at T = 2-4, H = 8: experiments/results/bench_tree_attention_s20d.json).
 REDUCTION_SCRATCH_PER_8_ROWS = 1024
 
 
@@ -81,7 +82,7 @@ def _check_rows(q_rows, valid_rows):
 
 
 def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, kv_lora_rank, block_k=64,
-                           stages=2, num_splits=1, share_scores=True, valid_rows=None, reduction_scratch=None):
+                           stages=2, num_splits=1, share_scores=True, valid_rows=None):
     """``mla_attention_mgpu.split_attention`` (same inputs, outputs and twin, ``split_attention_ref``) for
     V <= ``NARROW_MAX_ROWS`` query rows (module docstring).
 
@@ -91,9 +92,7 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
     [B, TP/32, R] (``tree_inputs``). Split s takes the blocks ``_split_range(NBP, TP/64, s, NS)`` gives it.
     Returns (o [NS, B, V, L] bf16, lse [NS, B, V] f32, natural log), each split normalised on its own; a row
     that sees no key in a split has o = 0 and lse = -inf there. ``share_scores`` is accepted for the common
-    signature and unused (one consumer). ``reduction_scratch``: bytes of shared memory for the reductions across
-    the consumer's warps, a multiple of 1024 up to the default ``reduction_scratch_bytes(V)`` (all V rows in one
-    round); 1024 reduces 8 rows a round (the kernel before session 20, kept for A/B runs)."""
+    signature and unused (one consumer)."""
     del share_scores
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.mosaic_gpu is not available in this JAX")
@@ -109,10 +108,6 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
                          f"block's last {BK} columns)")
     if stages < 2 or NS < 1:
         raise ValueError(f"stages={stages} must be >= 2 and num_splits={NS} >= 1")
-    scratch = reduction_scratch_bytes(V) if reduction_scratch is None else int(reduction_scratch)
-    if scratch % REDUCTION_SCRATCH_PER_8_ROWS or not 0 < scratch <= reduction_scratch_bytes(V):
-        raise ValueError(f"reduction_scratch={reduction_scratch}: a multiple of {REDUCTION_SCRATCH_PER_8_ROWS} bytes "
-                         f"up to {reduction_scratch_bytes(V)} at valid_rows={V}")
     smem = narrow_smem_bytes(V, C, BK, stages, L)
     if smem > SMEM_LIMIT:
         raise ValueError(f"valid_rows={V}, stages={stages} need {smem} bytes of shared memory (limit {SMEM_LIMIT})")
@@ -216,7 +211,7 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
         ),
         grid=(B, NS), grid_names=("stream", "split"),
         num_threads=2, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=scratch),
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=reduction_scratch_bytes(V)),
     )
     return kernel(prefix_len.astype(jnp.int32), q_rows, cache_kv, tree_kv, tree_bits)  # lse in natural log
 
