@@ -16,6 +16,18 @@ everything else it launches (input generation, routing glue, the split merge) is
 
 Without ncu it runs the same calls once each (a smoke test on a GPU). ``parse_ncu_csv`` turns the log
 into one record per launch.
+
+Where each kernel's warps wait, instruction by instruction (warp stall sampling):
+
+    ncu --clock-control none -k regex:narrow_body --section SourceCounters --section WarpStateStats \
+        -o $OUT/narrow python experiments/ncu_kernels.py --what attention
+    ncu -i $OUT/narrow.ncu-rep --page source --csv --print-source sass > $OUT/src.csv
+    python experiments/ncu_kernels.py --summarize-source $OUT/src.csv --out $OUT   # -> ncu_source.json
+
+The CSV holds every SASS instruction of every launch (MBs); ``summarize_source_csv`` keeps per launch the
+stall reasons' shares, the HGMMA and ``WARPGROUP.DEPBAR`` counts (one DEPBAR per HGMMA: ptxas serialised the
+wgmmas) and the instructions with the most samples, each with the one before it (a ``@!P1 BRA`` after a
+``SYNCS...TRYWAIT`` is a wait on an mbarrier).
 """
 
 from __future__ import annotations
@@ -112,13 +124,60 @@ def parse_ncu_csv(text: str) -> list[dict]:
     return sorted(launches.values(), key=lambda r: r["id"])
 
 
+def summarize_source_csv(text: str, top: int = 8) -> list[dict]:
+    """``ncu --page source --csv --print-source sass`` output -> one summary per launch (module docstring)."""
+    launches, cur = [], None
+    for row in csv.reader(io.StringIO(text)):
+        if row and row[0] == "Kernel Name":
+            cur = {"kernel": row[1] if len(row) > 1 else "", "header": None, "rows": []}
+            launches.append(cur)
+        elif cur is not None and row and row[0] == "Address":
+            cur["header"] = row
+        elif cur is not None and cur["header"] and len(row) == len(cur["header"]):
+            cur["rows"].append(dict(zip(cur["header"], row)))
+    if not launches:
+        raise ValueError('no "Kernel Name" line: not the CSV of ncu --page source')
+    summaries = []
+    for launch in launches:
+        rows, header = launch["rows"], launch["header"] or []
+        count = lambda r, key: int(float(r.get(key) or 0))  # noqa: E731
+        samples = [count(r, "Warp Stall Sampling (All Samples)") for r in rows]
+        total = max(1, sum(samples))
+        reasons = {h[len("stall_"):]: sum(count(r, h) for r in rows) for h in header
+                   if h.startswith("stall_") and "Not Issued" not in h}
+        order = sorted(range(len(rows)), key=lambda i: -samples[i])[:top]
+        summaries.append({
+            "kernel": launch["kernel"], "samples": sum(samples), "sass_instructions": len(rows),
+            "hgmma": sum("HGMMA" in r["Source"] for r in rows),
+            "warpgroup_depbar": sum("WARPGROUP.DEPBAR" in r["Source"] for r in rows),
+            "stall_share_pct": {k: round(100 * v / total, 1)
+                                for k, v in sorted(reasons.items(), key=lambda kv: -kv[1]) if v},
+            "top_instructions": [{"sass": rows[i]["Source"].strip(),
+                                  "after": rows[i - 1]["Source"].strip() if i else "",
+                                  "share_pct": round(100 * samples[i] / total, 1),
+                                  "executed": count(rows[i], "Instructions Executed")} for i in order]})
+    return summaries
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--what", default="moe,layer_m1,attention")
     ap.add_argument("--moe-experts", type=int, default=128,
                     help="experts (tiles) in the moe_* cases: fewer than 384 keeps ncu's memory save/restore small")
     ap.add_argument("--out", default=None, help="writes ncu_cases.json (the case order) here")
+    ap.add_argument("--summarize-source", default=None, metavar="CSV",
+                    help="only summarise this ncu --page source CSV (to --out/ncu_source.json and stdout)")
     args = ap.parse_args(argv)
+    if args.summarize_source:
+        with open(args.summarize_source) as fh:
+            summary = summarize_source_csv(fh.read())
+        text = json.dumps(summary, indent=1)
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "ncu_source.json"), "w") as fh:
+                fh.write(text)
+        print(text)
+        return
     what = set(args.what.split(","))
     unknown = what - {"moe", "layer_m1", "attention"}
     if unknown:

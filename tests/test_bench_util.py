@@ -151,6 +151,29 @@ def test_parse_ncu_csv_details_and_raw():
         parse_ncu_csv("==ERR== nothing profiled\n")
 
 
+def test_summarize_ncu_source_csv():
+    from experiments.ncu_kernels import summarize_source_csv
+
+    head = ('"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed","stall_long_sb",'
+            '"stall_barrier","stall_long_sb (Not Issued)"\n')
+    text = ('"Kernel Name","narrow_body_mosaic_gpu_kernel",\n' + head +
+            '"0x10","  SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [R17+URZ], R16","2","64","2","0","2"\n'
+            '"0x20","  @!P1  BRA 0x7f00","30","64","30","0","30"\n'
+            '"0x30","  HGMMA.64x8x16.F32.BF16 R32, gdesc[UR36], R32, gsb0","1","64","0","0","0"\n'
+            '"0x40","  WARPGROUP.DEPBAR.LE gsb0, 0x0","7","64","0","7","0"\n'
+            '"Kernel Name","body_mosaic_gpu_kernel",\n' + head +
+            '"0x10","  EXIT","0","1","0","0","0"\n')
+    first, second = summarize_source_csv(text, top=2)
+    assert first["kernel"] == "narrow_body_mosaic_gpu_kernel" and first["samples"] == 40
+    assert (first["hgmma"], first["warpgroup_depbar"], first["sass_instructions"]) == (1, 1, 4)
+    assert first["stall_share_pct"] == {"long_sb": 80.0, "barrier": 17.5}
+    assert first["top_instructions"][0] == {"sass": "@!P1  BRA 0x7f00", "after": "SYNCS.PHASECHK.TRANS64.TRYWAIT P1, "
+                                            "[R17+URZ], R16", "share_pct": 75.0, "executed": 64}
+    assert second["samples"] == 0 and second["stall_share_pct"] == {}
+    with pytest.raises(ValueError, match="Kernel Name"):
+        summarize_source_csv('"ID","Kernel Name"\n')
+
+
 def test_profile_floor_cases_build():
     """profile_kernels' floor cases: the tiny Mosaic GPU kernel lowers for CUDA on the CPU; the XLA read
     sums every row."""
