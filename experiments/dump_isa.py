@@ -7,9 +7,10 @@ ptxas's resource report, SASS) so that registers, spills and the wgmma (HGMMA) s
 ``moe``: the INT4 grouped GEMM (``int4_moe_mgpu``). ``attention``: the MLA attention op at T nodes, H heads,
 B = 2 streams over a 1024-slot cache (the narrow kernel where T*H <= 32, else the 64-row one).
 Writes the dumps under --out/isa (Mosaic GPU writes them; names follow the kernel) and a summary to
---out/dump_isa.json: per SASS file the instruction counts, the HGMMAs and how many ``WARPGROUP.DEPBAR`` waits
-sit between them (one after every HGMMA means ptxas serialised them), and the tail of ptxas's report (its
-"wgmma serialization" warnings included).
+--out/dump_isa.json: per kernel's SASS the instruction counts, the HGMMAs and how many ``WARPGROUP.DEPBAR``
+waits sit between them (one after every HGMMA means ptxas serialised them), and the tail of ptxas's report
+(its "wgmma serialization" warnings included). Where Mosaic GPU dumps PTX but no SASS (JAX 0.11 on the
+H200), the SASS comes from the PTX through ``ptxas`` and ``cuobjdump``/``nvdisasm`` found on the PATH.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import glob
 import json
 import os
 import re
+import shutil
+import subprocess
 
 SASS_OP = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", re.M)
 
@@ -62,6 +65,14 @@ def run_attention(args):
     return fn(q, caches[0], plen, tkv, mask)
 
 
+def sass_from_ptx(ptx_path: str, ptxas: str, disassembler: str, arch: str = "sm_90a") -> str:
+    """The SASS text of a PTX file: ``ptxas`` to a cubin beside it, then ``cuobjdump -sass`` or ``nvdisasm``."""
+    cubin = os.path.splitext(ptx_path)[0] + ".cubin"
+    subprocess.run([ptxas, f"--gpu-name={arch}", ptx_path, "-o", cubin], check=True, capture_output=True)
+    flag = "-sass" if os.path.basename(disassembler).startswith("cuobjdump") else "-c"
+    return subprocess.run([disassembler, flag, cubin], check=True, capture_output=True, text=True).stdout
+
+
 def sass_summary(text: str) -> dict:
     ops = collections.Counter(SASS_OP.findall(text))
     lines = [ln for ln in text.splitlines() if SASS_OP.match(ln)]
@@ -95,18 +106,29 @@ def main(argv=None):
     jax.block_until_ready(run_moe(args) if args.what == "moe" else run_attention(args))
     files = sorted(glob.glob(os.path.join(dump, "*")))
     summary = {"files": [os.path.basename(f) for f in files], "config": vars(args)}
+    ptxas = shutil.which("ptxas")
+    disassembler = shutil.which("cuobjdump") or shutil.which("nvdisasm")
     for f in files:
-        text = open(f, errors="replace").read()
         name = os.path.basename(f)
+        if name.endswith("mlir-passes.log"):  # tens of MB of pass-by-pass IR
+            continue
+        text = open(f, errors="replace").read()
         if f.endswith(".sass") or "sass" in name.lower():
             summary.setdefault("sass", {})[name] = sass_summary(text)
+        elif f.endswith(".ptx") and not any("sass" in g.lower() for g in files):
+            if ptxas and disassembler:
+                summary.setdefault("sass", {})[name] = sass_summary(sass_from_ptx(f, ptxas, disassembler))
+            else:
+                summary.setdefault("sass", {})[name] = {"error": "no SASS dumped, and ptxas or cuobjdump/nvdisasm "
+                                                                 "is not on the PATH"}
         if "ptxas" in name.lower():
             summary.setdefault("ptxas", {})[name] = text[-3000:]
     with open(os.path.join(args.out, "dump_isa.json"), "w") as fh:
         json.dump(summary, fh, indent=1)
     print(json.dumps({k: v for k, v in summary.items() if k != "sass"}, indent=1)[:4000])
     for name, s in summary.get("sass", {}).items():
-        print(name, "HGMMA", s["hgmma"], "pairs with a wait between", s["hgmma_pairs_with_a_wait_between"])
+        print(name, s.get("error") or f"HGMMA {s['hgmma']}, pairs with a wait between "
+                                      f"{s['hgmma_pairs_with_a_wait_between']}")
 
 
 if __name__ == "__main__":

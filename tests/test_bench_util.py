@@ -174,6 +174,21 @@ def test_summarize_ncu_source_csv():
         summarize_source_csv('"ID","Kernel Name"\n')
 
 
+def test_dump_isa_counts_waits_between_hgmmas():
+    """dump_isa's SASS summary: instruction counts (predicated ones by their opcode), HGMMAs, and the HGMMA
+    pairs with a WARPGROUP.DEPBAR between them (ptxas's serialisation shows as one after every HGMMA)."""
+    from experiments.dump_isa import sass_summary
+
+    line = "        /*{:04x}*/                   {} ;"
+    ops = ["WARPGROUP.ARRIVE", "HGMMA.64x32x16.F32.BF16 R24, gdesc[UR40], RZ, !UPT", "HGMMA.64x32x16.F32.BF16 R24, "
+           "gdesc[UR44], R24, gsb0", "WARPGROUP.DEPBAR.LE gsb0, 0x0", "@!P1 BRA `(.L_x_13)",
+           "HGMMA.64x32x16.F32.BF16 R152, gdesc[UR56].tnspA, R152, gsb0", "WARPGROUP.DEPBAR.LE gsb0, 0x0"]
+    text = "\n".join(line.format(16 * i, op) for i, op in enumerate(ops)) + "\n.L_x_13:\n"
+    summary = sass_summary(text)
+    assert summary["hgmma"] == 3 and summary["hgmma_pairs_with_a_wait_between"] == 1
+    assert summary["ops"]["WARPGROUP.DEPBAR.LE"] == 2 and summary["ops"]["BRA"] == 1
+
+
 def test_profile_floor_cases_build():
     """profile_kernels' floor cases: the tiny Mosaic GPU kernel lowers for CUDA on the CPU; the XLA read
     sums every row."""
