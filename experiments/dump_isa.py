@@ -73,12 +73,19 @@ def sass_from_ptx(ptx_path: str, ptxas: str, disassembler: str, arch: str = "sm_
     return subprocess.run([disassembler, flag, cubin], check=True, capture_output=True, text=True).stdout
 
 
+def wgmma_waits(instructions: list[str]) -> dict:
+    """In SASS instructions in address order: the HGMMAs, the ``WARPGROUP.DEPBAR`` waits, and the HGMMA pairs
+    with a wait between them (a wait after every HGMMA: ptxas serialised the wgmmas)."""
+    hgmma = [n for n, ins in enumerate(instructions) if "HGMMA" in ins]
+    waits = [n for n, ins in enumerate(instructions) if "WARPGROUP.DEPBAR" in ins]
+    between = sum(any(a < w < b for w in waits) for a, b in zip(hgmma, hgmma[1:]))
+    return {"hgmma": len(hgmma), "warpgroup_depbar": len(waits), "hgmma_pairs_with_a_wait_between": between}
+
+
 def sass_summary(text: str) -> dict:
     ops = collections.Counter(SASS_OP.findall(text))
     lines = [ln for ln in text.splitlines() if SASS_OP.match(ln)]
-    hgmma = [n for n, ln in enumerate(lines) if "HGMMA" in ln]
-    waits_between = sum(any("WARPGROUP.DEPBAR" in lines[k] for k in range(a + 1, b)) for a, b in zip(hgmma, hgmma[1:]))
-    return {"ops": dict(ops.most_common(60)), "hgmma": len(hgmma), "hgmma_pairs_with_a_wait_between": waits_between}
+    return {"ops": dict(ops.most_common(60)), **wgmma_waits(lines)}
 
 
 def main(argv=None):

@@ -22,12 +22,12 @@ Where each kernel's warps wait, instruction by instruction (warp stall sampling)
     ncu --clock-control none -k regex:narrow_body --section SourceCounters --section WarpStateStats \
         -o $OUT/narrow python experiments/ncu_kernels.py --what attention
     ncu -i $OUT/narrow.ncu-rep --page source --csv --print-source sass > $OUT/src.csv
-    python experiments/ncu_kernels.py --summarize-source $OUT/src.csv --out $OUT   # -> ncu_source.json
+    PYTHONPATH=. python experiments/ncu_kernels.py --summarize-source $OUT/src.csv --out $OUT  # ncu_source.json
 
 The CSV holds every SASS instruction of every launch (MBs); ``summarize_source_csv`` keeps per launch the
-stall reasons' shares, the HGMMA and ``WARPGROUP.DEPBAR`` counts (one DEPBAR per HGMMA: ptxas serialised the
-wgmmas) and the instructions with the most samples, each with the one before it (a ``@!P1 BRA`` after a
-``SYNCS...TRYWAIT`` is a wait on an mbarrier).
+stall reasons' shares, ``dump_isa.wgmma_waits`` (HGMMAs, ``WARPGROUP.DEPBAR``s and the HGMMA pairs with a
+wait between: one per pair means ptxas serialised the wgmmas) and the instructions with the most samples,
+each with the one before it (a ``@!P1 BRA`` after a ``SYNCS...TRYWAIT`` is a wait on an mbarrier).
 """
 
 from __future__ import annotations
@@ -126,6 +126,8 @@ def parse_ncu_csv(text: str) -> list[dict]:
 
 def summarize_source_csv(text: str, top: int = 8) -> list[dict]:
     """``ncu --page source --csv --print-source sass`` output -> one summary per launch (module docstring)."""
+    from experiments.dump_isa import wgmma_waits
+
     launches, cur = [], None
     for row in csv.reader(io.StringIO(text)):
         if row and row[0] == "Kernel Name":
@@ -148,8 +150,7 @@ def summarize_source_csv(text: str, top: int = 8) -> list[dict]:
         order = sorted(range(len(rows)), key=lambda i: -samples[i])[:top]
         summaries.append({
             "kernel": launch["kernel"], "samples": sum(samples), "sass_instructions": len(rows),
-            "hgmma": sum("HGMMA" in r["Source"] for r in rows),
-            "warpgroup_depbar": sum("WARPGROUP.DEPBAR" in r["Source"] for r in rows),
+            **wgmma_waits([r["Source"] for r in rows]),
             "stall_share_pct": {k: round(100 * v / total, 1)
                                 for k, v in sorted(reasons.items(), key=lambda kv: -kv[1]) if v},
             "top_instructions": [{"sass": rows[i]["Source"].strip(),
