@@ -63,11 +63,7 @@ KERNELS = {"triton": tree_attention,
            "mgpu_redundant": functools.partial(tree_attention_mgpu, kernel=M.split_attention, share_scores=False),
            # decode points only (T*H a multiple of 8 up to 32): keys as wgmma's M, the query rows as N
            "mgpu_narrow": functools.partial(tree_attention_mgpu, kernel=split_attention_narrow),
-           "mgpu_narrow_2stage": functools.partial(tree_attention_mgpu, kernel=split_attention_narrow, stages=2),
-           # the ring in 192-column pieces: as many as fit (2.33 blocks at 32 rows, 3 at 8), and two blocks' worth
-           "mgpu_narrow_p192": functools.partial(tree_attention_mgpu, kernel=split_attention_narrow, piece_cols=192),
-           "mgpu_narrow_p192_6": functools.partial(tree_attention_mgpu, kernel=split_attention_narrow, piece_cols=192,
-                                                   stages=6)}
+           "mgpu_narrow_2stage": functools.partial(tree_attention_mgpu, kernel=split_attention_narrow, stages=2)}
 
 C, L, SCALE = 576, 512, 0.14468
 L2_BYTES = 60 * 2**20

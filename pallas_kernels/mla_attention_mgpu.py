@@ -193,45 +193,31 @@ def unpack_bits(bits, keys: int):
 
 
 def stream_key_blocks(kv_ref, tkv_ref, b, lo, nb, n_cache, n_all, k_smem, k_bars, consumed_bars, stages: int,
-                      block_k: int, on_tree_block=None, pieces: int = 1):
+                      block_k: int, on_tree_block=None):
     """A producer warpgroup's ring of key blocks, inside a Mosaic GPU kernel: step j in [0, n_cache) copies
     cache block lo + j of stream b, step j in [n_cache, n_all) tree block t = lo + j - nb (``nb`` = the cache
     blocks read), each into slot j % stages (``k_smem``, arriving on ``k_bars``) once the consumers have freed
     it (``consumed_bars``); ``on_tree_block(t, slot)`` issues a tree block's further copies (its mask words).
-    A cache block may reach past the cache's S rows: the TMA unit fills those rows with zeros.
+    A cache block may reach past the cache's S rows: the TMA unit fills those rows with zeros."""
+    @pl.loop(0, n_all)
+    def _(j):
+        slot = lax.rem(j, stages)
 
-    ``pieces`` > 1: each block goes in that many column pieces of ``k_smem.shape[-1]`` columns, piece c of
-    block j into slot (j * pieces + c) % stages with its own barriers (a ring deeper than whole blocks fit)."""
-    if pieces > 1 and on_tree_block is not None:
-        raise ValueError("a ring of column pieces takes no further copies per tree block")
-    width = k_smem.shape[-1]
-
-    def copy_piece(j, c):
-        piece = j if pieces == 1 else j * pieces + c
-        slot = lax.rem(piece, stages)
-        cols = () if pieces == 1 else (pl.ds(c * width, width),)
-
-        @pl.when(piece >= stages)
+        @pl.when(j >= stages)
         def _():
             plgpu.barrier_wait(consumed_bars.at[slot])
 
         @pl.when(j < n_cache)
         def _():
-            plgpu.copy_gmem_to_smem(kv_ref.at[(b, pl.ds((lo + j) * block_k, block_k)) + cols], k_smem.at[slot],
+            plgpu.copy_gmem_to_smem(kv_ref.at[b, pl.ds((lo + j) * block_k, block_k)], k_smem.at[slot],
                                     k_bars.at[slot])
 
         @pl.when(j >= n_cache)
         def _():
             t = lo + j - nb
-            plgpu.copy_gmem_to_smem(tkv_ref.at[(b, pl.ds(t * block_k, block_k)) + cols], k_smem.at[slot],
-                                    k_bars.at[slot])
+            plgpu.copy_gmem_to_smem(tkv_ref.at[b, pl.ds(t * block_k, block_k)], k_smem.at[slot], k_bars.at[slot])
             if on_tree_block is not None:
                 on_tree_block(t, slot)
-
-    @pl.loop(0, n_all)
-    def _(j):
-        for c in range(pieces):
-            copy_piece(j, c)
 
 
 WHOLE, PARTIAL, TREE = range(3)  # the kinds of key block: a whole cache block, the partial one, a tree block
@@ -539,8 +525,7 @@ def _check_valid_rows(valid_rows, rows: int) -> int:
 
 def tree_attention_mgpu(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, kv_lora_rank,
                         interpret=False, return_lse=False, block_k=64, stages=None, num_splits=None,
-                        share_scores=True, num_sms=_NUM_SMS_H200, kernel=None, combine=combine_splits,
-                        piece_cols=None):
+                        share_scores=True, num_sms=_NUM_SMS_H200, kernel=None, combine=combine_splits):
     """MLA tree-verify attention on the Mosaic GPU kernel (module docstring).
 
     q [B, T, H, C] bf16, cache_kv [B, S, C] bf16, prefix_len [B] int32 (values outside [0, S] are
@@ -550,8 +535,7 @@ def tree_attention_mgpu(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, k
     (keys as wgmma's M, for at most 32 real rows; by default where T*H <= 32, block_k = 64 and C >= L + 64),
     or their twin :func:`split_attention_ref` (CPU tests of everything around the kernel). tree_kv may carry
     padding rows past T (``tree_attention``'s contract): latents padded to whole blocks
-    (``pad_tree_latents``, as the model hands them over) are read as they are. ``stages`` (and, for the narrow
-    kernel only, ``piece_cols``) default to the kernel's own. ``combine`` merges several splits:
+    (``pad_tree_latents``, as the model hands them over) are read as they are. ``stages`` defaults to the kernel's own. ``combine`` merges several splits:
     ``split_combine.combine_splits`` (one Pallas-Triton launch), or its XLA twin ``combine_splits_ref``
     (CPU tests; the A/B of ``profile_kernels``). ``interpret=True`` is refused: JAX's Mosaic GPU
     interpreter (0.10) has neither register-operand wgmma nor accumulator stores; CPU tests lower the
@@ -577,10 +561,6 @@ def tree_attention_mgpu(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, k
     qr = q.reshape(B, N, C) if kernel is split_attention_narrow else fold_rows(q, ROWS)
     keys, bits = tree_inputs(tree_kv, tree_mask, H, qr.shape[1], block_k)
     stage_kw = {} if stages is None else {"stages": stages}
-    if piece_cols is not None:
-        if kernel is not split_attention_narrow:
-            raise ValueError(f"piece_cols={piece_cols} is an option of the narrow kernel only, not of {kernel.__name__}")
-        stage_kw["piece_cols"] = piece_cols
     o, lse = kernel(qr, cache_kv, plen, keys, bits, scale=scale, kv_lora_rank=L, block_k=block_k,
                     num_splits=int(num_splits), share_scores=share_scores, valid_rows=valid_rows, **stage_kw)
     if num_splits == 1:  # every row sees its own node: lse is finite

@@ -62,24 +62,14 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // SMEM_ALIGNMENT) * SMEM_ALIGNMENT
 
 
-def narrow_smem_bytes(V: int, C: int, block_k: int, stages: int, L: int = 512, piece_cols: int | None = None) -> int:
+def narrow_smem_bytes(V: int, C: int, block_k: int, stages: int, L: int = 512) -> int:
     """Shared memory of one program as Mosaic GPU counts it (every buffer starts on a 1024-byte boundary):
-    ``stages`` ring slots of a key block each (or of ``piece_cols`` of its columns), the V-row query tile
-    or in its place the output tile and the LSE row, the reduction scratch and the barriers. pᵀ lives in a
-    key block's rope columns and the tail's mask words are read from global memory, so neither takes a
-    buffer."""
+    ``stages`` key blocks, the V-row query tile or in its place the output tile and the LSE row, the
+    reduction scratch and the barriers. pᵀ lives in a key block's rope columns and the tail's mask words
+    are read from global memory, so neither takes a buffer."""
     barriers = 8 * (1 + 2 * stages)
     q_or_out = max(_aligned(2 * V * C), _aligned(2 * V * L) + _aligned(4 * V))
-    slot = _aligned(2 * block_k * (piece_cols or C))
-    return stages * slot + q_or_out + _aligned(reduction_scratch_bytes(V)) + barriers
-
-
-def deepest_ring(V: int, C: int, block_k: int, L: int = 512, piece_cols: int | None = None) -> int:
-    """The most ring slots (key blocks, or column pieces of ``piece_cols``) that fit beside a V-row tile."""
-    stages = 1
-    while narrow_smem_bytes(V, C, block_k, stages + 1, L, piece_cols) <= SMEM_LIMIT:
-        stages += 1
-    return stages
+    return stages * _aligned(2 * block_k * C) + q_or_out + _aligned(reduction_scratch_bytes(V)) + barriers
 
 
 def _check_rows(q_rows, valid_rows):
@@ -91,20 +81,8 @@ def _check_rows(q_rows, valid_rows):
     return V
 
 
-def _value_widths(C: int, L: int, BK: int, piece_cols: int | None) -> tuple[int, ...]:
-    """The value columns (of L) in each column piece of a key block, checking that the pieces tile the C
-    columns in whole 64-column tiles and that pᵀ's columns [C - BK, C) lie past L in the last piece."""
-    W = C if piece_cols is None else int(piece_cols)
-    if W <= 0 or W % 64 or C % W:
-        raise ValueError(f"piece_cols={piece_cols}: a piece must be a multiple of 64 columns dividing C={C}")
-    NP = C // W
-    if C - BK < (NP - 1) * W:
-        raise ValueError(f"piece_cols={W}: pᵀ's columns [{C - BK}, {C}) must lie in the last piece")
-    return tuple(min(W, L - c * W) for c in range(NP))
-
-
 def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, kv_lora_rank, block_k=64,
-                           stages=None, num_splits=1, share_scores=True, valid_rows=None, piece_cols=None):
+                           stages=2, num_splits=1, share_scores=True, valid_rows=None):
     """``mla_attention_mgpu.split_attention`` (same inputs, outputs and twin, ``split_attention_ref``) for
     V <= ``NARROW_MAX_ROWS`` query rows (module docstring).
 
@@ -114,12 +92,7 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
     [B, TP/32, R] (``tree_inputs``). Split s takes the blocks ``_split_range(NBP, TP/64, s, NS)`` gives it.
     Returns (o [NS, B, V, L] bf16, lse [NS, B, V] f32, natural log), each split normalised on its own; a row
     that sees no key in a split has o = 0 and lse = -inf there. ``share_scores`` is accepted for the common
-    signature and unused (one consumer).
-
-    ``piece_cols`` (a multiple of 64 dividing C; default C): the ring holds column pieces of that width, so
-    ``stages`` slots of pieces (default: as many as fit; 2 whole blocks without pieces) can keep more than two
-    blocks in flight beside a 32-row query tile. The result is the same bit for bit: q·kᵀ takes the same
-    wgmma steps in the same order, and p·v's accumulator is split only along its independent rows."""
+    signature and unused (one consumer)."""
     del share_scores
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.mosaic_gpu is not available in this JAX")
@@ -133,18 +106,11 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
     if C % 64 or L % 64 or L + BK > C:
         raise ValueError(f"C={C}, L={L}: C and L must be multiples of 64 with L + {BK} <= C (pᵀ takes a key "
                          f"block's last {BK} columns)")
-    widths = _value_widths(C, L, BK, piece_cols)
-    NP, W = len(widths), C // len(widths)
-    value_pieces = [(c, w) for c, w in enumerate(widths) if w > 0]  # (piece, its value columns)
-    if stages is None:
-        stages = 2 if piece_cols is None else deepest_ring(V, C, BK, L, W)
-    if stages < NP + 1 or NS < 1:
-        raise ValueError(f"stages={stages} must be >= {NP + 1} (one block of {NP} pieces and one more slot) and "
-                         f"num_splits={NS} >= 1")
-    smem = narrow_smem_bytes(V, C, BK, stages, L, W)
+    if stages < 2 or NS < 1:
+        raise ValueError(f"stages={stages} must be >= 2 and num_splits={NS} >= 1")
+    smem = narrow_smem_bytes(V, C, BK, stages, L)
     if smem > SMEM_LIMIT:
-        raise ValueError(f"valid_rows={V}, stages={stages}, piece_cols={W} need {smem} bytes of shared memory "
-                         f"(limit {SMEM_LIMIT})")
+        raise ValueError(f"valid_rows={V}, stages={stages} need {smem} bytes of shared memory (limit {SMEM_LIMIT})")
     scale_log2 = float(scale) * _LOG2E
     TB = TP // BK
     col_layout = plgpu.Layout.WGMMA.reduce(0)  # a [V] vector along sᵀ's and oᵀ's columns
@@ -161,8 +127,7 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
         def _producer():
             plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(0, V)], q_smem, q_bar)
 
-            stream_key_blocks(kv_ref, tkv_ref, b, lo, nbp, n_cache, n_all, k_smem, k_bars, consumed_bars, stages, BK,
-                              pieces=NP)
+            stream_key_blocks(kv_ref, tkv_ref, b, lo, nbp, n_cache, n_all, k_smem, k_bars, consumed_bars, stages, BK)
 
         @pl.when(wg == 0)
         def _consumer():
@@ -172,12 +137,9 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
             # the warps (the max) instead of two
             l0 = plgpu.layout_cast(jnp.full((BK, V), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
-            def scores(j, slots, kind):  # sᵀ [BK, V], log2 units
+            def scores(j, slot, kind):  # sᵀ [BK, V], log2 units
                 def qk(s_ref):
-                    if NP == 1:
-                        plgpu.wgmma(s_ref, k_smem.at[slots[0]], plgpu.transpose_ref(q_smem, (1, 0)))
-                    for c, slot in enumerate(slots if NP > 1 else ()):  # sᵀ = Σ over pieces of k_c · q_cᵀ
-                        plgpu.wgmma(s_ref, k_smem.at[slot], plgpu.transpose_ref(q_smem.at[:, pl.ds(c * W, W)], (1, 0)))
+                    plgpu.wgmma(s_ref, k_smem.at[slot], plgpu.transpose_ref(q_smem, (1, 0)))
                     return s_ref[...]
 
                 if kind == TREE:  # the tree block's mask words, straight from global memory (two per row)
@@ -193,50 +155,42 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
                     return jnp.where(key < rem, s, MASKED)
                 return mask_tree_scores(s, key, row_words.__getitem__, row_dim=1)
 
-            def flash_loop(*acc_refs):  # oᵀ [L, V] starts at zero, in one accumulator per piece's value columns
+            def flash_loop(acc_ref):  # oᵀ [L, V] starts at zero
                 def step(kind, j, carry):
                     m, l = carry
-                    slots = [lax.rem(j, stages)] if NP == 1 else [lax.rem(j * NP + c, stages) for c in range(NP)]
-                    for slot in slots:
-                        plgpu.barrier_wait(k_bars.at[slot])
+                    slot = lax.rem(j, stages)
+                    plgpu.barrier_wait(k_bars.at[slot])
                     if kind == PARTIAL:  # its value rows past the prefix: NaN-safe p·v
-                        for c, w in value_pieces:
-                            zero_rows_from(k_smem.at[slots[c], :, pl.ds(0, w)], rem, BK)
-                    s = scores(j, slots, kind)
+                        zero_rows_from(k_smem.at[slot, :, pl.ds(0, L)], rem, BK)
+                    s = scores(j, slot, kind)
                     m_new = jnp.maximum(m, s.max(axis=0))
                     alpha = jnp.exp2(m - m_new)
                     p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [1]))
                     l = l * lax.broadcast_in_dim(alpha, l.shape, [1]) + p
                     # pᵀ goes to the block's rope columns, which q·kᵀ has read and p·v does not
-                    p_smem = k_smem.at[slots[-1], pl.ds(0, V), pl.ds(W - BK, BK)]
+                    p_smem = k_smem.at[slot, pl.ds(0, V), pl.ds(C - BK, BK)]
                     p_smem.transpose((1, 0))[...] = plgpu.layout_cast(p.astype(jnp.bfloat16),
                                                                       plgpu.Layout.WGMMA_TRANSPOSED)
                     plgpu.commit_smem()
-                    for acc_ref in acc_refs:  # all rescaled before any p·v: reading one waits for every wgmma
-                        acc_ref[...] = acc_ref[...] * lax.broadcast_in_dim(alpha, acc_ref.shape, [1])
-                    for acc_ref, (c, w) in zip(acc_refs, value_pieces):
-                        plgpu.wgmma(acc_ref, plgpu.transpose_ref(k_smem.at[slots[c], :, pl.ds(0, w)], (1, 0)),
-                                    plgpu.transpose_ref(p_smem, (1, 0)))
+                    acc_ref[...] = acc_ref[...] * lax.broadcast_in_dim(alpha, acc_ref.shape, [1])
+                    plgpu.wgmma(acc_ref, plgpu.transpose_ref(k_smem.at[slot, :, pl.ds(0, L)], (1, 0)),
+                                plgpu.transpose_ref(p_smem, (1, 0)))
                     plgpu.wgmma_wait(0)
-                    for slot in slots:
-                        plgpu.barrier_arrive(consumed_bars.at[slot])
+                    plgpu.barrier_arrive(consumed_bars.at[slot])
                     return m_new, l
 
                 carry = lax.fori_loop(0, n_whole, functools.partial(step, WHOLE), (m0, l0))
                 carry = lax.fori_loop(n_whole, n_cache, functools.partial(step, PARTIAL), carry)  # 0 or 1 block
                 carry = lax.fori_loop(n_cache, n_all, functools.partial(step, TREE), carry)
-                return tuple(acc_ref[...] for acc_ref in acc_refs) + carry
+                return (acc_ref[...],) + carry
 
-            *accs, m, l = pl.run_scoped(flash_loop, *[plgpu.ACC((w, V), jnp.float32) for _, w in value_pieces])
+            acc, m, l = pl.run_scoped(flash_loop, plgpu.ACC((L, V), jnp.float32))
             # a row that saw only masked keys in this split is empty
             l = jnp.where(m < 0.5 * MASKED, 0.0, l.sum(axis=0))
             empty = l == 0.0
             inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
-            for acc, (c, w) in zip(accs, value_pieces):
-                o = acc * lax.broadcast_in_dim(inv, acc.shape, [1])
-                o_piece = o_smem if NP == 1 else o_smem.at[:, pl.ds(c * W, w)]
-                o_piece.transpose((1, 0))[...] = plgpu.layout_cast(o.astype(jnp.bfloat16),
-                                                                   plgpu.Layout.WGMMA_TRANSPOSED)
+            o = acc * lax.broadcast_in_dim(inv, acc.shape, [1])
+            o_smem.transpose((1, 0))[...] = plgpu.layout_cast(o.astype(jnp.bfloat16), plgpu.Layout.WGMMA_TRANSPOSED)
             lse_smem[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(jnp.where(empty, 1.0, l))) * _LN2)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o_smem, o_ref.at[sp, b])
@@ -250,7 +204,7 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
         scratch_types=(
             plgpu.RefUnion(plgpu.SMEM((V, C), jnp.bfloat16, transforms=swizzled),
                            (plgpu.SMEM((V, L), jnp.bfloat16), plgpu.SMEM((V,), jnp.float32))),
-            plgpu.SMEM((stages, BK, W), jnp.bfloat16, transforms=swizzled),
+            plgpu.SMEM((stages, BK, C), jnp.bfloat16, transforms=swizzled),
             plgpu.Barrier(num_barriers=1),
             plgpu.Barrier(num_barriers=stages),
             plgpu.Barrier(num_barriers=stages),

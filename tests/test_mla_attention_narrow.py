@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import mla_attention_mgpu as M
-from pallas_kernels.mla_attention_narrow import NARROW_MAX_ROWS, deepest_ring, narrow_smem_bytes, split_attention_narrow
+from pallas_kernels.mla_attention_narrow import NARROW_MAX_ROWS, narrow_smem_bytes, split_attention_narrow
 from pallas_kernels.split_combine import combine_splits_ref
 from pallas_kernels.tree_attention import tree_attention_ref
 from tests.test_mla_attention_mgpu import K26, k26_spec
@@ -89,15 +89,12 @@ def test_padded_tree_latents_are_accepted_by_every_entry():
         tree_attention_ref(args[0], args[1], args[2], args[3][:, :2], args[4], **kw)
 
 
-@pytest.mark.parametrize("T,H,NS,pieces", [(1, 8, 4, {}), (2, 8, 1, {}), (4, 8, 3, {}),
-                                           (1, 8, 4, {"piece_cols": 192}), (4, 8, 3, {"piece_cols": 192}),
-                                           (2, 8, 2, {"piece_cols": 64, "stages": 12})])
-def test_kernel_lowers_for_cuda_on_cpu(T, H, NS, pieces):
+@pytest.mark.parametrize("T,H,NS", [(1, 8, 4), (2, 8, 1), (4, 8, 3)])
+def test_kernel_lowers_for_cuda_on_cpu(T, H, NS):
     """V = T*H = 8, 16, 32 rows: layouts (the reductions over keys, the transposed stores, the partial block's
-    zeroing), transposed wgmma operands and shared memory within the H200's 227 KB; whole key blocks and
-    column pieces (the deepest ring that fits: 9 slots of 192 columns at V = 8, 7 at V = 32)."""
+    zeroing), transposed wgmma operands and shared memory within the H200's 227 KB."""
     f = jax.jit(functools.partial(M.tree_attention_mgpu, scale=K26["scale"], kv_lora_rank=K26["L"],
-                                  num_splits=NS, kernel=split_attention_narrow, **pieces))
+                                  num_splits=NS, kernel=split_attention_narrow))
     text = f.trace(*k26_spec(2, T, H, 1024)).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 
@@ -145,29 +142,6 @@ def test_errors():
     with pytest.raises(ValueError, match="L \\+ 64 <= C"):
         split_attention_narrow(q, cache, plen, tree_kv, tree_bits, valid_rows=8, scale=0.1, kv_lora_rank=C - 32)
     assert narrow_smem_bytes(NARROW_MAX_ROWS, C, 64, 2) <= M.SMEM_LIMIT
-    args = (q, cache, plen, tree_kv, tree_bits)
-    for bad in (100, 128, 0, 1152):
-        with pytest.raises(ValueError, match="multiple of 64 columns dividing C=576"):
-            f(*args, valid_rows=8, piece_cols=bad, **kw)
-    with pytest.raises(ValueError, match="stages=3 must be >= 4"):
-        f(*args, valid_rows=8, piece_cols=192, stages=3, **kw)
-    with pytest.raises(ValueError, match="shared memory"):
-        f(*args, valid_rows=8, piece_cols=192, stages=10, **kw)
-    with pytest.raises(ValueError, match="shared memory"):
-        f(*args, valid_rows=32, piece_cols=192, stages=8, **kw)
-    with pytest.raises(ValueError, match="option of the narrow kernel only"):
-        M.tree_attention_mgpu(jnp.zeros((1, 1, 8, C), jnp.bfloat16), cache, plen, jnp.zeros((1, 1, C), jnp.bfloat16),
-                              jnp.ones((1, 1, 1), bool), kernel=M.split_attention, piece_cols=192, **kw)
-
-
-def test_deepest_ring():
-    """Slots that fit beside the query tile: whole 72 KB blocks, 3 at 8 rows and 2 at 16-32; 24 KB pieces of 192
-    columns, 9 (three blocks) at 8 rows and 7 at 32; each one more would not fit."""
-    C = K26["C"]
-    for V, pieces, want in [(8, None, 3), (16, None, 2), (32, None, 2), (8, 192, 9), (16, 192, 8), (32, 192, 7),
-                            (32, 64, 23)]:
-        assert deepest_ring(V, C, 64, 512, pieces) == want, (V, pieces)
-        assert narrow_smem_bytes(V, C, 64, want + 1, 512, pieces) > M.SMEM_LIMIT
 
 
 # ---------------------------------------------------------------------------------------------
@@ -221,34 +195,6 @@ def test_gpu_splits_match_the_twin_split_by_split(T, NS, plens):
     finite = np.isfinite(r_l)
     np.testing.assert_allclose(lse[finite], r_l[finite], atol=3e-2, rtol=1e-2)
     assert np.linalg.norm(o - r_o) / max(np.linalg.norm(r_o), 1e-30) < 1e-2
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("T,piece_cols,stages,NS,plens", [
-    (1, 192, None, 5, [1000, 640]),  # the deepest ring: 9 slots, three blocks
-    (1, 192, 4, 6, [0, 1000]),  # the smallest: the slots wrap inside a block
-    (4, 192, None, 3, [999, 64]),  # 7 slots at 32 rows
-    (2, 64, None, 9, [1000, 1]),  # nine 64-column pieces
-    (4, 64, 10, 2, [640, 300]),
-])
-def test_gpu_column_pieces_equal_whole_blocks(T, piece_cols, stages, NS, plens):
-    """The ring in column pieces gives the whole-block kernel's partials and LSEs bit for bit (the same wgmma
-    steps in the same order), split by split: partial blocks past the cache, empty splits, the tree block."""
-    B, H, S = 2, 8, 1000
-    case = make_case(29, B, T, H, K26["L"], K26["C"] - K26["L"], S, plens, "tree")
-    q, cache, plen, tkv, mask = as_jax(case, jnp.bfloat16)
-    qr = q.reshape(B, T * H, K26["C"])
-    keys, bits = M.tree_inputs(tkv, mask, H, qr.shape[1], 64)
-    kw = dict(scale=K26["scale"], kv_lora_rank=K26["L"], num_splits=NS, valid_rows=T * H)
-    whole = jax.jit(functools.partial(split_attention_narrow, **kw))(qr, cache, plen, keys, bits)
-    pieces = jax.jit(functools.partial(split_attention_narrow, piece_cols=piece_cols, stages=stages, **kw))(
-        qr, cache, plen, keys, bits)
-    r_o, r_l = jax.jit(functools.partial(M.split_attention_ref, **kw))(qr, cache, plen, keys, bits)
-    for got, want in zip(pieces, whole):
-        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
-    o, r_o = np.asarray(pieces[0], np.float32), np.asarray(r_o, np.float32)
-    assert np.all(np.isfinite(o)) and np.linalg.norm(o - r_o) / np.linalg.norm(r_o) < 1e-2
-    np.testing.assert_array_equal(np.isinf(np.asarray(pieces[1])), np.isinf(np.asarray(r_l)))
 
 
 @pytest.mark.gpu
