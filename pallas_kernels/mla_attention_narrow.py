@@ -82,7 +82,8 @@ def _check_rows(q_rows, valid_rows):
 
 
 def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, kv_lora_rank, block_k=64,
-                           stages=2, num_splits=1, share_scores=True, valid_rows=None):
+                           stages=2, num_splits=1, share_scores=True, valid_rows=None, profile_dir=None,
+                           profile_regions=0):
     """``mla_attention_mgpu.split_attention`` (same inputs, outputs and twin, ``split_attention_ref``) for
     V <= ``NARROW_MAX_ROWS`` query rows (module docstring).
 
@@ -92,7 +93,12 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
     [B, TP/32, R] (``tree_inputs``). Split s takes the blocks ``_split_range(NBP, TP/64, s, NS)`` gives it.
     Returns (o [NS, B, V, L] bf16, lse [NS, B, V] f32, natural log), each split normalised on its own; a row
     that sees no key in a split has o = 0 and lse = -inf there. ``share_scores`` is accepted for the common
-    signature and unused (one consumer)."""
+    signature and unused (one consumer).
+
+    ``profile_dir`` (a diagnostic): Mosaic GPU's on-device profiler records up to ``profile_regions`` named
+    regions per warpgroup (the consumer's ``q_wait``, then per block ``k_wait``, ``scores``, ``softmax``, ``pv``,
+    then ``epilogue``; the producer's ``slot_wait``) and writes a Chrome trace of each call into that folder
+    (``experiments/profile_narrow_timeline.py`` reads it). Without it the kernel is the same, byte for byte."""
     del share_scores
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.mosaic_gpu is not available in this JAX")
@@ -111,6 +117,9 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
     smem = narrow_smem_bytes(V, C, BK, stages, L)
     if smem > SMEM_LIMIT:
         raise ValueError(f"valid_rows={V}, stages={stages} need {smem} bytes of shared memory (limit {SMEM_LIMIT})")
+    if (profile_dir is None) != (profile_regions <= 0):
+        raise ValueError(f"profile_dir={profile_dir!r} and profile_regions={profile_regions} go together")
+    profile = {} if profile_dir is None else dict(profile_space=int(profile_regions), profile_dir=str(profile_dir))
     scale_log2 = float(scale) * _LOG2E
     TB = TP // BK
     col_layout = plgpu.Layout.WGMMA.reduce(0)  # a [V] vector along sᵀ's and oᵀ's columns
@@ -131,7 +140,8 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
 
         @pl.when(wg == 0)
         def _consumer():
-            plgpu.barrier_wait(q_bar)
+            with jax.named_scope("q_wait"):
+                plgpu.barrier_wait(q_bar)
             m0 = plgpu.layout_cast(jnp.full((V,), -jnp.inf, jnp.float32), col_layout)
             # the softmax's denominators, summed over keys only after the loop: per block one reduction across
             # the warps (the max) instead of two
@@ -159,23 +169,27 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
                 def step(kind, j, carry):
                     m, l = carry
                     slot = lax.rem(j, stages)
-                    plgpu.barrier_wait(k_bars.at[slot])
-                    if kind == PARTIAL:  # its value rows past the prefix: NaN-safe p·v
-                        zero_rows_from(k_smem.at[slot, :, pl.ds(0, L)], rem, BK)
-                    s = scores(j, slot, kind)
-                    m_new = jnp.maximum(m, s.max(axis=0))
-                    alpha = jnp.exp2(m - m_new)
-                    p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [1]))
-                    l = l * lax.broadcast_in_dim(alpha, l.shape, [1]) + p
-                    # pᵀ goes to the block's rope columns, which q·kᵀ has read and p·v does not
-                    p_smem = k_smem.at[slot, pl.ds(0, V), pl.ds(C - BK, BK)]
-                    p_smem.transpose((1, 0))[...] = plgpu.layout_cast(p.astype(jnp.bfloat16),
-                                                                      plgpu.Layout.WGMMA_TRANSPOSED)
-                    plgpu.commit_smem()
-                    acc_ref[...] = acc_ref[...] * lax.broadcast_in_dim(alpha, acc_ref.shape, [1])
-                    plgpu.wgmma(acc_ref, plgpu.transpose_ref(k_smem.at[slot, :, pl.ds(0, L)], (1, 0)),
-                                plgpu.transpose_ref(p_smem, (1, 0)))
-                    plgpu.wgmma_wait(0)
+                    with jax.named_scope("k_wait"):
+                        plgpu.barrier_wait(k_bars.at[slot])
+                    with jax.named_scope("scores"):
+                        if kind == PARTIAL:  # its value rows past the prefix: NaN-safe p·v
+                            zero_rows_from(k_smem.at[slot, :, pl.ds(0, L)], rem, BK)
+                        s = scores(j, slot, kind)
+                    with jax.named_scope("softmax"):
+                        m_new = jnp.maximum(m, s.max(axis=0))
+                        alpha = jnp.exp2(m - m_new)
+                        p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [1]))
+                        l = l * lax.broadcast_in_dim(alpha, l.shape, [1]) + p
+                        # pᵀ goes to the block's rope columns, which q·kᵀ has read and p·v does not
+                        p_smem = k_smem.at[slot, pl.ds(0, V), pl.ds(C - BK, BK)]
+                        p_smem.transpose((1, 0))[...] = plgpu.layout_cast(p.astype(jnp.bfloat16),
+                                                                          plgpu.Layout.WGMMA_TRANSPOSED)
+                        plgpu.commit_smem()
+                    with jax.named_scope("pv"):
+                        acc_ref[...] = acc_ref[...] * lax.broadcast_in_dim(alpha, acc_ref.shape, [1])
+                        plgpu.wgmma(acc_ref, plgpu.transpose_ref(k_smem.at[slot, :, pl.ds(0, L)], (1, 0)),
+                                    plgpu.transpose_ref(p_smem, (1, 0)))
+                        plgpu.wgmma_wait(0)
                     plgpu.barrier_arrive(consumed_bars.at[slot])
                     return m_new, l
 
@@ -185,17 +199,19 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
                 return (acc_ref[...],) + carry
 
             acc, m, l = pl.run_scoped(flash_loop, plgpu.ACC((L, V), jnp.float32))
-            # a row that saw only masked keys in this split is empty
-            l = jnp.where(m < 0.5 * MASKED, 0.0, l.sum(axis=0))
-            empty = l == 0.0
-            inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
-            o = acc * lax.broadcast_in_dim(inv, acc.shape, [1])
-            o_smem.transpose((1, 0))[...] = plgpu.layout_cast(o.astype(jnp.bfloat16), plgpu.Layout.WGMMA_TRANSPOSED)
-            lse_smem[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(jnp.where(empty, 1.0, l))) * _LN2)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[sp, b])
-            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[sp, b])
-            plgpu.wait_smem_to_gmem(0)
+            with jax.named_scope("epilogue"):
+                # a row that saw only masked keys in this split is empty
+                l = jnp.where(m < 0.5 * MASKED, 0.0, l.sum(axis=0))
+                empty = l == 0.0
+                inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
+                o = acc * lax.broadcast_in_dim(inv, acc.shape, [1])
+                o_smem.transpose((1, 0))[...] = plgpu.layout_cast(o.astype(jnp.bfloat16),
+                                                                  plgpu.Layout.WGMMA_TRANSPOSED)
+                lse_smem[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(jnp.where(empty, 1.0, l))) * _LN2)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_smem, o_ref.at[sp, b])
+                plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[sp, b])
+                plgpu.wait_smem_to_gmem(0)
 
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     kernel = plgpu.kernel(
@@ -211,7 +227,8 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
         ),
         grid=(B, NS), grid_names=("stream", "split"),
         num_threads=2, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=reduction_scratch_bytes(V)),
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=reduction_scratch_bytes(V),
+                                             **profile),
     )
     return kernel(prefix_len.astype(jnp.int32), q_rows, cache_kv, tree_kv, tree_bits)  # lse in natural log
 
