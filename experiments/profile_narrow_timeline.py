@@ -104,7 +104,7 @@ def summarize(programs: list[dict]) -> dict:
     return row
 
 
-def run_point(T: int, H: int, B: int, P: int, clock_ghz: float, calls: int = 3) -> dict:
+def run_point(T: int, H: int, B: int, P: int, clock_ghz: float, calls: int = 3, **kernel_kw) -> dict:
     q, caches, plen, tkv, mask = make_inputs(jax.random.key(0), H, B, T, P, 1, padded_tree=True)
     V = T * H
     qr = q.reshape(B, V, C)
@@ -113,7 +113,7 @@ def run_point(T: int, H: int, B: int, P: int, clock_ghz: float, calls: int = 3) 
     blocks = -(-(P // 64 + keys.shape[1] // 64) // NS) + 1
     with tempfile.TemporaryDirectory() as d:
         f = jax.jit(functools.partial(split_attention_narrow, scale=SCALE, kv_lora_rank=L, num_splits=NS,
-                                      valid_rows=V, profile_dir=d, profile_regions=8 + 4 * blocks))
+                                      valid_rows=V, profile_dir=d, profile_regions=8 + 4 * blocks, **kernel_kw))
         for _ in range(calls):
             jax.block_until_ready(f(qr, caches[0], plen, keys, bits))
         files = sorted(glob.glob(os.path.join(d, "*.json")), key=os.path.getmtime)
@@ -122,7 +122,8 @@ def run_point(T: int, H: int, B: int, P: int, clock_ghz: float, calls: int = 3) 
         with open(files[-1]) as fh:
             trace = json.load(fh)
     programs = program_timelines(trace, clock_ghz)
-    return dict(T=T, H=H, B=B, P=P, V=V, num_splits=NS, **summarize(programs), per_program=programs)
+    return dict(T=T, H=H, B=B, P=P, V=V, num_splits=NS, kernel_kw=kernel_kw, **summarize(programs),
+                per_program=programs)
 
 
 def main(argv=None) -> int:
@@ -133,16 +134,22 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--name", default="profile_narrow_timeline")
     ap.add_argument("--commit", default=None)
+    ap.add_argument("--variants", default="{}",
+                    help="JSON list of split_attention_narrow keyword dicts to run at every point (A/B in one run)")
     args = ap.parse_args(argv)
     points = [tuple(int(v) for v in p.split(",")) for p in args.points.split(";")]
     if any(len(p) != 4 for p in points):
         ap.error(f"--points takes 'T,H,B,P;...', got {args.points!r}")
     if jax.default_backend() != "gpu":
         ap.error("the profiler runs inside the Mosaic GPU kernel: a Hopper GPU is needed")
-    rows = [run_point(*p, clock_ghz=args.clock_ghz) for p in points]
+    variants = json.loads(args.variants)
+    variants = variants if isinstance(variants, list) else [variants]
+    rows = [run_point(*p, clock_ghz=args.clock_ghz, **kw) for p in points for kw in variants]
+    for r in rows:
+        r["variant"] = json.dumps(r["kernel_kw"], sort_keys=True).replace(" ", "").replace('"', "")
     bench_util.write_result(args.name, dict(clock_ghz=args.clock_ghz, code_commit=args.commit, rows=rows),
                             out_dir=args.out)
-    bench_util.print_table(rows, ["T", "H", "B", "P", "num_splits", "programs", "max_blocks", "max_start_us",
+    bench_util.print_table(rows, ["variant", "T", "H", "B", "P", "num_splits", "programs", "max_blocks", "max_start_us",
                                   "fill_us", "block_us", "k_wait_us", "scores_us", "softmax_us", "pv_us",
                                   "epilogue_us", "slot_wait_us", "end_us", "max_end_us"])
     return 0

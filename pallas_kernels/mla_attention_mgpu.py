@@ -193,15 +193,22 @@ def unpack_bits(bits, keys: int):
 
 
 def stream_key_blocks(kv_ref, tkv_ref, b, lo, nb, n_cache, n_all, k_smem, k_bars, consumed_bars, stages: int,
-                      block_k: int, on_tree_block=None):
+                      block_k: int, on_tree_block=None, first_block_alone: bool = False):
     """A producer warpgroup's ring of key blocks, inside a Mosaic GPU kernel: step j in [0, n_cache) copies
     cache block lo + j of stream b, step j in [n_cache, n_all) tree block t = lo + j - nb (``nb`` = the cache
     blocks read), each into slot j % stages (``k_smem``, arriving on ``k_bars``) once the consumers have freed
     it (``consumed_bars``); ``on_tree_block(t, slot)`` issues a tree block's further copies (its mask words).
-    A cache block may reach past the cache's S rows: the TMA unit fills those rows with zeros."""
+    A cache block may reach past the cache's S rows: the TMA unit fills those rows with zeros.
+
+    ``first_block_alone``: the second block's copy waits until the first has landed, so that when every program
+    starts at once the first blocks are not served interleaved with the second ones."""
     @pl.loop(0, n_all)
     def _(j):
         slot = lax.rem(j, stages)
+        if first_block_alone:
+            @pl.when(j == 1)
+            def _():
+                plgpu.barrier_wait(k_bars.at[0])
 
         @pl.when(j >= stages)
         def _():
@@ -559,7 +566,8 @@ def tree_attention_mgpu(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, k
         narrow = valid_rows is not None and valid_rows <= NARROW_MAX_ROWS and block_k == 64 and L + 64 <= C
         kernel = split_attention_narrow if narrow else split_attention
     # the narrow kernel takes the V real rows as they are (no padded copy of q); the others whole 64-row tiles
-    qr = q.reshape(B, N, C) if kernel is split_attention_narrow else fold_rows(q, ROWS)
+    narrow = split_attention_narrow in (kernel, getattr(kernel, "func", None))  # the kernel or a partial of it
+    qr = q.reshape(B, N, C) if narrow else fold_rows(q, ROWS)
     keys, bits = tree_inputs(tree_kv, tree_mask, H, qr.shape[1], block_k)
     stage_kw = {} if stages is None else {"stages": stages}
     o, lse = kernel(qr, cache_kv, plen, keys, bits, scale=scale, kv_lora_rank=L, block_k=block_k,
