@@ -63,15 +63,7 @@ KERNELS = {"triton": tree_attention,
            "mgpu_redundant": functools.partial(tree_attention_mgpu, kernel=M.split_attention, share_scores=False),
            # decode points only (T*H a multiple of 8 up to 32): keys as wgmma's M, the query rows as N
            "mgpu_narrow": functools.partial(tree_attention_mgpu, kernel=split_attention_narrow),
-           "mgpu_narrow_2stage": functools.partial(tree_attention_mgpu, kernel=split_attention_narrow, stages=2),
-           # session 21's A/B: the first key block's copy alone, and the end waiting only for the output's reads
-           "mgpu_narrow_first_alone": functools.partial(
-               tree_attention_mgpu, kernel=functools.partial(split_attention_narrow, first_block_alone=True)),
-           "mgpu_narrow_read_only": functools.partial(
-               tree_attention_mgpu, kernel=functools.partial(split_attention_narrow, store_wait_read_only=True)),
-           "mgpu_narrow_both": functools.partial(
-               tree_attention_mgpu, kernel=functools.partial(split_attention_narrow, first_block_alone=True,
-                                                             store_wait_read_only=True))}
+           "mgpu_narrow_2stage": functools.partial(tree_attention_mgpu, kernel=split_attention_narrow, stages=2)}
 
 C, L, SCALE = 576, 512, 0.14468
 L2_BYTES = 60 * 2**20

@@ -193,22 +193,15 @@ def unpack_bits(bits, keys: int):
 
 
 def stream_key_blocks(kv_ref, tkv_ref, b, lo, nb, n_cache, n_all, k_smem, k_bars, consumed_bars, stages: int,
-                      block_k: int, on_tree_block=None, first_block_alone: bool = False):
+                      block_k: int, on_tree_block=None):
     """A producer warpgroup's ring of key blocks, inside a Mosaic GPU kernel: step j in [0, n_cache) copies
     cache block lo + j of stream b, step j in [n_cache, n_all) tree block t = lo + j - nb (``nb`` = the cache
     blocks read), each into slot j % stages (``k_smem``, arriving on ``k_bars``) once the consumers have freed
     it (``consumed_bars``); ``on_tree_block(t, slot)`` issues a tree block's further copies (its mask words).
-    A cache block may reach past the cache's S rows: the TMA unit fills those rows with zeros.
-
-    ``first_block_alone``: the second block's copy waits until the first has landed, so that when every program
-    starts at once the first blocks are not served interleaved with the second ones."""
+    A cache block may reach past the cache's S rows: the TMA unit fills those rows with zeros."""
     @pl.loop(0, n_all)
     def _(j):
         slot = lax.rem(j, stages)
-        if first_block_alone:
-            @pl.when(j == 1)
-            def _():
-                plgpu.barrier_wait(k_bars.at[0])
 
         @pl.when(j >= stages)
         def _():

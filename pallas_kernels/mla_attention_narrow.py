@@ -83,7 +83,7 @@ def _check_rows(q_rows, valid_rows):
 
 def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, kv_lora_rank, block_k=64,
                            stages=2, num_splits=1, share_scores=True, valid_rows=None, profile_dir=None,
-                           profile_regions=0, first_block_alone=False, store_wait_read_only=False):
+                           profile_regions=0):
     """``mla_attention_mgpu.split_attention`` (same inputs, outputs and twin, ``split_attention_ref``) for
     V <= ``NARROW_MAX_ROWS`` query rows (module docstring).
 
@@ -136,8 +136,7 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
         def _producer():
             plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(0, V)], q_smem, q_bar)
 
-            stream_key_blocks(kv_ref, tkv_ref, b, lo, nbp, n_cache, n_all, k_smem, k_bars, consumed_bars, stages, BK,
-                              first_block_alone=first_block_alone)
+            stream_key_blocks(kv_ref, tkv_ref, b, lo, nbp, n_cache, n_all, k_smem, k_bars, consumed_bars, stages, BK)
 
         @pl.when(wg == 0)
         def _consumer():
@@ -212,7 +211,7 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(o_smem, o_ref.at[sp, b])
                 plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[sp, b])
-                plgpu.wait_smem_to_gmem(0, wait_read_only=store_wait_read_only)
+                plgpu.wait_smem_to_gmem(0)
 
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     kernel = plgpu.kernel(
