@@ -10,7 +10,8 @@ over, the default split count), keeps the last call's trace and condenses it per
 * ``fill_us``: from its start to the end of its first ``k_wait`` (the query and first key block's copies);
 * per block after the first (medians over the program's blocks): ``k_wait``, ``scores``, ``softmax``, ``pv``,
   and ``block`` (one iteration);
-* ``epilogue_us``; ``end_us`` = start + the consumer's last event (clock cycles at ``--clock-ghz``);
+* ``epilogue_us`` and its parts (``normalize``, ``store_smem``, ``store_gmem``); ``end_us`` = start + the
+  consumer's last event (clock cycles at ``--clock-ghz``);
 * the producer's ``slot_wait`` total.
 
 The table gives, over programs, the median (and max where it sets the kernel's end). Region times are SM clock
@@ -40,6 +41,7 @@ from pallas_kernels import mla_attention_mgpu as M
 from pallas_kernels.mla_attention_narrow import split_attention_narrow
 
 BLOCK_REGIONS = ("k_wait", "scores", "softmax", "pv")
+EPILOGUE_PARTS = ("normalize", "store_smem", "store_gmem")
 
 
 def regions_of(events: list[dict]) -> list[tuple[str, float, float]]:
@@ -76,12 +78,14 @@ def program_timelines(trace: dict, clock_ghz: float, traces_per_program: int = 2
         k_waits = [(b, e) for n, b, e in blocks if n == "k_wait"]
         iters = [us(k_waits[i + 1][0]) - us(k_waits[i][0]) for i in range(len(k_waits) - 1)]
         epi = [(b, e) for n, b, e in cons if n == "epilogue"]
+        parts = {n: us(e) - us(b) for n, b, e in cons if n in EPILOGUE_PARTS}
         rec = {"program": program, "start_ns": t0 * 1e3, "blocks": len(k_waits),
                "fill_us": us(k_waits[0][1]) if k_waits else None,
                "epilogue_us": (us(epi[0][1]) - us(epi[0][0])) if epi else None,
                "busy_us": us(cons[-1][2]),
                "slot_wait_us": sum(us(e) - us(b) for n, b, e in prod if n == "slot_wait") if prod else 0.0,
-               "block_us": statistics.median(iters[1:]) if len(iters) > 1 else None}
+               "block_us": statistics.median(iters[1:]) if len(iters) > 1 else None,
+               **{f"{n}_us": parts.get(n) for n in EPILOGUE_PARTS}}
         for name, vals in per_block.items():
             rec[f"{name}_us"] = statistics.median(vals[1:]) if len(vals) > 1 else (vals[0] if vals else None)
         out.append(rec)
@@ -96,7 +100,8 @@ def summarize(programs: list[dict]) -> dict:
     def med(key):
         vals = [r[key] for r in programs if r.get(key) is not None]
         return statistics.median(vals) if vals else None
-    keys = ["start_us", "fill_us", "block_us", *(f"{n}_us" for n in BLOCK_REGIONS), "epilogue_us", "busy_us",
+    keys = ["start_us", "fill_us", "block_us", *(f"{n}_us" for n in BLOCK_REGIONS), "epilogue_us",
+            *(f"{n}_us" for n in EPILOGUE_PARTS), "busy_us",
             "end_us", "slot_wait_us", "blocks"]
     row = {k: med(k) for k in keys}
     row.update(programs=len(programs), max_start_us=max(r["start_us"] for r in programs),
@@ -151,7 +156,8 @@ def main(argv=None) -> int:
                             out_dir=args.out)
     bench_util.print_table(rows, ["variant", "T", "H", "B", "P", "num_splits", "programs", "max_blocks", "max_start_us",
                                   "fill_us", "block_us", "k_wait_us", "scores_us", "softmax_us", "pv_us",
-                                  "epilogue_us", "slot_wait_us", "end_us", "max_end_us"])
+                                  "epilogue_us", "normalize_us", "store_smem_us", "store_gmem_us", "slot_wait_us",
+                                  "end_us", "max_end_us"])
     return 0
 
 

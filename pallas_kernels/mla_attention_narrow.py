@@ -97,7 +97,7 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
 
     ``profile_dir`` (a diagnostic): Mosaic GPU's on-device profiler records up to ``profile_regions`` named
     regions per warpgroup (the consumer's ``q_wait``, then per block ``k_wait``, ``scores``, ``softmax``, ``pv``,
-    then ``epilogue``; the producer's ``slot_wait``) and writes a Chrome trace of each call into that folder
+    then ``epilogue`` of ``normalize``, ``store_smem``, ``store_gmem``; the producer's ``slot_wait``) and writes a Chrome trace of each call into that folder
     (``experiments/profile_narrow_timeline.py`` reads it). Without it the kernel is the same, byte for byte."""
     del share_scores
     if plgpu is None:
@@ -200,18 +200,21 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
 
             acc, m, l = pl.run_scoped(flash_loop, plgpu.ACC((L, V), jnp.float32))
             with jax.named_scope("epilogue"):
-                # a row that saw only masked keys in this split is empty
-                l = jnp.where(m < 0.5 * MASKED, 0.0, l.sum(axis=0))
-                empty = l == 0.0
-                inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
-                o = acc * lax.broadcast_in_dim(inv, acc.shape, [1])
-                o_smem.transpose((1, 0))[...] = plgpu.layout_cast(o.astype(jnp.bfloat16),
-                                                                  plgpu.Layout.WGMMA_TRANSPOSED)
-                lse_smem[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(jnp.where(empty, 1.0, l))) * _LN2)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_smem, o_ref.at[sp, b])
-                plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[sp, b])
-                plgpu.wait_smem_to_gmem(0)
+                with jax.named_scope("normalize"):
+                    # a row that saw only masked keys in this split is empty
+                    l = jnp.where(m < 0.5 * MASKED, 0.0, l.sum(axis=0))
+                    empty = l == 0.0
+                    inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
+                    o = acc * lax.broadcast_in_dim(inv, acc.shape, [1])
+                with jax.named_scope("store_smem"):
+                    o_smem.transpose((1, 0))[...] = plgpu.layout_cast(o.astype(jnp.bfloat16),
+                                                                      plgpu.Layout.WGMMA_TRANSPOSED)
+                    lse_smem[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(jnp.where(empty, 1.0, l))) * _LN2)
+                    plgpu.commit_smem()
+                with jax.named_scope("store_gmem"):
+                    plgpu.copy_smem_to_gmem(o_smem, o_ref.at[sp, b])
+                    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[sp, b])
+                    plgpu.wait_smem_to_gmem(0)
 
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     kernel = plgpu.kernel(

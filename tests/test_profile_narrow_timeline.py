@@ -10,7 +10,8 @@ from pallas_kernels.mla_attention_narrow import split_attention_narrow
 CONSUMER = [("q_wait", 0, 200), ("k_wait", 200, 2000), ("scores", 2000, 2400), ("softmax", 2400, 2600),
             ("pv", 2600, 3000), ("k_wait", 3000, 3200), ("scores", 3200, 3600), ("softmax", 3600, 3800),
             ("pv", 3800, 4200), ("k_wait", 4200, 4300), ("scores", 4300, 4700), ("softmax", 4700, 4900),
-            ("pv", 4900, 5300), ("epilogue", 5300, 6300)]
+            ("pv", 4900, 5300), ("epilogue", 5300, 6300),  # the epilogue's parts nest inside it
+            ("normalize", 5300, 5400), ("store_smem", 5400, 5800), ("store_gmem", 5800, 6300)]
 PRODUCER = [("slot_wait", 100, 300), ("slot_wait", 2500, 2900)]
 
 
@@ -23,6 +24,7 @@ def trace_of(starts_ns):
             first = regions[0][1]
             for name, b, e in regions:
                 for ph, cyc in (("B", b), ("E", e)):
+                    cyc += 0.5 if ph == "B" and name in ("normalize", "store_smem", "store_gmem") else 0
                     events.append({"name": name, "ph": ph, "ts": (start + cyc - first) / 1e3, "pid": 1,
                                    "tid": 1 + wg + 2 * program})
     return {"traceEvents": sorted(events, key=lambda ev: ev["ts"])}
@@ -39,6 +41,7 @@ def test_program_timelines_at_2_ghz():
     assert p["scores_us"] == pytest.approx(0.2) and p["pv_us"] == pytest.approx(0.2)
     assert p["epilogue_us"] == pytest.approx(0.5) and p["busy_us"] == pytest.approx(3.15)
     assert p["slot_wait_us"] == pytest.approx(0.3)
+    assert (p["normalize_us"], p["store_smem_us"], p["store_gmem_us"]) == pytest.approx((0.05, 0.2, 0.25), abs=1e-3)
     assert progs[1]["start_us"] == pytest.approx(0.5) and progs[1]["end_us"] == pytest.approx(3.65)
     row = summarize(progs)
     assert row["programs"] == 2 and row["max_end_us"] == pytest.approx(3.65) and row["max_blocks"] == 3
