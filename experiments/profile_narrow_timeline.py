@@ -6,7 +6,7 @@ producer's ``slot_wait``) and writes a Chrome trace per call. This script runs t
 B, P: random inputs, the prefix P long in a cache of P slots, the tree latents padded as the model hands them
 over, the default split count), keeps the last call's trace and condenses it per program:
 
-* ``start_us``: the program's start (globaltimer) after the kernel's first program;
+* ``sm``: the SM it ran on; ``start_us``: its start (globaltimer) after the kernel's first program;
 * ``fill_us``: from its start to the end of its first ``k_wait`` (the query and first key block's copies);
 * per block after the first (medians over the program's blocks): ``k_wait``, ``scores``, ``softmax``, ``pv``,
   and ``block`` (one iteration);
@@ -60,8 +60,10 @@ def program_timelines(trace: dict, clock_ghz: float, traces_per_program: int = 2
 
     The dump's ts is (globaltimer ns at the warpgroup's start + clock cycles since its first event) / 1e3."""
     by_tid: dict[int, list] = {}
+    sm_of: dict[int, int] = {}
     for ev in trace["traceEvents"]:
         by_tid.setdefault(ev["tid"], []).append(ev)
+        sm_of[(ev["tid"] - 1) // traces_per_program] = ev["pid"] - 1  # the dump's pid is 1 + the SM's id
     programs: dict[int, dict] = {}
     for tid, events in by_tid.items():
         program, wg = divmod(tid - 1, traces_per_program)
@@ -79,7 +81,7 @@ def program_timelines(trace: dict, clock_ghz: float, traces_per_program: int = 2
         iters = [us(k_waits[i + 1][0]) - us(k_waits[i][0]) for i in range(len(k_waits) - 1)]
         epi = [(b, e) for n, b, e in cons if n == "epilogue"]
         parts = {n: us(e) - us(b) for n, b, e in cons if n in EPILOGUE_PARTS}
-        rec = {"program": program, "start_ns": t0 * 1e3, "blocks": len(k_waits),
+        rec = {"program": program, "sm": sm_of[program], "start_ns": t0 * 1e3, "blocks": len(k_waits),
                "fill_us": us(k_waits[0][1]) if k_waits else None,
                "epilogue_us": (us(epi[0][1]) - us(epi[0][0])) if epi else None,
                "busy_us": us(cons[-1][2]),

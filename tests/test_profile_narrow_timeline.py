@@ -25,14 +25,14 @@ def trace_of(starts_ns):
             for name, b, e in regions:
                 for ph, cyc in (("B", b), ("E", e)):
                     cyc += 0.5 if ph == "B" and name in ("normalize", "store_smem", "store_gmem") else 0
-                    events.append({"name": name, "ph": ph, "ts": (start + cyc - first) / 1e3, "pid": 1,
+                    events.append({"name": name, "ph": ph, "ts": (start + cyc - first) / 1e3, "pid": 1 + 7 * program,
                                    "tid": 1 + wg + 2 * program})
     return {"traceEvents": sorted(events, key=lambda ev: ev["ts"])}
 
 
 def test_program_timelines_at_2_ghz():
     progs = program_timelines(trace_of([1000, 1500]), clock_ghz=2.0)
-    assert [p["program"] for p in progs] == [0, 1]
+    assert [p["program"] for p in progs] == [0, 1] and [p["sm"] for p in progs] == [0, 7]
     p = progs[0]
     assert p["blocks"] == 3
     assert p["fill_us"] == pytest.approx(1.0)          # 2000 cycles to the end of the first k_wait
