@@ -92,6 +92,24 @@ def _take_next_block(counter_ref, out_ref):
     take(counter_ref, out_ref)
 
 
+def _copy_word(src_ref, dst_ref):
+    """Inside a warpgroup: dst_ref[0] = src_ref[0] (one int32 in shared memory, by one thread), visible to the whole
+    warpgroup on return."""
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))
+    def copy(ctx, src, dst):
+        del ctx
+        i64 = ir.IntegerType.get_signless(64)
+        one_thread = mgpu.utils.single_thread_predicate(mgpu.utils.ThreadSubset.WARPGROUP)
+        llvm.inline_asm(ir.Type.parse("!llvm.void"),
+                        [llvm.ptrtoint(i64, mgpu.utils.memref_ptr(src)), llvm.ptrtoint(i64, mgpu.utils.memref_ptr(dst)),
+                         one_thread],
+                        "{ .reg .u32 t; @$2 ld.shared.u32 t, [$0]; @$2 st.shared.u32 [$1], t; }",
+                        "l,l,b", has_side_effects=True)
+        mgpu.utils.warpgroup_barrier()
+
+    copy(src_ref, dst_ref)
+
+
 def _check_rows(q_rows, valid_rows):
     rows, V = q_rows.shape[1], valid_rows
     if V is None or not (0 < V <= NARROW_MAX_ROWS and V % 8 == 0) or rows not in (V, ROWS):
@@ -157,7 +175,7 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
         sp = lax.axis_index("split")
         wg = lax.axis_index("wg")
         rem, nbp, lo, n_whole, n_cache, n_all = _block_steps(plen_ref[b], TB, sp, NS, BK)
-        if balance_blocks:  # taken[0][slot]: the block id the producer took for a ring position (>= nb: none)
+        if balance_blocks:  # taken[0][slot]: the block id taken for a ring position (>= nb: none); taken[1]: the next
             nb = plen_ref[b] // BK
             n_tail_part = jnp.where(sp == NS - 1, (rem > 0).astype(jnp.int32), 0)
             n_tail = jnp.where(sp == NS - 1, n_tail_part + TB, 0)
@@ -172,6 +190,11 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
                                   BK)
                 return
 
+            # the next position's block is taken right after a copy is issued, so the atomic's round trip
+            # overlaps the wait for a free slot instead of delaying the copy
+            next_cell = taken[1].at[pl.ds(0, 1)]
+            _take_next_block(counters.at[pl.ds(b, 1)], next_cell)
+
             def take_one(c):
                 pos, _ = c
                 slot = lax.rem(pos, stages)
@@ -181,12 +204,13 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
                     with jax.named_scope("slot_wait"):
                         plgpu.barrier_wait(consumed_bars.at[slot])
 
-                _take_next_block(counters.at[pl.ds(b, 1)], taken[0].at[pl.ds(slot, 1)])
+                _copy_word(next_cell, taken[0].at[pl.ds(slot, 1)])
                 blk = taken[0][slot]
 
                 @pl.when(blk < nb)
                 def _():
                     plgpu.copy_gmem_to_smem(kv_ref.at[b, pl.ds(blk * BK, BK)], k_smem.at[slot], k_bars.at[slot])
+                    _take_next_block(counters.at[pl.ds(b, 1)], next_cell)
 
                 @pl.when(blk >= nb)
                 def _():  # no block left: the position completes with no bytes
@@ -321,7 +345,7 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
             plgpu.Barrier(num_barriers=1),
             plgpu.Barrier(num_barriers=stages),
             plgpu.Barrier(num_barriers=stages),
-            *([plgpu.SMEM((stages,), jnp.int32)] if balance_blocks else []),
+            *([plgpu.SMEM((stages,), jnp.int32), plgpu.SMEM((1,), jnp.int32)] if balance_blocks else []),
         ),
         grid=(B, NS), grid_names=("stream", "split"),
         num_threads=2, thread_name="wg",
