@@ -113,6 +113,18 @@ def test_default_kernel_is_narrow_up_to_32_rows_and_its_shared_memory_count():
     assert "narrow_body" in lowered.trace(*k26_spec(2, 1, 8, 1024)).lower(lowering_platforms=("cuda",)).as_text()
 
 
+def test_partials_of_the_narrow_kernel_get_the_rows_unpadded(monkeypatch):
+    """``tree_attention_mgpu(kernel=functools.partial(split_attention_narrow, ...))`` (e.g. with the profiler on)
+    hands the kernel the V real query rows, as for the kernel itself: no padded 64-row copy of q."""
+    def no_padding(*_):
+        raise AssertionError("q padded to 64-row tiles for the narrow kernel")
+    monkeypatch.setattr(M, "fold_rows", no_padding)
+    kernel = functools.partial(split_attention_narrow, stages=2)
+    f = jax.jit(functools.partial(M.tree_attention_mgpu, scale=K26["scale"], kv_lora_rank=K26["L"], num_splits=2,
+                                  kernel=kernel))
+    assert "narrow_body" in f.trace(*k26_spec(2, 4, 8, 1024)).lower(lowering_platforms=("cuda",)).as_text()
+
+
 def test_errors():
     C, L = K26["C"], K26["L"]
     q = jnp.zeros((1, 64, C), jnp.bfloat16)
