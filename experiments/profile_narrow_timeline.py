@@ -74,7 +74,7 @@ def program_timelines(trace: dict, clock_ghz: float, traces_per_program: int = 2
         if not cons:
             continue
         t0 = cons[0][1]  # start_ns / 1e3: the first event is at cycle 0
-        us = lambda ts: (ts - t0) * 1e3 / clock_ghz / 1e3  # noqa: E731 - cycles since the first event -> µs
+        us = lambda ts: (ts - t0) / clock_ghz  # noqa: E731 - (ts - t0) * 1e3 cycles since the first event -> µs
         blocks = [r for r in cons if r[0] in BLOCK_REGIONS]
         per_block = {name: [us(e) - us(b) for n, b, e in blocks if n == name] for name in BLOCK_REGIONS}
         k_waits = [(b, e) for n, b, e in blocks if n == "k_wait"]
