@@ -22,7 +22,10 @@ Where each kernel's warps wait, instruction by instruction (warp stall sampling)
     ncu --clock-control none -k regex:narrow_body --section SourceCounters --section WarpStateStats \
         -o $OUT/narrow python experiments/ncu_kernels.py --what attention
     ncu -i $OUT/narrow.ncu-rep --page source --csv --print-source sass > $OUT/src.csv
-    PYTHONPATH=. python experiments/ncu_kernels.py --summarize-source $OUT/src.csv --out $OUT  # ncu_source.json
+    PYTHONPATH=. python experiments/ncu_kernels.py --summarize-source $OUT/src.csv --commit C --out $OUT
+
+(``ncu_source.json``: the summaries under ``kernels``, with the hardware, JAX version and commit of the run;
+run it on the device, in the same lease as the profile.)
 
 The CSV holds every SASS instruction of every launch (MBs); ``summarize_source_csv`` keeps per launch the
 stall reasons' shares, ``dump_isa.wgmma_waits`` (HGMMAs, ``WARPGROUP.DEPBAR``s and the HGMMA pairs with a
@@ -168,16 +171,15 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="writes ncu_cases.json (the case order) here")
     ap.add_argument("--summarize-source", default=None, metavar="CSV",
                     help="only summarise this ncu --page source CSV (to --out/ncu_source.json and stdout)")
+    ap.add_argument("--commit", default=None, help="code commit to record (the device copy of the tree has no .git)")
     args = ap.parse_args(argv)
     if args.summarize_source:
         with open(args.summarize_source) as fh:
             summary = summarize_source_csv(fh.read())
-        text = json.dumps(summary, indent=1)
         if args.out:
-            os.makedirs(args.out, exist_ok=True)
-            with open(os.path.join(args.out, "ncu_source.json"), "w") as fh:
-                fh.write(text)
-        print(text)
+            from experiments.bench_util import write_result
+            write_result("ncu_source", {"code_commit": args.commit, "kernels": summary}, out_dir=args.out)
+        print(json.dumps(summary, indent=1))
         return
     what = set(args.what.split(","))
     unknown = what - {"moe", "layer_m1", "attention"}

@@ -559,8 +559,8 @@ def tree_attention_mgpu(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, k
         narrow = valid_rows is not None and valid_rows <= NARROW_MAX_ROWS and block_k == 64 and L + 64 <= C
         kernel = split_attention_narrow if narrow else split_attention
     # the narrow kernel takes the V real rows as they are (no padded copy of q); the others whole 64-row tiles
-    narrow = split_attention_narrow in (kernel, getattr(kernel, "func", None))  # the kernel or a partial of it
-    qr = q.reshape(B, N, C) if narrow else fold_rows(q, ROWS)
+    takes_real_rows = split_attention_narrow in (kernel, getattr(kernel, "func", None))  # or a partial of it
+    qr = q.reshape(B, N, C) if takes_real_rows else fold_rows(q, ROWS)
     keys, bits = tree_inputs(tree_kv, tree_mask, H, qr.shape[1], block_k)
     stage_kw = {} if stages is None else {"stages": stages}
     o, lse = kernel(qr, cache_kv, plen, keys, bits, scale=scale, kv_lora_rank=L, block_k=block_k,

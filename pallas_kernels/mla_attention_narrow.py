@@ -96,9 +96,10 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
     signature and unused (one consumer).
 
     ``profile_dir`` (a diagnostic): Mosaic GPU's on-device profiler records up to ``profile_regions`` named
-    regions per warpgroup (the consumer's ``q_wait``, then per block ``k_wait``, ``scores``, ``softmax``, ``pv``,
-    then ``epilogue`` of ``normalize``, ``store_smem``, ``store_gmem``; the producer's ``slot_wait``) and writes a Chrome trace of each call into that folder
-    (``experiments/profile_narrow_timeline.py`` reads it). Without it the kernel is the same, byte for byte."""
+    regions per warpgroup (the consumer's ``q_wait``, then per block ``k_wait``, ``scores``, ``softmax``,
+    ``pv``, then ``epilogue`` of ``normalize``, ``store_smem``, ``store_gmem``; the producer's ``slot_wait``)
+    and writes a Chrome trace of each call into that folder (``experiments/profile_narrow_timeline.py`` reads
+    it). Without it the kernel is the same, byte for byte."""
     del share_scores
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.mosaic_gpu is not available in this JAX")

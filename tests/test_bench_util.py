@@ -151,7 +151,7 @@ def test_parse_ncu_csv_details_and_raw():
         parse_ncu_csv("==ERR== nothing profiled\n")
 
 
-def test_summarize_ncu_source_csv():
+def test_summarize_ncu_source_csv(tmp_path):
     from experiments.ncu_kernels import summarize_source_csv
 
     head = ('"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed","stall_long_sb",'
@@ -172,6 +172,14 @@ def test_summarize_ncu_source_csv():
     assert second["samples"] == 0 and second["stall_share_pct"] == {}
     with pytest.raises(ValueError, match="Kernel Name"):
         summarize_source_csv('"ID","Kernel Name"\n')
+    # the command line writes the summaries with the run's provenance
+    from experiments.ncu_kernels import main
+    src = tmp_path / "src.csv"
+    src.write_text(text)
+    main(["--summarize-source", str(src), "--commit", "abc1234", "--out", str(tmp_path)])
+    record = json.loads((tmp_path / "ncu_source.json").read_text())
+    assert record["commit"] == "abc1234" and record["hardware"]["jax"] == jax.__version__
+    assert record["kernels"] == summarize_source_csv(text)
 
 
 def test_dump_isa_counts_waits_between_hgmmas():
