@@ -13,7 +13,8 @@ Modes
                 and its XLA twin beside it); says where a small problem's time goes.
   --points "H,B,T,P;..."  the points of --mode parts or splits instead of GRID / SPLIT_SHAPES.
   --mode splits the Mosaic GPU kernel at memory-bound points (``SPLIT_SHAPES``) with its default split
-                count and 1/2, 1/4, 1/8 of it: whether fewer, longer splits beat the merge's cost.
+                count and 1/2, 1/4, 1/8 of it (``--split-factors``): whether fewer, longer splits beat the
+                merge's cost, or (factors above 1) more programs than SMs even out their ends.
 
 ``--padded-tree`` hands the ops the tree latents padded to whole 64-key blocks, as the model does.
 
@@ -63,7 +64,10 @@ KERNELS = {"triton": tree_attention,
            "mgpu_redundant": functools.partial(tree_attention_mgpu, kernel=M.split_attention, share_scores=False),
            # decode points only (T*H a multiple of 8 up to 32): keys as wgmma's M, the query rows as N
            "mgpu_narrow": functools.partial(tree_attention_mgpu, kernel=split_attention_narrow),
-           "mgpu_narrow_2stage": functools.partial(tree_attention_mgpu, kernel=split_attention_narrow, stages=2)}
+           "mgpu_narrow_2stage": functools.partial(tree_attention_mgpu, kernel=split_attention_narrow, stages=2),
+           # the whole cache blocks taken one at a time from a per-stream counter (an experiment)
+           "mgpu_narrow_balanced": functools.partial(
+               tree_attention_mgpu, kernel=functools.partial(split_attention_narrow, balance_blocks=True))}
 
 C, L, SCALE = 576, 512, 0.14468
 L2_BYTES = 60 * 2**20
@@ -315,6 +319,9 @@ def main():
                     help="code commit to record (the device copy of the tree has no .git)")
     ap.add_argument("--smoke", action="store_true", help="CPU smoke: tiny shapes, interpret mode")
     ap.add_argument("--no-check-above", type=int, default=8192, help="skip parity for P above this")
+    ap.add_argument("--split-factors", type=lambda v: [float(f) for f in v.split(",")], default=[1, 0.5, 0.25, 0.125],
+                    help="--mode splits: the split counts timed, as factors of the default (above 1: more programs "
+                         "than one wave of SMs)")
     ap.add_argument("--padded-tree", action="store_true",
                     help="hand the ops tree latents padded to whole 64-key blocks, as the model does")
     args = ap.parse_args()
@@ -402,13 +409,12 @@ def main():
                                ["H", "B", "T", "P", "floor_ms", "ms", "glue_ms", "kernel_ms", "merge_ms",
                                 "merge_xla_ms", "rest_ms"])
         return 0
-    if args.mode == "splits":  # the Mosaic GPU kernel at its default split count, and 1/2, 1/4, 1/8 of it
+    if args.mode == "splits":  # the Mosaic GPU kernel at its default split count times --split-factors
         if args.smoke or jax.default_backend() != "gpu":
             ap.error("--mode splits times the Mosaic GPU kernel, which runs on a Hopper GPU only")
         for H, B, T, P in (points or SPLIT_SHAPES)[args.start:]:
             default = M.splits_for(B, T, H, P)
-            for ns in sorted({default, max(1, default // 2), max(1, default // 4), max(1, default // 8)},
-                             reverse=True):
+            for ns in sorted({max(1, int(default * f)) for f in args.split_factors}, reverse=True):
                 if time.time() - t_start > args.budget_s:
                     break
                 cfg = dict(mgpu_cfg, num_splits=ns)
