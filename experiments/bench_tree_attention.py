@@ -64,10 +64,7 @@ KERNELS = {"triton": tree_attention,
            "mgpu_redundant": functools.partial(tree_attention_mgpu, kernel=M.split_attention, share_scores=False),
            # decode points only (T*H a multiple of 8 up to 32): keys as wgmma's M, the query rows as N
            "mgpu_narrow": functools.partial(tree_attention_mgpu, kernel=split_attention_narrow),
-           "mgpu_narrow_2stage": functools.partial(tree_attention_mgpu, kernel=split_attention_narrow, stages=2),
-           # the whole cache blocks taken one at a time from a per-stream counter (an experiment)
-           "mgpu_narrow_balanced": functools.partial(
-               tree_attention_mgpu, kernel=functools.partial(split_attention_narrow, balance_blocks=True))}
+           "mgpu_narrow_2stage": functools.partial(tree_attention_mgpu, kernel=split_attention_narrow, stages=2)}
 
 C, L, SCALE = 576, 512, 0.14468
 L2_BYTES = 60 * 2**20

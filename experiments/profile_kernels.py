@@ -73,8 +73,7 @@ def attention_case(H, B, T, P, kernel="mgpu", C=576, L=512, merge="kernel", padd
     else:
         from pallas_kernels.mla_attention_mgpu import split_attention
         from pallas_kernels.mla_attention_narrow import split_attention_narrow
-        split = {"mgpu": split_attention, "mgpu_narrow": split_attention_narrow,
-                 "mgpu_narrow_balanced": functools.partial(split_attention_narrow, balance_blocks=True)}[kernel]
+        split = {"mgpu": split_attention, "mgpu_narrow": split_attention_narrow}[kernel]
         fn = functools.partial(tree_attention_mgpu, scale=0.14468, kv_lora_rank=L, combine=combine, kernel=split)
     # prefix_len tied to q: each chained call clamps it and builds its inputs (fixed ones: once per chain)
     return (lambda q, cache, plen, tkv, mask: fn(q, cache, bench_util.tie_to(plen, q), tkv, mask)), \
@@ -231,12 +230,6 @@ def main(argv=None):
         "natt_T1_H8_B16_8K_padded": lambda: attention_case(8, 16, 1, 8192, kernel="mgpu_narrow", padded_tree=True),
         "natt_T1_H8_B1_64K_padded": lambda: attention_case(8, 1, 1, 65536, kernel="mgpu_narrow", padded_tree=True),
         "natt_T4_H8_B16_8K_padded": lambda: attention_case(8, 16, 4, 8192, kernel="mgpu_narrow", padded_tree=True),
-        "nbal_T1_H8_B16_8K_padded": lambda: attention_case(8, 16, 1, 8192, kernel="mgpu_narrow_balanced",
-                                                           padded_tree=True),
-        "nbal_T1_H8_B1_64K_padded": lambda: attention_case(8, 1, 1, 65536, kernel="mgpu_narrow_balanced",
-                                                           padded_tree=True),
-        "nbal_T4_H8_B16_8K_padded": lambda: attention_case(8, 16, 4, 8192, kernel="mgpu_narrow_balanced",
-                                                           padded_tree=True),
         # the model's attention block around the op (K2.6 width, 8 heads): the launches the model issues
         "mla_T1_H8_B16_8K": lambda: mla_case(16, 8192),
         "mla_T1_H8_B16_8K_wide": lambda: mla_case(16, 8192, kernel="wide"),

@@ -39,9 +39,6 @@ from pallas_kernels.mla_attention_mgpu import (MASKED, PARTIAL, ROWS, SMEM_LIMIT
 from pallas_kernels.tree_attention import _LN2, _LOG2E
 
 try:
-    import jax.experimental.mosaic.gpu as mgpu
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import llvm
     from jax.experimental.pallas import mosaic_gpu as plgpu
 except ImportError:  # pragma: no cover
     plgpu = None
@@ -75,41 +72,6 @@ def narrow_smem_bytes(V: int, C: int, block_k: int, stages: int, L: int = 512) -
     return stages * _aligned(2 * block_k * C) + q_or_out + _aligned(reduction_scratch_bytes(V)) + barriers
 
 
-def _take_next_block(counter_ref, out_ref):
-    """Inside the producer warpgroup: out_ref[0] = counter_ref[0]++ (one thread's global atomic add), visible to the
-    whole warpgroup on return."""
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))
-    def take(ctx, counter, out):
-        del ctx
-        i64 = ir.IntegerType.get_signless(64)
-        one_thread = mgpu.utils.single_thread_predicate(mgpu.utils.ThreadSubset.WARPGROUP)
-        llvm.inline_asm(ir.Type.parse("!llvm.void"),
-                        [mgpu.utils.memref_ptr(counter), llvm.ptrtoint(i64, mgpu.utils.memref_ptr(out)), one_thread],
-                        "{ .reg .u32 t; @$2 atom.relaxed.gpu.global.add.u32 t, [$0], 1; @$2 st.shared.u32 [$1], t; }",
-                        "l,l,b", has_side_effects=True)
-        mgpu.utils.warpgroup_barrier()
-
-    take(counter_ref, out_ref)
-
-
-def _copy_word(src_ref, dst_ref):
-    """Inside a warpgroup: dst_ref[0] = src_ref[0] (one int32 in shared memory, by one thread), visible to the whole
-    warpgroup on return."""
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))
-    def copy(ctx, src, dst):
-        del ctx
-        i64 = ir.IntegerType.get_signless(64)
-        one_thread = mgpu.utils.single_thread_predicate(mgpu.utils.ThreadSubset.WARPGROUP)
-        llvm.inline_asm(ir.Type.parse("!llvm.void"),
-                        [llvm.ptrtoint(i64, mgpu.utils.memref_ptr(src)), llvm.ptrtoint(i64, mgpu.utils.memref_ptr(dst)),
-                         one_thread],
-                        "{ .reg .u32 t; @$2 ld.shared.u32 t, [$0]; @$2 st.shared.u32 [$1], t; }",
-                        "l,l,b", has_side_effects=True)
-        mgpu.utils.warpgroup_barrier()
-
-    copy(src_ref, dst_ref)
-
-
 def _check_rows(q_rows, valid_rows):
     rows, V = q_rows.shape[1], valid_rows
     if V is None or not (0 < V <= NARROW_MAX_ROWS and V % 8 == 0) or rows not in (V, ROWS):
@@ -121,7 +83,7 @@ def _check_rows(q_rows, valid_rows):
 
 def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, kv_lora_rank, block_k=64,
                            stages=2, num_splits=1, share_scores=True, valid_rows=None, profile_dir=None,
-                           profile_regions=0, balance_blocks=False):
+                           profile_regions=0):
     """``mla_attention_mgpu.split_attention`` (same inputs, outputs and twin, ``split_attention_ref``) for
     V <= ``NARROW_MAX_ROWS`` query rows (module docstring).
 
@@ -134,15 +96,10 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
     signature and unused (one consumer).
 
     ``profile_dir`` (a diagnostic): Mosaic GPU's on-device profiler records up to ``profile_regions`` named
-    regions per warpgroup (the consumer's ``q_wait``, then per block ``k_wait``, ``scores``, ``softmax``, ``pv``,
-    then ``epilogue`` of ``normalize``, ``store_smem``, ``store_gmem``; the producer's ``slot_wait``) and writes a Chrome trace of each call into that folder
-    (``experiments/profile_narrow_timeline.py`` reads it). Without it the kernel is the same, byte for byte.
-
-    ``balance_blocks`` (an experiment): the whole cache blocks of a stream are not split into fixed ranges;
-    its NS programs take them one at a time from a per-stream counter (a global atomic), so a program that
-    gets its blocks faster takes more of them; the partial block and the tree blocks go to split NS - 1
-    after that. Which blocks a split holds then depends on timing: the merged result is the same up to
-    rounding, not bit for bit from run to run."""
+    regions per warpgroup (the consumer's ``q_wait``, then per block ``k_wait``, ``scores``, ``softmax``,
+    ``pv``, then ``epilogue`` of ``normalize``, ``store_smem``, ``store_gmem``; the producer's ``slot_wait``)
+    and writes a Chrome trace of each call into that folder (``experiments/profile_narrow_timeline.py`` reads
+    it). Without it the kernel is the same, byte for byte."""
     del share_scores
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.mosaic_gpu is not available in this JAX")
@@ -169,73 +126,18 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
     col_layout = plgpu.Layout.WGMMA.reduce(0)  # a [V] vector along sᵀ's and oᵀ's columns
 
     def narrow_body(plen_ref, q_ref, kv_ref, tkv_ref, bits_ref, o_ref, lse_ref, q_or_out, k_smem, q_bar, k_bars,
-                    consumed_bars, *taken):
+                    consumed_bars):
         q_smem, (o_smem, lse_smem) = q_or_out  # the output tile and LSE row reuse the query tile's memory
         b = lax.axis_index("stream")
         sp = lax.axis_index("split")
         wg = lax.axis_index("wg")
         rem, nbp, lo, n_whole, n_cache, n_all = _block_steps(plen_ref[b], TB, sp, NS, BK)
-        if balance_blocks:  # taken[0][slot]: the block id taken for a ring position (>= nb: none); taken[1]: the next
-            nb = plen_ref[b] // BK
-            n_tail_part = jnp.where(sp == NS - 1, (rem > 0).astype(jnp.int32), 0)
-            n_tail = jnp.where(sp == NS - 1, n_tail_part + TB, 0)
-            counters = pl.get_global(plgpu.SemaphoreType.REGULAR((B,)))
 
         @pl.when(wg == 1)
         def _producer():
             plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(0, V)], q_smem, q_bar)
 
-            if not balance_blocks:
-                stream_key_blocks(kv_ref, tkv_ref, b, lo, nbp, n_cache, n_all, k_smem, k_bars, consumed_bars, stages,
-                                  BK)
-                return
-
-            # the next position's block is taken right after a copy is issued, so the atomic's round trip
-            # overlaps the wait for a free slot instead of delaying the copy
-            next_cell = taken[1].at[pl.ds(0, 1)]
-            _take_next_block(counters.at[pl.ds(b, 1)], next_cell)
-
-            def take_one(c):
-                pos, _ = c
-                slot = lax.rem(pos, stages)
-
-                @pl.when(pos >= stages)
-                def _():
-                    with jax.named_scope("slot_wait"):
-                        plgpu.barrier_wait(consumed_bars.at[slot])
-
-                _copy_word(next_cell, taken[0].at[pl.ds(slot, 1)])
-                blk = taken[0][slot]
-
-                @pl.when(blk < nb)
-                def _():
-                    plgpu.copy_gmem_to_smem(kv_ref.at[b, pl.ds(blk * BK, BK)], k_smem.at[slot], k_bars.at[slot])
-                    _take_next_block(counters.at[pl.ds(b, 1)], next_cell)
-
-                @pl.when(blk >= nb)
-                def _():  # no block left: the position completes with no bytes
-                    plgpu.barrier_arrive(k_bars.at[slot])
-                return pos + 1, blk < nb
-
-            after, _ = lax.while_loop(lambda c: c[1], take_one, (jnp.int32(0), jnp.bool_(True)))
-
-            @pl.loop(0, n_tail)  # split NS - 1: the partial block, then the tree blocks
-            def _(i):
-                pos = after + i
-                slot = lax.rem(pos, stages)
-
-                @pl.when(pos >= stages)
-                def _():
-                    plgpu.barrier_wait(consumed_bars.at[slot])
-
-                @pl.when(i < n_tail_part)
-                def _():
-                    plgpu.copy_gmem_to_smem(kv_ref.at[b, pl.ds(nb * BK, BK)], k_smem.at[slot], k_bars.at[slot])
-
-                @pl.when(i >= n_tail_part)
-                def _():
-                    plgpu.copy_gmem_to_smem(tkv_ref.at[b, pl.ds((i - n_tail_part) * BK, BK)], k_smem.at[slot],
-                                            k_bars.at[slot])
+            stream_key_blocks(kv_ref, tkv_ref, b, lo, nbp, n_cache, n_all, k_smem, k_bars, consumed_bars, stages, BK)
 
         @pl.when(wg == 0)
         def _consumer():
@@ -246,13 +148,13 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
             # the warps (the max) instead of two
             l0 = plgpu.layout_cast(jnp.full((BK, V), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
-            def scores(j, slot, kind, t=None):  # sᵀ [BK, V], log2 units
+            def scores(j, slot, kind):  # sᵀ [BK, V], log2 units
                 def qk(s_ref):
                     plgpu.wgmma(s_ref, k_smem.at[slot], plgpu.transpose_ref(q_smem, (1, 0)))
                     return s_ref[...]
 
                 if kind == TREE:  # the tree block's mask words, straight from global memory (two per row)
-                    t = lo + j - nbp if t is None else t
+                    t = lo + j - nbp
                     row_words = [plgpu.load(bits_ref, (b, t * WB + w, pl.ds(0, V)), layout=col_layout,
                                             optimized=False)
                                  for w in range(WB)]
@@ -265,16 +167,15 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
                 return mask_tree_scores(s, key, row_words.__getitem__, row_dim=1)
 
             def flash_loop(acc_ref):  # oᵀ [L, V] starts at zero
-                def step(kind, j, carry, pos=None, t=None, wait=True):  # pos: the ring position (default j)
+                def step(kind, j, carry):
                     m, l = carry
-                    slot = lax.rem(j if pos is None else pos, stages)
-                    if wait:
-                        with jax.named_scope("k_wait"):
-                            plgpu.barrier_wait(k_bars.at[slot])
+                    slot = lax.rem(j, stages)
+                    with jax.named_scope("k_wait"):
+                        plgpu.barrier_wait(k_bars.at[slot])
                     with jax.named_scope("scores"):
                         if kind == PARTIAL:  # its value rows past the prefix: NaN-safe p·v
                             zero_rows_from(k_smem.at[slot, :, pl.ds(0, L)], rem, BK)
-                        s = scores(j, slot, kind, t)
+                        s = scores(j, slot, kind)
                     with jax.named_scope("softmax"):
                         m_new = jnp.maximum(m, s.max(axis=0))
                         alpha = jnp.exp2(m - m_new)
@@ -293,24 +194,6 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
                     plgpu.barrier_arrive(consumed_bars.at[slot])
                     return m_new, l
 
-                if balance_blocks:
-                    def has_block(pos):  # waits for ring position pos: a block, or none left
-                        slot = lax.rem(pos, stages)
-                        with jax.named_scope("k_wait"):
-                            plgpu.barrier_wait(k_bars.at[slot])
-                        return taken[0][slot] < nb
-
-                    def one_block(c):
-                        pos, m, l, _ = c
-                        m, l = step(WHOLE, pos, (m, l), wait=False)
-                        return pos + 1, m, l, has_block(pos + 1)
-
-                    last, m, l, _ = lax.while_loop(lambda c: c[3], one_block, (jnp.int32(0), m0, l0, has_block(0)))
-                    plgpu.barrier_arrive(consumed_bars.at[lax.rem(last, stages)])  # the position with no block
-                    carry = lax.fori_loop(0, n_tail_part, lambda i, c: step(PARTIAL, i, c, pos=last + 1 + i), (m, l))
-                    carry = lax.fori_loop(n_tail_part, n_tail, lambda i, c: step(
-                        TREE, i, c, pos=last + 1 + i, t=i - n_tail_part), carry)
-                    return (acc_ref[...],) + carry
                 carry = lax.fori_loop(0, n_whole, functools.partial(step, WHOLE), (m0, l0))
                 carry = lax.fori_loop(n_whole, n_cache, functools.partial(step, PARTIAL), carry)  # 0 or 1 block
                 carry = lax.fori_loop(n_cache, n_all, functools.partial(step, TREE), carry)
@@ -345,7 +228,6 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
             plgpu.Barrier(num_barriers=1),
             plgpu.Barrier(num_barriers=stages),
             plgpu.Barrier(num_barriers=stages),
-            *([plgpu.SMEM((stages,), jnp.int32), plgpu.SMEM((1,), jnp.int32)] if balance_blocks else []),
         ),
         grid=(B, NS), grid_names=("stream", "split"),
         num_threads=2, thread_name="wg",
