@@ -26,6 +26,10 @@ rotating over enough cache copies that the working set is > 2x the 60 MB L2 wher
 gaps included). ``ms_chained`` is the wall-clock figure, (median of the program - median of the same
 program with one call) / (n - 1), which session 5 reported as ``ms``: it also holds host work per call
 that the GPU does not wait for inside one program. ``ms_with_launch`` is the n-call median / n.
+``op_ms`` (Mosaic GPU kernels, since session 22) is the op's own device time per call from the same trace
+(median over calls of its attention kernel's start to its merge's end, ``bench_util.op_spans``): without
+the chain's tie (a one-element copy and the NaN check, ~2 µs a call, which a model does not run) and the
+launch gap before the kernel; ``pct_floor_op`` is the floor's share of it.
 Roofline: bytes = valid cache rows + q + tree_kv + output, read/written once; FLOPs = 2*B*T*H*(P+T)*(C+L).
 Floors use the copy bandwidth and bf16 matmul rate measured in the same run (bench_util).
 
@@ -252,10 +256,18 @@ def parity(fn, inputs, key):
     return float(np.linalg.norm(o - r) / np.linalg.norm(r))
 
 
-def device_time(fn, inputs, calls=8):
-    """Seconds per call on the device from a profiler trace of ``chained`` (the cache copies rotate)."""
+def is_mgpu_op_kernel(name: str) -> bool:
+    """The Mosaic GPU op's own kernels in a profiler trace: the attention kernel and the splits' merge."""
+    return "mosaic_gpu" in name or name.startswith("combine_splits")
+
+
+def device_time(fn, inputs, calls=8, op_kernels=None):
+    """Seconds per call on the device from a profiler trace of ``chained`` (the cache copies rotate), and
+    with ``op_kernels`` (a name predicate) the op's own median span per call (``bench_util.op_spans``), else
+    None."""
     q, caches, plen, tkv, mask = inputs
-    return bench_util.traced_call_time(fn, (q, caches, plen, tkv, mask), calls, chain=chained)["span_s"]
+    r = bench_util.traced_call_time(fn, (q, caches, plen, tkv, mask), calls, chain=chained, op_kernels=op_kernels)
+    return r["span_s"], r.get("op_span_s")
 
 
 def bench_point(H, B, T, P, cfg, bw, peak, with_xla=True, check=True, repeats=5, bw_jax=None, kernel="triton",
@@ -274,11 +286,14 @@ def bench_point(H, B, T, P, cfg, bw, peak, with_xla=True, check=True, repeats=5,
     t_chained, n, t_program = time_op(kern, inputs, floor_s, repeats)
     if with_trace is None:  # a CPU trace holds the host's thunks, not interpret mode's callbacks
         with_trace = jax.default_backend() == "gpu"
-    t = device_time(kern, inputs) if with_trace else t_chained
+    t, t_op = device_time(kern, inputs, op_kernels=is_mgpu_op_kernel if kernel.startswith("mgpu") else None) \
+        if with_trace else (t_chained, None)
     row.update(ms=t * 1e3, ms_chained=t_chained * 1e3, calls_per_program=n, ms_with_launch=t_program * 1e3,
                tflops=flops / t / 1e12, tbps=nbytes / t / 1e12,
                pct_bw=100 * nbytes / t / bw, pct_peak=100 * flops / t / peak,
                pct_floor=100 * floor_s / t)
+    if t_op is not None:
+        row.update(op_ms=t_op * 1e3, pct_floor_op=100 * floor_s / t_op)
     if bw_jax:
         row["pct_bw_jaxcopy"] = 100 * nbytes / t / bw_jax
     if bw_traced:
@@ -421,8 +436,8 @@ def main():
                         dict(H=H, B=B, T=T, P=P, cfg=cfg, kernel="mgpu"), mode="splits", num_splits=ns,
                         default_splits=default)
         bench_util.print_table([r for r in rows if "error" not in r],
-                               ["H", "B", "T", "P", "num_splits", "default_splits", "ms", "floor_ms", "pct_bw",
-                                "pct_bw_traced", "rel_err"])
+                               ["H", "B", "T", "P", "num_splits", "default_splits", "ms", "op_ms", "floor_ms",
+                                "pct_bw", "pct_floor_op", "rel_err"])
         return 0
     if args.mode == "both":  # sweep first, then the grid with the best sweep config per regime
         sweep_budget = args.budget_s * 0.45
@@ -455,8 +470,8 @@ def main():
     if args.extra_s > 0:
         run_points(EXTRA, "sweep", args.budget_s + args.extra_s)
     save()
-    cols = ["kernel", "H", "B", "T", "P", "bound", "ms", "floor_ms", "pct_bw", "pct_bw_traced", "pct_peak", "tflops",
-            "tbps", "xla_ms", "speedup", "rel_err", "wall_s"]
+    cols = ["kernel", "H", "B", "T", "P", "bound", "ms", "op_ms", "floor_ms", "pct_bw", "pct_floor_op", "pct_peak",
+            "tflops", "tbps", "xla_ms", "speedup", "rel_err", "wall_s"]
     for r in rows:
         if "error" in r:
             r["ms"] = "ERR"

@@ -149,8 +149,23 @@ def largest_gaps(events, n: int) -> list[list]:
     return sorted(gaps, key=lambda g: -g[0])[:n]
 
 
+def op_spans(events, is_op: Callable[[str], bool], calls: int) -> list[float]:
+    """Per call, the op's own device time in seconds: from its first kernel's start to its last kernel's end.
+    ``events``: one device's (name, start_ns, duration_ns, ...) sorted by start; ``is_op`` picks the op's
+    kernels by name, and every call must launch the same number of them, in order (a chain's calls do not
+    overlap), so the k-th group of them is call k. What runs between calls (a chain's tie kernels, the launch
+    gap before the op's first kernel) is outside every span; what runs between the op's own kernels is
+    inside. ValueError when the op's launches do not split evenly into ``calls``."""
+    ops = [e for e in events if is_op(e[0])]
+    if not ops or len(ops) % calls:
+        raise ValueError(f"{len(ops)} launches of the op's kernels do not split evenly into {calls} calls")
+    k = len(ops) // calls
+    groups = [ops[i * k:(i + 1) * k] for i in range(calls)]
+    return [(max(s + d for _, s, d, *_ in g) - g[0][1]) / 1e9 for g in groups]
+
+
 def traced_call_time(fn: Callable, args: tuple, calls: int = 8, chain: Callable = None,
-                     gaps: int = 4) -> dict[str, Any]:
+                     gaps: int = 4, op_kernels: Callable[[str], bool] | None = None) -> dict[str, Any]:
     """Device time per call of ``fn(*args)`` from a profiler trace of a chain of ``calls`` dependent calls
     (``chain(fn, calls)``, default ``dependent_chain``; a benchmark passes its own to rotate inputs).
 
@@ -161,7 +176,10 @@ def traced_call_time(fn: Callable, args: tuple, calls: int = 8, chain: Callable 
     seconds, slowest first) and launches_us (every launch's microseconds, for names launched every call).
     The host's work (dispatch, per-launch setup) shows only as idle gaps when the GPU waits for it:
     largest_gaps_us lists each device's ``gaps`` longest gaps over the whole chain (µs, the kernel
-    before, the kernel after), to tell a launch skew at the start from waits between kernels."""
+    before, the kernel after), to tell a launch skew at the start from waits between kernels.
+    ``op_kernels`` (a predicate on kernel names): also op_span_s, the median over calls of the op's own
+    span on the slowest device (``op_spans``: the chain's tie kernels and the gap before the op left out),
+    and op_spans_us, every call's."""
     events = trace_kernel_events((chain or dependent_chain)(fn, calls), args)
     if not events:
         raise RuntimeError("the profiler trace holds no kernel events")
@@ -175,7 +193,11 @@ def traced_call_time(fn: Callable, args: tuple, calls: int = 8, chain: Callable 
     for name, _, dur, _ in events:
         per_name.setdefault(name, []).append(dur)
     n_dev, per = len(per_device), calls * len(per_device)
-    return {"calls": calls, "devices": n_dev, "span_s": span / calls / 1e9, "busy_s": busy / calls / 1e9,
+    op = {}
+    if op_kernels is not None:
+        spans_s = op_spans(per_device[slowest], op_kernels, calls)
+        op = {"op_span_s": float(np.median(spans_s)), "op_spans_us": [round(x * 1e6, 2) for x in spans_s]}
+    return {**op, "calls": calls, "devices": n_dev, "span_s": span / calls / 1e9, "busy_s": busy / calls / 1e9,
             "idle_s": (span - busy) / calls / 1e9,
             "span_per_device_s": [spans[dev][0] / calls / 1e9 for dev in sorted(spans)],
             "largest_gaps_us": [largest_gaps(per_device[dev], gaps) for dev in sorted(per_device)],

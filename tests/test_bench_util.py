@@ -66,6 +66,30 @@ def test_traced_call_time_spans_each_device_on_its_own_clock(monkeypatch):
     assert bench_util.largest_gaps(overlapping, 3) == [[2.0, "x", "z"]]
 
 
+def test_op_spans_leave_out_what_runs_between_calls():
+    """Two calls of an op of two kernels (k, m) with a tie kernel between calls: each call's span runs from
+    its k's start to its m's end (the 1 us gap inside the op counts, the tie and the gap before k do not);
+    launches that do not split evenly into the calls are an error, not a guess."""
+    ev = [("k", 0, 3000), ("m", 4000, 1000), ("tie", 6000, 2000), ("k", 9000, 3000), ("m", 12000, 2000)]
+    is_op = lambda n: n in ("k", "m")  # noqa: E731
+    assert bench_util.op_spans(ev, is_op, 2) == pytest.approx([5e-6, 5e-6])
+    assert bench_util.op_spans(ev[:-1], lambda n: n == "k", 2) == pytest.approx([3e-6, 3e-6])
+    with pytest.raises(ValueError, match="do not split evenly"):
+        bench_util.op_spans(ev[:-1], is_op, 2)
+    with pytest.raises(ValueError, match="do not split evenly"):
+        bench_util.op_spans(ev, lambda n: n == "absent", 2)
+
+
+def test_traced_call_time_reports_the_op_span(monkeypatch):
+    events = [("k", 0, 3000, "/device:GPU:0"), ("tie", 3500, 1000, "/device:GPU:0"), ("k", 5000, 2000, "/device:GPU:0"),
+              ("tie", 7500, 1000, "/device:GPU:0")]
+    monkeypatch.setattr(bench_util, "trace_kernel_events", lambda program, args: events)
+    r = bench_util.traced_call_time(lambda a: a, (None,), calls=2, chain=lambda fn, n: fn, op_kernels=lambda n: n == "k")
+    assert r["span_s"] == pytest.approx(4.25e-6)
+    assert r["op_span_s"] == pytest.approx(2.5e-6) and r["op_spans_us"] == [3.0, 2.0]
+    assert "op_span_s" not in bench_util.traced_call_time(lambda a: a, (None,), calls=2, chain=lambda fn, n: fn)
+
+
 def test_traced_call_time_takes_a_chain_builder():
     built = []
 
