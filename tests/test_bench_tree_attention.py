@@ -1,0 +1,18 @@
+"""The tree-attention benchmark's measuring path on the CPU: a point with the profiler-trace timing and XLA's
+masked attention beside it yields every column (a bug there once turned every XLA figure into an error)."""
+
+import math
+
+from experiments import bench_tree_attention as bench
+from pallas_kernels.tree_attention import tree_attention_ref
+
+
+def test_bench_point_with_trace_and_xla(monkeypatch):
+    monkeypatch.setitem(bench.KERNELS, "twin", tree_attention_ref)
+    row = bench.bench_point(2, 1, 3, 64, {}, bw=1e11, peak=1e12, kernel="twin", with_trace=True, check=True,
+                            repeats=1)
+    assert "xla_error" not in row
+    for key in ("ms", "ms_chained", "xla_ms", "xla_ms_chained", "speedup"):
+        assert math.isfinite(row[key]) and row[key] > 0, key
+    assert row["rel_err"] < 1e-2  # the twin on bf16 inputs against itself in f32
+    assert math.isclose(row["speedup"], row["xla_ms"] / row["ms"])
