@@ -349,15 +349,20 @@ def main():
         global GRID, SWEEP_SHAPES, SWEEP_CFGS, SWEEP_SPLITS
         GRID, SWEEP_SHAPES = [(8, 1, 1, 128), (8, 2, 8, 128)], [(8, 1, 1, 128)]
         SWEEP_CFGS, SWEEP_SPLITS = [dict(block_k=32, interpret=True), dict(block_k=16, interpret=True)], []
-        tbw, bw, peak, traced_bw = None, 1e11, 1e12, None
+        tbw, bw, chained_peak, traced_peak, traced_bw = None, 1e11, 1e12, None, None
         EXTRA.clear()
     else:
+        on_gpu = jax.default_backend() == "gpu"
         tbw = bench_util.measure_torch_copy_bandwidth()
         bw = bench_util.measure_copy_bandwidth()
-        peak = bench_util.measure_bf16_peak()
-        traced_bw = bench_util.measure_traced_copy_bandwidth() if jax.default_backend() == "gpu" else None
+        chained_peak = bench_util.measure_bf16_peak()
+        traced_peak = bench_util.measure_traced_bf16_peak() if on_gpu else None
+        traced_bw = bench_util.measure_traced_copy_bandwidth() if on_gpu else None
+    # Compute ceiling: the larger of the two measured matmul peaks (a ceiling is the best seen)
+    peak = max(chained_peak, traced_peak or 0.0)
     print(f"copy bw (jax) {bw/1e12:.2f} TB/s, torch copy {(tbw or 0)/1e12:.2f} TB/s, traced XLA copy "
-          f"{(traced_bw or 0)/1e12:.2f} TB/s, bf16 peak {peak/1e12:.0f} TFLOP/s", flush=True)
+          f"{(traced_bw or 0)/1e12:.2f} TB/s, bf16 peak {chained_peak/1e12:.0f} TFLOP/s chained, "
+          f"{(traced_peak or 0)/1e12:.0f} traced", flush=True)
     # Bandwidth ceiling: the larger of the two measured copies (bench_util's jitted a+1 measured
     # 2.08 TB/s on the H200 against PyTorch's 4.24 TB/s device copy, so it would flatter us).
     bw_jax = bw
@@ -371,6 +376,7 @@ def main():
         name = args.name or (f"bench_tree_attention_{args.mode}" + (f"_from{args.start}" if args.start else ""))
         payload = dict(mode=args.mode, copy_bw_Bps=bw, jax_copy_bw_Bps=bw_jax, torch_copy_bw_Bps=tbw,
                        traced_copy_bw_Bps=traced_bw, bf16_peak_flops=peak,
+                       chained_bf16_peak_flops=chained_peak, traced_bf16_peak_flops=traced_peak,
                        dims=dict(C=C, L=L, scale=SCALE), code_commit=args.commit, rows=rows)
         bench_util.write_result(name, payload, out_dir=args.out)
 

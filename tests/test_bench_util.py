@@ -230,3 +230,16 @@ def test_profile_floor_cases_build():
     assert "mosaic_gpu" in jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     fn, args = read_case(16, 64)
     np.testing.assert_array_equal(np.asarray(fn(*args)), np.full(64, 16.0, np.float32))
+
+
+def test_traced_bf16_peak_counts_a_products_flops_over_its_traced_time(monkeypatch):
+    """2 n^3 FLOPs over the traced span per call, the best over sizes."""
+    spans = {64: 1e-6, 128: 4e-6}
+    monkeypatch.setattr(bench_util, "traced_call_time",
+                        lambda fn, args, calls: {"span_s": spans[args[0].shape[0]]})
+    assert bench_util.measure_traced_bf16_peak(sizes=(64, 128)) == pytest.approx(2 * 128**3 / 4e-6)
+
+
+def test_traced_bf16_peak_runs_on_the_host():
+    peak = bench_util.measure_traced_bf16_peak(sizes=(64,), calls=2)
+    assert np.isfinite(peak) and peak > 0
