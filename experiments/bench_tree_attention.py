@@ -65,8 +65,6 @@ from pallas_kernels.tree_attention import (default_config, fold_rows, tree_atten
 KERNELS = {"triton": tree_attention,
            "mgpu": tree_attention_mgpu,  # its default kernel: narrow for T*H <= 32 rows, else wide
            "mgpu_wide": functools.partial(tree_attention_mgpu, kernel=M.split_attention),
-           "mgpu_pairs": functools.partial(tree_attention_mgpu,
-                                           kernel=functools.partial(M.split_attention, tile_pairs=True)),
            "mgpu_redundant": functools.partial(tree_attention_mgpu, kernel=M.split_attention, share_scores=False),
            # decode points only (T*H a multiple of 8 up to 32): keys as wgmma's M, the query rows as N
            "mgpu_narrow": functools.partial(tree_attention_mgpu, kernel=split_attention_narrow),

@@ -193,14 +193,12 @@ def unpack_bits(bits, keys: int):
 
 
 def stream_key_blocks(kv_ref, tkv_ref, b, lo, nb, n_cache, n_all, k_smem, k_bars, consumed_bars, stages: int,
-                      block_k: int, on_tree_block=None, collective_axes=None):
+                      block_k: int, on_tree_block=None):
     """A producer warpgroup's ring of key blocks, inside a Mosaic GPU kernel: step j in [0, n_cache) copies
     cache block lo + j of stream b, step j in [n_cache, n_all) tree block t = lo + j - nb (``nb`` = the cache
     blocks read), each into slot j % stages (``k_smem``, arriving on ``k_bars``) once the consumers have freed
     it (``consumed_bars``); ``on_tree_block(t, slot)`` issues a tree block's further copies (its mask words).
-    A cache block may reach past the cache's S rows: the TMA unit fills those rows with zeros. With
-    ``collective_axes`` (a cluster axis) each program of the cluster copies its share of every block and
-    the TMA unit writes it to all of them (multicast): ``consumed_bars`` must then be cluster barriers."""
+    A cache block may reach past the cache's S rows: the TMA unit fills those rows with zeros."""
     @pl.loop(0, n_all)
     def _(j):
         slot = lax.rem(j, stages)
@@ -213,13 +211,12 @@ def stream_key_blocks(kv_ref, tkv_ref, b, lo, nb, n_cache, n_all, k_smem, k_bars
         @pl.when(j < n_cache)
         def _():
             plgpu.copy_gmem_to_smem(kv_ref.at[b, pl.ds((lo + j) * block_k, block_k)], k_smem.at[slot],
-                                    k_bars.at[slot], collective_axes=collective_axes)
+                                    k_bars.at[slot])
 
         @pl.when(j >= n_cache)
         def _():
             t = lo + j - nb
-            plgpu.copy_gmem_to_smem(tkv_ref.at[b, pl.ds(t * block_k, block_k)], k_smem.at[slot], k_bars.at[slot],
-                                    collective_axes=collective_axes)
+            plgpu.copy_gmem_to_smem(tkv_ref.at[b, pl.ds(t * block_k, block_k)], k_smem.at[slot], k_bars.at[slot])
             if on_tree_block is not None:
                 on_tree_block(t, slot)
 
@@ -271,7 +268,7 @@ def _split_range(nb, tree_blocks: int, sp, num_splits: int):
 
 
 def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, kv_lora_rank, block_k=64,
-                    stages=2, num_splits=1, share_scores=True, valid_rows=None, tile_pairs=False):
+                    stages=2, num_splits=1, share_scores=True, valid_rows=None):
     """The Mosaic GPU kernel: attention of 64-row query tiles over each stream's prefix, read in place from
     the cache, and its tree, in NS splits.
 
@@ -285,12 +282,6 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
     natural log), each split normalised on its own; a row that sees no key in a split has o = 0 and lse =
     -inf there. V = ``valid_rows``: Np by default, or with one 64-row tile the first V rows (a multiple of
     8), so that a decode step of few heads writes and merges only its real rows' partials.
-
-    ``tile_pairs``: the programs of tiles 2i and 2i + 1 (same stream and split, so the same key blocks) run
-    as a cluster of two, and each key block is read from memory once for both: each program copies half of
-    it and the TMA unit writes it into both programs' shared memory. A slot is refilled only once all four
-    consumers of the pair have freed it (cluster barriers). Needs an even number of tiles: a budget-8 tree
-    under 8 heads (T = 9, H = 8: 72 rows) is two tiles, and reads its prefix once instead of twice.
     """
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.mosaic_gpu is not available in this JAX")
@@ -313,10 +304,6 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
     scale_log2 = float(scale) * _LOG2E
     n_tiles, TB = Np // ROWS, TP // BK
     V = _check_valid_rows(valid_rows, Np)
-    pairs = bool(tile_pairs)
-    if pairs and n_tiles % 2:
-        raise ValueError(f"tile_pairs needs an even number of {ROWS}-row tiles, got {n_tiles}")
-    multicast = ("pair",) if pairs else None
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
     def body(plen_ref, q_ref, kv_ref, tkv_ref, bits_ref, o_ref, lse_ref, qo_smem, k_smem, bits_smem, p_smem,
@@ -324,7 +311,7 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
         lse_smem = stat_smem.at[2]  # stat rows: 0 the step's alpha, 1 the final l (shared scores), 2 the LSE
         q_smem, o_smem = qo_smem  # the output tile reuses the query tile's shared memory
         b = lax.axis_index("stream")
-        tile = lax.axis_index("tile") * 2 + lax.axis_index("pair") if pairs else lax.axis_index("tile")
+        tile = lax.axis_index("tile")
         sp = lax.axis_index("split")
         wg = lax.axis_index("wg")
         rem, nbp, lo, n_whole, n_cache, n_all = _block_steps(plen_ref[b], TB, sp, NS, BK)
@@ -339,7 +326,7 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
                                         bits_smem.at[slot], bits_bars.at[slot])
 
             stream_key_blocks(kv_ref, tkv_ref, b, lo, nbp, n_cache, n_all, k_smem, k_bars, consumed_bars, stages, BK,
-                              on_tree_block=copy_mask_words, collective_axes=multicast)
+                              on_tree_block=copy_mask_words)
 
         def consumer(half):
             scores_here = half == 0 or not share_scores  # this warpgroup computes q.k and the softmax
@@ -383,16 +370,13 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
                     plgpu.barrier_arrive(p_ready)
                 return p16, alpha, m_new, l
 
-            def accumulate(acc_ref, j, slot, alpha, p16):
+            def accumulate(acc_ref, slot, alpha, p16):
                 acc_ref[...] = acc_ref[...] * lax.broadcast_in_dim(alpha, acc_ref.shape, [0])
                 plgpu.wgmma(acc_ref, p16, values(slot))
                 plgpu.wgmma_wait(0)
                 if not scores_here:
                     plgpu.barrier_arrive(p_free)
-                if pairs:  # no producer waits for the last blocks' slots: no arrival in a partner that may have exited
-                    pl.when(j + stages < n_all)(lambda: plgpu.barrier_arrive(consumed_bars.at[slot]))
-                else:
-                    plgpu.barrier_arrive(consumed_bars.at[slot])
+                plgpu.barrier_arrive(consumed_bars.at[slot])
 
             def flash_loop(acc_ref):  # the [64, L/2] accumulator starts at zero
                 def step(kind, j, carry):
@@ -410,7 +394,7 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
                         plgpu.barrier_wait(p_ready)
                         alpha = plgpu.load(stat_smem.at[0], (), layout=row_layout)
                         p16 = p_smem
-                    accumulate(acc_ref, j, slot, alpha, p16)
+                    accumulate(acc_ref, slot, alpha, p16)
                     return m, l
 
                 # whole cache blocks, the partial one (0 or 1), the tree's (the other warpgroup masks nothing)
@@ -465,14 +449,12 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
             plgpu.Barrier(num_barriers=1),
             plgpu.Barrier(num_barriers=stages),
             plgpu.Barrier(num_barriers=stages),
-            plgpu.ClusterBarrier(collective_axes=multicast, num_arrivals=2, num_barriers=stages) if pairs
-            else plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=2, num_barriers=stages),
             plgpu.Barrier(num_arrivals=2),
             plgpu.Barrier() if share_scores else None,
             plgpu.Barrier() if share_scores else None,
         ),
-        grid=(B, n_tiles // 2 if pairs else n_tiles, NS), grid_names=("stream", "tile", "split"),
-        **(dict(cluster=(1, 2, 1), cluster_names=("stream_in_pair", "pair", "split_in_pair")) if pairs else {}),
+        grid=(B, n_tiles, NS), grid_names=("stream", "tile", "split"),
         num_threads=3, thread_name="wg",
         # the row reductions (max, sum) of the WGMMA layout stay within a warp: no smem scratch for them
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),

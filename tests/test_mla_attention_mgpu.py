@@ -214,19 +214,6 @@ def test_kernel_lowers_for_cuda_on_cpu(T, H, NS, share, BK, stages):
     assert "mosaic_gpu" in text
 
 
-@pytest.mark.parametrize("T,H,NS", [(9, 8, 3), (2, 64, 1), (16, 8, 4)])
-def test_tile_pairs_lower_for_cuda_on_cpu(T, H, NS):
-    """Tiles in clusters of two that share each key block (multicast copies, cluster barriers) lower at
-    K2.6 dims; an odd tile count is refused."""
-    pairs = functools.partial(M.split_attention, tile_pairs=True)
-    f = jax.jit(functools.partial(M.tree_attention_mgpu, scale=K26["scale"], kv_lora_rank=K26["L"],
-                                  num_splits=NS, kernel=pairs))
-    text = f.trace(*k26_spec(2, T, H, 1024)).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text
-    with pytest.raises(ValueError, match="even number"):
-        f.trace(*k26_spec(2, 3, 64, 1024)).lower(lowering_platforms=("cuda",))
-
-
 # ---------------------------------------------------------------------------------------------
 # GPU: the kernel against the twin at K2.6 dims (bf16 inputs; the twin on f32-upcast inputs).
 # ---------------------------------------------------------------------------------------------
@@ -261,40 +248,6 @@ def test_gpu_kernel_matches_twin_k26(B, T, H, S, kind, NS, share):
     assert np.all(np.isfinite(o))
     assert np.linalg.norm(o - r_o) / np.linalg.norm(r_o) < 1e-2
     np.testing.assert_allclose(np.asarray(lse), np.asarray(r_l), atol=3e-2, rtol=1e-2)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("B,T,H,S,kind,NS", [
-    (3, 9, 8, 1000, "tree", 4),     # budget-8 tree under TP-8: two tiles, one cluster; partial block past the cache
-    (2, 16, 8, 2048, "tree", 3),    # 128 rows
-    (1, 2, 64, 4096, "chain", None),  # default splits
-    (2, 4, 64, 200, "tree", 1),     # four tiles, two clusters a stream, one split
-    (2, 208, 8, 64, "tree", 5),     # 26 tiles; splits inside the tree (4 tree blocks, 1 cache block)
-])
-def test_gpu_tile_pairs_match_single_tiles_bit_for_bit(B, T, H, S, kind, NS):
-    """Tile pairs (clusters of two sharing each key block) compute what single tiles do, bit for bit, and
-    match the twin."""
-    L = K26["L"]
-    rng = np.random.default_rng(5)
-    plens = [int(x) for x in rng.integers(0, S + 1, size=B)]
-    plens[0] = 0 if B > 1 else S
-    if S % 64 and B > 1:
-        plens[-1] = S
-    case = make_case(13, B, T, H, L, K26["C"] - L, S, plens, kind)
-    args = as_jax(case, jnp.bfloat16)
-
-    def run(pairs):
-        kernel = functools.partial(M.split_attention, tile_pairs=pairs)
-        return jax.jit(lambda *a: M.tree_attention_mgpu(*a, scale=K26["scale"], kv_lora_rank=L, num_splits=NS,
-                                                          return_lse=True, kernel=kernel))(*args)
-
-    (o, lse), (o1, lse1) = run(True), run(False)
-    np.testing.assert_array_equal(np.asarray(o, np.float32), np.asarray(o1, np.float32))
-    np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse1))
-    up = [a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args]
-    r_o = jax.jit(lambda *a: tree_attention_ref(*a, scale=K26["scale"], kv_lora_rank=L))(*up)
-    o, r_o = np.asarray(o, np.float32), np.asarray(r_o)
-    assert np.all(np.isfinite(o)) and np.linalg.norm(o - r_o) / np.linalg.norm(r_o) < 1e-2
 
 
 @pytest.mark.parametrize("T,H,backend,expect", [(1, 64, "auto", "mosaic_gpu"), (1, 8, "auto", "mosaic_gpu"),
