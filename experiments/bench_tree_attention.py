@@ -31,7 +31,8 @@ that the GPU does not wait for inside one program. ``ms_with_launch`` is the n-c
 the chain's tie (a one-element copy and the NaN check, ~2 µs a call, which a model does not run) and the
 launch gap before the kernel; ``pct_floor_op`` is the floor's share of it.
 Roofline: bytes = valid cache rows + q + tree_kv + output, read/written once; FLOPs = 2*B*T*H*(P+T)*(C+L).
-Floors use the copy bandwidth and bf16 matmul rate measured in the same run (bench_util).
+Floors use the copy bandwidth and bf16 matmul rate measured in the same run (bench_util; the rate is the larger
+of the wall-clock chained and the traced peak, both recorded).
 
     PYTHONPATH=. python3 experiments/bench_tree_attention.py --mode grid --out $OUT
 """
