@@ -316,38 +316,35 @@ def sustained_gpu_state(fn: Callable, args: tuple, seconds: float = 0.5, interva
     return parse_smi_samples(text)
 
 
+def _best_square_matmul_rate(sizes: tuple[int, ...], seconds_per_product: Callable) -> float:
+    """FLOP/s of the fastest square bf16 product [n, n] x [n, n] over ``sizes``, each timed by
+    ``seconds_per_product(a, b)``."""
+    best = 0.0
+    for n in sizes:
+        k1, k2 = jax.random.split(jax.random.key(n))
+        a = jax.random.normal(k1, (n, n), jnp.bfloat16)
+        b = jax.random.normal(k2, (n, n), jnp.bfloat16)
+        best = max(best, 2 * n**3 / seconds_per_product(a, b))
+        del a, b
+    return best
+
+
 def measure_bf16_peak(sizes: tuple[int, ...] = (8192, 16384), repeats: int = 5) -> float:
     """Dense bf16 matmul throughput in FLOP/s (the compute roofline we quote): the best over square
     [n, n] x [n, n] products with bf16 output (f32 accumulation), each timed as a chain of dependent
     products with the launch cost differenced out (``chained_call_time``). A single dispatched 8192
     product with an f32 output measured 538-639 TFLOP/s on the H200 from run to run, below what the
     attention kernel then reached, so it was not a ceiling."""
-    best = 0.0
-    for n in sizes:
-        k1, k2 = jax.random.split(jax.random.key(n))
-        a = jax.random.normal(k1, (n, n), jnp.bfloat16)
-        b = jax.random.normal(k2, (n, n), jnp.bfloat16)
-        t = chained_call_time(jnp.dot, (a, b), n_long=5, n_short=1, repeats=repeats)
-        best = max(best, 2 * n**3 / t)
-        del a, b
-    return best
+    return _best_square_matmul_rate(
+        sizes, lambda a, b: chained_call_time(jnp.dot, (a, b), n_long=5, n_short=1, repeats=repeats))
 
 
 def measure_traced_bf16_peak(sizes: tuple[int, ...] = (8192, 16384), calls: int = 8) -> float:
-    """Dense bf16 matmul throughput in FLOP/s timed like the kernels: the best over square [n, n] x [n, n]
-    products (bf16 output, f32 accumulation), device time per call from a profiler trace of a dependent
+    """The same products timed like the kernels: device time per call from a profiler trace of a dependent
     chain (``traced_call_time``). ``measure_bf16_peak`` differences two wall-clock chains instead; on the
-    H200 it read 710 and 800 TFLOP/s on one machine six minutes apart (session 23), so benchmarks record
-    both and quote the larger."""
-    best = 0.0
-    for n in sizes:
-        k1, k2 = jax.random.split(jax.random.key(n))
-        a = jax.random.normal(k1, (n, n), jnp.bfloat16)
-        b = jax.random.normal(k2, (n, n), jnp.bfloat16)
-        t = traced_call_time(jnp.dot, (a, b), calls)["span_s"]
-        best = max(best, 2 * n**3 / t)
-        del a, b
-    return best
+    H200 it read 710 and 800 TFLOP/s on one machine six minutes apart (session 23), this one 800-802, so
+    benchmarks record both and quote the larger."""
+    return _best_square_matmul_rate(sizes, lambda a, b: traced_call_time(jnp.dot, (a, b), calls)["span_s"])
 
 
 def write_result(name: str, payload: dict[str, Any], out_dir: str | None = None) -> str:
