@@ -71,6 +71,21 @@ KERNELS = {"triton": tree_attention,
            "mgpu_narrow": functools.partial(tree_attention_mgpu, kernel=split_attention_narrow),
            "mgpu_narrow_2stage": functools.partial(tree_attention_mgpu, kernel=split_attention_narrow, stages=2)}
 
+
+
+def kernel_fn(name: str):
+    """A --kernel entry: a KERNELS name, optionally with integer keywords for it, 'mgpu_narrow:tile_rows=40'
+    (several joined by '&')."""
+    base, _, opts = name.partition(":")
+    if base not in KERNELS:
+        raise ValueError(f"unknown kernel {base!r} in {name!r}; expected one of {sorted(KERNELS)}")
+    try:
+        kw = {k: int(v) for k, v in (kv.split("=") for kv in opts.split("&") if kv)}
+    except ValueError:
+        raise ValueError(f"kernel options in {name!r} must be k=int pairs joined by '&'") from None
+    return functools.partial(KERNELS[base], **kw) if kw else KERNELS[base]
+
+
 C, L, SCALE = 576, 512, 0.14468
 L2_BYTES = 60 * 2**20
 
@@ -281,7 +296,7 @@ def bench_point(H, B, T, P, cfg, bw, peak, with_xla=True, check=True, repeats=5,
                cfg=cfg, cache_copies=copies, kernel=kernel, padded_tree=padded_tree)
     # jitted once so the chained program holds one lowered kernel called n times (not n lowerings:
     # 8 Mosaic GPU kernels lowered in 4.5 s on the CPU, the jitted one in 0.6 s)
-    kern = jax.jit(functools.partial(KERNELS[kernel], scale=SCALE, kv_lora_rank=L, **cfg))
+    kern = jax.jit(functools.partial(kernel_fn(kernel), scale=SCALE, kv_lora_rank=L, **cfg))
     if check:
         row["rel_err"] = parity(kern, inputs, (H, B, T, P))
     t_chained, n, t_program = time_op(kern, inputs, floor_s, repeats)
@@ -320,7 +335,8 @@ def main():
     ap.add_argument("--budget-s", type=float, default=150.0)
     ap.add_argument("--cfg", default=None, help="JSON dict of tuning overrides for grid mode (Triton kernel)")
     ap.add_argument("--kernel", default="triton,mgpu",
-                    help=f"comma-separated kernels the grid times side by side in one run, of {sorted(KERNELS)}")
+                    help=f"comma-separated kernels the grid times side by side in one run, of {sorted(KERNELS)}, "
+                         "each optionally with integer keywords: mgpu_narrow:tile_rows=40")
     ap.add_argument("--mgpu-cfg", default=None, help="JSON dict of tuning overrides for the Mosaic GPU kernel")
     ap.add_argument("--name", default=None, help="result file name (default from the mode)")
     ap.add_argument("--start", type=int, default=0, help="skip the first N grid points")
@@ -383,8 +399,11 @@ def main():
 
     mgpu_cfg = json.loads(args.mgpu_cfg) if args.mgpu_cfg else {}
     kernels = args.kernel.split(",")
-    if any(k not in KERNELS for k in kernels):
-        ap.error(f"unknown kernel in {args.kernel!r}; expected some of {sorted(KERNELS)}")
+    for k in kernels:
+        try:
+            kernel_fn(k)
+        except ValueError as e:
+            ap.error(str(e))
     if args.smoke:
         kernels = ["triton"]  # the Mosaic GPU kernel has no CPU interpret mode
 
