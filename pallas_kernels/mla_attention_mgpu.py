@@ -125,13 +125,10 @@ def default_splits(B: int, n_tiles: int, S: int, block_k: int, num_sms: int = _N
     return max(1, min(num_sms // progs, (S // block_k) // 2, MAX_SPLITS))
 
 
-def splits_for(B: int, T: int, H: int, S: int, block_k: int = 64, num_sms: int = _NUM_SMS_H200,
-               n_tiles: int | None = None) -> int:
+def splits_for(B: int, T: int, H: int, S: int, block_k: int = 64, num_sms: int = _NUM_SMS_H200) -> int:
     """The split count ``tree_attention_mgpu`` uses by default for B streams of T nodes x H heads over a
-    cache of S slots: :func:`default_splits` of its row tiles (``n_tiles``; by default 64-row tiles) over the
-    cache and tree blocks."""
-    n_tiles = -(-T * H // ROWS) if n_tiles is None else n_tiles
-    return default_splits(B, n_tiles, S + tail_keys(T, block_k), block_k, num_sms)
+    cache of S slots: :func:`default_splits` of its 64-row tiles over the cache and tree blocks."""
+    return default_splits(B, -(-T * H // ROWS), S + tail_keys(T, block_k), block_k, num_sms)
 
 
 def pad_tree_latents(tree_kv, block_k: int = 64):
@@ -164,20 +161,18 @@ def tree_inputs(tree_kv, tree_mask, heads: int, rows: int, block_k: int = 64):
     return tree_kv, pack_bits(jnp.pad(sees, ((0, 0), (0, TP - T), (0, 0))))
 
 
-def check_in_place_inputs(q_rows, cache_kv, tree_kv, tree_bits, block_k: int, name: str, bits_rows=None):
+def check_in_place_inputs(q_rows, cache_kv, tree_kv, tree_bits, block_k: int, name: str):
     """Shapes of the kernels' common inputs (q_rows [B, R, C], cache_kv [B, S, C], tree_kv [B, TP, C] with TP
-    a positive multiple of ``block_k``, tree_bits int32 [B, TP/32, R'] with R' = ``bits_rows``, R by
-    default): (B, R, C, S, TP) or a ValueError."""
+    a positive multiple of ``block_k``, tree_bits int32 [B, TP/32, R]): (B, R, C, S, TP) or a ValueError."""
     B, R, C = q_rows.shape
     S, TP = cache_kv.shape[1], tree_kv.shape[1]
-    R_bits = R if bits_rows is None else bits_rows
     if cache_kv.shape != (B, S, C):
         raise ValueError(f"{name}: cache_kv {cache_kv.shape} must be [B, S, C] for B={B}, C={C}")
-    if tree_kv.shape != (B, TP, C) or TP % block_k or TP == 0 or tree_bits.shape != (B, TP // WORD, R_bits) \
+    if tree_kv.shape != (B, TP, C) or TP % block_k or TP == 0 or tree_bits.shape != (B, TP // WORD, R) \
             or tree_bits.dtype != jnp.int32:
         raise ValueError(f"{name}: tree_kv {tree_kv.shape} / tree_bits {tree_bits.dtype}{tree_bits.shape} must be "
-                         f"[B, TP, C] with TP a positive multiple of block_k={block_k} and int32 "
-                         f"[B, TP/{WORD}, {R_bits}] for B={B}, C={C} (``tree_inputs``)")
+                         f"[B, TP, C] with TP a positive multiple of block_k={block_k} and int32 [B, TP/{WORD}, {R}] "
+                         f"for B={B}, C={C} (``tree_inputs``)")
     return B, R, C, S, TP
 
 
@@ -531,17 +526,14 @@ def _check_valid_rows(valid_rows, rows: int) -> int:
 
 def tree_attention_mgpu(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, kv_lora_rank,
                         interpret=False, return_lse=False, block_k=64, stages=None, num_splits=None,
-                        share_scores=True, num_sms=_NUM_SMS_H200, kernel=None, combine=combine_splits,
-                        tile_rows=None):
+                        share_scores=True, num_sms=_NUM_SMS_H200, kernel=None, combine=combine_splits):
     """MLA tree-verify attention on the Mosaic GPU kernel (module docstring).
 
     q [B, T, H, C] bf16, cache_kv [B, S, C] bf16, prefix_len [B] int32 (values outside [0, S] are
     clamped), tree_kv [B, T, C] bf16, tree_mask [B, T, T] bool (diagonal True). Returns out [B, T, H, L]
     bf16 (and lse [B, T, H] f32 with ``return_lse``). ``num_splits`` defaults to :func:`default_splits`
     for ``num_sms`` SMs. ``kernel`` is :func:`split_attention`, ``mla_attention_narrow.split_attention_narrow``
-    (keys as wgmma's M; by default where T*H <= 32, block_k = 64 and C >= L + 64; it takes the N = T*H real
-    rows, a multiple of 8, in tiles of ``tile_rows``, by default ``narrow_tiles(N)``; the 64-row kernels take
-    ``tile_rows`` None or 64),
+    (keys as wgmma's M, for at most 32 real rows; by default where T*H <= 32, block_k = 64 and C >= L + 64),
     or their twin :func:`split_attention_ref` (CPU tests of everything around the kernel). tree_kv may carry
     padding rows past T (``tree_attention``'s contract): latents padded to whole blocks
     (``pad_tree_latents``, as the model hands them over) are read as they are. ``stages`` defaults to the kernel's own. ``combine`` merges several splits:
@@ -559,32 +551,20 @@ def tree_attention_mgpu(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, k
         raise ValueError(f"tree_attention_mgpu cannot take {problem}; use tree_attention_ref")
     L, N = kv_lora_rank, T * H
     plen = jnp.clip(prefix_len.astype(jnp.int32), 0, S)
-    valid_rows = valid_rows_for(T, H)
-    from pallas_kernels import mla_attention_narrow as narrow_kernel  # it imports this module
-    if kernel is None:
-        narrow = valid_rows is not None and valid_rows <= narrow_kernel.NARROW_MAX_ROWS and block_k == 64 \
-            and L + 64 <= C
-        kernel = narrow_kernel.split_attention_narrow if narrow else split_attention
-    # the narrow kernel takes the N real rows as they are (no padded copy of q), in its own row tiles (the last
-    # may reach past N); the others whole 64-row tiles
-    takes_real_rows = narrow_kernel.split_attention_narrow in (kernel, getattr(kernel, "func", None))
-    if takes_real_rows:
-        if tile_rows is None:  # a partial of the kernel may carry its tiling
-            tile_rows = getattr(kernel, "keywords", {}).get("tile_rows")
-        tile, n_tiles = narrow_kernel.narrow_tiles(N, tile_rows)
-        qr, bits_rows = q.reshape(B, N, C), narrow_kernel.narrow_bits_rows(N, N, tile)
-        row_kw = dict(valid_rows=N, tile_rows=tile)
-    else:
-        if tile_rows not in (None, ROWS):
-            raise ValueError(f"tile_rows={tile_rows}: the {ROWS}-row kernels take tiles of {ROWS} rows")
-        qr = fold_rows(q, ROWS)
-        n_tiles, bits_rows, row_kw = qr.shape[1] // ROWS, qr.shape[1], dict(valid_rows=valid_rows)
     if num_splits is None:
-        num_splits = splits_for(B, T, H, S, block_k, num_sms, n_tiles=n_tiles)
-    keys, bits = tree_inputs(tree_kv, tree_mask, H, bits_rows, block_k)
+        num_splits = splits_for(B, T, H, S, block_k, num_sms)
+    valid_rows = valid_rows_for(T, H)
+    from pallas_kernels.mla_attention_narrow import NARROW_MAX_ROWS, split_attention_narrow  # it imports this
+    if kernel is None:
+        narrow = valid_rows is not None and valid_rows <= NARROW_MAX_ROWS and block_k == 64 and L + 64 <= C
+        kernel = split_attention_narrow if narrow else split_attention
+    # the narrow kernel takes the V real rows as they are (no padded copy of q); the others whole 64-row tiles
+    takes_real_rows = split_attention_narrow in (kernel, getattr(kernel, "func", None))  # or a partial of it
+    qr = q.reshape(B, N, C) if takes_real_rows else fold_rows(q, ROWS)
+    keys, bits = tree_inputs(tree_kv, tree_mask, H, qr.shape[1], block_k)
     stage_kw = {} if stages is None else {"stages": stages}
     o, lse = kernel(qr, cache_kv, plen, keys, bits, scale=scale, kv_lora_rank=L, block_k=block_k,
-                    num_splits=int(num_splits), share_scores=share_scores, **row_kw, **stage_kw)
+                    num_splits=int(num_splits), share_scores=share_scores, valid_rows=valid_rows, **stage_kw)
     if num_splits == 1:  # every row sees its own node: lse is finite
         out, lse = o[0], lse[0]
     else:

@@ -1,10 +1,8 @@
 """MLA decode attention for few query rows on Hopper, reading the prefix and the tree in place.
 
 The 64-row kernel (``mla_attention_mgpu.split_attention``) with wgmma's A and B swapped, for V query rows
-(``valid_rows``, a multiple of 8; or one 64-row tile of which the first V are real) in tiles of ``tile_rows``
-(at most ``NARROW_MAX_TILE``; V itself up to ``NARROW_MAX_ROWS``): a decode step of T = 1 at H = 8 heads
-(tensor parallelism over 8 GPUs) is 8 rows, one tile; a budget-8 tree there (T = 9) is 72 rows, which the
-64-row kernel computes as two tiles of 64 and this one as ``narrow_tiles(72)`` = three of 24. ``tree_attention_mgpu``
+(``valid_rows``, a multiple of 8 up to ``NARROW_MAX_ROWS``; or one 64-row tile of which the first V are
+real): a decode step of T = 1 at H = 8 heads (tensor parallelism over 8 GPUs) is 8 rows. ``tree_attention_mgpu``
 uses it by default for such steps. The 64-row kernel computes q·kᵀ and p·v for all 64 rows, 7/8 of it
 padding at V = 8 (Nsight Compute: the tensor pipe 43-52 % busy at T = 1, H = 8; ``experiments/RESULTS.md``,
 session 15). Here the keys are wgmma's M and the V rows its N:
@@ -45,11 +43,9 @@ try:
 except ImportError:  # pragma: no cover
     plgpu = None
 
-__all__ = ["split_attention_narrow", "narrow_smem_bytes", "narrow_tiles", "narrow_bits_rows", "NARROW_MAX_ROWS",
-           "NARROW_MAX_TILE"]
+__all__ = ["split_attention_narrow", "narrow_smem_bytes", "NARROW_MAX_ROWS"]
 
-NARROW_MAX_ROWS = 32   # rows taken as one tile by default; more go in tiles of at most this many (narrow_tiles)
-NARROW_MAX_TILE = 64   # pᵀ [tile, BK] lives in a key block's first rows
+NARROW_MAX_ROWS = 32
 SMEM_ALIGNMENT = 1024  # Mosaic GPU starts every shared-memory buffer on this boundary
 # Shared memory for the reductions across the consumer's 4 warps (the max and sum over keys), per 8 query rows
 # (sᵀ's columns): Mosaic GPU reduces one [64 keys, 8 rows] register slice per 1024 bytes of scratch between two
@@ -76,45 +72,25 @@ def narrow_smem_bytes(V: int, C: int, block_k: int, stages: int, L: int = 512) -
     return stages * _aligned(2 * block_k * C) + q_or_out + _aligned(reduction_scratch_bytes(V)) + barriers
 
 
-def narrow_tiles(V: int, tile_rows: int | None = None) -> tuple[int, int]:
-    """(tile, n_tiles): the row tiles that cover V query rows, ``tile_rows`` each, by default V itself up to
-    NARROW_MAX_ROWS, else the fewest tiles of at most NARROW_MAX_ROWS, as even as multiples of 8 allow (72
-    rows: three of 24). The last tile may reach past V (its rows there read zeros and are not written)."""
-    if V <= 0 or V % 8:
-        raise ValueError(f"valid_rows={V} must be a positive multiple of 8")
-    if tile_rows is None:
-        n = -(-V // NARROW_MAX_ROWS)
-        tile_rows = -(-V // (8 * n)) * 8
-    if not (0 < tile_rows <= min(NARROW_MAX_TILE, -(-V // 8) * 8) and tile_rows % 8 == 0):
-        raise ValueError(f"tile_rows={tile_rows} must be a multiple of 8 in [8, min({NARROW_MAX_TILE}, V={V})]")
-    return tile_rows, -(-V // tile_rows)
-
-
-def narrow_bits_rows(rows: int, V: int, tile: int) -> int:
-    """Columns of the tree's mask words the narrow kernel reads for q_rows of ``rows`` rows, V real, in tiles
-    of ``tile``: the rows of every tile, and at least ``rows`` (``tree_inputs(..., rows=this)``)."""
-    return max(rows, -(-V // tile) * tile)
-
-
-def _check_rows(q_rows, valid_rows, tile_rows):
+def _check_rows(q_rows, valid_rows):
     rows, V = q_rows.shape[1], valid_rows
-    if V is None or V <= 0 or V % 8 or not (rows == V or (rows == ROWS and V < ROWS)):
+    if V is None or not (0 < V <= NARROW_MAX_ROWS and V % 8 == 0) or rows not in (V, ROWS):
         raise ValueError(f"split_attention_narrow takes V query rows, or one {ROWS}-row tile of which the first V "
-                         f"are real, with valid_rows V a positive multiple of 8; got {rows} rows, valid_rows={V}")
-    return (V,) + narrow_tiles(V, tile_rows)
+                         f"are real, with valid_rows V a multiple of 8 up to {NARROW_MAX_ROWS}; got {rows} rows, "
+                         f"valid_rows={V}")
+    return V
 
 
 def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, kv_lora_rank, block_k=64,
-                           stages=2, num_splits=1, share_scores=True, valid_rows=None, tile_rows=None,
-                           profile_dir=None, profile_regions=0):
+                           stages=2, num_splits=1, share_scores=True, valid_rows=None, profile_dir=None,
+                           profile_regions=0):
     """``mla_attention_mgpu.split_attention`` (same inputs, outputs and twin, ``split_attention_ref``) for
-    V query rows in tiles of ``tile_rows`` (``narrow_tiles``; module docstring).
+    V <= ``NARROW_MAX_ROWS`` query rows (module docstring).
 
     q_rows [B, R, C] bf16 with R = V (``tree_attention_mgpu`` hands over exactly the real rows: no padded
     copy of the queries) or R = 64 (rows V.. are ignored), cache_kv [B, S, C] bf16, prefix_len [B]
     int32 in [0, S] (``tree_attention_mgpu`` clamps it), tree_kv [B, TP, C] bf16 and tree_bits int32
-    [B, TP/32, ``narrow_bits_rows(R, V, tile)``] (``tree_inputs``). One program per (stream, row tile,
-    split); split s takes the blocks ``_split_range(NBP, TP/64, s, NS)`` gives it.
+    [B, TP/32, R] (``tree_inputs``). Split s takes the blocks ``_split_range(NBP, TP/64, s, NS)`` gives it.
     Returns (o [NS, B, V, L] bf16, lse [NS, B, V] f32, natural log), each split normalised on its own; a row
     that sees no key in a split has o = 0 and lse = -inf there. ``share_scores`` is accepted for the common
     signature and unused (one consumer).
@@ -128,11 +104,10 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.mosaic_gpu is not available in this JAX")
     BK, NS = int(block_k), int(num_splits)
-    V, VT, NT = _check_rows(q_rows, valid_rows, tile_rows)  # VT rows a tile, NT tiles
+    V = _check_rows(q_rows, valid_rows)
     if BK != 64:
         raise ValueError(f"block_k={BK}: the narrow kernel reads 64-key blocks")
-    B, _, C, S, TP = check_in_place_inputs(q_rows, cache_kv, tree_kv, tree_bits, BK, "split_attention_narrow",
-                                           bits_rows=narrow_bits_rows(q_rows.shape[1], V, VT))
+    B, _, C, S, TP = check_in_place_inputs(q_rows, cache_kv, tree_kv, tree_bits, BK, "split_attention_narrow")
     L = kv_lora_rank
     WB = BK // WORD
     if C % 64 or L % 64 or L + BK > C:
@@ -140,10 +115,9 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
                          f"block's last {BK} columns)")
     if stages < 2 or NS < 1:
         raise ValueError(f"stages={stages} must be >= 2 and num_splits={NS} >= 1")
-    smem = narrow_smem_bytes(VT, C, BK, stages, L)
+    smem = narrow_smem_bytes(V, C, BK, stages, L)
     if smem > SMEM_LIMIT:
-        raise ValueError(f"tiles of {VT} rows at stages={stages} need {smem} bytes of shared memory "
-                         f"(limit {SMEM_LIMIT})")
+        raise ValueError(f"valid_rows={V}, stages={stages} need {smem} bytes of shared memory (limit {SMEM_LIMIT})")
     if (profile_dir is None) != (profile_regions <= 0):
         raise ValueError(f"profile_dir={profile_dir!r} and profile_regions={profile_regions} go together")
     profile = {} if profile_dir is None else dict(profile_space=int(profile_regions), profile_dir=str(profile_dir))
@@ -157,12 +131,11 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
         b = lax.axis_index("stream")
         sp = lax.axis_index("split")
         wg = lax.axis_index("wg")
-        rows = pl.ds(lax.axis_index("tile") * VT if NT > 1 else 0, VT)  # this tile's query rows
         rem, nbp, lo, n_whole, n_cache, n_all = _block_steps(plen_ref[b], TB, sp, NS, BK)
 
         @pl.when(wg == 1)
         def _producer():
-            plgpu.copy_gmem_to_smem(q_ref.at[b, rows], q_smem, q_bar)  # rows past R read zeros
+            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(0, V)], q_smem, q_bar)
 
             stream_key_blocks(kv_ref, tkv_ref, b, lo, nbp, n_cache, n_all, k_smem, k_bars, consumed_bars, stages, BK)
 
@@ -170,10 +143,10 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
         def _consumer():
             with jax.named_scope("q_wait"):
                 plgpu.barrier_wait(q_bar)
-            m0 = plgpu.layout_cast(jnp.full((VT,), -jnp.inf, jnp.float32), col_layout)
+            m0 = plgpu.layout_cast(jnp.full((V,), -jnp.inf, jnp.float32), col_layout)
             # the softmax's denominators, summed over keys only after the loop: per block one reduction across
             # the warps (the max) instead of two
-            l0 = plgpu.layout_cast(jnp.full((BK, VT), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+            l0 = plgpu.layout_cast(jnp.full((BK, V), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
             def scores(j, slot, kind):  # sᵀ [BK, V], log2 units
                 def qk(s_ref):
@@ -182,11 +155,11 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
 
                 if kind == TREE:  # the tree block's mask words, straight from global memory (two per row)
                     t = lo + j - nbp
-                    row_words = [plgpu.load(bits_ref, (b, t * WB + w, rows), layout=col_layout,
+                    row_words = [plgpu.load(bits_ref, (b, t * WB + w, pl.ds(0, V)), layout=col_layout,
                                             optimized=False)
                                  for w in range(WB)]
-                s = pl.run_scoped(qk, plgpu.ACC((BK, VT), jnp.float32)) * scale_log2
-                key = plgpu.broadcasted_iota(jnp.int32, (BK, VT), 0, layout=plgpu.Layout.WGMMA)
+                s = pl.run_scoped(qk, plgpu.ACC((BK, V), jnp.float32)) * scale_log2
+                key = plgpu.broadcasted_iota(jnp.int32, (BK, V), 0, layout=plgpu.Layout.WGMMA)
                 if kind == WHOLE:
                     return s
                 if kind == PARTIAL:
@@ -209,7 +182,7 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
                         p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [1]))
                         l = l * lax.broadcast_in_dim(alpha, l.shape, [1]) + p
                         # pᵀ goes to the block's rope columns, which q·kᵀ has read and p·v does not
-                        p_smem = k_smem.at[slot, pl.ds(0, VT), pl.ds(C - BK, BK)]
+                        p_smem = k_smem.at[slot, pl.ds(0, V), pl.ds(C - BK, BK)]
                         p_smem.transpose((1, 0))[...] = plgpu.layout_cast(p.astype(jnp.bfloat16),
                                                                           plgpu.Layout.WGMMA_TRANSPOSED)
                         plgpu.commit_smem()
@@ -226,7 +199,7 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
                 carry = lax.fori_loop(n_cache, n_all, functools.partial(step, TREE), carry)
                 return (acc_ref[...],) + carry
 
-            acc, m, l = pl.run_scoped(flash_loop, plgpu.ACC((L, VT), jnp.float32))
+            acc, m, l = pl.run_scoped(flash_loop, plgpu.ACC((L, V), jnp.float32))
             with jax.named_scope("epilogue"):
                 with jax.named_scope("normalize"):
                     # a row that saw only masked keys in this split is empty
@@ -240,8 +213,8 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
                     lse_smem[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(jnp.where(empty, 1.0, l))) * _LN2)
                     plgpu.commit_smem()
                 with jax.named_scope("store_gmem"):
-                    plgpu.copy_smem_to_gmem(o_smem, o_ref.at[sp, b, rows])  # rows past V are not written
-                    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[sp, b, rows])
+                    plgpu.copy_smem_to_gmem(o_smem, o_ref.at[sp, b])
+                    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[sp, b])
                     plgpu.wait_smem_to_gmem(0)
 
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -249,16 +222,16 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
         narrow_body,
         out_type=(jax.ShapeDtypeStruct((NS, B, V, L), jnp.bfloat16), jax.ShapeDtypeStruct((NS, B, V), jnp.float32)),
         scratch_types=(
-            plgpu.RefUnion(plgpu.SMEM((VT, C), jnp.bfloat16, transforms=swizzled),
-                           (plgpu.SMEM((VT, L), jnp.bfloat16), plgpu.SMEM((VT,), jnp.float32))),
+            plgpu.RefUnion(plgpu.SMEM((V, C), jnp.bfloat16, transforms=swizzled),
+                           (plgpu.SMEM((V, L), jnp.bfloat16), plgpu.SMEM((V,), jnp.float32))),
             plgpu.SMEM((stages, BK, C), jnp.bfloat16, transforms=swizzled),
             plgpu.Barrier(num_barriers=1),
             plgpu.Barrier(num_barriers=stages),
             plgpu.Barrier(num_barriers=stages),
         ),
-        grid=(B, NT, NS), grid_names=("stream", "tile", "split"),
+        grid=(B, NS), grid_names=("stream", "split"),
         num_threads=2, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=reduction_scratch_bytes(VT),
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=reduction_scratch_bytes(V),
                                              **profile),
     )
     return kernel(prefix_len.astype(jnp.int32), q_rows, cache_kv, tree_kv, tree_bits)  # lse in natural log

@@ -16,3 +16,21 @@ def test_bench_point_with_trace_and_xla(monkeypatch):
         assert math.isfinite(row[key]) and row[key] > 0, key
     assert row["rel_err"] < 1e-2  # the twin on bf16 inputs against itself in f32
     assert math.isclose(row["speedup"], row["xla_ms"] / row["ms"])
+
+
+def test_kernel_names_take_integer_keywords():
+    """--kernel entries: a KERNELS name as it is, or with integer keywords bound (an A/B of one kernel's options in
+    one run); an unknown name or a keyword that is not k=int is an error naming the entry."""
+    import functools
+
+    import pytest
+
+    assert bench.kernel_fn("mgpu") is bench.KERNELS["mgpu"]
+    f = bench.kernel_fn("mgpu_narrow:stages=3&num_splits=4")
+    base = bench.KERNELS["mgpu_narrow"]  # itself a partial, which functools flattens into this one
+    assert isinstance(f, functools.partial) and f.func is base.func
+    assert f.keywords == dict(base.keywords, stages=3, num_splits=4)
+    with pytest.raises(ValueError, match="unknown kernel 'mgpu_nope'"):
+        bench.kernel_fn("mgpu_nope:stages=3")
+    with pytest.raises(ValueError, match="k=int pairs"):
+        bench.kernel_fn("mgpu:stages=three")
