@@ -252,6 +252,9 @@ def main(argv=None):
         "att_T8_H8_B16_8K_xla": lambda: attention_case(8, 16, 8, 8192, merge="xla"),
         "att_T1_H64_B16_64K": lambda: attention_case(64, 16, 1, 65536),
         "att_T64_H8_B4_8K": lambda: attention_case(8, 4, 64, 8192),
+        # the compute-bound point furthest from peak: 32 tiles x 4 splits of 5 key blocks, 8.4 MB of partials
+        "att_T256_H8_B1_1K_padded": lambda: attention_case(8, 1, 256, 1024, padded_tree=True),
+        "att_T256_H64_B1_1K_padded": lambda: attention_case(64, 1, 256, 1024, padded_tree=True),
         "moe_M1": lambda: moe_case(1),
         "moe_M9": lambda: moe_case(9),
         "moe_M256": lambda: moe_case(256),
