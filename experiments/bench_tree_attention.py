@@ -72,10 +72,9 @@ KERNELS = {"triton": tree_attention,
            "mgpu_narrow_2stage": functools.partial(tree_attention_mgpu, kernel=split_attention_narrow, stages=2)}
 
 
-
 def kernel_fn(name: str):
-    """A --kernel entry: a KERNELS name, optionally with integer keywords for it, 'mgpu_narrow:tile_rows=40'
-    (several joined by '&')."""
+    """A --kernel entry: a KERNELS name, optionally with integer keywords for it, 'mgpu_wide:num_splits=4'
+    (several joined by '&'), so that one run can time a kernel's options side by side."""
     base, _, opts = name.partition(":")
     if base not in KERNELS:
         raise ValueError(f"unknown kernel {base!r} in {name!r}; expected one of {sorted(KERNELS)}")
@@ -336,7 +335,7 @@ def main():
     ap.add_argument("--cfg", default=None, help="JSON dict of tuning overrides for grid mode (Triton kernel)")
     ap.add_argument("--kernel", default="triton,mgpu",
                     help=f"comma-separated kernels the grid times side by side in one run, of {sorted(KERNELS)}, "
-                         "each optionally with integer keywords: mgpu_narrow:tile_rows=40")
+                         "each optionally with integer keywords: mgpu_wide:num_splits=4&stages=2")
     ap.add_argument("--mgpu-cfg", default=None, help="JSON dict of tuning overrides for the Mosaic GPU kernel")
     ap.add_argument("--name", default=None, help="result file name (default from the mode)")
     ap.add_argument("--start", type=int, default=0, help="skip the first N grid points")
