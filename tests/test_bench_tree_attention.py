@@ -12,8 +12,10 @@ def test_bench_point_with_trace_and_xla(monkeypatch):
     row = bench.bench_point(2, 1, 3, 64, {}, bw=1e11, peak=1e12, kernel="twin", with_trace=True, check=True,
                             repeats=1)
     assert "xla_error" not in row
-    for key in ("ms", "ms_chained", "xla_ms", "xla_ms_chained", "speedup"):
+    for key in ("ms", "xla_ms", "speedup"):  # from the profiler's trace
         assert math.isfinite(row[key]) and row[key] > 0, key
+    for key in ("ms_chained", "xla_ms_chained"):  # wall-clock differences of two chains: on a busy CPU with one
+        assert math.isfinite(row[key]), key      # repeat a µs-sized op's can come out below zero (CI did once)
     assert row["rel_err"] < 1e-2  # the twin on bf16 inputs against itself in f32
     assert math.isclose(row["speedup"], row["xla_ms"] / row["ms"])
 
