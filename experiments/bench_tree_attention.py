@@ -67,6 +67,9 @@ KERNELS = {"triton": tree_attention,
            "mgpu": tree_attention_mgpu,  # its default kernel: narrow for T*H <= 32 rows, else wide
            "mgpu_wide": functools.partial(tree_attention_mgpu, kernel=M.split_attention),
            "mgpu_redundant": functools.partial(tree_attention_mgpu, kernel=M.split_attention, share_scores=False),
+           # the 64-row kernel computing each block's scores after the previous block's softmax (before session 24)
+           "mgpu_wide_serial": functools.partial(tree_attention_mgpu,
+                                                 kernel=functools.partial(M.split_attention, pipeline_scores=False)),
            # decode points only (T*H a multiple of 8 up to 32): keys as wgmma's M, the query rows as N
            "mgpu_narrow": functools.partial(tree_attention_mgpu, kernel=split_attention_narrow),
            "mgpu_narrow_2stage": functools.partial(tree_attention_mgpu, kernel=split_attention_narrow, stages=2)}
@@ -336,6 +339,7 @@ def main():
     ap.add_argument("--kernel", default="triton,mgpu",
                     help=f"comma-separated kernels the grid times side by side in one run, of {sorted(KERNELS)}, "
                          "each optionally with integer keywords: mgpu_wide:num_splits=4&stages=2")
+    ap.add_argument("--no-xla", action="store_true", help="grid mode: skip XLA's masked attention (an A/B of kernels)")
     ap.add_argument("--mgpu-cfg", default=None, help="JSON dict of tuning overrides for the Mosaic GPU kernel")
     ap.add_argument("--name", default=None, help="result file name (default from the mode)")
     ap.add_argument("--start", type=int, default=0, help="skip the first N grid points")
@@ -429,7 +433,8 @@ def main():
                 print("budget reached; skipping the rest", flush=True)
                 break
             check = (mode == "sweep" or P <= args.no_check_above)
-            measure(lambda: bench_point(H, B, T, P, cfg, bw, peak, with_xla=(mode == "grid" and kernel == kernels[0]),
+            with_xla = mode == "grid" and kernel == kernels[0] and not args.no_xla
+            measure(lambda: bench_point(H, B, T, P, cfg, bw, peak, with_xla=with_xla,
                                         check=check, bw_jax=bw_jax, kernel=kernel, bw_traced=traced_bw,
                                         padded_tree=args.padded_tree),
                     dict(H=H, B=B, T=T, P=P, cfg=cfg, kernel=kernel), mode=mode,
