@@ -67,9 +67,6 @@ KERNELS = {"triton": tree_attention,
            "mgpu": tree_attention_mgpu,  # its default kernel: narrow for T*H <= 32 rows, else wide
            "mgpu_wide": functools.partial(tree_attention_mgpu, kernel=M.split_attention),
            "mgpu_redundant": functools.partial(tree_attention_mgpu, kernel=M.split_attention, share_scores=False),
-           # the 64-row kernel computing each block's scores after the previous block's softmax (before session 24)
-           "mgpu_wide_serial": functools.partial(tree_attention_mgpu,
-                                                 kernel=functools.partial(M.split_attention, pipeline_scores=False)),
            # decode points only (T*H a multiple of 8 up to 32): keys as wgmma's M, the query rows as N
            "mgpu_narrow": functools.partial(tree_attention_mgpu, kernel=split_attention_narrow),
            "mgpu_narrow_2stage": functools.partial(tree_attention_mgpu, kernel=split_attention_narrow, stages=2)}

@@ -268,7 +268,7 @@ def _split_range(nb, tree_blocks: int, sp, num_splits: int):
 
 
 def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, kv_lora_rank, block_k=64,
-                    stages=2, num_splits=1, share_scores=True, valid_rows=None, pipeline_scores=True):
+                    stages=2, num_splits=1, share_scores=True, valid_rows=None):
     """The Mosaic GPU kernel: attention of 64-row query tiles over each stream's prefix, read in place from
     the cache, and its tree, in NS splits.
 
@@ -282,8 +282,6 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
     natural log), each split normalised on its own; a row that sees no key in a split has o = 0 and lse =
     -inf there. V = ``valid_rows``: Np by default, or with one 64-row tile the first V rows (a multiple of
     8), so that a decode step of few heads writes and merges only its real rows' partials.
-    ``pipeline_scores``: the warpgroup that computes the scores issues q·kᵀ of the next key block before the
-    softmax of this one, so the tensor cores work while it runs (two score accumulators in registers).
     """
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.mosaic_gpu is not available in this JAX")
@@ -338,18 +336,12 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
             l = plgpu.layout_cast(jnp.full((ROWS,), 0.0, jnp.float32), row_layout)
             values = lambda slot: k_smem.at[slot, :, pl.ds(half * LH, LH)]  # noqa: E731
 
-            def issue_qk(s_ref, slot):  # s_ref = q·kᵀ of the key block in ``slot``, asynchronously
-                plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+            def scores(slot, kind):
+                def qk(s_ref):
+                    plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                    return s_ref[...]
 
-            def scores(slot, kind, s=None):
-                """The block's scores in log2 units, masked: q·kᵀ computed here, or ``s`` (raw) as given."""
-                if s is None:
-                    def qk(s_ref):
-                        issue_qk(s_ref, slot)
-                        return s_ref[...]
-
-                    s = pl.run_scoped(qk, plgpu.ACC((ROWS, BK), jnp.float32))
-                s = s * scale_log2
+                s = pl.run_scoped(qk, plgpu.ACC((ROWS, BK), jnp.float32)) * scale_log2
                 if kind == WHOLE:
                     return s
                 col = plgpu.broadcasted_iota(jnp.int32, (ROWS, BK), 1, layout=plgpu.Layout.WGMMA)
@@ -378,11 +370,8 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
                     plgpu.barrier_arrive(p_ready)
                 return p16, alpha, m_new, l
 
-            def accumulate(acc_ref, slot, alpha, p16, in_flight=0):
-                """acc = acc * alpha + p·v (this warpgroup's value columns); ``in_flight`` wgmma groups (the next
-                block's q·kᵀ) may still run while acc is rescaled."""
-                acc = plgpu.wgmma_accumulator_load(acc_ref, wait_n=in_flight)
-                acc_ref[...] = acc * lax.broadcast_in_dim(alpha, acc_ref.shape, [0])
+            def accumulate(acc_ref, slot, alpha, p16):
+                acc_ref[...] = acc_ref[...] * lax.broadcast_in_dim(alpha, acc_ref.shape, [0])
                 plgpu.wgmma(acc_ref, p16, values(slot))
                 plgpu.wgmma_wait(0)
                 if not scores_here:
@@ -414,48 +403,7 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
                 carry = lax.fori_loop(n_cache, n_all, functools.partial(step, TREE if scores_here else WHOLE), carry)
                 return (acc_ref[...],) + carry
 
-            def pipelined_loop(acc_ref, s_ref):
-                """flash_loop for the scores' warpgroup, one q·kᵀ ahead: step j reads block j's scores (issued
-                by step j - 1), issues block j + 1's (past the last block it multiplies a stale slot, whose
-                result nobody reads), then runs the softmax while the tensor cores compute them."""
-                zero_scores = plgpu.layout_cast(jnp.zeros((ROWS, BK), jnp.float32), plgpu.Layout.WGMMA)
-
-                def issue_next(j):
-                    s_ref[...] = zero_scores
-                    issue_qk(s_ref, lax.rem(j, stages))
-
-                @pl.when(n_all > 0)
-                def _():
-                    plgpu.barrier_wait(k_bars.at[0])
-
-                issue_next(0)
-
-                def step(kind, j, carry):
-                    m, l = carry
-                    slot = lax.rem(j, stages)
-                    s = scores(slot, kind, plgpu.wgmma_accumulator_load(s_ref, wait_n=0))
-                    if kind == PARTIAL:  # after its q·kᵀ is done, before its p·v
-                        zero_rows_from(k_smem.at[slot, :, pl.ds(half * LH, LH)], rem, BK)
-
-                    @pl.when(j + 1 < n_all)
-                    def _():
-                        plgpu.barrier_wait(k_bars.at[lax.rem(j + 1, stages)])
-
-                    issue_next(j + 1)
-                    p16, alpha, m, l = softmax_share(j, s, m, l)
-                    accumulate(acc_ref, slot, alpha, p16, in_flight=1)
-                    return m, l
-
-                carry = lax.fori_loop(0, n_whole, functools.partial(step, WHOLE), (m, l))
-                carry = lax.fori_loop(n_whole, n_cache, functools.partial(step, PARTIAL), carry)
-                carry = lax.fori_loop(n_cache, n_all, functools.partial(step, TREE), carry)
-                return (acc_ref[...],) + carry
-
-            if scores_here and pipeline_scores:
-                acc, m, l = pl.run_scoped(pipelined_loop, plgpu.ACC((ROWS, LH), jnp.float32),
-                                          plgpu.ACC((ROWS, BK), jnp.float32))
-            else:
-                acc, m, l = pl.run_scoped(flash_loop, plgpu.ACC((ROWS, LH), jnp.float32))
+            acc, m, l = pl.run_scoped(flash_loop, plgpu.ACC((ROWS, LH), jnp.float32))
             if scores_here:  # a row that saw only masked keys in this split is empty here
                 l = jnp.where(m < 0.5 * MASKED, 0.0, l)
             if share_scores and half == 0:
