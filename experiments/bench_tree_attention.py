@@ -68,8 +68,8 @@ KERNELS = {"triton": tree_attention,
            "mgpu_wide": functools.partial(tree_attention_mgpu, kernel=M.split_attention),
            "mgpu_redundant": functools.partial(tree_attention_mgpu, kernel=M.split_attention, share_scores=False),
            # decode points only (T*H a multiple of 8 up to 32): keys as wgmma's M, the query rows as N
-           "mgpu_narrow": functools.partial(tree_attention_mgpu, kernel=split_attention_narrow),
-           "mgpu_narrow_2stage": functools.partial(tree_attention_mgpu, kernel=split_attention_narrow, stages=2)}
+           "mgpu_narrow": functools.partial(tree_attention_mgpu, kernel=split_attention_narrow)}
+# (a kernel's options go on its name: --kernel mgpu_narrow:stages=3 -- see kernel_fn)
 
 
 def kernel_fn(name: str):
