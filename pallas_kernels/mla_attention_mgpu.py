@@ -74,9 +74,10 @@ except ImportError:  # pragma: no cover
 __all__ = ["tree_attention_mgpu", "split_attention", "split_attention_ref", "tree_inputs", "pad_tree_latents",
            "check_in_place_inputs", "zero_rows_from", "default_splits",
            "stream_key_blocks", "dense_split_partials", "pack_bits", "unpack_bits",
-           "splits_for", "unsupported_reason", "smem_bytes", "valid_rows_for"]
+           "splits_for", "unsupported_reason", "smem_bytes", "valid_rows_for", "tail_rows_of", "TAIL_ROWS"]
 
 ROWS = 64              # query rows per program (one wgmma M tile)
+TAIL_ROWS = 8          # rows past one tile that its program takes with keys as wgmma's M ("Tail rows")
 SMEM_LIMIT = 227 * 1024
 MAX_SPLITS = 128       # one wave of the H200 at B = 1, one tile; the merge reads NS partials per row (132
                        # splits: 8 blocks each at B = 1, 64K, not 9, and the kernel 2 µs faster, but the
@@ -85,13 +86,35 @@ MASKED = -1e30         # masked score (log2 units): finite, see the module docst
 WORD = 32              # tree keys per mask word
 
 
-def smem_bytes(C: int, block_k: int, stages: int, share_scores: bool = True) -> int:
+def smem_bytes(C: int, block_k: int, stages: int, share_scores: bool = True, tail: int = 0) -> int:
     """Shared memory of one program: the query tile, ``stages`` key blocks and mask-word slots, three
-    stat rows, barriers, and with ``share_scores`` the probability tile."""
+    stat rows, barriers, and with ``share_scores`` the probability tile. With ``tail`` rows (module
+    docstring, "Tail rows") the query tile leaves out its last 64 columns (consumer 0 holds them in
+    registers) and the probabilities go to a key block's rope columns; the tail's query rows (whose memory
+    its output and LSE reuse), its pᵀ tile and the reduction scratch of its softmax take their place. Each
+    buffer counts whole 1024-byte units, as Mosaic GPU allocates them."""
+    def unit(nbytes):
+        return -(-nbytes // 1024) * 1024
+    words = unit(stages * (block_k // WORD) * ROWS * 4)
+    if tail:
+        barriers = 8 * (2 + 3 * stages + 1 + 3)
+        return (unit(2 * ROWS * (C - 64)) + stages * unit(2 * block_k * C) + words + unit(12 * ROWS)
+                + unit(max(2 * tail * C, unit(2 * tail * (C - 64)) + 4 * tail)) + unit(2 * tail * 64)
+                + tail_scratch_bytes(tail) + barriers)
     barriers = 8 * (1 + 3 * stages + 1 + (2 if share_scores else 0))
-    shared = 2 * ROWS * block_k if share_scores else 0
-    words = stages * (block_k // WORD) * ROWS * 4
-    return 2 * ROWS * C + stages * 2 * block_k * C + words + 12 * ROWS + barriers + shared
+    shared = unit(2 * ROWS * block_k) if share_scores else 0
+    return unit(2 * ROWS * C) + stages * unit(2 * block_k * C) + words + unit(12 * ROWS) + barriers + shared
+
+
+def tail_rows_of(rows: int) -> int:
+    """The tail of ``rows`` query rows: TAIL_ROWS when they are one 64-row tile and a tail, else 0."""
+    return TAIL_ROWS if rows == ROWS + TAIL_ROWS else 0
+
+
+def tail_scratch_bytes(tail: int) -> int:
+    """The reduction scratch of the tail rows' softmax (a max and a sum over keys across consumer 1's four
+    warps): 1024 bytes per 8 rows reduce them all in one round (``mla_attention_narrow``)."""
+    return 1024 * (tail // 8)
 
 
 def unsupported_reason(q_shape, cache_shape, kv_lora_rank, *dtypes) -> str | None:
@@ -125,10 +148,13 @@ def default_splits(B: int, n_tiles: int, S: int, block_k: int, num_sms: int = _N
     return max(1, min(num_sms // progs, (S // block_k) // 2, MAX_SPLITS))
 
 
-def splits_for(B: int, T: int, H: int, S: int, block_k: int = 64, num_sms: int = _NUM_SMS_H200) -> int:
+def splits_for(B: int, T: int, H: int, S: int, block_k: int = 64, num_sms: int = _NUM_SMS_H200,
+               tail: bool = True) -> int:
     """The split count ``tree_attention_mgpu`` uses by default for B streams of T nodes x H heads over a
-    cache of S slots: :func:`default_splits` of its 64-row tiles over the cache and tree blocks."""
-    return default_splits(B, -(-T * H // ROWS), S + tail_keys(T, block_k), block_k, num_sms)
+    cache of S slots: :func:`default_splits` of its 64-row tiles (one with a tail where T*H = 72 and
+    ``tail``) over the cache and tree blocks."""
+    n_tiles = 1 if tail and tail_rows_of(T * H) else -(-T * H // ROWS)
+    return default_splits(B, n_tiles, S + tail_keys(T, block_k), block_k, num_sms)
 
 
 def pad_tree_latents(tree_kv, block_k: int = 64):
@@ -272,15 +298,16 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
     """The Mosaic GPU kernel: attention of 64-row query tiles over each stream's prefix, read in place from
     the cache, and its tree, in NS splits.
 
-    q_rows [B, Np, C] bf16 (Np % 64 == 0), cache_kv [B, S, C] bf16, prefix_len [B] int32, which must lie
+    q_rows [B, R, C] bf16: whole 64-row tiles (R % 64 == 0), or one tile and a tail of 8 rows (R = 72;
+    module docstring, "Tail rows"); cache_kv [B, S, C] bf16, prefix_len [B] int32, which must lie
     in [0, S] (``tree_attention_mgpu`` clamps it; a larger value would read past the cache), tree_kv
-    [B, TP, C] bf16 and tree_bits int32 [B, TP/32, Np] (``tree_inputs``; TP % BK == 0). Each stream's keys
+    [B, TP, C] bf16 and tree_bits int32 [B, TP/32, R] (``tree_inputs``; TP % BK == 0). Each stream's keys
     are NBP = ceil(prefix_len / BK) cache blocks, the last one partial when BK does not divide prefix_len
     (masked to its prefix_len % BK keys, its value rows past the prefix zeroed in shared memory: NaN there
     cannot leak), then TP / BK tree blocks masked per row by the bits. Split s takes the blocks
     ``_split_range(NBP, TP / BK, s, NS)`` gives it. Returns (o [NS, B, V, L] bf16, lse [NS, B, V] f32,
     natural log), each split normalised on its own; a row that sees no key in a split has o = 0 and lse =
-    -inf there. V = ``valid_rows``: Np by default, or with one 64-row tile the first V rows (a multiple of
+    -inf there. V = ``valid_rows``: R by default, or with one 64-row tile the first V rows (a multiple of
     8), so that a decode step of few heads writes and merges only its real rows' partials.
     """
     if plgpu is None:
@@ -295,31 +322,44 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
         raise ValueError(f"stages={stages} must be >= 2")
     if NS < 1:
         raise ValueError(f"num_splits={NS} must be >= 1")
-    smem = smem_bytes(q_rows.shape[-1], BK, stages, share_scores)
+    R, C = q_rows.shape[1], q_rows.shape[-1]
+    tail = tail_rows_of(R)
+    if R % ROWS and not tail:
+        raise ValueError(f"q_rows must hold whole {ROWS}-row tiles, or one tile and {TAIL_ROWS} rows, got {R} rows")
+    if tail and (BK != 64 or not share_scores or L + 64 > C):
+        raise ValueError(f"{R} query rows (one tile and a tail) need block_k=64, share_scores and L + 64 <= C; got "
+                         f"block_k={BK}, share_scores={share_scores}, L={L}, C={C}")
+    smem = smem_bytes(C, BK, stages, share_scores, tail)
     if smem > SMEM_LIMIT:
         raise ValueError(f"block_k={BK}, stages={stages} need {smem} bytes of shared memory (limit {SMEM_LIMIT})")
-    if q_rows.shape[1] % ROWS:
-        raise ValueError(f"q_rows must hold whole {ROWS}-row tiles, got {q_rows.shape[1]} rows")
     B, Np, C, S, TP = check_in_place_inputs(q_rows, cache_kv, tree_kv, tree_bits, BK, "split_attention")
     scale_log2 = float(scale) * _LOG2E
     n_tiles, TB = Np // ROWS, TP // BK
     V = _check_valid_rows(valid_rows, Np)
+    CQ = C - 64 if tail else C  # query columns in shared memory (with a tail, consumer 0 holds the last 64)
     row_layout = plgpu.Layout.WGMMA.reduce(1)
+    col_layout = plgpu.Layout.WGMMA.reduce(0)  # a vector along the tail's sᵀ and oᵀ columns (its rows)
 
     def body(plen_ref, q_ref, kv_ref, tkv_ref, bits_ref, o_ref, lse_ref, qo_smem, k_smem, bits_smem, p_smem,
-             stat_smem, q_bar, k_bars, bits_bars, consumed_bars, done_bar, p_ready, p_free):
+             stat_smem, tail_smem, pt_smem, q_bar, k_bars, bits_bars, consumed_bars, done_bar, p_ready, p_free,
+             qt_bar, rope_free):
         lse_smem = stat_smem.at[2]  # stat rows: 0 the step's alpha, 1 the final l (shared scores), 2 the LSE
         q_smem, o_smem = qo_smem  # the output tile reuses the query tile's shared memory
+        qt_smem, (ot_smem, lset_smem) = tail_smem if tail else (None, (None, None))
         b = lax.axis_index("stream")
         tile = lax.axis_index("tile")
         sp = lax.axis_index("split")
         wg = lax.axis_index("wg")
         rem, nbp, lo, n_whole, n_cache, n_all = _block_steps(plen_ref[b], TB, sp, NS, BK)
+        # with a tail, consumer 0 hands p to consumer 1 in the key block's rope columns, which both have read
+        probs = (lambda slot: k_smem.at[slot, :, pl.ds(C - 64, 64)]) if tail else (lambda slot: p_smem)  # noqa: E731
 
         @pl.when(wg == 2)
         def _producer():
             plgpu.set_max_registers(40, action="decrease")
-            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(tile * ROWS, ROWS)], q_smem, q_bar)
+            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(tile * ROWS, ROWS), pl.ds(0, CQ)], q_smem, q_bar)
+            if tail:
+                plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(ROWS, tail)], qt_smem, qt_bar)
 
             def copy_mask_words(t, slot):
                 plgpu.copy_gmem_to_smem(bits_ref.at[b, pl.ds(t * WB, WB), pl.ds(tile * ROWS, ROWS)],
@@ -332,13 +372,22 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
             scores_here = half == 0 or not share_scores  # this warpgroup computes q.k and the softmax
             plgpu.set_max_registers(232, action="increase")
             plgpu.barrier_wait(q_bar)
+            if tail and not scores_here:
+                plgpu.barrier_wait(qt_bar)
             m = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), row_layout)
             l = plgpu.layout_cast(jnp.full((ROWS,), 0.0, jnp.float32), row_layout)
             values = lambda slot: k_smem.at[slot, :, pl.ds(half * LH, LH)]  # noqa: E731
+            q_rope = None
+            if tail and scores_here:
+                q_rope = plgpu.load(q_ref, (b, pl.ds(0, ROWS), pl.ds(CQ, 64)), layout=plgpu.Layout.WGMMA,
+                                    optimized=False)
 
             def scores(slot, kind):
                 def qk(s_ref):
-                    plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                    keys = lambda c0, n: plgpu.transpose_ref(k_smem.at[slot, :, pl.ds(c0, n)], (1, 0))  # noqa: E731
+                    plgpu.wgmma(s_ref, q_smem, keys(0, CQ))
+                    if tail:
+                        plgpu.wgmma(s_ref, q_rope, keys(CQ, 64))
                     return s_ref[...]
 
                 s = pl.run_scoped(qk, plgpu.ACC((ROWS, BK), jnp.float32)) * scale_log2
@@ -351,7 +400,7 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
                 return mask_tree_scores(s, col, lambda w: plgpu.load(bits_smem.at[slot, w], (), layout=row_layout),
                                         row_dim=0)
 
-            def softmax_share(j, s, m, l):
+            def softmax_share(j, slot, s, m, l):
                 """Online-softmax update for scores s (log2 units); with share_scores, p and alpha go to
                 consumer 1 through shared memory."""
                 m_new = jnp.maximum(m, s.max(axis=1))
@@ -364,7 +413,9 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
                     def _():
                         plgpu.barrier_wait(p_free)
 
-                    p_smem[...] = p16
+                    if tail:  # the tail's q.k has read the rope columns that p overwrites
+                        plgpu.barrier_wait(rope_free)
+                    probs(slot)[...] = p16
                     stat_smem[0] = alpha
                     plgpu.commit_smem()
                     plgpu.barrier_arrive(p_ready)
@@ -373,14 +424,28 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
             def accumulate(acc_ref, slot, alpha, p16):
                 acc_ref[...] = acc_ref[...] * lax.broadcast_in_dim(alpha, acc_ref.shape, [0])
                 plgpu.wgmma(acc_ref, p16, values(slot))
-                plgpu.wgmma_wait(0)
-                if not scores_here:
-                    plgpu.barrier_arrive(p_free)
-                plgpu.barrier_arrive(consumed_bars.at[slot])
 
-            def flash_loop(acc_ref):  # the [64, L/2] accumulator starts at zero
+            def tail_scores(j, slot, kind):  # the tail rows' sᵀ [BK, tail], keys as wgmma's M (log2 units)
+                def qk(s_ref):
+                    plgpu.wgmma(s_ref, k_smem.at[slot], plgpu.transpose_ref(qt_smem, (1, 0)))
+                    return s_ref[...]
+
+                if kind == TREE:  # their mask words, straight from global memory
+                    t = lo + j - nbp
+                    words = [plgpu.load(bits_ref, (b, t * WB + w, pl.ds(ROWS, tail)), layout=col_layout,
+                                        optimized=False) for w in range(WB)]
+                s = pl.run_scoped(qk, plgpu.ACC((BK, tail), jnp.float32)) * scale_log2
+                plgpu.barrier_arrive(rope_free)
+                key = plgpu.broadcasted_iota(jnp.int32, (BK, tail), 0, layout=plgpu.Layout.WGMMA)
+                if kind == WHOLE:
+                    return s
+                if kind == PARTIAL:
+                    return jnp.where(key < rem, s, MASKED)
+                return mask_tree_scores(s, key, words.__getitem__, row_dim=1)
+
+            def flash_loop(acc_ref, tail_acc_ref=None):  # the [64, L/2] (and tail [L, tail]) accumulators start at 0
                 def step(kind, j, carry):
-                    m, l = carry
+                    m, l = carry[:2]
                     slot = lax.rem(j, stages)
                     plgpu.barrier_wait(k_bars.at[slot])
                     # a partial block: this warpgroup's value columns past the prefix zeroed before its p.v reads
@@ -388,22 +453,51 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
                     # the scores of the others are masked)
                     if kind == PARTIAL:
                         zero_rows_from(k_smem.at[slot, :, pl.ds(half * LH, LH)], rem, BK)
+                    if tail and not scores_here:  # the tail rows' softmax, as in mla_attention_narrow
+                        mt, lt = carry[2:]
+                        st = tail_scores(j, slot, kind)
+                        mt_new = jnp.maximum(mt, st.max(axis=0))
+                        alpha_t = jnp.exp2(mt - mt_new)
+                        pt = jnp.exp2(st - lax.broadcast_in_dim(mt_new, st.shape, [1]))
+                        lt = lt * lax.broadcast_in_dim(alpha_t, lt.shape, [1]) + pt
+                        pt_smem.transpose((1, 0))[...] = plgpu.layout_cast(pt.astype(jnp.bfloat16),
+                                                                           plgpu.Layout.WGMMA_TRANSPOSED)
+                        plgpu.commit_smem()
+                        carry = (m, l, mt_new, lt)
                     if scores_here:
-                        p16, alpha, m, l = softmax_share(j, scores(slot, kind), m, l)
+                        p16, alpha, m, l = softmax_share(j, slot, scores(slot, kind), m, l)
                     else:
                         plgpu.barrier_wait(p_ready)
                         alpha = plgpu.load(stat_smem.at[0], (), layout=row_layout)
-                        p16 = p_smem
+                        p16 = probs(slot)
                     accumulate(acc_ref, slot, alpha, p16)
-                    return m, l
+                    if tail and not scores_here:  # oᵀ [L, tail] += vᵀ [L, BK] · pᵀ [BK, tail]
+                        tail_acc_ref[...] = tail_acc_ref[...] * lax.broadcast_in_dim(alpha_t, tail_acc_ref.shape, [1])
+                        plgpu.wgmma(tail_acc_ref, plgpu.transpose_ref(k_smem.at[slot, :, pl.ds(0, L)], (1, 0)),
+                                    plgpu.transpose_ref(pt_smem, (1, 0)))
+                    plgpu.wgmma_wait(0)
+                    if not scores_here:
+                        plgpu.barrier_arrive(p_free)
+                    plgpu.barrier_arrive(consumed_bars.at[slot])
+                    return (m, l) + carry[2:]
 
-                # whole cache blocks, the partial one (0 or 1), the tree's (the other warpgroup masks nothing)
-                carry = lax.fori_loop(0, n_whole, functools.partial(step, WHOLE), (m, l))
+                carry = (m, l)
+                if tail and not scores_here:
+                    carry += (plgpu.layout_cast(jnp.full((tail,), -jnp.inf, jnp.float32), col_layout),
+                              plgpu.layout_cast(jnp.full((BK, tail), 0.0, jnp.float32), plgpu.Layout.WGMMA))
+                # whole cache blocks, the partial one (0 or 1), the tree's (the other warpgroup masks nothing
+                # of its 64 rows)
+                carry = lax.fori_loop(0, n_whole, functools.partial(step, WHOLE), carry)
                 carry = lax.fori_loop(n_whole, n_cache, functools.partial(step, PARTIAL), carry)
-                carry = lax.fori_loop(n_cache, n_all, functools.partial(step, TREE if scores_here else WHOLE), carry)
-                return (acc_ref[...],) + carry
+                carry = lax.fori_loop(n_cache, n_all, functools.partial(step, TREE if scores_here or tail else WHOLE),
+                                      carry)
+                return (acc_ref[...],) + carry + ((tail_acc_ref[...],) if tail_acc_ref is not None else ())
 
-            acc, m, l = pl.run_scoped(flash_loop, plgpu.ACC((ROWS, LH), jnp.float32))
+            if tail and not scores_here:
+                acc, m, l, mt, lt, tail_acc = pl.run_scoped(flash_loop, plgpu.ACC((ROWS, LH), jnp.float32),
+                                                            plgpu.ACC((L, tail), jnp.float32))
+            else:
+                acc, m, l = pl.run_scoped(flash_loop, plgpu.ACC((ROWS, LH), jnp.float32))
             if scores_here:  # a row that saw only masked keys in this split is empty here
                 l = jnp.where(m < 0.5 * MASKED, 0.0, l)
             if share_scores and half == 0:
@@ -429,23 +523,45 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
                                         o_ref.at[sp, b, pl.ds(tile * ROWS, ROWS), pl.ds(half * LH, LH)])
                 if half == 0:
                     plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[sp, b, pl.ds(tile * ROWS, ROWS)])
+            if tail and not scores_here:  # the tail's output and LSE reuse its query rows' memory
+                lt = jnp.where(mt < 0.5 * MASKED, 0.0, lt.sum(axis=0))
+                empty_t = lt == 0.0
+                inv_t = jnp.where(empty_t, 0.0, 1.0 / jnp.where(empty_t, 1.0, lt))
+                ot_smem.transpose((1, 0))[...] = plgpu.layout_cast(
+                    (tail_acc * lax.broadcast_in_dim(inv_t, tail_acc.shape, [1])).astype(jnp.bfloat16),
+                    plgpu.Layout.WGMMA_TRANSPOSED)
+                lset_smem[...] = jnp.where(empty_t, -jnp.inf, (mt + jnp.log2(jnp.where(empty_t, 1.0, lt))) * _LN2)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(ot_smem, o_ref.at[sp, b, pl.ds(ROWS, tail)])
+                plgpu.copy_smem_to_gmem(lset_smem, lse_ref.at[sp, b, pl.ds(ROWS, tail)])
             plgpu.wait_smem_to_gmem(0)
 
         for half in range(2):
             pl.when(wg == half)(functools.partial(consumer, half))
 
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    tail_scratch = (None, None, None, None)
+    if tail:
+        tail_scratch = (
+            plgpu.RefUnion(plgpu.SMEM((tail, C), jnp.bfloat16, transforms=swizzled),
+                           (plgpu.SMEM((tail, L), jnp.bfloat16), plgpu.SMEM((tail,), jnp.float32))),
+            plgpu.SMEM((tail, 64), jnp.bfloat16, transforms=swizzled),
+            plgpu.Barrier(),
+            plgpu.Barrier(),
+        )
     kernel = plgpu.kernel(
         body,
         out_type=(jax.ShapeDtypeStruct((NS, B, V, L), jnp.bfloat16),
                   jax.ShapeDtypeStruct((NS, B, V), jnp.float32)),
         scratch_types=(
-            plgpu.RefUnion(plgpu.SMEM((ROWS, C), jnp.bfloat16, transforms=swizzled),
+            plgpu.RefUnion(plgpu.SMEM((ROWS, CQ), jnp.bfloat16, transforms=swizzled),
                            plgpu.SMEM((2, ROWS, LH), jnp.bfloat16, transforms=swizzled)),
             plgpu.SMEM((stages, BK, C), jnp.bfloat16, transforms=swizzled),
             plgpu.SMEM((stages, WB, ROWS), jnp.int32),
-            plgpu.SMEM((ROWS, BK), jnp.bfloat16, transforms=swizzled) if share_scores else None,
+            plgpu.SMEM((ROWS, BK), jnp.bfloat16, transforms=swizzled) if share_scores and not tail else None,
             plgpu.SMEM((3, ROWS), jnp.float32),
+            tail_scratch[0],
+            tail_scratch[1],
             plgpu.Barrier(num_barriers=1),
             plgpu.Barrier(num_barriers=stages),
             plgpu.Barrier(num_barriers=stages),
@@ -453,11 +569,14 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
             plgpu.Barrier(num_arrivals=2),
             plgpu.Barrier() if share_scores else None,
             plgpu.Barrier() if share_scores else None,
+            tail_scratch[2],
+            tail_scratch[3],
         ),
         grid=(B, n_tiles, NS), grid_names=("stream", "tile", "split"),
         num_threads=3, thread_name="wg",
-        # the row reductions (max, sum) of the WGMMA layout stay within a warp: no smem scratch for them
-        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
+        # the row reductions (max, sum) of the WGMMA layout stay within a warp: no smem scratch for them; the
+        # tail's (over keys, across consumer 1's warps) need some
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=tail_scratch_bytes(tail)),
     )
     return kernel(prefix_len.astype(jnp.int32), q_rows, cache_kv, tree_kv, tree_bits)  # lse in natural log
 
@@ -526,7 +645,7 @@ def _check_valid_rows(valid_rows, rows: int) -> int:
 
 def tree_attention_mgpu(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, kv_lora_rank,
                         interpret=False, return_lse=False, block_k=64, stages=None, num_splits=None,
-                        share_scores=True, num_sms=_NUM_SMS_H200, kernel=None, combine=combine_splits):
+                        share_scores=True, num_sms=_NUM_SMS_H200, kernel=None, combine=combine_splits, tail=True):
     """MLA tree-verify attention on the Mosaic GPU kernel (module docstring).
 
     q [B, T, H, C] bf16, cache_kv [B, S, C] bf16, prefix_len [B] int32 (values outside [0, S] are
@@ -538,7 +657,9 @@ def tree_attention_mgpu(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, k
     padding rows past T (``tree_attention``'s contract): latents padded to whole blocks
     (``pad_tree_latents``, as the model hands them over) are read as they are. ``stages`` defaults to the kernel's own. ``combine`` merges several splits:
     ``split_combine.combine_splits`` (one Pallas-Triton launch), or its XLA twin ``combine_splits_ref``
-    (CPU tests; the A/B of ``profile_kernels``). ``interpret=True`` is refused: JAX's Mosaic GPU
+    (CPU tests; the A/B of ``profile_kernels``). ``tail``: where T*H = 72 rows (and :func:`split_attention`
+    runs, with block_k = 64 and shared scores), one tile and a tail of 8 rows (module docstring) rather
+    than two tiles. ``interpret=True`` is refused: JAX's Mosaic GPU
     interpreter (0.10) has neither register-operand wgmma nor accumulator stores; CPU tests lower the
     kernel for CUDA.
     """
@@ -551,16 +672,19 @@ def tree_attention_mgpu(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, k
         raise ValueError(f"tree_attention_mgpu cannot take {problem}; use tree_attention_ref")
     L, N = kv_lora_rank, T * H
     plen = jnp.clip(prefix_len.astype(jnp.int32), 0, S)
-    if num_splits is None:
-        num_splits = splits_for(B, T, H, S, block_k, num_sms)
     valid_rows = valid_rows_for(T, H)
     from pallas_kernels.mla_attention_narrow import NARROW_MAX_ROWS, split_attention_narrow  # it imports this
     if kernel is None:
         narrow = valid_rows is not None and valid_rows <= NARROW_MAX_ROWS and block_k == 64 and L + 64 <= C
         kernel = split_attention_narrow if narrow else split_attention
-    # the narrow kernel takes the V real rows as they are (no padded copy of q); the others whole 64-row tiles
-    takes_real_rows = split_attention_narrow in (kernel, getattr(kernel, "func", None))  # or a partial of it
-    qr = q.reshape(B, N, C) if takes_real_rows else fold_rows(q, ROWS)
+    # the narrow kernel takes the V real rows as they are (no padded copy of q), as does one tile and a tail;
+    # the others whole 64-row tiles
+    base = getattr(kernel, "func", kernel)  # a partial of a kernel
+    with_tail = bool(tail) and tail_rows_of(N) > 0 and base in (split_attention, split_attention_ref) \
+        and block_k == 64 and share_scores and L + 64 <= C
+    if num_splits is None:
+        num_splits = splits_for(B, T, H, S, block_k, num_sms, tail=with_tail)
+    qr = q.reshape(B, N, C) if base is split_attention_narrow or with_tail else fold_rows(q, ROWS)
     keys, bits = tree_inputs(tree_kv, tree_mask, H, qr.shape[1], block_k)
     stage_kw = {} if stages is None else {"stages": stages}
     o, lse = kernel(qr, cache_kv, plen, keys, bits, scale=scale, kv_lora_rank=L, block_k=block_k,

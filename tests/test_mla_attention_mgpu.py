@@ -103,6 +103,7 @@ def test_split_twin_on_tree_inputs_matches_reference_per_split(B, T, H, S, plens
     (2, 9, 2, 152, [150, 64], "chain", 1),       # DFlash chain, exactly one whole block
     (1, 12, 16, 304, [300], "tree", 4),          # 192 rows: 3 tiles
     (2, 70, 1, 96, [96, 5], "tree", 6),          # 70 tree keys: 2 tree blocks, splits inside the tree
+    (2, 9, 8, 200, [200, 70], "tree", 3),        # 72 rows: one tile and a tail, as the kernel takes them
 ])
 def test_cascade_with_twin_prefix_matches_dense(B, T, H, S, plens, kind, NS):
     L, RD = 128, 64
@@ -151,6 +152,12 @@ def test_errors():
         M.split_attention(q_rows, case[1], case[2], *tail, block_k=256, stages=4, **kw)
     with pytest.raises(ValueError, match="whole 64-row tiles"):
         M.split_attention(q_rows[:, :40], case[1], case[2], *tail, **kw)
+    q72, tail72 = jnp.zeros((1, 72, 192), jnp.bfloat16), M.tree_inputs(case[3], case[4], 2, 72, 64)
+    with pytest.raises(ValueError, match="one tile and a tail"):
+        M.split_attention(q72, case[1], case[2], *tail72, share_scores=False, **kw)
+    with pytest.raises(ValueError, match="whole 64-row tiles"):
+        M.split_attention(jnp.zeros((1, 80, 192), jnp.bfloat16), case[1], case[2],
+                          *M.tree_inputs(case[3], case[4], 2, 80, 64), **kw)
     for f in (M.split_attention, M.split_attention_ref):
         with pytest.raises(ValueError, match="tree_kv"):
             f(q_rows, case[1], case[2], tail[0][:, :32], tail[1], **kw)
@@ -203,15 +210,18 @@ def k26_spec(B, T, H, S):
             jax.ShapeDtypeStruct((B, T, T), jnp.bool_))
 
 
-@pytest.mark.parametrize("T,H,NS,share,BK,stages", [
-    (1, 64, 4, True, 64, 2), (8, 8, 1, False, 64, 2), (33, 64, 2, True, 64, 2), (9, 8, 1, True, 64, 2)])
-def test_kernel_lowers_for_cuda_on_cpu(T, H, NS, share, BK, stages):
+@pytest.mark.parametrize("T,H,NS,share,BK,stages,tail,rows", [
+    (1, 64, 4, True, 64, 2, True, 64), (8, 8, 1, False, 64, 2, True, 64), (33, 64, 2, True, 64, 2, True, 2112),
+    (9, 8, 1, True, 64, 2, True, 72), (9, 8, 4, True, 64, 2, False, 128), (9, 8, 4, False, 64, 2, True, 128)])
+def test_kernel_lowers_for_cuda_on_cpu(T, H, NS, share, BK, stages, tail, rows):
     """Mosaic GPU lowering at K2.6 dims without a GPU: layouts, transforms, wgmma shapes, barriers,
-    and shared memory within the H200's 227 KB."""
+    and shared memory within the H200's 227 KB; at T*H = 72 one tile and a tail (72 rows of partials), or
+    two tiles (128) where the tail is off or the scores are not shared."""
     f = jax.jit(functools.partial(M.tree_attention_mgpu, scale=K26["scale"], kv_lora_rank=K26["L"],
-                                  num_splits=NS, share_scores=share, block_k=BK, stages=stages))
+                                  num_splits=NS, share_scores=share, block_k=BK, stages=stages, tail=tail,
+                                  kernel=M.split_attention))
     text = f.trace(*k26_spec(2, T, H, 1024)).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text
+    assert "mosaic_gpu" in text and f"tensor<{NS}x2x{rows}x512xbf16>" in text
 
 
 # ---------------------------------------------------------------------------------------------
@@ -219,17 +229,22 @@ def test_kernel_lowers_for_cuda_on_cpu(T, H, NS, share, BK, stages):
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("B,T,H,S,kind,NS,share", [
-    (2, 1, 64, 4096, "chain", None, True), (3, 1, 8, 4096, "chain", 7, True),
-    (2, 8, 8, 2048, "chain", None, True), (2, 64, 64, 2048, "tree", None, True),
-    (1, 256, 8, 1024, "tree", 1, True), (2, 33, 64, 1000, "tree", 3, True),
-    (2, 1, 64, 4096, "chain", None, False), (2, 33, 64, 1000, "tree", 3, False),
-    (2, 200, 8, 64, "tree", 5, True),            # splits inside the tree (4 tree blocks, 1 cache block)
-    (2, 4, 8, 2048, "tree", None, True),         # 32 real rows of one tile: only those written (valid_rows)
-    (3, 9, 8, 1000, "tree", 4, True),            # DDTree budget 8 under TP-8: 72 rows, two tiles
+@pytest.mark.parametrize("B,T,H,S,kind,NS,share,tail", [
+    (2, 1, 64, 4096, "chain", None, True, True), (3, 1, 8, 4096, "chain", 7, True, True),
+    (2, 8, 8, 2048, "chain", None, True, True), (2, 64, 64, 2048, "tree", None, True, True),
+    (1, 256, 8, 1024, "tree", 1, True, True), (2, 33, 64, 1000, "tree", 3, True, True),
+    (2, 1, 64, 4096, "chain", None, False, True), (2, 33, 64, 1000, "tree", 3, False, True),
+    (2, 200, 8, 64, "tree", 5, True, True),            # splits inside the tree (4 tree blocks, 1 cache block)
+    (2, 4, 8, 2048, "tree", None, True, True),         # 32 real rows of one tile: only those written (valid_rows)
+    (3, 9, 8, 1000, "tree", 4, True, True),            # DDTree budget 8 under TP-8: 72 rows, one tile and a tail
+    (3, 9, 8, 1000, "tree", 4, True, False),     # ... and as two tiles
+    (2, 9, 8, 4096, "chain", None, True, True),        # one tile and a tail, the default splits
+    (2, 9, 8, 130, "tree", 1, True, True),             # one split: the kernel's output is the result
+    (2, 9, 8, 64, "tree", 2, True, True),              # a split of tree blocks only (the tail's mask words)
 ])
-def test_gpu_kernel_matches_twin_k26(B, T, H, S, kind, NS, share):
-    """The 64-row kernel, also where the default would take the narrow one (T*H <= 32)."""
+def test_gpu_kernel_matches_twin_k26(B, T, H, S, kind, NS, share, tail):
+    """The 64-row kernel, also where the default would take the narrow one (T*H <= 32); at T*H = 72 with a
+    tail of 8 rows in the tile's program (``tail``) and as two tiles."""
     L = K26["L"]
     rng = np.random.default_rng(7)
     plens = [int(x) for x in rng.integers(0, S + 1, size=B)]
@@ -239,7 +254,7 @@ def test_gpu_kernel_matches_twin_k26(B, T, H, S, kind, NS, share):
     case = make_case(11, B, T, H, L, K26["C"] - L, S, plens, kind)
     args = as_jax(case, jnp.bfloat16)
     o, lse = jax.jit(lambda *a: M.tree_attention_mgpu(*a, scale=K26["scale"], kv_lora_rank=L, num_splits=NS,
-                                                      share_scores=share, return_lse=True,
+                                                      share_scores=share, return_lse=True, tail=tail,
                                                       kernel=M.split_attention))(*args)
     up = [a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args]
     r_o, r_l = jax.jit(lambda *a: tree_attention_ref(*a, scale=K26["scale"], kv_lora_rank=L,
