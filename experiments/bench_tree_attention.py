@@ -167,7 +167,8 @@ def mgpu_parts(H, B, T, S):
     kw = dict(scale=SCALE, kv_lora_rank=L, num_splits=ns, valid_rows=M.valid_rows_for(T, H))
 
     def glue(q, cache, plen, tkv, mask):  # -> (q rows, tree keys, mask words)
-        qr = fold_rows(bench_util.tie_to(q, plen), M.ROWS)  # tied: each call redoes it
+        q = bench_util.tie_to(q, plen)  # tied: each call redoes it
+        qr = q.reshape(B, T * H, C) if M.tail_rows_of(T * H) else fold_rows(q, M.ROWS)  # one tile and a tail
         return (qr,) + M.tree_inputs(tkv, mask, H, qr.shape[1], 64)
 
     def inputs_as_given(q, cache, plen, tkv, mask):
