@@ -74,15 +74,26 @@ KERNELS = {"triton": tree_attention,
 
 def kernel_fn(name: str):
     """A --kernel entry: a KERNELS name, optionally with integer keywords for it, 'mgpu_wide:num_splits=4'
-    (several joined by '&'), so that one run can time a kernel's options side by side."""
+    (several joined by '&'), so that one run can time a kernel's options side by side. A keyword 'kernel.k' goes
+    to the Mosaic GPU entries' kernel itself, its values joined by '/' into a tuple:
+    'mgpu_wide:kernel.registers=24/240'."""
     base, _, opts = name.partition(":")
     if base not in KERNELS:
         raise ValueError(f"unknown kernel {base!r} in {name!r}; expected one of {sorted(KERNELS)}")
     try:
-        kw = {k: int(v) for k, v in (kv.split("=") for kv in opts.split("&") if kv)}
+        kw = {k: tuple(int(x) for x in v.split("/")) if "/" in v else int(v)
+              for k, v in (kv.split("=") for kv in opts.split("&") if kv)}
     except ValueError:
-        raise ValueError(f"kernel options in {name!r} must be k=int pairs joined by '&'") from None
-    return functools.partial(KERNELS[base], **kw) if kw else KERNELS[base]
+        raise ValueError(f"kernel options in {name!r} must be k=int (or k=int/int...) pairs joined by '&'") from None
+    inner = {k.removeprefix("kernel."): v for k, v in kw.items() if k.startswith("kernel.")}
+    kw = {k: v for k, v in kw.items() if not k.startswith("kernel.")}
+    fn = KERNELS[base]
+    if inner:
+        kernel = getattr(fn, "keywords", {}).get("kernel")
+        if kernel is None:
+            raise ValueError(f"{name!r}: kernel.* options need an entry that names its kernel (mgpu_wide, mgpu_narrow)")
+        kw["kernel"] = functools.partial(kernel, **inner)
+    return functools.partial(fn, **kw) if kw else fn
 
 
 C, L, SCALE = 576, 512, 0.14468

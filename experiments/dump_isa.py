@@ -29,8 +29,10 @@ SASS_OP = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)
 
 
 def _int_kwargs(text: str) -> dict:
-    """'k=v,...' -> {k: int(v)} ("None" -> None)."""
-    return {k: None if v == "None" else int(v) for k, v in (kv.split("=") for kv in text.split(",") if kv)}
+    """'k=v,...' -> {k: int(v)} ("None" -> None; 'a/b' -> a tuple of ints)."""
+    def value(v):
+        return None if v == "None" else tuple(int(x) for x in v.split("/")) if "/" in v else int(v)
+    return {k: value(v) for k, v in (kv.split("=") for kv in text.split(",") if kv)}
 
 
 def run_moe(args):
@@ -58,9 +60,13 @@ def run_attention(args):
     from pallas_kernels.mla_attention_narrow import split_attention_narrow
 
     q, caches, plen, tkv, mask = make_inputs(jax.random.key(0), args.h, 2, args.t, 1024, 1)
-    kw = {}
+    kw = _int_kwargs(args.op_kwargs)
+    if args.kwargs and args.wide_kwargs:
+        raise SystemExit("--kwargs (the narrow kernel) and --wide-kwargs (the 64-row one) exclude each other")
     if args.kwargs:  # options of the narrow kernel
         kw["kernel"] = functools.partial(split_attention_narrow, **_int_kwargs(args.kwargs))
+    if args.wide_kwargs:
+        kw["kernel"] = functools.partial(M.split_attention, **_int_kwargs(args.wide_kwargs))
     fn = jax.jit(functools.partial(M.tree_attention_mgpu, scale=SCALE, kv_lora_rank=L, **kw))
     return fn(q, caches[0], plen, tkv, mask)
 
@@ -82,10 +88,28 @@ def wgmma_waits(instructions: list[str]) -> dict:
     return {"hgmma": len(hgmma), "warpgroup_depbar": len(waits), "hgmma_pairs_with_a_wait_between": between}
 
 
+def spills_by_region(instructions: list[str]) -> list[dict]:
+    """In SASS instructions in address order: the local-memory spills (STL stores, LDL loads) between one
+    ``USETMAXREG`` (a warpgroup's register budget, ``setmaxnreg``) and the next, so that a spill can be
+    placed in the producer's or a consumer's code (a warpgroup's code follows its setmaxnreg in Mosaic GPU's
+    layout; the region before the first is the kernel's prologue)."""
+    regions, current = [], {"setmaxnreg": "(prologue)", "instructions": 0, "STL": 0, "LDL": 0}
+    for ins in instructions:
+        op = SASS_OP.match(ins).group(1)
+        if op.startswith("USETMAXREG"):
+            regions.append(current)
+            current = {"setmaxnreg": " ".join(ins.split("*/", 1)[-1].split()), "instructions": 0, "STL": 0,
+                       "LDL": 0}
+        current["instructions"] += 1
+        for kind in ("STL", "LDL"):
+            current[kind] += op.startswith(kind)
+    return regions + [current]
+
+
 def sass_summary(text: str) -> dict:
     ops = collections.Counter(SASS_OP.findall(text))
     lines = [ln for ln in text.splitlines() if SASS_OP.match(ln)]
-    return {"ops": dict(ops.most_common(60)), **wgmma_waits(lines)}
+    return {"ops": dict(ops.most_common(60)), **wgmma_waits(lines), "spills_by_region": spills_by_region(lines)}
 
 
 def main(argv=None):
@@ -101,6 +125,9 @@ def main(argv=None):
     att.add_argument("--t", type=int, default=4)
     att.add_argument("--h", type=int, default=8)
     att.add_argument("--kwargs", default="", help="k=v,... passed to the narrow kernel (ints; forces it)")
+    att.add_argument("--wide-kwargs", default="", help="k=v,... passed to the 64-row kernel (ints, a/b for a "
+                                                      "tuple; forces it)")
+    att.add_argument("--op-kwargs", default="", help="k=v,... passed to tree_attention_mgpu (ints): tail=0")
     args = ap.parse_args(argv)
     dump = os.path.join(args.out, "isa")
     os.makedirs(dump, exist_ok=True)
@@ -136,6 +163,8 @@ def main(argv=None):
     for name, s in summary.get("sass", {}).items():
         print(name, s.get("error") or f"HGMMA {s['hgmma']}, pairs with a wait between "
                                       f"{s['hgmma_pairs_with_a_wait_between']}")
+        for region in s.get("spills_by_region", []):
+            print("  ", region)
 
 
 if __name__ == "__main__":

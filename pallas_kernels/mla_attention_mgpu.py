@@ -294,7 +294,7 @@ def _split_range(nb, tree_blocks: int, sp, num_splits: int):
 
 
 def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, kv_lora_rank, block_k=64,
-                    stages=2, num_splits=1, share_scores=True, valid_rows=None):
+                    stages=2, num_splits=1, share_scores=True, valid_rows=None, registers=(40, 232)):
     """The Mosaic GPU kernel: attention of 64-row query tiles over each stream's prefix, read in place from
     the cache, and its tree, in NS splits.
 
@@ -308,13 +308,20 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
     ``_split_range(NBP, TP / BK, s, NS)`` gives it. Returns (o [NS, B, V, L] bf16, lse [NS, B, V] f32,
     natural log), each split normalised on its own; a row that sees no key in a split has o = 0 and lse =
     -inf there. V = ``valid_rows``: R by default, or with one 64-row tile the first V rows (a multiple of
-    8), so that a decode step of few heads writes and merges only its real rows' partials.
+    8), so that a decode step of few heads writes and merges only its real rows' partials. ``registers``:
+    a thread's registers in the producer and in each consumer (``setmaxnreg``; multiples of 8 whose sum with a
+    second consumer's stays within the 504 that 384 threads may hold).
     """
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.mosaic_gpu is not available in this JAX")
     BK, NS = int(block_k), int(num_splits)
     L = kv_lora_rank
     LH = L // 2
+    producer_regs, consumer_regs = (int(r) for r in registers)
+    if producer_regs % 8 or consumer_regs % 8 or not 24 <= producer_regs <= consumer_regs <= 256 \
+            or producer_regs + 2 * consumer_regs > 504:
+        raise ValueError(f"registers={tuple(registers)} must be multiples of 8 in [24, 256], the producer's at most "
+                         f"a consumer's, with producer + 2 x consumer <= 504")
     WB = BK // WORD  # mask words per block
     if BK not in (64, 128, 256):  # Mosaic's wgmma needs K (keys, for p.v) % 64 == 0
         raise ValueError(f"block_k={BK} must be 64, 128 or 256")
@@ -356,7 +363,7 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
 
         @pl.when(wg == 2)
         def _producer():
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(producer_regs, action="decrease")
             plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(tile * ROWS, ROWS), pl.ds(0, CQ)], q_smem, q_bar)
             if tail:
                 plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(ROWS, tail)], qt_smem, qt_bar)
@@ -370,7 +377,7 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
 
         def consumer(half):
             scores_here = half == 0 or not share_scores  # this warpgroup computes q.k and the softmax
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(consumer_regs, action="increase")
             plgpu.barrier_wait(q_bar)
             if tail and not scores_here:
                 plgpu.barrier_wait(qt_bar)
@@ -582,11 +589,11 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
 
 
 def split_attention_ref(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, kv_lora_rank, block_k=64,
-                        stages=2, num_splits=1, share_scores=True, valid_rows=None):
+                        stages=2, num_splits=1, share_scores=True, valid_rows=None, registers=None):
     """Pure-JAX twin of :func:`split_attention` and ``mla_attention_narrow.split_attention_narrow`` (same
-    signature and outputs, split ranges, bf16 partials and the -inf LSE of empty rows included; ``stages``
-    and ``share_scores`` unused). Dense [NS, B, R, S + TP] f32 scores: for tests and small shapes."""
-    del stages, share_scores
+    signature and outputs, split ranges, bf16 partials and the -inf LSE of empty rows included; ``stages``,
+    ``share_scores`` and ``registers`` unused). Dense [NS, B, R, S + TP] f32 scores: for tests and small shapes."""
+    del stages, share_scores, registers
     BK, NS = int(block_k), int(num_splits)
     B, R, C, S, TP = check_in_place_inputs(q_rows, cache_kv, tree_kv, tree_bits, BK, "split_attention_ref")
     plen = jnp.clip(prefix_len.astype(jnp.int32), 0, S)

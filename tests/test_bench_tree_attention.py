@@ -34,5 +34,10 @@ def test_kernel_names_take_integer_keywords():
     assert f.keywords == dict(base.keywords, stages=3, num_splits=4)
     with pytest.raises(ValueError, match="unknown kernel 'mgpu_nope'"):
         bench.kernel_fn("mgpu_nope:stages=3")
-    with pytest.raises(ValueError, match="k=int pairs"):
+    with pytest.raises(ValueError, match="k=int"):
         bench.kernel_fn("mgpu:stages=three")
+    g = bench.kernel_fn("mgpu_wide:tail=0&kernel.registers=24/240")  # 'kernel.' options go to the kernel itself
+    assert g.keywords["tail"] == 0 and g.keywords["kernel"].func is bench.M.split_attention
+    assert g.keywords["kernel"].keywords == {"registers": (24, 240)}
+    with pytest.raises(ValueError, match="names its kernel"):
+        bench.kernel_fn("mgpu:kernel.stages=3")

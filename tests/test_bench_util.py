@@ -219,6 +219,11 @@ def test_dump_isa_counts_waits_between_hgmmas():
     summary = sass_summary(text)
     assert summary["hgmma"] == 3 and summary["hgmma_pairs_with_a_wait_between"] == 1
     assert summary["ops"]["WARPGROUP.DEPBAR.LE"] == 2 and summary["ops"]["BRA"] == 1
+    spill = ["STL [R1+0x8], R4", "USETMAXREG.DEALLOC.CTAPOOL 0x28", "LDL R6, [R1+0x8]",
+             "USETMAXREG.TRY_ALLOC.CTAPOOL P0, 0xe8", "STL.64 [R1], R8", "LDL.64 R8, [R1]", "@P0 LDL R2, [R1+0x4]"]
+    regions = sass_summary("\n".join(line.format(16 * i, op) for i, op in enumerate(spill)))["spills_by_region"]
+    assert [(r["setmaxnreg"].split()[0], r["STL"], r["LDL"]) for r in regions] == [
+        ("(prologue)", 1, 0), ("USETMAXREG.DEALLOC.CTAPOOL", 0, 1), ("USETMAXREG.TRY_ALLOC.CTAPOOL", 1, 2)]
 
 
 def test_profile_floor_cases_build():
