@@ -294,7 +294,8 @@ def _split_range(nb, tree_blocks: int, sp, num_splits: int):
 
 
 def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, kv_lora_rank, block_k=64,
-                    stages=2, num_splits=1, share_scores=True, valid_rows=None, registers=(40, 232)):
+                    stages=2, num_splits=1, share_scores=True, valid_rows=None, registers=(40, 232),
+                    rope_each_block=False):
     """The Mosaic GPU kernel: attention of 64-row query tiles over each stream's prefix, read in place from
     the cache, and its tree, in NS splits.
 
@@ -384,12 +385,13 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
             m = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), row_layout)
             l = plgpu.layout_cast(jnp.full((ROWS,), 0.0, jnp.float32), row_layout)
             values = lambda slot: k_smem.at[slot, :, pl.ds(half * LH, LH)]  # noqa: E731
-            q_rope = None
-            if tail and scores_here:
-                q_rope = plgpu.load(q_ref, (b, pl.ds(0, ROWS), pl.ds(CQ, 64)), layout=plgpu.Layout.WGMMA,
-                                    optimized=False)
+            def load_q_rope():  # the queries' last 64 columns, straight from global memory (L2)
+                return plgpu.load(q_ref, (b, pl.ds(0, ROWS), pl.ds(CQ, 64)), layout=plgpu.Layout.WGMMA,
+                                  optimized=False)
 
-            def scores(slot, kind):
+            q_rope = load_q_rope() if tail and scores_here and not rope_each_block else None
+
+            def scores(slot, kind, q_rope):
                 def qk(s_ref):
                     keys = lambda c0, n: plgpu.transpose_ref(k_smem.at[slot, :, pl.ds(c0, n)], (1, 0))  # noqa: E731
                     plgpu.wgmma(s_ref, q_smem, keys(0, CQ))
@@ -454,6 +456,7 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
                 def step(kind, j, carry):
                     m, l = carry[:2]
                     slot = lax.rem(j, stages)
+                    rope = load_q_rope() if tail and scores_here and rope_each_block else q_rope  # before the wait
                     plgpu.barrier_wait(k_bars.at[slot])
                     # a partial block: this warpgroup's value columns past the prefix zeroed before its p.v reads
                     # them (consumer 0's q.k may read them meanwhile: rows < rem are rewritten unchanged, and
@@ -472,7 +475,7 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
                         plgpu.commit_smem()
                         carry = (m, l, mt_new, lt)
                     if scores_here:
-                        p16, alpha, m, l = softmax_share(j, slot, scores(slot, kind), m, l)
+                        p16, alpha, m, l = softmax_share(j, slot, scores(slot, kind, rope), m, l)
                     else:
                         plgpu.barrier_wait(p_ready)
                         alpha = plgpu.load(stat_smem.at[0], (), layout=row_layout)
