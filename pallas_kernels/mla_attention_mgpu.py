@@ -294,8 +294,7 @@ def _split_range(nb, tree_blocks: int, sp, num_splits: int):
 
 
 def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, kv_lora_rank, block_k=64,
-                    stages=2, num_splits=1, share_scores=True, valid_rows=None, registers=(40, 232),
-                    rope_each_block=False):
+                    stages=2, num_splits=1, share_scores=True, valid_rows=None):
     """The Mosaic GPU kernel: attention of 64-row query tiles over each stream's prefix, read in place from
     the cache, and its tree, in NS splits.
 
@@ -309,20 +308,13 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
     ``_split_range(NBP, TP / BK, s, NS)`` gives it. Returns (o [NS, B, V, L] bf16, lse [NS, B, V] f32,
     natural log), each split normalised on its own; a row that sees no key in a split has o = 0 and lse =
     -inf there. V = ``valid_rows``: R by default, or with one 64-row tile the first V rows (a multiple of
-    8), so that a decode step of few heads writes and merges only its real rows' partials. ``registers``:
-    a thread's registers in the producer and in each consumer (``setmaxnreg``; multiples of 8 whose sum with a
-    second consumer's stays within the 504 that 384 threads may hold).
+    8), so that a decode step of few heads writes and merges only its real rows' partials.
     """
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.mosaic_gpu is not available in this JAX")
     BK, NS = int(block_k), int(num_splits)
     L = kv_lora_rank
     LH = L // 2
-    producer_regs, consumer_regs = (int(r) for r in registers)
-    if producer_regs % 8 or consumer_regs % 8 or not 24 <= producer_regs <= consumer_regs <= 256 \
-            or producer_regs + 2 * consumer_regs > 504:
-        raise ValueError(f"registers={tuple(registers)} must be multiples of 8 in [24, 256], the producer's at most "
-                         f"a consumer's, with producer + 2 x consumer <= 504")
     WB = BK // WORD  # mask words per block
     if BK not in (64, 128, 256):  # Mosaic's wgmma needs K (keys, for p.v) % 64 == 0
         raise ValueError(f"block_k={BK} must be 64, 128 or 256")
@@ -364,7 +356,7 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
 
         @pl.when(wg == 2)
         def _producer():
-            plgpu.set_max_registers(producer_regs, action="decrease")
+            plgpu.set_max_registers(40, action="decrease")
             plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(tile * ROWS, ROWS), pl.ds(0, CQ)], q_smem, q_bar)
             if tail:
                 plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(ROWS, tail)], qt_smem, qt_bar)
@@ -378,20 +370,19 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
 
         def consumer(half):
             scores_here = half == 0 or not share_scores  # this warpgroup computes q.k and the softmax
-            plgpu.set_max_registers(consumer_regs, action="increase")
+            plgpu.set_max_registers(232, action="increase")
             plgpu.barrier_wait(q_bar)
             if tail and not scores_here:
                 plgpu.barrier_wait(qt_bar)
             m = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), row_layout)
             l = plgpu.layout_cast(jnp.full((ROWS,), 0.0, jnp.float32), row_layout)
             values = lambda slot: k_smem.at[slot, :, pl.ds(half * LH, LH)]  # noqa: E731
-            def load_q_rope():  # the queries' last 64 columns, straight from global memory (L2)
-                return plgpu.load(q_ref, (b, pl.ds(0, ROWS), pl.ds(CQ, 64)), layout=plgpu.Layout.WGMMA,
-                                  optimized=False)
+            q_rope = None  # with a tail, the queries' last 64 columns in registers, from global memory (L2)
+            if tail and scores_here:
+                q_rope = plgpu.load(q_ref, (b, pl.ds(0, ROWS), pl.ds(CQ, 64)), layout=plgpu.Layout.WGMMA,
+                                    optimized=False)
 
-            q_rope = load_q_rope() if tail and scores_here and not rope_each_block else None
-
-            def scores(slot, kind, q_rope):
+            def scores(slot, kind):
                 def qk(s_ref):
                     keys = lambda c0, n: plgpu.transpose_ref(k_smem.at[slot, :, pl.ds(c0, n)], (1, 0))  # noqa: E731
                     plgpu.wgmma(s_ref, q_smem, keys(0, CQ))
@@ -456,7 +447,6 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
                 def step(kind, j, carry):
                     m, l = carry[:2]
                     slot = lax.rem(j, stages)
-                    rope = load_q_rope() if tail and scores_here and rope_each_block else q_rope  # before the wait
                     plgpu.barrier_wait(k_bars.at[slot])
                     # a partial block: this warpgroup's value columns past the prefix zeroed before its p.v reads
                     # them (consumer 0's q.k may read them meanwhile: rows < rem are rewritten unchanged, and
@@ -475,7 +465,7 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
                         plgpu.commit_smem()
                         carry = (m, l, mt_new, lt)
                     if scores_here:
-                        p16, alpha, m, l = softmax_share(j, slot, scores(slot, kind, rope), m, l)
+                        p16, alpha, m, l = softmax_share(j, slot, scores(slot, kind), m, l)
                     else:
                         plgpu.barrier_wait(p_ready)
                         alpha = plgpu.load(stat_smem.at[0], (), layout=row_layout)
@@ -592,11 +582,11 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
 
 
 def split_attention_ref(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, kv_lora_rank, block_k=64,
-                        stages=2, num_splits=1, share_scores=True, valid_rows=None, registers=None):
+                        stages=2, num_splits=1, share_scores=True, valid_rows=None):
     """Pure-JAX twin of :func:`split_attention` and ``mla_attention_narrow.split_attention_narrow`` (same
-    signature and outputs, split ranges, bf16 partials and the -inf LSE of empty rows included; ``stages``,
-    ``share_scores`` and ``registers`` unused). Dense [NS, B, R, S + TP] f32 scores: for tests and small shapes."""
-    del stages, share_scores, registers
+    signature and outputs, split ranges, bf16 partials and the -inf LSE of empty rows included; ``stages``
+    and ``share_scores`` unused). Dense [NS, B, R, S + TP] f32 scores: for tests and small shapes."""
+    del stages, share_scores
     BK, NS = int(block_k), int(num_splits)
     B, R, C, S, TP = check_in_place_inputs(q_rows, cache_kv, tree_kv, tree_bits, BK, "split_attention_ref")
     plen = jnp.clip(prefix_len.astype(jnp.int32), 0, S)

@@ -36,8 +36,9 @@ def test_kernel_names_take_integer_keywords():
         bench.kernel_fn("mgpu_nope:stages=3")
     with pytest.raises(ValueError, match="k=int"):
         bench.kernel_fn("mgpu:stages=three")
-    g = bench.kernel_fn("mgpu_wide:tail=0&kernel.registers=24/240")  # 'kernel.' options go to the kernel itself
+    g = bench.kernel_fn("mgpu_wide:tail=0&kernel.stages=3")  # 'kernel.' options go to the kernel itself
     assert g.keywords["tail"] == 0 and g.keywords["kernel"].func is bench.M.split_attention
-    assert g.keywords["kernel"].keywords == {"registers": (24, 240)}
+    assert g.keywords["kernel"].keywords == {"stages": 3}
+    assert bench.kernel_fn("mgpu_narrow:kernel.x=1/2").keywords["kernel"].keywords == {"x": (1, 2)}
     with pytest.raises(ValueError, match="names its kernel"):
         bench.kernel_fn("mgpu:kernel.stages=3")
