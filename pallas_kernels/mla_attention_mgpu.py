@@ -6,10 +6,12 @@ is this kernel's twin too; the kernel on prepared rows, :func:`split_attention`,
 
     tree_attention_mgpu(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, kv_lora_rank,
                         interpret=False, return_lse=False, block_k=64, stages=2, num_splits=None,
-                        share_scores=True, num_sms=132, kernel=split_attention, combine=combine_splits)
+                        share_scores=True, num_sms=132, kernel=split_attention, combine=combine_splits,
+                        tail=True)
 
 Dimension letters: B streams, T tree nodes, H heads, S cache slots, C latent+rope width (576),
-L latent width = value width (512), N = T*H query rows, Np rows padded to whole 64-row tiles,
+L latent width = value width (512), N = T*H query rows, Np rows padded to whole 64-row tiles (or one
+tile and a tail of 8),
 BK keys per block, NB = prefix_len // BK whole prefix blocks, NBP = ceil(prefix_len / BK) cache blocks
 read, TP tree keys padded to whole blocks (TB = TP / BK blocks), NS splits.
 
@@ -43,6 +45,17 @@ Design:
   and merges the partials of its real rows only (``valid_rows_for``). Up to 32 such rows go by
   default to ``mla_attention_narrow``, the same program with the keys as wgmma's M and the rows as N
   (8x less tensor work at T = 1, H = 8), on the same inputs.
+* **Tail rows.** T*H = 72 (a budget-8 tree under 8-way tensor parallelism: 9 nodes x 8 heads) would be
+  two tiles, the second 56 rows of padding, so each program walks its blocks twice. Instead one program
+  takes a 64-row tile and a tail of ``TAIL_ROWS`` = 8 rows (``tail_rows_of``): consumer 1, which waits for
+  consumer 0's probabilities anyway, runs the tail as ``mla_attention_narrow`` does (sᵀ = k·qᵀ with the keys
+  as wgmma's M, the softmax over keys across its warps, oᵀ += vᵀ·pᵀ into an [L, 8] accumulator) beside its
+  half of the tile's p·v. To fit the tail's 9 KB of queries in shared memory, consumer 0 holds the
+  queries' last 64 columns in registers (loaded once from global memory; q·kᵀ is two wgmmas) and hands p
+  to consumer 1 in the key block's rope columns, once the tail's q·kᵀ has read them (``rope_free``). The
+  tail's output and LSE reuse its queries' memory. On the H200 this is 1.1-1.3x faster than two tiles
+  (``experiments/RESULTS.md``, session 25); ptxas spills in both consumers (~70 stores each), which the
+  two-tile kernel does not.
 
 Masked scores are set to a large finite negative (not -inf), so a row that has seen only masked keys
 so far carries finite placeholder weights, which the first visible key rescales to exactly zero; a
