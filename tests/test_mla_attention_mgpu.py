@@ -418,3 +418,25 @@ def test_sharded_latent_attention_equals_unsharded_and_lowers_to_local_kernels()
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=8e-3, rtol=8e-3)
     text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text and "tensor<2x16x4x576xbf16>" in text
+
+
+def test_budget8_tree_under_8way_tensor_parallelism_lowers_to_one_tile_and_a_tail():
+    """K2.6's verify of a budget-8 tree (T = 9) with its 64 heads over model = 8 (8 fake CPU devices): each
+    device's kernel takes its 9 x 8 = 72 query rows as one 64-row tile and a tail (72 rows of partials,
+    not two tiles' 128)."""
+    import re
+
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from ddtree_jax.model import Runtime, latent_attention
+    from ddtree_jax.sharding import DEFAULT_RULES, make_mesh
+    from pallas_kernels.tree_attention import mla_attention
+    mesh = make_mesh(data=1, model=8)
+    runtime = Runtime(mesh=mesh, rules=DEFAULT_RULES)
+    f = jax.jit(lambda *a: latent_attention(mla_attention, runtime, *a, scale=K26["scale"], kv_lora_rank=K26["L"]))
+    spec = list(k26_spec(2, 9, 64, 1024))
+    spec[0] = jax.ShapeDtypeStruct(spec[0].shape, spec[0].dtype,
+                                   sharding=NamedSharding(mesh, PartitionSpec(None, None, "model", None)))
+    text = f.trace(*spec).lower(lowering_platforms=("cuda",)).as_text()
+    assert "tensor<2x9x8x576xbf16>" in text                      # the local queries: 8 of the 64 heads
+    assert re.search(r"tensor<\d+x2x72x512xbf16>", text) and not re.search(r"tensor<\d+x2x128x512xbf16>", text)
