@@ -131,6 +131,19 @@ def test_default_splits_fill_the_gpu_only_when_needed():
     assert M.default_splits(16, 1, 8192, 64) == 8        # 128 programs: one wave, not 144
     assert M.default_splits(16, 256, 8192, 64) == 1
     assert M.default_splits(1, 1, 256, 64) == 2          # at least 2 blocks per split
+    # T = 9, H = 8: one tile and a tail fills the wave with twice the splits of two tiles
+    assert M.splits_for(1, 9, 8, 65536) == 128 and M.splits_for(1, 9, 8, 65536, tail=False) == 66
+    assert M.splits_for(16, 9, 8, 8192) == 8 and M.splits_for(16, 10, 8, 8192) == 4
+
+
+def test_shared_memory_of_one_tile_and_a_tail_fits_where_two_tiles_leave_no_room():
+    """In Mosaic GPU's 1 KB units: the two-tile kernel leaves under 1 KB of the H200's 227 KB, less than the
+    tail's queries need (9 KB); without the query tile's rope columns and the probability tile it fits."""
+    C = K26["C"]
+    two_tiles, tail = M.smem_bytes(C, 64, 2), M.smem_bytes(C, 64, 2, tail=8)
+    assert two_tiles <= M.SMEM_LIMIT < two_tiles + 2 * 8 * C
+    assert tail <= M.SMEM_LIMIT and M.tail_rows_of(72) == M.TAIL_ROWS == 8
+    assert [M.tail_rows_of(n) for n in (64, 71, 80, 136)] == [0, 0, 0, 0]
 
 
 def test_errors():
