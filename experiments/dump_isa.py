@@ -6,8 +6,8 @@ ptxas's resource report, SASS) so that registers, spills and the wgmma (HGMMA) s
 
 ``moe``: the INT4 grouped GEMM (``int4_moe_mgpu``). ``attention``: the MLA attention op at T nodes, H heads,
 B = 2 streams over a 1024-slot cache (the narrow kernel where T*H <= 32, else the 64-row one).
-Writes the dumps under --out/isa (Mosaic GPU writes them; names follow the kernel) and a summary to
---out/dump_isa.json: per kernel's SASS the instruction counts, the HGMMAs and how many ``WARPGROUP.DEPBAR``
+Writes the dumps under --out/isa (Mosaic GPU writes them; names follow the kernel), each kernel's SASS
+to --out/<kernel>.sass.txt, and a summary to --out/dump_isa.json: per kernel's SASS the instruction counts, the HGMMAs and how many ``WARPGROUP.DEPBAR``
 waits sit between them (one after every HGMMA means ptxas serialised them), and the tail of ptxas's report
 (its "wgmma serialization" warnings included). Where Mosaic GPU dumps PTX but no SASS (JAX 0.11 on the
 H200), the SASS comes from the PTX through ``ptxas`` and ``cuobjdump``/``nvdisasm`` found on the PATH.
@@ -106,6 +106,13 @@ def spills_by_region(instructions: list[str]) -> list[dict]:
     return regions + [current]
 
 
+def _keep_sass(out: str, name: str, text: str) -> None:
+    """The SASS text beside dump_isa.json (--out/<kernel>.sass.txt): the dump folder holds more files than a
+    device call brings back, and the spills are read in the SASS."""
+    with open(os.path.join(out, os.path.splitext(name)[0] + ".sass.txt"), "w") as fh:
+        fh.write(text)
+
+
 def sass_summary(text: str) -> dict:
     ops = collections.Counter(SASS_OP.findall(text))
     lines = [ln for ln in text.splitlines() if SASS_OP.match(ln)]
@@ -149,9 +156,12 @@ def main(argv=None):
         text = open(f, errors="replace").read()
         if f.endswith(".sass") or "sass" in name.lower():
             summary.setdefault("sass", {})[name] = sass_summary(text)
+            _keep_sass(args.out, name, text)
         elif f.endswith(".ptx") and not any("sass" in g.lower() for g in files):
             if ptxas and disassembler:
-                summary.setdefault("sass", {})[name] = sass_summary(sass_from_ptx(f, ptxas, disassembler))
+                sass = sass_from_ptx(f, ptxas, disassembler)
+                summary.setdefault("sass", {})[name] = sass_summary(sass)
+                _keep_sass(args.out, name, sass)
             else:
                 summary.setdefault("sass", {})[name] = {"error": "no SASS dumped, and ptxas or cuobjdump/nvdisasm "
                                                                  "is not on the PATH"}
