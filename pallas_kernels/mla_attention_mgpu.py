@@ -87,7 +87,8 @@ except ImportError:  # pragma: no cover
 __all__ = ["tree_attention_mgpu", "split_attention", "split_attention_ref", "tree_inputs", "pad_tree_latents",
            "check_in_place_inputs", "zero_rows_from", "default_splits",
            "stream_key_blocks", "dense_split_partials", "pack_bits", "unpack_bits",
-           "splits_for", "unsupported_reason", "smem_bytes", "valid_rows_for", "tail_rows_of", "TAIL_ROWS"]
+           "splits_for", "unsupported_reason", "smem_bytes", "valid_rows_for", "tail_rows_of", "TAIL_ROWS",
+           "swapped_scores", "swapped_softmax", "store_swapped_output"]
 
 ROWS = 64              # query rows per program (one wgmma M tile)
 TAIL_ROWS = 8          # rows past one tile that its program takes with keys as wgmma's M ("Tail rows")
@@ -296,6 +297,57 @@ def mask_tree_scores(s, key, row_word, row_dim: int):
     return jnp.where(seen != 0, s, MASKED)
 
 
+def swapped_scores(k_block, q_smem, kind, rem, scale_log2, row_words=None, after_qk=None):
+    """Inside a consumer warpgroup, the keys as wgmma's M: sᵀ [BK, V] = k·qᵀ in log2 units for the V query rows
+    ``q_smem`` [V, C] over the key block ``k_block`` [BK, C] (both in shared memory), masked for a PARTIAL block
+    (keys from ``rem`` on) or a TREE block (``row_words()`` loads its mask words, one [V] vector per word, before
+    the product, so that the loads overlap it). ``after_qk`` runs once the product is read."""
+    BK, V = k_block.shape[0], q_smem.shape[0]
+    words = row_words() if kind == TREE else None
+
+    def qk(s_ref):
+        plgpu.wgmma(s_ref, k_block, plgpu.transpose_ref(q_smem, (1, 0)))
+        return s_ref[...]
+
+    s = pl.run_scoped(qk, plgpu.ACC((BK, V), jnp.float32)) * scale_log2
+    if after_qk is not None:
+        after_qk()
+    key = plgpu.broadcasted_iota(jnp.int32, (BK, V), 0, layout=plgpu.Layout.WGMMA)
+    if kind == WHOLE:
+        return s
+    if kind == PARTIAL:
+        return jnp.where(key < rem, s, MASKED)
+    return mask_tree_scores(s, key, words.__getitem__, row_dim=1)
+
+
+def swapped_softmax(s, m, l, p_smem):
+    """Inside a consumer warpgroup: the online-softmax update for sᵀ [BK, V] (log2 units), reducing over the keys
+    (its rows, across the warpgroup's warps). m [V] the running max, l [BK, V] the running denominators (summed
+    over the keys only after the last block). Writes pᵀ (bf16) into ``p_smem`` [V, BK] and returns (m, alpha, l)."""
+    m_new = jnp.maximum(m, s.max(axis=0))
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [1]))
+    l = l * lax.broadcast_in_dim(alpha, l.shape, [1]) + p
+    p_smem.transpose((1, 0))[...] = plgpu.layout_cast(p.astype(jnp.bfloat16), plgpu.Layout.WGMMA_TRANSPOSED)
+    plgpu.commit_smem()
+    return m_new, alpha, l
+
+
+def store_swapped_output(acc, m, l, o_smem, lse_smem):
+    """Inside a consumer warpgroup: oᵀ [L, V] (the keys as wgmma's M) normalised by the denominators l [BK, V]
+    into ``o_smem`` [V, L] (bf16) and the LSE (natural log) into ``lse_smem`` [V]; a row that saw only masked
+    keys is empty (0 and -inf)."""
+    with jax.named_scope("normalize"):
+        l = jnp.where(m < 0.5 * MASKED, 0.0, l.sum(axis=0))
+        empty = l == 0.0
+        inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
+        o = acc * lax.broadcast_in_dim(inv, acc.shape, [1])
+    with jax.named_scope("store_smem"):
+        o_smem.transpose((1, 0))[...] = plgpu.layout_cast(o.astype(jnp.bfloat16), plgpu.Layout.WGMMA_TRANSPOSED)
+        lse_smem[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(jnp.where(empty, 1.0, l))) * _LN2)
+        plgpu.commit_smem()
+
+
 def _split_range(nb, tree_blocks: int, sp, num_splits: int):
     """Blocks of split ``sp``: [lo, hi) of the ``nb`` cache blocks and TB tree blocks (cache blocks first),
     and ``mid``, where its cache blocks end and its tree blocks begin."""
@@ -438,23 +490,14 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
                 acc_ref[...] = acc_ref[...] * lax.broadcast_in_dim(alpha, acc_ref.shape, [0])
                 plgpu.wgmma(acc_ref, p16, values(slot))
 
-            def tail_scores(j, slot, kind):  # the tail rows' sᵀ [BK, tail], keys as wgmma's M (log2 units)
-                def qk(s_ref):
-                    plgpu.wgmma(s_ref, k_smem.at[slot], plgpu.transpose_ref(qt_smem, (1, 0)))
-                    return s_ref[...]
-
-                if kind == TREE:  # their mask words, straight from global memory
+            def tail_scores(j, slot, kind):  # the tail rows' sᵀ [BK, tail] (their mask words from global memory)
+                def row_words():
                     t = lo + j - nbp
-                    words = [plgpu.load(bits_ref, (b, t * WB + w, pl.ds(ROWS, tail)), layout=col_layout,
-                                        optimized=False) for w in range(WB)]
-                s = pl.run_scoped(qk, plgpu.ACC((BK, tail), jnp.float32)) * scale_log2
-                plgpu.barrier_arrive(rope_free)
-                key = plgpu.broadcasted_iota(jnp.int32, (BK, tail), 0, layout=plgpu.Layout.WGMMA)
-                if kind == WHOLE:
-                    return s
-                if kind == PARTIAL:
-                    return jnp.where(key < rem, s, MASKED)
-                return mask_tree_scores(s, key, words.__getitem__, row_dim=1)
+                    return [plgpu.load(bits_ref, (b, t * WB + w, pl.ds(ROWS, tail)), layout=col_layout,
+                                       optimized=False) for w in range(WB)]
+
+                return swapped_scores(k_smem.at[slot], qt_smem, kind, rem, scale_log2, row_words,
+                                      after_qk=lambda: plgpu.barrier_arrive(rope_free))
 
             def flash_loop(acc_ref, tail_acc_ref=None):  # the [64, L/2] (and tail [L, tail]) accumulators start at 0
                 def step(kind, j, carry):
@@ -468,15 +511,8 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
                         zero_rows_from(k_smem.at[slot, :, pl.ds(half * LH, LH)], rem, BK)
                     if tail and not scores_here:  # the tail rows' softmax, as in mla_attention_narrow
                         mt, lt = carry[2:]
-                        st = tail_scores(j, slot, kind)
-                        mt_new = jnp.maximum(mt, st.max(axis=0))
-                        alpha_t = jnp.exp2(mt - mt_new)
-                        pt = jnp.exp2(st - lax.broadcast_in_dim(mt_new, st.shape, [1]))
-                        lt = lt * lax.broadcast_in_dim(alpha_t, lt.shape, [1]) + pt
-                        pt_smem.transpose((1, 0))[...] = plgpu.layout_cast(pt.astype(jnp.bfloat16),
-                                                                           plgpu.Layout.WGMMA_TRANSPOSED)
-                        plgpu.commit_smem()
-                        carry = (m, l, mt_new, lt)
+                        mt, alpha_t, lt = swapped_softmax(tail_scores(j, slot, kind), mt, lt, pt_smem)
+                        carry = (m, l, mt, lt)
                     if scores_here:
                         p16, alpha, m, l = softmax_share(j, slot, scores(slot, kind), m, l)
                     else:
@@ -537,14 +573,7 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
                 if half == 0:
                     plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[sp, b, pl.ds(tile * ROWS, ROWS)])
             if tail and not scores_here:  # the tail's output and LSE reuse its query rows' memory
-                lt = jnp.where(mt < 0.5 * MASKED, 0.0, lt.sum(axis=0))
-                empty_t = lt == 0.0
-                inv_t = jnp.where(empty_t, 0.0, 1.0 / jnp.where(empty_t, 1.0, lt))
-                ot_smem.transpose((1, 0))[...] = plgpu.layout_cast(
-                    (tail_acc * lax.broadcast_in_dim(inv_t, tail_acc.shape, [1])).astype(jnp.bfloat16),
-                    plgpu.Layout.WGMMA_TRANSPOSED)
-                lset_smem[...] = jnp.where(empty_t, -jnp.inf, (mt + jnp.log2(jnp.where(empty_t, 1.0, lt))) * _LN2)
-                plgpu.commit_smem()
+                store_swapped_output(tail_acc, mt, lt, ot_smem, lset_smem)
                 plgpu.copy_smem_to_gmem(ot_smem, o_ref.at[sp, b, pl.ds(ROWS, tail)])
                 plgpu.copy_smem_to_gmem(lset_smem, lse_ref.at[sp, b, pl.ds(ROWS, tail)])
             plgpu.wait_smem_to_gmem(0)

@@ -33,9 +33,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.mla_attention_mgpu import (MASKED, PARTIAL, ROWS, SMEM_LIMIT, TREE, WHOLE, WORD, _block_steps,
-                                               check_in_place_inputs, mask_tree_scores, stream_key_blocks,
-                                               zero_rows_from)
+from pallas_kernels.mla_attention_mgpu import (PARTIAL, ROWS, SMEM_LIMIT, TREE, WHOLE, WORD, _block_steps,
+                                               check_in_place_inputs, store_swapped_output, stream_key_blocks,
+                                               swapped_scores, swapped_softmax, zero_rows_from)
 from pallas_kernels.tree_attention import _LN2, _LOG2E
 
 try:
@@ -149,22 +149,12 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
             l0 = plgpu.layout_cast(jnp.full((BK, V), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
             def scores(j, slot, kind):  # sᵀ [BK, V], log2 units
-                def qk(s_ref):
-                    plgpu.wgmma(s_ref, k_smem.at[slot], plgpu.transpose_ref(q_smem, (1, 0)))
-                    return s_ref[...]
-
-                if kind == TREE:  # the tree block's mask words, straight from global memory (two per row)
+                def row_words():  # the tree block's mask words, straight from global memory (two per row)
                     t = lo + j - nbp
-                    row_words = [plgpu.load(bits_ref, (b, t * WB + w, pl.ds(0, V)), layout=col_layout,
-                                            optimized=False)
-                                 for w in range(WB)]
-                s = pl.run_scoped(qk, plgpu.ACC((BK, V), jnp.float32)) * scale_log2
-                key = plgpu.broadcasted_iota(jnp.int32, (BK, V), 0, layout=plgpu.Layout.WGMMA)
-                if kind == WHOLE:
-                    return s
-                if kind == PARTIAL:
-                    return jnp.where(key < rem, s, MASKED)
-                return mask_tree_scores(s, key, row_words.__getitem__, row_dim=1)
+                    return [plgpu.load(bits_ref, (b, t * WB + w, pl.ds(0, V)), layout=col_layout, optimized=False)
+                            for w in range(WB)]
+
+                return swapped_scores(k_smem.at[slot], q_smem, kind, rem, scale_log2, row_words)
 
             def flash_loop(acc_ref):  # oᵀ [L, V] starts at zero
                 def step(kind, j, carry):
@@ -177,15 +167,9 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
                             zero_rows_from(k_smem.at[slot, :, pl.ds(0, L)], rem, BK)
                         s = scores(j, slot, kind)
                     with jax.named_scope("softmax"):
-                        m_new = jnp.maximum(m, s.max(axis=0))
-                        alpha = jnp.exp2(m - m_new)
-                        p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [1]))
-                        l = l * lax.broadcast_in_dim(alpha, l.shape, [1]) + p
                         # pᵀ goes to the block's rope columns, which q·kᵀ has read and p·v does not
                         p_smem = k_smem.at[slot, pl.ds(0, V), pl.ds(C - BK, BK)]
-                        p_smem.transpose((1, 0))[...] = plgpu.layout_cast(p.astype(jnp.bfloat16),
-                                                                          plgpu.Layout.WGMMA_TRANSPOSED)
-                        plgpu.commit_smem()
+                        m_new, alpha, l = swapped_softmax(s, m, l, p_smem)
                     with jax.named_scope("pv"):
                         acc_ref[...] = acc_ref[...] * lax.broadcast_in_dim(alpha, acc_ref.shape, [1])
                         plgpu.wgmma(acc_ref, plgpu.transpose_ref(k_smem.at[slot, :, pl.ds(0, L)], (1, 0)),
@@ -201,17 +185,8 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
 
             acc, m, l = pl.run_scoped(flash_loop, plgpu.ACC((L, V), jnp.float32))
             with jax.named_scope("epilogue"):
-                with jax.named_scope("normalize"):
-                    # a row that saw only masked keys in this split is empty
-                    l = jnp.where(m < 0.5 * MASKED, 0.0, l.sum(axis=0))
-                    empty = l == 0.0
-                    inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
-                    o = acc * lax.broadcast_in_dim(inv, acc.shape, [1])
-                with jax.named_scope("store_smem"):
-                    o_smem.transpose((1, 0))[...] = plgpu.layout_cast(o.astype(jnp.bfloat16),
-                                                                      plgpu.Layout.WGMMA_TRANSPOSED)
-                    lse_smem[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(jnp.where(empty, 1.0, l))) * _LN2)
-                    plgpu.commit_smem()
+                # a row that saw only masked keys in this split is empty
+                store_swapped_output(acc, m, l, o_smem, lse_smem)  # its regions "normalize" and "store_smem"
                 with jax.named_scope("store_gmem"):
                     plgpu.copy_smem_to_gmem(o_smem, o_ref.at[sp, b])
                     plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[sp, b])
