@@ -81,8 +81,7 @@ def kernel_fn(name: str):
     if base not in KERNELS:
         raise ValueError(f"unknown kernel {base!r} in {name!r}; expected one of {sorted(KERNELS)}")
     try:
-        kw = {k: tuple(int(x) for x in v.split("/")) if "/" in v else int(v)
-              for k, v in (kv.split("=") for kv in opts.split("&") if kv)}
+        kw = bench_util.int_options(opts, "&")
     except ValueError:
         raise ValueError(f"kernel options in {name!r} must be k=int (or k=int/int...) pairs joined by '&'") from None
     inner = {k.removeprefix("kernel."): v for k, v in kw.items() if k.startswith("kernel.")}

@@ -36,6 +36,17 @@ def git_commit() -> str:
         return "unknown"
 
 
+def int_options(text: str, sep: str = ",") -> dict:
+    """'k=v<sep>k=v...' -> {k: int(v)} for a benchmark's keyword options on the command line: 'None' -> None,
+    'a/b' -> (a, b). ValueError for a pair without '=' or a value that is not such."""
+    def value(v):
+        return None if v == "None" else tuple(int(x) for x in v.split("/")) if "/" in v else int(v)
+    pairs = [kv.split("=") for kv in text.split(sep) if kv]
+    if any(len(kv) != 2 for kv in pairs):
+        raise ValueError(f"options {text!r} must be k=v pairs joined by {sep!r}")
+    return {k: value(v) for k, v in pairs}
+
+
 def hardware() -> dict[str, Any]:
     dev = jax.devices()[0]
     return {

@@ -29,10 +29,10 @@ SASS_OP = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)
 
 
 def _int_kwargs(text: str) -> dict:
-    """'k=v,...' -> {k: int(v)} ("None" -> None; 'a/b' -> a tuple of ints)."""
-    def value(v):
-        return None if v == "None" else tuple(int(x) for x in v.split("/")) if "/" in v else int(v)
-    return {k: value(v) for k, v in (kv.split("=") for kv in text.split(",") if kv)}
+    """'k=v,...' -> {k: int(v)} ("None" -> None; 'a/b' -> a tuple of ints). bench_util imports jax, so it is
+    imported here, after main has set Mosaic GPU's dump switches."""
+    from experiments.bench_util import int_options
+    return int_options(text, ",")
 
 
 def run_moe(args):

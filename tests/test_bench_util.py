@@ -248,3 +248,12 @@ def test_traced_bf16_peak_counts_a_products_flops_over_its_traced_time(monkeypat
 def test_traced_bf16_peak_runs_on_the_host():
     peak = bench_util.measure_traced_bf16_peak(sizes=(64,), calls=2)
     assert np.isfinite(peak) and peak > 0
+
+
+def test_int_options_parse_command_line_keywords():
+    assert bench_util.int_options("a=1,b=None,c=24/240") == {"a": 1, "b": None, "c": (24, 240)}
+    assert bench_util.int_options("stages=3&tail=0", "&") == {"stages": 3, "tail": 0}
+    assert bench_util.int_options("") == {}
+    for bad in ("a=x", "a", "a=1=2"):
+        with pytest.raises(ValueError):
+            bench_util.int_options(bad)
