@@ -359,7 +359,7 @@ def _split_range(nb, tree_blocks: int, sp, num_splits: int):
 
 
 def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, kv_lora_rank, block_k=64,
-                    stages=2, num_splits=1, share_scores=True, valid_rows=None):
+                    stages=2, num_splits=1, share_scores=True, valid_rows=None, profile_dir=None, profile_regions=0):
     """The Mosaic GPU kernel: attention of 64-row query tiles over each stream's prefix, read in place from
     the cache, and its tree, in NS splits.
 
@@ -374,6 +374,12 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
     natural log), each split normalised on its own; a row that sees no key in a split has o = 0 and lse =
     -inf there. V = ``valid_rows``: R by default, or with one 64-row tile the first V rows (a multiple of
     8), so that a decode step of few heads writes and merges only its real rows' partials.
+
+    ``profile_dir`` (a diagnostic): Mosaic GPU's on-device profiler records up to ``profile_regions`` named
+    regions per warpgroup (per key block ``k_wait``, then consumer 0's ``scores``, ``softmax``, ``handoff``
+    (p and alpha to consumer 1) and ``pv``, consumer 1's ``tail_scores`` and ``tail_softmax`` (with a tail),
+    ``p_wait`` and ``pv``; then ``epilogue``; the producer's ``slot_wait``) and writes a Chrome trace of each
+    call into that folder (``experiments/profile_timeline.py`` reads it). Without it the kernel is the same.
     """
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.mosaic_gpu is not available in this JAX")
@@ -394,6 +400,9 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
     if tail and (BK != 64 or not share_scores or L + 64 > C):
         raise ValueError(f"{R} query rows (one tile and a tail) need block_k=64, share_scores and L + 64 <= C; got "
                          f"block_k={BK}, share_scores={share_scores}, L={L}, C={C}")
+    if (profile_dir is None) != (profile_regions <= 0):
+        raise ValueError(f"profile_dir={profile_dir!r} and profile_regions={profile_regions} go together")
+    profile = {} if profile_dir is None else dict(profile_space=int(profile_regions), profile_dir=str(profile_dir))
     smem = smem_bytes(C, BK, stages, share_scores, tail)
     if smem > SMEM_LIMIT:
         raise ValueError(f"block_k={BK}, stages={stages} need {smem} bytes of shared memory (limit {SMEM_LIMIT})")
@@ -468,22 +477,24 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
             def softmax_share(j, slot, s, m, l):
                 """Online-softmax update for scores s (log2 units); with share_scores, p and alpha go to
                 consumer 1 through shared memory."""
-                m_new = jnp.maximum(m, s.max(axis=1))
-                alpha = jnp.exp2(m - m_new)
-                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-                l = l * alpha + p.sum(axis=1)
-                p16 = p.astype(jnp.bfloat16)
+                with jax.named_scope("softmax"):
+                    m_new = jnp.maximum(m, s.max(axis=1))
+                    alpha = jnp.exp2(m - m_new)
+                    p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                    l = l * alpha + p.sum(axis=1)
+                    p16 = p.astype(jnp.bfloat16)
                 if share_scores:
-                    @pl.when(j > 0)
-                    def _():
-                        plgpu.barrier_wait(p_free)
+                    with jax.named_scope("handoff"):
+                        @pl.when(j > 0)
+                        def _():
+                            plgpu.barrier_wait(p_free)
 
-                    if tail:  # the tail's q.k has read the rope columns that p overwrites
-                        plgpu.barrier_wait(rope_free)
-                    probs(slot)[...] = p16
-                    stat_smem[0] = alpha
-                    plgpu.commit_smem()
-                    plgpu.barrier_arrive(p_ready)
+                        if tail:  # the tail's q.k has read the rope columns that p overwrites
+                            plgpu.barrier_wait(rope_free)
+                        probs(slot)[...] = p16
+                        stat_smem[0] = alpha
+                        plgpu.commit_smem()
+                        plgpu.barrier_arrive(p_ready)
                 return p16, alpha, m_new, l
 
             def accumulate(acc_ref, slot, alpha, p16):
@@ -503,7 +514,8 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
                 def step(kind, j, carry):
                     m, l = carry[:2]
                     slot = lax.rem(j, stages)
-                    plgpu.barrier_wait(k_bars.at[slot])
+                    with jax.named_scope("k_wait"):
+                        plgpu.barrier_wait(k_bars.at[slot])
                     # a partial block: this warpgroup's value columns past the prefix zeroed before its p.v reads
                     # them (consumer 0's q.k may read them meanwhile: rows < rem are rewritten unchanged, and
                     # the scores of the others are masked)
@@ -511,20 +523,28 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
                         zero_rows_from(k_smem.at[slot, :, pl.ds(half * LH, LH)], rem, BK)
                     if tail and not scores_here:  # the tail rows' softmax, as in mla_attention_narrow
                         mt, lt = carry[2:]
-                        mt, alpha_t, lt = swapped_softmax(tail_scores(j, slot, kind), mt, lt, pt_smem)
+                        with jax.named_scope("tail_scores"):
+                            st = tail_scores(j, slot, kind)
+                        with jax.named_scope("tail_softmax"):
+                            mt, alpha_t, lt = swapped_softmax(st, mt, lt, pt_smem)
                         carry = (m, l, mt, lt)
                     if scores_here:
-                        p16, alpha, m, l = softmax_share(j, slot, scores(slot, kind), m, l)
+                        with jax.named_scope("scores"):
+                            s = scores(slot, kind)
+                        p16, alpha, m, l = softmax_share(j, slot, s, m, l)
                     else:
-                        plgpu.barrier_wait(p_ready)
+                        with jax.named_scope("p_wait"):
+                            plgpu.barrier_wait(p_ready)
                         alpha = plgpu.load(stat_smem.at[0], (), layout=row_layout)
                         p16 = probs(slot)
-                    accumulate(acc_ref, slot, alpha, p16)
-                    if tail and not scores_here:  # oᵀ [L, tail] += vᵀ [L, BK] · pᵀ [BK, tail]
-                        tail_acc_ref[...] = tail_acc_ref[...] * lax.broadcast_in_dim(alpha_t, tail_acc_ref.shape, [1])
-                        plgpu.wgmma(tail_acc_ref, plgpu.transpose_ref(k_smem.at[slot, :, pl.ds(0, L)], (1, 0)),
-                                    plgpu.transpose_ref(pt_smem, (1, 0)))
-                    plgpu.wgmma_wait(0)
+                    with jax.named_scope("pv"):
+                        accumulate(acc_ref, slot, alpha, p16)
+                        if tail and not scores_here:  # oᵀ [L, tail] += vᵀ [L, BK] · pᵀ [BK, tail]
+                            tail_acc_ref[...] = tail_acc_ref[...] * lax.broadcast_in_dim(alpha_t, tail_acc_ref.shape,
+                                                                                           [1])
+                            plgpu.wgmma(tail_acc_ref, plgpu.transpose_ref(k_smem.at[slot, :, pl.ds(0, L)], (1, 0)),
+                                        plgpu.transpose_ref(pt_smem, (1, 0)))
+                        plgpu.wgmma_wait(0)
                     if not scores_here:
                         plgpu.barrier_arrive(p_free)
                     plgpu.barrier_arrive(consumed_bars.at[slot])
@@ -551,32 +571,33 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
                 l = jnp.where(m < 0.5 * MASKED, 0.0, l)
             if share_scores and half == 0:
                 stat_smem[1] = l
-            # both warpgroups are done reading the query tile (and the shared stats are written):
-            # reuse the query tile's memory for the output
-            plgpu.barrier_arrive(done_bar)
-            plgpu.barrier_wait(done_bar)
-            if not scores_here:
-                l = plgpu.load(stat_smem.at[1], (), layout=row_layout)
-            empty = l == 0.0
-            inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
-            o_smem[half] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(jnp.bfloat16)
-            if half == 0:
-                lse_smem[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(jnp.where(empty, 1.0, l))) * _LN2)
-            plgpu.commit_smem()
-            if V < ROWS:  # one tile, of which only the first V rows are real
-                plgpu.copy_smem_to_gmem(o_smem.at[half, pl.ds(0, V)], o_ref.at[sp, b, :, pl.ds(half * LH, LH)])
+            with jax.named_scope("epilogue"):
+                # both warpgroups are done reading the query tile (and the shared stats are written):
+                # reuse the query tile's memory for the output
+                plgpu.barrier_arrive(done_bar)
+                plgpu.barrier_wait(done_bar)
+                if not scores_here:
+                    l = plgpu.load(stat_smem.at[1], (), layout=row_layout)
+                empty = l == 0.0
+                inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
+                o_smem[half] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(jnp.bfloat16)
                 if half == 0:
-                    plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, V)], lse_ref.at[sp, b])
-            else:
-                plgpu.copy_smem_to_gmem(o_smem.at[half],
-                                        o_ref.at[sp, b, pl.ds(tile * ROWS, ROWS), pl.ds(half * LH, LH)])
-                if half == 0:
-                    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[sp, b, pl.ds(tile * ROWS, ROWS)])
-            if tail and not scores_here:  # the tail's output and LSE reuse its query rows' memory
-                store_swapped_output(tail_acc, mt, lt, ot_smem, lset_smem)
-                plgpu.copy_smem_to_gmem(ot_smem, o_ref.at[sp, b, pl.ds(ROWS, tail)])
-                plgpu.copy_smem_to_gmem(lset_smem, lse_ref.at[sp, b, pl.ds(ROWS, tail)])
-            plgpu.wait_smem_to_gmem(0)
+                    lse_smem[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(jnp.where(empty, 1.0, l))) * _LN2)
+                plgpu.commit_smem()
+                if V < ROWS:  # one tile, of which only the first V rows are real
+                    plgpu.copy_smem_to_gmem(o_smem.at[half, pl.ds(0, V)], o_ref.at[sp, b, :, pl.ds(half * LH, LH)])
+                    if half == 0:
+                        plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, V)], lse_ref.at[sp, b])
+                else:
+                    plgpu.copy_smem_to_gmem(o_smem.at[half],
+                                            o_ref.at[sp, b, pl.ds(tile * ROWS, ROWS), pl.ds(half * LH, LH)])
+                    if half == 0:
+                        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[sp, b, pl.ds(tile * ROWS, ROWS)])
+                if tail and not scores_here:  # the tail's output and LSE reuse its query rows' memory
+                    store_swapped_output(tail_acc, mt, lt, ot_smem, lset_smem)
+                    plgpu.copy_smem_to_gmem(ot_smem, o_ref.at[sp, b, pl.ds(ROWS, tail)])
+                    plgpu.copy_smem_to_gmem(lset_smem, lse_ref.at[sp, b, pl.ds(ROWS, tail)])
+                plgpu.wait_smem_to_gmem(0)
 
         for half in range(2):
             pl.when(wg == half)(functools.partial(consumer, half))
@@ -618,7 +639,8 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
         num_threads=3, thread_name="wg",
         # the row reductions (max, sum) of the WGMMA layout stay within a warp: no smem scratch for them; the
         # tail's (over keys, across consumer 1's warps) need some
-        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=tail_scratch_bytes(tail)),
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=tail_scratch_bytes(tail),
+                                             **profile),
     )
     return kernel(prefix_len.astype(jnp.int32), q_rows, cache_kv, tree_kv, tree_bits)  # lse in natural log
 

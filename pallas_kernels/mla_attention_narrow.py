@@ -98,7 +98,7 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
     ``profile_dir`` (a diagnostic): Mosaic GPU's on-device profiler records up to ``profile_regions`` named
     regions per warpgroup (the consumer's ``q_wait``, then per block ``k_wait``, ``scores``, ``softmax``,
     ``pv``, then ``epilogue`` of ``normalize``, ``store_smem``, ``store_gmem``; the producer's ``slot_wait``)
-    and writes a Chrome trace of each call into that folder (``experiments/profile_narrow_timeline.py`` reads
+    and writes a Chrome trace of each call into that folder (``experiments/profile_timeline.py`` reads
     it). Without it the kernel is the same, byte for byte."""
     del share_scores
     if plgpu is None:

@@ -1,10 +1,11 @@
-"""``experiments/profile_narrow_timeline.py``'s reading of a Mosaic GPU profiler trace (a synthetic one: the
+"""``experiments/profile_timeline.py``'s reading of a Mosaic GPU profiler trace (a synthetic one: the
 profiler itself runs inside a kernel on a Hopper GPU), and the kernel's profiling arguments."""
 
 import jax.numpy as jnp
 import pytest
 
-from experiments.profile_narrow_timeline import program_timelines, summarize
+from experiments.profile_timeline import program_timelines, summarize
+from pallas_kernels.mla_attention_mgpu import split_attention
 from pallas_kernels.mla_attention_narrow import split_attention_narrow
 
 CONSUMER = [("q_wait", 0, 200), ("k_wait", 200, 2000), ("scores", 2000, 2400), ("softmax", 2400, 2600),
@@ -15,18 +16,29 @@ CONSUMER = [("q_wait", 0, 200), ("k_wait", 200, 2000), ("scores", 2000, 2400), (
 PRODUCER = [("slot_wait", 100, 300), ("slot_wait", 2500, 2900)]
 
 
-def trace_of(starts_ns):
+# the 64-row kernel with a tail: consumer 0, consumer 1 (two blocks each), the producer
+WIDE = [
+    [("k_wait", 0, 1000), ("scores", 1000, 1400), ("softmax", 1400, 1500), ("handoff", 1500, 1700), ("pv", 1700, 2000),
+     ("k_wait", 2000, 2100), ("scores", 2100, 2500), ("softmax", 2500, 2600), ("handoff", 2600, 3000),
+     ("pv", 3000, 3300), ("epilogue", 3300, 3500)],
+    [("k_wait", 0, 1000), ("tail_scores", 1000, 1200), ("tail_softmax", 1200, 1600), ("p_wait", 1600, 1700),
+     ("pv", 1700, 2000), ("k_wait", 2000, 2050), ("tail_scores", 2050, 2250), ("tail_softmax", 2250, 2850),
+     ("p_wait", 2850, 3000), ("pv", 3000, 3400), ("epilogue", 3400, 4000)],
+    PRODUCER]
+
+
+def trace_of(starts_ns, wgs=(CONSUMER, PRODUCER)):
     """Events as the profiler dumps them: ts = (globaltimer ns at the start + cycles since the first event) / 1e3,
-    tid = 1 + warpgroup + 2 * program."""
+    tid = 1 + warpgroup + len(wgs) * program."""
     events = []
     for program, start in enumerate(starts_ns):
-        for wg, regions in ((0, CONSUMER), (1, PRODUCER)):
+        for wg, regions in enumerate(wgs):
             first = regions[0][1]
             for name, b, e in regions:
                 for ph, cyc in (("B", b), ("E", e)):
                     cyc += 0.5 if ph == "B" and name in ("normalize", "store_smem", "store_gmem") else 0
                     events.append({"name": name, "ph": ph, "ts": (start + cyc - first) / 1e3, "pid": 1 + 7 * program,
-                                   "tid": 1 + wg + 2 * program})
+                                   "tid": 1 + wg + len(wgs) * program})
     return {"traceEvents": sorted(events, key=lambda ev: ev["ts"])}
 
 
@@ -47,6 +59,20 @@ def test_program_timelines_at_2_ghz():
     assert row["programs"] == 2 and row["max_end_us"] == pytest.approx(3.65) and row["max_blocks"] == 3
 
 
+def test_program_timelines_of_three_warpgroups():
+    """Consumer 1's regions come prefixed; the program ends with its later consumer."""
+    (p,) = program_timelines(trace_of([1000], WIDE), clock_ghz=1.0, warpgroups=3)
+    assert p["blocks"] == 2 and p["fill_us"] == pytest.approx(1.0)
+    assert p["handoff_us"] == pytest.approx(0.4) and p["scores_us"] == pytest.approx(0.4)  # the second block's
+    assert p["c1_tail_softmax_us"] == pytest.approx(0.6) and p["c1_p_wait_us"] == pytest.approx(0.15)
+    assert p["c1_k_wait_us"] == pytest.approx(0.05) and p["c1_pv_us"] == pytest.approx(0.4)
+    assert p["epilogue_us"] == pytest.approx(0.2) and p["c1_epilogue_us"] == pytest.approx(0.6)
+    assert p["busy_us"] == pytest.approx(4.0) and p["slot_wait_us"] == pytest.approx(0.6)
+    assert "c1_blocks" not in p and "c2_slot_wait_us" not in p
+    row = summarize([p])
+    assert row["c1_pv_us"] == pytest.approx(0.4) and row["max_end_us"] == pytest.approx(4.0)
+
+
 def test_profiling_arguments_go_together():
     z = jnp.zeros
     args = (z((1, 8, 576), jnp.bfloat16), z((1, 256, 576), jnp.bfloat16), z((1,), jnp.int32),
@@ -54,3 +80,7 @@ def test_profiling_arguments_go_together():
     for kw in ({"profile_dir": "/tmp/x"}, {"profile_regions": 16}):
         with pytest.raises(ValueError, match="go together"):
             split_attention_narrow(*args, scale=0.1, kv_lora_rank=512, valid_rows=8, **kw)
+    wide = (z((1, 64, 576), jnp.bfloat16),) + args[1:4] + (z((1, 2, 64), jnp.int32),)
+    for kw in ({"profile_dir": "/tmp/x"}, {"profile_regions": 16}):
+        with pytest.raises(ValueError, match="go together"):
+            split_attention(*wide, scale=0.1, kv_lora_rank=512, **kw)
