@@ -126,7 +126,7 @@ def run_point(T: int, H: int, B: int, P: int, clock_ghz: float, calls: int = 3, 
     blocks = -(-(P // 64 + tkv.shape[1] // 64) // NS) + 1
     with tempfile.TemporaryDirectory() as d:
         kernel = functools.partial(split_attention_narrow if narrow else M.split_attention, profile_dir=d,
-                                   profile_regions=8 + 6 * blocks, **kernel_kw)
+                                   profile_regions=8 + 5 * blocks, **kernel_kw)
         f = jax.jit(functools.partial(M.tree_attention_mgpu, scale=SCALE, kv_lora_rank=L, num_splits=NS,
                                       kernel=kernel))
         for _ in range(calls):
