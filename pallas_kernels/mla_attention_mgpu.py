@@ -376,7 +376,7 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
     8), so that a decode step of few heads writes and merges only its real rows' partials.
 
     ``profile_dir`` (a diagnostic): Mosaic GPU's on-device profiler records up to ``profile_regions`` named
-    regions per warpgroup (per key block ``k_wait``, then consumer 0's ``scores``, ``softmax``, ``handoff``
+    regions per warpgroup (``q_wait``; per key block ``k_wait``, then consumer 0's ``scores``, ``softmax``, ``handoff``
     (p and alpha to consumer 1) and ``pv``, consumer 1's ``tail_scores`` and ``tail_softmax`` (with a tail),
     ``p_wait`` and ``pv``; then ``epilogue``; the producer's ``slot_wait``) and writes a Chrome trace of each
     call into that folder (``experiments/profile_timeline.py`` reads it). Without it the kernel is the same.
@@ -445,16 +445,19 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
         def consumer(half):
             scores_here = half == 0 or not share_scores  # this warpgroup computes q.k and the softmax
             plgpu.set_max_registers(232, action="increase")
-            plgpu.barrier_wait(q_bar)
-            if tail and not scores_here:
-                plgpu.barrier_wait(qt_bar)
-            m = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), row_layout)
-            l = plgpu.layout_cast(jnp.full((ROWS,), 0.0, jnp.float32), row_layout)
-            values = lambda slot: k_smem.at[slot, :, pl.ds(half * LH, LH)]  # noqa: E731
-            q_rope = None  # with a tail, the queries' last 64 columns in registers, from global memory (L2)
+            # with a tail, the queries' last 64 columns in registers, from global memory: loaded before anything
+            # waits, so that the load does not queue behind the key blocks' copies
+            q_rope = None
             if tail and scores_here:
                 q_rope = plgpu.load(q_ref, (b, pl.ds(0, ROWS), pl.ds(CQ, 64)), layout=plgpu.Layout.WGMMA,
                                     optimized=False)
+            with jax.named_scope("q_wait"):
+                plgpu.barrier_wait(q_bar)
+                if tail and not scores_here:
+                    plgpu.barrier_wait(qt_bar)
+            m = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), row_layout)
+            l = plgpu.layout_cast(jnp.full((ROWS,), 0.0, jnp.float32), row_layout)
+            values = lambda slot: k_smem.at[slot, :, pl.ds(half * LH, LH)]  # noqa: E731
 
             def scores(slot, kind):
                 def qk(s_ref):
