@@ -12,7 +12,9 @@ trace and condenses it per program:
 * ``sm``: the SM it ran on; ``start_us``: its start (globaltimer) after the kernel's first program;
 * ``fill_us``: from its start to the end of consumer 0's first ``k_wait`` (the query and first key block's copies);
 * per block after the first (medians over the program's blocks), each region of consumer 0 (``scores_us``...)
-  and of consumer 1 (``c1_pv_us``...), and ``block`` (one iteration of consumer 0);
+  and of consumer 1 (``c1_pv_us``...), and ``block`` (one iteration of consumer 0); ``iterations_us``, each of
+  consumer 0's iterations (k_wait to k_wait), and ``loop_us``, from the end of its first ``k_wait`` to its
+  epilogue;
 * ``epilogue_us`` and its parts (``normalize``, ``store_smem``, ``store_gmem`` where recorded); ``end_us`` =
   start + the last event of any consumer (clock cycles at ``--clock-ghz``);
 * the producer's ``slot_wait`` total.
@@ -96,7 +98,9 @@ def program_timelines(trace: dict, clock_ghz: float, warpgroups: int = 2) -> lis
                 k_waits = [(b, e) for n, b, e in blocks if n == "k_wait"]
                 iters = [us(k_waits[i + 1][0]) - us(k_waits[i][0]) for i in range(len(k_waits) - 1)]
                 rec.update(blocks=len(k_waits), fill_us=us(k_waits[0][1]) if k_waits else None,
-                           block_us=statistics.median(iters[1:]) if len(iters) > 1 else None)
+                           block_us=statistics.median(iters[1:]) if len(iters) > 1 else None,
+                           loop_us=(us(epi[0][0]) - us(k_waits[0][1])) if epi and k_waits else None,
+                           iterations_us=[round(v, 4) for v in iters])
         out.append(rec)
     first = min(r["start_ns"] for r in out)
     for r in out:

@@ -49,6 +49,7 @@ def test_program_timelines_at_2_ghz():
     assert p["blocks"] == 3
     assert p["fill_us"] == pytest.approx(1.0)          # 2000 cycles to the end of the first k_wait
     assert p["block_us"] == pytest.approx(0.6)         # the iterations after the first: 1200 cycles
+    assert p["iterations_us"] == pytest.approx([1.4, 0.6]) and p["loop_us"] == pytest.approx(1.65)
     assert p["k_wait_us"] == pytest.approx(0.075)      # median of 200 and 100 cycles (blocks 2 and 3)
     assert p["scores_us"] == pytest.approx(0.2) and p["pv_us"] == pytest.approx(0.2)
     assert p["epilogue_us"] == pytest.approx(0.5) and p["busy_us"] == pytest.approx(3.15)
