@@ -111,7 +111,8 @@ def program_timelines(trace: dict, clock_ghz: float, warpgroups: int = 2) -> lis
 
 def summarize(programs: list[dict]) -> dict:
     """Over programs: the median of every figure, and the max of the start, end and block count."""
-    keys = list(dict.fromkeys(k for r in programs for k in r if k.endswith("_us") or k == "blocks"))
+    keys = list(dict.fromkeys(k for r in programs for k, v in r.items()
+                              if (k.endswith("_us") or k == "blocks") and not isinstance(v, list)))
     row = {}
     for k in keys:
         vals = [r[k] for r in programs if r.get(k) is not None]
