@@ -111,7 +111,7 @@ def smem_bytes(C: int, block_k: int, stages: int, share_scores: bool = True, tai
         return -(-nbytes // 1024) * 1024
     words = unit(stages * (block_k // WORD) * ROWS * 4)
     if tail:
-        barriers = 8 * (2 + 3 * stages + 1 + 4)
+        barriers = 8 * (2 + 3 * stages + 1 + 3)
         return (unit(2 * ROWS * (C - 64)) + stages * unit(2 * block_k * C) + words + unit(12 * ROWS)
                 + unit(max(2 * tail * C, unit(2 * tail * (C - 64)) + 4 * tail)) + unit(2 * tail * 64)
                 + tail_scratch_bytes(tail) + barriers)
@@ -359,8 +359,7 @@ def _split_range(nb, tree_blocks: int, sp, num_splits: int):
 
 
 def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, kv_lora_rank, block_k=64,
-                    stages=2, num_splits=1, share_scores=True, valid_rows=None, profile_dir=None, profile_regions=0,
-                    tail_after_scores=True):
+                    stages=2, num_splits=1, share_scores=True, valid_rows=None, profile_dir=None, profile_regions=0):
     """The Mosaic GPU kernel: attention of 64-row query tiles over each stream's prefix, read in place from
     the cache, and its tree, in NS splits.
 
@@ -417,7 +416,7 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
 
     def body(plen_ref, q_ref, kv_ref, tkv_ref, bits_ref, o_ref, lse_ref, qo_smem, k_smem, bits_smem, p_smem,
              stat_smem, tail_smem, pt_smem, q_bar, k_bars, bits_bars, consumed_bars, done_bar, p_ready, p_free,
-             qt_bar, rope_free, scores_done):
+             qt_bar, rope_free):
         lse_smem = stat_smem.at[2]  # stat rows: 0 the step's alpha, 1 the final l (shared scores), 2 the LSE
         q_smem, o_smem = qo_smem  # the output tile reuses the query tile's shared memory
         qt_smem, (ot_smem, lset_smem) = tail_smem if tail else (None, (None, None))
@@ -469,8 +468,6 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
                     return s_ref[...]
 
                 s = pl.run_scoped(qk, plgpu.ACC((ROWS, BK), jnp.float32)) * scale_log2
-                if tail and tail_after_scores:  # the tail's q.k may start: the tensor cores are free
-                    plgpu.barrier_arrive(scores_done)
                 if kind == WHOLE:
                     return s
                 col = plgpu.broadcasted_iota(jnp.int32, (ROWS, BK), 1, layout=plgpu.Layout.WGMMA)
@@ -529,9 +526,6 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
                         zero_rows_from(k_smem.at[slot, :, pl.ds(half * LH, LH)], rem, BK)
                     if tail and not scores_here:  # the tail rows' softmax, as in mla_attention_narrow
                         mt, lt = carry[2:]
-                        if tail_after_scores:
-                            with jax.named_scope("scores_wait"):
-                                plgpu.barrier_wait(scores_done)
                         with jax.named_scope("tail_scores"):
                             st = tail_scores(j, slot, kind)
                         with jax.named_scope("tail_softmax"):
@@ -612,7 +606,7 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
             pl.when(wg == half)(functools.partial(consumer, half))
 
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-    tail_scratch = (None, None, None, None, None)
+    tail_scratch = (None, None, None, None)
     if tail:
         tail_scratch = (
             plgpu.RefUnion(plgpu.SMEM((tail, C), jnp.bfloat16, transforms=swizzled),
@@ -620,7 +614,6 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
             plgpu.SMEM((tail, 64), jnp.bfloat16, transforms=swizzled),
             plgpu.Barrier(),
             plgpu.Barrier(),
-            plgpu.Barrier() if tail_after_scores else None,
         )
     kernel = plgpu.kernel(
         body,
@@ -644,7 +637,6 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
             plgpu.Barrier() if share_scores else None,
             tail_scratch[2],
             tail_scratch[3],
-            tail_scratch[4],
         ),
         grid=(B, n_tiles, NS), grid_names=("stream", "tile", "split"),
         num_threads=3, thread_name="wg",
