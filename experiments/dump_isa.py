@@ -88,22 +88,72 @@ def wgmma_waits(instructions: list[str]) -> dict:
     return {"hgmma": len(hgmma), "warpgroup_depbar": len(waits), "hgmma_pairs_with_a_wait_between": between}
 
 
-def spills_by_region(instructions: list[str]) -> list[dict]:
+SASS_ADDR = re.compile(r"^\s+/\*([0-9a-f]+)\*/")
+SASS_LABEL = re.compile(r"^\s*(\.L_x_\d+):")
+BRANCH_TARGET = re.compile(r"\bBRA\s+(?:`\((\.L_x_\d+)\)|(0x[0-9a-f]+))")
+REGISTER = re.compile(r"\bR(\d+)\b")
+LOOP_MIN_INSTRUCTIONS = 32  # shorter backward branches are barrier-wait spins
+
+
+def label_addresses(lines: list[str]) -> dict[str, int]:
+    """nvdisasm's branch labels (``.L_x_13:``) -> the address of the instruction that follows each."""
+    out, pending = {}, []
+    for ln in lines:
+        if (label := SASS_LABEL.match(ln)):
+            pending.append(label.group(1))
+        elif (addr := SASS_ADDR.match(ln)):
+            out.update({name: int(addr.group(1), 16) for name in pending})
+            pending = []
+    return out
+
+
+def spills_by_region(instructions: list[str], labels: dict[str, int] | None = None) -> list[dict]:
     """In SASS instructions in address order: the local-memory spills (STL stores, LDL loads) between one
     ``USETMAXREG`` (a warpgroup's register budget, ``setmaxnreg``) and the next, so that a spill can be
     placed in the producer's or a consumer's code (a warpgroup's code follows its setmaxnreg in Mosaic GPU's
-    layout; the region before the first is the kernel's prologue)."""
+    layout; the region before the first is the kernel's prologue). Per region also the highest register
+    it names (ptxas keeps a region within its setmaxnreg budget) and its loops: each backward branch of at
+    least ``LOOP_MIN_INSTRUCTIONS`` instructions and no EXIT between its target and itself (ptxas puts the
+    barrier waits' retries past the kernel's end, jumping back), with the spills in that range (a spill
+    outside the per-block loops costs once a program, not once a block). ``labels``: nvdisasm's branch
+    labels (``label_addresses``); cuobjdump's branches name addresses."""
+    labels = labels or {}
     regions, current = [], {"setmaxnreg": "(prologue)", "instructions": 0, "STL": 0, "LDL": 0}
-    for ins in instructions:
+    spans, branches = [], []  # (first index, last index) of each region; (index, target address) of each BRA
+    addrs = [int(a.group(1), 16) if (a := SASS_ADDR.match(ins)) else None for ins in instructions]
+    start = 0
+    for n, ins in enumerate(instructions):
         op = SASS_OP.match(ins).group(1)
         if op.startswith("USETMAXREG"):
             regions.append(current)
+            spans.append((start, n))
+            start = n
             current = {"setmaxnreg": " ".join(ins.split("*/", 1)[-1].split()), "instructions": 0, "STL": 0,
                        "LDL": 0}
         current["instructions"] += 1
         for kind in ("STL", "LDL"):
             current[kind] += op.startswith(kind)
-    return regions + [current]
+        if op == "BRA" and (target := BRANCH_TARGET.search(ins)):
+            branches.append((n, labels.get(target.group(1)) if target.group(1) else int(target.group(2), 16)))
+    regions.append(current)
+    spans.append((start, len(instructions)))
+    for region, (lo, hi) in zip(regions, spans):
+        regs = [int(r) for ins in instructions[lo:hi] for r in REGISTER.findall(ins.split("*/", 1)[-1])]
+        region["max_register"] = max(regs, default=None)
+        region["loops"] = []
+        for n, target in branches:
+            if not lo <= n < hi or target is None or addrs[n] is None or target > addrs[n]:
+                continue
+            body = [k for k in range(lo, n + 1) if addrs[k] is not None and addrs[k] >= target]
+            if len(body) < LOOP_MIN_INSTRUCTIONS:
+                continue
+            ops = [SASS_OP.match(instructions[k]).group(1) for k in body]
+            if "EXIT" in ops:  # an out-of-line wait's jump back from past the kernel's end, not a loop
+                continue
+            region["loops"].append({"first": hex(target), "last": hex(addrs[n]), "instructions": len(body),
+                                    "STL": sum(o.startswith("STL") for o in ops),
+                                    "LDL": sum(o.startswith("LDL") for o in ops)})
+    return regions
 
 
 def _keep_sass(out: str, name: str, text: str) -> None:
@@ -116,7 +166,8 @@ def _keep_sass(out: str, name: str, text: str) -> None:
 def sass_summary(text: str) -> dict:
     ops = collections.Counter(SASS_OP.findall(text))
     lines = [ln for ln in text.splitlines() if SASS_OP.match(ln)]
-    return {"ops": dict(ops.most_common(60)), **wgmma_waits(lines), "spills_by_region": spills_by_region(lines)}
+    return {"ops": dict(ops.most_common(60)), **wgmma_waits(lines),
+            "spills_by_region": spills_by_region(lines, label_addresses(text.splitlines()))}
 
 
 def main(argv=None):

@@ -226,6 +226,36 @@ def test_dump_isa_counts_waits_between_hgmmas():
         ("(prologue)", 1, 0), ("USETMAXREG.DEALLOC.CTAPOOL", 0, 1), ("USETMAXREG.TRY_ALLOC.CTAPOOL", 1, 2)]
 
 
+def test_dump_isa_places_spills_in_loops():
+    """dump_isa's regions: the highest register each names, and its loops (backward branches of at least
+    LOOP_MIN_INSTRUCTIONS, by address or by nvdisasm label) with their spills; a short spin and a jump back
+    from past an EXIT are not loops."""
+    from experiments.dump_isa import LOOP_MIN_INSTRUCTIONS, sass_summary
+
+    n = LOOP_MIN_INSTRUCTIONS
+    body = ["FADD R200, R200, R3"] * (n - 3)
+    ops = (["USETMAXREG.TRY_ALLOC.CTAPOOL P0, 0xe8", "STL [R1], R7"]
+           + ["LDL R7, [R1]", *body, "@!P0 BRA 0x1234", "@P1 BRA 0x20"]            # a loop by address: 0x20 on
+           + [".L_x_1:", "NOP", "@!P2 BRA `(.L_x_1)"]                               # a spin: too short
+           + [".L_x_2:", "STL [R1+0x4], R9", *body, "LDL R9, [R1+0x4]", "@P3 BRA `(.L_x_2)"]  # a loop by label
+           + ["EXIT", "@!P4 BRA 0x30"])                                              # a wait's jump back
+    lines, addr, where = [], 0, {}
+    for op in ops:
+        if op.startswith(".L_x_"):
+            lines.append(op)
+            where[op[:-1]] = addr
+        else:
+            lines.append(f"        /*{addr:04x}*/                   {op} ;")
+            addr += 16
+    region_0, region = sass_summary("\n".join(lines))["spills_by_region"]
+    assert region_0["instructions"] == 0 and region["max_register"] == 200
+    assert region["STL"] == 2 and region["LDL"] == 2
+    first_loop = {"first": "0x20", "last": hex(where[".L_x_1"] - 16), "instructions": n, "STL": 0, "LDL": 1}
+    second_loop = {"first": hex(where[".L_x_2"]), "last": hex(where[".L_x_2"] + 16 * (n - 1)), "instructions": n,
+                   "STL": 1, "LDL": 1}
+    assert region["loops"] == [first_loop, second_loop]
+
+
 def test_profile_floor_cases_build():
     """profile_kernels' floor cases: the tiny Mosaic GPU kernel lowers for CUDA on the CPU; the XLA read
     sums every row."""
