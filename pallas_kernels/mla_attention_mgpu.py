@@ -54,8 +54,8 @@ Design:
   queries' last 64 columns in registers (loaded once from global memory; q·kᵀ is two wgmmas) and hands p
   to consumer 1 in the key block's rope columns, once the tail's q·kᵀ has read them (``rope_free``). The
   tail's output and LSE reuse its queries' memory. On the H200 this is 1.1-1.3x faster than two tiles
-  (``experiments/RESULTS.md``, session 25); ptxas spills in both consumers (~70 stores each), which the
-  two-tile kernel does not.
+  (``experiments/RESULTS.md``, session 25). ptxas spills in both consumers (~70 stores each; the 64-row
+  kernel's consumer 0 ~50), outside their loop over whole cache blocks, which reloads one value a block.
 
 Masked scores are set to a large finite negative (not -inf), so a row that has seen only masked keys
 so far carries finite placeholder weights, which the first visible key rescales to exactly zero; a
