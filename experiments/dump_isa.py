@@ -7,8 +7,9 @@ ptxas's resource report, SASS) so that registers, spills and the wgmma (HGMMA) s
 ``moe``: the INT4 grouped GEMM (``int4_moe_mgpu``). ``attention``: the MLA attention op at T nodes, H heads,
 B = 2 streams over a 1024-slot cache (the narrow kernel where T*H <= 32, else the 64-row one).
 Writes the dumps under --out/isa (Mosaic GPU writes them; names follow the kernel), each kernel's SASS
-to --out/<kernel>.sass.txt, and a summary to --out/dump_isa.json: per kernel's SASS the instruction counts, the HGMMAs and how many ``WARPGROUP.DEPBAR``
-waits sit between them (one after every HGMMA means ptxas serialised them), and the tail of ptxas's report
+to --out/<kernel>.sass.txt, and a summary to --out/dump_isa.json: per kernel's SASS the instruction counts,
+the HGMMAs and how many ``WARPGROUP.DEPBAR`` waits sit between them (one after every HGMMA means ptxas
+serialised them), the spills per warpgroup and loop (``spills_by_region``), and the tail of ptxas's report
 (its "wgmma serialization" warnings included). Where Mosaic GPU dumps PTX but no SASS (JAX 0.11 on the
 H200), the SASS comes from the PTX through ``ptxas`` and ``cuobjdump``/``nvdisasm`` found on the PATH.
 """

@@ -84,7 +84,8 @@ def test_traced_call_time_reports_the_op_span(monkeypatch):
     events = [("k", 0, 3000, "/device:GPU:0"), ("tie", 3500, 1000, "/device:GPU:0"), ("k", 5000, 2000, "/device:GPU:0"),
               ("tie", 7500, 1000, "/device:GPU:0")]
     monkeypatch.setattr(bench_util, "trace_kernel_events", lambda program, args: events)
-    r = bench_util.traced_call_time(lambda a: a, (None,), calls=2, chain=lambda fn, n: fn, op_kernels=lambda n: n == "k")
+    r = bench_util.traced_call_time(lambda a: a, (None,), calls=2, chain=lambda fn, n: fn,
+                                    op_kernels=lambda n: n == "k")
     assert r["span_s"] == pytest.approx(4.25e-6)
     assert r["op_span_s"] == pytest.approx(2.5e-6) and r["op_spans_us"] == [3.0, 2.0]
     assert "op_span_s" not in bench_util.traced_call_time(lambda a: a, (None,), calls=2, chain=lambda fn, n: fn)
