@@ -88,7 +88,7 @@ __all__ = ["tree_attention_mgpu", "split_attention", "split_attention_ref", "tre
            "check_in_place_inputs", "zero_rows_from", "default_splits",
            "stream_key_blocks", "dense_split_partials", "pack_bits", "unpack_bits",
            "splits_for", "unsupported_reason", "smem_bytes", "valid_rows_for", "tail_rows_of", "TAIL_ROWS",
-           "swapped_scores", "swapped_softmax", "store_swapped_output"]
+           "swapped_scores", "swapped_softmax", "store_swapped_output", "profiler_params"]
 
 ROWS = 64              # query rows per program (one wgmma M tile)
 TAIL_ROWS = 8          # rows past one tile that its program takes with keys as wgmma's M ("Tail rows")
@@ -118,6 +118,26 @@ def smem_bytes(C: int, block_k: int, stages: int, share_scores: bool = True, tai
     barriers = 8 * (1 + 3 * stages + 1 + (2 if share_scores else 0))
     shared = unit(2 * ROWS * block_k) if share_scores else 0
     return unit(2 * ROWS * C) + stages * unit(2 * block_k * C) + words + unit(12 * ROWS) + barriers + shared
+
+
+PROFILE_REGION_BYTES = 16  # Mosaic GPU's profiler: per region and warpgroup, two events of two 32-bit words
+
+
+def profiler_params(profile_dir, profile_regions: int, smem: int, warpgroups: int, name: str) -> dict:
+    """The CompilerParams entries of Mosaic GPU's on-device profiler (none without ``profile_dir``), or a
+    ValueError: ``profile_dir`` and ``profile_regions`` go together, and the profiler's buffer
+    (PROFILE_REGION_BYTES per region and warpgroup, after the kernel's ``smem`` bytes rounded to 8) must fit
+    in shared memory."""
+    if (profile_dir is None) != (profile_regions <= 0):
+        raise ValueError(f"{name}: profile_dir={profile_dir!r} and profile_regions={profile_regions} go together")
+    if profile_dir is None:
+        return {}
+    start, per_region = -(-smem // 8) * 8, PROFILE_REGION_BYTES * warpgroups
+    if start + per_region * profile_regions > SMEM_LIMIT:
+        raise ValueError(f"{name}: profiling {profile_regions} regions a warpgroup needs "
+                         f"{start + per_region * profile_regions} bytes of shared memory (limit {SMEM_LIMIT}); "
+                         f"beside this kernel's {smem} at most {max(0, (SMEM_LIMIT - start) // per_region)} fit")
+    return dict(profile_space=int(profile_regions), profile_dir=str(profile_dir))
 
 
 def tail_rows_of(rows: int) -> int:
@@ -400,12 +420,10 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
     if tail and (BK != 64 or not share_scores or L + 64 > C):
         raise ValueError(f"{R} query rows (one tile and a tail) need block_k=64, share_scores and L + 64 <= C; got "
                          f"block_k={BK}, share_scores={share_scores}, L={L}, C={C}")
-    if (profile_dir is None) != (profile_regions <= 0):
-        raise ValueError(f"profile_dir={profile_dir!r} and profile_regions={profile_regions} go together")
-    profile = {} if profile_dir is None else dict(profile_space=int(profile_regions), profile_dir=str(profile_dir))
     smem = smem_bytes(C, BK, stages, share_scores, tail)
     if smem > SMEM_LIMIT:
         raise ValueError(f"block_k={BK}, stages={stages} need {smem} bytes of shared memory (limit {SMEM_LIMIT})")
+    profile = profiler_params(profile_dir, profile_regions, smem, 3, "split_attention")
     B, Np, C, S, TP = check_in_place_inputs(q_rows, cache_kv, tree_kv, tree_bits, BK, "split_attention")
     scale_log2 = float(scale) * _LOG2E
     n_tiles, TB = Np // ROWS, TP // BK

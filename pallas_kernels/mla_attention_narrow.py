@@ -34,8 +34,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.mla_attention_mgpu import (PARTIAL, ROWS, SMEM_LIMIT, TREE, WHOLE, WORD, _block_steps,
-                                               check_in_place_inputs, store_swapped_output, stream_key_blocks,
-                                               swapped_scores, swapped_softmax, zero_rows_from)
+                                               check_in_place_inputs, profiler_params, store_swapped_output,
+                                               stream_key_blocks, swapped_scores, swapped_softmax, zero_rows_from)
 from pallas_kernels.tree_attention import _LN2, _LOG2E
 
 try:
@@ -118,9 +118,7 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
     smem = narrow_smem_bytes(V, C, BK, stages, L)
     if smem > SMEM_LIMIT:
         raise ValueError(f"valid_rows={V}, stages={stages} need {smem} bytes of shared memory (limit {SMEM_LIMIT})")
-    if (profile_dir is None) != (profile_regions <= 0):
-        raise ValueError(f"profile_dir={profile_dir!r} and profile_regions={profile_regions} go together")
-    profile = {} if profile_dir is None else dict(profile_space=int(profile_regions), profile_dir=str(profile_dir))
+    profile = profiler_params(profile_dir, profile_regions, smem, 2, "split_attention_narrow")
     scale_log2 = float(scale) * _LOG2E
     TB = TP // BK
     col_layout = plgpu.Layout.WGMMA.reduce(0)  # a [V] vector along sᵀ's and oᵀ's columns

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import pytest
 
 from experiments.profile_timeline import program_timelines, summarize
-from pallas_kernels.mla_attention_mgpu import split_attention
+from pallas_kernels.mla_attention_mgpu import profiler_params, smem_bytes, split_attention
 from pallas_kernels.mla_attention_narrow import split_attention_narrow
 
 CONSUMER = [("q_wait", 0, 200), ("k_wait", 200, 2000), ("scores", 2000, 2400), ("softmax", 2400, 2600),
@@ -85,3 +85,17 @@ def test_profiling_arguments_go_together():
     for kw in ({"profile_dir": "/tmp/x"}, {"profile_regions": 16}):
         with pytest.raises(ValueError, match="go together"):
             split_attention(*wide, scale=0.1, kv_lora_rank=512, **kw)
+
+
+def test_profiler_buffer_must_fit_in_shared_memory():
+    """The profiler's buffer (16 bytes a region and warpgroup) goes after the kernel's shared memory: the 64-row
+    kernel at 64 rows leaves room for 19 regions, and asking for more is a clear error, not Mosaic GPU's."""
+    assert profiler_params(None, 0, 1000, 3, "k") == {}
+    assert profiler_params("/d", 19, smem_bytes(576, 64, 2), 3, "k") == {"profile_space": 19, "profile_dir": "/d"}
+    with pytest.raises(ValueError, match="at most 19 fit"):
+        profiler_params("/d", 20, smem_bytes(576, 64, 2), 3, "k")
+    z = jnp.zeros
+    wide = (z((1, 64, 576), jnp.bfloat16), z((1, 256, 576), jnp.bfloat16), z((1,), jnp.int32),
+            z((1, 64, 576), jnp.bfloat16), z((1, 2, 64), jnp.int32))
+    with pytest.raises(ValueError, match="split_attention: profiling 100 regions"):
+        split_attention(*wide, scale=0.1, kv_lora_rank=512, profile_dir="/tmp/x", profile_regions=100)
