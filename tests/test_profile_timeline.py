@@ -53,7 +53,7 @@ def test_program_timelines_at_2_ghz():
     assert p["k_wait_us"] == pytest.approx(0.075)      # median of 200 and 100 cycles (blocks 2 and 3)
     assert p["scores_us"] == pytest.approx(0.2) and p["pv_us"] == pytest.approx(0.2)
     assert p["epilogue_us"] == pytest.approx(0.5) and p["busy_us"] == pytest.approx(3.15)
-    assert p["slot_wait_us"] == pytest.approx(0.3)
+    assert p["slot_wait_us"] == pytest.approx(0.3) and p["q_wait_us"] == pytest.approx(0.1)  # once a program
     assert (p["normalize_us"], p["store_smem_us"], p["store_gmem_us"]) == pytest.approx((0.05, 0.2, 0.25), abs=1e-3)
     assert progs[1]["start_us"] == pytest.approx(0.5) and progs[1]["end_us"] == pytest.approx(3.65)
     row = summarize(progs)
