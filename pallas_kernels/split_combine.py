@@ -65,7 +65,7 @@ def combine_blocks(NS: int, L: int) -> tuple[int, int]:
     return lb, chunk
 
 
-def _kernel(lse_ref, o_ref, out_ref, lse_out_ref, *, NS, LB, CH, split_axis):
+def _kernel(lse_ref, o_ref, out_ref, lse_out_ref, *, NS, LB, CH, split_axis, one_pass):
     b, row, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     # chunks [start, start + CH) of the split axis, each taking the splits from ``first`` on: with one
     # chunk, lanes past NS are masked (never read); with several, the last one ends at NS and masks the
@@ -82,36 +82,55 @@ def _kernel(lse_ref, o_ref, out_ref, lse_out_ref, *, NS, LB, CH, split_axis):
         valid = (split >= first) & (split < NS)
         return pltriton.load(at(lse_ref, start), mask=valid, other=-jnp.inf), valid
 
-    top = None
-    for start, first in chunks:
-        m = lse_chunk(start, first)[0].max()
-        top = m if top is None else jnp.maximum(top, m)
-    top = jnp.where(top > -jnp.inf, top, 0.0)  # all splits empty: weights exp(-inf) = 0
-    tot = jnp.zeros((), jnp.float32)
-    acc = jnp.zeros((LB,), jnp.float32)
-    for start, first in chunks:
-        lse, valid = lse_chunk(start, first)
+    def o_chunk(start, valid):
+        return pltriton.load(at(o_ref, start, pl.ds(c * LB, LB)), mask=jnp.broadcast_to(valid[:, None], (CH, LB)),
+                             other=0.0).astype(jnp.float32)
+
+    def safe(top):  # all splits empty: weights exp(-inf) = 0
+        return jnp.where(top > -jnp.inf, top, 0.0)
+
+    if one_pass and len(chunks) == 1:  # both loads issued before any arithmetic waits on the first
+        lse, valid = lse_chunk(0, 0)
+        o = o_chunk(0, valid)
+        top = safe(lse.max())
         w = jnp.exp(lse - top)
-        o = pltriton.load(at(o_ref, start, pl.ds(c * LB, LB)), mask=jnp.broadcast_to(valid[:, None], (CH, LB)),
-                          other=0.0).astype(jnp.float32)
-        tot += w.sum()
-        acc += (w[:, None] * o).sum(0)
+        tot, acc = w.sum(), (w[:, None] * o).sum(0)
+    else:
+        top = None
+        for start, first in chunks:
+            m = lse_chunk(start, first)[0].max()
+            top = m if top is None else jnp.maximum(top, m)
+        top = safe(top)
+        tot = jnp.zeros((), jnp.float32)
+        acc = jnp.zeros((LB,), jnp.float32)
+        for start, first in chunks:
+            lse, valid = lse_chunk(start, first)
+            w = jnp.exp(lse - top)
+            tot += w.sum()
+            acc += (w[:, None] * o_chunk(start, valid)).sum(0)
     out_ref[...] = (acc / jnp.where(tot > 0, tot, 1.0)).astype(out_ref.dtype)
     lse_out_ref[...] = jnp.broadcast_to(top + jnp.log(tot), (1,))
 
 
-def combine_splits(o_parts, lse_parts, *, split_axis=0, out_dtype=None, interpret=False):
+def combine_splits(o_parts, lse_parts, *, split_axis=0, out_dtype=None, interpret=False, block_cols=None,
+                   num_warps=4, one_pass=False):
     """Combine split partials in one Pallas-Triton launch.
 
     o_parts [NS, B, V, L] (``split_axis`` 0) or [B, NS, V, L] (1), any float dtype; lse_parts the same
     without L, f32 natural log (-inf: an empty split). L % 8 == 0. Returns (out [B, V, L] in
     ``out_dtype`` (default o_parts.dtype), lse [B, V] f32). ``interpret=True`` runs the Pallas
-    interpreter (CPU tests).
+    interpreter (CPU tests). Tiling A/Bs (``experiments/bench_split_combine.py``): ``block_cols`` LB (a
+    power of two >= 8 dividing L; default ``combine_blocks``), ``num_warps`` per program, ``one_pass``
+    (with one chunk of splits, the partials loaded together with the LSEs, before the max).
     """
     NS, B, V, L = _check(o_parts, lse_parts, split_axis)
     LB, CH = combine_blocks(NS, L)
+    if block_cols is not None:
+        if block_cols < 8 or block_cols & (block_cols - 1) or L % block_cols:
+            raise ValueError(f"block_cols={block_cols} must be a power of two >= 8 dividing L={L}")
+        LB = block_cols
     out_dtype = jnp.dtype(out_dtype or o_parts.dtype)
-    kernel = functools.partial(_kernel, NS=NS, LB=LB, CH=CH, split_axis=split_axis)
+    kernel = functools.partial(_kernel, NS=NS, LB=LB, CH=CH, split_axis=split_axis, one_pass=one_pass)
     return pl.pallas_call(
         kernel,
         grid=(B, V, L // LB),
@@ -119,7 +138,7 @@ def combine_splits(o_parts, lse_parts, *, split_axis=0, out_dtype=None, interpre
         out_specs=[pl.BlockSpec((None, None, LB), lambda b, r, c: (b, r, c)),
                    pl.BlockSpec((None, 1), lambda b, r, c: (b, r))],
         out_shape=[jax.ShapeDtypeStruct((B, V, L), out_dtype), jax.ShapeDtypeStruct((B, V), jnp.float32)],
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="combine_splits",
     )(lse_parts, o_parts)
