@@ -2,7 +2,7 @@
 hands it, for A/Bs of its tiling: device time per call from a profiler trace, the bytes it moves and GB/s.
 
     PYTHONPATH=. python experiments/bench_split_combine.py --out DIR \\
-        --variants '[{}, {"one_pass": true}, {"block_cols": 128}, {"num_warps": 8}]'
+        --variants '[{}, {"num_warps": 4}, {"block_cols": 128}]'
 
 A point is T nodes x H heads, B streams, prefix P (cache capacity S = P, as in ``bench_tree_attention``):
 its split count is ``splits_for`` (the op's default) and its rows those the attention kernel writes (the

@@ -76,7 +76,7 @@ def kernel_fn(name: str):
     """A --kernel entry: a KERNELS name, optionally with integer keywords for it, 'mgpu_wide:num_splits=4'
     (several joined by '&'), so that one run can time a kernel's options side by side. A keyword 'kernel.k' goes
     to the Mosaic GPU entries' kernel itself, its values joined by '/' into a tuple:
-    'mgpu_wide:kernel.registers=24/240'."""
+    'mgpu_wide:kernel.registers=24/240'; a keyword 'combine.k' to their split merge: 'mgpu:combine.num_warps=4'."""
     base, _, opts = name.partition(":")
     if base not in KERNELS:
         raise ValueError(f"unknown kernel {base!r} in {name!r}; expected one of {sorted(KERNELS)}")
@@ -85,8 +85,13 @@ def kernel_fn(name: str):
     except ValueError:
         raise ValueError(f"kernel options in {name!r} must be k=int (or k=int/int...) pairs joined by '&'") from None
     inner = {k.removeprefix("kernel."): v for k, v in kw.items() if k.startswith("kernel.")}
-    kw = {k: v for k, v in kw.items() if not k.startswith("kernel.")}
+    merge = {k.removeprefix("combine."): v for k, v in kw.items() if k.startswith("combine.")}
+    kw = {k: v for k, v in kw.items() if not k.startswith(("kernel.", "combine."))}
     fn = KERNELS[base]
+    if merge:
+        if not base.startswith("mgpu"):
+            raise ValueError(f"{name!r}: combine.* options go to the Mosaic GPU entries' split merge")
+        kw["combine"] = functools.partial(combine_splits, **merge)
     if inner:
         kernel = getattr(fn, "keywords", {}).get("kernel")
         if kernel is None:

@@ -65,7 +65,17 @@ def combine_blocks(NS: int, L: int) -> tuple[int, int]:
     return lb, chunk
 
 
-def _kernel(lse_ref, o_ref, out_ref, lse_out_ref, *, NS, LB, CH, split_axis, one_pass):
+def combine_warps(CH: int, LB: int) -> int:
+    """Warps of one program holding a [CH, LB] slab: 4 (64 values a thread at the full ``_SLAB``), 2 where the
+    slab is half of that or less. With few splits a program takes whole rows (LB = L = 512); at 2 warps
+    Triton lays them along the columns (2 x 32 threads x 8 values), so the sum over splits stays in each
+    thread, where 4 warps split the splits across warps and reduce them through shared memory. On the H200
+    2 warps took the merge from 2.5-4.0 to 2.0-2.9 µs at 4-8 splits (B = 16, 8K; T = 256, 1K), and were no
+    faster at 128 splits (``bench_split_combine_s27a/b.json``)."""
+    return 4 if CH * LB > _SLAB // 2 else 2
+
+
+def _kernel(lse_ref, o_ref, out_ref, lse_out_ref, *, NS, LB, CH, split_axis):
     b, row, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     # chunks [start, start + CH) of the split axis, each taking the splits from ``first`` on: with one
     # chunk, lanes past NS are masked (never read); with several, the last one ends at NS and masks the
@@ -82,46 +92,34 @@ def _kernel(lse_ref, o_ref, out_ref, lse_out_ref, *, NS, LB, CH, split_axis, one
         valid = (split >= first) & (split < NS)
         return pltriton.load(at(lse_ref, start), mask=valid, other=-jnp.inf), valid
 
-    def o_chunk(start, valid):
-        return pltriton.load(at(o_ref, start, pl.ds(c * LB, LB)), mask=jnp.broadcast_to(valid[:, None], (CH, LB)),
-                             other=0.0).astype(jnp.float32)
-
-    def safe(top):  # all splits empty: weights exp(-inf) = 0
-        return jnp.where(top > -jnp.inf, top, 0.0)
-
-    if one_pass and len(chunks) == 1:  # both loads issued before any arithmetic waits on the first
-        lse, valid = lse_chunk(0, 0)
-        o = o_chunk(0, valid)
-        top = safe(lse.max())
+    top = None
+    for start, first in chunks:
+        m = lse_chunk(start, first)[0].max()
+        top = m if top is None else jnp.maximum(top, m)
+    top = jnp.where(top > -jnp.inf, top, 0.0)  # all splits empty: weights exp(-inf) = 0
+    tot = jnp.zeros((), jnp.float32)
+    acc = jnp.zeros((LB,), jnp.float32)
+    for start, first in chunks:
+        lse, valid = lse_chunk(start, first)
         w = jnp.exp(lse - top)
-        tot, acc = w.sum(), (w[:, None] * o).sum(0)
-    else:
-        top = None
-        for start, first in chunks:
-            m = lse_chunk(start, first)[0].max()
-            top = m if top is None else jnp.maximum(top, m)
-        top = safe(top)
-        tot = jnp.zeros((), jnp.float32)
-        acc = jnp.zeros((LB,), jnp.float32)
-        for start, first in chunks:
-            lse, valid = lse_chunk(start, first)
-            w = jnp.exp(lse - top)
-            tot += w.sum()
-            acc += (w[:, None] * o_chunk(start, valid)).sum(0)
+        o = pltriton.load(at(o_ref, start, pl.ds(c * LB, LB)), mask=jnp.broadcast_to(valid[:, None], (CH, LB)),
+                          other=0.0).astype(jnp.float32)
+        tot += w.sum()
+        acc += (w[:, None] * o).sum(0)
     out_ref[...] = (acc / jnp.where(tot > 0, tot, 1.0)).astype(out_ref.dtype)
     lse_out_ref[...] = jnp.broadcast_to(top + jnp.log(tot), (1,))
 
 
 def combine_splits(o_parts, lse_parts, *, split_axis=0, out_dtype=None, interpret=False, block_cols=None,
-                   num_warps=4, one_pass=False):
+                   num_warps=None):
     """Combine split partials in one Pallas-Triton launch.
 
     o_parts [NS, B, V, L] (``split_axis`` 0) or [B, NS, V, L] (1), any float dtype; lse_parts the same
     without L, f32 natural log (-inf: an empty split). L % 8 == 0. Returns (out [B, V, L] in
     ``out_dtype`` (default o_parts.dtype), lse [B, V] f32). ``interpret=True`` runs the Pallas
-    interpreter (CPU tests). Tiling A/Bs (``experiments/bench_split_combine.py``): ``block_cols`` LB (a
-    power of two >= 8 dividing L; default ``combine_blocks``), ``num_warps`` per program, ``one_pass``
-    (with one chunk of splits, the partials loaded together with the LSEs, before the max).
+    interpreter (CPU tests). Tiling overrides for A/Bs (``experiments/bench_split_combine.py``):
+    ``block_cols`` LB (a power of two >= 8 dividing L) and ``num_warps`` per program (1, 2, 4 or 8);
+    by default :func:`combine_blocks` and :func:`combine_warps`.
     """
     NS, B, V, L = _check(o_parts, lse_parts, split_axis)
     LB, CH = combine_blocks(NS, L)
@@ -130,7 +128,11 @@ def combine_splits(o_parts, lse_parts, *, split_axis=0, out_dtype=None, interpre
             raise ValueError(f"block_cols={block_cols} must be a power of two >= 8 dividing L={L}")
         LB = block_cols
     out_dtype = jnp.dtype(out_dtype or o_parts.dtype)
-    kernel = functools.partial(_kernel, NS=NS, LB=LB, CH=CH, split_axis=split_axis, one_pass=one_pass)
+    if num_warps is None:
+        num_warps = combine_warps(CH, LB)
+    elif num_warps not in (1, 2, 4, 8):
+        raise ValueError(f"num_warps={num_warps} must be 1, 2, 4 or 8")
+    kernel = functools.partial(_kernel, NS=NS, LB=LB, CH=CH, split_axis=split_axis)
     return pl.pallas_call(
         kernel,
         grid=(B, V, L // LB),

@@ -42,3 +42,7 @@ def test_kernel_names_take_integer_keywords():
     assert bench.kernel_fn("mgpu_narrow:kernel.x=1/2").keywords["kernel"].keywords == {"x": (1, 2)}
     with pytest.raises(ValueError, match="names its kernel"):
         bench.kernel_fn("mgpu:kernel.stages=3")
+    m = bench.kernel_fn("mgpu:combine.num_warps=4")  # 'combine.' options go to the split merge
+    assert m.keywords["combine"].func is bench.combine_splits and m.keywords["combine"].keywords == {"num_warps": 4}
+    with pytest.raises(ValueError, match="split merge"):
+        bench.kernel_fn("triton:combine.num_warps=4")

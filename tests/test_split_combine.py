@@ -11,7 +11,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.split_combine import combine_blocks, combine_splits, combine_splits_ref, merge_lse
+from pallas_kernels.split_combine import combine_blocks, combine_splits, combine_splits_ref, combine_warps, merge_lse
 
 
 def reference(o, lse):
@@ -86,6 +86,12 @@ def test_blocks_divide_the_width_and_chunk_the_splits():
     assert combine_blocks(3, 40) == (8, 4)
 
 
+def test_warps_follow_the_slab():
+    """Two warps where a program holds at most half the full slab (few splits, whole rows), else four."""
+    assert [combine_warps(*reversed(combine_blocks(ns, 512))) for ns in (2, 4, 8, 13, 64, 128, 300)] == \
+        [2, 2, 2, 4, 4, 4, 4]
+
+
 def test_errors():
     o, lse = make_parts(0, 4, 1, 8, 64)
     with pytest.raises(ValueError, match="split_axis"):
@@ -98,6 +104,10 @@ def test_errors():
         combine_splits(o[..., :12], lse, interpret=True)
     with pytest.raises(ValueError, match="no split"):
         combine_splits(o[:0], lse[:0], interpret=True)
+    with pytest.raises(ValueError, match="block_cols=48"):
+        combine_splits(o, lse, block_cols=48, interpret=True)
+    with pytest.raises(ValueError, match="num_warps=3"):
+        combine_splits(o, lse, num_warps=3, interpret=True)
 
 
 @pytest.mark.parametrize("split_axis", [0, 1])
@@ -107,13 +117,27 @@ def test_kernel_lowers_for_cuda_on_cpu(split_axis):
     text = f.trace(jax.ShapeDtypeStruct(shape, jnp.bfloat16),
                    jax.ShapeDtypeStruct(shape[:3], jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
     assert "combine_splits" in text and "triton" in text.lower()
+    assert "num_warps = 4 : i32" in text  # 128 splits: the full slab
+
+
+def test_overrides_reach_the_kernel_and_keep_the_result():
+    o, lse = make_parts(5, 8, 2, 8, 512)
+    text = jax.jit(functools.partial(combine_splits, block_cols=128, num_warps=8)).trace(o, lse).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "num_warps = 8 : i32" in text
+    assert "num_warps = 2 : i32" in jax.jit(combine_splits).trace(o, lse).lower(lowering_platforms=("cuda",)).as_text()
+    out, tot = combine_splits(o, lse, block_cols=128, interpret=True)
+    r_out, r_tot = combine_splits(o, lse, interpret=True)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(r_out, np.float32))
+    np.testing.assert_array_equal(np.asarray(tot), np.asarray(r_tot))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("NS,B,V", [(128, 1, 8), (64, 1, 64), (8, 16, 8), (13, 10, 72), (200, 1, 8)])
-def test_gpu_kernel_matches_twin(NS, B, V):
+@pytest.mark.parametrize("NS,B,V,warps", [(128, 1, 8, None), (64, 1, 64, None), (8, 16, 8, None), (8, 16, 72, 4),
+                                          (4, 1, 2048, None), (13, 10, 72, None), (200, 1, 8, None)])
+def test_gpu_kernel_matches_twin(NS, B, V, warps):
     o, lse = make_parts(NS + B, NS, B, V, 512)
-    out, tot = jax.jit(combine_splits)(o, lse)
+    out, tot = jax.jit(functools.partial(combine_splits, num_warps=warps))(o, lse)
     r_out, r_tot = jax.jit(combine_splits_ref)(o, lse)
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(r_out, np.float32), atol=1e-2, rtol=1e-2)
     np.testing.assert_allclose(np.asarray(tot), np.asarray(r_tot), rtol=1e-5, atol=1e-5)
