@@ -67,9 +67,10 @@ def combine_blocks(NS: int, L: int) -> tuple[int, int]:
 
 def combine_warps(CH: int, LB: int) -> int:
     """Warps of one program holding a [CH, LB] slab: 4 (64 values a thread at the full ``_SLAB``), 2 where the
-    slab is half of that or less. With few splits a program takes whole rows (LB = L = 512); at 2 warps
-    Triton lays them along the columns (2 x 32 threads x 8 values), so the sum over splits stays in each
-    thread, where 4 warps split the splits across warps and reduce them through shared memory. On the H200
+    slab is half of that or less. With few splits a program takes whole rows (LB = L = 512). Our reading (the
+    Triton layouts were not dumped): at 2 warps its threads lie along the columns (2 x 32 threads x 8 values),
+    so the sum over splits stays in each thread, where at 4 warps the splits are spread over warps and summed
+    through shared memory. On the H200
     2 warps took the merge from 2.5-4.0 to 2.0-2.9 µs at 4-8 splits (B = 16, 8K; T = 256, 1K), and were no
     faster at 128 splits (``bench_split_combine_s27a/b.json``)."""
     return 4 if CH * LB > _SLAB // 2 else 2
