@@ -84,11 +84,8 @@ def main():
     if not isinstance(variants, list) or not all(isinstance(v, dict) for v in variants):
         ap.error(f"--variants must be a JSON list of dicts, got {args.variants!r}")
     try:
-        points = [tuple(int(x) for x in p.split(",")) for p in args.points.split(";")] if args.points else \
-            (SMOKE_POINTS if args.smoke else POINTS)
+        points = bench_util.int_points(args.points, 4) if args.points else (SMOKE_POINTS if args.smoke else POINTS)
     except ValueError:
-        points = [()]
-    if any(len(p) != 4 for p in points):
         ap.error(f"--points takes integers 'T,H,B,P;...', got {args.points!r}")
     print("jax", jax.__version__, jax.devices()[0].device_kind, flush=True)
     bw = None if args.smoke else bench_util.measure_torch_copy_bandwidth()

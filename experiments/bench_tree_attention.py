@@ -371,10 +371,8 @@ def main():
                     help="hand the ops tree latents padded to whole 64-key blocks, as the model does")
     args = ap.parse_args()
     try:
-        points = [tuple(int(v) for v in pt.split(",")) for pt in args.points.split(";")] if args.points else None
+        points = bench_util.int_points(args.points, 4) if args.points else None
     except ValueError:
-        points = [()]
-    if points and any(len(pt) != 4 for pt in points):
         ap.error(f"--points takes integers 'H,B,T,P;...', got {args.points!r}")
     t_start = time.time()
     print("jax", jax.__version__, jax.devices()[0].device_kind, flush=True)

@@ -47,6 +47,15 @@ def int_options(text: str, sep: str = ",") -> dict:
     return {k: value(v) for k, v in pairs}
 
 
+def int_points(text: str, size: int) -> list[tuple[int, ...]]:
+    """'a,b,c;d,e,f' -> [(a, b, c), (d, e, f)]: a benchmark's --points, each of ``size`` integers. ValueError
+    for a point of another length or a value that is not an integer."""
+    points = [tuple(int(v) for v in pt.split(",")) for pt in text.split(";")]
+    if any(len(pt) != size for pt in points):
+        raise ValueError(f"points {text!r} must be {size} integers each")
+    return points
+
+
 def hardware() -> dict[str, Any]:
     dev = jax.devices()[0]
     return {

@@ -162,9 +162,10 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default="{}",
                     help="JSON list of kernel keyword dicts to run at every point (A/B in one run)")
     args = ap.parse_args(argv)
-    points = [tuple(int(v) for v in p.split(",")) for p in args.points.split(";")]
-    if any(len(p) != 4 for p in points):
-        ap.error(f"--points takes 'T,H,B,P;...', got {args.points!r}")
+    try:
+        points = bench_util.int_points(args.points, 4)
+    except ValueError:
+        ap.error(f"--points takes integers 'T,H,B,P;...', got {args.points!r}")
     if jax.default_backend() != "gpu":
         ap.error("the profiler runs inside the Mosaic GPU kernel: a Hopper GPU is needed")
     variants = json.loads(args.variants)

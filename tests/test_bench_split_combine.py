@@ -29,7 +29,8 @@ def test_smoke_run_times_and_checks_each_variant(tmp_path, monkeypatch):
         assert r["max_abs_err"] < 1e-2  # bf16 output against the twin's
 
 
-def test_bad_variants_are_refused(monkeypatch):
-    monkeypatch.setattr(sys, "argv", ["bench_split_combine.py", "--smoke", "--variants", '{"num_warps": 2}'])
+@pytest.mark.parametrize("flag,value", [("--variants", '{"num_warps": 2}'), ("--points", "1,8,1")])
+def test_bad_arguments_are_refused(monkeypatch, flag, value):
+    monkeypatch.setattr(sys, "argv", ["bench_split_combine.py", "--smoke", flag, value])
     with pytest.raises(SystemExit):
         bench.main()

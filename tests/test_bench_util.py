@@ -288,3 +288,10 @@ def test_int_options_parse_command_line_keywords():
     for bad in ("a=x", "a", "a=1=2"):
         with pytest.raises(ValueError):
             bench_util.int_options(bad)
+
+
+def test_int_points_parse_command_line_points():
+    assert bench_util.int_points("8,16,4,8192;8,1,1,65536", 4) == [(8, 16, 4, 8192), (8, 1, 1, 65536)]
+    for bad in ("8,16,4", "8,16,4,x", "8,16,4,8192;"):
+        with pytest.raises(ValueError):
+            bench_util.int_points(bad, 4)
