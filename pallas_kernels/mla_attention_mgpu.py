@@ -253,15 +253,22 @@ def unpack_bits(bits, keys: int):
 
 
 def stream_key_blocks(kv_ref, tkv_ref, b, lo, nb, n_cache, n_all, k_smem, k_bars, consumed_bars, stages: int,
-                      block_k: int, on_tree_block=None):
+                      block_k: int, on_tree_block=None, first_block_alone: bool = False):
     """A producer warpgroup's ring of key blocks, inside a Mosaic GPU kernel: step j in [0, n_cache) copies
     cache block lo + j of stream b, step j in [n_cache, n_all) tree block t = lo + j - nb (``nb`` = the cache
     blocks read), each into slot j % stages (``k_smem``, arriving on ``k_bars``) once the consumers have freed
     it (``consumed_bars``); ``on_tree_block(t, slot)`` issues a tree block's further copies (its mask words).
-    A cache block may reach past the cache's S rows: the TMA unit fills those rows with zeros."""
+    A cache block may reach past the cache's S rows: the TMA unit fills those rows with zeros.
+
+    ``first_block_alone`` (an experiment): the second block's copy waits until the first has landed, so that
+    when every program starts at once the first blocks are not served interleaved with the second ones."""
     @pl.loop(0, n_all)
     def _(j):
         slot = lax.rem(j, stages)
+        if first_block_alone:
+            @pl.when(j == 1)
+            def _():
+                plgpu.barrier_wait(k_bars.at[0])
 
         @pl.when(j >= stages)
         def _():
@@ -379,7 +386,8 @@ def _split_range(nb, tree_blocks: int, sp, num_splits: int):
 
 
 def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, kv_lora_rank, block_k=64,
-                    stages=2, num_splits=1, share_scores=True, valid_rows=None, profile_dir=None, profile_regions=0):
+                    stages=2, num_splits=1, share_scores=True, valid_rows=None, profile_dir=None, profile_regions=0,
+                    first_block_alone=False):
     """The Mosaic GPU kernel: attention of 64-row query tiles over each stream's prefix, read in place from
     the cache, and its tree, in NS splits.
 
@@ -400,6 +408,8 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
     (p and alpha to consumer 1) and ``pv``, consumer 1's ``tail_scores`` and ``tail_softmax`` (with a tail),
     ``p_wait`` and ``pv``; then ``epilogue``; the producer's ``slot_wait``) and writes a Chrome trace of each
     call into that folder (``experiments/profile_timeline.py`` reads it). Without it the kernel is the same.
+
+    ``first_block_alone`` (an experiment, ``stream_key_blocks``): the second key block's copy waits for the first.
     """
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.mosaic_gpu is not available in this JAX")
@@ -458,7 +468,7 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
                                         bits_smem.at[slot], bits_bars.at[slot])
 
             stream_key_blocks(kv_ref, tkv_ref, b, lo, nbp, n_cache, n_all, k_smem, k_bars, consumed_bars, stages, BK,
-                              on_tree_block=copy_mask_words)
+                              on_tree_block=copy_mask_words, first_block_alone=first_block_alone)
 
         def consumer(half):
             scores_here = half == 0 or not share_scores  # this warpgroup computes q.k and the softmax
