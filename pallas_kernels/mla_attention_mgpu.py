@@ -260,8 +260,8 @@ def stream_key_blocks(kv_ref, tkv_ref, b, lo, nb, n_cache, n_all, k_smem, k_bars
     it (``consumed_bars``); ``on_tree_block(t, slot)`` issues a tree block's further copies (its mask words).
     A cache block may reach past the cache's S rows: the TMA unit fills those rows with zeros.
 
-    ``first_block_alone`` (an experiment): the second block's copy waits until the first has landed, so that
-    when every program starts at once the first blocks are not served interleaved with the second ones."""
+    ``first_block_alone``: the second block's copy waits until the first has landed, so that when every program
+    starts at once the first blocks are not served interleaved with the second ones (``split_attention``)."""
     @pl.loop(0, n_all)
     def _(j):
         slot = lax.rem(j, stages)
@@ -387,7 +387,7 @@ def _split_range(nb, tree_blocks: int, sp, num_splits: int):
 
 def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, kv_lora_rank, block_k=64,
                     stages=2, num_splits=1, share_scores=True, valid_rows=None, profile_dir=None, profile_regions=0,
-                    first_block_alone=False):
+                    first_block_alone=None):
     """The Mosaic GPU kernel: attention of 64-row query tiles over each stream's prefix, read in place from
     the cache, and its tree, in NS splits.
 
@@ -409,7 +409,9 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
     ``p_wait`` and ``pv``; then ``epilogue``; the producer's ``slot_wait``) and writes a Chrome trace of each
     call into that folder (``experiments/profile_timeline.py`` reads it). Without it the kernel is the same.
 
-    ``first_block_alone`` (an experiment, ``stream_key_blocks``): the second key block's copy waits for the first.
+    ``first_block_alone`` (``stream_key_blocks``): the second key block's copy waits for the first; by default
+    with a tail only (session 28, op µs with / without: T = 9, B = 16, 8K 57.2-57.7 / 58.1-59.8; B = 1, 64K
+    37.6 / 37.8; at 64 rows T = 8 unchanged, T = 256, H = 8, B = 1, 1K 19.6 / 19.0).
     """
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.mosaic_gpu is not available in this JAX")
@@ -437,6 +439,7 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
     B, Np, C, S, TP = check_in_place_inputs(q_rows, cache_kv, tree_kv, tree_bits, BK, "split_attention")
     scale_log2 = float(scale) * _LOG2E
     n_tiles, TB = Np // ROWS, TP // BK
+    first_block_alone = bool(tail) if first_block_alone is None else bool(first_block_alone)
     V = _check_valid_rows(valid_rows, Np)
     CQ = C - 64 if tail else C  # query columns in shared memory (with a tail, consumer 0 holds the last 64)
     row_layout = plgpu.Layout.WGMMA.reduce(1)

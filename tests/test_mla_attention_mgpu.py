@@ -237,6 +237,20 @@ def test_kernel_lowers_for_cuda_on_cpu(T, H, NS, share, BK, stages, tail, rows):
     assert "mosaic_gpu" in text and f"tensor<{NS}x2x{rows}x512xbf16>" in text
 
 
+@pytest.mark.parametrize("T,default", [(9, True), (8, False)])
+def test_first_block_alone_is_the_default_with_a_tail_only(T, default):
+    """The second key block's copy waits for the first by default where one tile and a tail run (T*H = 72),
+    not with whole tiles: the lowered kernel equals the explicit setting's and differs from the other's."""
+    def lowered(**kw):
+        kernel = functools.partial(M.split_attention, **kw)
+        f = jax.jit(functools.partial(M.tree_attention_mgpu, scale=K26["scale"], kv_lora_rank=K26["L"],
+                                      num_splits=2, kernel=kernel))
+        return f.trace(*k26_spec(2, T, 8, 1024)).lower(lowering_platforms=("cuda",)).as_text()
+
+    text = lowered()
+    assert text == lowered(first_block_alone=default) != lowered(first_block_alone=not default)
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU: the kernel against the twin at K2.6 dims (bf16 inputs; the twin on f32-upcast inputs).
 # ---------------------------------------------------------------------------------------------
