@@ -73,7 +73,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--name", default="probe_gmem_sync")
     ap.add_argument("--programs", type=int, default=128)
-    ap.add_argument("--groups", default="8,128", help="group sizes (programs per counter), comma-separated")
+    ap.add_argument("--groups", type=lambda text: [int(g) for g in text.split(",")], default=[8, 128],
+                    help="group sizes (programs per counter), comma-separated")
     ap.add_argument("--calls", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=5, help="traced chains per variant (the median is quoted)")
     ap.add_argument("--commit", default=None)
@@ -82,20 +83,19 @@ def main(argv=None) -> int:
         raise SystemExit("probe_gmem_sync needs a GPU and jax.experimental.pallas.mosaic_gpu")
     x = jnp.arange(args.programs * ROW, dtype=jnp.float32).reshape(args.programs, ROW)
     rows = []
-    for group in bench_util.int_points(args.groups.replace(",", ";"), 1):
-        group = group[0]
+    for group in args.groups:
         for variant in VARIANTS:
             fn = probe_kernel(args.programs, group, variant)
             y = fn(x)
             ok = bool(jnp.array_equal(y, x))
-            spans, ops = [], []
+            spans, busy = [], []
             for _ in range(args.repeats):
                 t = bench_util.traced_call_time(fn, (x,), calls=args.calls)
                 spans.append(t["span_s"])
-                ops.append(t["busy_s"])
+                busy.append(t["busy_s"])
             rows.append({"programs": args.programs, "group": group, "variant": variant, "copy_ok": ok,
                          "span_us": round(sorted(spans)[len(spans) // 2] * 1e6, 2),
-                         "busy_us": round(sorted(ops)[len(ops) // 2] * 1e6, 2),
+                         "busy_us": round(sorted(busy)[len(busy) // 2] * 1e6, 2),
                          "spans_us": [round(s * 1e6, 2) for s in spans],
                          "kernels": t["kernels"], "launches_us": t["launches_us"],
                          "largest_gaps_us": t["largest_gaps_us"]})
