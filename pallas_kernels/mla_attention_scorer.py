@@ -45,6 +45,7 @@ __all__ = ["split_attention_scorer", "DEFAULT_REGISTERS"]
 SCORER, VALUES_0, VALUES_1, PRODUCER = range(4)  # the warpgroups of a program
 LAUNCH_REGISTERS = 128  # per thread at launch: 65536 over 4 x 128 threads
 DEFAULT_REGISTERS = (24, 120, 184)  # producer, scorer, each value warpgroup (its accumulator alone is 128)
+VALUE_CHUNK = 128  # value columns per wgmma of p.v (values_warpgroup)
 
 
 def _check_registers(registers) -> tuple[int, int, int]:
@@ -87,6 +88,8 @@ def split_attention_scorer(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
         raise ValueError(f"stages={stages} must be >= 2")
     if NS < 1:
         raise ValueError(f"num_splits={NS} must be >= 1")
+    if LH % VALUE_CHUNK:
+        raise ValueError(f"kv_lora_rank={L} must be a multiple of {2 * VALUE_CHUNK}")
     if not share_scores:
         raise ValueError("split_attention_scorer: share_scores=False has no meaning here (one warpgroup scores)")
     if q_rows.shape[1] % ROWS:
@@ -187,9 +190,12 @@ def split_attention_scorer(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
 
         def values_warpgroup(half):
             _set_registers(regs[2])
-            values = lambda slot: k_smem.at[slot, :, pl.ds(half * LH, LH)]  # noqa: E731
+            # ptxas compiles every instruction within the launch's 128 registers a thread: one wgmma into a
+            # [64, 256] f32 accumulator (128 of them) does not fit, so each half is VALUE_CHUNK-column pieces
+            chunks = range(LH // VALUE_CHUNK)
+            values = lambda slot, c: k_smem.at[slot, :, pl.ds(half * LH + c * VALUE_CHUNK, VALUE_CHUNK)]  # noqa: E731
 
-            def accumulate(acc_ref):
+            def accumulate(*acc_refs):
                 def step(kind, j, carry):
                     slot = lax.rem(j, stages)
                     with jax.named_scope("k_wait"):
@@ -197,28 +203,31 @@ def split_attention_scorer(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
                     # a partial block: this half's value rows past the prefix zeroed before p.v reads them (the
                     # scorer's q.k may read them meanwhile: rows < rem are rewritten unchanged, the others masked)
                     if kind == PARTIAL:
-                        zero_rows_from(values(slot), rem, BK)
+                        zero_rows_from(k_smem.at[slot, :, pl.ds(half * LH, LH)], rem, BK)
                     with jax.named_scope("p_wait"):
                         plgpu.barrier_wait(p_ready)
                     with jax.named_scope("pv"):
                         alpha = plgpu.load(stat_smem.at[0], (), layout=row_layout)
-                        acc_ref[...] = acc_ref[...] * lax.broadcast_in_dim(alpha, acc_ref.shape, [0])
-                        plgpu.wgmma(acc_ref, p_smem, values(slot))
+                        for c, acc_ref in zip(chunks, acc_refs):
+                            acc_ref[...] = acc_ref[...] * lax.broadcast_in_dim(alpha, acc_ref.shape, [0])
+                            plgpu.wgmma(acc_ref, p_smem, values(slot, c))
                         plgpu.wgmma_wait(0)
                     plgpu.barrier_arrive(p_free)
                     plgpu.barrier_arrive(consumed_bars.at[slot])
                     return carry
 
                 block_loops(step, ())
-                return acc_ref[...]
+                return tuple(acc_ref[...] for acc_ref in acc_refs)
 
-            acc = pl.run_scoped(accumulate, plgpu.ACC((ROWS, LH), jnp.float32))
+            accs = pl.run_scoped(accumulate, *[plgpu.ACC((ROWS, VALUE_CHUNK), jnp.float32) for _ in chunks])
             with jax.named_scope("epilogue"):
                 plgpu.barrier_wait(done_bar)
                 l = plgpu.load(stat_smem.at[1], (), layout=row_layout)
                 empty = l == 0.0
                 inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
-                o_smem[half] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(jnp.bfloat16)
+                for c, acc in zip(chunks, accs):
+                    o_smem[half, :, pl.ds(c * VALUE_CHUNK, VALUE_CHUNK)] = (
+                        acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(jnp.bfloat16)
                 plgpu.commit_smem()
                 if V < ROWS:  # one tile, of which only the first V rows are real
                     plgpu.copy_smem_to_gmem(o_smem.at[half, pl.ds(0, V)], o_ref.at[sp, b, :, pl.ds(half * LH, LH)])
