@@ -83,7 +83,7 @@ def _check_rows(q_rows, valid_rows):
 
 def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, kv_lora_rank, block_k=64,
                            stages=2, num_splits=1, share_scores=True, valid_rows=None, profile_dir=None,
-                           profile_regions=0):
+                           profile_regions=0, swizzled_output=False):
     """``mla_attention_mgpu.split_attention`` (same inputs, outputs and twin, ``split_attention_ref``) for
     V <= ``NARROW_MAX_ROWS`` query rows (module docstring).
 
@@ -99,7 +99,12 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
     regions per warpgroup (the consumer's ``q_wait``, then per block ``k_wait``, ``scores``, ``softmax``,
     ``pv``, then ``epilogue`` of ``normalize``, ``store_smem``, ``store_gmem``; the producer's ``slot_wait``)
     and writes a Chrome trace of each call into that folder (``experiments/profile_timeline.py`` reads
-    it). Without it the kernel is the same, byte for byte."""
+    it). Without it the kernel is the same, byte for byte.
+
+    ``swizzled_output`` (an A/B, not yet timed): the output tile in shared memory in 128-byte swizzled 8 x 64
+    tiles, as the key blocks are, rather than row-major. Row-major, the transposed store of oᵀ puts the
+    elements of four query rows, 1 KB apart, in one bank (4-way conflicts); swizzled, the rows' 16-byte
+    chunks land in different banks. The TMA copy to global memory undoes the swizzle either way."""
     del share_scores
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.mosaic_gpu is not available in this JAX")
@@ -196,7 +201,8 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
         out_type=(jax.ShapeDtypeStruct((NS, B, V, L), jnp.bfloat16), jax.ShapeDtypeStruct((NS, B, V), jnp.float32)),
         scratch_types=(
             plgpu.RefUnion(plgpu.SMEM((V, C), jnp.bfloat16, transforms=swizzled),
-                           (plgpu.SMEM((V, L), jnp.bfloat16), plgpu.SMEM((V,), jnp.float32))),
+                           (plgpu.SMEM((V, L), jnp.bfloat16, transforms=swizzled if swizzled_output else ()),
+                            plgpu.SMEM((V,), jnp.float32))),
             plgpu.SMEM((stages, BK, C), jnp.bfloat16, transforms=swizzled),
             plgpu.Barrier(num_barriers=1),
             plgpu.Barrier(num_barriers=stages),
