@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -94,8 +95,8 @@ def main(argv=None) -> int:
                 spans.append(t["span_s"])
                 busy.append(t["busy_s"])
             rows.append({"programs": args.programs, "group": group, "variant": variant, "copy_ok": ok,
-                         "span_us": round(sorted(spans)[len(spans) // 2] * 1e6, 2),
-                         "busy_us": round(sorted(busy)[len(busy) // 2] * 1e6, 2),
+                         "span_us": round(statistics.median(spans) * 1e6, 2),
+                         "busy_us": round(statistics.median(busy) * 1e6, 2),
                          "spans_us": [round(s * 1e6, 2) for s in spans],
                          "kernels": t["kernels"], "launches_us": t["launches_us"],
                          "largest_gaps_us": t["largest_gaps_us"]})
