@@ -387,7 +387,7 @@ def _split_range(nb, tree_blocks: int, sp, num_splits: int):
 
 def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, kv_lora_rank, block_k=64,
                     stages=2, num_splits=1, share_scores=True, valid_rows=None, profile_dir=None, profile_regions=0,
-                    first_block_alone=None):
+                    first_block_alone=None, swizzled_output=False):
     """The Mosaic GPU kernel: attention of 64-row query tiles over each stream's prefix, read in place from
     the cache, and its tree, in NS splits.
 
@@ -412,6 +412,10 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
     ``first_block_alone`` (``stream_key_blocks``): the second key block's copy waits for the first; by default
     with a tail only (session 28, op µs with / without: T = 9, B = 16, 8K 57.2-57.7 / 58.1-59.8; B = 1, 64K
     37.6 / 37.8; at 64 rows T = 8 unchanged, T = 256, H = 8, B = 1, 1K 19.6 / 19.0).
+
+    ``swizzled_output`` (an A/B, not yet timed; ``mla_attention_narrow.split_attention_narrow``): the tail
+    rows' output tile in 128-byte swizzled 8 x 64 tiles rather than row-major. Without a tail it changes
+    nothing (the 64-row tile's output halves are swizzled already).
     """
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.mosaic_gpu is not available in this JAX")
@@ -641,7 +645,8 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
     if tail:
         tail_scratch = (
             plgpu.RefUnion(plgpu.SMEM((tail, C), jnp.bfloat16, transforms=swizzled),
-                           (plgpu.SMEM((tail, L), jnp.bfloat16), plgpu.SMEM((tail,), jnp.float32))),
+                           (plgpu.SMEM((tail, L), jnp.bfloat16, transforms=swizzled if swizzled_output else ()),
+                            plgpu.SMEM((tail,), jnp.float32))),
             plgpu.SMEM((tail, 64), jnp.bfloat16, transforms=swizzled),
             plgpu.Barrier(),
             plgpu.Barrier(),
