@@ -387,7 +387,7 @@ def _split_range(nb, tree_blocks: int, sp, num_splits: int):
 
 def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, kv_lora_rank, block_k=64,
                     stages=2, num_splits=1, share_scores=True, valid_rows=None, profile_dir=None, profile_regions=0,
-                    first_block_alone=None, swizzled_output=False):
+                    first_block_alone=None, swizzled_output=False, wait_for_prior_grid=False):
     """The Mosaic GPU kernel: attention of 64-row query tiles over each stream's prefix, read in place from
     the cache, and its tree, in NS splits.
 
@@ -416,6 +416,10 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
     ``swizzled_output`` (an A/B, not yet timed; ``mla_attention_narrow.split_attention_narrow``): the tail
     rows' output tile in 128-byte swizzled 8 x 64 tiles rather than row-major. Without a tail it changes
     nothing (the 64-row tile's output halves are swizzled already).
+
+    ``wait_for_prior_grid`` (an A/B, not yet timed): every thread's first act is ``griddepcontrol.wait``, which
+    JAX 0.11.2 answers by launching the kernel with programmatic stream serialization (PDL): its programs may
+    start while the kernel before it in the stream drains, and read nothing until that one has finished.
     """
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.mosaic_gpu is not available in this JAX")
@@ -455,6 +459,8 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
         lse_smem = stat_smem.at[2]  # stat rows: 0 the step's alpha, 1 the final l (shared scores), 2 the LSE
         q_smem, o_smem = qo_smem  # the output tile reuses the query tile's shared memory
         qt_smem, (ot_smem, lset_smem) = tail_smem if tail else (None, (None, None))
+        if wait_for_prior_grid:
+            plgpu.griddepcontrol_wait()
         b = lax.axis_index("stream")
         tile = lax.axis_index("tile")
         sp = lax.axis_index("split")
