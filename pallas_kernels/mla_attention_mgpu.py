@@ -387,7 +387,7 @@ def _split_range(nb, tree_blocks: int, sp, num_splits: int):
 
 def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, kv_lora_rank, block_k=64,
                     stages=2, num_splits=1, share_scores=True, valid_rows=None, profile_dir=None, profile_regions=0,
-                    first_block_alone=None, swizzled_output=False, wait_for_prior_grid=False):
+                    first_block_alone=None):
     """The Mosaic GPU kernel: attention of 64-row query tiles over each stream's prefix, read in place from
     the cache, and its tree, in NS splits.
 
@@ -412,14 +412,6 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
     ``first_block_alone`` (``stream_key_blocks``): the second key block's copy waits for the first; by default
     with a tail only (session 28, op µs with / without: T = 9, B = 16, 8K 57.2-57.7 / 58.1-59.8; B = 1, 64K
     37.6 / 37.8; at 64 rows T = 8 unchanged, T = 256, H = 8, B = 1, 1K 19.6 / 19.0).
-
-    ``swizzled_output`` (an A/B, not yet timed; ``mla_attention_narrow.split_attention_narrow``): the tail
-    rows' output tile in 128-byte swizzled 8 x 64 tiles rather than row-major. Without a tail it changes
-    nothing (the 64-row tile's output halves are swizzled already).
-
-    ``wait_for_prior_grid`` (an A/B, not yet timed): every thread's first act is ``griddepcontrol.wait``, which
-    JAX 0.11.2 answers by launching the kernel with programmatic stream serialization (PDL): its programs may
-    start while the kernel before it in the stream drains, and read nothing until that one has finished.
     """
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.mosaic_gpu is not available in this JAX")
@@ -459,8 +451,6 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
         lse_smem = stat_smem.at[2]  # stat rows: 0 the step's alpha, 1 the final l (shared scores), 2 the LSE
         q_smem, o_smem = qo_smem  # the output tile reuses the query tile's shared memory
         qt_smem, (ot_smem, lset_smem) = tail_smem if tail else (None, (None, None))
-        if wait_for_prior_grid:
-            plgpu.griddepcontrol_wait()
         b = lax.axis_index("stream")
         tile = lax.axis_index("tile")
         sp = lax.axis_index("split")
@@ -651,8 +641,7 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
     if tail:
         tail_scratch = (
             plgpu.RefUnion(plgpu.SMEM((tail, C), jnp.bfloat16, transforms=swizzled),
-                           (plgpu.SMEM((tail, L), jnp.bfloat16, transforms=swizzled if swizzled_output else ()),
-                            plgpu.SMEM((tail,), jnp.float32))),
+                           (plgpu.SMEM((tail, L), jnp.bfloat16), plgpu.SMEM((tail,), jnp.float32))),
             plgpu.SMEM((tail, 64), jnp.bfloat16, transforms=swizzled),
             plgpu.Barrier(),
             plgpu.Barrier(),

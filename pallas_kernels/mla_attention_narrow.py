@@ -83,7 +83,7 @@ def _check_rows(q_rows, valid_rows):
 
 def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, kv_lora_rank, block_k=64,
                            stages=2, num_splits=1, share_scores=True, valid_rows=None, profile_dir=None,
-                           profile_regions=0, swizzled_output=False, wait_for_prior_grid=False):
+                           profile_regions=0):
     """``mla_attention_mgpu.split_attention`` (same inputs, outputs and twin, ``split_attention_ref``) for
     V <= ``NARROW_MAX_ROWS`` query rows (module docstring).
 
@@ -99,14 +99,7 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
     regions per warpgroup (the consumer's ``q_wait``, then per block ``k_wait``, ``scores``, ``softmax``,
     ``pv``, then ``epilogue`` of ``normalize``, ``store_smem``, ``store_gmem``; the producer's ``slot_wait``)
     and writes a Chrome trace of each call into that folder (``experiments/profile_timeline.py`` reads
-    it). Without it the kernel is the same, byte for byte.
-
-    ``swizzled_output`` (an A/B, not yet timed): the output tile in shared memory in 128-byte swizzled 8 x 64
-    tiles, as the key blocks are, rather than row-major. Row-major, the transposed store of oᵀ puts the
-    elements of four query rows, 1 KB apart, in one bank (4-way conflicts); swizzled, the rows' 16-byte
-    chunks land in different banks. The TMA copy to global memory undoes the swizzle either way.
-
-    ``wait_for_prior_grid`` (an A/B): ``mla_attention_mgpu.split_attention``'s."""
+    it). Without it the kernel is the same, byte for byte."""
     del share_scores
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.mosaic_gpu is not available in this JAX")
@@ -133,8 +126,6 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
     def narrow_body(plen_ref, q_ref, kv_ref, tkv_ref, bits_ref, o_ref, lse_ref, q_or_out, k_smem, q_bar, k_bars,
                     consumed_bars):
         q_smem, (o_smem, lse_smem) = q_or_out  # the output tile and LSE row reuse the query tile's memory
-        if wait_for_prior_grid:
-            plgpu.griddepcontrol_wait()
         b = lax.axis_index("stream")
         sp = lax.axis_index("split")
         wg = lax.axis_index("wg")
@@ -205,8 +196,7 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
         out_type=(jax.ShapeDtypeStruct((NS, B, V, L), jnp.bfloat16), jax.ShapeDtypeStruct((NS, B, V), jnp.float32)),
         scratch_types=(
             plgpu.RefUnion(plgpu.SMEM((V, C), jnp.bfloat16, transforms=swizzled),
-                           (plgpu.SMEM((V, L), jnp.bfloat16, transforms=swizzled if swizzled_output else ()),
-                            plgpu.SMEM((V,), jnp.float32))),
+                           (plgpu.SMEM((V, L), jnp.bfloat16), plgpu.SMEM((V,), jnp.float32))),
             plgpu.SMEM((stages, BK, C), jnp.bfloat16, transforms=swizzled),
             plgpu.Barrier(num_barriers=1),
             plgpu.Barrier(num_barriers=stages),

@@ -251,21 +251,6 @@ def test_first_block_alone_is_the_default_with_a_tail_only(T, default):
     assert text == lowered(first_block_alone=default) != lowered(first_block_alone=not default)
 
 
-@pytest.mark.parametrize("T,changes", [(9, True), (8, False)])
-def test_swizzled_tail_output_is_off_by_default_and_only_touches_the_tail(T, changes):
-    """``swizzled_output`` swizzles the tail rows' output tile: at T*H = 72 (one tile and a tail) the kernel
-    lowers with it and differs from the default; with whole tiles (T*H = 64) it is the same kernel."""
-    def lowered(**kw):
-        kernel = functools.partial(M.split_attention, **kw)
-        f = jax.jit(functools.partial(M.tree_attention_mgpu, scale=K26["scale"], kv_lora_rank=K26["L"],
-                                      num_splits=2, kernel=kernel))
-        return f.trace(*k26_spec(2, T, 8, 1024)).lower(lowering_platforms=("cuda",)).as_text()
-
-    text = lowered()
-    assert text == lowered(swizzled_output=False)
-    assert (lowered(swizzled_output=True) != text) == changes
-
-
 # ---------------------------------------------------------------------------------------------
 # GPU: the kernel against the twin at K2.6 dims (bf16 inputs; the twin on f32-upcast inputs).
 # ---------------------------------------------------------------------------------------------
@@ -298,25 +283,6 @@ def test_gpu_kernel_matches_twin_k26(B, T, H, S, kind, NS, share, tail):
     o, lse = jax.jit(lambda *a: M.tree_attention_mgpu(*a, scale=K26["scale"], kv_lora_rank=L, num_splits=NS,
                                                       share_scores=share, return_lse=True, tail=tail,
                                                       kernel=M.split_attention))(*args)
-    up = [a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args]
-    r_o, r_l = jax.jit(lambda *a: tree_attention_ref(*a, scale=K26["scale"], kv_lora_rank=L,
-                                                     return_lse=True))(*up)
-    o, r_o = np.asarray(o, np.float32), np.asarray(r_o)
-    assert np.all(np.isfinite(o))
-    assert np.linalg.norm(o - r_o) / np.linalg.norm(r_o) < 1e-2
-    np.testing.assert_allclose(np.asarray(lse), np.asarray(r_l), atol=3e-2, rtol=1e-2)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("B,T,S,kind,NS", [(3, 9, 1000, "tree", 4), (2, 9, 4096, "chain", None)])
-def test_gpu_swizzled_tail_output_matches_twin_k26(B, T, S, kind, NS):
-    """One tile and a tail (T*H = 72) with the tail's output tile swizzled (``swizzled_output``)."""
-    L = K26["L"]
-    case = make_case(13, B, T, 8, L, K26["C"] - L, S, [0] + [S] * (B - 1), kind)
-    args = as_jax(case, jnp.bfloat16)
-    kernel = functools.partial(M.split_attention, swizzled_output=True)
-    o, lse = jax.jit(lambda *a: M.tree_attention_mgpu(*a, scale=K26["scale"], kv_lora_rank=L, num_splits=NS,
-                                                      return_lse=True, kernel=kernel))(*args)
     up = [a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args]
     r_o, r_l = jax.jit(lambda *a: tree_attention_ref(*a, scale=K26["scale"], kv_lora_rank=L,
                                                      return_lse=True))(*up)

@@ -99,19 +99,6 @@ def test_kernel_lowers_for_cuda_on_cpu(T, H, NS):
     assert "mosaic_gpu" in text
 
 
-@pytest.mark.parametrize("T", [1, 4])
-def test_swizzled_output_lowers_and_is_off_by_default(T):
-    """``swizzled_output`` (the output tile in swizzled 8 x 64 tiles): it lowers for CUDA at V = 8 and 32 rows,
-    and the default kernel is the row-major one."""
-    def lowered(**kw):
-        kernel = functools.partial(split_attention_narrow, **kw)
-        f = jax.jit(functools.partial(M.tree_attention_mgpu, scale=K26["scale"], kv_lora_rank=K26["L"], num_splits=2,
-                                      kernel=kernel))
-        return f.trace(*k26_spec(2, T, 8, 1024)).lower(lowering_platforms=("cuda",)).as_text()
-
-    assert lowered() == lowered(swizzled_output=False) != lowered(swizzled_output=True)
-
-
 def test_default_kernel_is_narrow_up_to_32_rows_and_its_shared_memory_count():
     """``tree_attention_mgpu`` picks the narrow kernel for T*H <= 32 real rows (any cache capacity: a partial
     block past the cache reads zeros), and the 64-row one otherwise; ``narrow_smem_bytes`` lets three key blocks in
@@ -174,14 +161,13 @@ def test_errors():
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("B,T,H,S,kind,NS,swizzled", [
-    (3, 1, 8, 4096, "chain", 7, False), (2, 1, 8, 8192, "chain", None, False), (2, 2, 8, 2048, "tree", 4, False),
-    (2, 3, 8, 1000, "tree", None, False), (2, 4, 8, 2048, "tree", 3, False),
-    (2, 4, 8, 64, "tree", 5, False),  # splits inside the tree block
-    (4, 1, 16, 1024, "chain", 5, False),
-    (3, 1, 8, 4096, "chain", 7, True), (2, 4, 8, 2048, "tree", 3, True),  # the output tile swizzled
+@pytest.mark.parametrize("B,T,H,S,kind,NS", [
+    (3, 1, 8, 4096, "chain", 7), (2, 1, 8, 8192, "chain", None), (2, 2, 8, 2048, "tree", 4),
+    (2, 3, 8, 1000, "tree", None), (2, 4, 8, 2048, "tree", 3),
+    (2, 4, 8, 64, "tree", 5),  # splits inside the tree block
+    (4, 1, 16, 1024, "chain", 5),
 ])
-def test_gpu_kernel_matches_reference_k26(B, T, H, S, kind, NS, swizzled):
+def test_gpu_kernel_matches_reference_k26(B, T, H, S, kind, NS):
     L = K26["L"]
     rng = np.random.default_rng(5)
     plens = [int(x) for x in rng.integers(0, S + 1, size=B)]
@@ -193,9 +179,7 @@ def test_gpu_kernel_matches_reference_k26(B, T, H, S, kind, NS, swizzled):
     case = make_case(13, B, T, H, L, K26["C"] - L, S, plens, kind)
     args = as_jax(case, jnp.bfloat16)
     o, lse = jax.jit(lambda *a: M.tree_attention_mgpu(*a, scale=K26["scale"], kv_lora_rank=L, num_splits=NS,
-                                                      return_lse=True,
-                                                      kernel=functools.partial(split_attention_narrow,
-                                                                               swizzled_output=swizzled)))(*args)
+                                                      return_lse=True, kernel=split_attention_narrow))(*args)
     up = [a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args]
     r_o, r_l = jax.jit(lambda *a: tree_attention_ref(*a, scale=K26["scale"], kv_lora_rank=L, return_lse=True))(*up)
     o, r_o = np.asarray(o, np.float32), np.asarray(r_o)
