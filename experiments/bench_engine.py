@@ -102,7 +102,7 @@ def build_models(args):
                                    num_target_layers=args.layers)
     else:
         cfg = tiny_config(dtype="float32", quant=QuantConfig(group_size=32), vocab_size=512, num_layers=4,
-                          hidden_size=128, moe_intermediate_size=128)  # the smallest D, F the INT4 kernel tiles
+                          hidden_size=256, moe_intermediate_size=256)  # the smallest D, F the INT4 kernels tile
         dcfg = tiny_drafter_config(cfg, block_size=8)
     target_def, target_abs = nnx.split(nnx.eval_shape(lambda: KimiModel(cfg, ShapeOnlyRngs())))
     drafter_def, drafter_abs = nnx.split(nnx.eval_shape(lambda: DFlashDrafter(dcfg, ShapeOnlyRngs())))
@@ -366,14 +366,22 @@ def main():
     p.add_argument("--time-budget-s", type=float, default=400)
     p.add_argument("--sections", default="layer,round_split,no_host_sync,engine,kernel")
     p.add_argument("--kernel-ms", default="1,9,33,65,264,528", help="tokens per step M of section kernel")
+    p.add_argument("--prepare-kernels", action="store_true",
+                   help="run every section on the target after prepare_for_kernels (the INT4 kernel's layout), "
+                        "as a user on a GPU would; not with section kernel, which compares both paths itself")
     p.add_argument("--commit", default=None, help="commit hash to record (the device copy has no git)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    if args.prepare_kernels and "kernel" in args.sections.split(","):
+        p.error("--prepare-kernels prepares the target for every section; section kernel compares the XLA and "
+                "kernel paths itself: leave it out of --sections")
     start = time.time()
     deadline = start + args.time_budget_s
     rows = []
     bandwidth = measure_torch_copy_bandwidth() or measure_copy_bandwidth(1 << 28 if args.size == "tiny" else 1 << 30)
     target, drafter = build_models(args)
+    if args.prepare_kernels:
+        target = prepare_for_kernels(target)
     print(f"built: target {bytes_of(nnx.state(target)) / 1e9:.2f} GB, drafter {bytes_of(nnx.state(drafter)) / 1e9:.2f} GB,"
           f" copy bandwidth {bandwidth / 1e12:.2f} TB/s, {time.time() - start:.0f}s", flush=True)
     engines = {}
