@@ -62,8 +62,8 @@ so far carries finite placeholder weights, which the first visible key rescales 
 row that sees no key in a split is reported empty (output 0, LSE -inf). The same kernel serves plain
 decode (T = 1), DFlash chains and trees. It takes bf16 q, cache and tree latents; C % 64 == 0,
 L % 128 == 0, L <= 512, S % 8 == 0 (a TMA tiling rule) and the shared memory of one program within
-227 KB (``unsupported_reason``). prefix_len values outside [0, S] are clamped (it is traced, so it
-cannot raise), as in ``tree_attention``.
+227 KB (``unsupported_reason``). prefix_len values outside [0, S] are refused where prefix_len is concrete and
+clamped where it is traced (under jit nothing can raise), as in ``tree_attention``.
 """
 
 from __future__ import annotations
@@ -746,9 +746,9 @@ def tree_attention_mgpu(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, k
                         share_scores=True, num_sms=_NUM_SMS_H200, kernel=None, combine=combine_splits, tail=True):
     """MLA tree-verify attention on the Mosaic GPU kernel (module docstring).
 
-    q [B, T, H, C] bf16, cache_kv [B, S, C] bf16, prefix_len [B] int32 (values outside [0, S] are
-    clamped), tree_kv [B, T, C] bf16, tree_mask [B, T, T] bool (diagonal True). Returns out [B, T, H, L]
-    bf16 (and lse [B, T, H] f32 with ``return_lse``). ``num_splits`` defaults to :func:`default_splits`
+    q [B, T, H, C] bf16, cache_kv [B, S, C] bf16, prefix_len [B] int32 (values outside [0, S]: refused
+    where concrete, clamped where traced), tree_kv [B, T, C] bf16, tree_mask [B, T, T] bool (diagonal
+    True). Returns out [B, T, H, L] bf16 (and lse [B, T, H] f32 with ``return_lse``). ``num_splits`` defaults to :func:`default_splits`
     for ``num_sms`` SMs. ``kernel`` is :func:`split_attention`, ``mla_attention_narrow.split_attention_narrow``
     (keys as wgmma's M, for at most 32 real rows; by default where T*H <= 32, block_k = 64 and C >= L + 64),
     or their twin :func:`split_attention_ref` (CPU tests of everything around the kernel). tree_kv may carry

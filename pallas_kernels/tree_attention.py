@@ -21,7 +21,9 @@ Arguments
     q          [B, T, H, C]  absorbed queries (bf16 or f32).
     cache_kv   [B, S, C]     latent cache; only rows < prefix_len[b] are read into the result (rows
                              beyond may hold anything, NaN included).
-    prefix_len [B] int32     committed length per stream, 0 <= prefix_len <= S (clamped to S).
+    prefix_len [B] int32     committed length per stream, 0 <= prefix_len <= S: a concrete array outside
+                             that range is refused (ValueError); a traced one (under jit, where nothing
+                             can raise) is clamped to it.
     tree_kv    [B, T, C]     latents of the T new tokens; or [B, T', C], T' > T, followed by padding rows,
                              which must be finite (zeros): the model pads to whole 64-key blocks so
                              that the Mosaic GPU decode kernel reads them in place.
@@ -59,6 +61,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
@@ -102,6 +105,13 @@ def _check_shapes(q, cache_kv, prefix_len, tree_kv, tree_mask, kv_lora_rank):
         raise ValueError(f"cache_kv must be [B, S, C]={B, 'S', C}, got {cache_kv.shape}")
     if prefix_len.shape != (B,):
         raise ValueError(f"prefix_len must be [B]={B}, got {prefix_len.shape}")
+    S = cache_kv.shape[1]
+    if not isinstance(prefix_len, jax.core.Tracer):  # concrete: check it here; traced, the kernels clamp it
+        plen = np.asarray(prefix_len)
+        if not np.issubdtype(plen.dtype, np.integer):
+            raise ValueError(f"prefix_len must be integers, got {plen.dtype}")
+        if plen.min(initial=0) < 0 or plen.max(initial=0) > S:
+            raise ValueError(f"prefix_len must lie in [0, S={S}], got {plen.tolist()}")
     if tree_kv.ndim != 3 or tree_kv.shape[0] != B or tree_kv.shape[1] < T or tree_kv.shape[2] != C:
         raise ValueError(f"tree_kv must be [B, T, C]={(B, T, C)} (or [B, T', C] with T' > T padding rows), "
                          f"got {tree_kv.shape}")
@@ -109,7 +119,7 @@ def _check_shapes(q, cache_kv, prefix_len, tree_kv, tree_mask, kv_lora_rank):
         raise ValueError(f"tree_mask must be [B, T, T]={(B, T, T)}, got {tree_mask.shape}")
     if not 0 < kv_lora_rank <= C:
         raise ValueError(f"kv_lora_rank={kv_lora_rank} must be in (0, C={C}]")
-    return B, T, H, C, cache_kv.shape[1]
+    return B, T, H, C, S
 
 
 # ----------------------------------------------------------------------------------------------

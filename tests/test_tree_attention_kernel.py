@@ -1,6 +1,8 @@
 """MLA tree-verify attention: twin vs a dense numpy reference, interpret-mode kernel vs both, CUDA
 lowering on CPU, and GPU parity at K2.6 dims (``gpu`` marker; skipped without a GPU)."""
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -158,6 +160,23 @@ def test_dispatcher_falls_back_to_twin_for_dims_the_kernel_rejects():
     ref_o, _ = dense_reference(*case, SCALE, L)
     o = jax.jit(lambda *a: mla_attention(*a, scale=SCALE, kv_lora_rank=L))(*as_jax(case))
     np.testing.assert_allclose(np.asarray(o), ref_o, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("bad", [[-1, 4], [4, 17], [3.0, 4.0]])
+def test_concrete_prefix_len_outside_the_cache_is_refused_and_a_traced_one_clamped(bad):
+    """prefix_len outside [0, S] (or not integers) is a ValueError naming it where it is concrete, at every
+    entry point; under jit (traced, nothing can raise) the twin reads it as clamped to [0, S]."""
+    case = make_case(3, 2, 2, 2, 16, 8, 16, [4, 16], "chain")
+    q, cache, _, tkv, mask = (jnp.asarray(a) for a in case[:5])
+    kw = dict(scale=0.3, kv_lora_rank=16)
+    for fn in (tree_attention_ref, mla_attention, functools.partial(tree_attention, interpret=True)):
+        with pytest.raises(ValueError, match="prefix_len"):
+            fn(q, cache, jnp.asarray(bad), tkv, mask, **kw)
+    if not isinstance(bad[0], float):
+        twin = jax.jit(lambda p: tree_attention_ref(q, cache, p, tkv, mask, **kw))
+        traced = twin(jnp.asarray(bad, jnp.int32))
+        clamped = twin(jnp.clip(jnp.asarray(bad, jnp.int32), 0, 16))
+        np.testing.assert_array_equal(np.asarray(traced), np.asarray(clamped))
 
 
 @pytest.mark.parametrize("T,H,num_splits", [(1, 64, 4), (8, 8, 1), (64, 64, 1)])
