@@ -51,10 +51,11 @@ def commit(cache: LatentCache, new_kv: jax.Array, rows: jax.Array, counts: jax.A
     rows [B, R] int32 in [0, T): for stream b, rows[b, i] (i < counts[b]) is the block row written to
       slot lengths[b] + i (identity rows for prefill/decode; the accepted path for a verified tree).
     counts [B] int32 in [0, R].
-    Returns (cache, overflow [B] bool). An overflowing stream is left unchanged.
+    Returns (cache, overflow [B] bool): True for a stream whose write would pass the capacity or whose count
+    lies outside [0, R] (traced, so it cannot raise); such a stream is left unchanged.
     """
     b, t = rows.shape
-    overflow = cache.lengths + counts > cache.capacity
+    overflow = (counts < 0) | (counts > t) | (cache.lengths + counts > cache.capacity)
     i = jnp.arange(t)[None, :]
     write = (i < counts[:, None]) & ~overflow[:, None]  # [B, T]
     slots = jnp.where(write, cache.lengths[:, None] + i, cache.capacity)  # out of range -> dropped

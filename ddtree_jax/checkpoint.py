@@ -48,10 +48,6 @@ from pallas_kernels.int4_tiles import TiledInt4
 FORMAT = "ddtree-jax-checkpoint/1"
 INDEX_FILE = "ddtree_checkpoint.json"
 _DATA_DIR = re.compile(r"^data-[0-9a-f]{32}$")
-# Fields that decide parameter shapes; a restore config must agree with the stored one on these.
-SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_layers",
-                "num_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-                "n_routed_experts", "n_shared_experts", "first_k_dense_replace", "quant")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -252,8 +248,9 @@ def restore_model(path: str, cfg: ModelConfig | None = None, mesh: Mesh | None =
                   rules: ShardingRules | None = None) -> KimiModel:
     """Restores a checkpoint into a KimiModel built from abstract shapes (nothing is allocated twice).
 
-    cfg: None = the stored config; otherwise it must agree with the stored one on every shape field
-    (``SHAPE_FIELDS``); its ``dtype`` may differ (float parameters are cast on restore).
+    cfg: None = the stored config; otherwise it must agree with the stored one on every field but ``dtype``
+    (float parameters are cast on restore): a field that does not change a shape (RoPE, routing, norms, EOS
+    ids) still changes what the weights compute, so it is refused too, naming each difference.
     mesh / rules: each array is read directly into its NamedSharding from the logical axes
     (default rules ``DEFAULT_RULES``); without a mesh everything goes to the first device.
     """
@@ -262,7 +259,8 @@ def restore_model(path: str, cfg: ModelConfig | None = None, mesh: Mesh | None =
     if cfg is None:
         cfg = stored
     else:
-        diff = [f for f in SHAPE_FIELDS if getattr(cfg, f) != getattr(stored, f)]
+        diff = [f.name for f in dataclasses.fields(ModelConfig)
+                if f.name != "dtype" and getattr(cfg, f.name) != getattr(stored, f.name)]
         if diff:
             raise CheckpointError(f"{path}: config differs from the stored one in " + ", ".join(
                 f"{f} ({getattr(cfg, f)!r} != stored {getattr(stored, f)!r})" for f in diff))

@@ -80,6 +80,8 @@ class ModelConfig:
     quant: QuantConfig | None = None
     # Name prefix of the text model's tensors in the HF checkpoint ("" or "language_model.").
     weight_prefix: str = ""
+    # Multi-token-prediction layers stored after the num_layers decoder layers (HF checkpoints); not used.
+    num_nextn_predict_layers: int = 0
     dtype: str = "bfloat16"  # activation / non-expert weight dtype
 
     def __post_init__(self):
@@ -92,6 +94,8 @@ class ModelConfig:
             problems.append(f"topk_group={self.topk_group} must be in [1, n_group={self.n_group}]")
         if self.qk_rope_head_dim % 2:
             problems.append("qk_rope_head_dim must be even")
+        if self.num_nextn_predict_layers < 0:
+            problems.append(f"num_nextn_predict_layers={self.num_nextn_predict_layers} must be >= 0")
         if not 0 <= self.first_k_dense_replace <= self.num_layers:
             problems.append("first_k_dense_replace outside [0, num_layers]")
         if self.dtype not in ("bfloat16", "float32", "float16"):
@@ -226,6 +230,7 @@ class ModelConfig:
             pad_token_id=top.get("pad_token_id", raw.get("pad_token_id")),
             quant=parse_quantization_config(quant_raw),
             weight_prefix=prefix,
+            num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers") or 0),
             dtype=dtype,
         )
 

@@ -35,8 +35,11 @@ def pad_prompts(prompts: Sequence[Sequence[int]], *, vocab_size: int, capacity: 
     Returns tokens [B, P] int32 and lengths [B] int32. ``reserve`` cache slots must remain free after
     the prompt (e.g. one decode block); a prompt that does not fit is refused, never truncated.
     """
-    if not prompts:
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (Sequence, np.ndarray)):
+        raise ValueError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
+    if len(prompts) == 0:
         raise ValueError("no prompts given")
+    prompts = [_token_ids(p, i) for i, p in enumerate(prompts)]
     lengths = np.array([len(p) for p in prompts], np.int32)
     if (lengths == 0).any():
         raise ValueError(f"empty prompt at index {int(np.argmin(lengths))}")
@@ -45,13 +48,27 @@ def pad_prompts(prompts: Sequence[Sequence[int]], *, vocab_size: int, capacity: 
         i = int(too_long[0])
         raise ValueError(f"prompt {i} has {lengths[i]} tokens; with {reserve} reserved slots it does not fit "
                          f"the cache capacity {capacity}")
-    for i, p in enumerate(prompts):
-        check_tokens(np.asarray(p, np.int64), vocab_size) if len(p) else None
+    for p in prompts:
+        check_tokens(p.astype(np.int64), vocab_size)
     width = min(bucket_length(int(lengths.max())), capacity)
     tokens = np.full((len(prompts), width), pad_id, np.int32)
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = p
     return tokens, lengths
+
+
+def _token_ids(prompt, index: int) -> np.ndarray:
+    """One prompt as a 1-D integer array; ValueError for text, floats, bools or nesting (never truncated)."""
+    problem = f"prompt {index} must be a list of integer token ids (a list of lists for several prompts), got "
+    if isinstance(prompt, (str, bytes)):
+        raise ValueError(problem + f"{prompt!r:.80}")
+    try:
+        ids = np.asarray(prompt)
+    except ValueError:  # ragged nesting
+        raise ValueError(problem + f"{prompt!r:.80}") from None
+    if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
+        raise ValueError(problem + f"{prompt!r:.80}")
+    return ids
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "runtime", "tap_layers"), donate_argnames=("cache",))
@@ -60,15 +77,19 @@ def prefill(graphdef: nnx.GraphDef, state: nnx.State, cache: LatentCache, tokens
     """Runs padded prompts [B, P] on top of ``cache`` and commits the first lengths[b] rows per stream.
 
     Returns (last_logits [B, W] f32 at each prompt's last token, cache, overflow [B] bool,
-    taps [n_taps, B, P, D] or None).
+    taps [n_taps, B, P, D] or None). ``pad_prompts`` makes valid inputs; here they are traced and cannot
+    raise, so a stream whose length lies outside [1, P] is flagged in ``overflow``, not written, and gets NaN
+    logits (as does a token id outside the vocabulary, here and in ``decode_step``).
     """
     model = nnx.merge(graphdef, state)
     b, p = tokens.shape
     positions = cache.lengths[:, None] + jnp.arange(p)[None, :]
     out = model(tokens, positions, cache, causal_mask(b, p), tap_layers=tap_layers, runtime=runtime)
     rows = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    cache, overflow = commit(cache, out.block_kv, rows, lengths)
-    last = jnp.take_along_axis(out.logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    bad_length = (lengths < 1) | (lengths > p)
+    cache, overflow = commit(cache, out.block_kv, rows, jnp.where(bad_length, -1, lengths))  # -1: refused
+    last = jnp.take_along_axis(out.logits, jnp.clip(lengths - 1, 0, p - 1)[:, None, None], axis=1)[:, 0]
+    last = jnp.where(bad_length[:, None], jnp.nan, last)
     return last, cache, overflow, out.taps
 
 

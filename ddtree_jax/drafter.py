@@ -92,6 +92,8 @@ class DrafterConfig:
             problems.append("target_layer_ids is empty")
         if any(i < 0 for i in self.target_layer_ids):
             problems.append(f"target_layer_ids {self.target_layer_ids} has negative entries")
+        if len(set(self.target_layer_ids)) != len(self.target_layer_ids):
+            problems.append(f"target_layer_ids {self.target_layer_ids} names a layer twice")
         if self.num_target_layers is not None and any(i >= self.num_target_layers for i in self.target_layer_ids):
             problems.append(f"target_layer_ids {self.target_layer_ids} outside [0, num_target_layers="
                             f"{self.num_target_layers})")

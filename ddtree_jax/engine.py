@@ -32,7 +32,7 @@ from flax import nnx
 
 from ddtree_jax.cache import CACHE_AXES, LatentCache, commit, init_cache
 from ddtree_jax.decode import pad_prompts
-from ddtree_jax.drafter import DFlashDrafter, DraftCache, draft_cache_axes, init_draft_cache
+from ddtree_jax.drafter import DFlashDrafter, DraftCache, check_drafter_target, draft_cache_axes, init_draft_cache
 from ddtree_jax.model import KimiModel, Runtime, causal_mask
 from ddtree_jax.sharding import DEFAULT_RULES, named_sharding, shard_state
 from ddtree_jax.tree import PAD, accept_tokens, build_tree, chain_tree, check_budget, sample_target_tokens
@@ -56,12 +56,33 @@ class EngineConfig:
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        for name in ("budget", "max_new_tokens", "capacity", "rounds_per_dispatch"):
+            value = getattr(self, name)
+            if not _is_int(value):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+            object.__setattr__(self, name, int(value))
         if self.mode == "ddtree":
             check_budget(self.budget)
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.rounds_per_dispatch < 1:
-            raise ValueError("rounds_per_dispatch must be >= 1")
+        for name in ("max_new_tokens", "capacity", "rounds_per_dispatch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        eos_ids = tuple(self.eos_ids) if isinstance(self.eos_ids, (list, tuple)) else None
+        if eos_ids is None or not all(_is_int(i) and i >= 0 for i in eos_ids):
+            raise ValueError(f"eos_ids must be a sequence of token ids >= 0, got {self.eos_ids!r}")
+        object.__setattr__(self, "eos_ids", tuple(int(i) for i in eos_ids))
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def check_temperature(temperature) -> float:
+    """The sampling temperature as a float: finite and >= 0 (0: greedy); ValueError otherwise."""
+    if isinstance(temperature, (bool, np.bool_)) or not isinstance(temperature, (int, float, np.integer, np.floating)):
+        raise ValueError(f"temperature must be a number, got {temperature!r}")
+    if not np.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be finite and >= 0 (0: greedy), got {temperature}")
+    return float(temperature)
 
 
 @jax.tree_util.register_dataclass
@@ -136,6 +157,14 @@ class Engine:
                  runtime: Runtime = Runtime()):
         if ecfg.mode != "ar" and drafter is None:
             raise ValueError(f"mode {ecfg.mode!r} needs a drafter")
+        if drafter is not None:
+            check_drafter_target(drafter.cfg, target.cfg)
+        bad_eos = [i for i in ecfg.eos_ids if i >= target.cfg.vocab_size]
+        if bad_eos:
+            raise ValueError(f"eos_ids {bad_eos} outside the target's vocabulary [0, {target.cfg.vocab_size})")
+        if ecfg.capacity > target.cfg.max_position_embeddings:
+            raise ValueError(f"capacity={ecfg.capacity} passes the target's max_position_embeddings="
+                             f"{target.cfg.max_position_embeddings}: positions past it were never trained")
         self.target_def, target_state = nnx.split(target)
         self.target_state = shard_state(target_state, runtime.mesh, runtime.rules)
         self.drafter_def, self.drafter_state = None, None
@@ -155,6 +184,7 @@ class Engine:
     # ------------------------------------------------------------------ prefill
     def prefill(self, prompts: Sequence[Sequence[int]], temperature: float = 0.0, seed: int = 0) -> DecodeState:
         ecfg = self.ecfg
+        temperature = check_temperature(temperature)
         tokens, lengths = pad_prompts(prompts, vocab_size=self.cfg.vocab_size, capacity=ecfg.capacity,
                                       reserve=self.depth + 1)
         b = len(prompts)
@@ -169,6 +199,7 @@ class Engine:
 
     def run(self, state: DecodeState, temperature: float = 0.0) -> DecodeState:
         """Dispatches rounds (``rounds_per_dispatch`` per call) until every stream has stopped."""
+        temperature = check_temperature(temperature)
         while True:
             state = _run_rounds(self.target_def, self.target_state, self.drafter_def, self.drafter_state, state,
                                 jnp.float32(temperature), ecfg=self.ecfg, runtime=self.runtime, taps=self.taps,
@@ -323,7 +354,7 @@ def _run_rounds(target_def, target_state, drafter_def, drafter_state, state: Dec
 
 def inspect_round(engine: Engine, prompts: Sequence[Sequence[int]], temperature: float = 0.0, seed: int = 0):
     """Prefill, then one round whose tree and acceptance are returned (numpy) for display."""
-    state = engine.prefill(prompts, temperature, seed)
+    state = engine.prefill(prompts, temperature, seed)  # checks the temperature
     tree, acc = _inspect(engine.target_def, engine.target_state, engine.drafter_def, engine.drafter_state, state,
                          jnp.float32(temperature), ecfg=engine.ecfg, runtime=engine.runtime, taps=engine.taps,
                          depth=engine.depth)

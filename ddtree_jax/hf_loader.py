@@ -243,7 +243,10 @@ def iter_hf_params(path: str, cfg: ModelConfig, flat_abstract: dict[tuple, nnx.V
             raise CheckpointError(f"unexpected tensor {name!r}")
         layer, rest = int(match.group(1)), match.group(2)
         if layer >= cfg.num_layers:
-            continue  # multi-token-prediction layers (index >= num_hidden_layers) are not used
+            if layer < cfg.num_layers + cfg.num_nextn_predict_layers:
+                continue  # a multi-token-prediction layer: not used
+            raise CheckpointError(f"{name}: layer {layer} is past num_hidden_layers={cfg.num_layers} and its "
+                                  f"{cfg.num_nextn_predict_layers} multi-token-prediction layer(s)")
         if rest in attn_rules:
             sub, transform = attn_rules[rest]
             value = file.get(name)

@@ -150,6 +150,8 @@ def test_restore_config_checks(tmp_path):
     save_model(random_model(cfg), str(tmp_path / "ck"))
     with pytest.raises(CheckpointError, match=r"hidden_size \(128 != stored 64\)"):
         restore_model(str(tmp_path / "ck"), cfg.replace(hidden_size=128))
+    with pytest.raises(CheckpointError, match=r"routed_scaling_factor .*rms_norm_eps"):  # same shapes, other math
+        restore_model(str(tmp_path / "ck"), cfg.replace(routed_scaling_factor=9.0, rms_norm_eps=0.5))
     as_bf16 = restore_model(str(tmp_path / "ck"), cfg.replace(dtype="bfloat16"))  # float params cast on restore
     assert as_bf16.embed.value.dtype == jnp.bfloat16
     with pytest.raises(CheckpointError, match="not a ddtree-jax checkpoint"):

@@ -120,3 +120,80 @@ def test_bad_config_values():
         tiny_config(n_group=2, topk_group=3)
     with pytest.raises(ConfigError, match="not divisible by n_group"):
         tiny_config(n_group=3)
+
+
+def test_prompts_must_be_integer_token_id_lists():
+    for bad in ([[1.9, 2.5, 3]], [[True, False]], [1, 2, 3], ["hello"], "abc", [[1, 2], [3, [4]]]):
+        with pytest.raises(ValueError, match="token-id lists|integer token ids"):
+            pad_prompts(bad, vocab_size=256, capacity=64)
+    tokens, lengths = pad_prompts([[1, 2, 3], np.array([4, 5], np.uint8)], vocab_size=256, capacity=64)
+    assert lengths.tolist() == [3, 2] and tokens[1, :2].tolist() == [4, 5]
+
+
+def test_commit_flags_counts_outside_the_block():
+    cfg = tiny_config()
+    cache = init_cache(cfg, batch=3, capacity=16)
+    new = jnp.ones((cfg.num_layers, 3, 2, cfg.latent_dim))
+    rows = jnp.broadcast_to(jnp.arange(2), (3, 2))
+    cache, overflow = commit(cache, new, rows, jnp.array([2, 7, -2]))  # 7 > 2 rows; -2 < 0
+    assert overflow.tolist() == [False, True, True]
+    assert cache.lengths.tolist() == [2, 0, 0]
+
+
+def test_prefill_with_a_length_outside_the_padded_prompt_is_flagged():
+    from flax import nnx
+    from ddtree_jax.decode import prefill
+    from ddtree_jax.model import KimiModel
+    cfg = tiny_config()
+    graphdef, state = nnx.split(KimiModel(cfg, nnx.Rngs(0)))
+    tokens = jnp.ones((3, 4), jnp.int32)
+    last, cache, overflow, _ = prefill(graphdef, state, init_cache(cfg, 3, 16), tokens, jnp.array([4, 0, 9]))
+    assert overflow.tolist() == [False, True, True]
+    assert cache.lengths.tolist() == [4, 0, 0]
+    assert np.isfinite(np.asarray(last[0])).all() and np.isnan(np.asarray(last[1:])).all()
+
+
+def test_checkpoint_layers_past_the_config_are_refused_unless_multi_token_prediction(hf_dir, tmp_path):
+    def add_layer_3(t):
+        t["model.layers.3.self_attn.kv_b_proj.weight"] = t["model.layers.2.self_attn.kv_b_proj.weight"]
+
+    path = edited_copy(hf_dir, tmp_path / "m", add_layer_3)
+    with pytest.raises(CheckpointError, match=r"layer 3 is past num_hidden_layers=3"):
+        load_hf_model(path, dtype="float32")
+    raw = json.load(open(os.path.join(path, "config.json")))
+    raw["num_nextn_predict_layers"] = 1
+    json.dump(raw, open(os.path.join(path, "config.json"), "w"))
+    assert load_hf_model(path, dtype="float32").cfg.num_nextn_predict_layers == 1  # its layer 3 skipped
+
+
+def test_engine_config_and_engine_refuse_bad_values():
+    from flax import nnx
+    from ddtree_jax.config import ConfigError
+    from ddtree_jax.drafter import DFlashDrafter, tiny_drafter_config
+    from ddtree_jax.engine import Engine, EngineConfig
+    from ddtree_jax.model import KimiModel
+    for kw, match in [(dict(max_new_tokens=4.5), "max_new_tokens must be an integer"),
+                      (dict(capacity=0), "capacity must be >= 1"), (dict(budget=True), "budget must be an integer"),
+                      (dict(eos_ids=(3, -1)), "eos_ids"), (dict(eos_ids=5), "eos_ids")]:
+        with pytest.raises(ValueError, match=match):
+            EngineConfig(**kw)
+    assert EngineConfig(eos_ids=[1, np.int64(2)]).eos_ids == (1, 2)  # a list is normalised (hashable)
+    cfg = tiny_config(vocab_size=64)
+    target = KimiModel(cfg, nnx.Rngs(0))
+    other_vocab = DFlashDrafter(tiny_drafter_config(cfg.replace(vocab_size=128), mask_token_id=100), nnx.Rngs(1))
+    with pytest.raises(ConfigError, match="vocab_size 128 != target vocab_size 64"):
+        Engine(target, other_vocab, EngineConfig(mode="dflash", capacity=64))
+    with pytest.raises(ValueError, match=r"eos_ids \[64\] outside"):
+        Engine(target, None, EngineConfig(mode="ar", capacity=64, eos_ids=(64,)))
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        Engine(target, None, EngineConfig(mode="ar", capacity=cfg.max_position_embeddings + 8))
+    engine = Engine(target, None, EngineConfig(mode="ar", capacity=64, max_new_tokens=2))
+    for temperature in (-1.0, float("nan"), float("inf"), "0.5", True):
+        with pytest.raises(ValueError, match="temperature"):
+            engine.generate([[1, 2]], temperature=temperature)
+
+
+def test_drafter_taps_must_name_distinct_layers():
+    from ddtree_jax.drafter import tiny_drafter_config
+    with pytest.raises(ConfigError, match="names a layer twice"):
+        tiny_drafter_config(tiny_config(), target_layer_ids=(0, 0, 1))
