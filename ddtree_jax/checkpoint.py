@@ -345,7 +345,20 @@ def convert_hf_checkpoint(hf_dir: str, out_dir: str, *, dtype: str = "bfloat16",
         if buffers:  # iter_hf_params raises on missing tensors; this guards the bookkeeping
             raise CheckpointError(f"incomplete parts after conversion: {sorted(buffers)}")
         writer.commit()
-        return {"param_bytes": writer.bytes, "peak_buffered_bytes": peak_buffered, "parts": len(writer.parts)}
+    copied = copy_tokenizer_files(hf_dir, out_dir)
+    return {"param_bytes": writer.bytes, "peak_buffered_bytes": peak_buffered, "parts": len(writer.parts),
+            "tokenizer_files": copied}
+
+
+def copy_tokenizer_files(src_dir: str, dst_dir: str) -> list[str]:
+    """Copies the tokenizer files of a model directory (``tokenizer.TOKENIZER_DIR_FILES``) that exist, so that
+    the converted checkpoint decodes text as the source does; returns their names."""
+    from ddtree_jax.tokenizer import TOKENIZER_DIR_FILES
+
+    copied = [name for name in TOKENIZER_DIR_FILES if os.path.isfile(os.path.join(src_dir, name))]
+    for name in copied:
+        shutil.copyfile(os.path.join(src_dir, name), os.path.join(dst_dir, name))
+    return copied
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -104,6 +104,13 @@ class DecodeState:
     key: jax.Array
 
 
+def required_capacity(longest_prompt: int, max_new_tokens: int, depth: int) -> int:
+    """Cache slots a stream needs so that it never stops at ``cache_full``: a round starts with at most
+    ``max_new_tokens - 1`` tokens out (all but the pending bonus token committed after the prompt) and
+    needs room for its tree of ``depth + 1`` rows (``tree_depth``); prefill alone keeps ``depth + 1`` free."""
+    return longest_prompt + depth + max(max_new_tokens - 1, 1)
+
+
 def tree_depth(ecfg: EngineConfig, block_size: int) -> int:
     if ecfg.mode == "ar":
         return 0

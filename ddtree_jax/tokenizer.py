@@ -1,6 +1,7 @@
 """Tokenizers: a trained BPE (``tokenizer.json`` via the ``tokenizers`` package) when the model
-directory ships one, K2.x's tiktoken-format BPE (``tiktoken.model``) when it ships that, otherwise
-plain UTF-8 bytes (ids 0..255) for random/tiny models."""
+directory ships one, K2.x's tiktoken-format BPE (``tiktoken.model``) when it ships that; plain UTF-8
+bytes (ids 0..255) only for a model without a directory (random/tiny models). A model directory with
+neither file is refused."""
 
 from __future__ import annotations
 
@@ -161,13 +162,21 @@ class TiktokenTokenizer:
         return out.decode("utf-8", errors="replace")
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tiktoken.model")
+# what a model directory's tokenizer is read from (tiktoken's special tokens sit in tokenizer_config.json)
+TOKENIZER_DIR_FILES = TOKENIZER_FILES + ("tokenizer_config.json",)
+
+
 def load_tokenizer(model_dir: str | None, vocab_size: int):
     """``tokenizer.json`` (HF tokenizers) if ``model_dir`` has one, else ``tiktoken.model`` (K2.x
-    format), else UTF-8 bytes."""
-    if model_dir is not None:
-        path = os.path.join(model_dir, "tokenizer.json")
-        if os.path.exists(path):
-            return HFTokenizer(path)
-        if os.path.exists(os.path.join(model_dir, "tiktoken.model")):
-            return TiktokenTokenizer.from_dir(model_dir)
-    return ByteTokenizer(vocab_size)
+    format); UTF-8 bytes when ``model_dir`` is None (a random model). FileNotFoundError for a
+    directory with neither: its text would otherwise be silently mis-encoded."""
+    if model_dir is None:
+        return ByteTokenizer(vocab_size)
+    if os.path.exists(os.path.join(model_dir, "tokenizer.json")):
+        return HFTokenizer(os.path.join(model_dir, "tokenizer.json"))
+    if os.path.exists(os.path.join(model_dir, "tiktoken.model")):
+        return TiktokenTokenizer.from_dir(model_dir)
+    where = "" if os.path.isdir(model_dir) else " (no such directory)"
+    raise FileNotFoundError(f"no tokenizer in {model_dir}{where}: looked for {' and '.join(TOKENIZER_FILES)}; "
+                            "copy the model's tokenizer file there")

@@ -14,6 +14,7 @@ experts). ``--drafter``: an HF DFlash drafter directory or ``random``.
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures
 import dataclasses
 import json
@@ -34,38 +35,137 @@ from ddtree_jax.checkpoint import (INDEX_FILE, checkpoint_config, is_drafter_che
                                    restore_drafter, restore_model)
 from ddtree_jax.config import QuantConfig, tiny_config  # noqa: E402
 from ddtree_jax.drafter import DFlashDrafter, load_hf_drafter, tiny_drafter_config  # noqa: E402
-from ddtree_jax.engine import EOS, Engine, EngineConfig, inspect_round  # noqa: E402
+from ddtree_jax.engine import (EOS, Engine, EngineConfig, check_temperature, inspect_round,  # noqa: E402
+                               required_capacity, tree_depth)
 from ddtree_jax.hf_loader import load_hf_model  # noqa: E402
 from ddtree_jax.model import KimiModel  # noqa: E402
 from ddtree_jax.tokenizer import load_tokenizer  # noqa: E402
+from ddtree_jax.tree import check_budget  # noqa: E402
 from experiments import bench_util  # noqa: E402
 
 CHECKPOINTS = os.path.join(ROOT, "checkpoints")
 
 
-def parse_args(argv=None):
+MODE_CHOICES = ("ar", "dflash", "ddtree", "all")
+DEFAULT_BUDGET = 64
+DEFAULT_NUM_PROMPTS = 8
+SEED_LIMIT = 2**32
+PROMPTS_FILE_HELP = ("JSON Lines file of prompt texts: each line one JSON string, read exactly as JSON decodes it "
+                     "(e.g. \"def f(x):\\n    return x\\n\" is two lines of code); blank lines are skipped, "
+                     "\\r\\n line ends are fine")
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=os.path.join(CHECKPOINTS, "target"),
                    help="HF dir, ddtree-jax Orbax checkpoint, or 'random' (tiny random INT4 model)")
-    p.add_argument("--drafter", default=os.path.join(CHECKPOINTS, "drafter"),
-                   help="HF DFlash drafter dir, ddtree-jax drafter checkpoint, or 'random'")
+    p.add_argument("--drafter", default=None,
+                   help="HF DFlash drafter dir, ddtree-jax drafter checkpoint, or 'random' (default: the shipped "
+                        "drafter; not for --mode ar)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", action="append", help="prompt text (repeatable)")
     src.add_argument("--prompt-ids", action="append", help="space-separated token ids (repeatable)")
-    src.add_argument("--prompts-file", help="file with one prompt per line")
-    p.add_argument("--num-prompts", type=int, default=8, help="held-out prompts when no prompt is given")
-    p.add_argument("--mode", choices=["ar", "dflash", "ddtree", "all"], default="all")
-    p.add_argument("--budget", type=int, default=64, help="DDTree node budget")
+    src.add_argument("--prompts-file", help=PROMPTS_FILE_HELP)
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help=f"held-out prompts when no prompt is given (default {DEFAULT_NUM_PROMPTS})")
+    p.add_argument("--mode", choices=MODE_CHOICES, default="all")
+    p.add_argument("--budget", type=int, default=None,
+                   help=f"DDTree node budget (default {DEFAULT_BUDGET}; only for --mode ddtree or all)")
     p.add_argument("--streams", type=int, default=None, help="streams decoded together (default: #prompts)")
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--capacity", type=int, default=512, help="cache slots per stream")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--capacity", type=int, default=512,
+                   help="cache slots per stream: must hold the longest prompt, --max-new-tokens and the mode's "
+                        "draft tree (checked before decoding)")
+    p.add_argument("--seed", type=int, default=0, help=f"in [0, {SEED_LIMIT})")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     bench_util.add_matmul_precision_arg(p, "float32")
-    p.add_argument("--compare", action="store_true", help="also run AR and report the speedup")
+    p.add_argument("--compare", action="store_true",
+                   help="with --mode dflash or ddtree: also run AR and report the speedup (--mode all always does)")
     p.add_argument("--json", help="write generated ids and metrics here")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None):
+    """Parsed and checked flags (``check_args``); a bad flag exits with argparse's usage error."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        check_args(args)
+    except ValueError as e:
+        parser.error(str(e))
+    return args
+
+
+def modes_of(args) -> list[str]:
+    """The modes run, in order (AR first whenever it is compared against)."""
+    if args.mode == "all":
+        return ["ar", "dflash", "ddtree"]
+    return ["ar", args.mode] if args.compare else [args.mode]
+
+
+def check_args(args) -> None:
+    """Checks every flag before any model is built and fills in the mode-dependent defaults (``--budget``,
+    ``--drafter``, ``--num-prompts``); ValueError naming the flag otherwise. Also reads ``--prompts-file``."""
+    modes = modes_of(args)
+    check_mode_flags(args, modes)
+    for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--capacity", args.capacity),
+                        ("--streams", args.streams), ("--num-prompts", args.num_prompts)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    try:
+        check_temperature(args.temperature)
+    except ValueError as e:
+        raise ValueError(f"--temperature: {e}") from None
+    if not 0 <= args.seed < SEED_LIMIT:
+        raise ValueError(f"--seed must be in [0, {SEED_LIMIT}), got {args.seed}")
+    for flag, path in (("--target", args.target), ("--drafter", args.drafter)):
+        if path not in (None, "random") and not os.path.isdir(path):
+            raise ValueError(f"{flag} {path!r} is neither a directory nor 'random'")
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        raise ValueError(f"--json {args.json!r}: its directory does not exist")
+    n = count_prompts(args)
+    if args.streams is not None and args.streams > n:
+        raise ValueError(f"--streams {args.streams} is more than the {n} prompts given")
+
+
+def check_mode_flags(args, modes: Sequence[str]) -> None:
+    """Flags that only some modes or prompt sources use: refused where unused, defaulted where used."""
+    if args.compare and args.mode == "ar":
+        raise ValueError("--compare runs AR next to a speculative mode; --mode ar is AR alone")
+    if "ddtree" in modes:
+        try:
+            args.budget = check_budget(DEFAULT_BUDGET if args.budget is None else args.budget)
+        except ValueError as e:
+            raise ValueError(f"--budget: {e}") from None
+    elif args.budget is not None:
+        raise ValueError(f"--budget is the DDTree node budget; --mode {args.mode} does not build trees "
+                         "(use --mode ddtree or all)")
+    if modes == ["ar"]:
+        if args.drafter is not None:
+            raise ValueError("--mode ar decodes with the target alone; --drafter is not used")
+    elif args.drafter is None:
+        args.drafter = os.path.join(CHECKPOINTS, "drafter")
+    given = args.prompt or args.prompt_ids or args.prompts_file
+    if given and args.num_prompts is not None:
+        raise ValueError("--num-prompts picks held-out prompts; it does not apply to --prompt, --prompt-ids or "
+                         "--prompts-file")
+    if not given and args.num_prompts is None:
+        args.num_prompts = DEFAULT_NUM_PROMPTS
+
+
+def count_prompts(args) -> int:
+    """How many prompts the flags give; checks ``--prompt`` / ``--prompt-ids`` / ``--prompts-file`` contents."""
+    if args.prompt_ids:
+        return len([parse_prompt_ids(s, i) for i, s in enumerate(args.prompt_ids)])
+    if args.prompts_file:
+        return len(read_prompts_file(args.prompts_file))
+    if args.prompt:
+        empty = [i for i, text in enumerate(args.prompt) if not text]
+        if empty:
+            raise ValueError(f"--prompt #{empty[0] + 1} is empty")
+        return len(args.prompt)
+    return args.num_prompts
 
 
 def load_models(args):
@@ -77,7 +177,7 @@ def load_models(args):
     else:  # an HF directory
         target = load_hf_model(args.target, dtype=args.dtype)
     drafter = None
-    if args.mode != "ar":
+    if args.drafter is not None:  # check_args leaves it None for AR alone
         if args.drafter == "random":
             drafter = DFlashDrafter(tiny_drafter_config(target.cfg), nnx.Rngs(args.seed + 1))
         elif is_drafter_checkpoint(args.drafter):
@@ -95,13 +195,47 @@ def load_pair(args):
     return target, drafter, tokenizer, eos_ids
 
 
+def parse_prompt_ids(text: str, index: int) -> list[int]:
+    """One ``--prompt-ids`` value: space-separated token ids >= 0; ValueError otherwise."""
+    problem = f"--prompt-ids #{index + 1} must be space-separated token ids >= 0, got {text!r}"
+    try:
+        ids = [int(t) for t in text.split()]
+    except ValueError:
+        raise ValueError(problem) from None
+    if not ids or min(ids) < 0:
+        raise ValueError(problem)
+    return ids
+
+
+def read_prompts_file(path: str) -> list[str]:
+    """The prompt texts of a JSON Lines file (``PROMPTS_FILE_HELP``), exactly as written; ValueError naming
+    the line for anything else."""
+    try:
+        with open(path, encoding="utf-8", newline="") as f:
+            lines = f.read().split("\n")  # JSON strings hold no raw newline, so this split is exact
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--prompts-file {path!r}: {e}") from None
+    texts = []
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            text = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{lineno}: not a JSON string ({e.msg}); {PROMPTS_FILE_HELP}") from None
+        if not isinstance(text, str) or not text:
+            raise ValueError(f"{path}:{lineno}: expected a non-empty JSON string, got {line.strip()[:60]}")
+        texts.append(text)
+    if not texts:
+        raise ValueError(f"--prompts-file {path!r} holds no prompts")
+    return texts
+
+
 def read_prompts(args, tokenizer):
     if args.prompt_ids:
-        return [[int(t) for t in s.split()] for s in args.prompt_ids]
+        return [parse_prompt_ids(s, i) for i, s in enumerate(args.prompt_ids)]
     if args.prompts_file:
-        with open(args.prompts_file) as f:
-            texts = [line.rstrip("\n").replace("\\n", "\n") for line in f if line.strip()]
-        return [tokenizer.encode(t) for t in texts]
+        return [tokenizer.encode(t) for t in read_prompts_file(args.prompts_file)]
     if args.prompt:
         return [tokenizer.encode(t) for t in args.prompt]
     from experiments import data as data_lib  # held-out standard-library files (never trained on)
@@ -109,6 +243,28 @@ def read_prompts(args, tokenizer):
     held, _ = data_lib.load_texts("heldout", allow_mismatch=True)  # a differing stdlib is reported, not fatal
     return [q["ids"] for q in data_lib.eval_prompts(tokenizer, held, n=args.num_prompts, min_tokens=64,
                                                      max_tokens=128, seed=args.seed)]
+
+
+def engine_config(mode: str, args, eos_ids=()) -> EngineConfig:
+    budget = {"budget": args.budget} if mode == "ddtree" else {}
+    return EngineConfig(mode=mode, max_new_tokens=args.max_new_tokens, capacity=args.capacity, eos_ids=eos_ids,
+                        **budget)
+
+
+def check_fits(args, modes: Sequence[str], prompts, target, drafter) -> None:
+    """Before anything is compiled: the DDTree budget against the drafter's depth and the vocabulary, and
+    ``--capacity`` against every mode's need (``required_capacity``); ValueError naming what is needed."""
+    block_size = drafter.cfg.block_size if drafter is not None else 1
+    if "ddtree" in modes:
+        check_budget(args.budget, block_size - 1, target.cfg.vocab_size)
+    longest = max(len(p) for p in prompts)
+    need = {mode: required_capacity(longest, args.max_new_tokens, tree_depth(engine_config(mode, args), block_size))
+            for mode in modes}
+    worst = max(modes, key=need.get)
+    if args.capacity < need[worst]:
+        raise ValueError(f"--capacity {args.capacity} is too small: the longest prompt ({longest} tokens), "
+                         f"--max-new-tokens {args.max_new_tokens} and the draft tree of --mode {worst} need "
+                         f"--capacity {need[worst]} or more")
 
 
 def draw_tree(tree_tokens, parents, accepted_path, tokenizer, max_children=3, max_depth=4):
@@ -200,10 +356,8 @@ def warm_up_all(jobs: Sequence[tuple[Engine, list, float]], workers: int) -> tup
 
 
 def run_mode(target, drafter, mode, args, prompts, tokenizer, eos_ids):
-    ecfg = EngineConfig(mode=mode, budget=args.budget, max_new_tokens=args.max_new_tokens, capacity=args.capacity,
-                        eos_ids=eos_ids)
-    engine = Engine(target, drafter if mode != "ar" else None, ecfg)
-    streams = args.streams or len(prompts)
+    engine = Engine(target, drafter if mode != "ar" else None, engine_config(mode, args, eos_ids))
+    streams = args.streams if args.streams is not None else len(prompts)
     batches = split_batches(prompts, streams)
     compile_s = warm_up(engine, batches, args.temperature)
     results = [engine.generate(batch, args.temperature, args.seed + i) for i, batch in enumerate(batches)]
@@ -226,8 +380,8 @@ def main(argv=None):
 def _main(args):
     target, drafter, tokenizer, eos_ids = load_pair(args)
     prompts = read_prompts(args, tokenizer)
-    modes = ["ar", "dflash", "ddtree"] if args.mode == "all" else (
-        ["ar", args.mode] if args.compare and args.mode != "ar" else [args.mode])
+    modes = modes_of(args)
+    check_fits(args, modes, prompts, target, drafter)
     print(f"target: {args.target}  layers={target.cfg.num_layers} hidden={target.cfg.hidden_size} "
           f"experts={target.cfg.n_routed_experts} int4={target.cfg.quant is not None}  drafter: {args.drafter}  "
           f"device: {jax.devices()[0].device_kind}  jax {jax.__version__}")
@@ -248,6 +402,8 @@ def _main(args):
             run["identical_to_ar"] = run["tokens"] == report["runs"]["ar"]["tokens"]
             print(f"{mode} vs ar: speedup {run['speedup_vs_ar']:.2f}x, outputs identical to AR: "
                   f"{run['identical_to_ar']}" + ("" if args.temperature == 0 else " (sampling: not expected)"))
+    for line in stop_report(report["runs"], args.capacity):
+        print(line)
     last = report["runs"][modes[-1]]
     print("\nfirst stream:", repr(tokenizer.decode(last["tokens"][0])))
     if last["tree_picture"]:
@@ -258,6 +414,27 @@ def _main(args):
             json.dump(report, f, indent=1)
         print(f"\nwrote {args.json}")
     return report
+
+
+NORMAL_STOPS = ("eos", "max_new_tokens")
+
+
+def stop_report(runs: dict, capacity: int) -> list[str]:
+    """Lines on streams that did not stop by EOS or the token limit: each such mode's status counts and a
+    warning for streams cut short by a full cache (and for AR comparisons they spoil). Empty if none."""
+    cut = {mode: run["status"].count("cache_full") for mode, run in runs.items()}
+    lines = []
+    for mode, run in runs.items():
+        counts = collections.Counter(run["status"])
+        if set(counts) - set(NORMAL_STOPS):
+            lines.append(f"{mode} stream status: " + ", ".join(f"{k}={v}" for k, v in sorted(counts.items())))
+        if cut[mode]:
+            lines.append(f"WARNING: {cut[mode]} of {len(run['status'])} {mode} streams stopped early because the "
+                         f"cache was full (--capacity {capacity}): their outputs are cut short")
+        if run.get("identical_to_ar") is False and (cut[mode] or cut.get("ar")):
+            lines.append(f"WARNING: {mode} outputs differ from AR where streams stopped at cache_full, "
+                         "not (only) because of the decoding")
+    return lines
 
 
 if __name__ == "__main__":

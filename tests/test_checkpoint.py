@@ -175,7 +175,11 @@ def test_convert_multi_shard_checkpoint(tmp_path):
     hf_dir, out = str(tmp_path / "hf"), str(tmp_path / "out")
     files = random_hf_checkpoint(hf_dir, dims=TINY_HF_DIMS, shards=4)
     assert len(files) == 4 and os.path.exists(os.path.join(hf_dir, "model.safetensors.index.json"))
+    with open(os.path.join(hf_dir, "tiktoken.model"), "w") as f:  # the tokenizer travels with the weights
+        f.write("dG9rZW4= 0\n")
     report = convert_main(["--hf", hf_dir, "--out", out, "--dtype", "float32", "--no-progress"])
+    with open(os.path.join(out, "tiktoken.model")) as f:
+        assert f.read() == "dG9rZW4= 0\n"
     assert report["shards"] == 4 and report["parts"] == 3 + 3  # 3 layers + embed, norm, lm_head
     direct = load_hf_model(hf_dir, dtype="float32")
     converted = restore_model(out)

@@ -1,0 +1,151 @@
+"""run_decode.py's flags, prompts file and cache-capacity check, and the tokenizer loader: bad input is
+refused with a clear message before any model is built or decoding runs; nothing is silently dropped."""
+
+import json
+import types
+
+import pytest
+from flax import nnx
+
+from ddtree_jax.config import tiny_config
+from ddtree_jax.drafter import DFlashDrafter, tiny_drafter_config
+from ddtree_jax.engine import Engine, required_capacity
+from ddtree_jax.model import KimiModel
+from ddtree_jax.tokenizer import ByteTokenizer, load_tokenizer
+from experiments import run_decode
+
+RANDOM = ["--target", "random"]
+
+
+def refused(argv, capsys) -> str:
+    """argparse's error message for ``argv`` (fails if it is accepted)."""
+    with pytest.raises(SystemExit) as exc:
+        run_decode.parse_args(argv)
+    assert exc.value.code == 2
+    return capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------- flags
+@pytest.mark.parametrize("argv,message", [
+    (["--mode", "all", "--budget", "0"], "--budget: DDTree budget must be >= 1"),
+    (["--mode", "ddtree", "--budget", "-3"], "--budget: DDTree budget must be >= 1"),
+    (["--mode", "dflash", "--budget", "8"], "--mode dflash does not build trees"),
+    (["--mode", "ar", "--budget", "8"], "--mode ar does not build trees"),
+    (["--streams", "0"], "--streams must be >= 1, got 0"),
+    (["--streams", "-1"], "--streams must be >= 1, got -1"),
+    (["--streams", "9"], "--streams 9 is more than the 8 prompts given"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--capacity", "0"], "--capacity must be >= 1"),
+    (["--num-prompts", "0"], "--num-prompts must be >= 1"),
+    (["--num-prompts", "3", "--prompt", "x"], "--num-prompts picks held-out prompts"),
+    (["--prompt", ""], "--prompt #1 is empty"),
+    (["--prompt-ids", "1 2", "--prompt-ids", "3 x"], "--prompt-ids #2 must be space-separated token ids"),
+    (["--prompt-ids", "1 -2"], "--prompt-ids #1 must be space-separated token ids >= 0"),
+    (["--prompt-ids", " "], "--prompt-ids #1 must be"),
+    (["--temperature", "-0.5"], "--temperature: temperature must be finite and >= 0"),
+    (["--temperature", "nan"], "--temperature: temperature must be finite and >= 0"),
+    (["--seed", "-1"], "--seed must be in [0, 4294967296)"),
+    (["--mode", "ar", "--compare"], "--mode ar is AR alone"),
+    (["--mode", "ar", "--drafter", "random"], "--drafter is not used"),
+    (["--target", "/no/such/model"], "--target '/no/such/model' is neither a directory nor 'random'"),
+    (["--drafter", "/no/such/drafter"], "--drafter '/no/such/drafter' is neither a directory nor 'random'"),
+    (["--json", "/no/such/dir/out.json"], "its directory does not exist"),
+])
+def test_bad_flags_are_refused_before_any_model_is_built(argv, message, capsys):
+    assert message in refused(RANDOM + argv, capsys)
+
+
+def test_mode_dependent_defaults():
+    args = run_decode.parse_args(RANDOM)
+    assert (args.budget, args.num_prompts, run_decode.modes_of(args)) == (64, 8, ["ar", "dflash", "ddtree"])
+    assert args.drafter.endswith("drafter")
+    args = run_decode.parse_args(RANDOM + ["--mode", "ar", "--prompt", "hi"])
+    assert (args.budget, args.drafter, args.num_prompts) == (None, None, None)
+    args = run_decode.parse_args(RANDOM + ["--mode", "dflash", "--compare", "--drafter", "random", "--streams", "8"])
+    assert run_decode.modes_of(args) == ["ar", "dflash"] and args.budget is None and args.streams == 8
+
+
+# ------------------------------------------------------------------------------------------- capacity
+def fake_pair(block_size=4, vocab=512):
+    """Stand-ins with just the fields ``check_fits`` reads (no model is built)."""
+    return (types.SimpleNamespace(cfg=types.SimpleNamespace(vocab_size=vocab)),
+            types.SimpleNamespace(cfg=types.SimpleNamespace(block_size=block_size)))
+
+
+def test_capacity_too_small_is_refused_with_the_capacity_needed():
+    args = run_decode.parse_args(RANDOM + ["--drafter", "random", "--prompt-ids", "1 2 3", "--capacity", "24",
+                                           "--max-new-tokens", "64"])
+    target, drafter = fake_pair(block_size=4)
+    with pytest.raises(ValueError, match=r"--capacity 24 is too small.*need --capacity 69 or more"):
+        run_decode.check_fits(args, run_decode.modes_of(args), [[1, 2, 3]], target, drafter)
+    args.capacity = 69
+    run_decode.check_fits(args, run_decode.modes_of(args), [[1, 2, 3]], target, drafter)
+
+
+def test_budget_is_checked_against_the_drafter_before_decoding():
+    args = run_decode.parse_args(RANDOM + ["--drafter", "random", "--mode", "ddtree", "--budget", "100",
+                                           "--prompt-ids", "1"])
+    target, drafter = fake_pair(block_size=2, vocab=8)  # one draft level of 8 tokens: at most 8 nodes
+    with pytest.raises(ValueError, match="budget"):
+        run_decode.check_fits(args, ["ddtree"], [[1]], target, drafter)
+
+
+def test_required_capacity_is_exactly_what_the_engine_needs():
+    """At the computed capacity no stream stops at cache_full; one slot less, the longest one does (a random
+    drafter is rarely accepted, so streams take about one token per round: the worst case)."""
+    cfg = tiny_config(vocab_size=64, num_layers=1, eos_token_ids=())
+    target = KimiModel(cfg, nnx.Rngs(0))
+    drafter = DFlashDrafter(tiny_drafter_config(cfg, num_layers=1), nnx.Rngs(1))
+    args = run_decode.parse_args(RANDOM + ["--mode", "dflash", "--drafter", "random", "--prompt-ids", "1 2 3 4 5",
+                                           "--max-new-tokens", "12"])
+    prompts = [[1, 2, 3, 4, 5], [6, 7]]
+    need = required_capacity(5, 12, run_decode.tree_depth(run_decode.engine_config("dflash", args), 4))
+    assert need == 5 + 3 + 11
+    for capacity, longest_status in ((need, "max_new_tokens"), (need - 1, "cache_full")):
+        args.capacity = capacity
+        engine = Engine(target, drafter, run_decode.engine_config("dflash", args))
+        assert engine.generate(prompts)["status"] == [longest_status, "max_new_tokens"]
+
+
+def test_streams_stopped_by_a_full_cache_are_reported():
+    runs = {"ar": {"status": ["max_new_tokens", "eos"]},
+            "ddtree": {"status": ["cache_full", "max_new_tokens", "cache_full"], "identical_to_ar": False}}
+    report = "\n".join(run_decode.stop_report(runs, capacity=24))
+    assert "ddtree stream status: cache_full=2, max_new_tokens=1" in report
+    assert "2 of 3 ddtree streams stopped early because the cache was full (--capacity 24)" in report
+    assert "ddtree outputs differ from AR where streams stopped at cache_full" in report
+    assert "ar stream status" not in report
+    assert run_decode.stop_report({"ar": {"status": ["eos", "max_new_tokens"]}}, capacity=24) == []
+
+
+# --------------------------------------------------------------------------------------- prompts file
+def test_prompts_file_is_read_exactly(tmp_path):
+    code = 'print("a\\nb")\r\n'  # a literal backslash-n and a CR that belong to the prompt
+    path = tmp_path / "prompts.jsonl"
+    path.write_bytes((json.dumps(code) + "\r\n\r\n" + json.dumps("def f():\n    return 1\n") + "\n").encode())
+    assert run_decode.read_prompts_file(str(path)) == [code, "def f():\n    return 1\n"]
+    args = run_decode.parse_args(RANDOM + ["--mode", "ar", "--prompts-file", str(path)])
+    assert run_decode.read_prompts(args, ByteTokenizer(512)) == [list(code.encode()),
+                                                                  list(b"def f():\n    return 1\n")]
+
+
+@pytest.mark.parametrize("content,message", [
+    ("plain text, not JSON\n", ":1: not a JSON string"),
+    ('"ok"\n{"prompt": "x"}\n', ":2: expected a non-empty JSON string"),
+    ('"ok"\n""\n', ":2: expected a non-empty JSON string"),
+    ("\n  \n", "holds no prompts"),
+])
+def test_bad_prompts_file_is_refused_naming_the_line(tmp_path, capsys, content, message):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(content)
+    assert message in refused(RANDOM + ["--prompts-file", str(path)], capsys)
+
+
+# ------------------------------------------------------------------------------------------ tokenizer
+def test_model_dir_without_tokenizer_is_refused(tmp_path):
+    with pytest.raises(FileNotFoundError, match=rf"no tokenizer in {tmp_path}: looked for tokenizer.json and "
+                                                r"tiktoken.model"):
+        load_tokenizer(str(tmp_path), 512)
+    with pytest.raises(FileNotFoundError, match="no such directory"):
+        load_tokenizer(str(tmp_path / "missing"), 512)
+    assert isinstance(load_tokenizer(None, 512), ByteTokenizer)  # the random model, which has no directory
