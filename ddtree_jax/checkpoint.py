@@ -378,6 +378,9 @@ def drafter_config_from_dict(raw: dict[str, Any]):
     from ddtree_jax.drafter import DrafterConfig
 
     raw = dict(raw)
+    unknown = set(raw) - {f.name for f in dataclasses.fields(DrafterConfig)}
+    if unknown:
+        raise CheckpointError(f"stored drafter config has unknown fields {sorted(unknown)}")
     raw["rope"] = RopeConfig(**raw["rope"])
     raw["target_layer_ids"] = tuple(raw["target_layer_ids"])
     return DrafterConfig(**raw)

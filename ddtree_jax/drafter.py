@@ -32,7 +32,7 @@ from jax.sharding import Mesh
 from ddtree_jax.config import ConfigError, RopeConfig, yarn_mscale
 from ddtree_jax.layers import RMSNorm, SwiGLU, declare, dot
 from ddtree_jax.rope import apply_rope_half, rope_cos_sin
-from ddtree_jax.safetensors_io import CheckpointError, iter_tensors
+from ddtree_jax.safetensors_io import CheckpointError, checked_array, iter_tensors
 from ddtree_jax.sharding import DEFAULT_RULES, ShardingRules, named_sharding
 
 DRAFT_CACHE_AXES = ("layers", "batch", "seq", "heads", "head_dim")
@@ -526,7 +526,7 @@ def load_hf_drafter(path: str, *, dtype: str = "bfloat16", legacy_yarn_amplitude
             raise CheckpointError(f"{name}: shape {file.shape(name)} != expected {shape}")
         variable = flat_abstract[key]
         value = file.get(name)
-        array = np.asarray(transform(value) if transform else value).astype(variable.get_value().dtype)
+        array = checked_array(name, np.asarray(transform(value) if transform else value), variable.get_value())
         if mesh is not None:
             placed[key] = jax.device_put(array, named_sharding(mesh, rules, variable.get_metadata()["logical_axes"]))
         else:

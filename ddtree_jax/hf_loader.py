@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 from ddtree_jax.config import ModelConfig
 from ddtree_jax.model import KimiModel
 from ddtree_jax.quant import QuantArray
-from ddtree_jax.safetensors_io import CheckpointError, iter_tensors
+from ddtree_jax.safetensors_io import CheckpointError, checked_array, iter_tensors
 from ddtree_jax.sharding import DEFAULT_RULES, ShardingRules, named_sharding
 
 Path = tuple
@@ -165,18 +165,6 @@ def flat_params(state: nnx.State) -> dict[tuple, nnx.Variable]:
     return {tuple(k): v for k, v in state.flat_state()}
 
 
-def _check_leaf(tensor_name: str, leaf, abstract_leaf) -> np.ndarray:
-    """Shape/dtype check of one host array against its abstract leaf; returns a C-contiguous copy in the
-    target dtype (the memory map is not kept)."""
-    if tuple(leaf.shape) != tuple(abstract_leaf.shape):
-        raise CheckpointError(f"{tensor_name}: shape {tuple(leaf.shape)} != expected {tuple(abstract_leaf.shape)}")
-    if abstract_leaf.dtype == jnp.int32 and leaf.dtype != np.int32:
-        raise CheckpointError(f"{tensor_name}: dtype {leaf.dtype} != int32")
-    if abstract_leaf.dtype != jnp.int32 and not jnp.issubdtype(leaf.dtype, jnp.floating):
-        raise CheckpointError(f"{tensor_name}: dtype {leaf.dtype} is not a float type")
-    return np.ascontiguousarray(leaf, dtype=abstract_leaf.dtype)
-
-
 def _check_file_complete(file) -> None:
     """Raises CheckpointError naming the first tensor that lies past the end of a (truncated) shard."""
     for name in file.keys():
@@ -212,7 +200,7 @@ def iter_hf_params(path: str, cfg: ModelConfig, flat_abstract: dict[tuple, nnx.V
         if key in done:
             raise CheckpointError(f"{tensor_name}: duplicate tensor (maps to {key} again)")
         done.add(key)
-        return key, jax.tree.map(lambda leaf, ab: _check_leaf(tensor_name, leaf, ab), value, target)
+        return key, jax.tree.map(lambda leaf, ab: checked_array(tensor_name, leaf, ab), value, target)
 
     checked_files: set[str] = set()
     for name, file in iter_tensors(path):

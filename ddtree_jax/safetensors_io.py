@@ -121,3 +121,17 @@ def save_file(tensors: dict[str, np.ndarray], path: str) -> None:
         f.write(raw)
         for blob in blobs:
             f.write(blob)
+
+
+def checked_array(tensor_name: str, leaf, abstract_leaf) -> np.ndarray:
+    """Shape/dtype check of one host array against the parameter it fills (anything with ``shape`` and
+    ``dtype``): int32 only from int32, a float parameter only from a float tensor; returns a C-contiguous
+    copy in the parameter's dtype (the memory map is not kept). CheckpointError naming the tensor otherwise."""
+    if tuple(leaf.shape) != tuple(abstract_leaf.shape):
+        raise CheckpointError(f"{tensor_name}: shape {tuple(leaf.shape)} != expected {tuple(abstract_leaf.shape)}")
+    target = np.dtype(abstract_leaf.dtype)
+    if target == np.int32 and leaf.dtype != np.int32:
+        raise CheckpointError(f"{tensor_name}: dtype {leaf.dtype} != int32")
+    if target != np.int32 and not np.issubdtype(leaf.dtype, np.floating) and leaf.dtype != ml_dtypes.bfloat16:
+        raise CheckpointError(f"{tensor_name}: dtype {leaf.dtype} is not a float type")
+    return np.ascontiguousarray(leaf, dtype=target)

@@ -392,6 +392,9 @@ def test_loader_errors_name_the_tensor(setup, tmp_path):
     twice = {**good, "model.norm.weight": good["norm.weight"]}
     with pytest.raises(CheckpointError, match="duplicates"):
         load_hf_drafter(export(twice, tmp_path / "twice"), dtype="float32")
+    ints = {**good, "norm.weight": np.ones_like(good["norm.weight"], np.int32)}  # never cast into a float param
+    with pytest.raises(CheckpointError, match="norm.weight: dtype int32 is not a float type"):
+        load_hf_drafter(export(ints, tmp_path / "ints"), dtype="float32")
 
 
 def test_bfloat16_drafter_runs(setup):

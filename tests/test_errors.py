@@ -197,3 +197,12 @@ def test_drafter_taps_must_name_distinct_layers():
     from ddtree_jax.drafter import tiny_drafter_config
     with pytest.raises(ConfigError, match="names a layer twice"):
         tiny_drafter_config(tiny_config(), target_layer_ids=(0, 0, 1))
+
+
+def test_stored_drafter_config_with_unknown_fields_is_named():
+    from ddtree_jax.checkpoint import drafter_config_from_dict, drafter_config_to_dict
+    from ddtree_jax.drafter import tiny_drafter_config
+    raw = drafter_config_to_dict(tiny_drafter_config(tiny_config()))
+    assert drafter_config_from_dict(raw) == tiny_drafter_config(tiny_config())
+    with pytest.raises(CheckpointError, match=r"unknown fields \['mystery'\]"):
+        drafter_config_from_dict({**raw, "mystery": 1})
