@@ -46,7 +46,7 @@ from ddtree_jax.quant import QuantArray  # noqa: E402
 from ddtree_jax.sharding import DEFAULT_RULES, named_sharding  # noqa: E402
 from ddtree_jax.tree import accept_tokens, build_tree, sample_target_tokens  # noqa: E402
 from experiments.bench_util import (measure_copy_bandwidth, measure_torch_copy_bandwidth, print_table,  # noqa: E402
-                                    time_fn, write_result)
+                                    time_fn, trace_kernel_events, write_result)
 
 
 @functools.lru_cache(maxsize=None)
@@ -184,10 +184,29 @@ def bench_round_split(target, drafter, args, rows):
         "verify": time_fn(verify, tstate, tree, state.cache, repeats=args.repeats),
         "accept+commit": time_fn(accept, tree, logits, block_kv, state.cache, jax.random.key(0), repeats=args.repeats),
     }
+    calls = {"draft": (draft, (tstate, dstate, state)), "build": (build, (logprobs, state.bonus)),
+             "verify": (verify, (tstate, tree, state.cache)),
+             "accept+commit": (accept, (tree, logits, block_kv, state.cache, jax.random.key(0)))}
     for name, t in phases.items():
-        rows.append({"bench": "round_split", "phase": name, "budget": args.budget, "ms": 1e3 * t["median_s"]})
+        rows.append({"bench": "round_split", "phase": name, "budget": args.budget, "ms": 1e3 * t["median_s"],
+                     **device_breakdown(*calls[name])})
         print(rows[-1], flush=True)
     return engine, state
+
+
+def device_breakdown(fn, args, top: int = 12) -> dict:
+    """One traced call of ``fn(*args)``: its device span and busy time (ms; the wall-clock ``ms`` beside
+    them also holds the dispatch) and its ``top`` kernels by summed time ([name, launches, µs])."""
+    events = trace_kernel_events(fn, args)
+    if not events:
+        return {}
+    span = max(s + d for _, s, d, _ in events) - events[0][1]
+    per_name: dict[str, list[int]] = {}
+    for name, _, dur, _ in events:
+        per_name.setdefault(name, []).append(dur)
+    kernels = sorted(([n, len(d), round(sum(d) / 1e3, 2)] for n, d in per_name.items()), key=lambda k: -k[2])
+    return {"device_span_ms": span / 1e6, "device_busy_ms": sum(e[2] for e in events) / 1e6,
+            "launches": len(events), "kernels": kernels[:top]}
 
 
 def bench_no_host_sync(engine, args, rows):
@@ -410,7 +429,7 @@ def main():
         sel = [r for r in rows if r.get("bench") == bench]
         if sel:
             print(f"\n== {bench}")
-            print_table(sel, list(dict.fromkeys(k for r in sel for k in r if k != "bench")))
+            print_table(sel, list(dict.fromkeys(k for r in sel for k in r if k not in ("bench", "kernels"))))
     print(f"\nwrote {path}; total {time.time() - start:.0f}s")
 
 
