@@ -188,15 +188,19 @@ def bench_round_split(target, drafter, args, rows):
              "verify": (verify, (tstate, tree, state.cache)),
              "accept+commit": (accept, (tree, logits, block_kv, state.cache, jax.random.key(0)))}
     for name, t in phases.items():
+        fn, fn_args = calls[name]
         rows.append({"bench": "round_split", "phase": name, "budget": args.budget, "ms": 1e3 * t["median_s"],
-                     **device_breakdown(*calls[name])})
-        print(rows[-1], flush=True)
+                     **device_breakdown(fn, fn_args)})
+        print({k: v[:8] if k == "kernels" else v for k, v in rows[-1].items()}, flush=True)
+        if args.hlo and args.out:
+            with open(os.path.join(args.out, f"hlo_{name.replace('+', '_')}.txt"), "w") as f:
+                f.write(fn.lower(*fn_args).compile().as_text())
     return engine, state
 
 
-def device_breakdown(fn, args, top: int = 12) -> dict:
+def device_breakdown(fn, args) -> dict:
     """One traced call of ``fn(*args)``: its device span and busy time (ms; the wall-clock ``ms`` beside
-    them also holds the dispatch) and its ``top`` kernels by summed time ([name, launches, µs])."""
+    them also holds the dispatch) and its kernels by summed time ([name, launches, µs], longest first)."""
     events = trace_kernel_events(fn, args)
     if not events:
         return {}
@@ -206,7 +210,7 @@ def device_breakdown(fn, args, top: int = 12) -> dict:
         per_name.setdefault(name, []).append(dur)
     kernels = sorted(([n, len(d), round(sum(d) / 1e3, 2)] for n, d in per_name.items()), key=lambda k: -k[2])
     return {"device_span_ms": span / 1e6, "device_busy_ms": sum(e[2] for e in events) / 1e6,
-            "launches": len(events), "kernels": kernels[:top]}
+            "launches": len(events), "kernels": kernels}
 
 
 def bench_no_host_sync(engine, args, rows):
@@ -388,6 +392,7 @@ def main():
     p.add_argument("--prepare-kernels", action="store_true",
                    help="run every section on the target after prepare_for_kernels (the INT4 kernel's layout), "
                         "as a user on a GPU would; not with section kernel, which compares both paths itself")
+    p.add_argument("--hlo", action="store_true", help="section round_split: write each phase's optimized HLO to --out")
     p.add_argument("--commit", default=None, help="commit hash to record (the device copy has no git)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
