@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 
 from ddtree_jax.cache import LatentCache, commit
-from ddtree_jax.model import XLA_COMPILER_OPTIONS, Runtime, causal_mask, check_tokens
+from ddtree_jax.model import Runtime, causal_mask, check_tokens
 
 PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
 
@@ -71,8 +71,7 @@ def _token_ids(prompt, index: int) -> np.ndarray:
     return ids
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "runtime", "tap_layers"), donate_argnames=("cache",),
-                   compiler_options=XLA_COMPILER_OPTIONS)
+@functools.partial(jax.jit, static_argnames=("graphdef", "runtime", "tap_layers"), donate_argnames=("cache",))
 def prefill(graphdef: nnx.GraphDef, state: nnx.State, cache: LatentCache, tokens: jax.Array, lengths: jax.Array,
             *, runtime: Runtime = Runtime(), tap_layers: tuple[int, ...] = ()):
     """Runs padded prompts [B, P] on top of ``cache`` and commits the first lengths[b] rows per stream.
@@ -94,8 +93,7 @@ def prefill(graphdef: nnx.GraphDef, state: nnx.State, cache: LatentCache, tokens
     return last, cache, overflow, out.taps
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "runtime"), donate_argnames=("cache",),
-                   compiler_options=XLA_COMPILER_OPTIONS)
+@functools.partial(jax.jit, static_argnames=("graphdef", "runtime"), donate_argnames=("cache",))
 def decode_step(graphdef: nnx.GraphDef, state: nnx.State, cache: LatentCache, tokens: jax.Array,
                 *, runtime: Runtime = Runtime()):
     """One token per stream: tokens [B] -> (logits [B, W] f32, cache, overflow [B] bool)."""

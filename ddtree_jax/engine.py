@@ -33,7 +33,7 @@ from flax import nnx
 from ddtree_jax.cache import CACHE_AXES, LatentCache, commit, init_cache
 from ddtree_jax.decode import pad_prompts
 from ddtree_jax.drafter import DFlashDrafter, DraftCache, check_drafter_target, draft_cache_axes, init_draft_cache
-from ddtree_jax.model import XLA_COMPILER_OPTIONS, KimiModel, Runtime, causal_mask
+from ddtree_jax.model import KimiModel, Runtime, causal_mask
 from ddtree_jax.sharding import DEFAULT_RULES, named_sharding, shard_state
 from ddtree_jax.tree import PAD, accept_tokens, build_tree, chain_tree, check_budget, sample_target_tokens
 
@@ -253,7 +253,7 @@ def _sample(logits, temperature, key):
 
 @functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "max_new_tokens", "eos_ids", "runtime",
                                              "taps", "depth"),
-                   donate_argnames=("cache", "draft_cache"), compiler_options=XLA_COMPILER_OPTIONS)
+                   donate_argnames=("cache", "draft_cache"))
 def _prefill(target_def, target_state, drafter_def, drafter_state, cache, draft_cache, tokens, lengths, temperature,
              key, *, max_new_tokens: int, eos_ids: tuple[int, ...], runtime: Runtime, taps: tuple[int, ...],
              depth: int) -> DecodeState:
@@ -341,7 +341,7 @@ def _round(target, drafter, state: DecodeState, temperature, ecfg: EngineConfig,
 
 
 @functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "ecfg", "runtime", "taps", "depth"),
-                   donate_argnames=("state",), compiler_options=XLA_COMPILER_OPTIONS)
+                   donate_argnames=("state",))
 def _run_rounds(target_def, target_state, drafter_def, drafter_state, state: DecodeState, temperature, *,
                 ecfg: EngineConfig, runtime: Runtime, taps: tuple[int, ...], depth: int) -> DecodeState:
     target = nnx.merge(target_def, target_state)
@@ -370,8 +370,7 @@ def inspect_round(engine: Engine, prompts: Sequence[Sequence[int]], temperature:
     return tree, {"path": np.asarray(acc.path[0]), "num_accepted": int(acc.num_accepted[0])}
 
 
-@functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "ecfg", "runtime", "taps", "depth"),
-                   compiler_options=XLA_COMPILER_OPTIONS)
+@functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "ecfg", "runtime", "taps", "depth"))
 def _inspect(target_def, target_state, drafter_def, drafter_state, state, temperature, *, ecfg, runtime, taps, depth):
     target = nnx.merge(target_def, target_state)
     drafter = nnx.merge(drafter_def, drafter_state) if drafter_def is not None else None

@@ -29,13 +29,6 @@ from pallas_kernels.mla_attention_mgpu import pad_tree_latents
 from pallas_kernels.tree_attention import mla_attention
 
 
-# Compiler options of every program the library jits (decode.prefill / decode_step, the engine's). XLA's
-# DotMerger turns dots that share an input into one dot against the concatenation of their weights; the
-# weights are arguments, so that concatenation is a fresh copy on every call (on the H200 the drafter's
-# twelve context k/v projections cost 90 µs of copies a round, 2 x 88 MB; RESULTS.md, "Engine").
-XLA_COMPILER_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 0}
-
-
 @dataclasses.dataclass(frozen=True)
 class Runtime:
     """Static execution choices of a forward (hashable; part of the jit key)."""

@@ -36,9 +36,8 @@ from flax import nnx  # noqa: E402
 from ddtree_jax.cache import commit, init_cache  # noqa: E402
 from ddtree_jax.config import QuantConfig, k26_config, tiny_config  # noqa: E402
 from ddtree_jax.drafter import DFlashDrafter, k26_drafter_config, tiny_drafter_config  # noqa: E402
-import ddtree_jax.engine as engine_module  # noqa: E402
 from ddtree_jax.engine import Engine, EngineConfig, RUNNING, _run_rounds  # noqa: E402
-from ddtree_jax.model import XLA_COMPILER_OPTIONS, KimiModel, Runtime, causal_mask  # noqa: E402
+from ddtree_jax.model import KimiModel, Runtime, causal_mask  # noqa: E402
 from ddtree_jax.moe import prepare_for_kernels  # noqa: E402
 from ddtree_jax.rope import rope_cos_sin  # noqa: E402
 from ddtree_jax.hf_loader import ShapeOnlyRngs  # noqa: E402
@@ -153,9 +152,7 @@ def bench_round_split(target, drafter, args, rows):
     tdef, tstate, ddef, dstate = engine.target_def, engine.target_state, engine.drafter_def, engine.drafter_state
     taps, depth = engine.taps, engine.depth
 
-    jit = functools.partial(jax.jit, compiler_options=compiler_options(args))
-
-    @jit
+    @jax.jit
     def draft(tstate, dstate, state):
         t, d = nnx.merge(tdef, tstate), nnx.merge(ddef, dstate)
         dc, _ = d.append_context(state.draft_cache, state.ctx_taps, state.ctx_start[:, None] + jnp.arange(depth + 1),
@@ -164,15 +161,15 @@ def bench_round_split(target, drafter, args, rows):
         hidden = d(dc, t.embed_tokens(block), state.cache.lengths[:, None] + jnp.arange(d.cfg.block_size))
         return jax.nn.log_softmax(t.head(hidden[:, 1:]), -1)
 
-    build = jit(lambda lp, root: build_tree(lp, root, args.budget))
+    build = jax.jit(lambda lp, root: build_tree(lp, root, args.budget))
 
-    @jit
+    @jax.jit
     def verify(tstate, tree, cache):
         t = nnx.merge(tdef, tstate)
         out = t(tree.tokens, tree.positions(cache.lengths), cache, tree.visibility, tap_layers=taps)
         return out.logits, out.block_kv, out.taps
 
-    @jit
+    @jax.jit
     def accept(tree, logits, block_kv, cache, key):
         acc = accept_tokens(tree, sample_target_tokens(logits, 0.0, key))
         cache, _ = commit(cache, block_kv, jnp.maximum(acc.path, 0), acc.num_accepted + 1)
@@ -199,18 +196,6 @@ def bench_round_split(target, drafter, args, rows):
             with open(os.path.join(args.out, f"hlo_{name.replace('+', '_')}.txt"), "w") as f:
                 f.write(fn.lower(*fn_args).compile().as_text())
     return engine, state
-
-
-def compiler_options(args) -> dict:
-    """The library's XLA_COMPILER_OPTIONS, or XLA's defaults with --xla-dot-merger (the A/B)."""
-    return {} if args.xla_dot_merger else XLA_COMPILER_OPTIONS
-
-
-def allow_dot_merger() -> None:
-    """For the A/B: the engine's round loop re-jitted without the library's compiler options."""
-    engine_module._run_rounds = jax.jit(engine_module._run_rounds.__wrapped__, donate_argnames=("state",),
-                                        static_argnames=("target_def", "drafter_def", "ecfg", "runtime", "taps",
-                                                         "depth"))
 
 
 def device_breakdown(fn, args) -> dict:
@@ -407,8 +392,6 @@ def main():
     p.add_argument("--prepare-kernels", action="store_true",
                    help="run every section on the target after prepare_for_kernels (the INT4 kernel's layout), "
                         "as a user on a GPU would; not with section kernel, which compares both paths itself")
-    p.add_argument("--xla-dot-merger", action="store_true",
-                   help="A/B: compile the engine and the round's phases with XLA's DotMerger on (the library turns it off)")
     p.add_argument("--hlo", action="store_true", help="section round_split: write each phase's optimized HLO to --out")
     p.add_argument("--commit", default=None, help="commit hash to record (the device copy has no git)")
     p.add_argument("--out", default=None)
@@ -416,8 +399,6 @@ def main():
     if args.prepare_kernels and "kernel" in args.sections.split(","):
         p.error("--prepare-kernels prepares the target for every section; section kernel compares the XLA and "
                 "kernel paths itself: leave it out of --sections")
-    if args.xla_dot_merger:
-        allow_dot_merger()
     start = time.time()
     deadline = start + args.time_budget_s
     rows = []
