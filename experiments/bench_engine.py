@@ -203,7 +203,7 @@ def device_breakdown(fn, args) -> dict:
     them also holds the dispatch) and its kernels by summed time ([name, launches, µs], longest first)."""
     events = trace_kernel_events(fn, args)
     if not events:
-        return {}
+        return {"device_error": "the profiler trace holds no kernel events"}
     span = max(s + d for _, s, d, _ in events) - events[0][1]
     per_name: dict[str, list[int]] = {}
     for name, _, dur, _ in events:
@@ -396,6 +396,8 @@ def main():
     p.add_argument("--commit", default=None, help="commit hash to record (the device copy has no git)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    if args.hlo and (not args.out or "round_split" not in args.sections.split(",")):
+        p.error("--hlo writes the round split's phases into --out: give --out and section round_split")
     if args.prepare_kernels and "kernel" in args.sections.split(","):
         p.error("--prepare-kernels prepares the target for every section; section kernel compares the XLA and "
                 "kernel paths itself: leave it out of --sections")
