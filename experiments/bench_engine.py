@@ -138,8 +138,8 @@ def bench_engine(target, drafter, args, deadline, rows):
                      "streams": streams, "tokens": res["new_tokens"], "rounds": rounds,
                      "tau": res["tau_mean"], "decode_s": res["decode_s"],
                      "tok_per_s": res["new_tokens"] / res["decode_s"], "ms_per_round": 1e3 * res["decode_s"] / max(rounds, 1),
-                     "compile_s": compile_s})
-        print(rows[-1], flush=True)
+                     "compile_s": compile_s, **rounds_breakdown(engine, prompts)})
+        print({k: v[:8] if k == "kernels" else v for k, v in rows[-1].items()}, flush=True)
 
 
 def bench_round_split(target, drafter, args, rows):
@@ -196,6 +196,20 @@ def bench_round_split(target, drafter, args, rows):
             with open(os.path.join(args.out, f"hlo_{name.replace('+', '_')}.txt"), "w") as f:
                 f.write(fn.lower(*fn_args).compile().as_text())
     return engine, state
+
+
+def rounds_breakdown(engine: Engine, prompts) -> dict:
+    """The device's side of ``engine.run`` from one prefilled state (the programs ``generate`` compiled):
+    per round, span and busy time (ms) and every kernel ([name, launches, µs], summed over the rounds).
+    The state is copied for each call (the rounds donate it); those copies are in the trace, ~µs."""
+    prefilled = engine.prefill(prompts, seed=1)
+    rounds = int(np.asarray(engine.run(jax.tree.map(jnp.copy, prefilled)).rounds).max())
+    found = device_breakdown(lambda st: engine.run(jax.tree.map(jnp.copy, st)), (prefilled,))
+    if "device_error" in found:
+        return found
+    return {"rounds_traced": rounds, "device_ms_per_round": found["device_span_ms"] / max(rounds, 1),
+            "device_busy_ms_per_round": found["device_busy_ms"] / max(rounds, 1),
+            "launches_per_round": found["launches"] / max(rounds, 1), "kernels": found["kernels"]}
 
 
 def device_breakdown(fn, args) -> dict:
