@@ -18,7 +18,6 @@ import jax.numpy as jnp
 from ddtree_jax.config import ModelConfig
 
 CACHE_AXES = ("layers", "batch", "seq", "kv_lora")
-LENGTH_AXES = ("batch",)
 
 
 @jax.tree_util.register_dataclass

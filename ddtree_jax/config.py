@@ -114,10 +114,6 @@ class ModelConfig:
         return self.kv_lora_rank + self.qk_rope_head_dim
 
     @property
-    def num_moe_layers(self) -> int:
-        return self.num_layers - self.first_k_dense_replace
-
-    @property
     def shared_intermediate_size(self) -> int:
         return self.moe_intermediate_size * self.n_shared_experts
 

@@ -113,10 +113,6 @@ class DrafterConfig:
         return len(self.target_layer_ids)
 
     @property
-    def kv_groups(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
-    @property
     def softmax_scale(self) -> float:
         """head_dim^-0.5, as the reference attention (YaRN only scales the cos/sin amplitude)."""
         return self.head_dim ** -0.5

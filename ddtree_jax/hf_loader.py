@@ -24,8 +24,6 @@ from ddtree_jax.quant import QuantArray
 from ddtree_jax.safetensors_io import CheckpointError, checked_array, iter_tensors
 from ddtree_jax.sharding import DEFAULT_RULES, ShardingRules, named_sharding
 
-Path = tuple
-
 
 def _attn_rules(cfg: ModelConfig):
     h, n, r, v = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim

@@ -90,9 +90,6 @@ DEFAULT_RULES = ShardingRules(
     )
 )
 
-REPLICATED_RULES = ShardingRules(rules=())
-
-
 def make_mesh(data: int = 1, model: int | None = None, devices=None) -> Mesh:
     """A ("data", "model") mesh; ``model`` defaults to all devices not used by ``data``."""
     devices = list(jax.devices() if devices is None else devices)
@@ -125,10 +122,3 @@ def shard_state(state: nnx.State, mesh: Mesh | None, rules: ShardingRules | None
     if mesh is None:
         return state
     return jax.device_put(state, param_shardings(state, mesh, rules or DEFAULT_RULES))
-
-
-def constrain(x, mesh: Mesh | None, rules: ShardingRules | None, logical_axes):
-    """with_sharding_constraint by logical axes inside jit (no-op without a mesh)."""
-    if mesh is None:
-        return x
-    return jax.lax.with_sharding_constraint(x, named_sharding(mesh, rules or DEFAULT_RULES, logical_axes))

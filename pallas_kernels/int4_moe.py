@@ -648,9 +648,3 @@ def routed_experts(x, expert_ids, expert_weights, weights: Int4ExpertWeights, *,
         x, expert_ids, expert_weights, weights, offset,
         cuda=lambda *a: int4_moe(*a[:4], expert_offset=a[4], **kw, **tuning),
         default=lambda *a: int4_moe_ref(*a[:4], expert_offset=a[4], **kw))
-
-
-def weight_bytes_read(expert_ids, weights: Int4ExpertWeights) -> tuple[int, int]:
-    """(active experts, bytes of INT4 weights + scales the active experts occupy) for a routing."""
-    active = int(np.unique(np.asarray(expert_ids)).size)
-    return active, active * weights.nbytes_per_expert()

@@ -36,7 +36,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels.mla_attention_mgpu import (PARTIAL, ROWS, SMEM_LIMIT, TREE, WHOLE, WORD, _block_steps,
                                                check_in_place_inputs, profiler_params, store_swapped_output,
                                                stream_key_blocks, swapped_scores, swapped_softmax, zero_rows_from)
-from pallas_kernels.tree_attention import _LN2, _LOG2E
+from pallas_kernels.tree_attention import _LOG2E
 
 try:
     from jax.experimental.pallas import mosaic_gpu as plgpu

@@ -21,7 +21,7 @@ from ddtree_jax.memory_plan import array_bytes
 from ddtree_jax.model import KimiModel, Runtime
 from ddtree_jax.moe import (KERNEL_AXES, TiledInt4, prepare_for_kernels, routed_experts_tiled, routed_experts_xla,
                             unprepare_for_kernels)
-from ddtree_jax.quant import QuantArray, dequantize_int4, quantize_array
+from ddtree_jax.quant import dequantize_int4, quantize_array
 from ddtree_jax.sharding import DEFAULT_RULES, make_mesh, param_shardings
 from pallas_kernels import int4_moe_mgpu as K
 from pallas_kernels import int4_tiles as TL
