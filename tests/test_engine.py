@@ -1,15 +1,19 @@
-"""Engine invariants: DDTree / DFlash greedy output == AR greedy output token for token; streams stop
+"""Engine invariants: AR greedy output == greedy decoding over the plain causal forward (a reference
+outside the engine); DDTree / DFlash greedy output == AR greedy output token for token; streams stop
 cleanly (EOS, token limit, cache capacity); sampling is lossless; sharded == unsharded; bad budgets."""
 
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
+from ddtree_jax.cache import init_cache
 from ddtree_jax.config import QuantConfig, tiny_config
 from ddtree_jax.drafter import DFlashDrafter, tiny_drafter_config
 from ddtree_jax.engine import Engine, EngineConfig
-from ddtree_jax.model import KimiModel
+from ddtree_jax.model import KimiModel, causal_mask
 from ddtree_jax.sharding import DEFAULT_RULES, make_mesh
 from ddtree_jax.model import Runtime
 
@@ -49,6 +53,33 @@ def ar_reference(models):
     return generate_all(target, None, EngineConfig(mode="ar", max_new_tokens=NEW, capacity=64), PROMPTS, 16)
 
 
+@jax.jit(static_argnames=("graphdef",))
+def _causal_logits(graphdef, state, tokens):
+    model = nnx.merge(graphdef, state)
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+    return model(tokens, positions, init_cache(model.cfg, b, t), causal_mask(b, t)).logits
+
+
+def test_ar_equals_greedy_over_the_full_forward(models, ar_reference):
+    """The engine's AR mode against a reference that shares none of its decode path (no cache writes, no
+    rounds, no tree positions): each next token is the argmax of the plain causal forward over the prompt
+    and the tokens so far, all 96 prompts right-padded in one batch (causal, so the padding is never seen)."""
+    target, _ = models
+    graphdef, state = nnx.split(target)
+    seqs = [list(p) for p in PROMPTS]
+    width = max(map(len, seqs)) + NEW
+    for _ in range(NEW):
+        tokens = np.zeros((len(seqs), width), np.int32)
+        for i, seq in enumerate(seqs):
+            tokens[i, :len(seq)] = seq
+        logits = np.asarray(_causal_logits(graphdef, state, jnp.asarray(tokens)))
+        for i, seq in enumerate(seqs):
+            seq.append(int(np.argmax(logits[i, len(seq) - 1])))
+    for i, (seq, got) in enumerate(zip(seqs, ar_reference)):
+        assert got == seq[len(PROMPTS[i]):], f"prompt {i}: engine AR {got} != full-forward greedy"
+
+
 # 272 prompt decodes in all compared token for token with AR (96 distinct prompts).
 @pytest.mark.parametrize("mode,budget,streams,count", [
     ("ddtree", 32, 4, 96), ("dflash", 0, 4, 48),
@@ -68,7 +99,7 @@ def test_trees_accept_something(models):
     target, drafter = models
     engine = Engine(target, drafter, EngineConfig(mode="ddtree", budget=128, max_new_tokens=NEW, capacity=64))
     res = engine.generate(PROMPTS[:8])
-    assert res["tau_mean"] > 1.05, res["tau_mean"]
+    assert res["tau_mean"] > 1.3, res["tau_mean"]  # 1.47 in session 31
 
 
 def test_streams_stop_independently(models):
@@ -118,6 +149,10 @@ def test_sharded_engine_matches(models):
     plain = generate_all(target, drafter, ecfg, prompts, 4)
     sharded = generate_all(target, drafter, ecfg, prompts, 4, runtime=runtime)
     assert plain == sharded
+    engine = Engine(target, drafter, ecfg, runtime=runtime)  # and it was sharded: weights and the cache
+    split = [leaf for leaf in jax.tree.leaves(engine.target_state) if not leaf.sharding.is_fully_replicated]
+    assert len(split) > 10, len(split)
+    assert "data" in engine.prefill(prompts).cache.kv.sharding.spec
 
 
 def chi2_two_sample_pvalue(a, b, categories):
