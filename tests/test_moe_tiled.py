@@ -683,19 +683,19 @@ def test_mma_in_flight_default_and_checks():
     assert K.default_mma_in_flight(1, 8, 64) is None and K.default_mma_in_flight(9, 8, 32) == 2
     assert K.default_mma_in_flight(9, 8, 64) == 1 and K.default_mma_in_flight(9, 8, 128) == 0
     rng = np.random.default_rng(0)
-    w13, w2 = (TiledInt4.from_compressed_tensors(qa.packed, qa.scale)
-               for qa in (random_stack(rng, 4, 512, 256), random_stack(rng, 4, 256, 256)))
-    x = jnp.ones((3, 256), jnp.float32)
-    ids, wts = jnp.zeros((3, 2), jnp.int32), jnp.ones((3, 2), jnp.float32)
+    w13_ct, w2_ct = random_stack(rng, 4, 512, 256), random_stack(rng, 4, 256, 256)
+    w13, w2 = (TiledInt4.from_compressed_tensors(qa.packed, qa.scale) for qa in (w13_ct, w2_ct))
+    x = jnp.asarray(rng.standard_normal((3, 256)), jnp.float32)  # not constant: a permuted feature would show
+    ids = jnp.asarray([[0, 1], [2, 3], [1, 2]], jnp.int32)
+    wts = jnp.asarray(rng.uniform(0.1, 1.0, (3, 2)), jnp.float32)
     for bad in (4, -1, "2"):
         with pytest.raises(ValueError, match="mma_in_flight"):
             routed_experts_tiled(x, ids, wts, w13, w2, mma_in_flight=bad)
     with pytest.raises(ValueError, match="chunk=48"):
         routed_experts_tiled(x, ids, wts, w13, w2, chunk=48)
-    ref = routed_experts_tiled(x, ids, wts, w13, w2, chunk=32)
-    for chunk in (64, 128):
-        np.testing.assert_allclose(np.asarray(routed_experts_tiled(x, ids, wts, w13, w2, chunk=chunk)),
-                                   np.asarray(ref), rtol=1e-6, atol=1e-6)
+    want = routed_experts_xla(x, ids, wts, w13_ct, w2_ct)
+    for chunk in (32, 64, 128):
+        assert rel(routed_experts_tiled(x, ids, wts, w13, w2, chunk=chunk), want) < 1e-5, chunk
 
 
 def test_prepared_model_with_fused_silu_matches_unprepared(tokens):

@@ -198,6 +198,11 @@ def test_target_training_step_decreases_loss(tmp_path):
     assert all(np.all(np.asarray(b.value) == 0) for b in bias)
     params3, loads = tt.make_bias_update(graphdef, 0.1)(params2, rows)
     assert loads.shape == (1, 8) and np.isclose(float(loads.sum()), 1.0)
+    bias3 = [np.asarray(v.value) for k, v in params3.flat_state() if k[-1] == "router_bias"]
+    assert len(bias3) == loads.shape[0]
+    for j, moved in enumerate(bias3):  # from zero: exactly rate * sign(mean load - load), per expert
+        np.testing.assert_array_equal(moved, 0.1 * np.sign(np.asarray(loads[j]).mean() - np.asarray(loads[j])))
+        assert np.any(moved != 0)
     # the training forward equals the inference forward (absorbed attention, XLA experts)
     b, t = 2, 16
 
