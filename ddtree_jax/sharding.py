@@ -90,6 +90,7 @@ DEFAULT_RULES = ShardingRules(
     )
 )
 
+
 def make_mesh(data: int = 1, model: int | None = None, devices=None) -> Mesh:
     """A ("data", "model") mesh; ``model`` defaults to all devices not used by ``data``."""
     devices = list(jax.devices() if devices is None else devices)
