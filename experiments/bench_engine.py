@@ -46,7 +46,7 @@ from ddtree_jax.quant import QuantArray  # noqa: E402
 from ddtree_jax.sharding import DEFAULT_RULES, named_sharding  # noqa: E402
 from ddtree_jax.tree import accept_tokens, build_tree, sample_target_tokens  # noqa: E402
 from experiments.bench_util import (measure_copy_bandwidth, measure_torch_copy_bandwidth, print_table,  # noqa: E402
-                                    time_fn, trace_kernel_events, write_result)
+                                    kernel_totals, launches_by_name, time_fn, trace_kernel_events, write_result)
 
 
 @functools.lru_cache(maxsize=None)
@@ -219,10 +219,7 @@ def device_breakdown(fn, args) -> dict:
     if not events:
         return {"device_error": "the profiler trace holds no kernel events"}
     span = max(s + d for _, s, d, _ in events) - events[0][1]
-    per_name: dict[str, list[int]] = {}
-    for name, _, dur, _ in events:
-        per_name.setdefault(name, []).append(dur)
-    kernels = sorted(([n, len(d), round(sum(d) / 1e3, 2)] for n, d in per_name.items()), key=lambda k: -k[2])
+    kernels = [[n, int(k), round(sec * 1e6, 2)] for n, k, sec in kernel_totals(launches_by_name(events))]
     return {"device_span_ms": span / 1e6, "device_busy_ms": sum(e[2] for e in events) / 1e6,
             "launches": len(events), "kernels": kernels}
 

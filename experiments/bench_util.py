@@ -184,6 +184,19 @@ def op_spans(events, is_op: Callable[[str], bool], calls: int) -> list[float]:
     return [(max(s + d for _, s, d, *_ in g) - g[0][1]) / 1e9 for g in groups]
 
 
+def launches_by_name(events) -> dict[str, list[int]]:
+    """{kernel name: [duration_ns of each launch]} of (name, start_ns, duration_ns, ...) events."""
+    per_name: dict[str, list[int]] = {}
+    for name, _, dur, *_ in events:
+        per_name.setdefault(name, []).append(dur)
+    return per_name
+
+
+def kernel_totals(per_name: dict[str, list[int]], per: int = 1) -> list[list]:
+    """[name, launches / per, seconds / per] for each kernel of ``launches_by_name``, longest first."""
+    return sorted(([n, len(d) / per, sum(d) / per / 1e9] for n, d in per_name.items()), key=lambda k: -k[2])
+
+
 def traced_call_time(fn: Callable, args: tuple, calls: int = 8, chain: Callable = None,
                      gaps: int = 4, op_kernels: Callable[[str], bool] | None = None) -> dict[str, Any]:
     """Device time per call of ``fn(*args)`` from a profiler trace of a chain of ``calls`` dependent calls
@@ -209,9 +222,7 @@ def traced_call_time(fn: Callable, args: tuple, calls: int = 8, chain: Callable 
     spans = {dev: (evs[-1][1] + evs[-1][2] - evs[0][1], sum(e[2] for e in evs)) for dev, evs in per_device.items()}
     slowest = max(spans, key=lambda dev: spans[dev][0])
     span, busy = spans[slowest]
-    per_name: dict[str, list[int]] = {}
-    for name, _, dur, _ in events:
-        per_name.setdefault(name, []).append(dur)
+    per_name = launches_by_name(events)
     n_dev, per = len(per_device), calls * len(per_device)
     op = {}
     if op_kernels is not None:
@@ -221,8 +232,7 @@ def traced_call_time(fn: Callable, args: tuple, calls: int = 8, chain: Callable 
             "idle_s": (span - busy) / calls / 1e9,
             "span_per_device_s": [spans[dev][0] / calls / 1e9 for dev in sorted(spans)],
             "largest_gaps_us": [largest_gaps(per_device[dev], gaps) for dev in sorted(per_device)],
-            "kernels": sorted(([n, len(d) / per, sum(d) / per / 1e9] for n, d in per_name.items()),
-                              key=lambda k: -k[2]),
+            "kernels": kernel_totals(per_name, per),
             "launches_us": {n: [round(x / 1e3, 2) for x in d] for n, d in per_name.items() if len(d) >= calls}}
 
 

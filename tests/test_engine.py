@@ -4,18 +4,17 @@ cleanly (EOS, token limit, cache capacity); sampling is lossless; sharded == uns
 
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from ddtree_jax.cache import init_cache
 from ddtree_jax.config import QuantConfig, tiny_config
 from ddtree_jax.drafter import DFlashDrafter, tiny_drafter_config
 from ddtree_jax.engine import Engine, EngineConfig
-from ddtree_jax.model import KimiModel, causal_mask
+from ddtree_jax.model import KimiModel
 from ddtree_jax.sharding import DEFAULT_RULES, make_mesh
 from ddtree_jax.model import Runtime
+from tests.test_moe_kernel_model import forward as causal_forward  # plain causal forward, empty cache
 
 VOCAB = 64  # small, so that trees of 8..128 nodes cover a real share of the target's choices
 NEW = 10
@@ -53,27 +52,18 @@ def ar_reference(models):
     return generate_all(target, None, EngineConfig(mode="ar", max_new_tokens=NEW, capacity=64), PROMPTS, 16)
 
 
-@jax.jit(static_argnames=("graphdef",))
-def _causal_logits(graphdef, state, tokens):
-    model = nnx.merge(graphdef, state)
-    b, t = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(t), (b, t))
-    return model(tokens, positions, init_cache(model.cfg, b, t), causal_mask(b, t)).logits
-
-
 def test_ar_equals_greedy_over_the_full_forward(models, ar_reference):
     """The engine's AR mode against a reference that shares none of its decode path (no cache writes, no
     rounds, no tree positions): each next token is the argmax of the plain causal forward over the prompt
     and the tokens so far, all 96 prompts right-padded in one batch (causal, so the padding is never seen)."""
     target, _ = models
-    graphdef, state = nnx.split(target)
     seqs = [list(p) for p in PROMPTS]
     width = max(map(len, seqs)) + NEW
     for _ in range(NEW):
         tokens = np.zeros((len(seqs), width), np.int32)
         for i, seq in enumerate(seqs):
             tokens[i, :len(seq)] = seq
-        logits = np.asarray(_causal_logits(graphdef, state, jnp.asarray(tokens)))
+        logits = np.asarray(causal_forward(target, tokens))
         for i, seq in enumerate(seqs):
             seq.append(int(np.argmax(logits[i, len(seq) - 1])))
     for i, (seq, got) in enumerate(zip(seqs, ar_reference)):
