@@ -28,6 +28,7 @@ from ddtree_jax.config import ModelConfig
 from ddtree_jax.layers import SwiGLU, declare
 from ddtree_jax.quant import QuantArray, expert_slice, quantize_array
 from ddtree_jax.sharding import ShardingRules
+from ddtree_jax.topk import top_k
 from pallas_kernels import int4_moe as int4_kernel
 from pallas_kernels import int4_moe_mgpu as tiled_kernel
 from pallas_kernels.int4_moe import Int4ExpertWeights, PlanarInt4, kernel_tiling_error
@@ -41,42 +42,11 @@ KERNEL_AXES = ("experts", None, None)
 KERNEL_LAYOUTS = {"tiles": TiledInt4, "planar": PlanarInt4}
 
 
-TOP_K_METHODS = ("auto", "sort", "compare")
-COMPARE_TOP_K_MAX_ROWS = 16
-
-
-def top_k(values: jax.Array, k: int, method: str = "auto"):
-    """values [M, E] -> (top values [M, K], their indices int32 [M, K]): largest first, ties to the lower
-    index, as ``lax.top_k``. "sort": ``lax.top_k`` (on the H200 an XLA sort, 5.6 us for 384 scores of one
-    token, session 9). "compare": each value's rank is the number of values that beat it, from [M, E, E]
-    comparisons; no sort, so XLA fuses it into a few kernels (147K comparisons for one token of K2.6).
-    "auto": "compare" up to ``COMPARE_TOP_K_MAX_ROWS`` rows, else "sort". On the H200 (session 10, traced,
-    K2.6's whole router: experiments/results/bench_layer_h200_s10.json, ..._s10_router.json) the router
-    took 9.0 us at M = 1 against 11.4 with the sort, 21.4 against 24.3 at M = 9, 30.2 against 30.8 at 33
-    and 39.0 against 37.1 at 65. Not for NaN scores."""
-    if method not in TOP_K_METHODS:
-        raise ValueError(f"top-k method must be one of {TOP_K_METHODS}, got {method!r}")
-    if not 0 < k <= values.shape[-1]:
-        raise ValueError(f"k={k} must be in [1, {values.shape[-1]}] (the values per row)")
-    if method == "auto":
-        method = "compare" if values.shape[0] <= COMPARE_TOP_K_MAX_ROWS else "sort"
-    if method == "sort":
-        top, indices = jax.lax.top_k(values, k)
-        return top, indices.astype(jnp.int32)
-    idx = jnp.arange(values.shape[-1], dtype=jnp.int32)
-    mine, other = values[:, :, None], values[:, None, :]
-    beats = (other > mine) | ((other == mine) & (idx[None, None, :] < idx[None, :, None]))
-    rank = jnp.sum(beats, axis=-1, dtype=jnp.int32)  # [M, E]
-    at_rank = rank[:, None, :] == jnp.arange(k, dtype=jnp.int32)[None, :, None]  # [M, K, E]
-    indices = jnp.sum(jnp.where(at_rank, idx, 0), axis=-1, dtype=jnp.int32)
-    return jnp.take_along_axis(values, indices, axis=1), indices
-
-
 def route(x: jax.Array, router_weight: jax.Array, bias: jax.Array, cfg: ModelConfig, top_k_method: str = "auto"):
     """Exactly the HF DeepseekV3 noaux_tc gate.
 
-    x [M, D]; router_weight [E, D] f32; bias [E] f32 (used for selection only). top_k_method: ``top_k``'s
-    (the same experts either way).
+    x [M, D]; router_weight [E, D] f32; bias [E] f32 (used for selection only). top_k_method: one of
+    ``ddtree_jax.topk.METHODS`` (the same experts either way; "auto" compares up to 16 tokens).
     Returns expert_ids [M, K] int32 and expert_weights [M, K] f32 (normalised, times the scaling factor).
     """
     logits = jnp.einsum("md,ed->me", x.astype(jnp.float32), router_weight.astype(jnp.float32),

@@ -30,7 +30,8 @@ last step is simply "smaller token id"; the own log-prob only matters under a -i
 every child scores -inf.) NaN log-probs are treated as -inf; -inf prefixes are ordinary
 (lowest-scoring) prefixes and fill the budget when fewer finite prefixes exist. Per-depth token
 ranking relies on ``lax.top_k``'s documented contract that equal values come out lower index
-first.
+first, which ``ddtree_jax.topk.top_k`` keeps by every method (on a GPU, ``lax.top_k`` sorts whole rows
+once k > 16: ~100 us for 7 rows of a 163 840 vocabulary; its "chunked" method reads the rows once).
 
 Node order: node 0 is the root; node n >= 1 is the n-th best prefix under the key above (the
 order a best-first heap pops them). Hence parents precede children, ``logprob`` is
@@ -52,6 +53,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from ddtree_jax.topk import top_k
 
 MAX_BUDGET = 4096
 """Largest supported DDTree node budget (T = MAX_BUDGET + 1 nodes; visibility is [B, T, T])."""
@@ -281,14 +284,7 @@ def _candidate_pairs(n_parents: int, n_tokens: int, width: int) -> tuple[np.ndar
     return np.concatenate(pi), np.concatenate(tj)
 
 
-def _sort_by_score(score: jax.Array) -> jax.Array:
-    """Permutation [B, N] sorting ``score`` [B, N] descending, ties by ascending column index."""
-    idx = jnp.broadcast_to(jnp.arange(score.shape[1], dtype=jnp.int32), score.shape)
-    _, perm = lax.sort((-score, idx), dimension=1, num_keys=2)
-    return perm
-
-
-def build_tree(draft_logprobs, root_token, budget: int) -> Tree:
+def build_tree(draft_logprobs, root_token, budget: int, top_k_method: str = "auto") -> Tree:
     """DDTree: the ``budget`` highest-probability draft prefixes as a Tree (see module docstring).
 
     Args:
@@ -296,6 +292,8 @@ def build_tree(draft_logprobs, root_token, budget: int) -> Tree:
                       depths 1..Dp. Values > 0 are clamped to 0 and NaN is treated as -inf.
       root_token:     [B] int32 the bonus token (depth 0).
       budget:         static Python int, 1 <= budget <= MAX_BUDGET and <= sum_d W**d.
+      top_k_method:   every ranking step's ``ddtree_jax.topk.top_k`` method (the same tree either way;
+                      "auto": chunks over the vocabulary, comparisons over the small beams).
     Returns:
       Tree with T = budget + 1 nodes in best-first order (node n = n-th best prefix under the tie
       rule), ``logprob`` = prefix score, ``max_depth`` = min(Dp, budget).
@@ -317,7 +315,8 @@ def build_tree(draft_logprobs, root_token, budget: int) -> Tree:
 
     max_depth = min(dp, budget)  # a depth-d node needs d nodes on its path
     n_tok = min(budget, w)
-    tok_lp, tok_id = lax.top_k(lp[:, :max_depth], n_tok)  # [B, D, n_tok]; ties: lower id first
+    tok_lp, tok_id = (x.reshape(b, max_depth, n_tok) for x in  # [B, D, n_tok]; ties: lower id first
+                      top_k(lp[:, :max_depth].reshape(b * max_depth, w), n_tok, top_k_method))
 
     # Per-depth beams: the top-`budget` prefixes of each depth, in within-depth rank order.
     beam_score = jnp.zeros((b, 1), jnp.float32)  # depth 0: the root alone, rank 0
@@ -330,7 +329,7 @@ def build_tree(draft_logprobs, root_token, budget: int) -> Tree:
         n_keep = min(budget, n_prev * n_tok)
         assert pi.size >= n_keep, (pi.size, n_keep)
         cand = beam_score[:, pi] + tok_lp[:, d - 1, tj]  # [B, C]
-        perm = _sort_by_score(cand)[:, :n_keep]  # ties: smaller parent rank, then token rank
+        _, perm = top_k(cand, n_keep, top_k_method)  # ties: smaller parent rank, then token rank
         beam_score = jnp.take_along_axis(cand, perm, axis=1)
         prank = jnp.asarray(pi)[perm]
         trank = jnp.asarray(tj)[perm]
@@ -348,9 +347,10 @@ def build_tree(draft_logprobs, root_token, budget: int) -> Tree:
     all_token = jnp.concatenate(tokens, axis=1)
     all_parent = jnp.concatenate(parent_entry, axis=1)
     all_depth = jnp.asarray(np.concatenate(depth_of))
-    order = _sort_by_score(all_score)  # [B, E] entry at each global rank
-    node_of_entry = jnp.argsort(order, axis=1).astype(jnp.int32) + 1  # node index if < budget + 1
-    sel = order[:, :budget]  # entries of nodes 1..budget
+    _, sel = top_k(all_score, budget, top_k_method)  # [B, budget]: the entries of nodes 1..budget
+    # A selected entry's parent is selected too (the set is prefix-closed): only their node numbers are read.
+    node_of_entry = jnp.zeros_like(all_parent).at[jnp.arange(b)[:, None], sel].set(
+        jnp.arange(1, budget + 1, dtype=jnp.int32)[None, :])
     par = jnp.take_along_axis(all_parent, sel, axis=1)
     par_node = jnp.where(
         par < 0, 0, jnp.take_along_axis(node_of_entry, jnp.maximum(par, 0), axis=1)

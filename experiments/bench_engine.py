@@ -36,7 +36,7 @@ from flax import nnx  # noqa: E402
 from ddtree_jax.cache import commit, init_cache  # noqa: E402
 from ddtree_jax.config import QuantConfig, k26_config, tiny_config  # noqa: E402
 from ddtree_jax.drafter import DFlashDrafter, k26_drafter_config, tiny_drafter_config  # noqa: E402
-from ddtree_jax.engine import Engine, EngineConfig, RUNNING, _run_rounds  # noqa: E402
+from ddtree_jax.engine import MODES, Engine, EngineConfig, RUNNING, _run_rounds  # noqa: E402
 from ddtree_jax.model import KimiModel, Runtime, causal_mask  # noqa: E402
 from ddtree_jax.moe import prepare_for_kernels  # noqa: E402
 from ddtree_jax.rope import rope_cos_sin  # noqa: E402
@@ -119,9 +119,7 @@ def bytes_of(tree) -> int:
 def bench_engine(target, drafter, args, deadline, rows):
     rng = np.random.default_rng(0)
     vocab = target.cfg.vocab_size
-    runs = [("ar", 1, 1), ("dflash", 1, 1), ("ddtree", args.budget, 1), ("ddtree", args.budget, 4),
-            ("ar", 1, 4)]
-    for mode, budget, streams in runs:
+    for mode, budget, streams in args.runs:
         if time.time() > deadline:
             print(f"skipping {mode} streams={streams}: time budget")
             continue
@@ -140,6 +138,17 @@ def bench_engine(target, drafter, args, deadline, rows):
                      "tok_per_s": res["new_tokens"] / res["decode_s"], "ms_per_round": 1e3 * res["decode_s"] / max(rounds, 1),
                      "compile_s": compile_s, **rounds_breakdown(engine, prompts)})
         print({k: v[:8] if k == "kernels" else v for k, v in rows[-1].items()}, flush=True)
+
+
+def parse_runs(text: str, budget: int) -> list[tuple[str, int, int]]:
+    """'MODE:STREAMS,...' -> [(mode, budget, streams)] (budget 1 but for ddtree); ValueError naming the bad one."""
+    runs = []
+    for item in text.split(","):
+        mode, _, streams = item.partition(":")
+        if mode not in MODES or not streams.isdigit() or int(streams) < 1:
+            raise ValueError(f"--runs item {item!r} must be MODE:STREAMS with MODE one of {MODES}, STREAMS >= 1")
+        runs.append((mode, budget if mode == "ddtree" else 1, int(streams)))
+    return runs
 
 
 def bench_round_split(target, drafter, args, rows):
@@ -399,6 +408,8 @@ def main():
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--time-budget-s", type=float, default=400)
     p.add_argument("--sections", default="layer,round_split,no_host_sync,engine,kernel")
+    p.add_argument("--runs", default="ar:1,dflash:1,ddtree:1,ddtree:4,ar:4",
+                   help="section engine: MODE:STREAMS,... (ddtree at --budget)")
     p.add_argument("--kernel-ms", default="1,9,33,65,264,528", help="tokens per step M of section kernel")
     p.add_argument("--prepare-kernels", action="store_true",
                    help="run every section on the target after prepare_for_kernels (the INT4 kernel's layout), "
@@ -407,6 +418,10 @@ def main():
     p.add_argument("--commit", default=None, help="commit hash to record (the device copy has no git)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    try:
+        args.runs = parse_runs(args.runs, args.budget)
+    except ValueError as e:
+        p.error(str(e))
     if args.hlo and (not args.out or "round_split" not in args.sections.split(",")):
         p.error("--hlo writes the round split's phases into --out: give --out and section round_split")
     if args.prepare_kernels and "kernel" in args.sections.split(","):

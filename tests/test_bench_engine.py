@@ -7,6 +7,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+from experiments.bench_engine import parse_runs
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -28,3 +32,10 @@ def test_round_split_reports_device_breakdown(tmp_path):
         assert times == sorted(times, reverse=True), name
         hlo = tmp_path / f"hlo_{name.replace('+', '_')}.txt"
         assert "HloModule" in hlo.read_text(), name
+
+
+def test_runs_are_parsed_and_bad_ones_refused():
+    assert parse_runs("ar:1,ddtree:4,dflash:2", 32) == [("ar", 1, 1), ("ddtree", 32, 4), ("dflash", 1, 2)]
+    for bad in ("tree:1", "ar", "ar:0", "ar:x", "ddtree:1,"):
+        with pytest.raises(ValueError, match="--runs item"):
+            parse_runs(bad, 32)

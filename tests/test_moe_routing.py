@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from ddtree_jax.config import tiny_config
-from ddtree_jax.moe import route, top_k
+from ddtree_jax.moe import route
+from ddtree_jax.topk import top_k
 from pallas_kernels import moe_routing as R
 from tests.test_int4_moe_kernel import make_routing
 

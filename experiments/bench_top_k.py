@@ -1,0 +1,156 @@
+"""DDTree's ranking steps on the device: ``ddtree_jax.topk.top_k`` by each method at the draft's vocabulary
+and at the build's beams, the log-softmax before them, and ``build_tree`` whole, by the device time per call
+from a profiler trace (a chain of 8 dependent calls, ``bench_util.traced_call_time``; each call's span
+holds the chain's one-element tie, ~1 µs). The floor of a vocabulary point is its bytes read once (M x W
+f32) over PyTorch's copy bandwidth.
+
+    PYTHONPATH=. python experiments/bench_top_k.py --out DIR
+
+Rows M are streams x the draft depth (7 for a block of 8): 7, 28 and 112 for 1, 4 and 16 streams. Every
+method's result is checked against ``lax.top_k`` (values and indices) and every build against the "sort"
+build before it is timed. On a CPU (``--smoke``) the shapes shrink.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from ddtree_jax import topk  # noqa: E402
+from ddtree_jax.tree import build_tree  # noqa: E402
+from experiments import bench_util  # noqa: E402
+
+VOCAB, DEPTH, BUDGET = 163840, 7, 32
+
+
+def chunked_log_softmax(logits: jax.Array, chunk: int) -> jax.Array:
+    """log_softmax over the last axis of [M, W] with its max and sum taken per chunk first, then over
+    chunks: M x W / chunk partial reductions instead of M long ones."""
+    m, w = logits.shape
+    parts = logits.reshape(m, w // chunk, chunk)
+    part_max = jnp.max(parts, axis=-1)
+    row_max = jnp.max(part_max, axis=-1, keepdims=True)
+    part_sum = jnp.sum(jnp.exp(parts - row_max[..., None]), axis=-1)
+    return logits - row_max - jnp.log(jnp.sum(part_sum, axis=-1, keepdims=True))
+
+
+def as_one(out) -> jax.Array:
+    """A function's outputs as one f32 array, for the dependent chain."""
+    leaves = jax.tree.leaves(out)
+    return jnp.concatenate([x.astype(jnp.float32).ravel() for x in leaves])
+
+
+def timed(fn, args) -> dict:
+    t = bench_util.traced_call_time(lambda *a: as_one(fn(*a)), args, calls=8)
+    return {"us": t["span_s"] * 1e6, "launches": sum(k[1] for k in t["kernels"]),
+            "kernels": [[n[:60], k, round(s * 1e6, 2)] for n, k, s in t["kernels"][:6]]}
+
+
+def bench_vocab(rows, m_list, w, k, chunks, bw):
+    rng = np.random.default_rng(0)
+    for m in m_list:
+        values = jnp.asarray(np.asarray(jax.nn.log_softmax(jnp.asarray(rng.standard_normal((m, w)) * 3, jnp.float32))))
+        want = jax.lax.top_k(values, k)
+        variants = [("sort", {})] + [("chunked", {"chunk": c}) for c in chunks]
+        for method, kw in variants:
+            fn = jax.jit(lambda v, method=method, kw=kw: topk.top_k(v, k, method, **kw))
+            got = fn(values)
+            same = bool((np.asarray(got[1]) == np.asarray(want[1])).all() and (np.asarray(got[0]) == np.asarray(want[0])).all())
+            row = {"part": "top_k vocab", "M": m, "N": w, "K": k, "method": method, "chunk": kw.get("chunk"),
+                   "exact": same, **timed(fn, (values,))}
+            if bw:
+                row["floor_us"] = m * w * 4 / bw * 1e6
+            rows.append(row)
+            print(row, flush=True)
+
+
+def bench_beams(rows, shapes):
+    rng = np.random.default_rng(1)
+    for m, n, k in shapes:
+        values = jnp.asarray(rng.standard_normal((m, n)), jnp.float32)
+        for method in ("sort", "compare"):
+            fn = jax.jit(lambda v, method=method: topk.top_k(v, k, method))
+            same = bool((np.asarray(fn(values)[1]) == np.asarray(jax.lax.top_k(values, k)[1])).all())
+            row = {"part": "top_k beam", "M": m, "N": n, "K": k, "method": method, "exact": same, **timed(fn, (values,))}
+            rows.append(row)
+            print(row, flush=True)
+
+
+def bench_log_softmax(rows, m_list, w, chunks, bw):
+    rng = np.random.default_rng(2)
+    for m in m_list:
+        logits = jnp.asarray(rng.standard_normal((m, w)) * 3, jnp.float32)
+        want = jax.nn.log_softmax(logits, axis=-1)
+        variants = [("jax.nn", None)] + [("chunked", c) for c in chunks]
+        for name, c in variants:
+            fn = jax.jit(lambda x, c=c: jax.nn.log_softmax(x, axis=-1) if c is None else chunked_log_softmax(x, c))
+            err = float(jnp.max(jnp.abs(fn(logits) - want)))
+            row = {"part": "log_softmax", "M": m, "N": w, "method": name, "chunk": c, "max_abs_err": err,
+                   **timed(fn, (logits,))}
+            if bw:
+                row["floor_us"] = 2 * m * w * 4 / bw * 1e6  # read the logits, write the log-probs
+            rows.append(row)
+            print(row, flush=True)
+
+
+def bench_build(rows, streams, w, depth, budget):
+    rng = np.random.default_rng(3)
+    for b in streams:
+        logits = jnp.asarray(rng.standard_normal((b, depth, w)) * 3, jnp.float32)
+        roots = jnp.asarray(rng.integers(0, w, b), jnp.int32)
+        trees = {}
+        for method in ("sort", "auto"):
+            fn = jax.jit(lambda x, r, method=method: build_tree(jax.nn.log_softmax(x, -1), r, budget, method))
+            tree = fn(logits, roots)
+            trees[method] = tree
+            same = all(bool((np.asarray(getattr(tree, f)) == np.asarray(getattr(trees["sort"], f))).all())
+                       for f in ("tokens", "parents", "depths", "logprob"))
+            row = {"part": "build_tree from logits", "M": b * depth, "N": w, "K": budget, "method": method,
+                   "exact": same, **timed(fn, (logits, roots))}
+            rows.append(row)
+            print(row, flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--name", default="bench_top_k")
+    ap.add_argument("--parts", default="vocab,beams,log_softmax,build")
+    ap.add_argument("--commit", default=None, help="code commit to record (the device copy has no .git)")
+    ap.add_argument("--smoke", action="store_true", help="CPU: small shapes")
+    args = ap.parse_args()
+    parts = args.parts.split(",")
+    unknown = set(parts) - {"vocab", "beams", "log_softmax", "build"}
+    if unknown:
+        ap.error(f"unknown --parts {sorted(unknown)}")
+    print("jax", jax.__version__, jax.devices()[0].device_kind, flush=True)
+    w = 4096 if args.smoke else VOCAB
+    m_list = [7, 28] if args.smoke else [7, 28, 112]
+    chunks = [64, 128] if args.smoke else [64, 128, 256, 512, 1024]
+    bw = None if args.smoke else bench_util.measure_torch_copy_bandwidth()
+    rows, t0 = [], time.time()
+    if "vocab" in parts:
+        bench_vocab(rows, m_list, w, BUDGET, chunks, bw)
+    if "beams" in parts:
+        bench_beams(rows, [(1, 130, 32), (4, 130, 32), (16, 130, 32), (1, 224, 32), (4, 224, 32), (16, 224, 32)])
+    if "log_softmax" in parts:
+        bench_log_softmax(rows, m_list, w, chunks, bw)
+    if "build" in parts:
+        bench_build(rows, [1, 4] if args.smoke else [1, 4, 16], w, DEPTH, BUDGET)
+    payload = {"copy_bw_Bps": bw, "code_commit": args.commit, "hardware": bench_util.hardware(),
+               "jax": jax.__version__, "seconds": round(time.time() - t0, 1), "rows": rows}
+    bench_util.write_result(args.name, payload, out_dir=args.out)
+    bench_util.print_table(rows, ["part", "M", "N", "K", "method", "chunk", "exact", "us", "floor_us", "launches"])
+
+
+if __name__ == "__main__":
+    main()

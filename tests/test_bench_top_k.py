@@ -1,0 +1,35 @@
+"""The top-k benchmark on the CPU: a smoke run checks every method and build against ``lax.top_k`` and the
+"sort" build, and the chunked log-softmax against ``jax.nn.log_softmax``, and writes its JSON."""
+
+import json
+import math
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from experiments import bench_top_k as bench
+
+
+def test_chunked_log_softmax_is_log_softmax():
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((3, 512)) * 4, jnp.float32)
+    np.testing.assert_allclose(np.asarray(bench.chunked_log_softmax(x, 64)), np.asarray(jax.nn.log_softmax(x, -1)),
+                               atol=2e-6)
+
+
+def test_smoke_run_checks_each_part(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["bench_top_k.py", "--smoke", "--out", str(tmp_path), "--name", "smoke"])
+    bench.main()
+    rows = json.loads((tmp_path / "smoke.json").read_text())["rows"]
+    assert {r["part"] for r in rows} == {"top_k vocab", "top_k beam", "log_softmax", "build_tree from logits"}
+    for r in rows:
+        assert r.get("exact", True) is True and r.get("max_abs_err", 0) < 1e-5
+        assert math.isfinite(r["us"]) and r["us"] > 0
+
+
+def test_unknown_part_is_refused(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["bench_top_k.py", "--smoke", "--parts", "vocab,heap"])
+    with pytest.raises(SystemExit):
+        bench.main()
