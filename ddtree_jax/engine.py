@@ -202,7 +202,7 @@ class Engine:
         return _prefill(self.target_def, self.target_state, self.drafter_def, self.drafter_state, cache, draft_cache,
                         jnp.asarray(tokens), jnp.asarray(lengths), jnp.float32(temperature), jax.random.key(seed),
                         max_new_tokens=ecfg.max_new_tokens, eos_ids=ecfg.eos_ids, runtime=self.runtime,
-                        taps=self.taps, depth=self.depth)
+                        taps=self.taps, depth=self.depth, greedy=temperature == 0)
 
     def run(self, state: DecodeState, temperature: float = 0.0) -> DecodeState:
         """Dispatches rounds (``rounds_per_dispatch`` per call) until every stream has stopped."""
@@ -210,7 +210,7 @@ class Engine:
         while True:
             state = _run_rounds(self.target_def, self.target_state, self.drafter_def, self.drafter_state, state,
                                 jnp.float32(temperature), ecfg=self.ecfg, runtime=self.runtime, taps=self.taps,
-                                depth=self.depth)
+                                depth=self.depth, greedy=temperature == 0)
             if not bool((state.status == RUNNING).any()):
                 return state
 
@@ -251,14 +251,21 @@ def _sample(logits, temperature, key):
     return sample_target_tokens(logits[:, None, :], temperature, key)[:, 0]
 
 
+def _static_if_greedy(temperature, greedy: bool):
+    """The temperature a jitted step samples with: the Python 0.0 when ``greedy`` (a static flag: the argmax
+    alone is compiled, no random draws), else the traced value (one program for every temperature)."""
+    return 0.0 if greedy else temperature
+
+
 @functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "max_new_tokens", "eos_ids", "runtime",
-                                             "taps", "depth"),
+                                             "taps", "depth", "greedy"),
                    donate_argnames=("cache", "draft_cache"))
 def _prefill(target_def, target_state, drafter_def, drafter_state, cache, draft_cache, tokens, lengths, temperature,
              key, *, max_new_tokens: int, eos_ids: tuple[int, ...], runtime: Runtime, taps: tuple[int, ...],
-             depth: int) -> DecodeState:
+             depth: int, greedy: bool) -> DecodeState:
     # Keyed on the few EngineConfig fields it reads (not mode / budget), so engines that differ only
     # in those share one compiled prefill.
+    temperature = _static_if_greedy(temperature, greedy)
     target = nnx.merge(target_def, target_state)
     cfg = target.cfg
     b, p = tokens.shape
@@ -340,10 +347,11 @@ def _round(target, drafter, state: DecodeState, temperature, ecfg: EngineConfig,
     )
 
 
-@functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "ecfg", "runtime", "taps", "depth"),
+@functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "ecfg", "runtime", "taps", "depth", "greedy"),
                    donate_argnames=("state",))
 def _run_rounds(target_def, target_state, drafter_def, drafter_state, state: DecodeState, temperature, *,
-                ecfg: EngineConfig, runtime: Runtime, taps: tuple[int, ...], depth: int) -> DecodeState:
+                ecfg: EngineConfig, runtime: Runtime, taps: tuple[int, ...], depth: int, greedy: bool) -> DecodeState:
+    temperature = _static_if_greedy(temperature, greedy)
     target = nnx.merge(target_def, target_state)
     drafter = nnx.merge(drafter_def, drafter_state) if drafter_def is not None else None
 
@@ -364,14 +372,16 @@ def inspect_round(engine: Engine, prompts: Sequence[Sequence[int]], temperature:
     state = engine.prefill(prompts, temperature, seed)  # checks the temperature
     tree, acc = _inspect(engine.target_def, engine.target_state, engine.drafter_def, engine.drafter_state, state,
                          jnp.float32(temperature), ecfg=engine.ecfg, runtime=engine.runtime, taps=engine.taps,
-                         depth=engine.depth)
+                         depth=engine.depth, greedy=temperature == 0)
     tree = {"tokens": np.asarray(tree.tokens[0]), "parents": np.asarray(tree.parents[0]),
             "depths": np.asarray(tree.depths[0])}
     return tree, {"path": np.asarray(acc.path[0]), "num_accepted": int(acc.num_accepted[0])}
 
 
-@functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "ecfg", "runtime", "taps", "depth"))
-def _inspect(target_def, target_state, drafter_def, drafter_state, state, temperature, *, ecfg, runtime, taps, depth):
+@functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "ecfg", "runtime", "taps", "depth", "greedy"))
+def _inspect(target_def, target_state, drafter_def, drafter_state, state, temperature, *, ecfg, runtime, taps, depth,
+             greedy):
+    temperature = _static_if_greedy(temperature, greedy)
     target = nnx.merge(target_def, target_state)
     drafter = nnx.merge(drafter_def, drafter_state) if drafter_def is not None else None
     start = state.cache.lengths

@@ -422,10 +422,16 @@ def sample_target_tokens(target_logits, temperature, key) -> jax.Array:
     """One independent target token per node: [B, T, W] logits -> [B, T] int32.
 
     ``temperature``: scalar or [B] (per stream), may be traced. Where it is > 0 the token is a
-    sample from softmax(logits / temperature); where it is <= 0 it is the argmax (greedy).
-    ``key``: a jax PRNG key; the B*T draws are independent.
+    sample from softmax(logits / temperature); where it is <= 0 it is the argmax (greedy). A Python
+    number computes only the path it takes; a traced one computes both, and the sample's B*T*W random
+    draws cost far more than the argmax.
+    ``key``: a jax PRNG key; the B*T draws are independent (the same draws either way).
     """
     logits = jnp.asarray(target_logits).astype(jnp.float32)
+    if isinstance(temperature, (int, float)) and not isinstance(temperature, bool):
+        if temperature <= 0:
+            return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return jax.random.categorical(key, logits / jnp.float32(temperature), axis=-1).astype(jnp.int32)
     b = logits.shape[0]
     temp = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (b,))
     hot = temp > 0

@@ -246,7 +246,7 @@ def bench_no_host_sync(engine, args, rows):
     temperature = jnp.float32(0.0)  # made before the guard: the dispatch itself must move nothing
     run = lambda st: _run_rounds(engine16.target_def, engine16.target_state, engine16.drafter_def,  # noqa: E731
                                  engine16.drafter_state, st, temperature, ecfg=ecfg, runtime=engine16.runtime,
-                                 taps=engine16.taps, depth=engine16.depth)
+                                 taps=engine16.taps, depth=engine16.depth, greedy=True)
     state = run(state)  # compile
     jax.block_until_ready(state.bonus)
     with jax.transfer_guard("disallow"):

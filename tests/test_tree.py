@@ -413,6 +413,20 @@ def test_accept_sample_cold_equals_greedy():
     np.testing.assert_array_equal(s.target_tokens[0], g.target_tokens[0])
 
 
+
+def test_static_temperature_takes_one_path_with_the_same_tokens():
+    """A Python temperature compiles only its own path (no random bits when greedy) and gives the tokens the
+    traced temperature gives with the same key."""
+    logits = jnp.asarray(np.random.default_rng(4).normal(size=(2, 5, 50)) * 2, jnp.float32)
+    key = jax.random.key(3)
+    for temp in (0.0, 0.7):
+        static = jax.jit(lambda x, k, t=temp: tr.sample_target_tokens(x, t, k))
+        traced = jax.jit(tr.sample_target_tokens)
+        np.testing.assert_array_equal(np.asarray(static(logits, key)), np.asarray(traced(logits, jnp.float32(temp), key)))
+        jaxpr = str(jax.make_jaxpr(lambda x, k, t=temp: tr.sample_target_tokens(x, t, k))(logits, key))
+        assert ("random_bits" in jaxpr) == (temp > 0), temp
+        assert jaxpr.count("argmax[") == 1, temp  # the traced temperature's program has two (greedy and sample)
+
 # --------------------------------------------------------------------------------------------------
 # Lossless: chi-square of the emitted continuation vs direct target sampling
 # --------------------------------------------------------------------------------------------------
