@@ -80,6 +80,11 @@ def parts(cfg, layer, m: int, prefix: int, rt: Runtime = Runtime()):
         weights = route(flat(x), lay.mlp.router.get_value(), lay.mlp.router_bias.get_value(), cfg, top_k_method)[1]
         return x + (1e-6 * weights.sum()).astype(x.dtype)
 
+    def router_logits(lay, x, weight, **dot):  # the router's dot alone (``route``'s first line), by variant
+        logits = jnp.einsum("md,ed->me", flat(x).astype(weight.dtype), weight, preferred_element_type=jnp.float32,
+                            **dot)
+        return x + (1e-6 * logits.sum()).astype(x.dtype)
+
     def routed(mod, x, aux):  # ids tied to x: each step sorts them (fixed ids would be sorted once per chain)
         y = routed_experts(flat(x), tie_to(aux[0], x), aux[1], mod.w13.get_value(), mod.w2.get_value(),
                            mesh=rt.mesh, rules=rt.rules)
@@ -93,6 +98,13 @@ def parts(cfg, layer, m: int, prefix: int, rt: Runtime = Runtime()):
         "router": (lambda lay, x, aux: router(lay, x, "auto"), None),  # the model's default top-k
         "router_sort": (lambda lay, x, aux: router(lay, x, "sort"), None),  # the two top-k methods (A/B)
         "router_compare": (lambda lay, x, aux: router(lay, x, "compare"), None),
+        # the router's f32 dot as the model runs it, a bf16 weight with f32 accumulation (exactly the same products
+        # for a bf16 checkpoint and bf16 activations), and XLA's 9-pass bf16 algorithm for f32 (GPU only)
+        "router_logits": (lambda lay, x, aux: router_logits(lay, x, aux, precision=jax.lax.Precision.HIGHEST),
+                          moe.router.get_value().astype(jnp.float32)),
+        "router_logits_bf16": (lambda lay, x, aux: router_logits(lay, x, aux), moe.router.get_value().astype(jnp.bfloat16)),
+        "router_logits_x9": (lambda lay, x, aux: router_logits(
+            lay, x, aux, precision=jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X9), moe.router.get_value().astype(jnp.float32)),
         "routed_experts": (lambda lay, x, aux: routed(lay.mlp, x, aux), (ids, weights)),
         "shared_expert": (lambda lay, x, aux: x + lay.mlp.shared(x).astype(x.dtype), None),
         "elementwise": (lambda lay, x, aux: x + 1e-6 * x, None),
@@ -140,12 +152,12 @@ def main(argv=None):
     p.add_argument("--calls", type=int, default=8, help="unrolled steps of the traced chain")
     p.add_argument("--no-loop", action="store_true", help="on a GPU, skip the fori_loop timing (us_loop): half the run")
     p.add_argument("--parts", default="", help="comma list of the parts to time (layer, attention, moe, router, "
-                   "router_sort, router_compare, routed_experts, shared_expert, elementwise, and dispatched: the "
-                   "layer as one dispatched call); default all")
+                   "router_sort, router_compare, router_logits, router_logits_bf16, router_logits_x9, routed_experts, "
+                   "shared_expert, elementwise, and dispatched: the layer as one dispatched call); default all")
     args = p.parse_args(argv)
     wanted = {v for v in args.parts.split(",") if v}
-    known = {"layer", "attention", "moe", "router", "router_sort", "router_compare", "routed_experts", "shared_expert",
-             "elementwise", "dispatched"}
+    known = {"layer", "attention", "moe", "router", "router_sort", "router_compare", "router_logits",
+             "router_logits_bf16", "router_logits_x9", "routed_experts", "shared_expert", "elementwise", "dispatched"}
     if wanted - known:
         p.error(f"unknown parts {sorted(wanted - known)}; known: {sorted(known)}")
     traced = jax.default_backend() == "gpu"  # a CPU trace holds host thunks, not a device timeline
@@ -166,6 +178,7 @@ def main(argv=None):
     moe_bytes = bytes_of(nnx.state(layer.mlp))
     rest_bytes = bytes_of(state) - moe_bytes
     shared_bytes = bytes_of(nnx.state(layer.mlp.shared))
+    router_bytes = layer.mlp.router.get_value().size * 4  # f32; replicated, so not split over a mesh
     rows = []
 
     def save(rows):
@@ -188,7 +201,8 @@ def main(argv=None):
         floors = {"layer": (rest_bytes + shared_bytes + routed_bytes) / n + kv_bytes,
                   "attention": bytes_of(nnx.state(layer.attn)) / n + kv_bytes,
                   "moe": (shared_bytes + routed_bytes) / n, "routed_experts": routed_bytes / n,
-                  "shared_expert": shared_bytes / n}
+                  "shared_expert": shared_bytes / n, "router_logits": router_bytes, "router_logits_x9": router_bytes,
+                  "router_logits_bf16": router_bytes / 2}
         for name, (step, aux) in parts(cfg, layer, m, args.prefix, rt).items():
             if wanted and name not in wanted:
                 continue
