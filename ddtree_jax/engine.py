@@ -369,7 +369,8 @@ def _run_rounds(target_def, target_state, drafter_def, drafter_state, state: Dec
 
 def inspect_round(engine: Engine, prompts: Sequence[Sequence[int]], temperature: float = 0.0, seed: int = 0):
     """Prefill, then one round whose tree and acceptance are returned (numpy) for display."""
-    state = engine.prefill(prompts, temperature, seed)  # checks the temperature
+    temperature = check_temperature(temperature)
+    state = engine.prefill(prompts, temperature, seed)
     tree, acc = _inspect(engine.target_def, engine.target_state, engine.drafter_def, engine.drafter_state, state,
                          jnp.float32(temperature), ecfg=engine.ecfg, runtime=engine.runtime, taps=engine.taps,
                          depth=engine.depth, greedy=temperature == 0)
