@@ -82,7 +82,7 @@ def top_k(values: jax.Array, k: int, method: str = "auto", chunk: int = CHUNK):
 def _chunked_top_k(values: jax.Array, k: int, chunk: int):
     m, n = values.shape
     c = -(-n // chunk)
-    low = jnp.array(-jnp.inf, values.dtype) if jnp.issubdtype(values.dtype, jnp.floating) else jnp.iinfo(values.dtype).min
+    low = -jnp.inf if jnp.issubdtype(values.dtype, jnp.floating) else jnp.iinfo(values.dtype).min
     # Padding sits past every real index, so it only fills in after equal real values (-inf rows).
     padded = jnp.pad(values, ((0, 0), (0, c * chunk - n)), constant_values=low).reshape(m, c, chunk)
     kc = min(k, c)

@@ -43,6 +43,11 @@ def chunked_log_softmax(logits: jax.Array, chunk: int) -> jax.Array:
     return logits - row_max - jnp.log(jnp.sum(part_sum, axis=-1, keepdims=True))
 
 
+def all_equal(got, want) -> bool:
+    """Every array of ``got`` equal to the matching one of ``want`` (pytrees of the same structure)."""
+    return all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+
+
 def as_one(out) -> jax.Array:
     """A function's outputs as one f32 array, for the dependent chain."""
     leaves = jax.tree.leaves(out)
@@ -64,7 +69,7 @@ def bench_vocab(rows, m_list, w, k, chunks, bw):
         for method, kw in variants:
             fn = jax.jit(lambda v, method=method, kw=kw: topk.top_k(v, k, method, **kw))
             got = fn(values)
-            same = bool((np.asarray(got[1]) == np.asarray(want[1])).all() and (np.asarray(got[0]) == np.asarray(want[0])).all())
+            same = all_equal(got, want)
             row = {"part": "top_k vocab", "M": m, "N": w, "K": k, "method": method, "chunk": kw.get("chunk"),
                    "exact": same, **timed(fn, (values,))}
             if bw:
@@ -79,7 +84,7 @@ def bench_beams(rows, shapes):
         values = jnp.asarray(rng.standard_normal((m, n)), jnp.float32)
         for method in ("sort", "compare"):
             fn = jax.jit(lambda v, method=method: topk.top_k(v, k, method))
-            same = bool((np.asarray(fn(values)[1]) == np.asarray(jax.lax.top_k(values, k)[1])).all())
+            same = all_equal(fn(values), jax.lax.top_k(values, k))
             row = {"part": "top_k beam", "M": m, "N": n, "K": k, "method": method, "exact": same, **timed(fn, (values,))}
             rows.append(row)
             print(row, flush=True)
@@ -112,8 +117,8 @@ def bench_build(rows, streams, w, depth, budget):
             fn = jax.jit(lambda x, r, method=method: build_tree(jax.nn.log_softmax(x, -1), r, budget, method))
             tree = fn(logits, roots)
             trees[method] = tree
-            same = all(bool((np.asarray(getattr(tree, f)) == np.asarray(getattr(trees["sort"], f))).all())
-                       for f in ("tokens", "parents", "depths", "logprob"))
+            fields = ("tokens", "parents", "depths", "logprob")
+            same = all_equal([getattr(tree, f) for f in fields], [getattr(trees["sort"], f) for f in fields])
             row = {"part": "build_tree from logits", "M": b * depth, "N": w, "K": budget, "method": method,
                    "exact": same, **timed(fn, (logits, roots))}
             rows.append(row)
