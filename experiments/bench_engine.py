@@ -427,6 +427,8 @@ def main():
     if args.prepare_kernels and "kernel" in args.sections.split(","):
         p.error("--prepare-kernels prepares the target for every section; section kernel compares the XLA and "
                 "kernel paths itself: leave it out of --sections")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
     start = time.time()
     deadline = start + args.time_budget_s
     rows = []
