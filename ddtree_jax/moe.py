@@ -45,12 +45,20 @@ KERNEL_LAYOUTS = {"tiles": TiledInt4, "planar": PlanarInt4}
 def route(x: jax.Array, router_weight: jax.Array, bias: jax.Array, cfg: ModelConfig, top_k_method: str = "auto"):
     """Exactly the HF DeepseekV3 noaux_tc gate.
 
-    x [M, D]; router_weight [E, D] f32; bias [E] f32 (used for selection only). top_k_method: one of
-    ``ddtree_jax.topk.METHODS`` (the same experts either way; "auto" compares up to 16 tokens).
+    x [M, D]; router_weight [E, D] (the model dtype); bias [E] f32 (used for selection only). top_k_method:
+    one of ``ddtree_jax.topk.METHODS`` (the same experts either way; "auto" compares up to 16 tokens).
     Returns expert_ids [M, K] int32 and expert_weights [M, K] f32 (normalised, times the scaling factor).
+
+    The reference takes the logits in f32 from upcast operands. With x and the weight both bf16 or both
+    f16, every product is exact in f32 (8 or 11 significant bits each, 24 in f32), so a 16-bit dot that
+    accumulates in f32 sums the same products, in another order; on the GPU it runs on the tensor cores
+    (9.6 against 22.3 µs at K2.6's router and 33 tokens on the H200, where the f32 dot is an FFMA GEMM).
     """
-    logits = jnp.einsum("md,ed->me", x.astype(jnp.float32), router_weight.astype(jnp.float32),
-                        precision=jax.lax.Precision.HIGHEST)
+    if x.dtype == router_weight.dtype and x.dtype in (jnp.bfloat16, jnp.float16):
+        logits = jnp.einsum("md,ed->me", x, router_weight, preferred_element_type=jnp.float32)
+    else:
+        logits = jnp.einsum("md,ed->me", x.astype(jnp.float32), router_weight.astype(jnp.float32),
+                            precision=jax.lax.Precision.HIGHEST)
     scores = jax.nn.sigmoid(logits)
     choice = scores + bias.astype(jnp.float32)
     if cfg.n_group > 1:
@@ -158,7 +166,7 @@ class MoE(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         dtype = jnp.dtype(cfg.dtype)
         e, d, f = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        self.router = declare(rngs, (e, d), ("router", "embed"), jnp.float32)
+        self.router = declare(rngs, (e, d), ("router", "embed"), dtype)  # as HF in this dtype
         self.router_bias = declare(None, (e,), ("router",), jnp.float32, init="zeros")
         self.w13 = declare(rngs, (e, 2 * f, d), W13_AXES, dtype)
         self.w2 = declare(rngs, (e, d, f), W2_AXES, dtype)

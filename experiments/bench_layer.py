@@ -98,7 +98,8 @@ def parts(cfg, layer, m: int, prefix: int, rt: Runtime = Runtime()):
         "router": (lambda lay, x, aux: router(lay, x, "auto"), None),  # the model's default top-k
         "router_sort": (lambda lay, x, aux: router(lay, x, "sort"), None),  # the two top-k methods (A/B)
         "router_compare": (lambda lay, x, aux: router(lay, x, "compare"), None),
-        # the router's f32 dot as the model runs it, a bf16 weight with f32 accumulation (exactly the same products
+        # the router's dot in f32 (HIGHEST: how an f32 model runs it, and a bf16 one did before session 33), with
+        # bf16 operands and f32 accumulation (how a bf16 model runs it now: exactly the same products
         # for a bf16 checkpoint and bf16 activations), and XLA's 9-pass bf16 algorithm for f32 (GPU only)
         "router_logits": (lambda lay, x, aux: router_logits(lay, x, aux, precision=jax.lax.Precision.HIGHEST),
                           moe.router.get_value().astype(jnp.float32)),
@@ -178,7 +179,7 @@ def main(argv=None):
     moe_bytes = bytes_of(nnx.state(layer.mlp))
     rest_bytes = bytes_of(state) - moe_bytes
     shared_bytes = bytes_of(nnx.state(layer.mlp.shared))
-    router_bytes = layer.mlp.router.get_value().size * 4  # f32; replicated, so not split over a mesh
+    router_bytes = layer.mlp.router.get_value().size * 4  # as f32; replicated, so not split over a mesh
     rows = []
 
     def save(rows):
@@ -221,7 +222,7 @@ def main(argv=None):
             t = trace["span_s"] if trace else t_loop
             row = {"M": m, "part": name, "us": 1e6 * t, "us_loop": t_loop and 1e6 * t_loop}
             if trace:  # where the part's device time goes: its slowest kernels, µs per call (per device)
-                row["kernels"] = [[k, launches, round(1e6 * sec, 2)] for k, launches, sec in trace["kernels"][:12]]
+                row["kernels"] = [[k, launches, round(1e6 * sec, 2)] for k, launches, sec in trace["kernels"][:40]]
                 row.update(busy_us=1e6 * trace["busy_s"], idle_us=1e6 * trace["idle_s"],
                            span_per_device_us=[round(1e6 * v, 2) for v in trace["span_per_device_s"]],
                            largest_gaps_us=trace["largest_gaps_us"])

@@ -194,3 +194,23 @@ def test_route_per_pair_gives_each_pair_its_own_tile(m, k, e, n, offset):
             assert pair_row[mm, kk] == (q * n if local else p)
             tile_rows = row_token[q * n:(q + 1) * n]
             assert tile_rows[0] == mm and np.all(tile_rows[1:] == m)  # the pair, then padding
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_router_with_16_bit_operands_sums_the_exact_products(dtype):
+    """A 16-bit model's router runs a 16-bit dot with f32 accumulation (tensor cores on a GPU). Each product
+    of two 16-bit floats is exact in f32, so it picks the experts of the reference's f32 dot over the upcast
+    operands, with the same weights up to the order of the f32 sums."""
+    cfg = tiny_config(n_routed_experts=384, num_experts_per_tok=8, n_group=1, topk_group=1)
+    rng = np.random.default_rng(33)
+    x = jnp.asarray(rng.standard_normal((33, 2048)), dtype)
+    w = jnp.asarray(rng.standard_normal((384, 2048)) * 0.02, dtype)
+    bias = jnp.asarray(rng.standard_normal(384) * 0.01, jnp.float32)
+    ids, weights = jax.jit(lambda x, w: route(x, w, bias, cfg))(x, w)
+    want_ids, want_weights = jax.jit(lambda x, w: route(x, w, bias, cfg))(x.astype(jnp.float32), w.astype(jnp.float32))
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
+    np.testing.assert_allclose(np.asarray(weights), np.asarray(want_weights), rtol=1e-5)
+    dots = [e for e in jax.make_jaxpr(lambda x, w: route(x, w, bias, cfg))(x, w).eqns
+            if e.primitive.name == "dot_general"]
+    assert [tuple(v.aval.dtype for v in e.invars) for e in dots] == [(jnp.dtype(dtype), jnp.dtype(dtype))]
+    assert dots[0].outvars[0].aval.dtype == jnp.float32
