@@ -37,7 +37,7 @@ from flax import nnx
 from jax.sharding import Mesh, SingleDeviceSharding
 
 from ddtree_jax.config import ModelConfig, QuantConfig, RopeConfig
-from ddtree_jax.hf_loader import abstract_model, flat_params, iter_hf_params
+from ddtree_jax.hf_loader import abstract_model, flat_params, hf_model_config, iter_hf_params
 from ddtree_jax.model import KimiModel
 from ddtree_jax.quant import QuantArray
 from ddtree_jax.safetensors_io import CheckpointError
@@ -322,7 +322,7 @@ def convert_hf_checkpoint(hf_dir: str, out_dir: str, *, dtype: str = "bfloat16",
     ``progress(tensor_name)`` is called per tensor. Returns stats: parameter bytes written, the
     largest number of bytes buffered at once, and the number of parts.
     """
-    cfg = ModelConfig.from_hf_dir(hf_dir, dtype=dtype)
+    cfg = hf_model_config(hf_dir, dtype=dtype)
     _, abstract = abstract_model(cfg)
     flat_abstract = flat_params(abstract)
     expected: dict[str, set[tuple]] = {}

@@ -83,6 +83,11 @@ class ModelConfig:
     # Multi-token-prediction layers stored after the num_layers decoder layers (HF checkpoints); not used.
     num_nextn_predict_layers: int = 0
     dtype: str = "bfloat16"  # activation / non-expert weight dtype
+    # The router weight's dtype (HF: mlp.gate.weight). transformers keeps it in f32 whatever the model dtype;
+    # a checkpoint that stores it in bf16 (K2.6) loses nothing in bf16, and with bf16 activations the router's
+    # dot then sums the reference's exact products on the tensor cores (``moe.route``). The HF loader takes
+    # it from the checkpoint (``hf_loader.hf_model_config``).
+    router_dtype: str = "float32"
 
     def __post_init__(self):
         problems = []
@@ -98,8 +103,9 @@ class ModelConfig:
             problems.append(f"num_nextn_predict_layers={self.num_nextn_predict_layers} must be >= 0")
         if not 0 <= self.first_k_dense_replace <= self.num_layers:
             problems.append("first_k_dense_replace outside [0, num_layers]")
-        if self.dtype not in ("bfloat16", "float32", "float16"):
-            problems.append(f"dtype {self.dtype!r} not in bfloat16/float32/float16")
+        for name in ("dtype", "router_dtype"):
+            if getattr(self, name) not in ("bfloat16", "float32", "float16"):
+                problems.append(f"{name} {getattr(self, name)!r} not in bfloat16/float32/float16")
         if problems:
             raise ConfigError("invalid ModelConfig: " + "; ".join(problems))
 
@@ -246,7 +252,8 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 
 
 def k26_config(dtype: str = "bfloat16", quantized: bool = True) -> ModelConfig:
-    """Full Kimi K2.6 text-model dimensions (values as in its config.json)."""
+    """Full Kimi K2.6 text-model dimensions (values as in its config.json; the router in bf16, as its
+    checkpoint stores ``mlp.gate.weight``)."""
     return ModelConfig(
         vocab_size=163840,
         hidden_size=7168,
@@ -277,6 +284,7 @@ def k26_config(dtype: str = "bfloat16", quantized: bool = True) -> ModelConfig:
         quant=QuantConfig() if quantized else None,
         weight_prefix="language_model.",
         dtype=dtype,
+        router_dtype="bfloat16",
     )
 
 

@@ -198,7 +198,13 @@ def iter_hf_params(path: str, cfg: ModelConfig, flat_abstract: dict[tuple, nnx.V
         if key in done:
             raise CheckpointError(f"{tensor_name}: duplicate tensor (maps to {key} again)")
         done.add(key)
-        return key, jax.tree.map(lambda leaf, ab: checked_array(tensor_name, leaf, ab), value, target)
+        checked = jax.tree.map(lambda leaf, ab: checked_array(tensor_name, leaf, ab), value, target)
+        if key[-1] == "router" and checked.dtype != np.float32 and not np.array_equal(
+                checked.astype(value.dtype), value):
+            raise CheckpointError(f"{tensor_name}: stored as {value.dtype}, not exactly representable in the "
+                                  f"config's router_dtype={cfg.router_dtype} (routing would change); use "
+                                  f"router_dtype='float32' (hf_model_config reads it from the checkpoint)")
+        return key, checked
 
     checked_files: set[str] = set()
     for name, file in iter_tensors(path):
@@ -275,6 +281,15 @@ def iter_hf_params(path: str, cfg: ModelConfig, flat_abstract: dict[tuple, nnx.V
         raise CheckpointError(f"checkpoint is missing {len(missing)} parameters, e.g. {names}")
 
 
+def hf_model_config(path: str, *, dtype: str = "bfloat16") -> ModelConfig:
+    """``ModelConfig.from_hf_dir`` with ``router_dtype`` from the checkpoint: bf16 (f16) where every layer's
+    ``mlp.gate.weight`` is stored in bf16 (f16), as K2.6's is; f32 otherwise, as transformers keeps it."""
+    cfg = ModelConfig.from_hf_dir(path, dtype=dtype)
+    stored = {file.dtype(name) for name, file in iter_tensors(path) if name.endswith("mlp.gate.weight")}
+    router_dtype = {"BF16": "bfloat16", "F16": "float16"}.get(stored.pop()) if len(stored) == 1 else None
+    return cfg.replace(router_dtype=router_dtype or "float32")
+
+
 def load_hf_model(path: str, *, dtype: str = "bfloat16", mesh: Mesh | None = None,
                   rules: ShardingRules | None = None, progress: Callable[[str], None] | None = None) -> KimiModel:
     """Reads an HF checkpoint directory into a KimiModel (sharded when a mesh is given).
@@ -282,7 +297,7 @@ def load_hf_model(path: str, *, dtype: str = "bfloat16", mesh: Mesh | None = Non
     Raises ``ConfigError`` for an unsupported config and ``CheckpointError`` (naming the tensor) for a
     missing, unexpected, wrongly shaped/typed, duplicated or truncated tensor.
     """
-    cfg = ModelConfig.from_hf_dir(path, dtype=dtype)
+    cfg = hf_model_config(path, dtype=dtype)
     graphdef, abstract = abstract_model(cfg)
     flat_abstract = flat_params(abstract)
     placed: dict[tuple, Any] = {}

@@ -45,7 +45,7 @@ KERNEL_LAYOUTS = {"tiles": TiledInt4, "planar": PlanarInt4}
 def route(x: jax.Array, router_weight: jax.Array, bias: jax.Array, cfg: ModelConfig, top_k_method: str = "auto"):
     """Exactly the HF DeepseekV3 noaux_tc gate.
 
-    x [M, D]; router_weight [E, D] (the model dtype); bias [E] f32 (used for selection only). top_k_method:
+    x [M, D]; router_weight [E, D] (``cfg.router_dtype``); bias [E] f32 (used for selection only). top_k_method:
     one of ``ddtree_jax.topk.METHODS`` (the same experts either way; "auto" compares up to 16 tokens).
     Returns expert_ids [M, K] int32 and expert_weights [M, K] f32 (normalised, times the scaling factor).
 
@@ -166,7 +166,7 @@ class MoE(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         dtype = jnp.dtype(cfg.dtype)
         e, d, f = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        self.router = declare(rngs, (e, d), ("router", "embed"), dtype)  # as HF in this dtype
+        self.router = declare(rngs, (e, d), ("router", "embed"), jnp.dtype(cfg.router_dtype))
         self.router_bias = declare(None, (e,), ("router",), jnp.float32, init="zeros")
         self.w13 = declare(rngs, (e, 2 * f, d), W13_AXES, dtype)
         self.w2 = declare(rngs, (e, d, f), W2_AXES, dtype)

@@ -9,6 +9,7 @@ logical-axis sharding rules applied to the mesh shape (``ddtree_jax.memory_plan`
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import sys
@@ -16,6 +17,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ddtree_jax.config import ModelConfig, k26_config  # noqa: E402
+from ddtree_jax.hf_loader import hf_model_config  # noqa: E402
 from ddtree_jax.memory_plan import CATEGORIES, parse_mesh, plan_memory  # noqa: E402
 
 GIB = 2**30
@@ -31,13 +33,17 @@ def main(argv=None) -> dict:
     parser.add_argument("--capacity", type=int, default=65536, help="cache capacity in tokens per stream")
     parser.add_argument("--streams", type=int, default=1, help="concurrent streams (split over the data axis)")
     parser.add_argument("--hbm-gib", type=float, default=140.0, help="usable memory per device (H200: ~140 GiB)")
-    parser.add_argument("--config", help="an HF config.json directory instead of the built-in K2.6 preset")
+    parser.add_argument("--config", help="an HF config.json directory instead of the built-in K2.6 preset (with its "
+                        "*.safetensors, the router's dtype is read from them; else f32)")
     parser.add_argument("--no-drafter", action="store_true", help="target only")
     parser.add_argument("--json", help="also write the plan as JSON to this path")
     args = parser.parse_args(argv)
 
     mesh_shape = parse_mesh(args.mesh)
-    cfg = ModelConfig.from_hf_dir(args.config) if args.config else k26_config()
+    if args.config and glob.glob(os.path.join(args.config, "*.safetensors")):
+        cfg = hf_model_config(args.config)  # the router's dtype as the checkpoint stores it
+    else:  # a config.json alone: the router in f32, as transformers keeps it
+        cfg = ModelConfig.from_hf_dir(args.config) if args.config else k26_config()
     drafter_cfg, drafter_note = None, "none"
     if not args.no_drafter:
         try:

@@ -12,8 +12,8 @@ from hf_reference import edited_copy, tiny_hf_model
 from ddtree_jax.cache import commit, init_cache
 from ddtree_jax.config import ConfigError, ModelConfig, tiny_config
 from ddtree_jax.decode import pad_prompts
-from ddtree_jax.hf_loader import load_hf_model
-from ddtree_jax.safetensors_io import CheckpointError
+from ddtree_jax.hf_loader import abstract_model, flat_params, hf_model_config, iter_hf_params, load_hf_model
+from ddtree_jax.safetensors_io import CheckpointError, SafetensorsFile
 
 
 @pytest.fixture(scope="module")
@@ -206,3 +206,33 @@ def test_stored_drafter_config_with_unknown_fields_is_named():
     assert drafter_config_from_dict(raw) == tiny_drafter_config(tiny_config())
     with pytest.raises(CheckpointError, match=r"unknown fields \['mystery'\]"):
         drafter_config_from_dict({**raw, "mystery": 1})
+
+
+def _gates_to_bf16(tensors):
+    import ml_dtypes
+    for name in [n for n in tensors if n.endswith("mlp.gate.weight")]:
+        tensors[name] = tensors[name].astype(ml_dtypes.bfloat16)
+
+
+def test_router_dtype_follows_the_checkpoint(hf_dir, tmp_path):
+    """The router keeps the precision its checkpoint stores: f32 here (as transformers keeps it), bf16 where
+    every gate weight is stored in bf16 (K2.6), and then loaded exactly."""
+    assert hf_model_config(hf_dir, dtype="bfloat16").router_dtype == "float32"
+    assert load_hf_model(hf_dir, dtype="bfloat16").layers[1].mlp.router.value.dtype == jnp.float32
+    path = edited_copy(hf_dir, tmp_path / "m", _gates_to_bf16)
+    assert hf_model_config(path, dtype="float32").router_dtype == "bfloat16"
+    model = load_hf_model(path, dtype="bfloat16")
+    stored = np.asarray(SafetensorsFile(os.path.join(path, "model.safetensors")).get("model.layers.1.mlp.gate.weight"))
+    router = model.layers[1].mlp.router.value
+    assert router.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(router), stored)
+
+
+def test_router_never_narrowed_lossily(hf_dir):
+    """A config asking for a bf16 router from f32 gate weights that bf16 cannot hold is refused, naming the
+    tensor (the experts chosen would change)."""
+    cfg = hf_model_config(hf_dir, dtype="bfloat16").replace(router_dtype="bfloat16")
+    _, abstract = abstract_model(cfg)
+    with pytest.raises(CheckpointError, match=r"mlp\.gate\.weight: stored as float32, not exactly representable"):
+        for _ in iter_hf_params(hf_dir, cfg, flat_params(abstract)):
+            pass
