@@ -1,0 +1,131 @@
+"""The dense projections of a K2.6 layer and of the DFlash drafter at decode widths (M = 1-33 tokens) as XLA
+runs them, each against its bytes-read floor: which formulation of ``x @ W`` streams the weight at the
+copy's pace when only a few tokens multiply it.
+
+    PYTHONPATH=. python experiments/bench_skinny_gemm.py --out DIR
+    XLA_FLAGS=--xla_gpu_enable_triton_gemm=false PYTHONPATH=. python experiments/bench_skinny_gemm.py --out DIR2
+
+Variants (all bf16 operands, f32 accumulation, bf16 result, as ``ddtree_jax.layers.dot``):
+* ``kn``: W stored [K, N] (the model's layout), ``einsum("mk,kn->mn")``;
+* ``nk``: W stored [N, K], ``einsum("mk,nk->mn")``;
+* ``split{S}``: W [K, N] seen as [S, K/S, N], S partial products (a batched dot: S times the programs
+  along N) summed in f32: split-K written in XLA.
+
+Timing: device time per call from a profiler trace of a chain of dependent calls
+(``bench_util.traced_call_time``), each call on the next of ``copies`` weight copies whose bytes together
+exceed 4x the 50 MB L2 (one layer's weights are never in L2 when the next layer runs). Floor: the weight's
+bytes over PyTorch's device copy measured in the same run. XLA_FLAGS as set for the process is recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from experiments import bench_util  # noqa: E402
+
+# (K, N) of each projection: K2.6 attention (q_a, kv_a, q_b, o), shared expert (gate, up, down), dense MLP
+# (layer 0), DFlash drafter (q, k / v, MLP down)
+SHAPES = {
+    "q_a": (7168, 1536), "kv_a": (7168, 576), "q_b": (1536, 12288), "o": (8192, 7168),
+    "shared_gate": (7168, 2048), "shared_down": (2048, 7168),
+    "dense_up": (7168, 18432), "dense_down": (18432, 7168),
+    "drafter_q": (7168, 8192), "drafter_kv": (7168, 1024),
+}
+SMOKE_SHAPES = {"q_b": (64, 256), "shared_down": (128, 64)}
+L2_BYTES = 50 << 20
+
+
+def variant_fn(name: str):
+    """``fn(x [M, K], w) -> [M, N]`` and the weight's layout transform for a variant name."""
+    def finish(y):
+        return y.astype(jnp.bfloat16)
+    if name == "kn":
+        return lambda x, w: finish(jnp.einsum("mk,kn->mn", x, w, preferred_element_type=jnp.float32)), lambda w: w
+    if name == "nk":
+        return lambda x, w: finish(jnp.einsum("mk,nk->mn", x, w, preferred_element_type=jnp.float32)), lambda w: w.T
+    if name.startswith("split"):
+        s = int(name[len("split"):])
+
+        def fn(x, w):
+            k, n = w.shape
+            parts = jnp.einsum("msk,skn->smn", x.reshape(x.shape[0], s, k // s), w.reshape(s, k // s, n),
+                               preferred_element_type=jnp.float32)
+            return finish(parts.sum(0))
+        return fn, lambda w: w
+    raise ValueError(f"unknown variant {name!r}")
+
+
+def rotating_chain(fn, weights):
+    """A chain builder for ``traced_call_time``: n dependent calls, call i on weights[i % len(weights)]."""
+    def chain(_, n):
+        step = jax.jit(fn)
+
+        def run(x, *ws):
+            for i in range(n):
+                y = step(x, ws[i % len(ws)])
+                x = x.at[0, 0].set(y[0, 0].astype(x.dtype))
+            return x
+        return jax.jit(run)
+    return chain
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--ms", default="1,9,33")
+    p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--variants", default="kn,nk,split2,split4,split8")
+    p.add_argument("--calls", type=int, default=8)
+    p.add_argument("--commit", default=None)
+    p.add_argument("--out", default=None)
+    p.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, each variant checked, timings meaningless")
+    args = p.parse_args(argv)
+    shapes = SMOKE_SHAPES if args.smoke else {k: SHAPES[k] for k in args.shapes.split(",")}
+    bandwidth = (bench_util.measure_torch_copy_bandwidth() or bench_util.measure_copy_bandwidth()) \
+        if not args.smoke else bench_util.measure_copy_bandwidth(1 << 24)
+    rows = []
+    for name, (k, n) in shapes.items():
+        nbytes = k * n * 2
+        copies = max(2, min(16, -(-4 * L2_BYTES // nbytes)))
+        base = [jax.random.normal(jax.random.key(i), (k, n), jnp.float32).astype(jnp.bfloat16) * 0.02
+                for i in range(copies)]
+        for m in [int(v) for v in args.ms.split(",")]:
+            x = jax.random.normal(jax.random.key(100 + m), (m, k), jnp.float32).astype(jnp.bfloat16)
+            want = np.asarray(jnp.einsum("mk,kn->mn", x, base[0], preferred_element_type=jnp.float32))
+            for variant in args.variants.split(","):
+                fn, layout = variant_fn(variant)
+                if variant.startswith("split") and k % int(variant[5:]):
+                    continue
+                ws = [layout(w) for w in base]
+                got = np.asarray(jax.jit(fn)(x, ws[0]).astype(jnp.float32))
+                err = float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-30))
+                t = bench_util.traced_call_time(None, (x, *ws), args.calls, chain=rotating_chain(fn, ws))
+                floor_us = 1e6 * (nbytes + m * (k + n) * 2) / bandwidth
+                us = 1e6 * t["span_s"]
+                rows.append({"shape": name, "K": k, "N": n, "M": m, "variant": variant, "us": us,
+                             "floor_us": floor_us, "pct_of_copy": 100 * floor_us / us, "max_rel_err": err,
+                             "copies": copies,
+                             "kernels": [[kn[:70], c, round(s * 1e6, 2)] for kn, c, s in t["kernels"][:4]]})
+                print({kk: v for kk, v in rows[-1].items() if kk != "kernels"}, flush=True)
+                del ws
+    bad = [r for r in rows if r["max_rel_err"] > 1e-2]
+    payload = {"config": {**vars(args), "xla_flags": os.environ.get("XLA_FLAGS", "")},
+               "copy_bandwidth_Bps": bandwidth, "rows": rows}
+    if args.commit:
+        payload["code_commit"] = args.commit
+    path = bench_util.write_result("bench_skinny_gemm" + ("_smoke" if args.smoke else ""), payload, args.out)
+    bench_util.print_table(rows, ["shape", "M", "variant", "us", "floor_us", "pct_of_copy", "max_rel_err"])
+    print("wrote", path)
+    if bad:
+        raise SystemExit(f"{len(bad)} results differ from the reference dot by more than 1e-2")
+
+
+if __name__ == "__main__":
+    main()
