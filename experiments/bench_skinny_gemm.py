@@ -9,7 +9,9 @@ Variants (all bf16 operands, f32 accumulation, bf16 result, as ``ddtree_jax.laye
 * ``kn``: W stored [K, N] (the model's layout), ``einsum("mk,kn->mn")``;
 * ``nk``: W stored [N, K], ``einsum("mk,nk->mn")``;
 * ``split{S}``: W [K, N] seen as [S, K/S, N], S partial products (a batched dot: S times the programs
-  along N) summed in f32: split-K written in XLA.
+  along N) summed in f32: split-K written in XLA;
+* ``pad{P}``: fewer than P token rows padded with zero rows to P, the result sliced back (XLA compiles a
+  one-row dot as a matrix-vector product, tiled apart from M >= 2).
 
 Timing: device time per call from a profiler trace of a chain of dependent calls
 (``bench_util.traced_call_time``), each call on the next of ``copies`` weight copies whose bytes together
@@ -51,6 +53,14 @@ def variant_fn(name: str):
         return lambda x, w: finish(jnp.einsum("mk,kn->mn", x, w, preferred_element_type=jnp.float32)), lambda w: w
     if name == "nk":
         return lambda x, w: finish(jnp.einsum("mk,nk->mn", x, w, preferred_element_type=jnp.float32)), lambda w: w.T
+    if name.startswith("pad"):  # fewer than P rows padded with zeros to P (XLA tiles M = 1 apart)
+        rows = int(name[len("pad"):])
+
+        def fn(x, w):
+            m = x.shape[0]
+            xp = jnp.pad(x, ((0, rows - m), (0, 0))) if m < rows else x
+            return finish(jnp.einsum("mk,kn->mn", xp, w, preferred_element_type=jnp.float32)[:m])
+        return fn, lambda w: w
     if name.startswith("split"):
         s = int(name[len("split"):])
 

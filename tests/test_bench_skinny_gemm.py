@@ -12,7 +12,7 @@ import pytest
 from experiments import bench_skinny_gemm as bench
 
 
-@pytest.mark.parametrize("variant", ["kn", "nk", "split2", "split4"])
+@pytest.mark.parametrize("variant", ["kn", "nk", "split2", "split4", "pad8"])
 def test_each_variant_is_the_dot(variant):
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.standard_normal((3, 64)), jnp.bfloat16)
