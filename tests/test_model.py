@@ -205,3 +205,28 @@ def test_sharded_equals_unsharded(pair):
     hlo = run.lower(sharded_state, jnp.asarray(tokens)).compile().as_text()
     assert not re.search(r"\b(all-to-all|collective-permute)(-start)?\(", hlo)
     assert sharded_state["layers"][1]["mlp"]["router"].value.sharding.is_fully_replicated
+
+
+@pytest.mark.parametrize("spec,x_shape,w_shape,axis", [
+    ("btd,dhk->bthk", (1, 1, 16), (16, 2, 8), (0, 0)),     # q_b
+    ("bthv,hvd->btd", (1, 1, 2, 8), (2, 8, 16), (0, 0)),   # the output projection
+    ("...d,df->...f", (1, 16), (16, 24), (0, 0)),          # the shared expert on flat tokens
+    ("btd,dw->btw", (1, 1, 16), (16, 24), (0, 0)),
+    ("...d,df->...f", (1, 3, 16), (16, 24), None),         # three tokens: not padded
+    ("bthn,lhn->bthl", (1, 1, 2, 8), (4, 2, 8), None),     # heads shared with w (absorbed MLA): not padded
+    ("bths,bshv->bthv", (1, 1, 2, 4), (1, 4, 2, 8), None),
+])
+def test_one_token_dot_padding(spec, x_shape, w_shape, axis):
+    """On CUDA one token's product runs padded to 8 rows (XLA's one-row kernel is slower); the padded
+    product is the plain one, and only one-token products by a weight are padded."""
+    from ddtree_jax.layers import _one_token_axis, _padded_dot, _plain_dot, dot
+    assert _one_token_axis(spec, x_shape) == axis
+    rng = np.random.default_rng(len(spec))
+    x = jnp.asarray(rng.standard_normal(x_shape), jnp.float32)
+    w = jnp.asarray(rng.standard_normal(w_shape), jnp.float32)
+    want = _plain_dot(x, w, spec)
+    np.testing.assert_allclose(np.asarray(dot(x, w, spec)), np.asarray(want), rtol=1e-6, atol=1e-6)
+    if axis is not None:
+        got = _padded_dot(x, w, spec, axis)
+        assert got.shape == want.shape
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
