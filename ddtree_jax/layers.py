@@ -47,19 +47,20 @@ class RMSNorm(nnx.Module):
         return rms_norm(x, self.weight.get_value(), self.eps)
 
 
-# Token rows a one-token product is padded to on CUDA (``dot``).
-ONE_TOKEN_PAD_ROWS = 8
+# Token rows a one-token product is padded to on CUDA (``dot``): two rows already leave XLA's one-row kernel.
+ONE_TOKEN_PAD_ROWS = 2
 
 
 def dot(x: jax.Array, w: jax.Array, spec: str) -> jax.Array:
     """einsum with f32 accumulation, result in x.dtype.
 
     On CUDA a product of one token by a weight (every axis of x that is not contracted with w has size 1,
-    and w shares no batch axis with x) runs padded with zero rows to ``ONE_TOKEN_PAD_ROWS`` tokens and
-    sliced back: XLA compiles a one-row dot as a matrix-vector kernel that on the H200 streams K2.6's
-    shared-expert down projection and q_b in 18 µs each, against 9 and 12 µs for the same weights with 8 rows
-    (``experiments/bench_skinny_gemm.py``). Rows are independent, so the padding changes no result's value
-    beyond the order of its f32 sum.
+    and w shares no batch axis with x) runs padded with a zero row to ``ONE_TOKEN_PAD_ROWS`` tokens and
+    sliced back. XLA compiles a one-row dot as a matrix-vector kernel; on the H200 (traced, weights
+    rotated past L2; ``experiments/bench_skinny_gemm.py``, session 33) K2.6's q_b took 20.3 µs with one
+    row and 12.8 with two, the shared expert's down projection 20.1 and 12.2, its gate 15.0 and 9.7, q_a
+    13.5 and 8.6, kv_a 8.0 and 6.4, the output projection 33.2 and 29.0. Rows are independent, so the
+    padding changes no result's value beyond the order of its f32 sum.
     """
     w = w.astype(x.dtype)
     axis = _one_token_axis(spec, x.shape)

@@ -217,7 +217,7 @@ def test_sharded_equals_unsharded(pair):
     ("bths,bshv->bthv", (1, 1, 2, 4), (1, 4, 2, 8), None),
 ])
 def test_one_token_dot_padding(spec, x_shape, w_shape, axis):
-    """On CUDA one token's product runs padded to 8 rows (XLA's one-row kernel is slower); the padded
+    """On CUDA one token's product runs padded to 2 rows (XLA's one-row kernel is slower); the padded
     product is the plain one, and only one-token products by a weight are padded."""
     from ddtree_jax.layers import _one_token_axis, _padded_dot, _plain_dot, dot
     assert _one_token_axis(spec, x_shape) == axis
