@@ -101,6 +101,15 @@ def main(argv=None):
     bandwidth = (bench_util.measure_torch_copy_bandwidth() or bench_util.measure_copy_bandwidth()) \
         if not args.smoke else bench_util.measure_copy_bandwidth(1 << 24)
     rows = []
+
+    def save(rows):
+        payload = {"config": {**vars(args), "xla_flags": os.environ.get("XLA_FLAGS", "")},
+                   "copy_bandwidth_Bps": bandwidth, "rows": rows}
+        if args.commit:
+            payload["code_commit"] = args.commit
+        return bench_util.write_result("bench_skinny_gemm" + ("_smoke" if args.smoke else ""), payload, args.out)
+
+    path = save(rows)
     for name, (k, n) in shapes.items():
         nbytes = k * n * 2
         copies = max(2, min(16, -(-4 * L2_BYTES // nbytes)))
@@ -124,13 +133,9 @@ def main(argv=None):
                              "copies": copies,
                              "kernels": [[kn[:70], c, round(s * 1e6, 2)] for kn, c, s in t["kernels"][:4]]})
                 print({kk: v for kk, v in rows[-1].items() if kk != "kernels"}, flush=True)
+                path = save(rows)  # after every point, so that a run cut short keeps what it measured
                 del ws
     bad = [r for r in rows if r["max_rel_err"] > 1e-2]
-    payload = {"config": {**vars(args), "xla_flags": os.environ.get("XLA_FLAGS", "")},
-               "copy_bandwidth_Bps": bandwidth, "rows": rows}
-    if args.commit:
-        payload["code_commit"] = args.commit
-    path = bench_util.write_result("bench_skinny_gemm" + ("_smoke" if args.smoke else ""), payload, args.out)
     bench_util.print_table(rows, ["shape", "M", "variant", "us", "floor_us", "pct_of_copy", "max_rel_err"])
     print("wrote", path)
     if bad:
