@@ -5,13 +5,18 @@ copy's pace when only a few tokens multiply it.
     PYTHONPATH=. python experiments/bench_skinny_gemm.py --out DIR
     XLA_FLAGS=--xla_gpu_enable_triton_gemm=false PYTHONPATH=. python experiments/bench_skinny_gemm.py --out DIR2
 
-Variants (all bf16 operands, f32 accumulation, bf16 result, as ``ddtree_jax.layers.dot``):
-* ``kn``: W stored [K, N] (the model's layout), ``einsum("mk,kn->mn")``;
+Products: the dense ``x [M, K] @ W [K, N]`` and the absorbed MLA's w_uk and w_uv, batched over the 64 heads
+(``ddtree_jax.model``'s specs with M tokens in place of b, t).
+
+Variants (all bf16 operands, f32 accumulation, bf16 result, as ``ddtree_jax.layers.dot``; each where it
+applies):
+* ``kn``: the model's layout and spec (dense: W stored [K, N], ``einsum("mk,kn->mn")``);
 * ``nk``: W stored [N, K], ``einsum("mk,nk->mn")``;
 * ``split{S}``: W [K, N] seen as [S, K/S, N], S partial products (a batched dot: S times the programs
   along N) summed in f32: split-K written in XLA;
 * ``pad{P}``: fewer than P token rows padded with zero rows to P, the result sliced back (XLA compiles a
-  one-row dot as a matrix-vector product, tiled apart from M >= 2).
+  one-row dot as a matrix-vector product, tiled apart from M >= 2);
+* ``hmajor`` (batched products): the weight stored with the head axis first.
 
 Timing: device time per call from a profiler trace of a chain of dependent calls
 (``bench_util.traced_call_time``), each call on the next of ``copies`` weight copies whose bytes together
@@ -33,44 +38,58 @@ import numpy as np  # noqa: E402
 
 from experiments import bench_util  # noqa: E402
 
-# (K, N) of each projection: K2.6 attention (q_a, kv_a, q_b, o), shared expert (gate, up, down), dense MLP
-# (layer 0), DFlash drafter (q, k / v, MLP down)
+# Each product: (einsum spec with the tokens as x's first axis m, x's shape after m, the weight's shape).
+# K2.6 attention (q_a, kv_a, q_b, o; the absorbed w_uk and w_uv, batched over the 64 heads), shared expert
+# (gate, up, down), dense MLP (layer 0), DFlash drafter (q, k / v).
+DENSE = "mk,kn->mn"
 SHAPES = {
-    "q_a": (7168, 1536), "kv_a": (7168, 576), "q_b": (1536, 12288), "o": (8192, 7168),
-    "shared_gate": (7168, 2048), "shared_down": (2048, 7168),
-    "dense_up": (7168, 18432), "dense_down": (18432, 7168),
-    "drafter_q": (7168, 8192), "drafter_kv": (7168, 1024),
+    "q_a": (DENSE, (7168,), (7168, 1536)), "kv_a": (DENSE, (7168,), (7168, 576)),
+    "q_b": (DENSE, (1536,), (1536, 12288)), "o": (DENSE, (8192,), (8192, 7168)),
+    "w_uk": ("mhn,lhn->mhl", (64, 128), (512, 64, 128)), "w_uv": ("mhl,lhv->mhv", (64, 512), (512, 64, 128)),
+    "shared_gate": (DENSE, (7168,), (7168, 2048)), "shared_down": (DENSE, (2048,), (2048, 7168)),
+    "dense_up": (DENSE, (7168,), (7168, 18432)), "dense_down": (DENSE, (18432,), (18432, 7168)),
+    "drafter_q": (DENSE, (7168,), (7168, 8192)), "drafter_kv": (DENSE, (7168,), (7168, 1024)),
 }
-SMOKE_SHAPES = {"q_b": (64, 256), "shared_down": (128, 64)}
+SMOKE_SHAPES = {"q_b": (DENSE, (64,), (64, 256)), "shared_down": (DENSE, (128,), (128, 64)),
+                "w_uk": ("mhn,lhn->mhl", (4, 16), (32, 4, 16))}
 L2_BYTES = 50 << 20
 
 
-def variant_fn(name: str):
-    """``fn(x [M, K], w) -> [M, N]`` and the weight's layout transform for a variant name."""
-    def finish(y):
-        return y.astype(jnp.bfloat16)
+def variant_fn(name: str, spec: str = DENSE):
+    """``fn(x, w)`` computing ``spec`` by a variant, and the weight's layout transform for it. ``nk`` and
+    ``split{S}`` take the dense spec only, ``hmajor`` a spec with a batch axis (heads) shared by x and w."""
+    def einsum(spec, x, w):
+        return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+
+    ins, out = spec.split("->")
+    x_labels, w_labels = ins.split(",")
+    batch = [c for c in w_labels if c in x_labels and c in out]
     if name == "kn":
-        return lambda x, w: finish(jnp.einsum("mk,kn->mn", x, w, preferred_element_type=jnp.float32)), lambda w: w
-    if name == "nk":
-        return lambda x, w: finish(jnp.einsum("mk,nk->mn", x, w, preferred_element_type=jnp.float32)), lambda w: w.T
-    if name.startswith("pad"):  # fewer than P rows padded with zeros to P (XLA tiles M = 1 apart)
+        return lambda x, w: einsum(spec, x, w), lambda w: w
+    if name.startswith("pad"):  # fewer than P token rows padded with zeros to P (XLA tiles M = 1 apart)
         rows = int(name[len("pad"):])
 
         def fn(x, w):
             m = x.shape[0]
-            xp = jnp.pad(x, ((0, rows - m), (0, 0))) if m < rows else x
-            return finish(jnp.einsum("mk,kn->mn", xp, w, preferred_element_type=jnp.float32)[:m])
+            pads = [(0, max(0, rows - m))] + [(0, 0)] * (x.ndim - 1)
+            return einsum(spec, jnp.pad(x, pads), w)[:m]
         return fn, lambda w: w
-    if name.startswith("split"):
+    if name == "hmajor" and batch:  # the shared (head) axis first in the weight
+        moved = batch[0] + w_labels.replace(batch[0], "")
+        order = [w_labels.index(c) for c in moved]
+        return lambda x, w: einsum(f"{x_labels},{moved}->{out}", x, w), lambda w: jnp.transpose(w, order)
+    if spec == DENSE and name == "nk":
+        return lambda x, w: einsum("mk,nk->mn", x, w), lambda w: w.T
+    if spec == DENSE and name.startswith("split"):
         s = int(name[len("split"):])
 
         def fn(x, w):
             k, n = w.shape
             parts = jnp.einsum("msk,skn->smn", x.reshape(x.shape[0], s, k // s), w.reshape(s, k // s, n),
                                preferred_element_type=jnp.float32)
-            return finish(parts.sum(0))
+            return parts.sum(0).astype(jnp.bfloat16)
         return fn, lambda w: w
-    raise ValueError(f"unknown variant {name!r}")
+    raise ValueError(f"unknown variant {name!r} for {spec!r}")
 
 
 def rotating_chain(fn, weights):
@@ -81,7 +100,7 @@ def rotating_chain(fn, weights):
         def run(x, *ws):
             for i in range(n):
                 y = step(x, ws[i % len(ws)])
-                x = x.at[0, 0].set(y[0, 0].astype(x.dtype))
+                x = x.at[(0,) * x.ndim].set(y.ravel()[0].astype(x.dtype))
             return x
         return jax.jit(run)
     return chain
@@ -91,7 +110,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--ms", default="1,9,33")
     p.add_argument("--shapes", default=",".join(SHAPES))
-    p.add_argument("--variants", default="kn,nk,split2,split4,split8")
+    p.add_argument("--variants", default="kn,nk,split2,split4,split8",
+                   help="kn, nk, split{S}, pad{P}, hmajor (each where it applies to a product)")
     p.add_argument("--calls", type=int, default=8)
     p.add_argument("--commit", default=None)
     p.add_argument("--out", default=None)
@@ -110,27 +130,30 @@ def main(argv=None):
         return bench_util.write_result("bench_skinny_gemm" + ("_smoke" if args.smoke else ""), payload, args.out)
 
     path = save(rows)
-    for name, (k, n) in shapes.items():
-        nbytes = k * n * 2
+    for name, (spec, x_tail, w_shape) in shapes.items():
+        nbytes = int(np.prod(w_shape)) * 2
         copies = max(2, min(16, -(-4 * L2_BYTES // nbytes)))
-        base = [jax.random.normal(jax.random.key(i), (k, n), jnp.float32).astype(jnp.bfloat16) * 0.02
+        base = [jax.random.normal(jax.random.key(i), w_shape, jnp.float32).astype(jnp.bfloat16) * 0.02
                 for i in range(copies)]
         for m in [int(v) for v in args.ms.split(",")]:
-            x = jax.random.normal(jax.random.key(100 + m), (m, k), jnp.float32).astype(jnp.bfloat16)
-            want = np.asarray(jnp.einsum("mk,kn->mn", x, base[0], preferred_element_type=jnp.float32))
+            x = jax.random.normal(jax.random.key(100 + m), (m, *x_tail), jnp.float32).astype(jnp.bfloat16)
+            want = np.asarray(jnp.einsum(spec, x, base[0], preferred_element_type=jnp.float32))
             for variant in args.variants.split(","):
-                fn, layout = variant_fn(variant)
-                if variant.startswith("split") and k % int(variant[5:]):
+                try:
+                    fn, layout = variant_fn(variant, spec)
+                except ValueError:
+                    continue  # a variant that does not apply to this product
+                if variant.startswith("split") and w_shape[0] % int(variant[5:]):
                     continue
                 ws = [layout(w) for w in base]
                 got = np.asarray(jax.jit(fn)(x, ws[0]).astype(jnp.float32))
                 err = float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-30))
                 t = bench_util.traced_call_time(None, (x, *ws), args.calls, chain=rotating_chain(fn, ws))
-                floor_us = 1e6 * (nbytes + m * (k + n) * 2) / bandwidth
+                floor_us = 1e6 * (nbytes + (x.size + want.size) * 2) / bandwidth
                 us = 1e6 * t["span_s"]
-                rows.append({"shape": name, "K": k, "N": n, "M": m, "variant": variant, "us": us,
-                             "floor_us": floor_us, "pct_of_copy": 100 * floor_us / us, "max_rel_err": err,
-                             "copies": copies,
+                rows.append({"shape": name, "spec": spec, "x_shape": list(x.shape), "w_shape": list(w_shape), "M": m,
+                             "variant": variant, "us": us, "floor_us": floor_us, "pct_of_copy": 100 * floor_us / us,
+                             "max_rel_err": err, "copies": copies,
                              "kernels": [[kn[:70], c, round(s * 1e6, 2)] for kn, c, s in t["kernels"][:4]]})
                 print({kk: v for kk, v in rows[-1].items() if kk != "kernels"}, flush=True)
                 path = save(rows)  # after every point, so that a run cut short keeps what it measured

@@ -25,10 +25,28 @@ def test_each_variant_is_the_dot(variant):
         bench.variant_fn("tiled")
 
 
+@pytest.mark.parametrize("variant", ["kn", "pad2", "hmajor"])
+def test_each_variant_of_a_batched_product(variant):
+    spec, x_tail, w_shape = bench.SMOKE_SHAPES["w_uk"]
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.standard_normal((1, *x_tail)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal(w_shape), jnp.bfloat16)
+    fn, layout = bench.variant_fn(variant, spec)
+    got = np.asarray(fn(x, layout(w)).astype(jnp.float32))
+    want = np.asarray(jnp.einsum(spec, x, w, preferred_element_type=jnp.float32))
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2 * np.abs(want).max())
+    for dense_only in ("nk", "split2"):
+        with pytest.raises(ValueError, match="unknown variant"):
+            bench.variant_fn(dense_only, spec)
+
+
 def test_smoke_run_writes_every_point(tmp_path):
-    bench.main(["--smoke", "--ms", "1,9", "--variants", "kn,split2", "--out", str(tmp_path)])
+    bench.main(["--smoke", "--ms", "1,9", "--variants", "kn,split2,hmajor", "--out", str(tmp_path)])
     rows = json.loads((tmp_path / "bench_skinny_gemm_smoke.json").read_text())["rows"]
+    dense = [s for s, (spec, _, _) in bench.SMOKE_SHAPES.items() if spec == bench.DENSE]
     assert {(r["shape"], r["M"], r["variant"]) for r in rows} == {
-        (s, m, v) for s in bench.SMOKE_SHAPES for m in (1, 9) for v in ("kn", "split2")}
+        (s, m, v) for m in (1, 9) for s, vs in [*[(d, ("kn", "split2")) for d in dense], ("w_uk", ("kn", "hmajor"))]
+        for v in vs}
     for r in rows:
         assert r["max_rel_err"] < 1e-2 and math.isfinite(r["us"]) and r["us"] > 0 and r["copies"] >= 2
