@@ -92,20 +92,6 @@ def variant_fn(name: str, spec: str = DENSE):
     raise ValueError(f"unknown variant {name!r} for {spec!r}")
 
 
-def rotating_chain(fn, weights):
-    """A chain builder for ``traced_call_time``: n dependent calls, call i on weights[i % len(weights)]."""
-    def chain(_, n):
-        step = jax.jit(fn)
-
-        def run(x, *ws):
-            for i in range(n):
-                y = step(x, ws[i % len(ws)])
-                x = x.at[(0,) * x.ndim].set(y.ravel()[0].astype(x.dtype))
-            return x
-        return jax.jit(run)
-    return chain
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--ms", default="1,9,33")
@@ -148,7 +134,8 @@ def main(argv=None):
                 ws = [layout(w) for w in base]
                 got = np.asarray(jax.jit(fn)(x, ws[0]).astype(jnp.float32))
                 err = float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-30))
-                t = bench_util.traced_call_time(None, (x, *ws), args.calls, chain=rotating_chain(fn, ws))
+                t = bench_util.traced_call_time(fn, (x, *ws), args.calls,
+                                                chain=lambda f, n: bench_util.dependent_chain(f, n, rotate=True))
                 floor_us = 1e6 * (nbytes + (x.size + want.size) * 2) / bandwidth
                 us = 1e6 * t["span_s"]
                 rows.append({"shape": name, "spec": spec, "x_shape": list(x.shape), "w_shape": list(w_shape), "M": m,

@@ -106,16 +106,18 @@ def tie_to(a: jax.Array, b: jax.Array) -> jax.Array:
     return a + (first != first).astype(a.dtype)
 
 
-def dependent_chain(fn: Callable, n: int) -> Callable:
+def dependent_chain(fn: Callable, n: int, rotate: bool = False) -> Callable:
     """A jitted program of n unrolled calls of ``fn(x, *rest)``, each call's x taking one element of the
     previous call's output (so no call can be hoisted, merged or reordered); returns every output.
-    ``fn`` is jitted once, so the program holds one lowering called n times."""
+    ``fn`` is jitted once, so the program holds one lowering called n times. ``rotate``: ``rest`` holds
+    copies of fn's one other argument, call i taking ``rest[i % len(rest)]`` (weights read from DRAM on
+    every call, not from L2)."""
     fn = jax.jit(fn)
 
     def run(x, *rest):
         outs = []
-        for _ in range(n):
-            y = fn(x, *rest)
+        for i in range(n):
+            y = fn(x, rest[i % len(rest)]) if rotate else fn(x, *rest)
             outs.append(y)
             x = x.at[(0,) * x.ndim].set(y.ravel()[0].astype(x.dtype))
         return outs
