@@ -64,7 +64,8 @@ def bench_variant(lse, o, variant: dict, interpret: bool) -> dict:
     out = jax.jit(merge)(lse, o)
     ref, _ = combine_splits_ref(o, lse)
     err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32))))
-    on_gpu = jax.default_backend() == "gpu"  # interpret mode has no kernel of that name: time the whole chain
+    # interpret mode (--smoke, also on a GPU) has no kernel of that name: time the whole chain
+    on_gpu = jax.default_backend() == "gpu" and not interpret
     t = bench_util.traced_call_time(merge, (lse, o), calls=8,
                                     op_kernels=(lambda name: "combine" in name) if on_gpu else None)
     return dict(us=t.get("op_span_s", t["busy_s"]) * 1e6, op_spans_us=t.get("op_spans_us"),

@@ -22,6 +22,15 @@ def has_gpu() -> bool:
         return False
 
 
+@pytest.fixture
+def host_devices():
+    """The 8 fake CPU devices set above, for sharding tests; beside a GPU too, where ``jax.devices()`` is the
+    GPU alone."""
+    devices = jax.devices("cpu")
+    assert len(devices) == 8, "tests/conftest.py sets 8 host devices"
+    return devices
+
+
 def pytest_collection_modifyitems(config, items):
     if has_gpu():
         return

@@ -414,12 +414,12 @@ def test_bfloat16_drafter_runs(setup):
     assert b.dtype == np.float32 and rel_err(b, a) <= 0.05
 
 
-def test_sharded_equals_unsharded(exported, setup):
+def test_sharded_equals_unsharded(exported, setup, host_devices):
     """Weights loaded onto a 2x2 (data, model) mesh and a cache laid out by its logical axes give the same
     hidden states as the single-device drafter."""
     _, path = exported
     _, drafter, _ = setup
-    mesh = make_mesh(data=2, model=2)
+    mesh = make_mesh(data=2, model=2, devices=host_devices)
     sharded = load_hf_drafter(path, dtype="float32", mesh=mesh)
     assert sharded.layers[0].attn.k.value.sharding.spec == jax.sharding.PartitionSpec(None, "model", None)
     cache = jax.tree.map(lambda x, axes: jax.device_put(x, named_sharding(mesh, DEFAULT_RULES, axes)),

@@ -130,9 +130,9 @@ def test_prompt_past_capacity_refused(models):
         engine.generate([[1] * 14])  # 14 + one tree of depth 3 does not fit 16 slots
 
 
-def test_sharded_engine_matches(models):
+def test_sharded_engine_matches(models, host_devices):
     target, drafter = models
-    mesh = make_mesh(data=4, model=2)  # the tiny drafter has 2 kv heads
+    mesh = make_mesh(data=4, model=2, devices=host_devices)  # the tiny drafter has 2 kv heads
     runtime = Runtime(mesh=mesh, rules=DEFAULT_RULES)
     ecfg = EngineConfig(mode="ddtree", budget=16, max_new_tokens=NEW, capacity=64)
     prompts = PROMPTS[:4]

@@ -107,11 +107,11 @@ def test_prepared_forward_equals_compressed_tensors_forward(pair, tokens):
 
 
 @pytest.mark.parametrize("routed", ["twin", "interpret"])
-def test_expert_parallel_prepared_equals_unsharded(pair, tokens, routed):
+def test_expert_parallel_prepared_equals_unsharded(pair, tokens, routed, host_devices):
     """data=2 x model=4: two experts per device, each device's twin / interpret-mode kernel sees global
     ids and its expert offset; equal to the unsharded compressed-tensors model."""
     model, prepared = pair
-    mesh = make_mesh(data=2, model=4, devices=jax.devices("cpu"))  # 8 host devices (conftest), also beside a GPU
+    mesh = make_mesh(data=2, model=4, devices=host_devices)
     graphdef, state = nnx.split(prepared)
     sharded = jax.device_put(state, param_shardings(state, mesh, DEFAULT_RULES))
     w13 = sharded["layers"][1]["mlp"]["w13"].get_value()
@@ -122,10 +122,10 @@ def test_expert_parallel_prepared_equals_unsharded(pair, tokens, routed):
     assert rel(got, forward(model, toks)) < 1e-5
 
 
-def test_prepare_a_sharded_model_repacks_in_place(pair, tokens):
+def test_prepare_a_sharded_model_repacks_in_place(pair, tokens, host_devices):
     """A model already split over experts is repacked per device and stays split; values as unsharded."""
     model, prepared = pair
-    mesh = make_mesh(data=2, model=4, devices=jax.devices("cpu"))
+    mesh = make_mesh(data=2, model=4, devices=host_devices)
     graphdef, state = nnx.split(nnx.clone(model))
     sharded = nnx.merge(graphdef, jax.device_put(state, param_shardings(state, mesh, DEFAULT_RULES)))
     prepare_for_kernels(sharded, layout="planar")

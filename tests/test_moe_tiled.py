@@ -168,9 +168,9 @@ def test_prepare_tiles_forward_and_undo(pair, tokens):
         assert a.dtype == b.dtype and np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
 
 
-def test_expert_parallel_tiles_equal_unsharded(pair, tokens):
+def test_expert_parallel_tiles_equal_unsharded(pair, tokens, host_devices):
     model, prepared = pair
-    mesh = make_mesh(data=2, model=4, devices=jax.devices("cpu"))
+    mesh = make_mesh(data=2, model=4, devices=host_devices)
     graphdef, state = nnx.split(prepared)
     sharded = jax.device_put(state, param_shardings(state, mesh, DEFAULT_RULES))
     w13 = sharded["layers"][1]["mlp"]["w13"].get_value()
@@ -179,11 +179,11 @@ def test_expert_parallel_tiles_equal_unsharded(pair, tokens):
     assert rel(got, forward(model, tokens)) < 1e-5
 
 
-def test_expert_parallel_tiles_tell_the_kernel_its_share(pair, tokens, monkeypatch):
+def test_expert_parallel_tiles_tell_the_kernel_its_share(pair, tokens, monkeypatch, host_devices):
     """Under expert parallelism each device's call learns how many devices share the experts (its split-K
     default counts the busy experts one device can expect) and still computes the unsharded result."""
     model, prepared = pair
-    mesh = make_mesh(data=2, model=4, devices=jax.devices("cpu"))
+    mesh = make_mesh(data=2, model=4, devices=host_devices)
     seen, inner = [], K.routed_experts
 
     def spy(*args, **kwargs):
@@ -202,10 +202,10 @@ def test_expert_parallel_tiles_tell_the_kernel_its_share(pair, tokens, monkeypat
     assert seen and set(seen) == {None}
 
 
-def test_prepare_a_sharded_model_repacks_tiles_in_place(pair):
+def test_prepare_a_sharded_model_repacks_tiles_in_place(pair, host_devices):
     """A model already split over experts is repacked per device and stays split (never gathered)."""
     model, prepared = pair
-    mesh = make_mesh(data=2, model=4, devices=jax.devices("cpu"))
+    mesh = make_mesh(data=2, model=4, devices=host_devices)
     graphdef, state = nnx.split(nnx.clone(model))
     sharded = nnx.merge(graphdef, jax.device_put(state, param_shardings(state, mesh, DEFAULT_RULES)))
     prepare_for_kernels(sharded)

@@ -23,5 +23,6 @@ def test_bad_arguments():
         probe_kernel(16, 5, "plain")
     with pytest.raises(ValueError, match="not one of"):
         probe_kernel(16, 8, "spin")
-    with pytest.raises(SystemExit, match="needs a GPU"):
-        main([])
+    if jax.default_backend() != "gpu":  # on a GPU main([]) runs the probe itself
+        with pytest.raises(SystemExit, match="needs a GPU"):
+            main([])
