@@ -147,9 +147,10 @@ def test_dispatcher_uses_twin_on_cpu_and_interprets_on_request():
     case = make_case(5, 2, 3, 4, L, RD, 40, [9, 40], "tree")
     args = as_jax(case)
     ref_o, _ = dense_reference(*case, SCALE, L)
-    o = jax.jit(lambda *a: mla_attention(*a, scale=SCALE, kv_lora_rank=L))(*args)
+    dispatch = jax.jit(lambda *a: mla_attention(*a, scale=SCALE, kv_lora_rank=L))
+    o = dispatch(*args)
     np.testing.assert_allclose(np.asarray(o), ref_o, atol=2e-5, rtol=2e-5)
-    text = jax.jit(lambda *a: mla_attention(*a, scale=SCALE, kv_lora_rank=L)).lower(*args).as_text()
+    text = dispatch.lower(*args).as_text()
     if jax.default_backend() == "gpu":  # these f32 dims: the Triton kernel, close to the reference (above)
         assert "triton" in text
     else:
