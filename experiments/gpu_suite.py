@@ -1,0 +1,126 @@
+"""Runs the test suite on a GPU machine in N pytest processes side by side (the device image has no
+pytest-xdist), then prints one table and writes OUT/suite.json.
+
+    PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false python experiments/gpu_suite.py --out $OUT --groups 8 \\
+        --timeout-s 540 -- tests --ignore=tests/test_int4.py
+
+Everything after ``--`` goes to ``pytest --collect-only`` as it is; the collected test ids are dealt out
+round-robin, so that each file's tests (and its slow ones) spread over the groups. Each group writes
+OUT/pytest_gK.txt and a JUnit XML; a group that outlives --timeout-s is killed and its unfinished tests
+count as "not run". Exit status 1 when any test failed or errored, or any group was killed or did not
+finish; 0 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from collections import defaultdict
+
+ROOTDIR = ["--rootdir", "."]
+
+
+def collect(pytest_args: list[str]) -> list[str]:
+    """Test ids that ``pytest --collect-only`` finds for pytest_args, relative to the current directory (the
+    rootdir of every pytest this script starts); RuntimeError with pytest's output if collection fails or
+    finds tests outside the current directory."""
+    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", *ROOTDIR, *pytest_args],
+                          capture_output=True, text=True)
+    ids = [line for line in done.stdout.splitlines() if "::" in line and not line.startswith(" ")]
+    if done.returncode != 0 or not ids:
+        raise RuntimeError(f"collection failed (rc={done.returncode}):\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}")
+    outside = [i for i in ids if i.startswith("::")]
+    if outside:
+        raise RuntimeError(f"{len(outside)} tests lie outside the current directory {os.getcwd()}: run from "
+                           "a directory that holds the test files")
+    return ids
+
+
+def deal(ids: list[str], groups: int) -> list[list[str]]:
+    """Round-robin: test i goes to group i % groups; empty groups dropped."""
+    if groups < 1:
+        raise ValueError(f"--groups must be at least 1, got {groups}")
+    return [g for g in (ids[k::groups] for k in range(groups)) if g]
+
+
+def read_junit(path: str) -> list[dict]:
+    """One record per testcase: id, file, seconds, outcome (passed / failed / error / skipped)."""
+    records = []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        outcome = "passed"
+        for child in case:
+            if child.tag in ("failure", "error", "skipped"):
+                outcome = {"failure": "failed"}.get(child.tag, child.tag)
+        file = case.get("classname", "").replace(".", "/") + ".py"
+        records.append({"id": f"{file}::{case.get('name')}", "file": file,
+                        "seconds": float(case.get("time", 0)), "outcome": outcome})
+    return records
+
+
+def run_groups(groups: list[list[str]], out: str, timeout_s: float) -> list[dict]:
+    """Starts one pytest per group, waits for all (killing those past timeout_s); one record per group."""
+    procs, start = [], time.monotonic()
+    for k, ids in enumerate(groups):
+        log = open(os.path.join(out, f"pytest_g{k}.txt"), "w")
+        xml = os.path.join(out, f"junit_g{k}.xml")
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *ROOTDIR, f"--junitxml={xml}", *ids]
+        procs.append((k, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log, xml, len(ids)))
+    results = []
+    for k, proc, log, xml, n in procs:
+        left = max(1.0, timeout_s - (time.monotonic() - start))
+        try:
+            rc, killed = proc.wait(timeout=left), False
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc, killed = proc.wait(), True
+        log.close()
+        cases = read_junit(xml) if os.path.exists(xml) else []
+        results.append({"group": k, "rc": rc, "killed": killed, "tests": n, "cases": cases,
+                        "seconds": round(time.monotonic() - start, 1)})
+    return results
+
+
+def summarize(results: list[dict]) -> dict:
+    counts, failures, per_file = defaultdict(int), [], defaultdict(float)
+    for r in results:
+        counts["not run"] += r["tests"] - len(r["cases"])
+        for c in r["cases"]:
+            counts[c["outcome"]] += 1
+            per_file[c["file"]] += c["seconds"]
+            if c["outcome"] in ("failed", "error"):
+                failures.append(c["id"])
+    return {"counts": dict(counts), "failures": failures,
+            "file_seconds": dict(sorted(per_file.items(), key=lambda kv: -kv[1])),
+            "groups": [{k: r[k] for k in ("group", "rc", "killed", "tests", "seconds")} for r in results]}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--groups", type=int, default=8)
+    parser.add_argument("--timeout-s", type=float, default=540.0)
+    parser.add_argument("pytest_args", nargs="*", default=["tests"])
+    args = parser.parse_args(argv)
+    if args.timeout_s <= 0:
+        parser.error(f"--timeout-s must be positive, got {args.timeout_s}")
+    os.makedirs(args.out, exist_ok=True)
+    groups = deal(collect(args.pytest_args), args.groups)
+    summary = summarize(run_groups(groups, args.out, args.timeout_s))
+    with open(os.path.join(args.out, "suite.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    for g in summary["groups"]:
+        print(f"group {g['group']}: {g['tests']} tests, rc={g['rc']}{' KILLED' if g['killed'] else ''}, {g['seconds']} s")
+    for test in summary["failures"]:
+        print("FAILED", test)
+    print(" | ".join(f"{k} {v}" for k, v in sorted(summary["counts"].items())))
+    bad = summary["failures"] or summary["counts"].get("not run", 0) or any(g["killed"] for g in summary["groups"])
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""experiments/gpu_suite.py: deals test ids over parallel pytest processes and reports every outcome;
+a failing or unfinished test makes it exit 1."""
+
+import json
+import os
+import textwrap
+
+import pytest
+
+from experiments import gpu_suite
+
+
+def test_deal_is_round_robin_and_drops_empty_groups():
+    assert gpu_suite.deal(list("abcde"), 2) == [list("ace"), list("bd")]
+    assert gpu_suite.deal(list("ab"), 4) == [["a"], ["b"]]
+    with pytest.raises(ValueError, match="--groups"):
+        gpu_suite.deal(list("ab"), 0)
+
+
+def write_tests(tmp_path, body, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "test_sample.py").write_text(textwrap.dedent(body))
+    return str(tmp_path / "test_sample.py")
+
+
+def test_reports_failures_skips_and_exits_1(tmp_path, monkeypatch):
+    path = write_tests(tmp_path, """
+        import pytest
+        def test_ok(): pass
+        def test_bad(): assert 1 == 2
+        @pytest.mark.skip(reason="x")
+        def test_skipped(): pass
+        @pytest.mark.parametrize("n", [1, 2])
+        def test_param(n): assert n == 1
+    """, monkeypatch)
+    out = tmp_path / "out"
+    rc = gpu_suite.main(["--out", str(out), "--groups", "3", "--", path])
+    summary = json.loads((out / "suite.json").read_text())
+    assert rc == 1
+    assert summary["counts"] == {"passed": 2, "failed": 2, "skipped": 1, "not run": 0}
+    assert sorted(t.split("::")[1] for t in summary["failures"]) == ["test_bad", "test_param[2]"]
+    assert len(summary["groups"]) == 3 and all(os.path.exists(out / f"pytest_g{k}.txt") for k in range(3))
+
+
+def test_a_group_past_the_time_limit_is_killed_and_its_tests_count_as_not_run(tmp_path, monkeypatch):
+    path = write_tests(tmp_path, """
+        import time
+        def test_fast(): pass
+        def test_hangs(): time.sleep(60)
+    """, monkeypatch)
+    out = tmp_path / "out"
+    rc = gpu_suite.main(["--out", str(out), "--groups", "2", "--timeout-s", "8", "--", path])
+    summary = json.loads((out / "suite.json").read_text())
+    assert rc == 1
+    assert [g["killed"] for g in summary["groups"]] == [False, True]
+    assert summary["counts"]["not run"] == 1 and summary["counts"]["passed"] == 1
+
+
+def test_collection_errors_are_reported_not_swallowed(tmp_path, monkeypatch):
+    path = write_tests(tmp_path, "import no_such_module_here\ndef test_x(): pass\n", monkeypatch)
+    with pytest.raises(RuntimeError, match="collection failed"):
+        gpu_suite.main(["--out", str(tmp_path / "out"), "--", path])
+
+
+def test_tests_outside_the_current_directory_are_refused(tmp_path, monkeypatch):
+    path = write_tests(tmp_path, "def test_x(): pass\n", monkeypatch)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    with pytest.raises(RuntimeError, match="outside the current directory"):
+        gpu_suite.main(["--out", str(tmp_path / "o2"), "--", path])
