@@ -4,10 +4,12 @@ pytest-xdist), then prints one table and writes OUT/suite.json.
     PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false python experiments/gpu_suite.py --out $OUT --groups 8 \\
         --timeout-s 540 -- tests --ignore=tests/test_int4.py
 
-Everything after ``--`` goes to ``pytest --collect-only`` as it is; the collected test ids are dealt out
-round-robin, so that each file's tests (and its slow ones) spread over the groups. Each group writes
-OUT/pytest_gK.txt and a JUnit XML; a group that outlives --timeout-s is killed and its unfinished tests
-count as "not run". Exit status 1 when any test failed or errored, or any group was killed or did not
+Everything after ``--`` goes to ``pytest --collect-only`` as it is; the collected test ids are cut into
+contiguous runs of equal length, so that a file's tests mostly stay in one process and its jitted functions
+compile once (dealt round-robin, every process compiled every file's functions: in session 35 eight such
+processes finished 230 of 560 tests in 530 s, where six contiguous ones had finished all in 480). Each group
+writes OUT/pytest_gK.txt (``-v``: a line per test) and a JUnit XML; a group that outlives --timeout-s is
+killed, its finished tests are read from its log, and the rest count as "not run". Exit status 1 when any test failed or errored, or any group was killed or did not
 finish; 0 otherwise.
 """
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -42,10 +45,12 @@ def collect(pytest_args: list[str]) -> list[str]:
 
 
 def deal(ids: list[str], groups: int) -> list[list[str]]:
-    """Round-robin: test i goes to group i % groups; empty groups dropped."""
+    """Contiguous runs in collection order, lengths differing by at most one; empty groups dropped."""
     if groups < 1:
         raise ValueError(f"--groups must be at least 1, got {groups}")
-    return [g for g in (ids[k::groups] for k in range(groups)) if g]
+    size, extra = divmod(len(ids), groups)
+    bounds = [k * size + min(k, extra) for k in range(groups + 1)]
+    return [ids[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
 def read_junit(path: str) -> list[dict]:
@@ -62,13 +67,31 @@ def read_junit(path: str) -> list[dict]:
     return records
 
 
+VERBOSE_LINE = re.compile(r"^(\S+::\S+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b")
+
+
+def read_log(path: str) -> list[dict]:
+    """Outcomes from a ``pytest -v`` log (a group killed before its JUnit XML was written); no seconds."""
+    outcomes = {"PASSED": "passed", "FAILED": "failed", "SKIPPED": "skipped", "ERROR": "error",
+                "XFAIL": "skipped", "XPASS": "passed"}
+    records = {}
+    with open(path, errors="replace") as f:
+        for line in f:
+            m = VERBOSE_LINE.match(line)
+            if m:  # a test that errors in teardown after passing has two lines: the later one wins
+                test = m.group(1)
+                records[test] = {"id": test, "file": test.split("::")[0], "seconds": 0.0,
+                                 "outcome": outcomes[m.group(2)]}
+    return list(records.values())
+
+
 def run_groups(groups: list[list[str]], out: str, timeout_s: float) -> list[dict]:
     """Starts one pytest per group, waits for all (killing those past timeout_s); one record per group."""
     procs, start = [], time.monotonic()
     for k, ids in enumerate(groups):
         log = open(os.path.join(out, f"pytest_g{k}.txt"), "w")
         xml = os.path.join(out, f"junit_g{k}.xml")
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *ROOTDIR, f"--junitxml={xml}", *ids]
+        cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", *ROOTDIR, f"--junitxml={xml}", *ids]
         procs.append((k, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log, xml, len(ids)))
     results = []
     for k, proc, log, xml, n in procs:
@@ -79,7 +102,7 @@ def run_groups(groups: list[list[str]], out: str, timeout_s: float) -> list[dict
             proc.kill()
             rc, killed = proc.wait(), True
         log.close()
-        cases = read_junit(xml) if os.path.exists(xml) else []
+        cases = read_junit(xml) if os.path.exists(xml) else read_log(log.name)
         results.append({"group": k, "rc": rc, "killed": killed, "tests": n, "cases": cases,
                         "seconds": round(time.monotonic() - start, 1)})
     return results

@@ -10,8 +10,9 @@ import pytest
 from experiments import gpu_suite
 
 
-def test_deal_is_round_robin_and_drops_empty_groups():
-    assert gpu_suite.deal(list("abcde"), 2) == [list("ace"), list("bd")]
+def test_deal_cuts_contiguous_runs_of_equal_length_and_drops_empty_groups():
+    assert gpu_suite.deal(list("abcde"), 2) == [list("abc"), list("de")]
+    assert gpu_suite.deal(list("abcdefg"), 3) == [list("abc"), list("de"), list("fg")]
     assert gpu_suite.deal(list("ab"), 4) == [["a"], ["b"]]
     with pytest.raises(ValueError, match="--groups"):
         gpu_suite.deal(list("ab"), 0)
@@ -42,10 +43,12 @@ def test_reports_failures_skips_and_exits_1(tmp_path, monkeypatch):
     assert len(summary["groups"]) == 3 and all(os.path.exists(out / f"pytest_g{k}.txt") for k in range(3))
 
 
-def test_a_group_past_the_time_limit_is_killed_and_its_tests_count_as_not_run(tmp_path, monkeypatch):
+def test_a_group_past_the_time_limit_is_killed_and_its_finished_tests_still_count(tmp_path, monkeypatch):
     path = write_tests(tmp_path, """
         import time
         def test_fast(): pass
+        def test_fast_too(): pass
+        def test_fails_first(): assert False
         def test_hangs(): time.sleep(60)
     """, monkeypatch)
     out = tmp_path / "out"
@@ -53,7 +56,8 @@ def test_a_group_past_the_time_limit_is_killed_and_its_tests_count_as_not_run(tm
     summary = json.loads((out / "suite.json").read_text())
     assert rc == 1
     assert [g["killed"] for g in summary["groups"]] == [False, True]
-    assert summary["counts"]["not run"] == 1 and summary["counts"]["passed"] == 1
+    assert summary["counts"] == {"passed": 2, "failed": 1, "not run": 1}  # the failure read from the log
+    assert summary["failures"] == ["test_sample.py::test_fails_first"]
 
 
 def test_collection_errors_are_reported_not_swallowed(tmp_path, monkeypatch):
