@@ -13,7 +13,8 @@ test) and a JUnit XML; a group that outlives --timeout-s is killed, its finished
 log, and the rest count as "not run". Eight contiguous groups left 146 of 560 tests unfinished at 505 s on
 the H200 machine's 16 cores, where session 34's six groups ended within 478 s: six is the default. The
 device's transport brings back a few files only: run this as a step of ``experiments/lease.py --pack``.
-Exit status 1 when any test failed or errored, or any group was killed or did not finish; 0 otherwise.
+Exit status 1 when any test failed, errored or did not run, or any pytest process exited non-zero (killed
+ones included); 0 otherwise.
 """
 
 from __future__ import annotations
@@ -134,6 +135,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.timeout_s <= 0:
         parser.error(f"--timeout-s must be positive, got {args.timeout_s}")
+    if args.groups < 1:  # before the collection, which takes a while
+        parser.error(f"--groups must be at least 1, got {args.groups}")
     os.makedirs(args.out, exist_ok=True)
     groups = deal(collect(args.pytest_args), args.groups)
     summary = summarize(run_groups(groups, args.out, args.timeout_s))
@@ -144,7 +147,8 @@ def main(argv=None) -> int:
     for test in summary["failures"]:
         print("FAILED", test)
     print(" | ".join(f"{k} {v}" for k, v in sorted(summary["counts"].items())))
-    bad = summary["failures"] or summary["counts"].get("not run", 0) or any(g["killed"] for g in summary["groups"])
+    # pytest exits 0 only when every test passed or skipped; a killed group has rc -9
+    bad = summary["failures"] or summary["counts"].get("not run", 0) or any(g["rc"] for g in summary["groups"])
     return 1 if bad else 0
 
 
