@@ -11,7 +11,9 @@ Modes
   --mode parts  the Mosaic GPU op at the grid points, whole and in parts: glue (row folding, tree
                 inputs), kernel alone, merge (``mgpu_parts``; the library's one-launch ``combine_splits``
                 and its XLA twin beside it); says where a small problem's time goes.
-  --points "H,B,T,P;..."  the points of --mode parts or splits instead of GRID / SPLIT_SHAPES.
+  --points "H,B,T,P;..."  the points of --mode parts or splits instead of GRID / SPLIT_SHAPES; "issue": the
+                issue's whole grid (ISSUE_GRID, 108 points; --heads picks one H). --render JSON... prints its goal map.
+  --trace-only  (grid, GPU) time from the profiler's trace alone, without the wall-clock chains.
   --mode splits the Mosaic GPU kernel at memory-bound points (``SPLIT_SHAPES``) with its default split
                 count and 1/2, 1/4, 1/8 of it (``--split-factors``): whether fewer, longer splits beat the
                 merge's cost, or (factors above 1) more programs than SMs even out their ends.
@@ -63,7 +65,15 @@ from pallas_kernels.split_combine import combine_splits, combine_splits_ref  # n
 from pallas_kernels.tree_attention import (default_config, fold_rows, tree_attention,  # noqa: E402
                                            tree_attention_ref)
 
+def xla_kernel(q, cache, plen, tkv, mask, *, scale, kv_lora_rank):
+    """``xla_masked`` as a --kernel entry (its rows time XLA alone; the benchmark's dims only)."""
+    if (scale, kv_lora_rank) != (SCALE, L):
+        raise ValueError(f"xla_masked runs at the benchmark's scale {SCALE} and L = {L}, not {scale}, {kv_lora_rank}")
+    return xla_masked(q, cache, plen, tkv, mask)
+
+
 KERNELS = {"triton": tree_attention,
+           "xla": xla_kernel,  # plain XLA, timed like a kernel (--kernel xla)
            "mgpu": tree_attention_mgpu,  # its default kernel: narrow for T*H <= 32 rows, else wide
            "mgpu_wide": functools.partial(tree_attention_mgpu, kernel=M.split_attention),
            "mgpu_redundant": functools.partial(tree_attention_mgpu, kernel=M.split_attention, share_scores=False),
@@ -113,6 +123,10 @@ GRID = [  # in priority order: a run that hits its budget keeps the most useful 
     (8, 1, 256, 1024), (64, 1, 256, 1024), (64, 1, 256, 65536), (64, 16, 256, 8192),
     (8, 1, 256, 65536),
 ]
+
+# The issue's whole grid (--points issue): H in {64, 8} x T {1, 8, 32, 64, 128, 256} x B {1, 4, 16} x P {1K, 8K, 64K}
+ISSUE_GRID = [(H, B, T, P) for H in (8, 64) for P in (65536, 8192, 1024) for T in (1, 8, 32, 64, 128, 256)
+              for B in (16, 4, 1)]
 
 SWEEP_SHAPES = [(64, 1, 1, 32768), (8, 16, 1, 8192), (64, 1, 256, 8192), (8, 4, 64, 8192)]
 SWEEP_CFGS = [
@@ -301,8 +315,20 @@ def device_time(fn, inputs, calls=8, op_kernels=None):
     return r["span_s"], r.get("op_span_s")
 
 
+def mgpu_path(H, B, T, P) -> dict:
+    """Which Mosaic GPU kernel the op's defaults run at a point, and its split count: "narrow" (T*H <= 32 rows),
+    "tail" (one 64-row tile and 8 rows beside it, T*H = 72) or "tiles" (whole 64-row tiles)."""
+    from pallas_kernels.mla_attention_narrow import NARROW_MAX_ROWS
+    rows = T * H
+    valid = M.valid_rows_for(T, H)
+    path = "narrow" if valid is not None and valid <= NARROW_MAX_ROWS else "tail" if M.tail_rows_of(rows) else "tiles"
+    return dict(path=path, num_splits=M.splits_for(B, T, H, P, tail=path == "tail"))
+
+
 def bench_point(H, B, T, P, cfg, bw, peak, with_xla=True, check=True, repeats=5, bw_jax=None, kernel="triton",
-                with_trace=None, bw_traced=None, padded_tree=False):
+                with_trace=None, bw_traced=None, padded_tree=False, wall_clock=True):
+    """One point's row. ``wall_clock=False`` (needs ``with_trace``): the profiler's device times alone, without
+    the two wall-clock chains per op (``ms_chained``, ``ms_with_launch``), which roughly halves a point's compiles."""
     nbytes, flops, bound, floor_s = roofline(H, B, T, P, bw, peak)
     cache_bytes = 2 * B * P * C
     copies = int(min(16, max(1, math.ceil(2 * L2_BYTES / cache_bytes))))
@@ -312,15 +338,20 @@ def bench_point(H, B, T, P, cfg, bw, peak, with_xla=True, check=True, repeats=5,
     # jitted once so the chained program holds one lowered kernel called n times (not n lowerings:
     # 8 Mosaic GPU kernels lowered in 4.5 s on the CPU, the jitted one in 0.6 s)
     kern = jax.jit(functools.partial(kernel_fn(kernel), scale=SCALE, kv_lora_rank=L, **cfg))
+    if kernel.split(":")[0] == "mgpu":
+        row.update(mgpu_path(H, B, T, P))
     if check:
         row["rel_err"] = parity(kern, inputs, (H, B, T, P))
-    t_chained, n, t_program = time_op(kern, inputs, floor_s, repeats)
     if with_trace is None:  # a CPU trace holds the host's thunks, not interpret mode's callbacks
         with_trace = jax.default_backend() == "gpu"
+    if not (wall_clock or with_trace):
+        raise ValueError("wall_clock=False times from the profiler's trace: it needs with_trace")
+    if wall_clock:
+        t_chained, n, t_program = time_op(kern, inputs, floor_s, repeats)
+        row.update(ms_chained=t_chained * 1e3, calls_per_program=n, ms_with_launch=t_program * 1e3)
     t, t_op = device_time(kern, inputs, op_kernels=is_mgpu_op_kernel if kernel.startswith("mgpu") else None) \
         if with_trace else (t_chained, None)
-    row.update(ms=t * 1e3, ms_chained=t_chained * 1e3, calls_per_program=n, ms_with_launch=t_program * 1e3,
-               tflops=flops / t / 1e12, tbps=nbytes / t / 1e12,
+    row.update(ms=t * 1e3, tflops=flops / t / 1e12, tbps=nbytes / t / 1e12,
                pct_bw=100 * nbytes / t / bw, pct_peak=100 * flops / t / peak,
                pct_floor=100 * floor_s / t)
     if t_op is not None:
@@ -332,8 +363,9 @@ def bench_point(H, B, T, P, cfg, bw, peak, with_xla=True, check=True, repeats=5,
     scores_bytes = 4 * B * T * H * (P + T)
     if with_xla and scores_bytes <= (4 << 30):
         try:
-            tx, _, _ = time_op(xla_masked, inputs, floor_s, repeats)
-            row["xla_ms_chained"] = tx * 1e3
+            if wall_clock:
+                tx, _, _ = time_op(xla_masked, inputs, floor_s, repeats)
+                row["xla_ms_chained"] = tx * 1e3
             tx = device_time(jax.jit(xla_masked), inputs)[0] if with_trace else tx
             row.update(xla_ms=tx * 1e3, speedup=tx / t)
         except jax.errors.JaxRuntimeError as e:  # out of device memory: the row says so, the grid goes on
@@ -342,7 +374,48 @@ def bench_point(H, B, T, P, cfg, bw, peak, with_xla=True, check=True, repeats=5,
     return row
 
 
+GOALS = {"memory": 80.0, "compute": 50.0}  # the issue's: % of the copy where memory-bound, of bf16 peak where compute-bound
+
+
+def prefix_label(P: int) -> str:
+    return f"{P // 1024}K" if P % 1024 == 0 else str(P)
+
+
+def render_goal_map(rows) -> str:
+    """Markdown goal maps of grid rows, one per kernel: a row per (H, T), a column per (P, B); each cell the
+    floor's share of the op's time (``op_ms`` where traced, else ``ms``) in %, "m" memory-bound (% of the copy)
+    or "c" compute-bound (% of the bf16 peak), bold where the issue's goal holds; "err" for a failed point.
+    A last line counts the points where the goals hold."""
+    out = []
+    for kernel in dict.fromkeys(r["kernel"] for r in rows):
+        cells = {(r["H"], r["T"], r["P"], r["B"]): r for r in rows if r["kernel"] == kernel}
+        cols = sorted({(P, B) for _, _, P, B in cells}, key=lambda c: (-c[0], -c[1]))
+        lines = [f"**{kernel}**", "", "| H | T | " + " | ".join(f"{prefix_label(P)}, B={B}" for P, B in cols) + " |",
+                 "|--:|--:|" + "--:|" * len(cols)]
+        met = total = 0
+        for H, T in sorted({(H, T) for H, T, _, _ in cells}, key=lambda k: (-k[0], k[1])):
+            row = []
+            for P, B in cols:
+                r = cells.get((H, T, P, B))
+                if r is None:
+                    row.append("")
+                elif "error" in r or not isinstance(r.get("ms"), float):
+                    row.append("err")
+                    total += 1
+                else:
+                    pct = 100 * r["floor_ms"] / r.get("op_ms", r["ms"])
+                    ok = pct >= GOALS[r["bound"]]
+                    met, total = met + ok, total + 1
+                    text = f"{pct:.0f} {r['bound'][0]}"
+                    row.append(f"**{text}**" if ok else text)
+            lines.append(f"| {H} | {T} | " + " | ".join(row) + " |")
+        lines += ["", f"Goals hold at {met} of {total} points."]
+        out.append("\n".join(lines))
+    return "\n\n".join(out)
+
+
 def main():
+    global GRID, SWEEP_SHAPES, SWEEP_CFGS, SWEEP_SPLITS  # --smoke shrinks them
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", choices=["sweep", "grid", "both", "parts", "splits"], default="grid",
                     help="parts: the Mosaic GPU op split into glue, kernel and merge at the grid points")
@@ -357,7 +430,13 @@ def main():
     ap.add_argument("--name", default=None, help="result file name (default from the mode)")
     ap.add_argument("--start", type=int, default=0, help="skip the first N grid points")
     ap.add_argument("--points", default=None,
-                    help="'H,B,T,P;...': the points of --mode parts / splits / grid (instead of their defaults)")
+                    help="'H,B,T,P;...': the points of --mode parts / splits / grid (instead of their defaults), or "
+                         "'issue': the issue's whole grid (ISSUE_GRID)")
+    ap.add_argument("--heads", type=int, default=None, help="only the points with this many heads")
+    ap.add_argument("--trace-only", action="store_true",
+                    help="grid mode: time from the profiler's trace alone (no wall-clock chains; GPU)")
+    ap.add_argument("--render", nargs="+", default=None, metavar="JSON",
+                    help="print the goal map (markdown) of grid results and exit; no device work")
     ap.add_argument("--extra-s", type=float, default=0.0,
                     help="after the grid, this many seconds of EXTRA tuning points (sweep rows)")
     ap.add_argument("--commit", default=None,
@@ -370,14 +449,23 @@ def main():
     ap.add_argument("--padded-tree", action="store_true",
                     help="hand the ops tree latents padded to whole 64-key blocks, as the model does")
     args = ap.parse_args()
+    if args.render:
+        print(render_goal_map([r for f in args.render for r in json.load(open(f))["rows"]]))
+        return 0
     try:
-        points = bench_util.int_points(args.points, 4) if args.points else None
+        points = ISSUE_GRID if args.points == "issue" else bench_util.int_points(args.points, 4) if args.points \
+            else None
     except ValueError:
-        ap.error(f"--points takes integers 'H,B,T,P;...', got {args.points!r}")
+        ap.error(f"--points takes integers 'H,B,T,P;...' or 'issue', got {args.points!r}")
+    if args.heads is not None:
+        points = [pt for pt in (points or GRID) if pt[0] == args.heads]
+        if not points:
+            ap.error(f"no point has H = {args.heads}")
+    if args.trace_only and (args.smoke or args.mode != "grid"):
+        ap.error("--trace-only times grid points on a GPU from the profiler's trace")
     t_start = time.time()
     print("jax", jax.__version__, jax.devices()[0].device_kind, flush=True)
     if args.smoke:
-        global GRID, SWEEP_SHAPES, SWEEP_CFGS, SWEEP_SPLITS
         GRID, SWEEP_SHAPES = [(8, 1, 1, 128), (8, 2, 8, 128)], [(8, 1, 1, 128)]
         SWEEP_CFGS, SWEEP_SPLITS = [dict(block_k=32, interpret=True), dict(block_k=16, interpret=True)], []
         tbw, bw, chained_peak, traced_peak, traced_bw = None, 1e11, 1e12, None, None
@@ -447,7 +535,7 @@ def main():
             with_xla = mode == "grid" and kernel == kernels[0] and not args.no_xla
             measure(lambda: bench_point(H, B, T, P, cfg, bw, peak, with_xla=with_xla,
                                         check=check, bw_jax=bw_jax, kernel=kernel, bw_traced=traced_bw,
-                                        padded_tree=args.padded_tree),
+                                        padded_tree=args.padded_tree, wall_clock=not args.trace_only),
                     dict(H=H, B=B, T=T, P=P, cfg=cfg, kernel=kernel), mode=mode,
                     **({"default_cfg": default_config(B, T, H, P, C, L)} if kernel == "triton" else {}))
 
@@ -511,7 +599,7 @@ def main():
     if args.extra_s > 0:
         run_points(EXTRA, "sweep", args.budget_s + args.extra_s)
     save()
-    cols = ["kernel", "H", "B", "T", "P", "bound", "ms", "op_ms", "floor_ms", "pct_bw", "pct_floor_op", "pct_peak",
+    cols = ["kernel", "H", "B", "T", "P", "bound", "path", "num_splits", "ms", "op_ms", "floor_ms", "pct_bw", "pct_floor_op", "pct_peak",
             "tflops", "tbps", "xla_ms", "speedup", "rel_err", "wall_s"]
     for r in rows:
         if "error" in r:

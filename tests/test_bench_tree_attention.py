@@ -46,3 +46,51 @@ def test_kernel_names_take_integer_keywords():
     assert m.keywords["combine"].func is bench.combine_splits and m.keywords["combine"].keywords == {"num_warps": 4}
     with pytest.raises(ValueError, match="split merge"):
         bench.kernel_fn("triton:combine.num_warps=4")
+
+
+def test_trace_only_point_has_device_times_and_no_wall_clock(monkeypatch):
+    """--trace-only: the profiler's times alone (and XLA's), no wall-clock chains; without a trace it refuses."""
+    import pytest
+
+    monkeypatch.setitem(bench.KERNELS, "twin", tree_attention_ref)
+    row = bench.bench_point(2, 1, 3, 64, {}, bw=1e11, peak=1e12, kernel="twin", with_trace=True, check=False,
+                            wall_clock=False)
+    for key in ("ms", "xla_ms"):
+        assert math.isfinite(row[key]) and row[key] > 0, key
+    assert not {"ms_chained", "xla_ms_chained", "ms_with_launch", "rel_err"} & set(row)
+    with pytest.raises(ValueError, match="needs with_trace"):
+        bench.bench_point(2, 1, 3, 64, {}, bw=1e11, peak=1e12, kernel="twin", with_trace=False, wall_clock=False)
+
+
+def test_xla_entry_matches_the_twin():
+    """--kernel xla: the masked XLA attention as a kernel row, checked against the twin like any kernel."""
+    import pytest
+
+    row = bench.bench_point(2, 2, 3, 64, {}, bw=1e11, peak=1e12, kernel="xla", with_trace=False, check=True,
+                            with_xla=False, repeats=1)
+    assert row["rel_err"] < 1e-2 and "path" not in row
+    with pytest.raises(ValueError, match="benchmark's scale"):
+        bench.xla_kernel(None, None, None, None, None, scale=1.0, kv_lora_rank=bench.L)
+
+
+def test_issue_grid_and_mgpu_paths():
+    """The issue's grid is every (H, B, T, P) it names, once; the op's kernel choice per point as the library makes it."""
+    assert len(bench.ISSUE_GRID) == len(set(bench.ISSUE_GRID)) == 2 * 6 * 3 * 3
+    assert {pt[0] for pt in bench.ISSUE_GRID} == {8, 64} and {pt[2] for pt in bench.ISSUE_GRID} == {1, 8, 32, 64, 128, 256}
+    assert bench.mgpu_path(8, 16, 1, 8192)["path"] == "narrow"
+    assert bench.mgpu_path(8, 16, 9, 8192)["path"] == "tail"
+    assert bench.mgpu_path(64, 1, 1, 8192) == dict(path="tiles", num_splits=bench.M.splits_for(1, 1, 64, 8192))
+
+
+def test_goal_map_marks_where_the_goals_hold():
+    rows = [dict(kernel="mgpu", H=8, T=1, P=8192, B=16, bound="memory", floor_ms=0.036, ms=0.05, op_ms=0.04),  # 90 %
+            dict(kernel="mgpu", H=8, T=1, P=8192, B=1, bound="memory", floor_ms=0.002, ms=0.02),  # 10 %, no op_ms
+            dict(kernel="mgpu", H=8, T=256, P=1024, B=1, bound="compute", floor_ms=0.007, ms=0.02, op_ms=0.014),  # 50
+            dict(kernel="mgpu", H=64, T=1, P=8192, B=1, bound="memory", error="boom", ms="ERR"),
+            dict(kernel="xla", H=8, T=1, P=8192, B=16, bound="memory", floor_ms=0.036, ms=0.1)]
+    text = bench.render_goal_map(rows)
+    mgpu, xla = text.split("**xla**")
+    assert "| H | T | 8K, B=16 | 8K, B=1 | 1K, B=1 |" in mgpu  # longest prefix first, then most streams
+    assert "| 8 | 1 | **90 m** | 10 m |  |" in mgpu and "| 8 | 256 |  |  | **50 c** |" in mgpu
+    assert "| 64 | 1 |  | err |  |" in mgpu and "Goals hold at 2 of 4 points." in mgpu
+    assert "| 8 | 1 | 36 m |" in xla and "Goals hold at 0 of 1 points." in xla
