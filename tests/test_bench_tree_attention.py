@@ -69,6 +69,8 @@ def test_xla_entry_matches_the_twin():
     row = bench.bench_point(2, 2, 3, 64, {}, bw=1e11, peak=1e12, kernel="xla", with_trace=False, check=True,
                             with_xla=False, repeats=1)
     assert row["rel_err"] < 1e-2 and "path" not in row
+    with pytest.raises(ValueError, match="GiB of scores"):  # refused before any input is made
+        bench.bench_point(64, 16, 256, 65536, {}, bw=1e11, peak=1e12, kernel="xla", with_trace=False)
     with pytest.raises(ValueError, match="benchmark's scale"):
         bench.xla_kernel(None, None, None, None, None, scale=1.0, kv_lora_rank=bench.L)
 
