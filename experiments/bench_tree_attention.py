@@ -317,12 +317,8 @@ def device_time(fn, inputs, calls=8, op_kernels=None):
 
 
 def mgpu_path(H, B, T, P) -> dict:
-    """Which Mosaic GPU kernel the op's defaults run at a point, and its split count: "narrow" (T*H <= 32 rows),
-    "tail" (one 64-row tile and 8 rows beside it, T*H = 72) or "tiles" (whole 64-row tiles)."""
-    from pallas_kernels.mla_attention_narrow import NARROW_MAX_ROWS
-    rows = T * H
-    valid = M.valid_rows_for(T, H)
-    path = "narrow" if valid is not None and valid <= NARROW_MAX_ROWS else "tail" if M.tail_rows_of(rows) else "tiles"
+    """The Mosaic GPU op's defaults at a point: its kernel (``M.default_kernel_name``) and split count."""
+    path = M.default_kernel_name(T, H, C, L)
     return dict(path=path, num_splits=M.splits_for(B, T, H, P, tail=path == "tail"))
 
 
@@ -603,8 +599,8 @@ def main():
     if args.extra_s > 0:
         run_points(EXTRA, "sweep", args.budget_s + args.extra_s)
     save()
-    cols = ["kernel", "H", "B", "T", "P", "bound", "path", "num_splits", "ms", "op_ms", "floor_ms", "pct_bw", "pct_floor_op", "pct_peak",
-            "tflops", "tbps", "xla_ms", "speedup", "rel_err", "wall_s"]
+    cols = ["kernel", "H", "B", "T", "P", "bound", "path", "num_splits", "ms", "op_ms", "floor_ms", "pct_bw",
+            "pct_floor_op", "pct_peak", "tflops", "tbps", "xla_ms", "speedup", "rel_err", "wall_s"]
     for r in rows:
         if "error" in r:
             r["ms"] = "ERR"

@@ -731,6 +731,18 @@ def valid_rows_for(T: int, H: int) -> int | None:
     return n if n < ROWS and n % 8 == 0 else None
 
 
+def default_kernel_name(T: int, H: int, C: int, L: int, block_k: int = 64) -> str:
+    """Which kernel :func:`tree_attention_mgpu` runs by default for T nodes x H heads: "narrow"
+    (``mla_attention_narrow``, at most NARROW_MAX_ROWS real rows), "tail" (:func:`split_attention`, one 64-row
+    tile and a tail of 8 rows) or "tiles" (:func:`split_attention`, whole 64-row tiles)."""
+    from pallas_kernels.mla_attention_narrow import NARROW_MAX_ROWS  # it imports this module
+    keys_as_m = block_k == 64 and L + 64 <= C  # both need a block's rope columns free for p
+    valid_rows = valid_rows_for(T, H)
+    if keys_as_m and valid_rows is not None and valid_rows <= NARROW_MAX_ROWS:
+        return "narrow"
+    return "tail" if keys_as_m and tail_rows_of(T * H) else "tiles"
+
+
 def _check_valid_rows(valid_rows, rows: int) -> int:
     """V for ``split_attention``: ``rows`` (Np) by default, else a multiple of 8 in (0, 64) with one tile."""
     if valid_rows is None or valid_rows == rows:
@@ -771,9 +783,9 @@ def tree_attention_mgpu(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, k
     L, N = kv_lora_rank, T * H
     plen = jnp.clip(prefix_len.astype(jnp.int32), 0, S)
     valid_rows = valid_rows_for(T, H)
-    from pallas_kernels.mla_attention_narrow import NARROW_MAX_ROWS, split_attention_narrow  # it imports this
+    from pallas_kernels.mla_attention_narrow import split_attention_narrow  # it imports this module
     if kernel is None:
-        narrow = valid_rows is not None and valid_rows <= NARROW_MAX_ROWS and block_k == 64 and L + 64 <= C
+        narrow = default_kernel_name(T, H, C, L, block_k) == "narrow"
         kernel = split_attention_narrow if narrow else split_attention
     # the narrow kernel takes the V real rows as they are (no padded copy of q), as does one tile and a tail;
     # the others whole 64-row tiles

@@ -108,6 +108,11 @@ def test_default_kernel_is_narrow_up_to_32_rows_and_its_shared_memory_count():
                             (1, 64, 1024, False), (3, 2, 1024, False), (1, 8, 1000, True)]:
         text = f.trace(*k26_spec(2, T, H, S)).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text and ("narrow_body" in text) == narrow, (T, H, S)
+        assert (M.default_kernel_name(T, H, K26["C"], K26["L"]) == "narrow") == narrow, (T, H)
+    name = functools.partial(M.default_kernel_name, C=K26["C"], L=K26["L"])
+    assert (name(9, 8), name(8, 8), name(1, 64), name(3, 2)) == ("tail", "tiles", "tiles", "tiles")
+    assert M.default_kernel_name(1, 8, 512, 512) == M.default_kernel_name(9, 8, 512, 512) == "tiles"  # no rope columns
+    assert name(1, 8, block_k=32) == "tiles"
     assert narrow_smem_bytes(8, K26["C"], 64, 3) <= M.SMEM_LIMIT < narrow_smem_bytes(16, K26["C"], 64, 3)
     lowered = jax.jit(functools.partial(M.tree_attention_mgpu, scale=K26["scale"], kv_lora_rank=K26["L"], stages=3))
     assert "narrow_body" in lowered.trace(*k26_spec(2, 1, 8, 1024)).lower(lowering_platforms=("cuda",)).as_text()
