@@ -96,3 +96,10 @@ def test_goal_map_marks_where_the_goals_hold():
     assert "| 8 | 1 | **90 m** | 10 m |  |" in mgpu and "| 8 | 256 |  |  | **50 c** |" in mgpu
     assert "| 64 | 1 |  | err |  |" in mgpu and "Goals hold at 2 of 4 points." in mgpu
     assert "| 8 | 1 | 36 m |" in xla and "Goals hold at 0 of 1 points." in xla
+
+
+def test_a_point_starts_only_if_the_longest_so_far_would_end_within_the_budget():
+    assert bench.next_point_fits(0.0, [], 10.0)  # the first point always starts
+    assert bench.next_point_fits(70.0, [4.0, 30.0, 5.0], 100.0)
+    assert not bench.next_point_fits(71.0, [4.0, 30.0, 5.0], 100.0)
+    assert not bench.next_point_fits(101.0, [], 100.0)
