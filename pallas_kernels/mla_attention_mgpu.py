@@ -790,8 +790,8 @@ def tree_attention_mgpu(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, k
     # the narrow kernel takes the V real rows as they are (no padded copy of q), as does one tile and a tail;
     # the others whole 64-row tiles
     base = getattr(kernel, "func", kernel)  # a partial of a kernel
-    with_tail = bool(tail) and tail_rows_of(N) > 0 and base in (split_attention, split_attention_ref) \
-        and block_k == 64 and share_scores and L + 64 <= C
+    with_tail = bool(tail) and share_scores and base in (split_attention, split_attention_ref) \
+        and default_kernel_name(T, H, C, L, block_k) == "tail"
     if num_splits is None:
         num_splits = splits_for(B, T, H, S, block_k, num_sms, tail=with_tail)
     qr = q.reshape(B, N, C) if base is split_attention_narrow or with_tail else fold_rows(q, ROWS)
