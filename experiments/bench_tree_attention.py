@@ -388,11 +388,17 @@ def prefix_label(P: int) -> str:
     return f"{P // 1024}K" if P % 1024 == 0 else str(P)
 
 
-def render_goal_map(rows) -> str:
-    """Markdown goal maps of grid rows, one per kernel: a row per (H, T), a column per (P, B); each cell the
-    floor's share of the op's time (``op_ms`` where traced, else ``ms``) in %, "m" memory-bound (% of the copy)
-    or "c" compute-bound (% of the bf16 peak), bold where the issue's goal holds; "err" for a failed point.
-    A last line counts the points where the goals hold."""
+def floor_share(r) -> float | None:
+    """A grid row's floor over its op's time (``op_ms`` where traced, else ``ms``), in %; None without a time."""
+    t = r.get("op_ms", r.get("ms"))
+    return 100 * r["floor_ms"] / t if isinstance(t, float) else None
+
+
+def render_goal_map(rows, pct=floor_share) -> str:
+    """Markdown goal maps of grid rows, one per kernel: a row per (H, T), a column per (P, B); each cell
+    ``pct(row)`` (by default the floor's share of the op's time, ``floor_share``) in %, "m" memory-bound (% of the
+    copy) or "c" compute-bound (% of the bf16 peak), bold where the issue's goal holds; "err" for a failed point
+    or one without a value. A last line counts the points where the goals hold."""
     out = []
     for kernel in dict.fromkeys(r["kernel"] for r in rows):
         cells = {(r["H"], r["T"], r["P"], r["B"]): r for r in rows if r["kernel"] == kernel}
@@ -406,14 +412,13 @@ def render_goal_map(rows) -> str:
                 r = cells.get((H, T, P, B))
                 if r is None:
                     row.append("")
-                elif "error" in r or not isinstance(r.get("ms"), float):
+                elif "error" in r or not isinstance(value := pct(r), float):
                     row.append("err")
                     total += 1
                 else:
-                    pct = 100 * r["floor_ms"] / r.get("op_ms", r["ms"])
-                    ok = pct >= GOALS[r["bound"]]
+                    ok = value >= GOALS[r["bound"]]
                     met, total = met + ok, total + 1
-                    text = f"{pct:.0f} {r['bound'][0]}"
+                    text = f"{value:.0f} {r['bound'][0]}"
                     row.append(f"**{text}**" if ok else text)
             lines.append(f"| {H} | {T} | " + " | ".join(row) + " |")
         lines += ["", f"Goals hold at {met} of {total} points."]

@@ -85,15 +85,18 @@ def layer_m1_case(n_experts: int):
     return [("layer_m1_gate_up+down", functools.partial(fn, x, ids, wts, w13, w2))]
 
 
-def attention_cases():
-    from experiments.bench_tree_attention import L, SCALE, make_inputs
-    from pallas_kernels.mla_attention_mgpu import tree_attention_mgpu
+def attention_cases(points=ATT_CASES, kernels=("mgpu",)):
+    """(name, thunk) per (T, H, B, P) point and ``bench_tree_attention`` --kernel entry (``kernel_fn``);
+    the name carries the entry where it is not the default ``mgpu``."""
+    from experiments.bench_tree_attention import L, SCALE, kernel_fn, make_inputs
 
     cases = []
-    for t, h, b, p in ATT_CASES:
+    for t, h, b, p in points:
         q, caches, plen, tkv, mask = make_inputs(jax.random.key(t * 7 + b), h, b, t, p, 1)
-        fn = jax.jit(functools.partial(tree_attention_mgpu, scale=SCALE, kv_lora_rank=L))
-        cases.append((f"att_t{t}_h{h}_b{b}_p{p}", functools.partial(fn, q, caches[0], plen, tkv, mask)))
+        for kernel in kernels:
+            fn = jax.jit(functools.partial(kernel_fn(kernel), scale=SCALE, kv_lora_rank=L))
+            tag = "" if kernel == "mgpu" else f"_{kernel}"
+            cases.append((f"att_t{t}_h{h}_b{b}_p{p}{tag}", functools.partial(fn, q, caches[0], plen, tkv, mask)))
     return cases
 
 
@@ -172,6 +175,11 @@ def main(argv=None):
     ap.add_argument("--summarize-source", default=None, metavar="CSV",
                     help="only summarise this ncu --page source CSV (to --out/ncu_source.json and stdout)")
     ap.add_argument("--commit", default=None, help="code commit to record (the device copy of the tree has no .git)")
+    ap.add_argument("--att-points", default=None, metavar="T,H,B,P;...",
+                    help="the attention cases' points (default ATT_CASES)")
+    ap.add_argument("--att-kernels", default="mgpu",
+                    help="comma-separated bench_tree_attention --kernel entries, each run at every attention point: "
+                         "mgpu,mgpu_wide:kernel.tiles_first=1")
     args = ap.parse_args(argv)
     if args.summarize_source:
         with open(args.summarize_source) as fh:
@@ -191,7 +199,9 @@ def main(argv=None):
     if "layer_m1" in what:
         cases += layer_m1_case(64)
     if "attention" in what:
-        cases += attention_cases()
+        from experiments.bench_util import int_points
+        points = int_points(args.att_points, 4) if args.att_points else ATT_CASES
+        cases += attention_cases(points, args.att_kernels.split(","))
     order = []
     for name, thunk in cases:
         jax.block_until_ready(thunk())

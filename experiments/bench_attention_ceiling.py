@@ -1,0 +1,222 @@
+"""What single-purpose XLA kernels reach at the sizes of issue #6's points (the size ceiling of each point).
+
+The issue asks the tree-verify attention for >= 80 % of the copy's bandwidth where it is memory-bound and
+>= 50 % of the bf16 peak where it is compute-bound, at every point of its grid. This benchmark asks how much of
+either a kernel that does nothing else gets at each point's own size:
+
+* ``read``: the B cache prefixes the op reads (B x P x C bf16, nearly all of the point's bytes), masked by the
+  prefix lengths and summed over the keys in f32, as XLA fuses it. Two shapes of the sum, over the keys
+  ([B, C]) and over keys and columns ([B]); the faster counts. ``read_pct_bw``: its bytes over its time, in %
+  of the copy (PyTorch's, measured in the same run, as ``bench_tree_attention`` quotes).
+* ``gemm``: the attention's two products as XLA runs them on cuBLAS, without the softmax: scores = q . k^T
+  over the B prefixes into bf16 [B, T*H, P], then scores . k over all C columns (the op's value product reads
+  the first L = 512; this one C = 576, and its FLOPs count them). Only where the scores fit in 2 GiB (the
+  grid's largest points are far from their goals' edge). ``gemm_pct_peak``: its FLOPs over its time, in % of
+  the bf16 peak measured in the same run.
+
+A point's ``ceiling_pct`` is the read's % where the op is memory-bound, the products' % where compute-bound.
+Where it falls short of the goal, no kernel of that kind reaches the goal at that size on this GPU, and
+neither would the op, which does both in one launch and merges its splits in a second one. These are
+ceilings, not bounds: a fused kernel can overlap the read with the products, and a different reduction could
+read faster than XLA's, so a point with a ceiling below the goal shows the goal is beyond what the
+GPU's own libraries reach there, not that it is impossible.
+
+Timing is ``bench_tree_attention``'s op time: a chain of 8 calls, each one's prefix lengths depending on the
+last one's output (``chained``), over enough cache copies to leave L2; from the profiler's trace, the median
+over calls of the span of the op's own kernels (``bench_util.op_spans``; reductions for the read, GEMMs for the
+products), the chain's tie between calls left out. Every kernel the chain ran is recorded per row.
+
+``--against JSON...`` takes the op's grid results (``bench_tree_attention --points issue``) and prints each
+point's op % beside its ceiling and what holds it below the goal: ``size`` where the ceiling does,
+``kernel`` where only the op does.
+
+    PYTHONPATH=. python experiments/bench_attention_ceiling.py --out $OUT --against \\
+        experiments/results/bench_tree_attention_s36_issue_h8.json \\
+        experiments/results/bench_tree_attention_s36_issue_rest.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from experiments import bench_util  # noqa: E402
+from experiments.bench_tree_attention import (C, GOALS, ISSUE_GRID, L2_BYTES, chained, make_inputs,  # noqa: E402
+                                              floor_share, next_point_fits, render_goal_map, roofline)
+
+GEMM_SCORES_LIMIT = 2 << 30  # bytes of bf16 scores
+SMOKE_POINTS = [(8, 1, 1, 256), (8, 2, 8, 128)]
+OP_KERNELS = {"read": re.compile("reduce", re.I),
+              "gemm": re.compile("gemm|xmma|cutlass|nvjet|cublas|dot|matmul|sm90", re.I)}
+
+
+def read_over_keys(q, cache, plen, tkv, mask):
+    """The B prefixes summed over their keys: [B, 1, 1, C] f32."""
+    del q, tkv, mask
+    keep = jnp.arange(cache.shape[1])[None, :, None] < plen[:, None, None]
+    return jnp.where(keep, cache, 0).astype(jnp.float32).sum(axis=1)[:, None, None, :]
+
+
+def read_over_all(q, cache, plen, tkv, mask):
+    """The B prefixes summed over their keys and columns: [B, 1, 1, 1] f32."""
+    return read_over_keys(q, cache, plen, tkv, mask).sum(axis=-1, keepdims=True)
+
+
+def gemm_pair(q, cache, plen, tkv, mask):
+    """q . k^T into bf16 scores, then scores . k over all C columns: [B, T, H, C] bf16 (no softmax; the
+    prefix lengths mask the scores' keys)."""
+    del tkv, mask
+    B, T, H, _ = q.shape
+    s = jnp.einsum("bnc,bkc->bnk", q.reshape(B, T * H, C), cache, preferred_element_type=jnp.float32)
+    s = jnp.where(jnp.arange(cache.shape[1])[None, None, :] < plen[:, None, None], s, 0.0).astype(q.dtype)
+    o = jnp.einsum("bnk,bkc->bnc", s, cache, preferred_element_type=jnp.float32)
+    return o.astype(q.dtype).reshape(B, T, H, C)
+
+
+def op_span(fn, inputs, kind: str, calls: int = 8) -> dict:
+    """{"ms": the op's median span per call, "timed": how, "kernels": [name, launches, µs] per call of everything
+    the chain ran}, from one profiler trace: the op's kernels are those ``OP_KERNELS[kind]`` names; on a CPU host
+    (smoke) or where no kernel name matches, the chain's span per call (tie included)."""
+    q, caches, plen, tkv, mask = inputs
+    events = bench_util.trace_kernel_events(chained(jax.jit(fn), calls), (q, caches, plen, tkv, mask))
+    per_name = bench_util.launches_by_name(events)
+    picked = {n for n in per_name if OP_KERNELS[kind].search(n)}
+    if picked and jax.default_backend() == "gpu":
+        ms, how = float(np.median(bench_util.op_spans(events, lambda n: n in picked, calls))) * 1e3, "op kernels"
+    else:
+        ms, how = (events[-1][1] + events[-1][2] - events[0][1]) / calls / 1e6, "chain span"
+    return dict(ms=ms, timed=how, kernels=[[n, k, round(t * 1e6, 2)]
+                                           for n, k, t in bench_util.kernel_totals(per_name, calls)])
+
+
+def ceiling_point(H, B, T, P, bw, peak) -> dict:
+    """One point's row: the read's and the products' times and shares, and the ceiling of its bound."""
+    nbytes, flops, bound, floor_s = roofline(H, B, T, P, bw, peak)
+    cache_bytes = 2 * B * P * C
+    copies = int(min(16, max(1, math.ceil(2 * L2_BYTES / cache_bytes))))
+    inputs = make_inputs(jax.random.key(H * 7 + B * 131 + T * 17 + P), H, B, T, P, copies)
+    row = dict(H=H, B=B, T=T, P=P, bound=bound, floor_ms=floor_s * 1e3, cache_copies=copies)
+    reads = {name: op_span(fn, inputs, "read") for name, fn in
+             (("read_over_keys", read_over_keys), ("read_over_all", read_over_all))}
+    best = min(reads, key=lambda k: reads[k]["ms"])
+    row.update(read_ms=reads[best]["ms"], read_shape=best,
+               read_pct_bw=100 * cache_bytes / (reads[best]["ms"] / 1e3) / bw,
+               reads={k: dict(ms=v["ms"], timed=v["timed"], kernels=v["kernels"]) for k, v in reads.items()})
+    if 2 * B * T * H * P <= GEMM_SCORES_LIMIT:
+        g = op_span(gemm_pair, inputs, "gemm")
+        gemm_flops = 2 * B * T * H * P * (C + C)
+        row.update(gemm_ms=g["ms"], gemm_flops=gemm_flops, gemm_pct_peak=100 * gemm_flops / (g["ms"] / 1e3) / peak,
+                   gemm_timed=g["timed"], gemm_kernels=g["kernels"])
+    row["ceiling_pct"] = row["read_pct_bw"] if bound == "memory" else row.get("gemm_pct_peak")
+    return row
+
+
+def verdicts(ceilings, op_rows) -> list[dict]:
+    """Per point in both: the op's % of its floor (``op_ms``, else ``ms``) beside the ceiling, and ``holds``:
+    "met" (the op reaches the goal), "size" (the ceiling is below the goal too), "kernel" (only the op is),
+    "?" (no ceiling)."""
+    ops = {(r["H"], r["B"], r["T"], r["P"]): r for r in op_rows if "error" not in r and floor_share(r) is not None}
+    out = []
+    for c in ceilings:
+        op = ops.get((c["H"], c["B"], c["T"], c["P"]))
+        if op is None or "error" in c:
+            continue
+        op_pct = floor_share(op)
+        goal = GOALS[op["bound"]]
+        ceiling = c.get("ceiling_pct")
+        holds = "met" if op_pct >= goal else "?" if ceiling is None else "size" if ceiling < goal else "kernel"
+        out.append(dict(H=c["H"], B=c["B"], T=c["T"], P=c["P"], bound=op["bound"], op_pct=op_pct, ceiling_pct=ceiling,
+                        goal=goal, holds=holds, op_ms=op.get("op_ms", op["ms"]), read_ms=c.get("read_ms"),
+                        gemm_ms=c.get("gemm_ms")))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--name", default="bench_attention_ceiling")
+    ap.add_argument("--points", default=None, help="'H,B,T,P;...' (default: the issue's grid)")
+    ap.add_argument("--against", nargs="+", default=None, metavar="JSON",
+                    help="the op's grid results: print each point's op % beside its ceiling")
+    ap.add_argument("--only", nargs="+", default=None, metavar="JSON",
+                    help="print --against's comparison from these ceiling results and exit; no device work")
+    ap.add_argument("--budget-s", type=float, default=540.0)
+    ap.add_argument("--commit", default=None, help="code commit to record (the device copy has no .git)")
+    ap.add_argument("--smoke", action="store_true", help="CPU: tiny points, yardsticks assumed")
+    args = ap.parse_args()
+    op_rows = []
+    for path in args.against or []:
+        with open(path) as f:
+            op_rows += json.load(f)["rows"]
+    rows = []
+    if args.only:
+        for path in args.only:
+            with open(path) as f:
+                rows += json.load(f)["rows"]
+        report(rows, op_rows)
+        return 0
+    try:
+        points = bench_util.int_points(args.points, 4) if args.points else SMOKE_POINTS if args.smoke else ISSUE_GRID
+    except ValueError:
+        ap.error(f"--points takes integers 'H,B,T,P;...', got {args.points!r}")
+    if op_rows:  # the points where the op misses its goal first: a run cut short by its budget keeps those
+        missed = {(r["H"], r["B"], r["T"], r["P"]) for r in op_rows
+                  if "error" not in r and floor_share(r) is not None and floor_share(r) < GOALS[r["bound"]]}
+        points = sorted(points, key=lambda pt: pt not in missed)
+    print("jax", jax.__version__, jax.devices()[0].device_kind, flush=True)
+    if args.smoke:
+        bw, peak = 1e11, 1e12
+    else:
+        bw = max(bench_util.measure_torch_copy_bandwidth() or 0.0, bench_util.measure_copy_bandwidth())
+        peak = max(bench_util.measure_bf16_peak(), bench_util.measure_traced_bf16_peak())
+    print(f"copy {bw / 1e12:.2f} TB/s, bf16 peak {peak / 1e12:.0f} TFLOP/s", flush=True)
+    t_start = time.time()
+    for H, B, T, P in points:
+        if not next_point_fits(time.time() - t_start, [r["wall_s"] for r in rows], args.budget_s):
+            print("budget reached; skipping the rest", flush=True)
+            break
+        t0 = time.time()
+        try:
+            row = ceiling_point(H, B, T, P, bw, peak)
+        except Exception as e:  # noqa: BLE001 - record and go on
+            row = dict(H=H, B=B, T=T, P=P, error=f"{type(e).__name__}: {str(e)[:300]}")
+            traceback.print_exc(limit=2)
+        row["wall_s"] = round(time.time() - t0, 1)
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k not in ("reads", "gemm_kernels")}), flush=True)
+        bench_util.write_result(args.name, dict(copy_bw_Bps=bw, bf16_peak_flops=peak, goals=GOALS,
+                                                code_commit=args.commit, rows=rows), out_dir=args.out)
+    report(rows, op_rows)
+    return 0
+
+
+def report(rows, op_rows):
+    good = [r for r in rows if "error" not in r]
+    bench_util.print_table(good, ["H", "B", "T", "P", "bound", "floor_ms", "read_ms", "read_pct_bw", "gemm_ms",
+                                  "gemm_pct_peak", "ceiling_pct"])
+    print()
+    print(render_goal_map([dict(r, kernel="size ceiling") for r in good], pct=lambda r: r.get("ceiling_pct")))
+    if op_rows:
+        v = verdicts(good, op_rows)
+        print()
+        bench_util.print_table([r for r in v if r["holds"] != "met"],
+                               ["H", "B", "T", "P", "bound", "op_ms", "op_pct", "ceiling_pct", "goal", "holds"])
+        counts = {k: sum(r["holds"] == k for r in v) for k in ("met", "size", "kernel", "?")}
+        print(f"\n{len(v)} points: goal met at {counts['met']}; below it, held by the size at {counts['size']}, by the "
+              f"op alone at {counts['kernel']}, no ceiling at {counts['?']}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""The size-ceiling benchmark on the CPU: its ops compute what they say (so a GPU time is a time of that work),
+a point yields every column, and the comparison with the op's grid names what holds each point below its goal."""
+
+import math
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+
+from experiments import bench_attention_ceiling as ceil
+from experiments import bench_tree_attention as bench
+
+
+def small_inputs(B=2, T=3, H=4, P=96):
+    q, caches, plen, tkv, mask = bench.make_inputs(jax.random.key(0), H, B, T, P, 1)
+    return q, caches[0], jnp.array([P, 37], jnp.int32)[:B], tkv, mask
+
+
+def test_reads_sum_each_prefix_over_its_keys_only():
+    q, cache, plen, tkv, mask = small_inputs()
+    c = np.asarray(cache, np.float32)
+    want = np.stack([c[b, :int(plen[b])].sum(0) for b in range(c.shape[0])])
+    got = np.asarray(ceil.read_over_keys(q, cache, plen, tkv, mask))
+    assert got.shape == (2, 1, 1, bench.C)
+    np.testing.assert_allclose(got[:, 0, 0], want, rtol=1e-5, atol=1e-3)
+    np.testing.assert_allclose(np.asarray(ceil.read_over_all(q, cache, plen, tkv, mask))[:, 0, 0, 0], want.sum(-1),
+                               rtol=1e-4, atol=1e-2)
+
+
+def test_gemm_pair_is_the_two_products_over_each_prefix():
+    q, cache, plen, tkv, mask = small_inputs()
+    B, T, H, C = q.shape
+    qf, cf = np.asarray(q, np.float32).reshape(B, T * H, C), np.asarray(cache, np.float32)
+    s = np.einsum("bnc,bkc->bnk", qf, cf)
+    s[1, :, int(plen[1]):] = 0.0
+    s = np.asarray(jnp.asarray(s).astype(jnp.bfloat16), np.float32)  # the scores are handed on in bf16
+    want = np.einsum("bnk,bkc->bnc", s, cf).reshape(B, T, H, C)
+    got = np.asarray(ceil.gemm_pair(q, cache, plen, tkv, mask), np.float32)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2
+
+
+def test_point_row_on_the_cpu():
+    row = ceil.ceiling_point(8, 2, 8, 128, bw=1e11, peak=1e12)
+    assert row["bound"] == "compute" and row["ceiling_pct"] == row["gemm_pct_peak"]
+    for key in ("read_ms", "read_pct_bw", "gemm_ms", "gemm_pct_peak"):
+        assert math.isfinite(row[key]) and row[key] > 0, key
+    assert row["gemm_flops"] == 2 * 2 * 8 * 8 * 128 * 2 * bench.C
+    assert row["read_ms"] == min(r["ms"] for r in row["reads"].values())
+
+
+def test_verdicts_name_what_holds_a_point_below_its_goal():
+    def op(H, B, ms, bound="memory"):
+        return dict(H=H, B=B, T=1, P=8192, bound=bound, floor_ms=0.02, ms=ms + 0.002, op_ms=ms)
+
+    ops = [op(8, 16, 0.024), op(8, 4, 0.04), op(8, 1, 0.04), op(64, 1, 0.04, "compute"),
+           dict(H=64, B=4, T=1, P=8192, error="boom", ms="ERR")]
+    ceilings = [dict(H=8, B=16, T=1, P=8192, ceiling_pct=95.0), dict(H=8, B=4, T=1, P=8192, ceiling_pct=70.0),
+                dict(H=8, B=1, T=1, P=8192, ceiling_pct=85.0), dict(H=64, B=1, T=1, P=8192, ceiling_pct=None),
+                dict(H=64, B=4, T=1, P=8192, ceiling_pct=60.0), dict(H=8, B=2, T=1, P=8192, ceiling_pct=60.0)]
+    v = {(r["H"], r["B"]): r for r in ceil.verdicts(ceilings, ops)}
+    assert set(v) == {(8, 16), (8, 4), (8, 1), (64, 1)}  # a failed op point or one without an op is left out
+    assert math.isclose(v[8, 16]["op_pct"], 100 * 0.02 / 0.024)
+    assert [v[k]["holds"] for k in ((8, 16), (8, 4), (8, 1), (64, 1))] == ["met", "size", "kernel", "met"]
+    assert ceil.verdicts([dict(H=64, B=1, T=1, P=8192, ceiling_pct=None)], [op(64, 1, 0.05, "compute")])[0]["holds"] \
+        == "?"  # 40 % of peak, below 50, without a ceiling
+
+
+def test_goal_map_of_ceilings():
+    rows = [dict(kernel="size ceiling", H=8, T=1, P=1024, B=1, bound="memory", ceiling_pct=30.0),
+            dict(kernel="size ceiling", H=8, T=32, P=1024, B=1, bound="compute", ceiling_pct=None)]
+    text = bench.render_goal_map(rows, pct=lambda r: r["ceiling_pct"])
+    assert "| 8 | 1 | 30 m |" in text and "| 8 | 32 | err |" in text and "Goals hold at 0 of 2 points." in text
