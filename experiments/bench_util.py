@@ -101,9 +101,12 @@ def tie_to(a: jax.Array, b: jax.Array) -> jax.Array:
     """``a`` plus a zero XLA cannot prove zero, computed from ``b``: work on ``a`` then depends on ``b``.
     In a ``dependent_chain`` the arguments other than x are the same in every call, so XLA computes what
     depends only on them once for the whole chain (common subexpressions: an MoE layer's sort by expert
-    of fixed routing ids ran once for 8 calls until session 8). Tying them to x makes each call redo it."""
+    of fixed routing ids ran once for 8 calls until session 8). Tying them to x makes each call redo it.
+    The zero is ``first != first`` (NaN) where ``b`` is floating and ``first == max`` where it is an integer
+    (XLA folds ``i != i`` to false for integers: until session 37 a tie to prefix lengths was no tie)."""
     first = b.ravel()[0]
-    return a + (first != first).astype(a.dtype)
+    never = first != first if jnp.issubdtype(b.dtype, jnp.floating) else first == jnp.iinfo(b.dtype).max
+    return a + never.astype(a.dtype)
 
 
 def dependent_chain(fn: Callable, n: int, rotate: bool = False) -> Callable:

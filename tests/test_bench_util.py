@@ -36,6 +36,16 @@ def test_tied_arguments_are_recomputed_in_every_call_of_a_chain():
     assert sorts(routed) == 1 and sorts(tied) == 4
     np.testing.assert_array_equal(bench_util.tie_to(ids, x), ids)
 
+    # tied to an integer x (a chain over prefix lengths): XLA folds i != i to false, so the zero is another test
+    def sorted_values(lengths, w):
+        return jnp.sort(w) + lengths[0].astype(w.dtype)
+
+    lengths, w = jnp.array([5, 7], jnp.int32), jnp.arange(16.0)[::-1]
+    tied_int = lambda lengths, w: sorted_values(lengths, bench_util.tie_to(w, lengths))  # noqa: E731
+    hlo = bench_util.dependent_chain(tied_int, 4).lower(lengths, w).compile().as_text()
+    assert len(re.findall(r"^\s*(?:ROOT )?%\S+ = .* sort\(", hlo, flags=re.MULTILINE)) == 4
+    np.testing.assert_array_equal(bench_util.tie_to(w, lengths), w)
+
 
 def test_traced_call_time_reads_kernels_from_the_trace():
     x = jnp.ones((128, 128))
