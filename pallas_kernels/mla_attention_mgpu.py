@@ -387,7 +387,7 @@ def _split_range(nb, tree_blocks: int, sp, num_splits: int):
 
 def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, kv_lora_rank, block_k=64,
                     stages=2, num_splits=1, share_scores=True, valid_rows=None, profile_dir=None, profile_regions=0,
-                    first_block_alone=None, tiles_first=False):
+                    first_block_alone=None):
     """The Mosaic GPU kernel: attention of 64-row query tiles over each stream's prefix, read in place from
     the cache, and its tree, in NS splits.
 
@@ -412,11 +412,6 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
     ``first_block_alone`` (``stream_key_blocks``): the second key block's copy waits for the first; by default
     with a tail only (session 28, op µs with / without: T = 9, B = 16, 8K 57.2-57.7 / 58.1-59.8; B = 1, 64K
     37.6 / 37.8; at 64 rows T = 8 unchanged, T = 256, H = 8, B = 1, 1K 19.6 / 19.0).
-
-    ``tiles_first``: the launch order of the programs. CUDA starts them x-major, and the grid's first axis is x:
-    by default a stream's tiles are B programs apart, so a wave of 132 SMs holds ~132 / B tiles of each
-    stream; with ``tiles_first`` a stream's tiles (which read the same key blocks) start side by side. The
-    outputs are the same bit for bit.
     """
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.mosaic_gpu is not available in this JAX")
@@ -674,8 +669,7 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
             tail_scratch[2],
             tail_scratch[3],
         ),
-        grid=(n_tiles, B, NS) if tiles_first else (B, n_tiles, NS),
-        grid_names=("tile", "stream", "split") if tiles_first else ("stream", "tile", "split"),
+        grid=(B, n_tiles, NS), grid_names=("stream", "tile", "split"),
         num_threads=3, thread_name="wg",
         # the row reductions (max, sum) of the WGMMA layout stay within a warp: no smem scratch for them; the
         # tail's (over keys, across consumer 1's warps) need some

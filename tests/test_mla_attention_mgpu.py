@@ -258,29 +258,6 @@ def test_first_block_alone_is_the_default_with_a_tail_only(T, default, monkeypat
     assert seen == [default, not default]
 
 
-@pytest.mark.parametrize("T,H", [(33, 64), (9, 8)])
-def test_tiles_first_swaps_the_launch_grid(T, H, monkeypatch):
-    """``tiles_first`` launches the programs tile-major: the kernel's grid is (tiles, streams, splits) rather
-    than (streams, tiles, splits), with whole tiles and with one tile and a tail; read off the Mosaic GPU kernel
-    call while it lowers for CUDA."""
-    seen = []
-
-    def spy(body, **kw):
-        seen.append(dict(zip(kw["grid_names"], kw["grid"])) | {"order": kw["grid_names"]})
-        return make_kernel(body, **kw)
-
-    make_kernel = M.plgpu.kernel
-    monkeypatch.setattr(M.plgpu, "kernel", spy)
-    for tiles_first in (False, True):
-        kernel = functools.partial(M.split_attention, tiles_first=tiles_first)
-        f = jax.jit(functools.partial(M.tree_attention_mgpu, scale=K26["scale"], kv_lora_rank=K26["L"],
-                                      num_splits=2, kernel=kernel))
-        f.trace(*k26_spec(3, T, H, 1024)).lower(lowering_platforms=("cuda",))
-    tiles = 1 if T * H == 72 else -(-T * H // 64)
-    assert [g.pop("order") for g in seen] == [("stream", "tile", "split"), ("tile", "stream", "split")]
-    assert seen == [dict(stream=3, tile=tiles, split=2)] * 2
-
-
 # ---------------------------------------------------------------------------------------------
 # GPU: the kernel against the twin at K2.6 dims (bf16 inputs; the twin on f32-upcast inputs).
 # ---------------------------------------------------------------------------------------------
@@ -320,20 +297,6 @@ def test_gpu_kernel_matches_twin_k26(B, T, H, S, kind, NS, share, tail):
     assert np.all(np.isfinite(o))
     assert np.linalg.norm(o - r_o) / np.linalg.norm(r_o) < 1e-2
     np.testing.assert_allclose(np.asarray(lse), np.asarray(r_l), atol=3e-2, rtol=1e-2)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("T,H,S,NS", [(33, 64, 1000, 3), (9, 8, 2048, 4)])
-def test_gpu_tiles_first_is_the_default_bit_for_bit(T, H, S, NS):
-    """The launch order changes where programs run, not what any of them computes."""
-    B, L = 3, K26["L"]
-    case = make_case(5, B, T, H, L, K26["C"] - L, S, [S, 0, S // 3], "tree")
-    args = as_jax(case, jnp.bfloat16)
-    outs = [jax.jit(lambda *a, k=k: M.tree_attention_mgpu(*a, scale=K26["scale"], kv_lora_rank=L, num_splits=NS,
-                                                            return_lse=True, kernel=k))(*args)
-            for k in (M.split_attention, functools.partial(M.split_attention, tiles_first=True))]
-    for a, b in zip(*outs):
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
 @pytest.mark.parametrize("T,H,backend,expect", [(1, 64, "auto", "mosaic_gpu"), (1, 8, "auto", "mosaic_gpu"),
