@@ -2,6 +2,7 @@
 a point yields every column, and the comparison with the op's grid names what holds each point below its goal."""
 
 import math
+import re
 
 import numpy as np
 
@@ -36,6 +37,14 @@ def test_gemm_pair_is_the_two_products_over_each_prefix():
     want = np.einsum("bnk,bkc->bnc", s, cf).reshape(B, T, H, C)
     got = np.asarray(ceil.gemm_pair(q, cache, plen, tkv, mask), np.float32)
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2
+
+
+def test_a_chain_of_the_products_runs_both_in_every_call():
+    """Each call's q . k^T depends on the chain (the prefix lengths): three calls over one cache copy are six
+    dots, not four (XLA kept one q . k^T for all calls while the tie to the integer lengths folded away)."""
+    q, caches, plen, tkv, mask = bench.make_inputs(jax.random.key(0), 2, 1, 2, 64, 1)
+    hlo = bench.chained(jax.jit(ceil.gemm_pair), 3).lower(q, caches, plen, tkv, mask).compile().as_text()
+    assert len(re.findall(r"= \S+ dot\(", hlo)) == 6
 
 
 def test_point_row_on_the_cpu():
