@@ -9,7 +9,8 @@ everything else it launches (input generation, routing glue, the split merge) is
   gate+up with the SiLU·up epilogue) over ``--moe-experts`` experts, full and with a stage probed away,
   on random weights and on weights that are all q = 0.
 * ``layer_m1``: the routed experts of one layer at one token (gate+up, then down: two kernels).
-* ``att_*``: the MLA attention kernel at the memory-bound decode points of issue #6.
+* ``att_*``: the MLA attention kernel at the memory-bound decode points of issue #6, or at ``--att-points``,
+  once per ``--att-kernels`` entry (``bench_tree_attention --kernel`` names: an A/B of a kernel's options).
 
     ncu --clock-control none -k regex:mosaic_gpu --csv --page details --log-file $OUT/ncu.csv \\
         --section SpeedOfLight --section WarpStateStats ... python experiments/ncu_kernels.py
@@ -179,7 +180,7 @@ def main(argv=None):
                     help="the attention cases' points (default ATT_CASES)")
     ap.add_argument("--att-kernels", default="mgpu",
                     help="comma-separated bench_tree_attention --kernel entries, each run at every attention point: "
-                         "mgpu,mgpu_wide:kernel.tiles_first=1")
+                         "mgpu,mgpu_wide:kernel.stages=3")
     args = ap.parse_args(argv)
     if args.summarize_source:
         with open(args.summarize_source) as fh:
@@ -199,8 +200,14 @@ def main(argv=None):
     if "layer_m1" in what:
         cases += layer_m1_case(64)
     if "attention" in what:
+        from experiments.bench_tree_attention import kernel_fn
         from experiments.bench_util import int_points
-        points = int_points(args.att_points, 4) if args.att_points else ATT_CASES
+        try:
+            points = int_points(args.att_points, 4) if args.att_points else ATT_CASES
+            for kernel in args.att_kernels.split(","):
+                kernel_fn(kernel)
+        except ValueError as e:
+            ap.error(f"--att-points / --att-kernels: {e}")
         cases += attention_cases(points, args.att_kernels.split(","))
     order = []
     for name, thunk in cases:

@@ -308,3 +308,15 @@ def test_int_points_parse_command_line_points():
     for bad in ("8,16,4", "8,16,4,x", "8,16,4,8192;"):
         with pytest.raises(ValueError):
             bench_util.int_points(bad, 4)
+
+
+def test_ncu_attention_cases_take_points_and_kernel_entries():
+    """ncu_kernels' attention cases: one per point and --kernel entry, named by both; a bad point or entry is a
+    usage error before anything runs."""
+    from experiments.ncu_kernels import attention_cases, main
+
+    cases = attention_cases([(1, 8, 1, 128)], ["mgpu", "mgpu_wide:kernel.stages=3"])
+    assert [name for name, _ in cases] == ["att_t1_h8_b1_p128", "att_t1_h8_b1_p128_mgpu_wide:kernel.stages=3"]
+    for argv in (["--what", "attention", "--att-points", "1,8,1"], ["--what", "attention", "--att-kernels", "nope"]):
+        with pytest.raises(SystemExit):
+            main(argv)
