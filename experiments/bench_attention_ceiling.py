@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import sys
@@ -53,8 +52,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from experiments import bench_util  # noqa: E402
-from experiments.bench_tree_attention import (C, GOALS, ISSUE_GRID, L2_BYTES, chained, make_inputs,  # noqa: E402
-                                              floor_share, next_point_fits, render_goal_map, roofline)
+from experiments.bench_tree_attention import (C, GOALS, ISSUE_GRID, chained, floor_share,  # noqa: E402
+                                              next_point_fits, point_inputs, render_goal_map, roofline)
 
 GEMM_SCORES_LIMIT = 2 << 30  # bytes of bf16 scores
 SMOKE_POINTS = [(8, 1, 1, 256), (8, 2, 8, 128)]
@@ -109,8 +108,7 @@ def ceiling_point(H, B, T, P, bw, peak) -> dict:
     """One point's row: the read's and the products' times and shares, and the ceiling of its bound."""
     nbytes, flops, bound, floor_s = roofline(H, B, T, P, bw, peak)
     cache_bytes = 2 * B * P * C
-    copies = int(min(16, max(1, math.ceil(2 * L2_BYTES / cache_bytes))))
-    inputs = make_inputs(jax.random.key(H * 7 + B * 131 + T * 17 + P), H, B, T, P, copies)
+    inputs, copies = point_inputs(H, B, T, P)
     row = dict(H=H, B=B, T=T, P=P, bound=bound, floor_ms=floor_s * 1e3, cache_copies=copies)
     read = op_time(read_prefixes, inputs, "read")
     row.update(read_ms=read["ms"], read_pct_bw=100 * cache_bytes / (read["ms"] / 1e3) / bw, read_timed=read["timed"],

@@ -161,6 +161,13 @@ def make_inputs(key, H, B, T, P, copies, padded_tree=False):
     return q, caches, plen, tkv, anc
 
 
+def point_inputs(H, B, T, P, padded_tree=False):
+    """(``make_inputs`` of a point, its cache copies): enough copies (at most 16) that the chain's calls, which
+    rotate over them, read more than twice the L2; the same random inputs for a point in every benchmark."""
+    copies = int(min(16, max(1, math.ceil(2 * L2_BYTES / (2 * B * P * C)))))
+    return make_inputs(jax.random.key(H * 7 + B * 131 + T * 17 + P), H, B, T, P, copies, padded_tree), copies
+
+
 def xla_masked(q, cache, plen, tkv, mask):
     """Plain XLA: concatenated keys, dense f32 scores, masked softmax, value einsum."""
     B, T, H, _ = q.shape
@@ -272,8 +279,7 @@ def time_op(fn, inputs, est_s, repeats, chain=chained):
 def bench_parts(H, B, T, P, bw, peak, repeats=5):
     """The Mosaic GPU op and its parts (``mgpu_parts``) at one point: ms of each, whole op first."""
     nbytes, flops, bound, floor_s = roofline(H, B, T, P, bw, peak)
-    copies = int(min(16, max(1, math.ceil(2 * L2_BYTES / (2 * B * P * C)))))
-    inputs = make_inputs(jax.random.key(H * 7 + B * 131 + T * 17 + P), H, B, T, P, copies)
+    inputs, copies = point_inputs(H, B, T, P)
     row = dict(H=H, B=B, T=T, P=P, bound=bound, floor_ms=floor_s * 1e3, kernel="mgpu_parts", cache_copies=copies)
     whole = jax.jit(functools.partial(tree_attention_mgpu, scale=SCALE, kv_lora_rank=L, kernel=M.split_attention))
     row["ms"] = time_op(whole, inputs, floor_s, repeats)[0] * 1e3
@@ -331,9 +337,7 @@ def bench_point(H, B, T, P, cfg, bw, peak, with_xla=True, check=True, repeats=5,
     if kernel.split(":")[0] == "xla" and scores_bytes > XLA_SCORES_LIMIT:
         raise ValueError(f"XLA's masked attention at H={H}, B={B}, T={T}, P={P} would hold {scores_bytes / 2**30:.1f} "
                          f"GiB of scores (the benchmark's limit is {XLA_SCORES_LIMIT / 2**30:.0f} GiB)")
-    cache_bytes = 2 * B * P * C
-    copies = int(min(16, max(1, math.ceil(2 * L2_BYTES / cache_bytes))))
-    inputs = make_inputs(jax.random.key(H * 7 + B * 131 + T * 17 + P), H, B, T, P, copies, padded_tree)
+    inputs, copies = point_inputs(H, B, T, P, padded_tree)
     row = dict(H=H, B=B, T=T, P=P, bound=bound, bytes=nbytes, flops=flops, floor_ms=floor_s * 1e3,
                cfg=cfg, cache_copies=copies, kernel=kernel, padded_tree=padded_tree)
     # jitted once so the chained program holds one lowered kernel called n times (not n lowerings:

@@ -784,14 +784,13 @@ def tree_attention_mgpu(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, k
     plen = jnp.clip(prefix_len.astype(jnp.int32), 0, S)
     valid_rows = valid_rows_for(T, H)
     from pallas_kernels.mla_attention_narrow import split_attention_narrow  # it imports this module
+    default = default_kernel_name(T, H, C, L, block_k)
     if kernel is None:
-        narrow = default_kernel_name(T, H, C, L, block_k) == "narrow"
-        kernel = split_attention_narrow if narrow else split_attention
+        kernel = split_attention_narrow if default == "narrow" else split_attention
     # the narrow kernel takes the V real rows as they are (no padded copy of q), as does one tile and a tail;
     # the others whole 64-row tiles
     base = getattr(kernel, "func", kernel)  # a partial of a kernel
-    with_tail = bool(tail) and share_scores and base in (split_attention, split_attention_ref) \
-        and default_kernel_name(T, H, C, L, block_k) == "tail"
+    with_tail = bool(tail) and share_scores and base in (split_attention, split_attention_ref) and default == "tail"
     if num_splits is None:
         num_splits = splits_for(B, T, H, S, block_k, num_sms, tail=with_tail)
     qr = q.reshape(B, N, C) if base is split_attention_narrow or with_tail else fold_rows(q, ROWS)
