@@ -152,7 +152,7 @@ def main():
     ap.add_argument("--name", default="bench_attention_ceiling")
     ap.add_argument("--points", default=None, help="'H,B,T,P;...' (default: the issue's grid)")
     ap.add_argument("--against", nargs="+", default=None, metavar="JSON",
-                    help="the op's grid results: print each point's op % beside its ceiling")
+                    help="the op's grid results: print each point's op %% beside its ceiling")
     ap.add_argument("--only", nargs="+", default=None, metavar="JSON",
                     help="print --against's comparison from these ceiling results and exit; no device work")
     ap.add_argument("--budget-s", type=float, default=540.0)

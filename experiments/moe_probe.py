@@ -2,8 +2,8 @@
 
     XLA_FLAGS=--xla_dump_to=DIR PYTHONPATH=. python3 experiments/moe_probe.py [dequant] [M] [E]
 """
+import argparse
 import functools
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -11,9 +11,14 @@ import jax.numpy as jnp
 from experiments.bench_moe import random_weights, routing
 from pallas_kernels.int4_moe import int4_moe
 
-mode = sys.argv[1] if len(sys.argv) > 1 else "asm"
-m = int(sys.argv[2]) if len(sys.argv) > 2 else 1
-e = int(sys.argv[3]) if len(sys.argv) > 3 else 16
+ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+ap.add_argument("dequant", nargs="?", default="asm", choices=["asm", "magic", "int"])
+ap.add_argument("M", nargs="?", type=int, default=1, help="tokens")
+ap.add_argument("E", nargs="?", type=int, default=16, help="experts")
+args = ap.parse_args()
+if args.M < 1 or args.E < 1:
+    ap.error(f"M and E must be >= 1, got M={args.M}, E={args.E}")
+mode, m, e = args.dequant, args.M, args.E
 w = random_weights(jax.random.key(0), e, 7168, 2048)
 ids, rw = routing(m, "uniform", 0, e=e)
 x = jax.random.normal(jax.random.key(1), (m, 7168), jnp.bfloat16)

@@ -86,6 +86,8 @@ def analyze(out_dir):
 
 
 if __name__ == "__main__":
+    if len(sys.argv) < 3 or sys.argv[1] not in ("dump", "analyze") or (sys.argv[1] == "analyze" and len(sys.argv) > 3):
+        sys.exit("usage: moe_sass_static.py dump DIR [design ...] | analyze DIR  (see the module docstring)")
     if sys.argv[1] == "dump":
         dump(sys.argv[2], sys.argv[3:])
     else:
