@@ -329,9 +329,13 @@ def mgpu_path(H, B, T, P) -> dict:
 
 
 def bench_point(H, B, T, P, cfg, bw, peak, with_xla=True, check=True, repeats=5, bw_jax=None, kernel="triton",
-                with_trace=None, bw_traced=None, padded_tree=False, wall_clock=True):
+                with_trace=None, bw_traced=None, padded_tree=False, wall_clock=True, clock_s=0.0,
+                gpu_state=bench_util.sustained_gpu_state):
     """One point's row. ``wall_clock=False`` (needs ``with_trace``): the profiler's device times alone, without
-    the two wall-clock chains per op (``ms_chained``, ``ms_with_launch``), which roughly halves a point's compiles."""
+    the two wall-clock chains per op (``ms_chained``, ``ms_with_launch``), which roughly halves a point's compiles.
+    ``clock_s`` > 0: the op's chain of 8 calls also runs back to back for that many seconds while ``gpu_state``
+    samples the SM clock and power (``clocks``; ``sm_mhz`` and ``power_w`` their medians): whether the chain's
+    time is the clock it sustains."""
     nbytes, flops, bound, floor_s = roofline(H, B, T, P, bw, peak)
     scores_bytes = 4 * B * T * H * (P + T)  # XLA's f32 scores
     if kernel.split(":")[0] == "xla" and scores_bytes > XLA_SCORES_LIMIT:
@@ -365,6 +369,10 @@ def bench_point(H, B, T, P, cfg, bw, peak, with_xla=True, check=True, repeats=5,
         row["pct_bw_jaxcopy"] = 100 * nbytes / t / bw_jax
     if bw_traced:
         row["pct_bw_traced"] = 100 * nbytes / t / bw_traced
+    if clock_s > 0:
+        state = gpu_state(chained(kern, 8), inputs, seconds=clock_s)
+        if state is not None:
+            row.update(clocks=state, sm_mhz=state["sm_mhz"]["median"], power_w=state["power_w"]["median"])
     if with_xla and scores_bytes <= XLA_SCORES_LIMIT:
         try:
             if wall_clock:
@@ -462,6 +470,8 @@ def main():
     ap.add_argument("--split-factors", type=lambda v: [float(f) for f in v.split(",")], default=[1, 0.5, 0.25, 0.125],
                     help="--mode splits: the split counts timed, as factors of the default (above 1: more programs "
                          "than one wave of SMs)")
+    ap.add_argument("--clocks", type=float, default=0.0, metavar="SECONDS",
+                    help="grid / splits: per point, also sample the SM clock and power for SECONDS under the op's chain")
     ap.add_argument("--padded-tree", action="store_true",
                     help="hand the ops tree latents padded to whole 64-key blocks, as the model does")
     args = ap.parse_args()
@@ -483,6 +493,10 @@ def main():
             ap.error(f"no point has H = {args.heads}")
     if args.trace_only and (args.smoke or args.mode != "grid"):
         ap.error("--trace-only times grid points on a GPU from the profiler's trace")
+    if not (math.isfinite(args.clocks) and args.clocks >= 0):
+        ap.error(f"--clocks takes seconds >= 0, got {args.clocks}")
+    if args.clocks and args.mode not in ("grid", "splits"):
+        ap.error(f"--clocks samples grid or splits points, not --mode {args.mode}")
     t_start = time.time()
     print("jax", jax.__version__, jax.devices()[0].device_kind, flush=True)
     if args.smoke:
@@ -560,7 +574,8 @@ def main():
             with_xla = mode == "grid" and kernel == kernels[0] and not args.no_xla
             measure(lambda: bench_point(H, B, T, P, cfg, bw, peak, with_xla=with_xla,
                                         check=check, bw_jax=bw_jax, kernel=kernel, bw_traced=traced_bw,
-                                        padded_tree=args.padded_tree, wall_clock=not args.trace_only),
+                                        padded_tree=args.padded_tree, wall_clock=not args.trace_only,
+                                        clock_s=args.clocks),
                     dict(H=H, B=B, T=T, P=P, cfg=cfg, kernel=kernel), mode=mode,
                     **({"default_cfg": default_config(B, T, H, P, C, L)} if kernel == "triton" else {}))
 
@@ -585,12 +600,12 @@ def main():
                 cfg = dict(mgpu_cfg, num_splits=ns)
                 measure(lambda: bench_point(H, B, T, P, cfg, bw, peak, with_xla=False, check=P <= args.no_check_above,
                                             bw_jax=bw_jax, kernel="mgpu", bw_traced=traced_bw,
-                                            padded_tree=args.padded_tree),
+                                            padded_tree=args.padded_tree, clock_s=args.clocks),
                         dict(H=H, B=B, T=T, P=P, cfg=cfg, kernel="mgpu"), mode="splits", num_splits=ns,
                         default_splits=default)
         bench_util.print_table([r for r in rows if "error" not in r],
                                ["H", "B", "T", "P", "num_splits", "default_splits", "ms", "op_ms", "floor_ms",
-                                "pct_bw", "pct_floor_op", "rel_err"])
+                                "pct_bw", "pct_floor_op", "rel_err"] + (["sm_mhz", "power_w"] if args.clocks else []))
         return 0
     if args.mode == "both":  # sweep first, then the grid with the best sweep config per regime
         sweep_budget = args.budget_s * 0.45
@@ -624,7 +639,8 @@ def main():
         run_points(EXTRA, "sweep", args.budget_s + args.extra_s)
     save()
     cols = ["kernel", "H", "B", "T", "P", "bound", "path", "num_splits", "ms", "op_ms", "floor_ms", "pct_bw",
-            "pct_floor_op", "pct_peak", "tflops", "tbps", "xla_ms", "speedup", "rel_err", "wall_s"]
+            "pct_floor_op", "pct_peak", "tflops", "tbps", "xla_ms", "speedup", "rel_err", "wall_s"] + \
+        (["sm_mhz", "power_w"] if args.clocks else [])
     for r in rows:
         if "error" in r:
             r["ms"] = "ERR"

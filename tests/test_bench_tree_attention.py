@@ -103,3 +103,40 @@ def test_a_point_starts_only_if_the_longest_so_far_would_end_within_the_budget()
     assert bench.next_point_fits(70.0, [4.0, 30.0, 5.0], 100.0)
     assert not bench.next_point_fits(71.0, [4.0, 30.0, 5.0], 100.0)
     assert not bench.next_point_fits(101.0, [], 100.0)
+
+
+def test_clock_samples_run_the_ops_chain_and_land_in_the_row(monkeypatch):
+    """--clocks: the op's chain of 8 calls runs under the sampler, whose medians land in the row; where the
+    sampler has nothing (no nvidia-smi) the row has no clock columns; without clock_s it is never called."""
+    monkeypatch.setitem(bench.KERNELS, "twin", tree_attention_ref)
+    seen = []
+
+    def fake_state(fn, args, seconds):
+        seen.append(seconds)
+        outs = fn(*args)
+        assert len(outs) == 8 and outs[0].shape == (1, 3, 2, bench.L)
+        return dict(samples=3, sm_mhz=dict(median=1650.0, min=1600.0, max=1700.0),
+                    power_w=dict(median=512.0, min=500.0, max=530.0))
+
+    point = dict(H=2, B=1, T=3, P=64, cfg={}, bw=1e11, peak=1e12, kernel="twin", with_trace=False, with_xla=False,
+                 check=False, repeats=1)
+    row = bench.bench_point(**point, clock_s=0.25, gpu_state=fake_state)
+    assert seen == [0.25] and (row["sm_mhz"], row["power_w"]) == (1650.0, 512.0) and row["clocks"]["samples"] == 3
+    row = bench.bench_point(**point, clock_s=0.25, gpu_state=lambda fn, args, seconds: None)
+    assert "sm_mhz" not in row and "clocks" not in row
+    row = bench.bench_point(**point, gpu_state=lambda *a, **k: seen.append("called"))
+    assert seen == [0.25] and "sm_mhz" not in row
+
+
+def test_bad_clock_flags_are_refused(monkeypatch, capsys):
+    import sys
+
+    import pytest
+
+    for argv, message in [(["--clocks", "-1"], "--clocks takes seconds >= 0"),
+                          (["--clocks", "nan"], "--clocks takes seconds >= 0"),
+                          (["--mode", "parts", "--clocks", "1"], "not --mode parts")]:
+        monkeypatch.setattr(sys, "argv", ["bench_tree_attention.py", "--smoke", *argv])
+        with pytest.raises(SystemExit) as exc:
+            bench.main()
+        assert exc.value.code == 2 and message in capsys.readouterr().err
