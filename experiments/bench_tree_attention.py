@@ -393,7 +393,8 @@ def next_point_fits(elapsed_s: float, walls_s, budget_s: float) -> bool:
     return elapsed_s + max(walls_s, default=0.0) <= budget_s
 
 
-GOALS = {"memory": 80.0, "compute": 50.0}  # the issue's: % of the copy where memory-bound, of bf16 peak where compute-bound
+# the issue's goals: % of the copy where memory-bound, of the bf16 peak where compute-bound
+GOALS = {"memory": 80.0, "compute": 50.0}
 
 
 def prefix_label(P: int) -> str:
@@ -471,7 +472,8 @@ def main():
                     help="--mode splits: the split counts timed, as factors of the default (above 1: more programs "
                          "than one wave of SMs)")
     ap.add_argument("--clocks", type=float, default=0.0, metavar="SECONDS",
-                    help="grid / splits: per point, also sample the SM clock and power for SECONDS under the op's chain")
+                    help="grid / splits: per point, also sample the SM clock and power for SECONDS under the op's "
+                         "chain (and under the peak's products once)")
     ap.add_argument("--padded-tree", action="store_true",
                     help="hand the ops tree latents padded to whole 64-key blocks, as the model does")
     args = ap.parse_args()
@@ -511,6 +513,11 @@ def main():
         chained_peak = bench_util.measure_bf16_peak()
         traced_peak = bench_util.measure_traced_bf16_peak() if on_gpu else None
         traced_bw = bench_util.measure_traced_copy_bandwidth() if on_gpu else None
+    # the clock the peak's products sustain, beside the points' (--clocks)
+    peak_clocks = None
+    if args.clocks and not args.smoke:
+        peak_clocks = bench_util.sustained_gpu_state(jax.jit(jnp.dot), bench_util.square_operands(16384),
+                                                     seconds=args.clocks)
     # Compute ceiling: the larger of the two measured matmul peaks (a ceiling is the best seen)
     peak = max(chained_peak, traced_peak or 0.0)
     print(f"copy bw (jax) {bw/1e12:.2f} TB/s, torch copy {(tbw or 0)/1e12:.2f} TB/s, traced XLA copy "
@@ -530,6 +537,7 @@ def main():
         payload = dict(mode=args.mode, copy_bw_Bps=bw, jax_copy_bw_Bps=bw_jax, torch_copy_bw_Bps=tbw,
                        traced_copy_bw_Bps=traced_bw, bf16_peak_flops=peak,
                        chained_bf16_peak_flops=chained_peak, traced_bf16_peak_flops=traced_peak,
+                       peak_clocks=peak_clocks,
                        dims=dict(C=C, L=L, scale=SCALE), code_commit=args.commit, rows=rows)
         bench_util.write_result(name, payload, out_dir=args.out)
 

@@ -351,14 +351,18 @@ def sustained_gpu_state(fn: Callable, args: tuple, seconds: float = 0.5, interva
     return parse_smi_samples(text)
 
 
+def square_operands(n: int) -> tuple[jax.Array, jax.Array]:
+    """Two random bf16 [n, n] matrices (seeded by n): the peak's operands."""
+    k1, k2 = jax.random.split(jax.random.key(n))
+    return jax.random.normal(k1, (n, n), jnp.bfloat16), jax.random.normal(k2, (n, n), jnp.bfloat16)
+
+
 def _best_square_matmul_rate(sizes: tuple[int, ...], seconds_per_product: Callable) -> float:
     """FLOP/s of the fastest square bf16 product [n, n] x [n, n] over ``sizes``, each timed by
     ``seconds_per_product(a, b)``."""
     best = 0.0
     for n in sizes:
-        k1, k2 = jax.random.split(jax.random.key(n))
-        a = jax.random.normal(k1, (n, n), jnp.bfloat16)
-        b = jax.random.normal(k2, (n, n), jnp.bfloat16)
+        a, b = square_operands(n)
         best = max(best, 2 * n**3 / seconds_per_product(a, b))
         del a, b
     return best

@@ -4,7 +4,6 @@ smoke run writes one row per shape, M and variant."""
 import json
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
