@@ -23,7 +23,7 @@ def test_smoke_run_times_and_checks_each_variant(tmp_path, monkeypatch):
                                       "--points", "1,8,1,2048", "--variants", '[{}, {"num_warps": 4}]'])
     bench.main()
     rows = json.loads((tmp_path / "smoke.json").read_text())["rows"]
-    assert [(r["NS"], r["V"], r["variant"]) for r in rows] == [(16, 8, "{}"), (16, 8, '{"num_warps": 4}')]
+    assert [(r["NS"], r["V"], r["variant"]) for r in rows] == [(33, 8, "{}"), (33, 8, '{"num_warps": 4}')]
     for r in rows:
         assert "error" not in r and math.isfinite(r["us"]) and r["us"] > 0
         assert r["max_abs_err"] < 1e-2  # bf16 output against the twin's
