@@ -308,7 +308,7 @@ SMI_FIELDS = {"clocks.sm": "sm_mhz", "clocks.mem": "mem_mhz", "power.draw": "pow
 
 def parse_smi_samples(text: str) -> dict[str, Any] | None:
     """nvidia-smi CSV lines (the ``SMI_FIELDS`` queried, no header, no units) -> the samples' count, and the
-    median and extremes of each field under its ``SMI_FIELDS`` name (SM clock and memory clock in MHz, power
+    median, mean and extremes of each field under its ``SMI_FIELDS`` name (SM clock and memory clock in MHz, power
     in W, temperature in C); None if no line parses."""
     rows = []
     for line in text.splitlines():
@@ -323,7 +323,7 @@ def parse_smi_samples(text: str) -> dict[str, Any] | None:
     out: dict[str, Any] = {"samples": len(rows)}
     for j, name in enumerate(SMI_FIELDS.values()):
         col = [r[j] for r in rows]
-        out[name] = dict(median=statistics.median(col), min=min(col), max=max(col))
+        out[name] = dict(median=statistics.median(col), mean=statistics.fmean(col), min=min(col), max=max(col))
     return out
 
 

@@ -153,7 +153,7 @@ def test_nvidia_smi_samples_are_summarised_per_field():
     text = "1980, 3201, 650.5, 61\n1755, 3201, 699.9, 63\nnot, a, sample, line\n1830, 3201, 690.0, 62\n\n"
     got = bench_util.parse_smi_samples(text)
     assert got["samples"] == 3
-    assert got["sm_mhz"] == dict(median=1830.0, min=1755.0, max=1980.0)
+    assert got["sm_mhz"] == dict(median=1830.0, mean=(1755.0 + 1830.0 + 1980.0) / 3, min=1755.0, max=1980.0)
     assert got["power_w"]["max"] == 699.9 and got["temp_c"]["median"] == 62.0
     assert bench_util.parse_smi_samples("[N/A], [N/A], [N/A], [N/A]\n") is None
     assert bench_util.parse_smi_samples("1980, 3201\n") is None  # too few fields: not a sample
