@@ -183,10 +183,11 @@ def default_splits(B: int, n_tiles: int, S: int, block_k: int, num_sms: int = _N
     return max(1, min(num_sms // progs, (S // block_k) // min_blocks, MAX_SPLITS))
 
 
-# One key block a split (not 2) where the cache is this short or the partials this few rows (32 rows x 512
-# f32 = 64 KB a split, less than the 72 KB of keys it reads). On the H200 (RESULTS.md, session 38) it was
-# 7-13 % faster at a 1K prefix with 1 and 4 streams (8 or 64 rows) and 7 % faster with 8 rows at 8K, one
-# stream; 2-6 % slower with 64 rows at 8K, one stream. Prefixes between 1K and 8K were not measured.
+# One key block a split (not 2) where the partials are this few rows (32 rows x 512 f32 = 64 KB a split, less
+# than the 72 KB of keys it reads), or where the cache is this short and one wave holds a program for every
+# block. On the H200 (RESULTS.md, session 38) one block a split was 7-23 % faster over 1K with 1 and 4 streams
+# and with 8 rows over 8K at one stream; 2-6 % slower with 64 rows over 8K at one stream (130 programs of one
+# block). Prefixes between 1K and 8K were not measured.
 ONE_BLOCK_CACHE = 1024
 ONE_BLOCK_ROWS = 32
 
@@ -195,12 +196,15 @@ def splits_for(B: int, T: int, H: int, S: int, block_k: int = 64, num_sms: int =
                tail: bool = True) -> int:
     """The split count ``tree_attention_mgpu`` uses by default for B streams of T nodes x H heads over a
     cache of S slots: :func:`default_splits` of its 64-row tiles (one with a tail where T*H = 72 and
-    ``tail``) over the cache and tree blocks, one key block a split at least where S <= ONE_BLOCK_CACHE or
-    the real rows (``valid_rows_for``) are at most ONE_BLOCK_ROWS, else two."""
+    ``tail``) over the cache and tree blocks; one key block a split at least where the real rows
+    (``valid_rows_for``) are at most ONE_BLOCK_ROWS, or where S <= ONE_BLOCK_CACHE and a program per block
+    fits one wave of ``num_sms``; else two."""
     n_tiles = 1 if tail and tail_rows_of(T * H) else -(-T * H // ROWS)
+    keys = S + tail_keys(T, block_k)
     rows = valid_rows_for(T, H)
-    few = S <= ONE_BLOCK_CACHE or (rows is not None and rows <= ONE_BLOCK_ROWS)
-    return default_splits(B, n_tiles, S + tail_keys(T, block_k), block_k, num_sms, min_blocks=1 if few else 2)
+    one_block = (rows is not None and rows <= ONE_BLOCK_ROWS) or \
+        (S <= ONE_BLOCK_CACHE and B * n_tiles * (keys // block_k) <= num_sms)
+    return default_splits(B, n_tiles, keys, block_k, num_sms, min_blocks=1 if one_block else 2)
 
 
 def pad_tree_latents(tree_kv, block_k: int = 64):
@@ -773,8 +777,9 @@ def tree_attention_mgpu(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, k
     q [B, T, H, C] bf16, cache_kv [B, S, C] bf16, prefix_len [B] int32 (values outside [0, S]: refused
     where concrete, clamped where traced), tree_kv [B, T, C] bf16, tree_mask [B, T, T] bool (diagonal
     True). Returns out [B, T, H, L] bf16 (and lse [B, T, H] f32 with ``return_lse``). ``num_splits`` defaults
-    to :func:`splits_for` ``num_sms`` SMs. ``kernel`` is :func:`split_attention`, ``mla_attention_narrow.split_attention_narrow``
-    (keys as wgmma's M, for at most 32 real rows; by default where T*H <= 32, block_k = 64 and C >= L + 64),
+    to :func:`splits_for` on ``num_sms`` SMs. ``kernel`` is :func:`split_attention`,
+    ``mla_attention_narrow.split_attention_narrow`` (keys as wgmma's M, for at most 32 real rows; by default
+    where T*H <= 32, block_k = 64 and C >= L + 64),
     or their twin :func:`split_attention_ref` (CPU tests of everything around the kernel). tree_kv may carry
     padding rows past T (``tree_attention``'s contract): latents padded to whole blocks
     (``pad_tree_latents``, as the model hands them over) are read as they are. ``stages`` defaults to the

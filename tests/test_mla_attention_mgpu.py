@@ -132,12 +132,15 @@ def test_default_splits_fill_the_gpu_only_when_needed():
     assert M.default_splits(16, 256, 8192, 64) == 1
     assert M.default_splits(1, 1, 256, 64) == 2          # at least 2 blocks per split
     assert M.default_splits(1, 1, 256, 64, min_blocks=1) == 4
-    # one block a split over a cache of at most 1K, or with at most 32 real rows; else 2 (the tree's block counts)
+    # one block a split with at most 32 real rows, or over a cache of at most 1K where a wave holds a program per
+    # block; else 2 (the tree adds its blocks)
     assert M.splits_for(4, 1, 8, 1024) == 17 and M.splits_for(1, 8, 8, 1024) == 18
     assert M.splits_for(1, 1, 8, 2048) == 33 and M.splits_for(1, 1, 8, 8192) == 128  # 8 rows
     assert M.splits_for(1, 4, 8, 4096) == 66 and M.splits_for(1, 8, 8, 4096) == 33  # 32 rows; 64
     assert M.splits_for(1, 1, 64, 8192) == 64 and M.splits_for(1, 8, 8, 8192) == 65  # 64 rows over 8K
     assert M.splits_for(1, 1, 64, 1032) == 8 and M.splits_for(16, 1, 64, 1024) == 8  # 1032 > 1K; a wave
+    assert M.splits_for(4, 1, 64, 1024) == 17 and M.splits_for(1, 32, 8, 1024) == 18  # 68 and 72 programs
+    assert M.splits_for(1, 64, 8, 1024) == 9 and M.splits_for(1, 8, 64, 1024) == 9  # 8 tiles x 18 blocks > a wave
     # T = 9, H = 8: one tile and a tail fills the wave with twice the splits of two tiles
     assert M.splits_for(1, 9, 8, 65536) == 128 and M.splits_for(1, 9, 8, 65536, tail=False) == 66
     assert M.splits_for(16, 9, 8, 8192) == 8 and M.splits_for(16, 10, 8, 8192) == 4
