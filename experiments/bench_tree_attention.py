@@ -19,6 +19,9 @@ Modes
                 merge's cost, or (factors above 1) more programs than SMs even out their ends.
 
 ``--padded-tree`` hands the ops the tree latents padded to whole 64-key blocks, as the model does.
+``--clocks SECONDS`` (grid, splits; GPU) also runs each point's chain back to back for that long while
+nvidia-smi samples the SM clock and power (``clocks``, ``sm_mhz``, ``power_w``), and the peak's products
+once (``peak_clocks``): whether a time is the clock the load sustains under the power cap.
 
 Timing: one jitted program runs the op n times back to back (each call's prefix_len depends on the
 previous output through a NaN check, so calls cannot overlap or be elided; all outputs are returned),
