@@ -299,7 +299,8 @@ def restore_model(path: str, cfg: ModelConfig | None = None, mesh: Mesh | None =
                 value = flat_abstract[key].get_value()
                 base = tuple(str(p) for p in key)
                 if isinstance(value, QuantArray):
-                    placed[key] = QuantArray(_lookup(restored, base + ("packed",)), _lookup(restored, base + ("scale",)))
+                    placed[key] = QuantArray(_lookup(restored, base + ("packed",)),
+                                             _lookup(restored, base + ("scale",)))
                 else:
                     placed[key] = _lookup(restored, base)
     finally:

@@ -50,7 +50,8 @@ def _attn_rules(cfg: ModelConfig):
 
 
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
-_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_packed|weight_scale|weight_shape)$")
+_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\."
+                     r"(weight|weight_packed|weight_scale|weight_shape)$")
 _FUSED = re.compile(r"^mlp\.experts\.(gate_up_proj|down_proj)$")
 _IGNORED = re.compile(r"(rotary_emb\.inv_freq$)")
 

@@ -70,8 +70,8 @@ def _category(path: tuple, value) -> str:
 def param_bytes(state: nnx.State, mesh_shape: dict[str, int], rules: ShardingRules) -> dict[str, dict[str, int]]:
     """{category: {"total": bytes, "per_device": bytes}} of an abstract (or real) ``nnx.State``.
 
-    INT4 QuantArray (or kernel-layout PlanarInt4) leaves count as "experts_int4" (packed words) and "expert_scales"; the rest is split
-    by module kind (attention, mlp = dense and shared-expert FFNs, router, embed_head, norms).
+    INT4 QuantArray (or kernel-layout PlanarInt4) leaves count as "experts_int4" (packed words) and "expert_scales";
+    the rest is split by module kind (attention, mlp = dense and shared-expert FFNs, router, embed_head, norms).
     """
     out = {c: {"total": 0, "per_device": 0} for c in CATEGORIES}
     for path, variable in state.flat_state():

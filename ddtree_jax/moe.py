@@ -171,8 +171,10 @@ class MoE(nnx.Module):
         self.w13 = declare(rngs, (e, 2 * f, d), W13_AXES, dtype)
         self.w2 = declare(rngs, (e, d, f), W2_AXES, dtype)
         if cfg.quant is not None:  # INT4 experts: the same declaration, quantized
-            self.w13 = nnx.Param(quantize_array(self.w13.get_value(), cfg.quant.group_size), logical_axes=self.w13.logical_axes)
-            self.w2 = nnx.Param(quantize_array(self.w2.get_value(), cfg.quant.group_size), logical_axes=self.w2.logical_axes)
+            self.w13 = nnx.Param(quantize_array(self.w13.get_value(), cfg.quant.group_size),
+                                 logical_axes=self.w13.logical_axes)
+            self.w2 = nnx.Param(quantize_array(self.w2.get_value(), cfg.quant.group_size),
+                                logical_axes=self.w2.logical_axes)
         self.shared = SwiGLU(d, cfg.shared_intermediate_size, dtype, rngs) if cfg.n_shared_experts else None
         self.cfg = cfg
 

@@ -135,7 +135,8 @@ def bench_engine(target, drafter, args, deadline, rows):
         rows.append({"bench": "engine", "mode": mode, "budget": budget if mode == "ddtree" else None,
                      "streams": streams, "tokens": res["new_tokens"], "rounds": rounds,
                      "tau": res["tau_mean"], "decode_s": res["decode_s"],
-                     "tok_per_s": res["new_tokens"] / res["decode_s"], "ms_per_round": 1e3 * res["decode_s"] / max(rounds, 1),
+                     "tok_per_s": res["new_tokens"] / res["decode_s"],
+                     "ms_per_round": 1e3 * res["decode_s"] / max(rounds, 1),
                      "compile_s": compile_s, **rounds_breakdown(engine, prompts)})
         print({k: v[:8] if k == "kernels" else v for k, v in rows[-1].items()}, flush=True)
 
@@ -436,7 +437,8 @@ def main():
     target, drafter = build_models(args)
     if args.prepare_kernels:
         target = prepare_for_kernels(target)
-    print(f"built: target {bytes_of(nnx.state(target)) / 1e9:.2f} GB, drafter {bytes_of(nnx.state(drafter)) / 1e9:.2f} GB,"
+    print(f"built: target {bytes_of(nnx.state(target)) / 1e9:.2f} GB,"
+          f" drafter {bytes_of(nnx.state(drafter)) / 1e9:.2f} GB,"
           f" copy bandwidth {bandwidth / 1e12:.2f} TB/s, {time.time() - start:.0f}s", flush=True)
     engines = {}
     sections = {

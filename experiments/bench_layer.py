@@ -103,9 +103,11 @@ def parts(cfg, layer, m: int, prefix: int, rt: Runtime = Runtime()):
         # for a bf16 checkpoint and bf16 activations), and XLA's 9-pass bf16 algorithm for f32 (GPU only)
         "router_logits": (lambda lay, x, aux: router_logits(lay, x, aux, precision=jax.lax.Precision.HIGHEST),
                           moe.router.get_value().astype(jnp.float32)),
-        "router_logits_bf16": (lambda lay, x, aux: router_logits(lay, x, aux), moe.router.get_value().astype(jnp.bfloat16)),
+        "router_logits_bf16": (lambda lay, x, aux: router_logits(lay, x, aux),
+                               moe.router.get_value().astype(jnp.bfloat16)),
         "router_logits_x9": (lambda lay, x, aux: router_logits(
-            lay, x, aux, precision=jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X9), moe.router.get_value().astype(jnp.float32)),
+            lay, x, aux, precision=jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X9),
+                             moe.router.get_value().astype(jnp.float32)),
         "routed_experts": (lambda lay, x, aux: routed(lay.mlp, x, aux), (ids, weights)),
         "shared_expert": (lambda lay, x, aux: x + lay.mlp.shared(x).astype(x.dtype), None),
         "elementwise": (lambda lay, x, aux: x + 1e-6 * x, None),

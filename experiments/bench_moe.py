@@ -2,7 +2,8 @@
 layout) vs the Pallas-Triton kernel ("pallas[...]", layout "planar") vs XLA twin vs XLA ragged_dot (bf16).
 
     PYTHONPATH=. python3 experiments/bench_moe.py [--ms 1,9,32,90,256,512,1024] [--out DIR]
-        [--tiled-configs "k=v,...;..." (fuse=0: w13 unpaired, SiLU·up in XLA; default paired, in the epilogue)] [--configs "k=v,...;..." --triton-ms 1,32,256]
+        [--tiled-configs "k=v,...;..." (fuse=0: w13 unpaired, SiLU·up in XLA; default paired, in the epilogue)]
+        [--configs "k=v,...;..." --triton-ms 1,32,256]
         [--sweep "k=v,...;..." --sweep-ms 1,256]
 
 Reports per (M, routing): ms per call, us per token, active experts, weight bytes read (INT4 words +
@@ -16,8 +17,8 @@ per call instead, from a profiler trace of an unrolled chain of dependent calls
 routing ids tied to each call's x so that every call sorts them: before session 8 the chain sorted the
 fixed ids once for all its calls, ``bench_util.tie_to``;
 kernel_us: the two Mosaic launches, glue_us: the other kernels, kernels: each kernel's µs per call), with
-the wall-clock chained figure
-(``chained_call_time``, session 5's table) and the dispatched time beside it (ms_chained, ms_dispatched). Weights are random (words are uniformly
+the wall-clock chained figure (``chained_call_time``, session 5's table) and the dispatched time beside it
+(ms_chained, ms_dispatched). Weights are random (words are uniformly
 random nibbles, scales in [0.01, 0.03]); routing is uniform (distinct random top-8 per token) or skewed
 (Zipf-like expert popularity, exponent 1.2, top-8 without replacement via Gumbel top-k).
 """
@@ -276,7 +277,8 @@ def main(argv=None):
                         state["w2"] = jax.random.normal(kk[1], (E, F, D), jnp.bfloat16) * 0.02
                     t, _ = time_calls(ragged, (x, ids, w, state["w13"], state["w2"]), calls=2, batches=2,
                                       budget_s=args.budget_s)
-                    record(base, "ragged_dot_bf16", t, nbytes, bf16_GB=base["active"] * 3 * D * F * 2 / 1e9, phase="table")
+                    record(base, "ragged_dot_bf16", t, nbytes, bf16_GB=base["active"] * 3 * D * F * 2 / 1e9,
+                           phase="table")
                 except Exception as ex:  # noqa: BLE001
                     print(f"ragged_dot M={m} failed: {type(ex).__name__}: {str(ex)[:300]}", flush=True)
             save()

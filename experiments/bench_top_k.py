@@ -45,7 +45,8 @@ def chunked_log_softmax(logits: jax.Array, chunk: int) -> jax.Array:
 
 def all_equal(got, want) -> bool:
     """Every array of ``got`` equal to the matching one of ``want`` (pytrees of the same structure)."""
-    return all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+    return all(np.array_equal(np.asarray(a), np.asarray(b))
+               for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
 
 
 def as_one(out) -> jax.Array:
@@ -85,7 +86,8 @@ def bench_beams(rows, shapes):
         for method in ("sort", "compare"):
             fn = jax.jit(lambda v, method=method: topk.top_k(v, k, method))
             same = all_equal(fn(values), jax.lax.top_k(values, k))
-            row = {"part": "top_k beam", "M": m, "N": n, "K": k, "method": method, "exact": same, **timed(fn, (values,))}
+            row = {"part": "top_k beam", "M": m, "N": n, "K": k, "method": method, "exact": same,
+                   **timed(fn, (values,))}
             rows.append(row)
             print(row, flush=True)
 

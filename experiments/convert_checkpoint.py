@@ -5,8 +5,9 @@
     python experiments/convert_checkpoint.py --sweep WORKDIR [--result convert_rss]
 
 --sweep writes random K2.6-layout checkpoints of 4/8/16/32 layers (32 experts: ~33 MB per layer, one layer or
-so per shard) and of 4 layers with 64/128 experts (bigger layers), converts each in a fresh process and, for contrast, loads each whole into host memory with
-``load_hf_model`` in a fresh process, recording peak RSS of both against the largest shard and the total.
+so per shard) and of 4 layers with 64/128 experts (bigger layers), converts each in a fresh process and, for
+contrast, loads each whole into host memory with ``load_hf_model`` in a fresh process, recording peak RSS of both
+against the largest shard and the total.
 
 Streams shard by shard, one memory-mapped tensor at a time; each decoder layer is written as soon as all
 of its tensors have arrived (``ddtree_jax.checkpoint.convert_hf_checkpoint``), so host memory stays near
@@ -64,7 +65,8 @@ def random_hf_checkpoint(path: str, dims: dict | None = None, shards: int = 8, s
 
     def layer_tensors(i):
         p = f"language_model.model.layers.{i}."
-        t = {p + "input_layernorm.weight": np.ones(hid, bf16), p + "post_attention_layernorm.weight": np.ones(hid, bf16),
+        t = {p + "input_layernorm.weight": np.ones(hid, bf16),
+             p + "post_attention_layernorm.weight": np.ones(hid, bf16),
              p + "self_attn.q_a_proj.weight": normal(d["q_lora_rank"], hid),
              p + "self_attn.q_a_layernorm.weight": np.ones(d["q_lora_rank"], bf16),
              p + "self_attn.q_b_proj.weight": normal(heads * (nope + rope), d["q_lora_rank"]),
@@ -79,14 +81,16 @@ def random_hf_checkpoint(path: str, dims: dict | None = None, shards: int = 8, s
             return t
         f, fs = d["moe_intermediate_size"], d["moe_intermediate_size"] * d["n_shared_experts"]
         t.update({p + "mlp.gate.weight": normal(d["n_routed_experts"], hid),
-                  p + "mlp.gate.e_score_correction_bias": (0.1 * rng.standard_normal(d["n_routed_experts"])).astype(np.float32),
+                  p + "mlp.gate.e_score_correction_bias":
+                      (0.1 * rng.standard_normal(d["n_routed_experts"])).astype(np.float32),
                   p + "mlp.shared_experts.gate_proj.weight": normal(fs, hid),
                   p + "mlp.shared_experts.up_proj.weight": normal(fs, hid),
                   p + "mlp.shared_experts.down_proj.weight": normal(hid, fs)})
         for e in range(d["n_routed_experts"]):
             for proj, (out_dim, in_dim) in (("gate_proj", (f, hid)), ("up_proj", (f, hid)), ("down_proj", (hid, f))):
                 q = f"{p}mlp.experts.{e}.{proj}."
-                t[q + "weight_packed"] = rng.integers(-2**31, 2**31, (out_dim, in_dim // 8), dtype=np.int64).astype(np.int32)
+                t[q + "weight_packed"] = rng.integers(-2**31, 2**31, (out_dim, in_dim // 8),
+                                                      dtype=np.int64).astype(np.int32)
                 t[q + "weight_scale"] = (0.002 * (1 + rng.random((out_dim, in_dim // 32), np.float32))).astype(bf16)
                 t[q + "weight_shape"] = np.array([out_dim, in_dim], np.int64)
         return t
@@ -199,7 +203,8 @@ def sweep(workdir: str, points=SWEEP) -> dict:
         proc = subprocess.run([sys.executable, "-c", _FULL_LOAD, hf], capture_output=True, text=True, env=env,
                               check=True)
         base, peak = (int(x) for x in proc.stdout.split("RSS")[-1].split())
-        rows.append({"layers": layers, "experts": experts, "shards": len(files), "hf_total_mib": conv["hf_total_bytes"] / MIB,
+        rows.append({"layers": layers, "experts": experts, "shards": len(files),
+                     "hf_total_mib": conv["hf_total_bytes"] / MIB,
                      "largest_shard_mib": conv["largest_shard_bytes"] / MIB,
                      "convert_peak_rss_mib": conv["peak_rss_bytes"] / MIB,
                      "convert_baseline_rss_mib": conv["peak_rss_before_bytes"] / MIB,

@@ -32,8 +32,8 @@ phase's ``compile_wall_s``, ``compiles_overlapped`` and its XLA compiles; ``comp
 record) must be 0. ``--compile-workers 1`` compiles each configuration right before timing it. On 2 CPU
 cores threads gain little (one compile already keeps ~1.5 cores busy; 8 configurations: 64 s serial, 60 s
 with 2 threads, means of 5 and 7 runs); on the H200 box (16 cores, f32 matmul precision) the 21
-configurations of the shipped grid compiled in 414 s with 16 threads, against ~13 minutes one by one. On GPUs XLA's autotuner times kernels while compiling, so
-concurrent compiles may pick other kernels.
+configurations of the shipped grid compiled in 414 s with 16 threads, against ~13 minutes one by one. On GPUs
+XLA's autotuner times kernels while compiling, so concurrent compiles may pick other kernels.
 
 CPU cost (2 cores, the shipped 30M pair, 16 prompts x 32 new tokens, budgets 8..128, streams 1/4/16):
 ``--temperatures 0,1 --repeats 1`` took 12 minutes (724 s), about a third of it XLA compiles (one

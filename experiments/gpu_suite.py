@@ -143,7 +143,8 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, "suite.json"), "w") as f:
         json.dump(summary, f, indent=1)
     for g in summary["groups"]:
-        print(f"group {g['group']}: {g['tests']} tests, rc={g['rc']}{' KILLED' if g['killed'] else ''}, {g['seconds']} s")
+        print(f"group {g['group']}: {g['tests']} tests, rc={g['rc']}{' KILLED' if g['killed'] else ''},"
+              f" {g['seconds']} s")
     for test in summary["failures"]:
         print("FAILED", test)
     print(" | ".join(f"{k} {v}" for k, v in sorted(summary["counts"].items())))

@@ -101,7 +101,8 @@ def main(argv=None) -> int:
                          "kernels": t["kernels"], "launches_us": t["launches_us"],
                          "largest_gaps_us": t["largest_gaps_us"]})
             print(f"group {group:4d} {variant:8s} ok={ok} span {rows[-1]['span_us']:7.2f} us  "
-                  f"busy {rows[-1]['busy_us']:7.2f} us  kernels {[(k[0][:40], round(k[2] * 1e6, 2)) for k in t['kernels']]}",
+                  f"busy {rows[-1]['busy_us']:7.2f} us  "
+                  f"kernels {[(k[0][:40], round(k[2] * 1e6, 2)) for k in t['kernels']]}",
                   flush=True)
     payload = {"hardware": bench_util.hardware(), "commit": args.commit or bench_util.git_commit(),
                "config": {"programs": args.programs, "row_bytes": ROW * 4, "calls": args.calls,

@@ -67,8 +67,8 @@ def main(argv=None):
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--commit", default=None, help="commit hash to record (a copied checkout may report a stale HEAD)")
-    ap.add_argument("--plan", default="full", choices=["full", "flags", "stages", "fragments", "net", "anatomy", "inflight", "chunks", "m1",
-                             "width"])
+    ap.add_argument("--plan", default="full", choices=["full", "flags", "stages", "fragments", "net", "anatomy",
+                                                       "inflight", "chunks", "m1", "width"])
     ap.add_argument("--width-probes", default="",
                     help="plan width: comma list of probes run at every N ('full': none; default: full at every N, "
                          "stream_only at 8 and 32)")
@@ -78,7 +78,8 @@ def main(argv=None):
                     help="plan width: sample the SM clock and power (nvidia-smi) over ~0.5 s of calls of each kernel")
     ap.add_argument("--widths", default="8,16,24,32,40,48,64",
                     help="plan width: tokens per tile N, one tile per expert (all E streamed once, whatever N)")
-    ap.add_argument("--chunk", type=int, default=32, help="activation chunk width (columns per wgmma) unless a plan sets it")
+    ap.add_argument("--chunk", type=int, default=32,
+                    help="activation chunk width (columns per wgmma) unless a plan sets it")
     ap.add_argument("--timing", default="chained", choices=["chained", "traced"],
                     help="chained: wall clock of call chains, differenced; traced: the kernel's device time from a "
                          "profiler trace (bench_util.traced_call_time)")
@@ -104,7 +105,8 @@ def main(argv=None):
         if not args.out:
             return
         payload = dict(commit=args.commit or bench_util.git_commit(), hardware=bench_util.hardware(),
-                       jax=jax.__version__, copy_bandwidth=bw, plan=args.plan, timing=("kernel device time from a profiler trace" if args.timing == "traced"
+                       jax=jax.__version__, copy_bandwidth=bw, plan=args.plan,
+                       timing=("kernel device time from a profiler trace" if args.timing == "traced"
                                else "unrolled chains, 17 vs 1 calls differenced"),
                        argv=sys.argv[1:], records=records)
         os.makedirs(args.out, exist_ok=True)
@@ -214,16 +216,21 @@ def main(argv=None):
                         print(f"FAILED {name} m={m} n={n} {rows}/{stages}/{split}/{overlap}: {exc!r:.300}", flush=True)
                         continue
                     rec = dict(kind="time", gemm=name, m=m, n=n, rows=rows, stages=stages, split=split,
-                               overlap=overlap, auto_barriers=auto, probe=probe, order=order, mma_in_flight=inflight, chunk=chunk, active=active, gb=nbytes / 1e9, ms=t * 1e3, tbps=nbytes / t / 1e12,
+                               overlap=overlap, auto_barriers=auto, probe=probe, order=order, mma_in_flight=inflight,
+                               chunk=chunk, active=active, gb=nbytes / 1e9, ms=t * 1e3, tbps=nbytes / t / 1e12,
                                pct_copy=100 * nbytes / t / bw, floor_ms=nbytes / bw * 1e3)
                     records.append(rec)
                     table.append(rec)
-                    print(f"{name:8s} M={m:5d} N={n:3d} {rows}/{stages}/{split}/{overlap:d}/{auto:d}/{probe or '-'}/{order}/{inflight}/c{chunk} active={active:3d} "
-                          f"{t * 1e3:8.3f} ms  {rec['tbps']:.2f} TB/s  {rec['pct_copy']:5.1f} %", flush=True)
+                    print(f"{name:8s} M={m:5d} N={n:3d} "
+                          f"{rows}/{stages}/{split}/{overlap:d}/{auto:d}/{probe or '-'}/{order}/{inflight}/c{chunk} "
+                          f"active={active:3d} {t * 1e3:8.3f} ms  {rec['tbps']:.2f} TB/s  {rec['pct_copy']:5.1f} %",
+                          flush=True)
                     save(records)
     save(records)
     bench_util.print_table([{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items() if k != "kind"}
-                            for r in table], ["gemm", "m", "n", "stages", "split", "probe", "mma_in_flight", "chunk", "active", "ms", "floor_ms", "pct_copy"])
+                            for r in table],
+                           ["gemm", "m", "n", "stages", "split", "probe", "mma_in_flight", "chunk", "active", "ms",
+                            "floor_ms", "pct_copy"])
 
 
 def width_sweep(args, weights, gemms, bw, records, save):

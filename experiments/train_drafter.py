@@ -47,8 +47,8 @@ from ddtree_jax.model import KimiModel  # noqa: E402
 from ddtree_jax.rope import apply_rope_half, rope_cos_sin  # noqa: E402
 from experiments import data as data_lib  # noqa: E402
 from experiments.train_target import (TRAIN_RUNTIME, add_training_args, lm_forward, load_tokenizer_json,  # noqa: E402
-                                      make_optimizer, planned_steps, read_train_meta, restore_train_state, save_train_state, scaled_update,
-                                      training_loop, write_curve)
+                                      make_optimizer, planned_steps, read_train_meta, restore_train_state,
+                                      save_train_state, scaled_update, training_loop, write_curve)
 
 
 def small_drafter_config(target_cfg, mask_token_id: int, *, block_size: int = 8, taps=None,

@@ -395,8 +395,9 @@ def grouped_int4_matmul(x_chunks, w, s, tile_expert, tile_rows=None, *, tokens_p
     order) upcasts a broadcast word instead of loading the slab's words from shared memory (what those loads
     cost: experiments/results/probe_moe_mgpu_s14_width_h200.json); "wide_load" loads them with one 16-byte
     load per thread instead of two 8-byte ones (the words land in the wrong registers); "one_scale_load"
-    multiplies every group of a step by group 0's scales (one scale load per step instead of eight). (Another, the A operand through shared
-    memory, ran 35 % slower at 09fd4cc: experiments/results/probe_moe_mgpu_smem_a_h200.json.)"""
+    multiplies every group of a step by group 0's scales (one scale load per step instead of eight). (Another, the A
+    operand through shared memory, ran 35 % slower at 09fd4cc:
+    experiments/results/probe_moe_mgpu_smem_a_h200.json.)"""
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.mosaic_gpu is not available in this JAX")
     if probe not in ("", "no_scale", "mma_once", "stream_only", "no_weight_load", "wide_load", "one_scale_load"):

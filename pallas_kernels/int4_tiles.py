@@ -16,9 +16,9 @@ bank-conflict free straight into the wgmma int4 upcast register layout. Scales: 
 [E, O/R, (I/S)*(S/G), R], step k's [S/G, R] block holds group-major row vectors.
 
 Second order, "fragments" (the default where O % 128 == 0; ``tile_fragments``, int32 words
-[E, O/128, (I/S)*32, 128], 128-row slabs only): each [32, 128]-word slab holds a [128, 256] weight slab so that every thread of the warpgroup
-reads, per scale group, two words that already hold its wgmma A-fragment values in register order (pairs
-at nibbles j and j + 4: one shift, one mask-and-or with the bf16 exponent of 128 and one bf16x2
+[E, O/128, (I/S)*32, 128], 128-row slabs only): each [32, 128]-word slab holds a [128, 256] weight slab so that
+every thread of the warpgroup reads, per scale group, two words that already hold its wgmma A-fragment values in
+register order (pairs at nibbles j and j + 4: one shift, one mask-and-or with the bf16 exponent of 128 and one bf16x2
 subtraction per two values, no register shuffles; ``fragment_maps``, ``int4_moe_mgpu._fragment_operand``). The kernel
 takes either order (by the weights' dtype). On the H200 the fragment order was 1-22 % faster than the
 groups order, never slower (experiments/results/probe_moe_mgpu_fragments_h200.json).

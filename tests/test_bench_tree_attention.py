@@ -76,9 +76,11 @@ def test_xla_entry_matches_the_twin():
 
 
 def test_issue_grid_and_mgpu_paths():
-    """The issue's grid is every (H, B, T, P) it names, once; the op's kernel choice per point as the library makes it."""
+    """The issue's grid is every (H, B, T, P) it names, once; the op's kernel choice per point as the library
+    makes it."""
     assert len(bench.ISSUE_GRID) == len(set(bench.ISSUE_GRID)) == 2 * 6 * 3 * 3
-    assert {pt[0] for pt in bench.ISSUE_GRID} == {8, 64} and {pt[2] for pt in bench.ISSUE_GRID} == {1, 8, 32, 64, 128, 256}
+    assert ({pt[0] for pt in bench.ISSUE_GRID} == {8, 64}
+            and {pt[2] for pt in bench.ISSUE_GRID} == {1, 8, 32, 64, 128, 256})
     assert bench.mgpu_path(8, 16, 1, 8192)["path"] == "narrow"
     assert bench.mgpu_path(8, 16, 9, 8192)["path"] == "tail"
     assert bench.mgpu_path(64, 1, 1, 8192) == dict(path="tiles", num_splits=bench.M.splits_for(1, 1, 64, 8192))

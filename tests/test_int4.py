@@ -125,7 +125,8 @@ EXPERT = "model.layers.2.mlp.experts.3.down_proj."
 
 
 @pytest.mark.parametrize("edit, message", [
-    (lambda t: t.pop(EXPERT + "weight_scale"), r"missing tensors: \['model\.layers\.2\.mlp\.experts\.3\.down_proj\.weight_scale'"),
+    (lambda t: t.pop(EXPERT + "weight_scale"),
+     r"missing tensors: \['model\.layers\.2\.mlp\.experts\.3\.down_proj\.weight_scale'"),
     (lambda t: t.pop(EXPERT + "weight_shape"), r"experts\.3\.down_proj\.weight_shape"),
     (lambda t: t.update({EXPERT + "weight_packed": t[EXPERT + "weight_packed"][:, :-1]}),
      r"experts\.3\.down_proj\.weight_packed: shape \(64, 3\) != expected \(64, 4\)"),

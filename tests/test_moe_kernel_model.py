@@ -1,5 +1,5 @@
-"""The Pallas-Triton INT4 kernel (layout "planar") inside the model: prepare_for_kernels (load-time repack of every MoE layer) and back,
-forward parity with the compressed-tensors model (twin, XLA path, interpret-mode kernel), expert
+"""The Pallas-Triton INT4 kernel (layout "planar") inside the model: prepare_for_kernels (load-time repack of every
+MoE layer) and back, forward parity with the compressed-tensors model (twin, XLA path, interpret-mode kernel), expert
 parallelism, the Engine, platform choice (lowered for CUDA on this CPU), errors, and a GPU check.
 
 Tiny configs with D = F = 128 (planar blocks of 16 words, the smallest the GPU kernel tiles).

@@ -426,7 +426,8 @@ def test_gpu_tiled_model_matches_twin_and_xla():
     prepared = prepare_for_kernels(nnx.clone(model))
     toks = np.random.default_rng(5).integers(0, 256, (2, 33))
     graphdef, state = nnx.split(prepared)
-    assert MGPU_CALL in jax.jit(lambda s, t: _forward(graphdef, s, t, Runtime())).lower(state, jnp.asarray(toks)).as_text()
+    assert MGPU_CALL in jax.jit(lambda s, t: _forward(graphdef, s, t, Runtime())).lower(
+        state, jnp.asarray(toks)).as_text()
     kernel = forward(prepared, toks).astype(jnp.float32)
     twin = forward(prepared, toks, Runtime(routed_fn=functools.partial(
         K.routed_experts_tiled, out_dtype=jnp.float32, use_kernel=False))).astype(jnp.float32)
@@ -600,7 +601,8 @@ def test_twin_epilogue_is_silu_of_gate_times_up():
     paired = TiledInt4.from_compressed_tensors(qa.packed, qa.scale, pair_gate_up=True)
     te = jnp.asarray([2, -1, 0], jnp.int32)
     xg = K.to_chunks(jnp.asarray(rng.standard_normal((24, 512)), jnp.float32), 64)
-    gu = np.asarray(K.grouped_int4_matmul_ref(xg, plain.packed, plain.scale, te, tokens_per_tile=8, out_layout="tokens"))
+    gu = np.asarray(K.grouped_int4_matmul_ref(xg, plain.packed, plain.scale, te, tokens_per_tile=8,
+                                              out_layout="tokens"))
     hc = K.grouped_int4_matmul_ref(xg, paired.packed, paired.scale, te, tokens_per_tile=8, out_layout="tokens",
                                    epilogue="silu_mul")
     assert hc.shape == (4, 24, 64) and hc.dtype == np.float32  # h in the down GEMM's chunks

@@ -53,8 +53,10 @@ def test_refuses_inputs_of_different_commits_or_timing_unless_allowed():
 
 
 def test_busy_figure_fits_the_kernels_time_and_needs_it_recorded():
-    one = {"name": "one", "config": {"traced": True}, "rows": [{"M": 1, "part": "layer", "us": 220.0, "busy_us": 225.0}]}
-    two = {"name": "two", "config": {"traced": True}, "rows": [{"M": 1, "part": "layer", "us": 1800.0, "busy_us": 221.0}]}
+    one = {"name": "one", "config": {"traced": True},
+           "rows": [{"M": 1, "part": "layer", "us": 220.0, "busy_us": 225.0}]}
+    two = {"name": "two", "config": {"traced": True},
+           "rows": [{"M": 1, "part": "layer", "us": 1800.0, "busy_us": 221.0}]}
     assert P.layer_times(two, "busy") == {1: 221.0} and P.layer_times(two) == {1: 1800.0}
     ar = P.project(one, two, {}, gpus=8, layers=61, figure="busy")[0]
     assert ar["layer_us"] == pytest.approx(217.0 + 8.0 / 8)  # a = 2 * 221 - 225, b = 2 * (225 - 221)

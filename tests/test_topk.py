@@ -105,7 +105,8 @@ def test_build_tree_over_a_large_vocabulary_with_every_method():
              for m in ("auto", "sort", "chunked")}
     for m in ("sort", "chunked"):
         for field in ("tokens", "parents", "depths", "logprob", "visibility"):
-            np.testing.assert_array_equal(np.asarray(getattr(trees[m], field)), np.asarray(getattr(trees["auto"], field)))
+            np.testing.assert_array_equal(np.asarray(getattr(trees[m], field)),
+                                          np.asarray(getattr(trees["auto"], field)))
     r_tok, r_par, r_dep, r_lp = ref_build(lp[0], 3, budget)
     np.testing.assert_array_equal(np.asarray(trees["auto"].tokens[0]), r_tok)
     np.testing.assert_array_equal(np.asarray(trees["auto"].parents[0]), r_par)

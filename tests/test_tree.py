@@ -422,7 +422,8 @@ def test_static_temperature_takes_one_path_with_the_same_tokens():
     for temp in (0.0, 0.7):
         static = jax.jit(lambda x, k, t=temp: tr.sample_target_tokens(x, t, k))
         traced = jax.jit(tr.sample_target_tokens)
-        np.testing.assert_array_equal(np.asarray(static(logits, key)), np.asarray(traced(logits, jnp.float32(temp), key)))
+        np.testing.assert_array_equal(np.asarray(static(logits, key)),
+                                      np.asarray(traced(logits, jnp.float32(temp), key)))
         jaxpr = str(jax.make_jaxpr(lambda x, k, t=temp: tr.sample_target_tokens(x, t, k))(logits, key))
         assert ("random_bits" in jaxpr) == (temp > 0), temp
         assert jaxpr.count("argmax[") == 1, temp  # the traced temperature's program has two (greedy and sample)
