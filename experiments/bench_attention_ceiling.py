@@ -146,29 +146,36 @@ def verdicts(ceilings, op_rows) -> list[dict]:
     return out
 
 
+def rows_of(paths) -> list[dict]:
+    """The rows of result files, one per point (H, B, T, P): a later file's row replaces an earlier one's (a
+    rerun of some points after a whole grid), in the order the points first appear."""
+    latest = {}
+    for path in paths:
+        with open(path) as f:
+            for r in json.load(f)["rows"]:
+                latest[(r["H"], r["B"], r["T"], r["P"])] = r
+    return list(latest.values())
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--name", default="bench_attention_ceiling")
     ap.add_argument("--points", default=None, help="'H,B,T,P;...' (default: the issue's grid)")
     ap.add_argument("--against", nargs="+", default=None, metavar="JSON",
-                    help="the op's grid results: print each point's op %% beside its ceiling")
+                    help="the op's grid results: print each point's op %% beside its ceiling (a later file's row "
+                         "replaces an earlier one's at the same point)")
     ap.add_argument("--only", nargs="+", default=None, metavar="JSON",
-                    help="print --against's comparison from these ceiling results and exit; no device work")
+                    help="print --against's comparison from these ceiling results and exit; no device work (a later "
+                         "file's row replaces an earlier one's at the same point)")
     ap.add_argument("--budget-s", type=float, default=540.0)
     ap.add_argument("--commit", default=None, help="code commit to record (the device copy has no .git)")
     ap.add_argument("--smoke", action="store_true", help="CPU: tiny points, yardsticks assumed")
     args = ap.parse_args()
-    op_rows = []
-    for path in args.against or []:
-        with open(path) as f:
-            op_rows += json.load(f)["rows"]
+    op_rows = rows_of(args.against or [])
     rows = []
     if args.only:
-        for path in args.only:
-            with open(path) as f:
-                rows += json.load(f)["rows"]
-        report(rows, op_rows)
+        report(rows_of(args.only), op_rows)
         return 0
     try:
         points = bench_util.int_points(args.points, 4) if args.points else SMOKE_POINTS if args.smoke else ISSUE_GRID

@@ -91,3 +91,17 @@ def test_goal_map_of_ceilings():
             dict(kernel="size ceiling", H=8, T=32, P=1024, B=1, bound="compute", ceiling_pct=None)]
     text = bench.render_goal_map(rows, pct=lambda r: r["ceiling_pct"])
     assert "| 8 | 1 | 30 m |" in text and "| 8 | 32 | err |" in text and "Goals hold at 0 of 2 points." in text
+
+
+def test_a_later_files_row_replaces_an_earlier_ones_at_the_same_point(tmp_path):
+    import json
+
+    grid = [dict(H=8, B=1, T=1, P=1024, ceiling_pct=10.0), dict(H=8, B=1, T=32, P=1024, ceiling_pct=13.6)]
+    rerun = [dict(H=8, B=1, T=32, P=1024, ceiling_pct=7.9), dict(H=8, B=4, T=32, P=1024, ceiling_pct=23.3)]
+    paths = []
+    for name, rows in (("grid", grid), ("rerun", rerun)):
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(dict(rows=rows)))
+    got = ceil.rows_of(paths)
+    assert [(r["T"], r["B"], r["ceiling_pct"]) for r in got] == [(1, 1, 10.0), (32, 1, 7.9), (32, 4, 23.3)]
+    assert ceil.rows_of([]) == []
