@@ -53,7 +53,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from experiments import bench_util  # noqa: E402
 from experiments.bench_tree_attention import (C, GOALS, ISSUE_GRID, chained, floor_share,  # noqa: E402
-                                              next_point_fits, point_inputs, render_goal_map, roofline)
+                                              next_point_fits, point_inputs, render_goal_map, roofline, rows_of)
 
 GEMM_SCORES_LIMIT = 2 << 30  # bytes of bf16 scores
 SMOKE_POINTS = [(8, 1, 1, 256), (8, 2, 8, 128)]
@@ -144,17 +144,6 @@ def verdicts(ceilings, op_rows) -> list[dict]:
                         goal=goal, holds=holds, op_ms=op.get("op_ms", op["ms"]), read_ms=c.get("read_ms"),
                         gemm_ms=c.get("gemm_ms")))
     return out
-
-
-def rows_of(paths) -> list[dict]:
-    """The rows of result files, one per point (H, B, T, P): a later file's row replaces an earlier one's (a
-    rerun of some points after a whole grid), in the order the points first appear."""
-    latest = {}
-    for path in paths:
-        with open(path) as f:
-            for r in json.load(f)["rows"]:
-                latest[(r["H"], r["B"], r["T"], r["P"])] = r
-    return list(latest.values())
 
 
 def main():

@@ -389,6 +389,17 @@ def bench_point(H, B, T, P, cfg, bw, peak, with_xla=True, check=True, repeats=5,
     return row
 
 
+def rows_of(paths) -> list[dict]:
+    """The rows of result files, one per kernel and point (``kernel``, H, B, T, P): a later file's row replaces an
+    earlier one's (a rerun of some points after a whole grid), in the order the points first appear."""
+    latest = {}
+    for path in paths:
+        with open(path) as f:
+            for r in json.load(f)["rows"]:
+                latest[(r.get("kernel"), r["H"], r["B"], r["T"], r["P"])] = r
+    return list(latest.values())
+
+
 def next_point_fits(elapsed_s: float, walls_s, budget_s: float) -> bool:
     """Whether a run that has used ``elapsed_s`` of its ``budget_s`` starts another point: only if the longest
     point so far (``walls_s``, seconds each) would still end within the budget. A point is never cut short, so
@@ -464,7 +475,8 @@ def main():
     ap.add_argument("--trace-only", action="store_true",
                     help="grid mode: time from the profiler's trace alone (no wall-clock chains; GPU)")
     ap.add_argument("--render", nargs="+", default=None, metavar="JSON",
-                    help="print the goal map (markdown) of grid results and exit; no device work")
+                    help="print the goal map (markdown) of grid results and exit; no device work (a later file's row "
+                         "replaces an earlier one's at the same kernel and point)")
     ap.add_argument("--extra-s", type=float, default=0.0,
                     help="after the grid, this many seconds of EXTRA tuning points (sweep rows)")
     ap.add_argument("--commit", default=None,
@@ -481,11 +493,7 @@ def main():
                     help="hand the ops tree latents padded to whole 64-key blocks, as the model does")
     args = ap.parse_args()
     if args.render:
-        grid_rows = []
-        for path in args.render:
-            with open(path) as f:
-                grid_rows += json.load(f)["rows"]
-        print(render_goal_map(grid_rows))
+        print(render_goal_map(rows_of(args.render)))
         return 0
     try:
         points = ISSUE_GRID if args.points == "issue" else bench_util.int_points(args.points, 4) if args.points \

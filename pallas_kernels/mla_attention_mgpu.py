@@ -779,8 +779,8 @@ def tree_attention_mgpu(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, k
     True). Returns out [B, T, H, L] bf16 (and lse [B, T, H] f32 with ``return_lse``). ``num_splits`` defaults
     to :func:`splits_for` on ``num_sms`` SMs. ``kernel`` is :func:`split_attention`,
     ``mla_attention_narrow.split_attention_narrow`` (keys as wgmma's M, for at most 32 real rows; by default
-    where T*H <= 32, block_k = 64 and C >= L + 64),
-    or their twin :func:`split_attention_ref` (CPU tests of everything around the kernel). tree_kv may carry
+    where T*H <= 32, block_k = 64 and C >= L + 64), or their twin :func:`split_attention_ref` (CPU tests of
+    everything around the kernel). tree_kv may carry
     padding rows past T (``tree_attention``'s contract): latents padded to whole blocks
     (``pad_tree_latents``, as the model hands them over) are read as they are. ``stages`` defaults to the
     kernel's own. ``combine`` merges several splits: ``split_combine.combine_splits`` (one Pallas-Triton

@@ -105,3 +105,6 @@ def test_a_later_files_row_replaces_an_earlier_ones_at_the_same_point(tmp_path):
     got = ceil.rows_of(paths)
     assert [(r["T"], r["B"], r["ceiling_pct"]) for r in got] == [(1, 1, 10.0), (32, 1, 7.9), (32, 4, 23.3)]
     assert ceil.rows_of([]) == []
+    two_kernels = tmp_path / "kernels.json"  # op grids: one row per kernel at a point
+    two_kernels.write_text(json.dumps(dict(rows=[dict(kernel=k, H=8, B=1, T=1, P=1024, ms=1.0) for k in "ab"])))
+    assert [r["kernel"] for r in ceil.rows_of([two_kernels])] == ["a", "b"]
