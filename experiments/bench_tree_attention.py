@@ -64,7 +64,6 @@ from experiments import bench_util  # noqa: E402
 from pallas_kernels import mla_attention_mgpu as M  # noqa: E402
 from pallas_kernels.mla_attention_mgpu import tree_attention_mgpu  # noqa: E402
 from pallas_kernels.mla_attention_narrow import split_attention_narrow  # noqa: E402
-from pallas_kernels.mla_attention_seesaw import split_attention_seesaw  # noqa: E402
 from pallas_kernels.split_combine import combine_splits, combine_splits_ref  # noqa: E402
 from pallas_kernels.tree_attention import (default_config, fold_rows, tree_attention,  # noqa: E402
                                            tree_attention_ref)
@@ -82,9 +81,7 @@ KERNELS = {"triton": tree_attention,
            "mgpu_wide": functools.partial(tree_attention_mgpu, kernel=M.split_attention),
            "mgpu_redundant": functools.partial(tree_attention_mgpu, kernel=M.split_attention, share_scores=False),
            # decode points only (T*H a multiple of 8 up to 32): keys as wgmma's M, the query rows as N
-           "mgpu_narrow": functools.partial(tree_attention_mgpu, kernel=split_attention_narrow),
-           # whole 64-row tiles, the two consumers scoring the key blocks in turn
-           "mgpu_seesaw": functools.partial(tree_attention_mgpu, kernel=split_attention_seesaw)}
+           "mgpu_narrow": functools.partial(tree_attention_mgpu, kernel=split_attention_narrow)}
 # (a kernel's options go on its name: --kernel mgpu_narrow:stages=3 -- see kernel_fn)
 
 

@@ -68,11 +68,6 @@ def run_attention(args):
         kw["kernel"] = functools.partial(split_attention_narrow, **_int_kwargs(args.kwargs))
     if args.wide_kwargs:
         kw["kernel"] = functools.partial(M.split_attention, **_int_kwargs(args.wide_kwargs))
-    if args.seesaw:
-        if args.kwargs or args.wide_kwargs:
-            raise SystemExit("--seesaw excludes --kwargs and --wide-kwargs")
-        from pallas_kernels.mla_attention_seesaw import split_attention_seesaw
-        kw["kernel"] = split_attention_seesaw
     fn = jax.jit(functools.partial(M.tree_attention_mgpu, scale=SCALE, kv_lora_rank=L, **kw))
     return fn(q, caches[0], plen, tkv, mask)
 
@@ -191,7 +186,6 @@ def main(argv=None):
     att.add_argument("--kwargs", default="", help="k=v,... passed to the narrow kernel (ints; forces it)")
     att.add_argument("--wide-kwargs", default="", help="k=v,... passed to the 64-row kernel (ints, a/b for a "
                                                       "tuple; forces it)")
-    att.add_argument("--seesaw", action="store_true", help="the 64-row tiles on mla_attention_seesaw's kernel")
     att.add_argument("--op-kwargs", default="", help="k=v,... passed to tree_attention_mgpu (ints): tail=0")
     args = ap.parse_args(argv)
     dump = os.path.join(args.out, "isa")
