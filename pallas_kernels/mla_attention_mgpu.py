@@ -187,7 +187,8 @@ def default_splits(B: int, n_tiles: int, S: int, block_k: int, num_sms: int = _N
 # than the 72 KB of keys it reads), or where the cache is this short and one wave holds a program for every
 # block. On the H200 (RESULTS.md, session 38) one block a split was 7-23 % faster over 1K with 1 and 4 streams
 # and with 8 rows over 8K at one stream; 2-6 % slower with 64 rows over 8K at one stream (130 programs of one
-# block). Prefixes between 1K and 8K were not measured.
+# block); session 39: 17 splits (one block each) beat 16 and 8 at T = 1, H = 64 over 1K. Prefixes between 1K and
+# 8K were not measured.
 ONE_BLOCK_CACHE = 1024
 ONE_BLOCK_ROWS = 32
 
