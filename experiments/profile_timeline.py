@@ -47,6 +47,9 @@ from pallas_kernels.mla_attention_narrow import NARROW_MAX_ROWS, split_attention
 
 EPILOGUE_PARTS = ("normalize", "store_smem", "store_gmem")
 ONCE_PER_PROGRAM = ("Init", "q_wait", "epilogue", *EPILOGUE_PARTS)  # "Init": Mosaic GPU's own (barrier set-up)
+PER_BLOCK = (("k_wait", "scores", "softmax", "handoff", "pv"),  # each warpgroup's regions per key block: consumer 0,
+             ("k_wait", "tail_scores", "tail_softmax", "p_wait", "pv"),  # consumer 1 of the 64-row kernel,
+             ("slot_wait",))  # the producer
 
 
 def regions_of(events: list[dict]) -> list[tuple[str, float, float]]:
@@ -127,6 +130,15 @@ def summarize(programs: list[dict]) -> dict:
     return row
 
 
+def regions_needed(names, blocks: int) -> int:
+    """The profiler's regions a warpgroup records over ``blocks`` key blocks when the kernel records ``names``
+    (None: all): Mosaic GPU's ``Init`` and each once-a-program region, and per block the most any one warpgroup
+    records."""
+    names = set(M.PROFILE_REGIONS if names is None else names)
+    per_block = max(len(names & set(wg)) for wg in PER_BLOCK)
+    return 1 + len(names & set(ONCE_PER_PROGRAM)) + per_block * blocks
+
+
 def run_point(T: int, H: int, B: int, P: int, clock_ghz: float, calls: int = 3, **kernel_kw) -> dict:
     """Profile ``tree_attention_mgpu`` at one point, its kernel (narrow where T*H <= NARROW_MAX_ROWS, else the
     64-row one) taking ``kernel_kw``."""
@@ -136,7 +148,8 @@ def run_point(T: int, H: int, B: int, P: int, clock_ghz: float, calls: int = 3, 
     blocks = -(-(P // 64 + tkv.shape[1] // 64) // NS) + 1
     with tempfile.TemporaryDirectory() as d:
         kernel = functools.partial(split_attention_narrow if narrow else M.split_attention, profile_dir=d,
-                                   profile_regions=8 + 5 * blocks, **kernel_kw)
+                                   profile_regions=regions_needed(kernel_kw.get("profile_names"), blocks),
+                                   **kernel_kw)
         f = jax.jit(functools.partial(M.tree_attention_mgpu, scale=SCALE, kv_lora_rank=L, num_splits=NS,
                                       kernel=kernel))
         for _ in range(calls):

@@ -68,6 +68,7 @@ clamped where it is traced (under jit nothing can raise), as in ``tree_attention
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -88,7 +89,8 @@ __all__ = ["tree_attention_mgpu", "split_attention", "split_attention_ref", "tre
            "check_in_place_inputs", "zero_rows_from", "default_splits",
            "stream_key_blocks", "dense_split_partials", "pack_bits", "unpack_bits",
            "splits_for", "unsupported_reason", "smem_bytes", "valid_rows_for", "tail_rows_of", "TAIL_ROWS",
-           "swapped_scores", "swapped_softmax", "store_swapped_output", "profiler_params"]
+           "swapped_scores", "swapped_softmax", "store_swapped_output", "profiler_params", "region_scope",
+           "PROFILE_REGIONS"]
 
 ROWS = 64              # query rows per program (one wgmma M tile)
 TAIL_ROWS = 8          # rows past one tile that its program takes with keys as wgmma's M ("Tail rows")
@@ -123,13 +125,23 @@ def smem_bytes(C: int, block_k: int, stages: int, share_scores: bool = True, tai
 PROFILE_REGION_BYTES = 16  # Mosaic GPU's profiler: per region and warpgroup, two events of two 32-bit words
 
 
-def profiler_params(profile_dir, profile_regions: int, smem: int, warpgroups: int, name: str) -> dict:
+PROFILE_REGIONS = ("q_wait", "k_wait", "scores", "softmax", "handoff", "p_wait", "pv", "tail_scores", "tail_softmax",
+                   "epilogue", "normalize", "store_smem", "store_gmem", "slot_wait")  # every region a kernel names
+
+
+def profiler_params(profile_dir, profile_regions: int, smem: int, warpgroups: int, name: str,
+                    profile_names=None) -> dict:
     """The CompilerParams entries of Mosaic GPU's on-device profiler (none without ``profile_dir``), or a
     ValueError: ``profile_dir`` and ``profile_regions`` go together, and the profiler's buffer
     (PROFILE_REGION_BYTES per region and warpgroup, after the kernel's ``smem`` bytes rounded to 8) must fit
-    in shared memory."""
+    in shared memory. ``profile_names`` (with ``profile_dir`` only) must name regions of PROFILE_REGIONS."""
     if (profile_dir is None) != (profile_regions <= 0):
         raise ValueError(f"{name}: profile_dir={profile_dir!r} and profile_regions={profile_regions} go together")
+    if profile_names is not None:
+        if profile_dir is None:
+            raise ValueError(f"{name}: profile_names={profile_names!r} needs profile_dir")
+        if isinstance(profile_names, str) or not set(profile_names) <= set(PROFILE_REGIONS):
+            raise ValueError(f"{name}: profile_names={profile_names!r} must be a collection of {PROFILE_REGIONS}")
     if profile_dir is None:
         return {}
     start, per_region = -(-smem // 8) * 8, PROFILE_REGION_BYTES * warpgroups
@@ -138,6 +150,14 @@ def profiler_params(profile_dir, profile_regions: int, smem: int, warpgroups: in
                          f"{start + per_region * profile_regions} bytes of shared memory (limit {SMEM_LIMIT}); "
                          f"beside this kernel's {smem} at most {max(0, (SMEM_LIMIT - start) // per_region)} fit")
     return dict(profile_space=int(profile_regions), profile_dir=str(profile_dir))
+
+
+def region_scope(profile_names=None):
+    """name -> the context of one region for Mosaic GPU's profiler: ``jax.named_scope(name)``, or no region when
+    ``profile_names`` (a diagnostic: fewer regions fit the few spare bytes of shared memory) leaves the name out."""
+    def scope(name: str):
+        return jax.named_scope(name) if profile_names is None or name in profile_names else contextlib.nullcontext()
+    return scope
 
 
 def tail_rows_of(rows: int) -> int:
@@ -270,7 +290,7 @@ def unpack_bits(bits, keys: int):
 
 
 def stream_key_blocks(kv_ref, tkv_ref, b, lo, nb, n_cache, n_all, k_smem, k_bars, consumed_bars, stages: int,
-                      block_k: int, on_tree_block=None, first_block_alone: bool = False):
+                      block_k: int, on_tree_block=None, first_block_alone: bool = False, region=jax.named_scope):
     """A producer warpgroup's ring of key blocks, inside a Mosaic GPU kernel: step j in [0, n_cache) copies
     cache block lo + j of stream b, step j in [n_cache, n_all) tree block t = lo + j - nb (``nb`` = the cache
     blocks read), each into slot j % stages (``k_smem``, arriving on ``k_bars``) once the consumers have freed
@@ -278,7 +298,8 @@ def stream_key_blocks(kv_ref, tkv_ref, b, lo, nb, n_cache, n_all, k_smem, k_bars
     A cache block may reach past the cache's S rows: the TMA unit fills those rows with zeros.
 
     ``first_block_alone``: the second block's copy waits until the first has landed, so that when every program
-    starts at once the first blocks are not served interleaved with the second ones (``split_attention``)."""
+    starts at once the first blocks are not served interleaved with the second ones (``split_attention``).
+    ``region``: the context of the profiler's region ``slot_wait`` (``region_scope``)."""
     @pl.loop(0, n_all)
     def _(j):
         slot = lax.rem(j, stages)
@@ -289,7 +310,7 @@ def stream_key_blocks(kv_ref, tkv_ref, b, lo, nb, n_cache, n_all, k_smem, k_bars
 
         @pl.when(j >= stages)
         def _():
-            with jax.named_scope("slot_wait"):  # a region for Mosaic GPU's profiler, where it is on
+            with region("slot_wait"):  # a region for Mosaic GPU's profiler, where it is on
                 plgpu.barrier_wait(consumed_bars.at[slot])
 
         @pl.when(j < n_cache)
@@ -377,16 +398,16 @@ def swapped_softmax(s, m, l, p_smem):
     return m_new, alpha, l
 
 
-def store_swapped_output(acc, m, l, o_smem, lse_smem):
+def store_swapped_output(acc, m, l, o_smem, lse_smem, region=jax.named_scope):
     """Inside a consumer warpgroup: oᵀ [L, V] (the keys as wgmma's M) normalised by the denominators l [BK, V]
     into ``o_smem`` [V, L] (bf16) and the LSE (natural log) into ``lse_smem`` [V]; a row that saw only masked
-    keys is empty (0 and -inf)."""
-    with jax.named_scope("normalize"):
+    keys is empty (0 and -inf). ``region``: the context of the profiler's regions (``region_scope``)."""
+    with region("normalize"):
         l = jnp.where(m < 0.5 * MASKED, 0.0, l.sum(axis=0))
         empty = l == 0.0
         inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
         o = acc * lax.broadcast_in_dim(inv, acc.shape, [1])
-    with jax.named_scope("store_smem"):
+    with region("store_smem"):
         o_smem.transpose((1, 0))[...] = plgpu.layout_cast(o.astype(jnp.bfloat16), plgpu.Layout.WGMMA_TRANSPOSED)
         lse_smem[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(jnp.where(empty, 1.0, l))) * _LN2)
         plgpu.commit_smem()
@@ -404,7 +425,7 @@ def _split_range(nb, tree_blocks: int, sp, num_splits: int):
 
 def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, kv_lora_rank, block_k=64,
                     stages=2, num_splits=1, share_scores=True, valid_rows=None, profile_dir=None, profile_regions=0,
-                    first_block_alone=None):
+                    profile_names=None, first_block_alone=None):
     """The Mosaic GPU kernel: attention of 64-row query tiles over each stream's prefix, read in place from
     the cache, and its tree, in NS splits.
 
@@ -425,6 +446,8 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
     (p and alpha to consumer 1) and ``pv``, consumer 1's ``tail_scores`` and ``tail_softmax`` (with a tail),
     ``p_wait`` and ``pv``; then ``epilogue``; the producer's ``slot_wait``) and writes a Chrome trace of each
     call into that folder (``experiments/profile_timeline.py`` reads it). Without it the kernel is the same.
+    ``profile_names``: record only these regions (by default all), so that a program's many key blocks fit
+    the 944 bytes its shared memory leaves at T*H = 64 (19 regions a warpgroup).
 
     ``first_block_alone`` (``stream_key_blocks``): the second key block's copy waits for the first; by default
     with a tail only (session 28, op µs with / without: T = 9, B = 16, 8K 57.2-57.7 / 58.1-59.8; B = 1, 64K
@@ -452,7 +475,8 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
     smem = smem_bytes(C, BK, stages, share_scores, tail)
     if smem > SMEM_LIMIT:
         raise ValueError(f"block_k={BK}, stages={stages} need {smem} bytes of shared memory (limit {SMEM_LIMIT})")
-    profile = profiler_params(profile_dir, profile_regions, smem, 3, "split_attention")
+    profile = profiler_params(profile_dir, profile_regions, smem, 3, "split_attention", profile_names)
+    region = region_scope(profile_names)
     B, Np, C, S, TP = check_in_place_inputs(q_rows, cache_kv, tree_kv, tree_bits, BK, "split_attention")
     scale_log2 = float(scale) * _LOG2E
     n_tiles, TB = Np // ROWS, TP // BK
@@ -488,7 +512,7 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
                                         bits_smem.at[slot], bits_bars.at[slot])
 
             stream_key_blocks(kv_ref, tkv_ref, b, lo, nbp, n_cache, n_all, k_smem, k_bars, consumed_bars, stages, BK,
-                              on_tree_block=copy_mask_words, first_block_alone=first_block_alone)
+                              on_tree_block=copy_mask_words, first_block_alone=first_block_alone, region=region)
 
         def consumer(half):
             scores_here = half == 0 or not share_scores  # this warpgroup computes q.k and the softmax
@@ -499,7 +523,7 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
             if tail and scores_here:
                 q_rope = plgpu.load(q_ref, (b, pl.ds(0, ROWS), pl.ds(CQ, 64)), layout=plgpu.Layout.WGMMA,
                                     optimized=False)
-            with jax.named_scope("q_wait"):
+            with region("q_wait"):
                 plgpu.barrier_wait(q_bar)
                 if tail and not scores_here:
                     plgpu.barrier_wait(qt_bar)
@@ -528,14 +552,14 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
             def softmax_share(j, slot, s, m, l):
                 """Online-softmax update for scores s (log2 units); with share_scores, p and alpha go to
                 consumer 1 through shared memory."""
-                with jax.named_scope("softmax"):
+                with region("softmax"):
                     m_new = jnp.maximum(m, s.max(axis=1))
                     alpha = jnp.exp2(m - m_new)
                     p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
                     l = l * alpha + p.sum(axis=1)
                     p16 = p.astype(jnp.bfloat16)
                 if share_scores:
-                    with jax.named_scope("handoff"):
+                    with region("handoff"):
                         @pl.when(j > 0)
                         def _():
                             plgpu.barrier_wait(p_free)
@@ -565,7 +589,7 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
                 def step(kind, j, carry):
                     m, l = carry[:2]
                     slot = lax.rem(j, stages)
-                    with jax.named_scope("k_wait"):
+                    with region("k_wait"):
                         plgpu.barrier_wait(k_bars.at[slot])
                     # a partial block: this warpgroup's value columns past the prefix zeroed before its p.v reads
                     # them (consumer 0's q.k may read them meanwhile: rows < rem are rewritten unchanged, and
@@ -574,21 +598,21 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
                         zero_rows_from(k_smem.at[slot, :, pl.ds(half * LH, LH)], rem, BK)
                     if tail and not scores_here:  # the tail rows' softmax, as in mla_attention_narrow
                         mt, lt = carry[2:]
-                        with jax.named_scope("tail_scores"):
+                        with region("tail_scores"):
                             st = tail_scores(j, slot, kind)
-                        with jax.named_scope("tail_softmax"):
+                        with region("tail_softmax"):
                             mt, alpha_t, lt = swapped_softmax(st, mt, lt, pt_smem)
                         carry = (m, l, mt, lt)
                     if scores_here:
-                        with jax.named_scope("scores"):
+                        with region("scores"):
                             s = scores(slot, kind)
                         p16, alpha, m, l = softmax_share(j, slot, s, m, l)
                     else:
-                        with jax.named_scope("p_wait"):
+                        with region("p_wait"):
                             plgpu.barrier_wait(p_ready)
                         alpha = plgpu.load(stat_smem.at[0], (), layout=row_layout)
                         p16 = probs(slot)
-                    with jax.named_scope("pv"):
+                    with region("pv"):
                         accumulate(acc_ref, slot, alpha, p16)
                         if tail and not scores_here:  # oᵀ [L, tail] += vᵀ [L, BK] · pᵀ [BK, tail]
                             tail_acc_ref[...] = tail_acc_ref[...] * lax.broadcast_in_dim(alpha_t, tail_acc_ref.shape,
@@ -622,7 +646,7 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
                 l = jnp.where(m < 0.5 * MASKED, 0.0, l)
             if share_scores and half == 0:
                 stat_smem[1] = l
-            with jax.named_scope("epilogue"):
+            with region("epilogue"):
                 # both warpgroups are done reading the query tile (and the shared stats are written):
                 # reuse the query tile's memory for the output
                 plgpu.barrier_arrive(done_bar)
@@ -645,7 +669,7 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
                     if half == 0:
                         plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[sp, b, pl.ds(tile * ROWS, ROWS)])
                 if tail and not scores_here:  # the tail's output and LSE reuse its query rows' memory
-                    store_swapped_output(tail_acc, mt, lt, ot_smem, lset_smem)
+                    store_swapped_output(tail_acc, mt, lt, ot_smem, lset_smem, region)
                     plgpu.copy_smem_to_gmem(ot_smem, o_ref.at[sp, b, pl.ds(ROWS, tail)])
                     plgpu.copy_smem_to_gmem(lset_smem, lse_ref.at[sp, b, pl.ds(ROWS, tail)])
                 plgpu.wait_smem_to_gmem(0)

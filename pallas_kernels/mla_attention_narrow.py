@@ -34,8 +34,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.mla_attention_mgpu import (PARTIAL, ROWS, SMEM_LIMIT, TREE, WHOLE, WORD, _block_steps,
-                                               check_in_place_inputs, profiler_params, store_swapped_output,
-                                               stream_key_blocks, swapped_scores, swapped_softmax, zero_rows_from)
+                                               check_in_place_inputs, profiler_params, region_scope,
+                                               store_swapped_output, stream_key_blocks, swapped_scores,
+                                               swapped_softmax, zero_rows_from)
 from pallas_kernels.tree_attention import _LOG2E
 
 try:
@@ -83,7 +84,7 @@ def _check_rows(q_rows, valid_rows):
 
 def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, kv_lora_rank, block_k=64,
                            stages=2, num_splits=1, share_scores=True, valid_rows=None, profile_dir=None,
-                           profile_regions=0):
+                           profile_regions=0, profile_names=None):
     """``mla_attention_mgpu.split_attention`` (same inputs, outputs and twin, ``split_attention_ref``) for
     V <= ``NARROW_MAX_ROWS`` query rows (module docstring).
 
@@ -99,7 +100,8 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
     regions per warpgroup (the consumer's ``q_wait``, then per block ``k_wait``, ``scores``, ``softmax``,
     ``pv``, then ``epilogue`` of ``normalize``, ``store_smem``, ``store_gmem``; the producer's ``slot_wait``)
     and writes a Chrome trace of each call into that folder (``experiments/profile_timeline.py`` reads
-    it). Without it the kernel is the same, byte for byte."""
+    it). Without it the kernel is the same, byte for byte. ``profile_names``: record only these regions (by
+    default all)."""
     del share_scores
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.mosaic_gpu is not available in this JAX")
@@ -118,7 +120,8 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
     smem = narrow_smem_bytes(V, C, BK, stages, L)
     if smem > SMEM_LIMIT:
         raise ValueError(f"valid_rows={V}, stages={stages} need {smem} bytes of shared memory (limit {SMEM_LIMIT})")
-    profile = profiler_params(profile_dir, profile_regions, smem, 2, "split_attention_narrow")
+    profile = profiler_params(profile_dir, profile_regions, smem, 2, "split_attention_narrow", profile_names)
+    region = region_scope(profile_names)
     scale_log2 = float(scale) * _LOG2E
     TB = TP // BK
     col_layout = plgpu.Layout.WGMMA.reduce(0)  # a [V] vector along sᵀ's and oᵀ's columns
@@ -135,11 +138,12 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
         def _producer():
             plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(0, V)], q_smem, q_bar)
 
-            stream_key_blocks(kv_ref, tkv_ref, b, lo, nbp, n_cache, n_all, k_smem, k_bars, consumed_bars, stages, BK)
+            stream_key_blocks(kv_ref, tkv_ref, b, lo, nbp, n_cache, n_all, k_smem, k_bars, consumed_bars, stages, BK,
+                              region=region)
 
         @pl.when(wg == 0)
         def _consumer():
-            with jax.named_scope("q_wait"):
+            with region("q_wait"):
                 plgpu.barrier_wait(q_bar)
             m0 = plgpu.layout_cast(jnp.full((V,), -jnp.inf, jnp.float32), col_layout)
             # the softmax's denominators, summed over keys only after the loop: per block one reduction across
@@ -158,17 +162,17 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
                 def step(kind, j, carry):
                     m, l = carry
                     slot = lax.rem(j, stages)
-                    with jax.named_scope("k_wait"):
+                    with region("k_wait"):
                         plgpu.barrier_wait(k_bars.at[slot])
-                    with jax.named_scope("scores"):
+                    with region("scores"):
                         if kind == PARTIAL:  # its value rows past the prefix: NaN-safe p·v
                             zero_rows_from(k_smem.at[slot, :, pl.ds(0, L)], rem, BK)
                         s = scores(j, slot, kind)
-                    with jax.named_scope("softmax"):
+                    with region("softmax"):
                         # pᵀ goes to the block's rope columns, which q·kᵀ has read and p·v does not
                         p_smem = k_smem.at[slot, pl.ds(0, V), pl.ds(C - BK, BK)]
                         m_new, alpha, l = swapped_softmax(s, m, l, p_smem)
-                    with jax.named_scope("pv"):
+                    with region("pv"):
                         acc_ref[...] = acc_ref[...] * lax.broadcast_in_dim(alpha, acc_ref.shape, [1])
                         plgpu.wgmma(acc_ref, plgpu.transpose_ref(k_smem.at[slot, :, pl.ds(0, L)], (1, 0)),
                                     plgpu.transpose_ref(p_smem, (1, 0)))
@@ -182,10 +186,10 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
                 return (acc_ref[...],) + carry
 
             acc, m, l = pl.run_scoped(flash_loop, plgpu.ACC((L, V), jnp.float32))
-            with jax.named_scope("epilogue"):
+            with region("epilogue"):
                 # a row that saw only masked keys in this split is empty
-                store_swapped_output(acc, m, l, o_smem, lse_smem)  # its regions "normalize" and "store_smem"
-                with jax.named_scope("store_gmem"):
+                store_swapped_output(acc, m, l, o_smem, lse_smem, region)  # its regions "normalize" and "store_smem"
+                with region("store_gmem"):
                     plgpu.copy_smem_to_gmem(o_smem, o_ref.at[sp, b])
                     plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[sp, b])
                     plgpu.wait_smem_to_gmem(0)

@@ -4,8 +4,10 @@ profiler itself runs inside a kernel on a Hopper GPU), and the kernel's profilin
 import jax.numpy as jnp
 import pytest
 
-from experiments.profile_timeline import program_timelines, summarize
-from pallas_kernels.mla_attention_mgpu import profiler_params, smem_bytes, split_attention
+import jax
+
+from experiments.profile_timeline import program_timelines, regions_needed, summarize
+from pallas_kernels.mla_attention_mgpu import profiler_params, region_scope, smem_bytes, split_attention
 from pallas_kernels.mla_attention_narrow import split_attention_narrow
 
 CONSUMER = [("q_wait", 0, 200), ("k_wait", 200, 2000), ("scores", 2000, 2400), ("softmax", 2400, 2600),
@@ -99,3 +101,41 @@ def test_profiler_buffer_must_fit_in_shared_memory():
             z((1, 64, 576), jnp.bfloat16), z((1, 2, 64), jnp.int32))
     with pytest.raises(ValueError, match="split_attention: profiling 100 regions"):
         split_attention(*wide, scale=0.1, kv_lora_rank=512, profile_dir="/tmp/x", profile_regions=100)
+
+
+def test_profile_names_choose_the_regions():
+    """``profile_names`` keeps a kernel's named scopes (the profiler's regions) for the names it holds only, and
+    ``regions_needed`` counts what a warpgroup then records: at T*H = 64, a 64K prefix's 10 blocks a program fit
+    the 19 regions with one region a block, not with all of them."""
+    def scopes(names):
+        def f(x):
+            region = region_scope(names)
+            with region("k_wait"):
+                x = x + 1
+            with region("scores"):
+                return x * 2
+        return [str(e.source_info.name_stack) for e in jax.make_jaxpr(f)(1.0).eqns]
+
+    assert scopes(None) == ["k_wait", "scores"]
+    assert scopes({"scores"}) == ["", "scores"]
+    assert regions_needed(None, 10) == 1 + 5 + 5 * 10      # Init, the once-a-program regions, 5 a block
+    assert regions_needed(("k_wait", "slot_wait"), 10) == 11  # Init and one a block (either warpgroup)
+    assert regions_needed(("scores", "p_wait", "q_wait"), 10) == 12  # consumer 0 and 1 each one a block
+    assert regions_needed(("softmax", "handoff"), 3) == 7
+
+
+def test_profile_names_are_checked():
+    smem = smem_bytes(576, 64, 2)
+    params = profiler_params("/d", 11, smem, 3, "k", ("k_wait", "slot_wait"))
+    assert params == {"profile_space": 11, "profile_dir": "/d"}
+    with pytest.raises(ValueError, match="must be a collection of"):
+        profiler_params("/d", 11, smem, 3, "k", ("k_wait", "kwait"))
+    with pytest.raises(ValueError, match="must be a collection of"):
+        profiler_params("/d", 11, smem, 3, "k", "k_wait")
+    with pytest.raises(ValueError, match="needs profile_dir"):
+        profiler_params(None, 0, smem, 3, "k", ("k_wait",))
+    z = jnp.zeros
+    args = (z((1, 8, 576), jnp.bfloat16), z((1, 256, 576), jnp.bfloat16), z((1,), jnp.int32),
+            z((1, 64, 576), jnp.bfloat16), z((1, 2, 8), jnp.int32))
+    with pytest.raises(ValueError, match="split_attention_narrow: profile_names"):
+        split_attention_narrow(*args, scale=0.1, kv_lora_rank=512, valid_rows=8, profile_names=("k_wait",))
