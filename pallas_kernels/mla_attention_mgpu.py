@@ -425,7 +425,7 @@ def _split_range(nb, tree_blocks: int, sp, num_splits: int):
 
 def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, kv_lora_rank, block_k=64,
                     stages=2, num_splits=1, share_scores=True, valid_rows=None, profile_dir=None, profile_regions=0,
-                    profile_names=None, first_block_alone=None):
+                    profile_names=None, first_block_alone=None, pv_first=False):
     """The Mosaic GPU kernel: attention of 64-row query tiles over each stream's prefix, read in place from
     the cache, and its tree, in NS splits.
 
@@ -448,6 +448,9 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
     call into that folder (``experiments/profile_timeline.py`` reads it). Without it the kernel is the same.
     ``profile_names``: record only these regions (by default all), so that a program's many key blocks fit
     the 944 bytes its shared memory leaves at T*H = 64 (19 regions a warpgroup).
+
+    ``pv_first``: consumer 0 issues its half of p·v before it hands p to consumer 1, so that its product runs
+    while it writes p to shared memory (by default after, as FlashMLA orders them).
 
     ``first_block_alone`` (``stream_key_blocks``): the second key block's copy waits for the first; by default
     with a tail only (session 28, op µs with / without: T = 9, B = 16, 8K 57.2-57.7 / 58.1-59.8; B = 1, 64K
@@ -549,15 +552,17 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
                 return mask_tree_scores(s, col, lambda w: plgpu.load(bits_smem.at[slot, w], (), layout=row_layout),
                                         row_dim=0)
 
-            def softmax_share(j, slot, s, m, l):
+            def softmax_share(j, slot, s, m, l, before_handoff=None):
                 """Online-softmax update for scores s (log2 units); with share_scores, p and alpha go to
-                consumer 1 through shared memory."""
+                consumer 1 through shared memory, after ``before_handoff(alpha, p16)``."""
                 with region("softmax"):
                     m_new = jnp.maximum(m, s.max(axis=1))
                     alpha = jnp.exp2(m - m_new)
                     p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
                     l = l * alpha + p.sum(axis=1)
                     p16 = p.astype(jnp.bfloat16)
+                if before_handoff is not None:
+                    before_handoff(alpha, p16)
                 if share_scores:
                     with region("handoff"):
                         @pl.when(j > 0)
@@ -603,17 +608,20 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
                         with region("tail_softmax"):
                             mt, alpha_t, lt = swapped_softmax(st, mt, lt, pt_smem)
                         carry = (m, l, mt, lt)
+                    issued = pv_first and scores_here  # this warpgroup's p·v issued before the hand-over
                     if scores_here:
                         with region("scores"):
                             s = scores(slot, kind)
-                        p16, alpha, m, l = softmax_share(j, slot, s, m, l)
+                        p16, alpha, m, l = softmax_share(
+                            j, slot, s, m, l, functools.partial(accumulate, acc_ref, slot) if issued else None)
                     else:
                         with region("p_wait"):
                             plgpu.barrier_wait(p_ready)
                         alpha = plgpu.load(stat_smem.at[0], (), layout=row_layout)
                         p16 = probs(slot)
                     with region("pv"):
-                        accumulate(acc_ref, slot, alpha, p16)
+                        if not issued:
+                            accumulate(acc_ref, slot, alpha, p16)
                         if tail and not scores_here:  # oᵀ [L, tail] += vᵀ [L, BK] · pᵀ [BK, tail]
                             tail_acc_ref[...] = tail_acc_ref[...] * lax.broadcast_in_dim(alpha_t, tail_acc_ref.shape,
                                                                                            [1])

@@ -289,6 +289,28 @@ def test_first_block_alone_is_the_default_with_a_tail_only(T, default, monkeypat
 def test_gpu_kernel_matches_twin_k26(B, T, H, S, kind, NS, share, tail):
     """The 64-row kernel, also where the default would take the narrow one (T*H <= 32); at T*H = 72 with a
     tail of 8 rows in the tile's program (``tail``) and as two tiles."""
+    check_kernel_k26(B, T, H, S, kind, NS, share, tail, M.split_attention)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,T,H,S,kind,NS,tail", [
+    (2, 1, 64, 4096, "chain", None, True), (2, 64, 64, 2048, "tree", None, True), (2, 33, 64, 1000, "tree", 3, True),
+    (3, 9, 8, 1000, "tree", 4, True), (2, 9, 8, 64, "tree", 2, True), (3, 9, 8, 1000, "tree", 4, False)])
+def test_gpu_pv_first_matches_twin_k26(B, T, H, S, kind, NS, tail):
+    """``pv_first``: consumer 0's p·v issued before the hand-over, with whole tiles and with a tail."""
+    check_kernel_k26(B, T, H, S, kind, NS, True, tail, functools.partial(M.split_attention, pv_first=True))
+
+
+@pytest.mark.parametrize("T,H", [(1, 64), (9, 8)])
+def test_pv_first_lowers_for_cuda_on_cpu(T, H):
+    f = jax.jit(functools.partial(M.tree_attention_mgpu, scale=K26["scale"], kv_lora_rank=K26["L"], num_splits=2,
+                                  kernel=functools.partial(M.split_attention, pv_first=True)))
+    assert "mosaic_gpu" in f.trace(*k26_spec(2, T, H, 1024)).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def check_kernel_k26(B, T, H, S, kind, NS, share, tail, kernel):
+    """``kernel`` through ``tree_attention_mgpu`` on a random case at K2.6 dims against ``tree_attention_ref``
+    on the f32-upcast inputs."""
     L = K26["L"]
     rng = np.random.default_rng(7)
     plens = [int(x) for x in rng.integers(0, S + 1, size=B)]
@@ -299,7 +321,7 @@ def test_gpu_kernel_matches_twin_k26(B, T, H, S, kind, NS, share, tail):
     args = as_jax(case, jnp.bfloat16)
     o, lse = jax.jit(lambda *a: M.tree_attention_mgpu(*a, scale=K26["scale"], kv_lora_rank=L, num_splits=NS,
                                                       share_scores=share, return_lse=True, tail=tail,
-                                                      kernel=M.split_attention))(*args)
+                                                      kernel=kernel))(*args)
     up = [a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args]
     r_o, r_l = jax.jit(lambda *a: tree_attention_ref(*a, scale=K26["scale"], kv_lora_rank=L,
                                                      return_lse=True))(*up)
