@@ -290,7 +290,8 @@ def unpack_bits(bits, keys: int):
 
 
 def stream_key_blocks(kv_ref, tkv_ref, b, lo, nb, n_cache, n_all, k_smem, k_bars, consumed_bars, stages: int,
-                      block_k: int, on_tree_block=None, first_block_alone: bool = False, region=jax.named_scope):
+                      block_k: int, on_tree_block=None, first_block_alone: bool = False, region=jax.named_scope,
+                      after_first_block=None):
     """A producer warpgroup's ring of key blocks, inside a Mosaic GPU kernel: step j in [0, n_cache) copies
     cache block lo + j of stream b, step j in [n_cache, n_all) tree block t = lo + j - nb (``nb`` = the cache
     blocks read), each into slot j % stages (``k_smem``, arriving on ``k_bars``) once the consumers have freed
@@ -299,7 +300,8 @@ def stream_key_blocks(kv_ref, tkv_ref, b, lo, nb, n_cache, n_all, k_smem, k_bars
 
     ``first_block_alone``: the second block's copy waits until the first has landed, so that when every program
     starts at once the first blocks are not served interleaved with the second ones (``split_attention``).
-    ``region``: the context of the profiler's region ``slot_wait`` (``region_scope``)."""
+    ``region``: the context of the profiler's region ``slot_wait`` (``region_scope``). ``after_first_block()``
+    issues further copies once the first block's is issued (where there is a block at all)."""
     @pl.loop(0, n_all)
     def _(j):
         slot = lax.rem(j, stages)
@@ -324,6 +326,9 @@ def stream_key_blocks(kv_ref, tkv_ref, b, lo, nb, n_cache, n_all, k_smem, k_bars
             plgpu.copy_gmem_to_smem(tkv_ref.at[b, pl.ds(t * block_k, block_k)], k_smem.at[slot], k_bars.at[slot])
             if on_tree_block is not None:
                 on_tree_block(t, slot)
+
+        if after_first_block is not None:
+            pl.when(j == 0)(after_first_block)
 
 
 WHOLE, PARTIAL, TREE = range(3)  # the kinds of key block: a whole cache block, the partial one, a tree block
@@ -425,7 +430,8 @@ def _split_range(nb, tree_blocks: int, sp, num_splits: int):
 
 def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, kv_lora_rank, block_k=64,
                     stages=2, num_splits=1, share_scores=True, valid_rows=None, profile_dir=None, profile_regions=0,
-                    profile_names=None, first_block_alone=None, pv_first=False):
+                    profile_names=None, first_block_alone=None, pv_first=False, keys_first=False,
+                    wait_writes=True):
     """The Mosaic GPU kernel: attention of 64-row query tiles over each stream's prefix, read in place from
     the cache, and its tree, in NS splits.
 
@@ -451,6 +457,11 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
 
     ``pv_first``: consumer 0 issues its half of p·v before it hands p to consumer 1, so that its product runs
     while it writes p to shared memory (by default after, as FlashMLA orders them).
+
+    ``keys_first``: the producer asks for the first key block before the query tile, so that its DRAM read
+    starts before the tile's (every split of a stream reads the same tile, from L2). ``wait_writes``: the
+    epilogue waits for its output's copies to global memory to complete (else only until they have read
+    shared memory, as CUTLASS's epilogues do; the kernel's end still orders them before any later launch).
 
     ``first_block_alone`` (``stream_key_blocks``): the second key block's copy waits for the first; by default
     with a tail only (session 28, op µs with / without: T = 9, B = 16, 8K 57.2-57.7 / 58.1-59.8; B = 1, 64K
@@ -506,16 +517,24 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
         @pl.when(wg == 2)
         def _producer():
             plgpu.set_max_registers(40, action="decrease")
-            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(tile * ROWS, ROWS), pl.ds(0, CQ)], q_smem, q_bar)
-            if tail:
-                plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(ROWS, tail)], qt_smem, qt_bar)
+
+            def copy_queries():
+                plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(tile * ROWS, ROWS), pl.ds(0, CQ)], q_smem, q_bar)
+                if tail:
+                    plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(ROWS, tail)], qt_smem, qt_bar)
+
+            if keys_first:  # after the first key block's copy, or alone in a split without blocks
+                pl.when(n_all == 0)(copy_queries)
+            else:
+                copy_queries()
 
             def copy_mask_words(t, slot):
                 plgpu.copy_gmem_to_smem(bits_ref.at[b, pl.ds(t * WB, WB), pl.ds(tile * ROWS, ROWS)],
                                         bits_smem.at[slot], bits_bars.at[slot])
 
             stream_key_blocks(kv_ref, tkv_ref, b, lo, nbp, n_cache, n_all, k_smem, k_bars, consumed_bars, stages, BK,
-                              on_tree_block=copy_mask_words, first_block_alone=first_block_alone, region=region)
+                              on_tree_block=copy_mask_words, first_block_alone=first_block_alone, region=region,
+                              after_first_block=copy_queries if keys_first else None)
 
         def consumer(half):
             scores_here = half == 0 or not share_scores  # this warpgroup computes q.k and the softmax
@@ -680,7 +699,7 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
                     store_swapped_output(tail_acc, mt, lt, ot_smem, lset_smem, region)
                     plgpu.copy_smem_to_gmem(ot_smem, o_ref.at[sp, b, pl.ds(ROWS, tail)])
                     plgpu.copy_smem_to_gmem(lset_smem, lse_ref.at[sp, b, pl.ds(ROWS, tail)])
-                plgpu.wait_smem_to_gmem(0)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=not wait_writes)
 
         for half in range(2):
             pl.when(wg == half)(functools.partial(consumer, half))
