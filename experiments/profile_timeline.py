@@ -4,7 +4,9 @@ Both Mosaic GPU attention kernels take ``profile_dir`` and ``profile_regions`` a
 warpgroup and write a Chrome trace per call: ``split_attention_narrow`` (one consumer: ``q_wait``; per key block
 ``k_wait``, ``scores``, ``softmax``, ``pv``; then ``epilogue``) and the 64-row ``split_attention`` (consumer 0:
 ``k_wait``, ``scores``, ``softmax``, ``handoff``, ``pv``; consumer 1: ``k_wait``, with a tail ``tail_scores`` and
-``tail_softmax``, then ``p_wait``, ``pv``; then each ``epilogue``); the producer's ``slot_wait``. This script runs
+``tail_softmax``, then ``p_wait``, ``pv``; then each ``epilogue``, of ``store_smem`` and ``store_gmem`` after the
+wait for the other consumer); the producer's ``slot_wait``. A kernel's ``profile_names`` keeps only those regions
+(``--variants``), so that a 64-row program's many blocks fit its shared memory. This script runs
 ``tree_attention_mgpu`` at each point (T, H, B, P: random inputs, the prefix P long in a cache of P slots, the
 tree latents padded as the model hands them over, the default kernel and split count), keeps the last call's
 trace and condenses it per program:

@@ -290,8 +290,7 @@ def unpack_bits(bits, keys: int):
 
 
 def stream_key_blocks(kv_ref, tkv_ref, b, lo, nb, n_cache, n_all, k_smem, k_bars, consumed_bars, stages: int,
-                      block_k: int, on_tree_block=None, first_block_alone: bool = False, region=jax.named_scope,
-                      after_first_block=None):
+                      block_k: int, on_tree_block=None, first_block_alone: bool = False, region=jax.named_scope):
     """A producer warpgroup's ring of key blocks, inside a Mosaic GPU kernel: step j in [0, n_cache) copies
     cache block lo + j of stream b, step j in [n_cache, n_all) tree block t = lo + j - nb (``nb`` = the cache
     blocks read), each into slot j % stages (``k_smem``, arriving on ``k_bars``) once the consumers have freed
@@ -300,8 +299,7 @@ def stream_key_blocks(kv_ref, tkv_ref, b, lo, nb, n_cache, n_all, k_smem, k_bars
 
     ``first_block_alone``: the second block's copy waits until the first has landed, so that when every program
     starts at once the first blocks are not served interleaved with the second ones (``split_attention``).
-    ``region``: the context of the profiler's region ``slot_wait`` (``region_scope``). ``after_first_block()``
-    issues further copies once the first block's is issued (where there is a block at all)."""
+    ``region``: the context of the profiler's region ``slot_wait`` (``region_scope``)."""
     @pl.loop(0, n_all)
     def _(j):
         slot = lax.rem(j, stages)
@@ -326,9 +324,6 @@ def stream_key_blocks(kv_ref, tkv_ref, b, lo, nb, n_cache, n_all, k_smem, k_bars
             plgpu.copy_gmem_to_smem(tkv_ref.at[b, pl.ds(t * block_k, block_k)], k_smem.at[slot], k_bars.at[slot])
             if on_tree_block is not None:
                 on_tree_block(t, slot)
-
-        if after_first_block is not None:
-            pl.when(j == 0)(after_first_block)
 
 
 WHOLE, PARTIAL, TREE = range(3)  # the kinds of key block: a whole cache block, the partial one, a tree block
@@ -430,8 +425,7 @@ def _split_range(nb, tree_blocks: int, sp, num_splits: int):
 
 def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, kv_lora_rank, block_k=64,
                     stages=2, num_splits=1, share_scores=True, valid_rows=None, profile_dir=None, profile_regions=0,
-                    profile_names=None, first_block_alone=None, pv_first=False, keys_first=False,
-                    wait_writes=True):
+                    profile_names=None, first_block_alone=None, pv_first=True):
     """The Mosaic GPU kernel: attention of 64-row query tiles over each stream's prefix, read in place from
     the cache, and its tree, in NS splits.
 
@@ -450,18 +444,15 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
     ``profile_dir`` (a diagnostic): Mosaic GPU's on-device profiler records up to ``profile_regions`` named
     regions per warpgroup (``q_wait``; per key block ``k_wait``, then consumer 0's ``scores``, ``softmax``, ``handoff``
     (p and alpha to consumer 1) and ``pv``, consumer 1's ``tail_scores`` and ``tail_softmax`` (with a tail),
-    ``p_wait`` and ``pv``; then ``epilogue``; the producer's ``slot_wait``) and writes a Chrome trace of each
+    ``p_wait`` and ``pv``; then ``epilogue``, its ``store_smem`` and ``store_gmem`` after the wait for the other
+    consumer; the producer's ``slot_wait``) and writes a Chrome trace of each
     call into that folder (``experiments/profile_timeline.py`` reads it). Without it the kernel is the same.
     ``profile_names``: record only these regions (by default all), so that a program's many key blocks fit
     the 944 bytes its shared memory leaves at T*H = 64 (19 regions a warpgroup).
 
     ``pv_first``: consumer 0 issues its half of p·v before it hands p to consumer 1, so that its product runs
-    while it writes p to shared memory (by default after, as FlashMLA orders them).
-
-    ``keys_first``: the producer asks for the first key block before the query tile, so that its DRAM read
-    starts before the tile's (every split of a stream reads the same tile, from L2). ``wait_writes``: the
-    epilogue waits for its output's copies to global memory to complete (else only until they have read
-    shared memory, as CUTLASS's epilogues do; the kernel's end still orders them before any later launch).
+    while it writes p to shared memory (False: after, as FlashMLA orders them). On the H200 this is 2-7 %
+    faster at every compute-bound point timed and within noise where memory-bound (session 40).
 
     ``first_block_alone`` (``stream_key_blocks``): the second key block's copy waits for the first; by default
     with a tail only (session 28, op µs with / without: T = 9, B = 16, 8K 57.2-57.7 / 58.1-59.8; B = 1, 64K
@@ -517,24 +508,16 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
         @pl.when(wg == 2)
         def _producer():
             plgpu.set_max_registers(40, action="decrease")
-
-            def copy_queries():
-                plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(tile * ROWS, ROWS), pl.ds(0, CQ)], q_smem, q_bar)
-                if tail:
-                    plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(ROWS, tail)], qt_smem, qt_bar)
-
-            if keys_first:  # after the first key block's copy, or alone in a split without blocks
-                pl.when(n_all == 0)(copy_queries)
-            else:
-                copy_queries()
+            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(tile * ROWS, ROWS), pl.ds(0, CQ)], q_smem, q_bar)
+            if tail:
+                plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(ROWS, tail)], qt_smem, qt_bar)
 
             def copy_mask_words(t, slot):
                 plgpu.copy_gmem_to_smem(bits_ref.at[b, pl.ds(t * WB, WB), pl.ds(tile * ROWS, ROWS)],
                                         bits_smem.at[slot], bits_bars.at[slot])
 
             stream_key_blocks(kv_ref, tkv_ref, b, lo, nbp, n_cache, n_all, k_smem, k_bars, consumed_bars, stages, BK,
-                              on_tree_block=copy_mask_words, first_block_alone=first_block_alone, region=region,
-                              after_first_block=copy_queries if keys_first else None)
+                              on_tree_block=copy_mask_words, first_block_alone=first_block_alone, region=region)
 
         def consumer(half):
             scores_here = half == 0 or not share_scores  # this warpgroup computes q.k and the softmax
@@ -678,28 +661,30 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
                 # reuse the query tile's memory for the output
                 plgpu.barrier_arrive(done_bar)
                 plgpu.barrier_wait(done_bar)
-                if not scores_here:
-                    l = plgpu.load(stat_smem.at[1], (), layout=row_layout)
-                empty = l == 0.0
-                inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
-                o_smem[half] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(jnp.bfloat16)
-                if half == 0:
-                    lse_smem[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(jnp.where(empty, 1.0, l))) * _LN2)
-                plgpu.commit_smem()
-                if V < ROWS:  # one tile, of which only the first V rows are real
-                    plgpu.copy_smem_to_gmem(o_smem.at[half, pl.ds(0, V)], o_ref.at[sp, b, :, pl.ds(half * LH, LH)])
+                with region("store_smem"):  # the normalised output and LSE (after the barrier: its wait)
+                    if not scores_here:
+                        l = plgpu.load(stat_smem.at[1], (), layout=row_layout)
+                    empty = l == 0.0
+                    inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
+                    o_smem[half] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(jnp.bfloat16)
                     if half == 0:
-                        plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, V)], lse_ref.at[sp, b])
-                else:
-                    plgpu.copy_smem_to_gmem(o_smem.at[half],
-                                            o_ref.at[sp, b, pl.ds(tile * ROWS, ROWS), pl.ds(half * LH, LH)])
-                    if half == 0:
-                        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[sp, b, pl.ds(tile * ROWS, ROWS)])
-                if tail and not scores_here:  # the tail's output and LSE reuse its query rows' memory
-                    store_swapped_output(tail_acc, mt, lt, ot_smem, lset_smem, region)
-                    plgpu.copy_smem_to_gmem(ot_smem, o_ref.at[sp, b, pl.ds(ROWS, tail)])
-                    plgpu.copy_smem_to_gmem(lset_smem, lse_ref.at[sp, b, pl.ds(ROWS, tail)])
-                plgpu.wait_smem_to_gmem(0, wait_read_only=not wait_writes)
+                        lse_smem[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(jnp.where(empty, 1.0, l))) * _LN2)
+                    plgpu.commit_smem()
+                with region("store_gmem"):
+                    if V < ROWS:  # one tile, of which only the first V rows are real
+                        plgpu.copy_smem_to_gmem(o_smem.at[half, pl.ds(0, V)], o_ref.at[sp, b, :, pl.ds(half * LH, LH)])
+                        if half == 0:
+                            plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, V)], lse_ref.at[sp, b])
+                    else:
+                        plgpu.copy_smem_to_gmem(o_smem.at[half],
+                                                o_ref.at[sp, b, pl.ds(tile * ROWS, ROWS), pl.ds(half * LH, LH)])
+                        if half == 0:
+                            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[sp, b, pl.ds(tile * ROWS, ROWS)])
+                    if tail and not scores_here:  # the tail's output and LSE reuse its query rows' memory
+                        store_swapped_output(tail_acc, mt, lt, ot_smem, lset_smem, region)
+                        plgpu.copy_smem_to_gmem(ot_smem, o_ref.at[sp, b, pl.ds(ROWS, tail)])
+                        plgpu.copy_smem_to_gmem(lset_smem, lse_ref.at[sp, b, pl.ds(ROWS, tail)])
+                    plgpu.wait_smem_to_gmem(0)
 
         for half in range(2):
             pl.when(wg == half)(functools.partial(consumer, half))
