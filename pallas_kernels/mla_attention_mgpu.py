@@ -555,17 +555,17 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
                 return mask_tree_scores(s, col, lambda w: plgpu.load(bits_smem.at[slot, w], (), layout=row_layout),
                                         row_dim=0)
 
-            def softmax_share(j, slot, s, m, l, before_handoff=None):
-                """Online-softmax update for scores s (log2 units); with share_scores, p and alpha go to
-                consumer 1 through shared memory, after ``before_handoff(alpha, p16)``."""
+            def online_softmax(s, m, l):
+                """Online-softmax update for scores s (log2 units) -> (p16, alpha, m, l)."""
                 with region("softmax"):
                     m_new = jnp.maximum(m, s.max(axis=1))
                     alpha = jnp.exp2(m - m_new)
                     p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
                     l = l * alpha + p.sum(axis=1)
-                    p16 = p.astype(jnp.bfloat16)
-                if before_handoff is not None:
-                    before_handoff(alpha, p16)
+                    return p.astype(jnp.bfloat16), alpha, m_new, l
+
+            def hand_over(j, slot, p16, alpha):
+                """With share_scores, p and alpha to consumer 1 through shared memory."""
                 if share_scores:
                     with region("handoff"):
                         @pl.when(j > 0)
@@ -578,7 +578,6 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
                         stat_smem[0] = alpha
                         plgpu.commit_smem()
                         plgpu.barrier_arrive(p_ready)
-                return p16, alpha, m_new, l
 
             def accumulate(acc_ref, slot, alpha, p16):
                 acc_ref[...] = acc_ref[...] * lax.broadcast_in_dim(alpha, acc_ref.shape, [0])
@@ -615,8 +614,10 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
                     if scores_here:
                         with region("scores"):
                             s = scores(slot, kind)
-                        p16, alpha, m, l = softmax_share(
-                            j, slot, s, m, l, functools.partial(accumulate, acc_ref, slot) if issued else None)
+                        p16, alpha, m, l = online_softmax(s, m, l)
+                        if issued:
+                            accumulate(acc_ref, slot, alpha, p16)
+                        hand_over(j, slot, p16, alpha)
                     else:
                         with region("p_wait"):
                             plgpu.barrier_wait(p_ready)
