@@ -292,21 +292,38 @@ def test_gpu_kernel_matches_twin_k26(B, T, H, S, kind, NS, share, tail):
     check_kernel_k26(B, T, H, S, kind, NS, share, tail, M.split_attention)
 
 
+KERNEL_OPTIONS = {  # split_attention's options off their default, each under GPU parity and lowered on the CPU
+    "pv_after_handoff": dict(pv_first=False),  # consumer 0's p·v after the hand-over (FlashMLA's order)
+    "store_early": dict(store_early=True),  # consumer 0 stores its half without waiting for consumer 1
+    "q_multicast": dict(q_multicast=True),  # splits in clusters of two, the query tile copied once per pair
+    "q_multicast_store_early": dict(q_multicast=True, store_early=True),
+}
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("option", sorted(KERNEL_OPTIONS))
 @pytest.mark.parametrize("B,T,H,S,kind,NS,tail", [
-    (2, 1, 64, 4096, "chain", None, True), (2, 64, 64, 2048, "tree", None, True), (2, 33, 64, 1000, "tree", 3, True),
+    (2, 1, 64, 4096, "chain", None, True), (2, 64, 64, 2048, "tree", None, True), (2, 33, 64, 1000, "tree", 4, True),
     (3, 9, 8, 1000, "tree", 4, True), (2, 9, 8, 64, "tree", 2, True), (3, 9, 8, 1000, "tree", 4, False)])
-def test_gpu_pv_after_handoff_matches_twin_k26(B, T, H, S, kind, NS, tail):
-    """``pv_first=False``: consumer 0's p·v issued after the hand-over (FlashMLA's order; the default issues it
-    before), with whole tiles and with a tail."""
-    check_kernel_k26(B, T, H, S, kind, NS, True, tail, functools.partial(M.split_attention, pv_first=False))
+def test_gpu_kernel_options_match_twin_k26(B, T, H, S, kind, NS, tail, option):
+    """Each option of ``KERNEL_OPTIONS``, with whole tiles (empty streams, splits of tree blocks only) and with
+    a tail."""
+    check_kernel_k26(B, T, H, S, kind, NS, True, tail, functools.partial(M.split_attention, **KERNEL_OPTIONS[option]))
 
 
+@pytest.mark.parametrize("option", sorted(KERNEL_OPTIONS))
 @pytest.mark.parametrize("T,H", [(1, 64), (9, 8)])
-def test_pv_after_handoff_lowers_for_cuda_on_cpu(T, H):
+def test_kernel_options_lower_for_cuda_on_cpu(T, H, option):
     f = jax.jit(functools.partial(M.tree_attention_mgpu, scale=K26["scale"], kv_lora_rank=K26["L"], num_splits=2,
-                                  kernel=functools.partial(M.split_attention, pv_first=False)))
+                                  kernel=functools.partial(M.split_attention, **KERNEL_OPTIONS[option])))
     assert "mosaic_gpu" in f.trace(*k26_spec(2, T, H, 1024)).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_query_multicast_needs_split_pairs():
+    with pytest.raises(ValueError, match="num_splits=3 must be even"):
+        jax.jit(functools.partial(M.tree_attention_mgpu, scale=K26["scale"], kv_lora_rank=K26["L"], num_splits=3,
+                                  kernel=functools.partial(M.split_attention, q_multicast=True))
+                ).trace(*k26_spec(2, 1, 64, 1024)).lower(lowering_platforms=("cuda",))
 
 
 def check_kernel_k26(B, T, H, S, kind, NS, share, tail, kernel):
