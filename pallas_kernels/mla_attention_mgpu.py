@@ -426,8 +426,7 @@ def _split_range(nb, tree_blocks: int, sp, num_splits: int):
 
 def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, kv_lora_rank, block_k=64,
                     stages=2, num_splits=1, share_scores=True, valid_rows=None, profile_dir=None, profile_regions=0,
-                    profile_names=None, first_block_alone=None, pv_first=True, store_early=False,
-                    q_multicast=False):
+                    profile_names=None, first_block_alone=None, pv_first=True, store_early=False):
     """The Mosaic GPU kernel: attention of 64-row query tiles over each stream's prefix, read in place from
     the cache, and its tree, in NS splits.
 
@@ -459,10 +458,6 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
     ``store_early`` (with ``share_scores``): consumer 0 writes its half of the output as soon as its loop ends,
     and consumer 1 waits only for consumer 0's final l (False: each waits for the other). Only consumer 0 reads
     the query tile whose memory the output reuses, and consumer 1's last p·v follows consumer 0's last q·kᵀ.
-
-    ``q_multicast``: the programs of splits 2i and 2i + 1 (same stream and tile) run as a cluster of two, each
-    copies half of the query tile and the TMA unit writes it into both programs' shared memory, so that the
-    tile is read from L2 once per pair. Needs an even ``num_splits``.
 
     ``first_block_alone`` (``stream_key_blocks``): the second key block's copy waits for the first; by default
     with a tail only (session 28, op µs with / without: T = 9, B = 16, 8K 57.2-57.7 / 58.1-59.8; B = 1, 64K
@@ -497,10 +492,7 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
     n_tiles, TB = Np // ROWS, TP // BK
     first_block_alone = bool(tail) if first_block_alone is None else bool(first_block_alone)
     V = _check_valid_rows(valid_rows, Np)
-    if q_multicast and NS % 2:
-        raise ValueError(f"q_multicast runs splits in pairs: num_splits={NS} must be even")
     store_early = bool(store_early) and share_scores  # without shared scores both consumers read the query tile
-    query_cluster = ("split_pair",) if q_multicast else None
     CQ = C - 64 if tail else C  # query columns in shared memory (with a tail, consumer 0 holds the last 64)
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     col_layout = plgpu.Layout.WGMMA.reduce(0)  # a vector along the tail's sᵀ and oᵀ columns (its rows)
@@ -513,7 +505,7 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
         qt_smem, (ot_smem, lset_smem) = tail_smem if tail else (None, (None, None))
         b = lax.axis_index("stream")
         tile = lax.axis_index("tile")
-        sp = lax.axis_index("split") * 2 + lax.axis_index("split_pair") if q_multicast else lax.axis_index("split")
+        sp = lax.axis_index("split")
         wg = lax.axis_index("wg")
         rem, nbp, lo, n_whole, n_cache, n_all = _block_steps(plen_ref[b], TB, sp, NS, BK)
         # with a tail, consumer 0 hands p to consumer 1 in the key block's rope columns, which both have read
@@ -522,8 +514,7 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
         @pl.when(wg == 2)
         def _producer():
             plgpu.set_max_registers(40, action="decrease")
-            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(tile * ROWS, ROWS), pl.ds(0, CQ)], q_smem, q_bar,
-                                    collective_axes=query_cluster)
+            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(tile * ROWS, ROWS), pl.ds(0, CQ)], q_smem, q_bar)
             if tail:
                 plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(ROWS, tail)], qt_smem, qt_bar)
 
@@ -743,9 +734,7 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
             tail_scratch[2],
             tail_scratch[3],
         ),
-        grid=(B, n_tiles, NS // 2 if q_multicast else NS), grid_names=("stream", "tile", "split"),
-        **(dict(cluster=(1, 1, 2), cluster_names=("stream_in_pair", "tile_in_pair", "split_pair"))
-           if q_multicast else {}),
+        grid=(B, n_tiles, NS), grid_names=("stream", "tile", "split"),
         num_threads=3, thread_name="wg",
         # the row reductions (max, sum) of the WGMMA layout stay within a warp: no smem scratch for them; the
         # tail's (over keys, across consumer 1's warps) need some

@@ -295,8 +295,6 @@ def test_gpu_kernel_matches_twin_k26(B, T, H, S, kind, NS, share, tail):
 KERNEL_OPTIONS = {  # split_attention's options off their default, each under GPU parity and lowered on the CPU
     "pv_after_handoff": dict(pv_first=False),  # consumer 0's p·v after the hand-over (FlashMLA's order)
     "store_early": dict(store_early=True),  # consumer 0 stores its half without waiting for consumer 1
-    "q_multicast": dict(q_multicast=True),  # splits in clusters of two, the query tile copied once per pair
-    "q_multicast_store_early": dict(q_multicast=True, store_early=True),
 }
 
 
@@ -317,13 +315,6 @@ def test_kernel_options_lower_for_cuda_on_cpu(T, H, option):
     f = jax.jit(functools.partial(M.tree_attention_mgpu, scale=K26["scale"], kv_lora_rank=K26["L"], num_splits=2,
                                   kernel=functools.partial(M.split_attention, **KERNEL_OPTIONS[option])))
     assert "mosaic_gpu" in f.trace(*k26_spec(2, T, H, 1024)).lower(lowering_platforms=("cuda",)).as_text()
-
-
-def test_query_multicast_needs_split_pairs():
-    with pytest.raises(ValueError, match="num_splits=3 must be even"):
-        jax.jit(functools.partial(M.tree_attention_mgpu, scale=K26["scale"], kv_lora_rank=K26["L"], num_splits=3,
-                                  kernel=functools.partial(M.split_attention, q_multicast=True))
-                ).trace(*k26_spec(2, 1, 64, 1024)).lower(lowering_platforms=("cuda",))
 
 
 def check_kernel_k26(B, T, H, S, kind, NS, share, tail, kernel):
