@@ -134,11 +134,13 @@ def summarize(programs: list[dict]) -> dict:
 
 def regions_needed(names, blocks: int) -> int:
     """The profiler's regions a warpgroup records over ``blocks`` key blocks when the kernel records ``names``
-    (None: all): Mosaic GPU's ``Init`` and each once-a-program region, and per block the most any one warpgroup
-    records."""
+    (None: all): one for the trace's header (3 of a region's 4 words: start time, SM, count), Mosaic GPU's
+    ``Init``, each once-a-program region, and per block the most any one warpgroup records. (Without the header's
+    share a run that records only once-a-program regions overflows: "Insufficient space to capture a full trace",
+    session 41.)"""
     names = set(M.PROFILE_REGIONS if names is None else names)
     per_block = max(len(names & set(wg)) for wg in PER_BLOCK)
-    return 1 + len(names & set(ONCE_PER_PROGRAM)) + per_block * blocks
+    return 2 + len(names & set(ONCE_PER_PROGRAM)) + per_block * blocks
 
 
 def run_point(T: int, H: int, B: int, P: int, clock_ghz: float, calls: int = 3, **kernel_kw) -> dict:

@@ -118,10 +118,11 @@ def test_profile_names_choose_the_regions():
 
     assert scopes(None) == ["k_wait", "scores"]
     assert scopes({"scores"}) == ["", "scores"]
-    assert regions_needed(None, 10) == 1 + 5 + 5 * 10      # Init, the once-a-program regions, 5 a block
-    assert regions_needed(("k_wait", "slot_wait"), 10) == 11  # Init and one a block (either warpgroup)
-    assert regions_needed(("scores", "p_wait", "q_wait"), 10) == 12  # consumer 0 and 1 each one a block
-    assert regions_needed(("softmax", "handoff"), 3) == 7
+    assert regions_needed(None, 10) == 2 + 5 + 5 * 10      # header, Init, the once-a-program regions, 5 a block
+    assert regions_needed(("k_wait", "slot_wait"), 10) == 12  # header, Init and one a block (either warpgroup)
+    assert regions_needed(("scores", "p_wait", "q_wait"), 10) == 13  # consumer 0 and 1 each one a block
+    assert regions_needed(("softmax", "handoff"), 3) == 8
+    assert regions_needed(("q_wait", "epilogue", "store_smem", "store_gmem"), 10) == 6  # once a program only
 
 
 def test_profile_names_are_checked():
