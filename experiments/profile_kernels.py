@@ -136,7 +136,8 @@ def stream_case(B: int, S: int, stages: int, C: int = 576, block_k: int = 64):
     slots and a consumer that only waits for each block and frees its slot."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
-    from pallas_kernels.mla_attention_mgpu import _split_range, splits_for, stream_key_blocks
+    from pallas_kernels.mgpu_attention_parts import stream_key_blocks
+    from pallas_kernels.mla_attention_mgpu import _split_range, splits_for
 
     NS = splits_for(B, 1, 8, S, block_k)
 

@@ -45,6 +45,7 @@ import jax
 from experiments import bench_util
 from experiments.bench_tree_attention import L, SCALE, make_inputs
 from pallas_kernels import mla_attention_mgpu as M
+from pallas_kernels.mgpu_attention_parts import PROFILE_REGIONS
 from pallas_kernels.mla_attention_narrow import NARROW_MAX_ROWS, split_attention_narrow
 
 EPILOGUE_PARTS = ("normalize", "store_smem", "store_gmem")
@@ -138,7 +139,7 @@ def regions_needed(names, blocks: int) -> int:
     ``Init``, each once-a-program region, and per block the most any one warpgroup records. (Without the header's
     share a run that records only once-a-program regions overflows: "Insufficient space to capture a full trace",
     session 41.)"""
-    names = set(M.PROFILE_REGIONS if names is None else names)
+    names = set(PROFILE_REGIONS if names is None else names)
     per_block = max(len(names & set(wg)) for wg in PER_BLOCK)
     return 2 + len(names & set(ONCE_PER_PROGRAM)) + per_block * blocks
 

@@ -7,7 +7,8 @@ import pytest
 import jax
 
 from experiments.profile_timeline import program_timelines, regions_needed, summarize
-from pallas_kernels.mla_attention_mgpu import profiler_params, region_scope, smem_bytes, split_attention
+from pallas_kernels.mgpu_attention_parts import profiler_params, region_scope
+from pallas_kernels.mla_attention_mgpu import smem_bytes, split_attention
 from pallas_kernels.mla_attention_narrow import split_attention_narrow
 
 CONSUMER = [("q_wait", 0, 200), ("k_wait", 200, 2000), ("scores", 2000, 2400), ("softmax", 2400, 2600),
