@@ -38,8 +38,8 @@ Design:
   Each consumer multiplies p by its own half of the L = 512 value columns into a [64, 256] f32
   accumulator (the value is the first L columns of the key block already in shared memory; each zeroes
   its half of a partial block first); consumer 0 issues its product before it writes p out (``pv_first``).
-  Each program writes its normalised output (bf16) and log-sum-exp (f32); ~226 KiB of shared memory, so
-  one program per SM.
+  Each program writes its normalised output (bf16) and log-sum-exp (f32) into the query tile's memory, consumer 0
+  its half as soon as its loop ends (``store_early``); ~226 KiB of shared memory, so one program per SM.
 * **Merge.** With one split (the compute-bound trees) the kernel's output is the result. With
   several (long prefixes, few rows) one more launch (``split_combine.combine_splits``) combines the
   splits by their log-sum-exp. A decode step of fewer than 64 query rows (e.g. T = 1, H = 8) writes
