@@ -99,7 +99,6 @@ MAX_SPLITS = 128       # one wave of the H200 at B = 1, one tile; the merge read
                        # merge takes two chunks and 0.7 µs more: the op as fast; RESULTS.md, session 16)
 
 
-
 def smem_bytes(C: int, block_k: int, stages: int, share_scores: bool = True, tail: int = 0) -> int:
     """Shared memory of one program: the query tile, ``stages`` key blocks and mask-word slots, three
     stat rows, barriers, and with ``share_scores`` the probability tile. With ``tail`` rows (module
