@@ -24,12 +24,12 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.tree_attention import _LN2
 
-try:  # Mosaic GPU Pallas (present in the JAX versions this repo supports; guarded for clarity)
+try:  # Mosaic GPU Pallas (in the JAX versions this repo supports; guarded for clarity); both kernels import it here
     from jax.experimental.pallas import mosaic_gpu as plgpu
 except ImportError:  # pragma: no cover
     plgpu = None
 
-__all__ = ["stream_key_blocks", "zero_rows_from", "mask_tree_scores", "swapped_scores", "swapped_softmax",
+__all__ = ["plgpu", "stream_key_blocks", "zero_rows_from", "mask_tree_scores", "swapped_scores", "swapped_softmax",
            "store_swapped_output", "profiler_params", "region_scope", "PROFILE_REGIONS", "PROFILE_REGION_BYTES",
            "WHOLE", "PARTIAL", "TREE", "MASKED", "WORD", "SMEM_LIMIT"]
 

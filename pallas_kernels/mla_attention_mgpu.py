@@ -78,15 +78,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.mgpu_attention_parts import (MASKED, PARTIAL, SMEM_LIMIT, TREE, WHOLE, WORD, mask_tree_scores,
-                                                 profiler_params, region_scope, store_swapped_output, stream_key_blocks,
-                                                 swapped_scores, swapped_softmax, zero_rows_from)
+                                                 plgpu, profiler_params, region_scope, store_swapped_output,
+                                                 stream_key_blocks, swapped_scores, swapped_softmax, zero_rows_from)
 from pallas_kernels.split_combine import combine_splits
 from pallas_kernels.tree_attention import _LN2, _LOG2E, _NUM_SMS_H200, _check_shapes, fold_rows
-
-try:  # Mosaic GPU Pallas (present in the JAX versions this repo supports; guarded for clarity)
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-except ImportError:  # pragma: no cover
-    plgpu = None
 
 __all__ = ["tree_attention_mgpu", "split_attention", "split_attention_ref", "tree_inputs", "pad_tree_latents",
            "check_in_place_inputs", "default_splits", "dense_split_partials", "pack_bits", "unpack_bits",

@@ -33,16 +33,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.mgpu_attention_parts import (PARTIAL, SMEM_LIMIT, TREE, WHOLE, WORD, profiler_params,
+from pallas_kernels.mgpu_attention_parts import (PARTIAL, SMEM_LIMIT, TREE, WHOLE, WORD, plgpu, profiler_params,
                                                  region_scope, store_swapped_output, stream_key_blocks,
                                                  swapped_scores, swapped_softmax, zero_rows_from)
 from pallas_kernels.mla_attention_mgpu import ROWS, _block_steps, check_in_place_inputs
 from pallas_kernels.tree_attention import _LOG2E
-
-try:
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-except ImportError:  # pragma: no cover
-    plgpu = None
 
 __all__ = ["split_attention_narrow", "narrow_smem_bytes", "NARROW_MAX_ROWS"]
 

@@ -88,9 +88,12 @@ def _kernel(lse_ref, o_ref, out_ref, lse_out_ref, *, NS, LB, CH, split_axis, loa
         idx = (pl.ds(start, CH), b) if split_axis == 0 else (b, pl.ds(start, CH))
         return ref.at[idx + (row,) + rest]
 
-    def lse_chunk(start, first):
+    def valid_of(start, first):  # the chunk's lanes that hold one of its splits
         split = lax.broadcasted_iota(jnp.int32, (CH,), 0) + start
-        valid = (split >= first) & (split < NS)
+        return (split >= first) & (split < NS)
+
+    def lse_chunk(start, first):
+        valid = valid_of(start, first)
         return pltriton.load(at(lse_ref, start), mask=valid, other=-jnp.inf), valid
 
     def o_chunk(start, valid):
@@ -99,7 +102,7 @@ def _kernel(lse_ref, o_ref, out_ref, lse_out_ref, *, NS, LB, CH, split_axis, loa
 
     # load_first (one chunk): the partials are asked for before the max over the LSEs, so that both loads are in
     # flight together; the arithmetic is the same
-    early = o_chunk(0, lse_chunk(0, 0)[1]) if load_first and len(chunks) == 1 else None
+    early = o_chunk(0, valid_of(0, 0)) if load_first and len(chunks) == 1 else None
     top = None
     for start, first in chunks:
         m = lse_chunk(start, first)[0].max()
