@@ -266,8 +266,7 @@ def _split_range(nb, tree_blocks: int, sp, num_splits: int):
 
 def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, kv_lora_rank, block_k=64,
                     stages=2, num_splits=1, share_scores=True, valid_rows=None, profile_dir=None, profile_regions=0,
-                    profile_names=None, first_block_alone=None, pv_first=True, store_early=True,
-                    wait_read_only=False):
+                    profile_names=None, first_block_alone=None, pv_first=True, store_early=True):
     """The Mosaic GPU kernel: attention of 64-row query tiles over each stream's prefix, read in place from
     the cache, and its tree, in NS splits.
 
@@ -301,10 +300,6 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
     the query tile whose memory the output reuses, and consumer 1's last p·v follows consumer 0's last q·kᵀ. On
     the H200 the op was up to 3 % faster at 22 of 28 points timed, memory- and compute-bound, and 1.5-3 % slower
     at T = 128 and 256, H = 8, B = 1 over 1K (session 41).
-
-    ``wait_read_only``: a program's last wait on its output copies waits only until they have read shared
-    memory (``cp.async.bulk.wait_group.read``, as CUTLASS's epilogues end); the writes to global memory still
-    complete before the launch does. False: until they are written.
 
     ``first_block_alone`` (``stream_key_blocks``): the second key block's copy waits for the first; by default
     with a tail only (session 28, op µs with / without: T = 9, B = 16, 8K 57.2-57.7 / 58.1-59.8; B = 1, 64K
@@ -543,7 +538,7 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
                         store_swapped_output(tail_acc, mt, lt, ot_smem, lset_smem, region)
                         plgpu.copy_smem_to_gmem(ot_smem, o_ref.at[sp, b, pl.ds(ROWS, tail)])
                         plgpu.copy_smem_to_gmem(lset_smem, lse_ref.at[sp, b, pl.ds(ROWS, tail)])
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=bool(wait_read_only))
+                    plgpu.wait_smem_to_gmem(0)
 
         for half in range(2):
             pl.when(wg == half)(functools.partial(consumer, half))

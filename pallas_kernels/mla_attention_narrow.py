@@ -79,7 +79,7 @@ def _check_rows(q_rows, valid_rows):
 
 def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, kv_lora_rank, block_k=64,
                            stages=2, num_splits=1, share_scores=True, valid_rows=None, profile_dir=None,
-                           profile_regions=0, profile_names=None, wait_read_only=False):
+                           profile_regions=0, profile_names=None):
     """``mla_attention_mgpu.split_attention`` (same inputs, outputs and twin, ``split_attention_ref``) for
     V <= ``NARROW_MAX_ROWS`` query rows (module docstring).
 
@@ -96,7 +96,7 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
     ``pv``, then ``epilogue`` of ``normalize``, ``store_smem``, ``store_gmem``; the producer's ``slot_wait``)
     and writes a Chrome trace of each call into that folder (``experiments/profile_timeline.py`` reads
     it). Without it the kernel is the same, byte for byte. ``profile_names``: record only these regions (by
-    default all). ``wait_read_only``: as ``split_attention``'s."""
+    default all)."""
     del share_scores
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.mosaic_gpu is not available in this JAX")
@@ -187,7 +187,7 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
                 with region("store_gmem"):
                     plgpu.copy_smem_to_gmem(o_smem, o_ref.at[sp, b])
                     plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[sp, b])
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=bool(wait_read_only))
+                    plgpu.wait_smem_to_gmem(0)
 
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     kernel = plgpu.kernel(

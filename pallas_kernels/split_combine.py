@@ -76,7 +76,7 @@ def combine_warps(CH: int, LB: int) -> int:
     return 4 if CH * LB > _SLAB // 2 else 2
 
 
-def _kernel(lse_ref, o_ref, out_ref, lse_out_ref, *, NS, LB, CH, split_axis, load_first=False):
+def _kernel(lse_ref, o_ref, out_ref, lse_out_ref, *, NS, LB, CH, split_axis):
     b, row, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     # chunks [start, start + CH) of the split axis, each taking the splits from ``first`` on: with one
     # chunk, lanes past NS are masked (never read); with several, the last one ends at NS and masks the
@@ -88,21 +88,11 @@ def _kernel(lse_ref, o_ref, out_ref, lse_out_ref, *, NS, LB, CH, split_axis, loa
         idx = (pl.ds(start, CH), b) if split_axis == 0 else (b, pl.ds(start, CH))
         return ref.at[idx + (row,) + rest]
 
-    def valid_of(start, first):  # the chunk's lanes that hold one of its splits
-        split = lax.broadcasted_iota(jnp.int32, (CH,), 0) + start
-        return (split >= first) & (split < NS)
-
     def lse_chunk(start, first):
-        valid = valid_of(start, first)
+        split = lax.broadcasted_iota(jnp.int32, (CH,), 0) + start
+        valid = (split >= first) & (split < NS)
         return pltriton.load(at(lse_ref, start), mask=valid, other=-jnp.inf), valid
 
-    def o_chunk(start, valid):
-        return pltriton.load(at(o_ref, start, pl.ds(c * LB, LB)), mask=jnp.broadcast_to(valid[:, None], (CH, LB)),
-                             other=0.0).astype(jnp.float32)
-
-    # load_first (one chunk): the partials are asked for before the max over the LSEs, so that both loads are in
-    # flight together; the arithmetic is the same
-    early = o_chunk(0, valid_of(0, 0)) if load_first and len(chunks) == 1 else None
     top = None
     for start, first in chunks:
         m = lse_chunk(start, first)[0].max()
@@ -113,7 +103,8 @@ def _kernel(lse_ref, o_ref, out_ref, lse_out_ref, *, NS, LB, CH, split_axis, loa
     for start, first in chunks:
         lse, valid = lse_chunk(start, first)
         w = jnp.exp(lse - top)
-        o = early if early is not None else o_chunk(start, valid)
+        o = pltriton.load(at(o_ref, start, pl.ds(c * LB, LB)), mask=jnp.broadcast_to(valid[:, None], (CH, LB)),
+                          other=0.0).astype(jnp.float32)
         tot += w.sum()
         acc += (w[:, None] * o).sum(0)
     out_ref[...] = (acc / jnp.where(tot > 0, tot, 1.0)).astype(out_ref.dtype)
@@ -121,7 +112,7 @@ def _kernel(lse_ref, o_ref, out_ref, lse_out_ref, *, NS, LB, CH, split_axis, loa
 
 
 def combine_splits(o_parts, lse_parts, *, split_axis=0, out_dtype=None, interpret=False, block_cols=None,
-                   num_warps=None, load_first=False):
+                   num_warps=None):
     """Combine split partials in one Pallas-Triton launch.
 
     o_parts [NS, B, V, L] (``split_axis`` 0) or [B, NS, V, L] (1), any float dtype; lse_parts the same
@@ -129,8 +120,7 @@ def combine_splits(o_parts, lse_parts, *, split_axis=0, out_dtype=None, interpre
     ``out_dtype`` (default o_parts.dtype), lse [B, V] f32). ``interpret=True`` runs the Pallas
     interpreter (CPU tests). Tiling overrides for A/Bs (``experiments/bench_split_combine.py``):
     ``block_cols`` LB (a power of two >= 8 dividing L) and ``num_warps`` per program (1, 2, 4 or 8);
-    by default :func:`combine_blocks` and :func:`combine_warps`. ``load_first`` (an A/B, same arithmetic): where
-    one chunk holds every split, the program asks for its partials before it reduces the LSEs.
+    by default :func:`combine_blocks` and :func:`combine_warps`.
     """
     NS, B, V, L = _check(o_parts, lse_parts, split_axis)
     LB, CH = combine_blocks(NS, L)
@@ -143,7 +133,7 @@ def combine_splits(o_parts, lse_parts, *, split_axis=0, out_dtype=None, interpre
         num_warps = combine_warps(CH, LB)
     elif num_warps not in (1, 2, 4, 8):
         raise ValueError(f"num_warps={num_warps} must be 1, 2, 4 or 8")
-    kernel = functools.partial(_kernel, NS=NS, LB=LB, CH=CH, split_axis=split_axis, load_first=bool(load_first))
+    kernel = functools.partial(_kernel, NS=NS, LB=LB, CH=CH, split_axis=split_axis)
     return pl.pallas_call(
         kernel,
         grid=(B, V, L // LB),

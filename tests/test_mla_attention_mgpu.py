@@ -295,7 +295,6 @@ def test_gpu_kernel_matches_twin_k26(B, T, H, S, kind, NS, share, tail):
 KERNEL_OPTIONS = {  # split_attention's options off their default, each under GPU parity and lowered on the CPU
     "pv_after_handoff": dict(pv_first=False),  # consumer 0's p·v after the hand-over (FlashMLA's order)
     "store_after_partner": dict(store_early=False),  # consumer 0 waits for consumer 1 before it stores its half
-    "stores_read_only": dict(wait_read_only=True),  # the last wait on the output's copies: until they read smem
 }
 
 

@@ -89,13 +89,12 @@ def test_padded_tree_latents_are_accepted_by_every_entry():
         tree_attention_ref(args[0], args[1], args[2], args[3][:, :2], args[4], **kw)
 
 
-@pytest.mark.parametrize("T,H,NS,read_only", [(1, 8, 4, False), (2, 8, 1, False), (4, 8, 3, False), (1, 8, 4, True)])
-def test_kernel_lowers_for_cuda_on_cpu(T, H, NS, read_only):
+@pytest.mark.parametrize("T,H,NS", [(1, 8, 4), (2, 8, 1), (4, 8, 3)])
+def test_kernel_lowers_for_cuda_on_cpu(T, H, NS):
     """V = T*H = 8, 16, 32 rows: layouts (the reductions over keys, the transposed stores, the partial block's
-    zeroing), transposed wgmma operands and shared memory within the H200's 227 KB; and ``wait_read_only``."""
-    kernel = functools.partial(split_attention_narrow, wait_read_only=read_only)
+    zeroing), transposed wgmma operands and shared memory within the H200's 227 KB."""
     f = jax.jit(functools.partial(M.tree_attention_mgpu, scale=K26["scale"], kv_lora_rank=K26["L"],
-                                  num_splits=NS, kernel=kernel))
+                                  num_splits=NS, kernel=split_attention_narrow))
     text = f.trace(*k26_spec(2, T, H, 1024)).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 
@@ -167,14 +166,13 @@ def test_errors():
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("B,T,H,S,kind,NS,options", [
-    (3, 1, 8, 4096, "chain", 7, {}), (2, 1, 8, 8192, "chain", None, {}), (2, 2, 8, 2048, "tree", 4, {}),
-    (2, 3, 8, 1000, "tree", None, {}), (2, 4, 8, 2048, "tree", 3, {}),
-    (2, 4, 8, 64, "tree", 5, {}),  # splits inside the tree block
-    (4, 1, 16, 1024, "chain", 5, {}),
-    (3, 1, 8, 4096, "chain", 7, dict(wait_read_only=True)), (2, 4, 8, 2048, "tree", 3, dict(wait_read_only=True)),
+@pytest.mark.parametrize("B,T,H,S,kind,NS", [
+    (3, 1, 8, 4096, "chain", 7), (2, 1, 8, 8192, "chain", None), (2, 2, 8, 2048, "tree", 4),
+    (2, 3, 8, 1000, "tree", None), (2, 4, 8, 2048, "tree", 3),
+    (2, 4, 8, 64, "tree", 5),  # splits inside the tree block
+    (4, 1, 16, 1024, "chain", 5),
 ])
-def test_gpu_kernel_matches_reference_k26(B, T, H, S, kind, NS, options):
+def test_gpu_kernel_matches_reference_k26(B, T, H, S, kind, NS):
     L = K26["L"]
     rng = np.random.default_rng(5)
     plens = [int(x) for x in rng.integers(0, S + 1, size=B)]
@@ -185,9 +183,8 @@ def test_gpu_kernel_matches_reference_k26(B, T, H, S, kind, NS, options):
         plens[-1] = S  # the partial block reaches past the cache: the TMA unit reads zeros there
     case = make_case(13, B, T, H, L, K26["C"] - L, S, plens, kind)
     args = as_jax(case, jnp.bfloat16)
-    kernel = functools.partial(split_attention_narrow, **options)
     o, lse = jax.jit(lambda *a: M.tree_attention_mgpu(*a, scale=K26["scale"], kv_lora_rank=L, num_splits=NS,
-                                                      return_lse=True, kernel=kernel))(*args)
+                                                      return_lse=True, kernel=split_attention_narrow))(*args)
     up = [a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args]
     r_o, r_l = jax.jit(lambda *a: tree_attention_ref(*a, scale=K26["scale"], kv_lora_rank=L, return_lse=True))(*up)
     o, r_o = np.asarray(o, np.float32), np.asarray(r_o)

@@ -132,27 +132,6 @@ def test_overrides_reach_the_kernel_and_keep_the_result():
     np.testing.assert_array_equal(np.asarray(tot), np.asarray(r_tot))
 
 
-@pytest.mark.parametrize("NS,B,V", [(8, 2, 8), (128, 1, 8), (200, 1, 8)])  # one chunk, a full one, two chunks
-def test_partials_loaded_first_give_the_same_bits(NS, B, V):
-    """``load_first`` only moves the partials' load ahead of the LSE max (one chunk; with two it changes nothing):
-    the output and LSE are bit for bit the default's, empty rows included."""
-    o, lse = make_parts(NS + 3, NS, B, V, 512)
-    out, tot = combine_splits(o, lse, load_first=True, interpret=True)
-    r_out, r_tot = combine_splits(o, lse, interpret=True)
-    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(r_out, np.float32))
-    np.testing.assert_array_equal(np.asarray(tot), np.asarray(r_tot))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("NS,B,V", [(128, 1, 64), (8, 16, 64), (200, 1, 8)])
-def test_gpu_partials_loaded_first_give_the_same_bits(NS, B, V):
-    o, lse = make_parts(NS + B, NS, B, V, 512)
-    out, tot = jax.jit(functools.partial(combine_splits, load_first=True))(o, lse)
-    r_out, r_tot = jax.jit(combine_splits)(o, lse)
-    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(r_out, np.float32))
-    np.testing.assert_array_equal(np.asarray(tot), np.asarray(r_tot))
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("NS,B,V,warps", [(128, 1, 8, None), (64, 1, 64, None), (8, 16, 8, None), (8, 16, 72, 4),
                                           (4, 1, 2048, None), (13, 10, 72, None), (200, 1, 8, None)])
