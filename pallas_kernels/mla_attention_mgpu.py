@@ -77,10 +77,9 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.mgpu_attention_parts import (MASKED, PARTIAL, SMEM_LIMIT, TREE, WHOLE, WORD, cluster_fence,
-                                                 mask_tree_scores, plgpu, profiler_params, region_scope,
-                                                 store_swapped_output, stream_key_blocks, swapped_scores,
-                                                 swapped_softmax, zero_rows_from)
+from pallas_kernels.mgpu_attention_parts import (MASKED, PARTIAL, SMEM_LIMIT, TREE, WHOLE, WORD, mask_tree_scores,
+                                                 plgpu, profiler_params, region_scope, store_swapped_output,
+                                                 stream_key_blocks, swapped_scores, swapped_softmax, zero_rows_from)
 from pallas_kernels.split_combine import combine_splits
 from pallas_kernels.tree_attention import _LN2, _LOG2E, _NUM_SMS_H200, _check_shapes, fold_rows
 
@@ -95,15 +94,13 @@ MAX_SPLITS = 128       # one wave of the H200 at B = 1, one tile; the merge read
                        # merge takes two chunks and 0.7 µs more: the op as fast; RESULTS.md, session 16)
 
 
-def smem_bytes(C: int, block_k: int, stages: int, share_scores: bool = True, tail: int = 0,
-               pair_merge: bool = False) -> int:
+def smem_bytes(C: int, block_k: int, stages: int, share_scores: bool = True, tail: int = 0) -> int:
     """Shared memory of one program: the query tile, ``stages`` key blocks and mask-word slots, three
     stat rows, barriers, and with ``share_scores`` the probability tile. With ``tail`` rows (module
     docstring, "Tail rows") the query tile leaves out its last 64 columns (consumer 0 holds them in
     registers) and the probabilities go to a key block's rope columns; the tail's query rows (whose memory
-    its output and LSE reuse), its pᵀ tile and the reduction scratch of its softmax take their place. With
-    ``pair_merge``, three cluster barriers more (its buffers reuse the key ring's). Each buffer counts whole
-    1024-byte units, as Mosaic GPU allocates them."""
+    its output and LSE reuse), its pᵀ tile and the reduction scratch of its softmax take their place. Each
+    buffer counts whole 1024-byte units, as Mosaic GPU allocates them."""
     def unit(nbytes):
         return -(-nbytes // 1024) * 1024
     words = unit(stages * (block_k // WORD) * ROWS * 4)
@@ -112,7 +109,7 @@ def smem_bytes(C: int, block_k: int, stages: int, share_scores: bool = True, tai
         return (unit(2 * ROWS * (C - 64)) + stages * unit(2 * block_k * C) + words + unit(12 * ROWS)
                 + unit(max(2 * tail * C, unit(2 * tail * (C - 64)) + 4 * tail)) + unit(2 * tail * 64)
                 + tail_scratch_bytes(tail) + barriers)
-    barriers = 8 * (1 + 3 * stages + 1 + (2 if share_scores else 0) + (3 if pair_merge else 0))
+    barriers = 8 * (1 + 3 * stages + 1 + (2 if share_scores else 0))
     shared = unit(2 * ROWS * block_k) if share_scores else 0
     return unit(2 * ROWS * C) + stages * unit(2 * block_k * C) + words + unit(12 * ROWS) + barriers + shared
 
@@ -269,7 +266,7 @@ def _split_range(nb, tree_blocks: int, sp, num_splits: int):
 
 def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, kv_lora_rank, block_k=64,
                     stages=2, num_splits=1, share_scores=True, valid_rows=None, profile_dir=None, profile_regions=0,
-                    profile_names=None, first_block_alone=None, pv_first=True, store_early=True, pair_merge=False):
+                    profile_names=None, first_block_alone=None, pv_first=True, store_early=True):
     """The Mosaic GPU kernel: attention of 64-row query tiles over each stream's prefix, read in place from
     the cache, and its tree, in NS splits.
 
@@ -304,13 +301,6 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
     the H200 the op was up to 3 % faster at 22 of 28 points timed, memory- and compute-bound, and 1.5-3 % slower
     at T = 128 and 256, H = 8, B = 1 over 1K (session 41).
 
-    ``pair_merge`` (two splits of whole tiles, shared scores): the two programs of a tile run as a cluster and
-    merge their partials through each other's shared memory, so no merge launch follows and no partial goes to
-    global memory. Split s keeps the value columns of its consumer s: the other consumer weights its normalised
-    half by exp(lse - LSE) and leaves it in the key ring (bf16) for the peer, which adds its own (f32) and
-    stores the result. The outputs are then the merged o [1, B, V, L] and lse [1, B, V]. Implies
-    ``store_early=False`` (the key ring and the query tile are reused only once both loops are over).
-
     ``first_block_alone`` (``stream_key_blocks``): the second key block's copy waits for the first; by default
     with a tail only (session 28, op µs with / without: T = 9, B = 16, 8K 57.2-57.7 / 58.1-59.8; B = 1, 64K
     37.6 / 37.8; at 64 rows T = 8 unchanged, T = 256, H = 8, B = 1, 1K 19.6 / 19.0).
@@ -334,7 +324,7 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
     if tail and (BK != 64 or not share_scores or L + 64 > C):
         raise ValueError(f"{R} query rows (one tile and a tail) need block_k=64, share_scores and L + 64 <= C; got "
                          f"block_k={BK}, share_scores={share_scores}, L={L}, C={C}")
-    smem = smem_bytes(C, BK, stages, share_scores, tail, pair_merge)
+    smem = smem_bytes(C, BK, stages, share_scores, tail)
     if smem > SMEM_LIMIT:
         raise ValueError(f"block_k={BK}, stages={stages} need {smem} bytes of shared memory (limit {SMEM_LIMIT})")
     profile = profiler_params(profile_dir, profile_regions, smem, 3, "split_attention", profile_names)
@@ -344,26 +334,20 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
     n_tiles, TB = Np // ROWS, TP // BK
     first_block_alone = bool(tail) if first_block_alone is None else bool(first_block_alone)
     V = _check_valid_rows(valid_rows, Np)
-    pair_merge = bool(pair_merge)
-    if pair_merge and (NS != 2 or tail or not share_scores):
-        raise ValueError(f"pair_merge merges two splits of whole 64-row tiles with shared scores; got num_splits={NS}, "
-                         f"{R} rows, share_scores={share_scores}")
-    # without shared scores both consumers read the query tile; a pair merge reuses the ring once both loops are over
-    store_early = bool(store_early) and share_scores and not pair_merge
+    store_early = bool(store_early) and share_scores  # without shared scores both consumers read the query tile
     CQ = C - 64 if tail else C  # query columns in shared memory (with a tail, consumer 0 holds the last 64)
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     col_layout = plgpu.Layout.WGMMA.reduce(0)  # a vector along the tail's sᵀ and oᵀ columns (its rows)
 
     def body(plen_ref, q_ref, kv_ref, tkv_ref, bits_ref, o_ref, lse_ref, qo_smem, k_smem, bits_smem, p_smem,
              stat_smem, tail_smem, pt_smem, q_bar, k_bars, bits_bars, consumed_bars, done_bar, p_ready, p_free,
-             qt_bar, rope_free, pair_bars):
+             qt_bar, rope_free):
         lse_smem = stat_smem.at[2]  # stat rows: 0 the step's alpha, 1 the final l (shared scores), 2 the LSE
         q_smem, o_smem = qo_smem  # the output tile reuses the query tile's shared memory
         qt_smem, (ot_smem, lset_smem) = tail_smem if tail else (None, (None, None))
-        k_smem, (pair_part, pair_lse) = k_smem if pair_merge else (k_smem, (None, None))  # the pair's after the loop
         b = lax.axis_index("stream")
         tile = lax.axis_index("tile")
-        sp = lax.axis_index("split_pair") if pair_merge else lax.axis_index("split")
+        sp = lax.axis_index("split")
         wg = lax.axis_index("wg")
         rem, nbp, lo, n_whole, n_cache, n_all = _block_steps(plen_ref[b], TB, sp, NS, BK)
         # with a tail, consumer 0 hands p to consumer 1 in the key block's rope columns, which both have read
@@ -382,61 +366,6 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
 
             stream_key_blocks(kv_ref, tkv_ref, b, lo, nbp, n_cache, n_all, k_smem, k_bars, consumed_bars, stages, BK,
                               on_tree_block=copy_mask_words, first_block_alone=first_block_alone, region=region)
-
-        def merge_pair_and_store(half, acc, m, l):
-            """(pair_merge) This program's half ``half`` of the output columns merged with the peer split's."""
-            peer = lambda ref: plgpu.cluster_ref(ref, {"split_pair": 1 - sp})  # noqa: E731
-            with region("epilogue"):
-                plgpu.barrier_arrive(done_bar)
-                plgpu.barrier_wait(done_bar)  # both loops are over: the key ring and the query tile are free
-                if half == 0:  # this split's LSE (log2 units) for both programs
-                    empty = l == 0.0
-                    pair_lse[...] = jnp.where(empty, -jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
-                    plgpu.commit_smem()
-                    cluster_fence()
-                    plgpu.barrier_arrive(pair_bars.at[0])
-                else:
-                    l = plgpu.load(stat_smem.at[1], (), layout=row_layout)
-                plgpu.barrier_wait(pair_bars.at[0])
-                cluster_fence()
-                own = plgpu.load(pair_lse, (), layout=row_layout)
-                other = plgpu.load(peer(pair_lse), (), layout=row_layout, optimized=False)
-                top = jnp.maximum(own, other)
-                top = jnp.where(top == -jnp.inf, 0.0, top)
-                e_own = jnp.exp2(own - top)
-                total = e_own + jnp.exp2(other - top)
-                gone = (l == 0.0) | (total == 0.0)
-                weight = jnp.where(gone, 0.0, e_own / (jnp.where(gone, 1.0, l) * jnp.where(gone, 1.0, total)))
-                part = acc * lax.broadcast_in_dim(weight, acc.shape, [0])
-
-                @pl.when(sp != half)
-                def _send():  # this half of the columns is the peer's to store
-                    pair_part[...] = part.astype(jnp.bfloat16)
-                    plgpu.commit_smem()
-                    cluster_fence()
-                    plgpu.barrier_arrive(pair_bars.at[1])
-                    plgpu.barrier_wait(pair_bars.at[2])  # the peer has read it: this program may exit
-
-                @pl.when(sp == half)
-                def _keep():
-                    plgpu.barrier_wait(pair_bars.at[1])
-                    cluster_fence()
-                    merged = part + plgpu.load(peer(pair_part), (), layout=plgpu.Layout.WGMMA,
-                                               optimized=False).astype(jnp.float32)
-                    plgpu.barrier_arrive(pair_bars.at[2])
-                    o_smem[half] = merged.astype(jnp.bfloat16)
-                    if half == 0:  # split 0's: the tile's LSE, once
-                        merged_empty = total == 0.0
-                        lse_smem[...] = jnp.where(merged_empty, -jnp.inf,
-                                                  (top + jnp.log2(jnp.where(merged_empty, 1.0, total))) * _LN2)
-                    plgpu.commit_smem()
-                    rows = pl.ds(0, V) if V < ROWS else pl.ds(tile * ROWS, ROWS)
-                    plgpu.copy_smem_to_gmem(o_smem.at[half, pl.ds(0, V)] if V < ROWS else o_smem.at[half],
-                                            o_ref.at[0, b, rows, pl.ds(half * LH, LH)])
-                    if half == 0:
-                        plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, V)] if V < ROWS else lse_smem,
-                                                lse_ref.at[0, b, rows])
-                    plgpu.wait_smem_to_gmem(0)
 
         def consumer(half):
             scores_here = half == 0 or not share_scores  # this warpgroup computes q.k and the softmax
@@ -576,9 +505,6 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
                 l = jnp.where(m < 0.5 * MASKED, 0.0, l)
             if share_scores and half == 0:
                 stat_smem[1] = l
-            if pair_merge:
-                merge_pair_and_store(half, acc, m, l)
-                return
             with region("epilogue"):
                 # the query tile's memory is reused for the output once no warpgroup reads it (and the shared
                 # stats are written): with store_early consumer 0, its only reader, goes on at once
@@ -627,19 +553,14 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
             plgpu.Barrier(),
             plgpu.Barrier(),
         )
-    ring = plgpu.SMEM((stages, BK, C), jnp.bfloat16, transforms=swizzled)
-    if pair_merge:  # after the loop the ring holds the half sent to the peer and this split's LSE
-        ring = plgpu.RefUnion(ring, (plgpu.SMEM((ROWS, LH), jnp.bfloat16, transforms=swizzled),
-                                     plgpu.SMEM((ROWS,), jnp.float32)))
-    NO = 1 if pair_merge else NS  # splits in the outputs
     kernel = plgpu.kernel(
         body,
-        out_type=(jax.ShapeDtypeStruct((NO, B, V, L), jnp.bfloat16),
-                  jax.ShapeDtypeStruct((NO, B, V), jnp.float32)),
+        out_type=(jax.ShapeDtypeStruct((NS, B, V, L), jnp.bfloat16),
+                  jax.ShapeDtypeStruct((NS, B, V), jnp.float32)),
         scratch_types=(
             plgpu.RefUnion(plgpu.SMEM((ROWS, CQ), jnp.bfloat16, transforms=swizzled),
                            plgpu.SMEM((2, ROWS, LH), jnp.bfloat16, transforms=swizzled)),
-            ring,
+            plgpu.SMEM((stages, BK, C), jnp.bfloat16, transforms=swizzled),
             plgpu.SMEM((stages, WB, ROWS), jnp.int32),
             plgpu.SMEM((ROWS, BK), jnp.bfloat16, transforms=swizzled) if share_scores and not tail else None,
             plgpu.SMEM((3, ROWS), jnp.float32),
@@ -654,11 +575,8 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
             plgpu.Barrier() if share_scores else None,
             tail_scratch[2],
             tail_scratch[3],
-            plgpu.ClusterBarrier(collective_axes=("split_pair",), num_barriers=3) if pair_merge else None,
         ),
-        grid=(B, n_tiles, 1 if pair_merge else NS), grid_names=("stream", "tile", "split"),
-        **(dict(cluster=(1, 1, 2), cluster_names=("stream_in_pair", "tile_in_pair", "split_pair"))
-           if pair_merge else {}),
+        grid=(B, n_tiles, NS), grid_names=("stream", "tile", "split"),
         num_threads=3, thread_name="wg",
         # the row reductions (max, sum) of the WGMMA layout stay within a warp: no smem scratch for them; the
         # tail's (over keys, across consumer 1's warps) need some
@@ -788,7 +706,7 @@ def tree_attention_mgpu(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, k
     stage_kw = {} if stages is None else {"stages": stages}
     o, lse = kernel(qr, cache_kv, plen, keys, bits, scale=scale, kv_lora_rank=L, block_k=block_k,
                     num_splits=int(num_splits), share_scores=share_scores, valid_rows=valid_rows, **stage_kw)
-    if o.shape[0] == 1:  # one split, or merged in the kernel; every row sees its own node: lse is finite
+    if num_splits == 1:  # every row sees its own node: lse is finite
         out, lse = o[0], lse[0]
     else:
         out, lse = combine(o, lse, out_dtype=q.dtype)

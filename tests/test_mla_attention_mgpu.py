@@ -194,11 +194,6 @@ def test_errors():
         M.tree_attention_mgpu(*case[:3], case[3].astype(jnp.float32), case[4], **kw)
     with pytest.raises(ValueError, match="num_splits=0"):
         M.tree_attention_mgpu(*case, num_splits=0, **kw)
-    for bad in (dict(num_splits=3), dict(num_splits=2, share_scores=False)):
-        with pytest.raises(ValueError, match="pair_merge"):
-            M.split_attention(q_rows, case[1], case[2], *tail, pair_merge=True, **dict(kw, **bad))
-    with pytest.raises(ValueError, match="pair_merge"):
-        M.split_attention(q72, case[1], case[2], *tail72, num_splits=2, pair_merge=True, **kw)
     assert "L <= 512" in M.unsupported_reason((1, 1, 1, 1152), (1, 64, 1152), 1024, jnp.bfloat16)
     assert "shared memory" in M.unsupported_reason((1, 1, 1, 640), (1, 64, 640), 512, jnp.bfloat16)
     assert "S % 8" in M.unsupported_reason((1, 1, 1, 576), (1, 273, 576), 512, jnp.bfloat16)
@@ -320,27 +315,6 @@ def test_kernel_options_lower_for_cuda_on_cpu(T, H, option):
     f = jax.jit(functools.partial(M.tree_attention_mgpu, scale=K26["scale"], kv_lora_rank=K26["L"], num_splits=2,
                                   kernel=functools.partial(M.split_attention, **KERNEL_OPTIONS[option])))
     assert "mosaic_gpu" in f.trace(*k26_spec(2, T, H, 1024)).lower(lowering_platforms=("cuda",)).as_text()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("B,T,H,S,kind", [
-    (2, 64, 64, 2048, "tree"), (2, 1, 64, 4096, "chain"), (3, 8, 8, 1000, "tree"), (2, 33, 64, 1000, "tree"),
-    (2, 4, 8, 2048, "tree"),      # 32 real rows of one tile (valid_rows)
-    (2, 200, 8, 64, "tree"),      # the split inside the tree
-])
-def test_gpu_pair_merge_matches_twin_k26(B, T, H, S, kind):
-    """Two splits merged in the kernel (``pair_merge``). Stream 0 has no prefix (``check_kernel_k26``), so where the
-    tree is one block, split 1 sees no key."""
-    check_kernel_k26(B, T, H, S, kind, 2, True, True, functools.partial(M.split_attention, pair_merge=True))
-
-
-@pytest.mark.parametrize("T,H,rows", [(64, 64, 4096), (4, 8, 32)])
-def test_pair_merge_lowers_for_cuda_on_cpu_to_merged_outputs(T, H, rows):
-    """With ``pair_merge`` the kernel's outputs are the merged [1, B, V, L] (no merge launch follows)."""
-    f = jax.jit(functools.partial(M.tree_attention_mgpu, scale=K26["scale"], kv_lora_rank=K26["L"], num_splits=2,
-                                  kernel=functools.partial(M.split_attention, pair_merge=True)))
-    text = f.trace(*k26_spec(2, T, H, 1024)).lower(lowering_platforms=("cuda",)).as_text()
-    assert f"tensor<1x2x{rows}x512xbf16>" in text and "combine_splits" not in text
 
 
 def check_kernel_k26(B, T, H, S, kind, NS, share, tail, kernel):
