@@ -25,13 +25,15 @@ from jax.experimental import pallas as pl
 from pallas_kernels.tree_attention import _LN2
 
 try:  # Mosaic GPU Pallas (in the JAX versions this repo supports; guarded for clarity); both kernels import it here
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import llvm
     from jax.experimental.pallas import mosaic_gpu as plgpu
 except ImportError:  # pragma: no cover
     plgpu = None
 
 __all__ = ["plgpu", "stream_key_blocks", "zero_rows_from", "mask_tree_scores", "swapped_scores", "swapped_softmax",
-           "store_swapped_output", "profiler_params", "region_scope", "PROFILE_REGIONS", "PROFILE_REGION_BYTES",
-           "WHOLE", "PARTIAL", "TREE", "MASKED", "WORD", "SMEM_LIMIT"]
+           "store_swapped_output", "async_proxy_fence", "profiler_params", "region_scope", "PROFILE_REGIONS",
+           "PROFILE_REGION_BYTES", "WHOLE", "PARTIAL", "TREE", "MASKED", "WORD", "SMEM_LIMIT"]
 
 SMEM_LIMIT = 227 * 1024  # the H200's shared memory a program may take
 MASKED = -1e30           # masked score (log2 units): finite (``mla_attention_mgpu``'s module docstring)
@@ -181,3 +183,16 @@ def store_swapped_output(acc, m, l, o_smem, lse_smem, region=jax.named_scope):
         o_smem.transpose((1, 0))[...] = plgpu.layout_cast(o.astype(jnp.bfloat16), plgpu.Layout.WGMMA_TRANSPOSED)
         lse_smem[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(jnp.where(empty, 1.0, l))) * _LN2)
         plgpu.commit_smem()
+
+
+def async_proxy_fence():
+    """Inside a kernel: ``fence.proxy.async.global`` in every thread, which orders a thread's global-memory
+    accesses through the TMA unit (the async proxy) with its ordinary ones. A program that hands data it wrote
+    with TMA copies to another program through a semaphore runs it between its copies' completion and the signal;
+    the receiver, between its wait and the TMA copies that read the data."""
+    @plgpu.inline_mgpu()
+    def fence(ctx):
+        del ctx
+        llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "fence.proxy.async.global;", "", has_side_effects=True)
+
+    fence()

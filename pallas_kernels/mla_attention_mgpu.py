@@ -77,9 +77,10 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.mgpu_attention_parts import (MASKED, PARTIAL, SMEM_LIMIT, TREE, WHOLE, WORD, mask_tree_scores,
-                                                 plgpu, profiler_params, region_scope, store_swapped_output,
-                                                 stream_key_blocks, swapped_scores, swapped_softmax, zero_rows_from)
+from pallas_kernels.mgpu_attention_parts import (MASKED, PARTIAL, SMEM_LIMIT, TREE, WHOLE, WORD, async_proxy_fence,
+                                                 mask_tree_scores, plgpu, profiler_params, region_scope,
+                                                 store_swapped_output, stream_key_blocks, swapped_scores,
+                                                 swapped_softmax, zero_rows_from)
 from pallas_kernels.split_combine import combine_splits
 from pallas_kernels.tree_attention import _LN2, _LOG2E, _NUM_SMS_H200, _check_shapes, fold_rows
 
@@ -94,13 +95,14 @@ MAX_SPLITS = 128       # one wave of the H200 at B = 1, one tile; the merge read
                        # merge takes two chunks and 0.7 µs more: the op as fast; RESULTS.md, session 16)
 
 
-def smem_bytes(C: int, block_k: int, stages: int, share_scores: bool = True, tail: int = 0) -> int:
+def smem_bytes(C: int, block_k: int, stages: int, share_scores: bool = True, tail: int = 0,
+               peer_merge: bool = False) -> int:
     """Shared memory of one program: the query tile, ``stages`` key blocks and mask-word slots, three
     stat rows, barriers, and with ``share_scores`` the probability tile. With ``tail`` rows (module
     docstring, "Tail rows") the query tile leaves out its last 64 columns (consumer 0 holds them in
     registers) and the probabilities go to a key block's rope columns; the tail's query rows (whose memory
-    its output and LSE reuse), its pᵀ tile and the reduction scratch of its softmax take their place. Each
-    buffer counts whole 1024-byte units, as Mosaic GPU allocates them."""
+    its output and LSE reuse), its pᵀ tile and the reduction scratch of its softmax take their place. With
+    ``peer_merge``, two barriers more. Each buffer counts whole 1024-byte units, as Mosaic GPU allocates them."""
     def unit(nbytes):
         return -(-nbytes // 1024) * 1024
     words = unit(stages * (block_k // WORD) * ROWS * 4)
@@ -109,7 +111,7 @@ def smem_bytes(C: int, block_k: int, stages: int, share_scores: bool = True, tai
         return (unit(2 * ROWS * (C - 64)) + stages * unit(2 * block_k * C) + words + unit(12 * ROWS)
                 + unit(max(2 * tail * C, unit(2 * tail * (C - 64)) + 4 * tail)) + unit(2 * tail * 64)
                 + tail_scratch_bytes(tail) + barriers)
-    barriers = 8 * (1 + 3 * stages + 1 + (2 if share_scores else 0))
+    barriers = 8 * (1 + 3 * stages + 1 + (2 if share_scores else 0) + (2 if peer_merge else 0))
     shared = unit(2 * ROWS * block_k) if share_scores else 0
     return unit(2 * ROWS * C) + stages * unit(2 * block_k * C) + words + unit(12 * ROWS) + barriers + shared
 
@@ -266,7 +268,7 @@ def _split_range(nb, tree_blocks: int, sp, num_splits: int):
 
 def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, kv_lora_rank, block_k=64,
                     stages=2, num_splits=1, share_scores=True, valid_rows=None, profile_dir=None, profile_regions=0,
-                    profile_names=None, first_block_alone=None, pv_first=True, store_early=True):
+                    profile_names=None, first_block_alone=None, pv_first=True, store_early=True, peer_merge=False):
     """The Mosaic GPU kernel: attention of 64-row query tiles over each stream's prefix, read in place from
     the cache, and its tree, in NS splits.
 
@@ -301,6 +303,14 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
     the H200 the op was up to 3 % faster at 22 of 28 points timed, memory- and compute-bound, and 1.5-3 % slower
     at T = 128 and 256, H = 8, B = 1 over 1K (session 41).
 
+    ``peer_merge`` (two splits of whole tiles, shared scores): no merge launch follows. Split 0 stores its partial
+    into the outputs and, once its copies are complete, each of its consumers adds 1 to the tile's counter in
+    global memory (``pl.get_global``). Split 1, after its own loop, waits until the counter reaches 2 and takes 2
+    back (so it is 0 again for the next call), copies split 0's output into the query tile's memory and merges
+    it by the two LSEs with its own accumulator (f32), and stores the result over split 0's: the outputs are then
+    the merged o [1, B, V, L] and lse [1, B, V]. Split 0 never waits, and on the device the programs of a tile's
+    two splits are launched side by side, split 0 first, so split 1 cannot wait on a program that has not started.
+
     ``first_block_alone`` (``stream_key_blocks``): the second key block's copy waits for the first; by default
     with a tail only (session 28, op µs with / without: T = 9, B = 16, 8K 57.2-57.7 / 58.1-59.8; B = 1, 64K
     37.6 / 37.8; at 64 rows T = 8 unchanged, T = 256, H = 8, B = 1, 1K 19.6 / 19.0).
@@ -324,7 +334,7 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
     if tail and (BK != 64 or not share_scores or L + 64 > C):
         raise ValueError(f"{R} query rows (one tile and a tail) need block_k=64, share_scores and L + 64 <= C; got "
                          f"block_k={BK}, share_scores={share_scores}, L={L}, C={C}")
-    smem = smem_bytes(C, BK, stages, share_scores, tail)
+    smem = smem_bytes(C, BK, stages, share_scores, tail, peer_merge)
     if smem > SMEM_LIMIT:
         raise ValueError(f"block_k={BK}, stages={stages} need {smem} bytes of shared memory (limit {SMEM_LIMIT})")
     profile = profiler_params(profile_dir, profile_regions, smem, 3, "split_attention", profile_names)
@@ -335,20 +345,30 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
     first_block_alone = bool(tail) if first_block_alone is None else bool(first_block_alone)
     V = _check_valid_rows(valid_rows, Np)
     store_early = bool(store_early) and share_scores  # without shared scores both consumers read the query tile
+    peer_merge = bool(peer_merge)
+    if peer_merge and (NS != 2 or tail or not share_scores or V != Np):
+        raise ValueError(f"peer_merge merges two splits of whole 64-row tiles with shared scores; got num_splits={NS}, "
+                         f"{R} rows, valid_rows={valid_rows}, share_scores={share_scores}")
     CQ = C - 64 if tail else C  # query columns in shared memory (with a tail, consumer 0 holds the last 64)
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     col_layout = plgpu.Layout.WGMMA.reduce(0)  # a vector along the tail's sᵀ and oᵀ columns (its rows)
 
     def body(plen_ref, q_ref, kv_ref, tkv_ref, bits_ref, o_ref, lse_ref, qo_smem, k_smem, bits_smem, p_smem,
              stat_smem, tail_smem, pt_smem, q_bar, k_bars, bits_bars, consumed_bars, done_bar, p_ready, p_free,
-             qt_bar, rope_free):
-        lse_smem = stat_smem.at[2]  # stat rows: 0 the step's alpha, 1 the final l (shared scores), 2 the LSE
+             qt_bar, rope_free, merge_bars):
+        # stat rows: 0 the step's alpha, 1 the final l (shared scores), 2 the LSE; with peer_merge in split 1, 1 and 3
+        # the merge's weights
+        lse_smem = stat_smem.at[2]
         q_smem, o_smem = qo_smem  # the output tile reuses the query tile's shared memory
         qt_smem, (ot_smem, lset_smem) = tail_smem if tail else (None, (None, None))
         b = lax.axis_index("stream")
         tile = lax.axis_index("tile")
         sp = lax.axis_index("split")
         wg = lax.axis_index("wg")
+        osp = 0 if peer_merge else sp  # this program's split in the outputs
+        # split 0's two consumers signal the tile's counter once their halves are stored; split 1 waits for both
+        tile_sem = pl.get_global(plgpu.SemaphoreType.REGULAR((B * n_tiles,))).at[b * n_tiles + tile] \
+            if peer_merge else None
         rem, nbp, lo, n_whole, n_cache, n_all = _block_steps(plen_ref[b], TB, sp, NS, BK)
         # with a tail, consumer 0 hands p to consumer 1 in the key block's rope columns, which both have read
         probs = (lambda slot: k_smem.at[slot, :, pl.ds(C - 64, 64)]) if tail else (lambda slot: p_smem)  # noqa: E731
@@ -503,9 +523,8 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
                 acc, m, l = pl.run_scoped(flash_loop, plgpu.ACC((ROWS, LH), jnp.float32))
             if scores_here:  # a row that saw only masked keys in this split is empty here
                 l = jnp.where(m < 0.5 * MASKED, 0.0, l)
-            if share_scores and half == 0:
-                stat_smem[1] = l
-            with region("epilogue"):
+
+            def wait_for_stats():
                 # the query tile's memory is reused for the output once no warpgroup reads it (and the shared
                 # stats are written): with store_early consumer 0, its only reader, goes on at once
                 if not store_early:
@@ -515,30 +534,85 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
                     plgpu.barrier_arrive(done_bar)
                 else:
                     plgpu.barrier_wait(done_bar)
-                with region("store_smem"):  # the normalised output and LSE (after the barrier: its wait)
-                    if not scores_here:
-                        l = plgpu.load(stat_smem.at[1], (), layout=row_layout)
-                    empty = l == 0.0
-                    inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
-                    o_smem[half] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(jnp.bfloat16)
-                    if half == 0:
-                        lse_smem[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(jnp.where(empty, 1.0, l))) * _LN2)
-                    plgpu.commit_smem()
+
+            def copy_out():  # this warpgroup's half of o_smem (and consumer 0's LSE) to the outputs
                 with region("store_gmem"):
                     if V < ROWS:  # one tile, of which only the first V rows are real
-                        plgpu.copy_smem_to_gmem(o_smem.at[half, pl.ds(0, V)], o_ref.at[sp, b, :, pl.ds(half * LH, LH)])
+                        plgpu.copy_smem_to_gmem(o_smem.at[half, pl.ds(0, V)], o_ref.at[osp, b, :, pl.ds(half * LH, LH)])
                         if half == 0:
-                            plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, V)], lse_ref.at[sp, b])
+                            plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, V)], lse_ref.at[osp, b])
                     else:
                         plgpu.copy_smem_to_gmem(o_smem.at[half],
-                                                o_ref.at[sp, b, pl.ds(tile * ROWS, ROWS), pl.ds(half * LH, LH)])
+                                                o_ref.at[osp, b, pl.ds(tile * ROWS, ROWS), pl.ds(half * LH, LH)])
                         if half == 0:
-                            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[sp, b, pl.ds(tile * ROWS, ROWS)])
+                            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[osp, b, pl.ds(tile * ROWS, ROWS)])
                     if tail and not scores_here:  # the tail's output and LSE reuse its query rows' memory
                         store_swapped_output(tail_acc, mt, lt, ot_smem, lset_smem, region)
-                        plgpu.copy_smem_to_gmem(ot_smem, o_ref.at[sp, b, pl.ds(ROWS, tail)])
-                        plgpu.copy_smem_to_gmem(lset_smem, lse_ref.at[sp, b, pl.ds(ROWS, tail)])
+                        plgpu.copy_smem_to_gmem(ot_smem, o_ref.at[osp, b, pl.ds(ROWS, tail)])
+                        plgpu.copy_smem_to_gmem(lset_smem, lse_ref.at[osp, b, pl.ds(ROWS, tail)])
                     plgpu.wait_smem_to_gmem(0)
+
+            def store_split():  # this split's normalised output and LSE
+                if share_scores and half == 0:
+                    stat_smem[1] = l
+                with region("epilogue"):
+                    wait_for_stats()
+                    with region("store_smem"):  # after the barrier: its wait
+                        final_l = l if scores_here else plgpu.load(stat_smem.at[1], (), layout=row_layout)
+                        empty = final_l == 0.0
+                        inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, final_l))
+                        o_smem[half] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(jnp.bfloat16)
+                        if half == 0:
+                            lse_smem[...] = jnp.where(empty, -jnp.inf,
+                                                      (m + jnp.log2(jnp.where(empty, 1.0, final_l))) * _LN2)
+                        plgpu.commit_smem()
+                    copy_out()
+
+            def merge_with_split_0():  # (peer_merge, split 1) the tile's output, merged with split 0's
+                rows = pl.ds(tile * ROWS, ROWS)
+                with region("epilogue"):
+                    if half == 0:  # once split 0 has stored both halves: its LSE, and its output into o_smem
+                        plgpu.semaphore_wait(tile_sem, 2, memory_scope="gpu")  # and back to 0 for the next call
+                        async_proxy_fence()
+                        for h in range(2):
+                            plgpu.copy_gmem_to_smem(o_ref.at[0, b, rows, pl.ds(h * LH, LH)], o_smem.at[h],
+                                                    merge_bars.at[h])
+                        theirs = plgpu.load(lse_ref, (0, b, rows), layout=row_layout, optimized=False) * _LOG2E
+                        mine_empty = l == 0.0
+                        mine = jnp.where(mine_empty, -jnp.inf, m + jnp.log2(jnp.where(mine_empty, 1.0, l)))
+                        top = jnp.maximum(mine, theirs)
+                        top = jnp.where(top == -jnp.inf, 0.0, top)  # both empty
+                        e_mine, e_theirs = jnp.exp2(mine - top), jnp.exp2(theirs - top)
+                        total = e_mine + e_theirs
+                        gone = total == 0.0
+                        total_safe = jnp.where(gone, 1.0, total)
+                        # weights of this split's unnormalised accumulator and of split 0's normalised output
+                        stat_smem[1] = jnp.where(mine_empty | gone, 0.0,
+                                                 e_mine / (jnp.where(mine_empty, 1.0, l) * total_safe))
+                        stat_smem[3] = jnp.where(gone, 0.0, e_theirs / total_safe)
+                        lse_smem[...] = jnp.where(gone, -jnp.inf, (top + jnp.log2(total_safe)) * _LN2)
+                        plgpu.commit_smem()
+                    wait_for_stats()
+                    with region("store_smem"):
+                        w_mine = plgpu.load(stat_smem.at[1], (), layout=row_layout)
+                        w_theirs = plgpu.load(stat_smem.at[3], (), layout=row_layout)
+                        plgpu.barrier_wait(merge_bars.at[half])
+                        theirs_o = plgpu.load(o_smem.at[half], (), layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+                        o_smem[half] = (acc * lax.broadcast_in_dim(w_mine, acc.shape, [0])
+                                        + theirs_o * lax.broadcast_in_dim(w_theirs, acc.shape, [0])).astype(jnp.bfloat16)
+                        plgpu.commit_smem()
+                    copy_out()
+
+            if not peer_merge:
+                store_split()
+            else:
+                @pl.when(sp == 0)
+                def _store_and_signal():
+                    store_split()
+                    async_proxy_fence()  # its TMA stores are complete: ordered before the signal
+                    plgpu.semaphore_signal(tile_sem, 1, memory_scope="gpu")
+
+                pl.when(sp == 1)(merge_with_split_0)
 
         for half in range(2):
             pl.when(wg == half)(functools.partial(consumer, half))
@@ -555,15 +629,15 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
         )
     kernel = plgpu.kernel(
         body,
-        out_type=(jax.ShapeDtypeStruct((NS, B, V, L), jnp.bfloat16),
-                  jax.ShapeDtypeStruct((NS, B, V), jnp.float32)),
+        out_type=(jax.ShapeDtypeStruct((1 if peer_merge else NS, B, V, L), jnp.bfloat16),
+                  jax.ShapeDtypeStruct((1 if peer_merge else NS, B, V), jnp.float32)),
         scratch_types=(
             plgpu.RefUnion(plgpu.SMEM((ROWS, CQ), jnp.bfloat16, transforms=swizzled),
                            plgpu.SMEM((2, ROWS, LH), jnp.bfloat16, transforms=swizzled)),
             plgpu.SMEM((stages, BK, C), jnp.bfloat16, transforms=swizzled),
             plgpu.SMEM((stages, WB, ROWS), jnp.int32),
             plgpu.SMEM((ROWS, BK), jnp.bfloat16, transforms=swizzled) if share_scores and not tail else None,
-            plgpu.SMEM((3, ROWS), jnp.float32),
+            plgpu.SMEM((4 if peer_merge else 3, ROWS), jnp.float32),
             tail_scratch[0],
             tail_scratch[1],
             plgpu.Barrier(num_barriers=1),
@@ -575,6 +649,7 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
             plgpu.Barrier() if share_scores else None,
             tail_scratch[2],
             tail_scratch[3],
+            plgpu.Barrier(num_barriers=2) if peer_merge else None,
         ),
         grid=(B, n_tiles, NS), grid_names=("stream", "tile", "split"),
         num_threads=3, thread_name="wg",
@@ -706,7 +781,7 @@ def tree_attention_mgpu(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, k
     stage_kw = {} if stages is None else {"stages": stages}
     o, lse = kernel(qr, cache_kv, plen, keys, bits, scale=scale, kv_lora_rank=L, block_k=block_k,
                     num_splits=int(num_splits), share_scores=share_scores, valid_rows=valid_rows, **stage_kw)
-    if num_splits == 1:  # every row sees its own node: lse is finite
+    if o.shape[0] == 1:  # one split, or two merged in the kernel; every row sees its own node: lse is finite
         out, lse = o[0], lse[0]
     else:
         out, lse = combine(o, lse, out_dtype=q.dtype)

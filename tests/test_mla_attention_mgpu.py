@@ -194,6 +194,11 @@ def test_errors():
         M.tree_attention_mgpu(*case[:3], case[3].astype(jnp.float32), case[4], **kw)
     with pytest.raises(ValueError, match="num_splits=0"):
         M.tree_attention_mgpu(*case, num_splits=0, **kw)
+    for bad in (dict(num_splits=3), dict(num_splits=2, share_scores=False), dict(num_splits=2, valid_rows=8)):
+        with pytest.raises(ValueError, match="peer_merge"):
+            M.split_attention(q_rows, case[1], case[2], *tail, peer_merge=True, **dict(kw, **bad))
+    with pytest.raises(ValueError, match="peer_merge"):
+        M.split_attention(q72, case[1], case[2], *tail72, num_splits=2, peer_merge=True, **kw)
     assert "L <= 512" in M.unsupported_reason((1, 1, 1, 1152), (1, 64, 1152), 1024, jnp.bfloat16)
     assert "shared memory" in M.unsupported_reason((1, 1, 1, 640), (1, 64, 640), 512, jnp.bfloat16)
     assert "S % 8" in M.unsupported_reason((1, 1, 1, 576), (1, 273, 576), 512, jnp.bfloat16)
@@ -315,6 +320,43 @@ def test_kernel_options_lower_for_cuda_on_cpu(T, H, option):
     f = jax.jit(functools.partial(M.tree_attention_mgpu, scale=K26["scale"], kv_lora_rank=K26["L"], num_splits=2,
                                   kernel=functools.partial(M.split_attention, **KERNEL_OPTIONS[option])))
     assert "mosaic_gpu" in f.trace(*k26_spec(2, T, H, 1024)).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,T,H,S,kind", [
+    (2, 64, 64, 2048, "tree"), (2, 1, 64, 4096, "chain"), (3, 8, 8, 1000, "tree"), (2, 33, 64, 1000, "tree"),
+    (2, 200, 8, 64, "tree"),      # the split inside the tree
+])
+def test_gpu_peer_merge_matches_twin_k26(B, T, H, S, kind):
+    """Two splits merged in the kernel (``peer_merge``). Stream 0 has no prefix (``check_kernel_k26``), so where the
+    tree is one block, split 1 sees no key."""
+    check_kernel_k26(B, T, H, S, kind, 2, True, True, functools.partial(M.split_attention, peer_merge=True))
+
+
+@pytest.mark.gpu
+def test_gpu_peer_merge_counters_return_to_zero_between_calls():
+    """The tiles' counters persist from call to call (``pl.get_global``): split 1 takes back what split 0 added,
+    so five calls in a row, each on other prefixes and queries, all match the twin (a counter left above zero would
+    let split 1 read split 0's output before it is written, or a stale one)."""
+    L = K26["L"]
+    f = jax.jit(lambda *a: M.tree_attention_mgpu(*a, scale=K26["scale"], kv_lora_rank=L, num_splits=2,
+                                                 kernel=functools.partial(M.split_attention, peer_merge=True)))
+    ref = jax.jit(lambda *a: tree_attention_ref(*a, scale=K26["scale"], kv_lora_rank=L))
+    for seed in range(5):
+        plens = [int(x) for x in np.random.default_rng(seed).integers(1, 2049, size=3)]
+        args = as_jax(make_case(seed, 3, 16, 8, L, K26["C"] - L, 2048, plens, "tree"), jnp.bfloat16)
+        o = np.asarray(f(*args), np.float32)
+        r = np.asarray(ref(*[a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args]))
+        assert np.linalg.norm(o - r) / np.linalg.norm(r) < 1e-2, seed
+
+
+@pytest.mark.parametrize("T,H,rows", [(64, 64, 4096), (32, 8, 256)])
+def test_peer_merge_lowers_for_cuda_on_cpu_to_merged_outputs(T, H, rows):
+    """With ``peer_merge`` the kernel's outputs are the merged [1, B, V, L] (no merge launch follows)."""
+    f = jax.jit(functools.partial(M.tree_attention_mgpu, scale=K26["scale"], kv_lora_rank=K26["L"], num_splits=2,
+                                  kernel=functools.partial(M.split_attention, peer_merge=True)))
+    text = f.trace(*k26_spec(2, T, H, 1024)).lower(lowering_platforms=("cuda",)).as_text()
+    assert f"tensor<1x2x{rows}x512xbf16>" in text and "combine_splits" not in text
 
 
 def check_kernel_k26(B, T, H, S, kind, NS, share, tail, kernel):
