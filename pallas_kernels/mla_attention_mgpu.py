@@ -89,6 +89,7 @@ __all__ = ["tree_attention_mgpu", "split_attention", "split_attention_ref", "tre
            "splits_for", "unsupported_reason", "smem_bytes", "valid_rows_for", "tail_rows_of", "TAIL_ROWS"]
 
 ROWS = 64              # query rows per program (one wgmma M tile)
+MERGE_COLUMNS = 64     # (peer_merge) output columns merged at a time
 TAIL_ROWS = 8          # rows past one tile that its program takes with keys as wgmma's M ("Tail rows")
 MAX_SPLITS = 128       # one wave of the H200 at B = 1, one tile; the merge reads NS partials per row (132
                        # splits: 8 blocks each at B = 1, 64K, not 9, and the kernel 2 µs faster, but the
@@ -597,9 +598,14 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
                         w_mine = plgpu.load(stat_smem.at[1], (), layout=row_layout)
                         w_theirs = plgpu.load(stat_smem.at[3], (), layout=row_layout)
                         plgpu.barrier_wait(merge_bars.at[half])
-                        theirs_o = plgpu.load(o_smem.at[half], (), layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-                        o_smem[half] = (acc * lax.broadcast_in_dim(w_mine, acc.shape, [0])
-                                        + theirs_o * lax.broadcast_in_dim(w_theirs, acc.shape, [0])).astype(jnp.bfloat16)
+                        for c in range(0, LH, MERGE_COLUMNS):  # in column chunks: few registers beside acc
+                            cols = pl.ds(c, MERGE_COLUMNS)
+                            mine_c = acc[:, c:c + MERGE_COLUMNS]
+                            theirs_c = plgpu.load(o_smem.at[half, :, cols], (), layout=plgpu.Layout.WGMMA)
+                            o_smem[half, :, cols] = (
+                                mine_c * lax.broadcast_in_dim(w_mine, mine_c.shape, [0])
+                                + theirs_c.astype(jnp.float32) * lax.broadcast_in_dim(w_theirs, mine_c.shape, [0])
+                            ).astype(jnp.bfloat16)
                         plgpu.commit_smem()
                     copy_out()
 
