@@ -367,9 +367,10 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
         sp = lax.axis_index("split")
         wg = lax.axis_index("wg")
         osp = 0 if peer_merge else sp  # this program's split in the outputs
-        # split 0's two consumers signal the tile's counter once their halves are stored; split 1 waits for both
-        tile_sem = pl.get_global(plgpu.SemaphoreType.REGULAR((B * n_tiles,))).at[b * n_tiles + tile] \
-            if peer_merge else None
+        # split 0's two consumers signal the tile's counter once their halves are stored; split 1 waits for both.
+        # (Indexed where it is used: a value kept live across consumer 0's loop makes ptxas spill in it.)
+        counters = pl.get_global(plgpu.SemaphoreType.REGULAR((B * n_tiles,))) if peer_merge else None
+        tile_counter = lambda: counters.at[lax.axis_index("stream") * n_tiles + lax.axis_index("tile")]  # noqa: E731
         rem, nbp, lo, n_whole, n_cache, n_all = _block_steps(plen_ref[b], TB, sp, NS, BK)
         # with a tail, consumer 0 hands p to consumer 1 in the key block's rope columns, which both have read
         probs = (lambda slot: k_smem.at[slot, :, pl.ds(C - 64, 64)]) if tail else (lambda slot: p_smem)  # noqa: E731
@@ -573,7 +574,7 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
                 rows = pl.ds(tile * ROWS, ROWS)
                 with region("epilogue"):
                     if half == 0:  # once split 0 has stored both halves: its LSE, and its output into o_smem
-                        plgpu.semaphore_wait(tile_sem, 2, memory_scope="gpu")  # and back to 0 for the next call
+                        plgpu.semaphore_wait(tile_counter(), 2, memory_scope="gpu")  # and back to 0 for the next call
                         async_proxy_fence()
                         for h in range(2):
                             plgpu.copy_gmem_to_smem(o_ref.at[0, b, rows, pl.ds(h * LH, LH)], o_smem.at[h],
@@ -616,7 +617,7 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
                 def _store_and_signal():
                     store_split()
                     async_proxy_fence()  # its TMA stores are complete: ordered before the signal
-                    plgpu.semaphore_signal(tile_sem, 1, memory_scope="gpu")
+                    plgpu.semaphore_signal(tile_counter(), 1, memory_scope="gpu")
 
                 pl.when(sp == 1)(merge_with_split_0)
 
