@@ -103,7 +103,7 @@ def smem_bytes(C: int, block_k: int, stages: int, share_scores: bool = True, tai
     docstring, "Tail rows") the query tile leaves out its last 64 columns (consumer 0 holds them in
     registers) and the probabilities go to a key block's rope columns; the tail's query rows (whose memory
     its output and LSE reuse), its pᵀ tile and the reduction scratch of its softmax take their place. With
-    ``peer_merge``, two barriers more. Each buffer counts whole 1024-byte units, as Mosaic GPU allocates them."""
+    ``peer_merge``, three barriers more. Each buffer counts whole 1024-byte units, as Mosaic GPU allocates them."""
     def unit(nbytes):
         return -(-nbytes // 1024) * 1024
     words = unit(stages * (block_k // WORD) * ROWS * 4)
@@ -112,7 +112,7 @@ def smem_bytes(C: int, block_k: int, stages: int, share_scores: bool = True, tai
         return (unit(2 * ROWS * (C - 64)) + stages * unit(2 * block_k * C) + words + unit(12 * ROWS)
                 + unit(max(2 * tail * C, unit(2 * tail * (C - 64)) + 4 * tail)) + unit(2 * tail * 64)
                 + tail_scratch_bytes(tail) + barriers)
-    barriers = 8 * (1 + 3 * stages + 1 + (2 if share_scores else 0) + (2 if peer_merge else 0))
+    barriers = 8 * (1 + 3 * stages + 1 + (2 if share_scores else 0) + (3 if peer_merge else 0))
     shared = unit(2 * ROWS * block_k) if share_scores else 0
     return unit(2 * ROWS * C) + stages * unit(2 * block_k * C) + words + unit(12 * ROWS) + barriers + shared
 
@@ -356,7 +356,7 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
 
     def body(plen_ref, q_ref, kv_ref, tkv_ref, bits_ref, o_ref, lse_ref, qo_smem, k_smem, bits_smem, p_smem,
              stat_smem, tail_smem, pt_smem, q_bar, k_bars, bits_bars, consumed_bars, done_bar, p_ready, p_free,
-             qt_bar, rope_free, merge_bars):
+             qt_bar, rope_free, merge_bars, weights_bar):
         # stat rows: 0 the step's alpha, 1 the final l (shared scores), 2 the LSE; with peer_merge in split 1, 1 and 3
         # the merge's weights
         lse_smem = stat_smem.at[2]
@@ -571,17 +571,24 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
                     copy_out()
 
             def merge_with_split_0():  # (peer_merge, split 1) the tile's output, merged with split 0's
+                # consumer 1 does the waiting and the LSE arithmetic: consumer 0's loop has no registers to spare
                 rows = pl.ds(tile * ROWS, ROWS)
                 with region("epilogue"):
-                    if half == 0:  # once split 0 has stored both halves: its LSE, and its output into o_smem
+                    if half == 0:  # its l and LSE (log2 units) for consumer 1
+                        stat_smem[1] = l
+                        lse_smem[...] = m + jnp.log2(jnp.where(l == 0.0, 1.0, l))
+                        plgpu.commit_smem()
+                    wait_for_stats()
+                    if half == 1:  # once split 0 has stored both halves: its LSE, and its output into o_smem
                         plgpu.semaphore_wait(tile_counter(), 2, memory_scope="gpu")  # and back to 0 for the next call
                         async_proxy_fence()
                         for h in range(2):
                             plgpu.copy_gmem_to_smem(o_ref.at[0, b, rows, pl.ds(h * LH, LH)], o_smem.at[h],
                                                     merge_bars.at[h])
                         theirs = plgpu.load(lse_ref, (0, b, rows), layout=row_layout, optimized=False) * _LOG2E
-                        mine_empty = l == 0.0
-                        mine = jnp.where(mine_empty, -jnp.inf, m + jnp.log2(jnp.where(mine_empty, 1.0, l)))
+                        l0 = plgpu.load(stat_smem.at[1], (), layout=row_layout)
+                        mine_empty = l0 == 0.0
+                        mine = jnp.where(mine_empty, -jnp.inf, plgpu.load(lse_smem, (), layout=row_layout))
                         top = jnp.maximum(mine, theirs)
                         top = jnp.where(top == -jnp.inf, 0.0, top)  # both empty
                         e_mine, e_theirs = jnp.exp2(mine - top), jnp.exp2(theirs - top)
@@ -590,11 +597,13 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
                         total_safe = jnp.where(gone, 1.0, total)
                         # weights of this split's unnormalised accumulator and of split 0's normalised output
                         stat_smem[1] = jnp.where(mine_empty | gone, 0.0,
-                                                 e_mine / (jnp.where(mine_empty, 1.0, l) * total_safe))
+                                                 e_mine / (jnp.where(mine_empty, 1.0, l0) * total_safe))
                         stat_smem[3] = jnp.where(gone, 0.0, e_theirs / total_safe)
                         lse_smem[...] = jnp.where(gone, -jnp.inf, (top + jnp.log2(total_safe)) * _LN2)
                         plgpu.commit_smem()
-                    wait_for_stats()
+                        plgpu.barrier_arrive(weights_bar)
+                    else:
+                        plgpu.barrier_wait(weights_bar)
                     with region("store_smem"):
                         w_mine = plgpu.load(stat_smem.at[1], (), layout=row_layout)
                         w_theirs = plgpu.load(stat_smem.at[3], (), layout=row_layout)
@@ -657,6 +666,7 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
             tail_scratch[2],
             tail_scratch[3],
             plgpu.Barrier(num_barriers=2) if peer_merge else None,
+            plgpu.Barrier() if peer_merge else None,
         ),
         grid=(B, n_tiles, NS), grid_names=("stream", "tile", "split"),
         num_threads=3, thread_name="wg",
