@@ -371,7 +371,9 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
         # (Indexed where it is used: a value kept live across consumer 0's loop makes ptxas spill in it.)
         counters = pl.get_global(plgpu.SemaphoreType.REGULAR((B * n_tiles,))) if peer_merge else None
         tile_counter = lambda: counters.at[lax.axis_index("stream") * n_tiles + lax.axis_index("tile")]  # noqa: E731
-        rem, nbp, lo, n_whole, n_cache, n_all = _block_steps(plen_ref[b], TB, sp, NS, BK)
+        # with peer_merge split 0 takes the second, smaller share of the blocks: its store then overlaps split 1's
+        # last block, after which split 1 merges
+        rem, nbp, lo, n_whole, n_cache, n_all = _block_steps(plen_ref[b], TB, 1 - sp if peer_merge else sp, NS, BK)
         # with a tail, consumer 0 hands p to consumer 1 in the key block's rope columns, which both have read
         probs = (lambda slot: k_smem.at[slot, :, pl.ds(C - 64, 64)]) if tail else (lambda slot: p_smem)  # noqa: E731
 
