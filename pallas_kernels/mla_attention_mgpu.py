@@ -40,9 +40,10 @@ Design:
   its half of a partial block first); consumer 0 issues its product before it writes p out (``pv_first``).
   Each program writes its normalised output (bf16) and log-sum-exp (f32) into the query tile's memory, consumer 0
   its half as soon as its loop ends (``store_early``); ~226 KiB of shared memory, so one program per SM.
-* **Merge.** With one split (the compute-bound trees) the kernel's output is the result. With
-  several (long prefixes, few rows) one more launch (``split_combine.combine_splits``) combines the
-  splits by their log-sum-exp. A decode step of fewer than 64 query rows (e.g. T = 1, H = 8) writes
+* **Merge.** With one split (the compute-bound trees) the kernel's output is the result. With two splits
+  of whole tiles, split 1 merges split 0's output into its own inside the kernel (``peer_merge``: split 0
+  signals a per-tile counter in global memory once it has stored). With more (long prefixes, few rows) one more
+  launch (``split_combine.combine_splits``) combines the splits by their log-sum-exp. A decode step of fewer than 64 query rows (e.g. T = 1, H = 8) writes
   and merges the partials of its real rows only (``valid_rows_for``). Up to 32 such rows go by
   default to ``mla_attention_narrow``, the same program with the keys as wgmma's M and the rows as N
   (8x less tensor work at T = 1, H = 8), on the same inputs.
@@ -86,7 +87,8 @@ from pallas_kernels.tree_attention import _LN2, _LOG2E, _NUM_SMS_H200, _check_sh
 
 __all__ = ["tree_attention_mgpu", "split_attention", "split_attention_ref", "tree_inputs", "pad_tree_latents",
            "check_in_place_inputs", "default_splits", "dense_split_partials", "pack_bits", "unpack_bits",
-           "splits_for", "unsupported_reason", "smem_bytes", "valid_rows_for", "tail_rows_of", "TAIL_ROWS"]
+           "splits_for", "unsupported_reason", "smem_bytes", "valid_rows_for", "tail_rows_of", "uses_peer_merge",
+           "TAIL_ROWS"]
 
 ROWS = 64              # query rows per program (one wgmma M tile)
 MERGE_COLUMNS = 64     # (peer_merge) output columns merged at a time
@@ -304,13 +306,16 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
     the H200 the op was up to 3 % faster at 22 of 28 points timed, memory- and compute-bound, and 1.5-3 % slower
     at T = 128 and 256, H = 8, B = 1 over 1K (session 41).
 
-    ``peer_merge`` (two splits of whole tiles, shared scores): no merge launch follows. Split 0 stores its partial
-    into the outputs and, once its copies are complete, each of its consumers adds 1 to the tile's counter in
-    global memory (``pl.get_global``). Split 1, after its own loop, waits until the counter reaches 2 and takes 2
-    back (so it is 0 again for the next call), copies split 0's output into the query tile's memory and merges
-    it by the two LSEs with its own accumulator (f32), and stores the result over split 0's: the outputs are then
-    the merged o [1, B, V, L] and lse [1, B, V]. Split 0 never waits, and on the device the programs of a tile's
-    two splits are launched side by side, split 0 first, so split 1 cannot wait on a program that has not started.
+    ``peer_merge`` (two splits of whole tiles, shared scores; ``tree_attention_mgpu``'s choice there): no merge
+    launch follows. Split 0 takes the second, smaller share of the blocks, stores its partial into the outputs
+    and, once its copies are complete, each of its consumers adds 1 to the tile's counter in global memory
+    (``pl.get_global``). Split 1 takes the first share; after its loop its consumer 1 waits until the counter
+    reaches 2 and takes 2 back (so it is 0 again for the next call), copies split 0's output into the query
+    tile's memory, and computes the two weights from the LSEs (consumer 0 only hands over its l and LSE: with
+    more of that work its block loop spilled, 10 % slower). Each consumer then merges its half with its own
+    accumulator (f32, 64 columns at a time) and stores the result over split 0's: the outputs are the merged
+    o [1, B, V, L] and lse [1, B, V]. Split 0 never waits, and on the device the programs of a tile's two
+    splits are launched side by side, split 0 first, so split 1 cannot wait on a program that has not started.
 
     ``first_block_alone`` (``stream_key_blocks``): the second key block's copy waits for the first; by default
     with a tail only (session 28, op µs with / without: T = 9, B = 16, 8K 57.2-57.7 / 58.1-59.8; B = 1, 64K
@@ -744,6 +749,13 @@ def default_kernel_name(T: int, H: int, C: int, L: int, block_k: int = 64) -> st
     return "tail" if keys_as_m and tail_rows_of(T * H) else "tiles"
 
 
+def uses_peer_merge(kernel, num_splits: int, tail: bool, share_scores: bool, valid_rows) -> bool:
+    """Whether :func:`tree_attention_mgpu`, choosing its kernel, merges the splits inside it (``split_attention``'s
+    ``peer_merge``): two splits of whole 64-row tiles with shared scores. On the H200 that was 0.6-5 % faster than
+    the merge launch at all six two-split points of the issue's grid timed over 1K and 8K (session 45)."""
+    return kernel is split_attention and num_splits == 2 and not tail and share_scores and valid_rows is None
+
+
 def _check_valid_rows(valid_rows, rows: int) -> int:
     """V for ``split_attention``: ``rows`` (Np) by default, else a multiple of 8 in (0, 64) with one tile."""
     if valid_rows is None or valid_rows == rows:
@@ -787,7 +799,8 @@ def tree_attention_mgpu(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, k
     valid_rows = valid_rows_for(T, H)
     from pallas_kernels.mla_attention_narrow import split_attention_narrow  # it imports this module
     default = default_kernel_name(T, H, C, L, block_k)
-    if kernel is None:
+    chosen = kernel is None
+    if chosen:
         kernel = split_attention_narrow if default == "narrow" else split_attention
     # the narrow kernel takes the V real rows as they are (no padded copy of q), as does one tile and a tail;
     # the others whole 64-row tiles
@@ -795,6 +808,8 @@ def tree_attention_mgpu(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, k
     with_tail = bool(tail) and share_scores and base in (split_attention, split_attention_ref) and default == "tail"
     if num_splits is None:
         num_splits = splits_for(B, T, H, S, block_k, num_sms, tail=with_tail)
+    if chosen and uses_peer_merge(base, int(num_splits), with_tail, share_scores, valid_rows):
+        kernel = functools.partial(split_attention, peer_merge=True)
     qr = q.reshape(B, N, C) if base is split_attention_narrow or with_tail else fold_rows(q, ROWS)
     keys, bits = tree_inputs(tree_kv, tree_mask, H, qr.shape[1], block_k)
     stage_kw = {} if stages is None else {"stages": stages}

@@ -359,6 +359,29 @@ def test_peer_merge_lowers_for_cuda_on_cpu_to_merged_outputs(T, H, rows):
     assert f"tensor<1x2x{rows}x512xbf16>" in text and "combine_splits" not in text
 
 
+def test_the_op_merges_two_splits_of_whole_tiles_in_the_kernel():
+    """``tree_attention_mgpu`` chooses ``peer_merge`` where its kernel runs two splits of whole tiles with shared
+    scores (T = 64, H = 64, one stream over 1K: 64 tiles x 2 splits), and the merge launch elsewhere; a kernel
+    passed in is taken as it is."""
+    assert M.splits_for(1, 64, 64, 1024) == 2 and M.splits_for(1, 8, 8, 1024) > 2
+    assert M.uses_peer_merge(M.split_attention, 2, False, True, None)
+    assert not M.uses_peer_merge(M.split_attention, 2, True, True, None)       # one tile and a tail
+    assert not M.uses_peer_merge(M.split_attention, 2, False, False, None)     # scores not shared
+    assert not M.uses_peer_merge(M.split_attention, 2, False, True, 32)        # a partial tile
+    assert not M.uses_peer_merge(M.split_attention, 3, False, True, None)
+    assert not M.uses_peer_merge(M.split_attention_ref, 2, False, True, None)
+
+    def lowered(T, H, **kw):
+        f = jax.jit(functools.partial(M.tree_attention_mgpu, scale=K26["scale"], kv_lora_rank=K26["L"], **kw))
+        return f.trace(*k26_spec(1, T, H, 1024)).lower(lowering_platforms=("cuda",)).as_text()
+
+    text = lowered(64, 64)
+    assert "tensor<1x1x4096x512xbf16>" in text and "combine_splits" not in text
+    assert "combine_splits" in lowered(8, 8)
+    text = lowered(64, 64, kernel=M.split_attention)
+    assert "tensor<2x1x4096x512xbf16>" in text and "combine_splits" in text
+
+
 def check_kernel_k26(B, T, H, S, kind, NS, share, tail, kernel):
     """``kernel`` through ``tree_attention_mgpu`` on a random case at K2.6 dims against ``tree_attention_ref``
     on the f32-upcast inputs."""
