@@ -25,9 +25,7 @@ Design:
   block is masked to its prefix_len % BK keys, and the rows past the prefix are zeroed in shared memory
   before p·v reads them, so NaN garbage there cannot leak; where it reaches past the cache's S rows the
   TMA unit reads zeros. Tree blocks are masked per row by mask words (``tree_bits``: they depend on the
-  tree mask alone, so in the model XLA computes them once per step; at T = 1 they are a constant). Until
-  session 17 an XLA-built tail (the partial block's rows and the tree latents, copied) cost a gather and
-  a bit-packing launch per call.
+  tree mask alone, so in the model XLA computes them once per step; at T = 1 they are a constant).
 * **Kernel.** Split s of NS takes a contiguous run of a stream's blocks (``_split_range``). One program
   per (stream, 64-row tile, split), three warpgroups: a producer issues the TMA copies (the tile's
   queries once, then key blocks, and for tree blocks their mask words, through a ring of ``stages``
@@ -42,9 +40,10 @@ Design:
   its half as soon as its loop ends (``store_early``); ~226 KiB of shared memory, so one program per SM.
 * **Merge.** With one split (the compute-bound trees) the kernel's output is the result. With two splits
   of whole tiles, split 1 merges split 0's output into its own inside the kernel (``peer_merge``: split 0
-  signals a per-tile counter in global memory once it has stored). With more (long prefixes, few rows) one more
-  launch (``split_combine.combine_splits``) combines the splits by their log-sum-exp. A decode step of fewer than 64 query rows (e.g. T = 1, H = 8) writes
-  and merges the partials of its real rows only (``valid_rows_for``). Up to 32 such rows go by
+  signals a per-tile counter in global memory once it has stored). With more (long prefixes, few rows) one
+  more launch (``split_combine.combine_splits``) combines the splits by their log-sum-exp. A decode step of
+  fewer than 64 query rows (e.g. T = 1, H = 8) writes and merges the partials of its real rows only
+  (``valid_rows_for``). Up to 32 such rows go by
   default to ``mla_attention_narrow``, the same program with the keys as wgmma's M and the rows as N
   (8x less tensor work at T = 1, H = 8), on the same inputs.
 * **Tail rows.** T*H = 72 (a budget-8 tree under 8-way tensor parallelism: 9 nodes x 8 heads) would be
@@ -55,9 +54,7 @@ Design:
   half of the tile's p·v. To fit the tail's 9 KB of queries in shared memory, consumer 0 holds the
   queries' last 64 columns in registers (loaded once from global memory; q·kᵀ is two wgmmas) and hands p
   to consumer 1 in the key block's rope columns, once the tail's q·kᵀ has read them (``rope_free``). The
-  tail's output and LSE reuse its queries' memory. On the H200 this is 1.1-1.3x faster than two tiles
-  (``experiments/RESULTS.md``, session 25). ptxas spills in both consumers (~70 stores each; the 64-row
-  kernel's consumer 0 ~50), outside their loop over whole cache blocks, which reloads one value a block.
+  tail's output and LSE reuse its queries' memory (1.1-1.3x faster than two tiles on the H200, session 25).
 
 Masked scores are set to a large finite negative (not -inf), so a row that has seen only masked keys
 so far carries finite placeholder weights, which the first visible key rescales to exactly zero; a
@@ -296,30 +293,21 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
     ``profile_names``: record only these regions (by default all), so that a program's many key blocks fit
     the 944 bytes its shared memory leaves at T*H = 64 (19 regions a warpgroup).
 
-    ``pv_first``: consumer 0 issues its half of p·v before it hands p to consumer 1, so that its product runs
-    while it writes p to shared memory (False: after, as FlashMLA orders them). On the H200 this is 2-7 %
-    faster at every compute-bound point timed and within noise where memory-bound (session 40).
-
-    ``store_early`` (with ``share_scores``): consumer 0 writes its half of the output as soon as its loop ends,
-    and consumer 1 waits only for consumer 0's final l (False: each waits for the other). Only consumer 0 reads
-    the query tile whose memory the output reuses, and consumer 1's last p·v follows consumer 0's last q·kᵀ. On
-    the H200 the op was up to 3 % faster at 22 of 28 points timed, memory- and compute-bound, and 1.5-3 % slower
-    at T = 128 and 256, H = 8, B = 1 over 1K (session 41).
+    Options (each default measured on the H200, ``experiments/RESULTS.md``): ``pv_first``, consumer 0 issues its
+    half of p·v before it hands p to consumer 1 (session 40: 2-7 % faster where compute-bound). ``store_early``
+    (with ``share_scores``), consumer 0 writes its half of the output as soon as its loop ends and consumer 1
+    waits only for its final l, as only consumer 0 reads the query tile the output reuses (session 41: up to 3 %).
+    ``first_block_alone`` (``stream_key_blocks``), the second key block's copy waits for the first; by default
+    with a tail only (session 28).
 
     ``peer_merge`` (two splits of whole tiles, shared scores; ``tree_attention_mgpu``'s choice there): no merge
     launch follows. Split 0 takes the second, smaller share of the blocks, stores its partial into the outputs
     and, once its copies are complete, each of its consumers adds 1 to the tile's counter in global memory
-    (``pl.get_global``). Split 1 takes the first share; after its loop its consumer 1 waits until the counter
-    reaches 2 and takes 2 back (so it is 0 again for the next call), copies split 0's output into the query
-    tile's memory, and computes the two weights from the LSEs (consumer 0 only hands over its l and LSE: with
-    more of that work its block loop spilled, 10 % slower). Each consumer then merges its half with its own
-    accumulator (f32, 64 columns at a time) and stores the result over split 0's: the outputs are the merged
-    o [1, B, V, L] and lse [1, B, V]. Split 0 never waits, and on the device the programs of a tile's two
-    splits are launched side by side, split 0 first, so split 1 cannot wait on a program that has not started.
-
-    ``first_block_alone`` (``stream_key_blocks``): the second key block's copy waits for the first; by default
-    with a tail only (session 28, op µs with / without: T = 9, B = 16, 8K 57.2-57.7 / 58.1-59.8; B = 1, 64K
-    37.6 / 37.8; at 64 rows T = 8 unchanged, T = 256, H = 8, B = 1, 1K 19.6 / 19.0).
+    (``pl.get_global``). Split 1's consumer 1 waits until the counter reaches 2 and takes 2 back (0 again for the
+    next call), copies split 0's output into the query tile's memory and computes the weights from the LSEs
+    (with that work in consumer 0 its block loop spilled, session 45). Each consumer merges its half with its
+    accumulator (f32, 64 columns at a time) and stores it over split 0's: the outputs are the merged o [1, B, V,
+    L] and lse [1, B, V]. Split 0 never waits, and a tile's two splits launch side by side, split 0 first.
     """
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.mosaic_gpu is not available in this JAX")
