@@ -326,9 +326,12 @@ def device_time(fn, inputs, calls=8, op_kernels=None):
 
 
 def mgpu_path(H, B, T, P) -> dict:
-    """The Mosaic GPU op's defaults at a point: its kernel (``M.default_kernel_name``) and split count."""
+    """The Mosaic GPU op's defaults at a point: its kernel (``M.default_kernel_name``), split count, and where the
+    splits merge ("none" with one split, "kernel" with ``M.uses_peer_merge``, else "launch")."""
     path = M.default_kernel_name(T, H, C, L)
-    return dict(path=path, num_splits=M.splits_for(B, T, H, P, tail=path == "tail"))
+    splits = M.splits_for(B, T, H, P, tail=path == "tail")
+    in_kernel = path == "tiles" and M.uses_peer_merge(M.split_attention, splits, False, True, M.valid_rows_for(T, H))
+    return dict(path=path, num_splits=splits, merge="none" if splits == 1 else "kernel" if in_kernel else "launch")
 
 
 def bench_point(H, B, T, P, cfg, bw, peak, with_xla=True, check=True, repeats=5, bw_jax=None, kernel="triton",
@@ -657,7 +660,7 @@ def main():
     if args.extra_s > 0:
         run_points(EXTRA, "sweep", args.budget_s + args.extra_s)
     save()
-    cols = ["kernel", "H", "B", "T", "P", "bound", "path", "num_splits", "ms", "op_ms", "floor_ms", "pct_bw",
+    cols = ["kernel", "H", "B", "T", "P", "bound", "path", "num_splits", "merge", "ms", "op_ms", "floor_ms", "pct_bw",
             "pct_floor_op", "pct_peak", "tflops", "tbps", "xla_ms", "speedup", "rel_err", "wall_s"] + \
         (["sm_mhz", "power_w"] if args.clocks else [])
     for r in rows:

@@ -83,7 +83,11 @@ def test_issue_grid_and_mgpu_paths():
             and {pt[2] for pt in bench.ISSUE_GRID} == {1, 8, 32, 64, 128, 256})
     assert bench.mgpu_path(8, 16, 1, 8192)["path"] == "narrow"
     assert bench.mgpu_path(8, 16, 9, 8192)["path"] == "tail"
-    assert bench.mgpu_path(64, 1, 1, 8192) == dict(path="tiles", num_splits=bench.M.splits_for(1, 1, 64, 8192))
+    assert bench.mgpu_path(64, 1, 1, 8192) == dict(path="tiles", num_splits=bench.M.splits_for(1, 1, 64, 8192),
+                                                   merge="launch")
+    assert bench.mgpu_path(64, 1, 64, 1024) == dict(path="tiles", num_splits=2, merge="kernel")
+    assert bench.mgpu_path(64, 16, 256, 8192)["merge"] == "none"
+    assert bench.mgpu_path(8, 1, 9, 65536)["merge"] == "launch"  # one tile and a tail
 
 
 def test_goal_map_marks_where_the_goals_hold():
