@@ -765,11 +765,12 @@ def tree_attention_mgpu(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, k
     to :func:`splits_for` on ``num_sms`` SMs. ``kernel`` is :func:`split_attention`,
     ``mla_attention_narrow.split_attention_narrow`` (keys as wgmma's M, for at most 32 real rows; by default
     where T*H <= 32, block_k = 64 and C >= L + 64), or their twin :func:`split_attention_ref` (CPU tests of
-    everything around the kernel). tree_kv may carry
-    padding rows past T (``tree_attention``'s contract): latents padded to whole blocks
-    (``pad_tree_latents``, as the model hands them over) are read as they are. ``stages`` defaults to the
-    kernel's own. ``combine`` merges several splits: ``split_combine.combine_splits`` (one Pallas-Triton
-    launch), or its XLA twin ``combine_splits_ref`` (CPU tests; the A/B of ``profile_kernels``). ``tail``:
+    everything around the kernel); by default, with two splits of whole tiles, :func:`split_attention` merges
+    them itself (``peer_merge``, :func:`uses_peer_merge`). tree_kv may carry padding rows past T
+    (``tree_attention``'s contract): latents padded to whole blocks (``pad_tree_latents``, as the model hands
+    them over) are read as they are. ``stages`` defaults to the kernel's own. ``combine`` merges the splits
+    the kernel leaves: ``split_combine.combine_splits`` (one Pallas-Triton launch), or its XLA twin
+    ``combine_splits_ref`` (CPU tests; the A/B of ``profile_kernels``). ``tail``:
     where T*H = 72 rows (and :func:`split_attention` runs, with block_k = 64 and shared scores), one tile and
     a tail of 8 rows (module docstring) rather than two tiles. ``interpret=True`` is refused: JAX's Mosaic
     GPU interpreter (0.10) has neither register-operand wgmma nor accumulator stores; CPU tests lower the
