@@ -360,8 +360,7 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
         sp = lax.axis_index("split")
         wg = lax.axis_index("wg")
         osp = 0 if peer_merge else sp  # this program's split in the outputs
-        # split 0's two consumers signal the tile's counter once their halves are stored; split 1 waits for both.
-        # (Indexed where it is used: a value kept live across consumer 0's loop makes ptxas spill in it.)
+        # split 0's two consumers signal the tile's counter once their halves are stored; split 1 waits for both
         counters = pl.get_global(plgpu.SemaphoreType.REGULAR((B * n_tiles,))) if peer_merge else None
         tile_counter = lambda: counters.at[lax.axis_index("stream") * n_tiles + lax.axis_index("tile")]  # noqa: E731
         # with peer_merge split 0 takes the second, smaller share of the blocks: its store then overlaps split 1's
