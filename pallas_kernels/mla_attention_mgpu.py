@@ -84,7 +84,8 @@ from pallas_kernels.tree_attention import _LN2, _LOG2E, _NUM_SMS_H200, _check_sh
 
 __all__ = ["tree_attention_mgpu", "split_attention", "split_attention_ref", "tree_inputs", "pad_tree_latents",
            "check_in_place_inputs", "default_splits", "dense_split_partials", "pack_bits", "unpack_bits",
-           "splits_for", "unsupported_reason", "smem_bytes", "valid_rows_for", "tail_rows_of", "uses_peer_merge",
+           "splits_for", "unsupported_reason", "smem_bytes", "valid_rows_for", "tail_rows_of", "peer_merge_fits",
+           "uses_peer_merge",
            "TAIL_ROWS"]
 
 ROWS = 64              # query rows per program (one wgmma M tile)
@@ -340,7 +341,7 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
     V = _check_valid_rows(valid_rows, Np)
     store_early = bool(store_early) and share_scores  # without shared scores both consumers read the query tile
     peer_merge = bool(peer_merge)
-    if peer_merge and (NS != 2 or tail or not share_scores or V != Np):
+    if peer_merge and not peer_merge_fits(NS, bool(tail), share_scores, V == Np):
         raise ValueError(f"peer_merge merges two splits of whole 64-row tiles with shared scores; got num_splits={NS}, "
                          f"{R} rows, valid_rows={valid_rows}, share_scores={share_scores}")
     CQ = C - 64 if tail else C  # query columns in shared memory (with a tail, consumer 0 holds the last 64)
@@ -362,7 +363,7 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
         osp = 0 if peer_merge else sp  # this program's split in the outputs
         # split 0's two consumers signal the tile's counter once their halves are stored; split 1 waits for both
         counters = pl.get_global(plgpu.SemaphoreType.REGULAR((B * n_tiles,))) if peer_merge else None
-        tile_counter = lambda: counters.at[lax.axis_index("stream") * n_tiles + lax.axis_index("tile")]  # noqa: E731
+        tile_counter = lambda: counters.at[b * n_tiles + tile]  # noqa: E731
         # with peer_merge split 0 takes the second, smaller share of the blocks: its store then overlaps split 1's
         # last block, after which split 1 merges
         rem, nbp, lo, n_whole, n_cache, n_all = _block_steps(plen_ref[b], TB, 1 - sp if peer_merge else sp, NS, BK)
@@ -736,11 +737,17 @@ def default_kernel_name(T: int, H: int, C: int, L: int, block_k: int = 64) -> st
     return "tail" if keys_as_m and tail_rows_of(T * H) else "tiles"
 
 
+def peer_merge_fits(num_splits: int, tail: bool, share_scores: bool, whole_tiles: bool) -> bool:
+    """Whether :func:`split_attention` can merge its splits itself (``peer_merge``): two splits of whole 64-row
+    tiles (no tail, every row written) with shared scores."""
+    return num_splits == 2 and not tail and share_scores and whole_tiles
+
+
 def uses_peer_merge(kernel, num_splits: int, tail: bool, share_scores: bool, valid_rows) -> bool:
-    """Whether :func:`tree_attention_mgpu`, choosing its kernel, merges the splits inside it (``split_attention``'s
-    ``peer_merge``): two splits of whole 64-row tiles with shared scores. On the H200 that was 0.6-5 % faster than
-    the merge launch at all six two-split points of the issue's grid timed over 1K and 8K (session 45)."""
-    return kernel is split_attention and num_splits == 2 and not tail and share_scores and valid_rows is None
+    """Whether :func:`tree_attention_mgpu`, choosing its kernel, merges the splits inside it: wherever
+    :func:`split_attention` runs and :func:`peer_merge_fits`. On the H200 that was 0.6-5 % faster than the merge
+    launch at all six two-split points of the issue's grid timed over 1K and 8K (session 45)."""
+    return kernel is split_attention and peer_merge_fits(num_splits, tail, share_scores, valid_rows is None)
 
 
 def _check_valid_rows(valid_rows, rows: int) -> int:
