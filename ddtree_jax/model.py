@@ -25,7 +25,7 @@ from ddtree_jax.layers import RMSNorm, SwiGLU, declare, dot, rms_norm
 from ddtree_jax.moe import MoE
 from ddtree_jax.rope import apply_rope_interleaved, rope_cos_sin
 from ddtree_jax.sharding import ShardingRules
-from pallas_kernels.mla_attention_mgpu import pad_tree_latents
+from pallas_kernels.mla_kernel_inputs import pad_tree_latents
 from pallas_kernels.tree_attention import mla_attention
 
 

@@ -60,7 +60,7 @@ def attention_case(H, B, T, P, kernel="mgpu", C=576, L=512, merge="kernel", padd
     cache = jax.random.normal(ks[1], (B, P, C), jnp.bfloat16)
     tkv = jax.random.normal(ks[2], (B, T, C), jnp.bfloat16)
     if padded_tree:
-        from pallas_kernels.mla_attention_mgpu import pad_tree_latents
+        from pallas_kernels.mla_kernel_inputs import pad_tree_latents
         tkv = pad_tree_latents(tkv)
     rng = np.random.default_rng(T)
     parents = np.array([[-1] + [int(rng.integers(0, i)) for i in range(1, T)] for _ in range(B)], np.int32)

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels.mla_kernel_inputs import WORD
 from pallas_kernels.tree_attention import _LN2
 
 try:  # Mosaic GPU Pallas (in the JAX versions this repo supports; guarded for clarity); both kernels import it here
@@ -37,7 +38,6 @@ __all__ = ["plgpu", "stream_key_blocks", "zero_rows_from", "mask_tree_scores", "
 
 SMEM_LIMIT = 227 * 1024  # the H200's shared memory a program may take
 MASKED = -1e30           # masked score (log2 units): finite (``mla_attention_mgpu``'s module docstring)
-WORD = 32                # tree keys per mask word
 WHOLE, PARTIAL, TREE = range(3)  # the kinds of key block: a whole cache block, the partial one, a tree block
 PROFILE_REGION_BYTES = 16  # Mosaic GPU's profiler: per region and warpgroup, two events of two 32-bit words
 PROFILE_REGIONS = ("q_wait", "k_wait", "scores", "softmax", "handoff", "p_wait", "pv", "tail_scores", "tail_softmax",
