@@ -126,6 +126,12 @@ def ceiling_point(H, B, T, P, bw, peak) -> dict:
     return row
 
 
+def op_rows_of(paths, kernel: str = "mgpu") -> list[dict]:
+    """The op's grid rows in ``paths`` (``rows_of``: a later file's row replaces an earlier one's) of one kernel
+    entry: an A/B file also holds a variant's rows at the same points, which must not stand in for the op's."""
+    return [r for r in rows_of(paths) if r.get("kernel") == kernel]
+
+
 def verdicts(ceilings, op_rows) -> list[dict]:
     """Per point in both: the op's % of its floor (``op_ms``, else ``ms``) beside the ceiling, and ``holds``:
     "met" (the op reaches the goal), "size" (the ceiling is below the goal too), "kernel" (only the op is),
@@ -157,11 +163,15 @@ def main():
     ap.add_argument("--only", nargs="+", default=None, metavar="JSON",
                     help="print --against's comparison from these ceiling results and exit; no device work (a later "
                          "file's row replaces an earlier one's at the same point)")
+    ap.add_argument("--op-kernel", default="mgpu",
+                    help="--against's kernel entry (bench_tree_attention --kernel): the op's default, 'mgpu'")
     ap.add_argument("--budget-s", type=float, default=540.0)
     ap.add_argument("--commit", default=None, help="code commit to record (the device copy has no .git)")
     ap.add_argument("--smoke", action="store_true", help="CPU: tiny points, yardsticks assumed")
     args = ap.parse_args()
-    op_rows = rows_of(args.against or [])
+    op_rows = op_rows_of(args.against or [], args.op_kernel)
+    if args.against and not op_rows:
+        ap.error(f"--against: no rows of kernel {args.op_kernel!r} in {args.against}")
     rows = []
     if args.only:
         report(rows_of(args.only), op_rows)

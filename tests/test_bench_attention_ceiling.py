@@ -108,3 +108,16 @@ def test_a_later_files_row_replaces_an_earlier_ones_at_the_same_point(tmp_path):
     two_kernels = tmp_path / "kernels.json"  # op grids: one row per kernel at a point
     two_kernels.write_text(json.dumps(dict(rows=[dict(kernel=k, H=8, B=1, T=1, P=1024, ms=1.0) for k in "ab"])))
     assert [r["kernel"] for r in ceil.rows_of([two_kernels])] == ["a", "b"]
+
+
+def test_against_takes_the_op_kernels_rows_only(tmp_path):
+    """An A/B file holds the op's rows and a variant's at the same points; the variant's come later in the file
+    and must not replace the op's."""
+    import json
+
+    path = tmp_path / "ab.json"
+    path.write_text(json.dumps(dict(rows=[dict(kernel="mgpu", H=64, B=1, T=64, P=1024, op_ms=0.0235),
+                                          dict(kernel="mgpu_wide", H=64, B=1, T=64, P=1024, op_ms=0.0244)])))
+    assert [r["op_ms"] for r in ceil.op_rows_of([str(path)])] == [0.0235]
+    assert [r["op_ms"] for r in ceil.op_rows_of([str(path)], "mgpu_wide")] == [0.0244]
+    assert ceil.op_rows_of([str(path)], "triton") == []
