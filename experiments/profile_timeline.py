@@ -49,7 +49,8 @@ from pallas_kernels.mgpu_attention_parts import PROFILE_REGIONS
 from pallas_kernels.mla_attention_narrow import NARROW_MAX_ROWS, split_attention_narrow
 
 EPILOGUE_PARTS = ("normalize", "store_smem", "store_gmem")
-ONCE_PER_PROGRAM = ("Init", "q_wait", "epilogue", *EPILOGUE_PARTS)  # "Init": Mosaic GPU's own (barrier set-up)
+PEER_MERGE_PARTS = ("peer_wait", "peer_lse", "peer_copy", "merge")  # split 1's merge with split 0 (peer_merge)
+ONCE_PER_PROGRAM = ("Init", "q_wait", "epilogue", *EPILOGUE_PARTS, *PEER_MERGE_PARTS)  # "Init": Mosaic GPU's own
 PER_BLOCK = (("k_wait", "scores", "softmax", "handoff", "pv"),  # each warpgroup's regions per key block: consumer 0,
              ("k_wait", "tail_scores", "tail_softmax", "p_wait", "pv"),  # consumer 1 of the 64-row kernel,
              ("slot_wait",))  # the producer

@@ -41,7 +41,8 @@ MASKED = -1e30           # masked score (log2 units): finite (``mla_attention_mg
 WHOLE, PARTIAL, TREE = range(3)  # the kinds of key block: a whole cache block, the partial one, a tree block
 PROFILE_REGION_BYTES = 16  # Mosaic GPU's profiler: per region and warpgroup, two events of two 32-bit words
 PROFILE_REGIONS = ("q_wait", "k_wait", "scores", "softmax", "handoff", "p_wait", "pv", "tail_scores", "tail_softmax",
-                   "epilogue", "normalize", "store_smem", "store_gmem", "slot_wait")  # every region a kernel names
+                   "epilogue", "normalize", "store_smem", "store_gmem", "slot_wait",
+                   "peer_wait", "peer_lse", "peer_copy", "merge")  # every region a kernel names
 
 
 def profiler_params(profile_dir, profile_regions: int, smem: int, warpgroups: int, name: str,

@@ -230,7 +230,8 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
     regions per warpgroup (``q_wait``; per key block ``k_wait``, then consumer 0's ``scores``, ``softmax``, ``handoff``
     (p and alpha to consumer 1) and ``pv``, consumer 1's ``tail_scores`` and ``tail_softmax`` (with a tail),
     ``p_wait`` and ``pv``; then ``epilogue``, its ``store_smem`` and ``store_gmem`` after the wait for the other
-    consumer; the producer's ``slot_wait``) and writes a Chrome trace of each
+    consumer; with ``peer_merge`` split 1's ``peer_wait`` (for split 0's counter), ``peer_lse`` (its LSE's load),
+    ``peer_copy`` (its output's copy) and ``merge``; the producer's ``slot_wait``) and writes a Chrome trace of each
     call into that folder (``experiments/profile_timeline.py`` reads it). Without it the kernel is the same.
     ``profile_names``: record only these regions (by default all), so that a program's many key blocks fit
     the 944 bytes its shared memory leaves at T*H = 64 (19 regions a warpgroup).
@@ -516,12 +517,14 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
                         plgpu.commit_smem()
                     wait_for_stats()
                     if half == 1:  # once split 0 has stored both halves: its LSE, and its output into o_smem
-                        plgpu.semaphore_wait(tile_counter(), 2, memory_scope="gpu")  # and back to 0 for the next call
+                        with region("peer_wait"):  # (and back to 0 for the next call)
+                            plgpu.semaphore_wait(tile_counter(), 2, memory_scope="gpu")
                         async_proxy_fence()
                         for h in range(2):
                             plgpu.copy_gmem_to_smem(o_ref.at[0, b, rows, pl.ds(h * LH, LH)], o_smem.at[h],
                                                     merge_bars.at[h])
-                        theirs = plgpu.load(lse_ref, (0, b, rows), layout=row_layout, optimized=False) * _LOG2E
+                        with region("peer_lse"):
+                            theirs = plgpu.load(lse_ref, (0, b, rows), layout=row_layout, optimized=False) * _LOG2E
                         l0 = plgpu.load(stat_smem.at[1], (), layout=row_layout)
                         mine_empty = l0 == 0.0
                         mine = jnp.where(mine_empty, -jnp.inf, plgpu.load(lse_smem, (), layout=row_layout))
@@ -543,16 +546,18 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
                     with region("store_smem"):
                         w_mine = plgpu.load(stat_smem.at[1], (), layout=row_layout)
                         w_theirs = plgpu.load(stat_smem.at[3], (), layout=row_layout)
-                        plgpu.barrier_wait(merge_bars.at[half])
-                        for c in range(0, LH, MERGE_COLUMNS):  # in column chunks: few registers beside acc
-                            cols = pl.ds(c, MERGE_COLUMNS)
-                            mine_c = acc[:, c:c + MERGE_COLUMNS]
-                            theirs_c = plgpu.load(o_smem.at[half, :, cols], (), layout=plgpu.Layout.WGMMA)
-                            o_smem[half, :, cols] = (
-                                mine_c * lax.broadcast_in_dim(w_mine, mine_c.shape, [0])
-                                + theirs_c.astype(jnp.float32) * lax.broadcast_in_dim(w_theirs, mine_c.shape, [0])
-                            ).astype(jnp.bfloat16)
-                        plgpu.commit_smem()
+                        with region("peer_copy"):
+                            plgpu.barrier_wait(merge_bars.at[half])
+                        with region("merge"):
+                            for c in range(0, LH, MERGE_COLUMNS):  # in column chunks: few registers beside acc
+                                cols = pl.ds(c, MERGE_COLUMNS)
+                                mine_c = acc[:, c:c + MERGE_COLUMNS]
+                                theirs_c = plgpu.load(o_smem.at[half, :, cols], (), layout=plgpu.Layout.WGMMA)
+                                o_smem[half, :, cols] = (
+                                    mine_c * lax.broadcast_in_dim(w_mine, mine_c.shape, [0])
+                                    + theirs_c.astype(jnp.float32) * lax.broadcast_in_dim(w_theirs, mine_c.shape, [0])
+                                ).astype(jnp.bfloat16)
+                            plgpu.commit_smem()
                     copy_out()
 
             if not peer_merge:

@@ -119,7 +119,8 @@ def test_profile_names_choose_the_regions():
 
     assert scopes(None) == ["k_wait", "scores"]
     assert scopes({"scores"}) == ["", "scores"]
-    assert regions_needed(None, 10) == 2 + 5 + 5 * 10      # header, Init, the once-a-program regions, 5 a block
+    assert regions_needed(None, 10) == 2 + 9 + 5 * 10      # header, Init, the once-a-program regions (5, and the
+    # in-kernel merge's 4), 5 a block
     assert regions_needed(("k_wait", "slot_wait"), 10) == 12  # header, Init and one a block (either warpgroup)
     assert regions_needed(("scores", "p_wait", "q_wait"), 10) == 13  # consumer 0 and 1 each one a block
     assert regions_needed(("softmax", "handoff"), 3) == 8
@@ -141,3 +142,5 @@ def test_profile_names_are_checked():
             z((1, 64, 576), jnp.bfloat16), z((1, 2, 8), jnp.int32))
     with pytest.raises(ValueError, match="split_attention_narrow: profile_names"):
         split_attention_narrow(*args, scale=0.1, kv_lora_rank=512, valid_rows=8, profile_names=("k_wait",))
+
+
