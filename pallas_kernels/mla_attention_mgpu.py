@@ -210,8 +210,7 @@ def _split_range(nb, tree_blocks: int, sp, num_splits: int):
 
 def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, kv_lora_rank, block_k=64,
                     stages=2, num_splits=1, share_scores=True, valid_rows=None, profile_dir=None, profile_regions=0,
-                    profile_names=None, first_block_alone=None, pv_first=True, store_early=True, peer_merge=False,
-                    merge_mma=True):
+                    profile_names=None, first_block_alone=None, pv_first=True, store_early=True, peer_merge=False):
     """The Mosaic GPU kernel: attention of 64-row query tiles over each stream's prefix, read in place from
     the cache, and its tree, in NS splits.
 
@@ -250,10 +249,8 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
     (``pl.get_global``). Split 1's consumer 1 waits until the counter reaches 2 and takes 2 back (0 again for the
     next call), copies split 0's output into the query tile's memory and computes the weights from the LSEs
     (with that work in consumer 0 its block loop spilled, session 45). Each consumer merges its half with its
-    accumulator and stores it over split 0's: the outputs are the merged o [1, B, V, L] and lse [1, B, V]. Split 0
-    never waits, and a tile's two splits launch side by side, split 0 first. ``merge_mma`` (session 46): the
-    accumulator scaled in registers, then split 0's rows added by two wgmmas with the diagonal of their weights as
-    A (``add_row_scaled``); without it, f32 in registers, 64 columns at a time.
+    accumulator (f32, 64 columns at a time) and stores it over split 0's: the outputs are the merged o [1, B, V,
+    L] and lse [1, B, V]. Split 0 never waits, and a tile's two splits launch side by side, split 0 first.
     """
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.mosaic_gpu is not available in this JAX")
@@ -510,20 +507,6 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
                         plgpu.commit_smem()
                     copy_out()
 
-            def add_row_scaled(start, w, rows_ref, acc_ref):
-                """start + diag(w) · rows_ref, [64, L/2] f32: the scaling of split 0's rows is a wgmma with diag(w)
-                as A, w split into two bf16 parts (hi + lo: 16 bits of w), each product exact in f32."""
-                acc_ref[...] = start
-                eye = plgpu.broadcasted_iota(jnp.int32, (ROWS, ROWS), 0, layout=plgpu.Layout.WGMMA) == \
-                    plgpu.broadcasted_iota(jnp.int32, (ROWS, ROWS), 1, layout=plgpu.Layout.WGMMA)
-                diag = jnp.where(eye, lax.broadcast_in_dim(w, (ROWS, ROWS), [0]), 0.0)
-                diag_hi = diag.astype(jnp.bfloat16)
-                diag_lo = (diag - diag_hi.astype(jnp.float32)).astype(jnp.bfloat16)
-                plgpu.wgmma(acc_ref, diag_hi, rows_ref)
-                plgpu.wgmma(acc_ref, diag_lo, rows_ref)
-                plgpu.wgmma_wait(0)
-                return acc_ref[...]
-
             def merge_with_split_0():  # (peer_merge, split 1) the tile's output, merged with split 0's
                 # consumer 1 does the waiting and the LSE arithmetic: consumer 0's loop has no registers to spare
                 rows = pl.ds(tile * ROWS, ROWS)
@@ -566,22 +549,14 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
                         with region("peer_copy"):
                             plgpu.barrier_wait(merge_bars.at[half])
                         with region("merge"):
-                            if merge_mma:
-                                mine = acc * lax.broadcast_in_dim(w_mine, acc.shape, [0])
-                                merged = pl.run_scoped(
-                                    functools.partial(add_row_scaled, mine, w_theirs, o_smem.at[half]),
-                                    plgpu.ACC((ROWS, LH), jnp.float32))
-                                o_smem[half] = merged.astype(jnp.bfloat16)
-                            else:
-                                for c in range(0, LH, MERGE_COLUMNS):  # in column chunks: few registers beside acc
-                                    cols = pl.ds(c, MERGE_COLUMNS)
-                                    mine_c = acc[:, c:c + MERGE_COLUMNS]
-                                    theirs_c = plgpu.load(o_smem.at[half, :, cols], (), layout=plgpu.Layout.WGMMA)
-                                    o_smem[half, :, cols] = (
-                                        mine_c * lax.broadcast_in_dim(w_mine, mine_c.shape, [0])
-                                        + theirs_c.astype(jnp.float32) * lax.broadcast_in_dim(w_theirs, mine_c.shape,
-                                                                                              [0])
-                                    ).astype(jnp.bfloat16)
+                            for c in range(0, LH, MERGE_COLUMNS):  # in column chunks: few registers beside acc
+                                cols = pl.ds(c, MERGE_COLUMNS)
+                                mine_c = acc[:, c:c + MERGE_COLUMNS]
+                                theirs_c = plgpu.load(o_smem.at[half, :, cols], (), layout=plgpu.Layout.WGMMA)
+                                o_smem[half, :, cols] = (
+                                    mine_c * lax.broadcast_in_dim(w_mine, mine_c.shape, [0])
+                                    + theirs_c.astype(jnp.float32) * lax.broadcast_in_dim(w_theirs, mine_c.shape, [0])
+                                ).astype(jnp.bfloat16)
                             plgpu.commit_smem()
                     copy_out()
 
