@@ -187,21 +187,28 @@ def splits_for(B: int, T: int, H: int, S: int, block_k: int = 64, num_sms: int =
     return default_splits(B, n_tiles, keys, block_k, num_sms, min_blocks=1 if one_block else 2)
 
 
-def _block_steps(plen, tree_blocks: int, sp, num_splits: int, block_k: int):
+def _block_steps(plen, tree_blocks: int, sp, num_splits: int, block_k: int, peer_merge: bool = False):
     """A program's key blocks, inside a kernel: (rem keys of the partial cache block, nbp = cache blocks read,
     lo = its first block, then the step bounds: [0, n_whole) whole cache blocks, [n_whole, n_cache) the
     partial block (0 or 1 step), [n_cache, n_all) tree blocks)."""
     nb = plen // block_k
     rem = plen - nb * block_k
     nbp = nb + (rem > 0).astype(jnp.int32)
-    lo, mid, hi = _split_range(nbp, tree_blocks, sp, num_splits)
+    lo, mid, hi = _split_range(nbp, tree_blocks, sp, num_splits, peer_merge)
     return rem, nbp, lo, jnp.clip(nb, lo, mid) - lo, mid - lo, hi - lo
 
 
-def _split_range(nb, tree_blocks: int, sp, num_splits: int):
+def _split_range(nb, tree_blocks: int, sp, num_splits: int, peer_merge: bool = False):
     """Blocks of split ``sp``: [lo, hi) of the ``nb`` cache blocks and TB tree blocks (cache blocks first),
-    and ``mid``, where its cache blocks end and its tree blocks begin."""
+    and ``mid``, where its cache blocks end and its tree blocks begin. Each split takes ceil(total / NS) blocks
+    in order; with ``peer_merge`` (two splits) split 1 takes the first total - (total - 1) // 2 and split 0 the
+    rest, at least one block fewer, so that its output is stored before split 1's loop ends."""
     total = nb + tree_blocks
+    if peer_merge:
+        first = jnp.minimum(total - (total - 1) // 2, total)  # split 1's share
+        lo = jnp.where(sp == 1, 0, first)
+        hi = jnp.where(sp == 1, first, total)
+        return lo, jnp.clip(nb, lo, hi), hi
     per = (total + num_splits - 1) // num_splits
     lo = jnp.minimum(sp * per, total)
     hi = jnp.minimum(lo + per, total)
@@ -244,8 +251,10 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
     with a tail only (session 28).
 
     ``peer_merge`` (two splits of whole tiles, shared scores; ``tree_attention_mgpu``'s choice there): no merge
-    launch follows. Split 0 takes the second, smaller share of the blocks, stores its partial into the outputs
-    and, once its copies are complete, each of its consumers adds 1 to the tile's counter in global memory
+    launch follows. Split 0 takes the last (total - 1) // 2 blocks, at least one fewer than split 1
+    (``_split_range``: its store then lands before split 1's loop ends; 5 % faster than equal shares at T = 128,
+    H = 8, B = 4 over 1K, session 47), stores its partial into the outputs and, once its copies are complete,
+    each of its consumers adds 1 to the tile's counter in global memory
     (``pl.get_global``). Split 1's consumer 1 waits until the counter reaches 2 and takes 2 back (0 again for the
     next call), copies split 0's output into the query tile's memory and computes the weights from the LSEs
     (with that work in consumer 0 its block loop spilled, session 45). Each consumer merges its half with its
@@ -306,9 +315,7 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
         # split 0's two consumers signal the tile's counter once their halves are stored; split 1 waits for both
         counters = pl.get_global(plgpu.SemaphoreType.REGULAR((B * n_tiles,))) if peer_merge else None
         tile_counter = lambda: counters.at[b * n_tiles + tile]  # noqa: E731
-        # with peer_merge split 0 takes the second, smaller share of the blocks: its store then overlaps split 1's
-        # last block, after which split 1 merges
-        rem, nbp, lo, n_whole, n_cache, n_all = _block_steps(plen_ref[b], TB, 1 - sp if peer_merge else sp, NS, BK)
+        rem, nbp, lo, n_whole, n_cache, n_all = _block_steps(plen_ref[b], TB, sp, NS, BK, peer_merge)
         # with a tail, consumer 0 hands p to consumer 1 in the key block's rope columns, which both have read
         probs = (lambda slot: k_smem.at[slot, :, pl.ds(C - 64, 64)]) if tail else (lambda slot: p_smem)  # noqa: E731
 

@@ -329,7 +329,7 @@ def test_kernel_options_lower_for_cuda_on_cpu(T, H, option):
 ])
 def test_gpu_peer_merge_matches_twin_k26(B, T, H, S, kind):
     """Two splits merged in the kernel (``peer_merge``). Stream 0 has no prefix (``check_kernel_k26``), so where the
-    tree is one block, split 1 sees no key."""
+    tree is one block, split 0 sees no key."""
     check_kernel_k26(B, T, H, S, kind, 2, True, True, functools.partial(M.split_attention, peer_merge=True))
 
 
@@ -357,6 +357,20 @@ def test_peer_merge_lowers_for_cuda_on_cpu_to_merged_outputs(T, H, rows):
                                   kernel=functools.partial(M.split_attention, peer_merge=True)))
     text = f.trace(*k26_spec(2, T, H, 1024)).lower(lowering_platforms=("cuda",)).as_text()
     assert f"tensor<1x2x{rows}x512xbf16>" in text and "combine_splits" not in text
+
+
+@pytest.mark.parametrize("tree_blocks", [1, 2, 3])
+def test_peer_merge_split_1_takes_at_least_one_block_more(tree_blocks):
+    """With ``peer_merge`` split 1 takes the first total - (total - 1) // 2 blocks and split 0 the rest: together
+    every block once, in order, cache blocks before tree blocks, and split 1 at least one block more (its merge
+    waits for split 0's store)."""
+    for nb in range(0, 40):
+        total = nb + tree_blocks
+        (lo1, mid1, hi1), (lo0, mid0, hi0) = (
+            [int(x) for x in M._split_range(jnp.int32(nb), tree_blocks, jnp.int32(sp), 2, True)] for sp in (1, 0))
+        assert (lo1, hi1, hi0) == (0, lo0, total), (nb, tree_blocks)
+        assert hi1 - lo1 == (hi0 - lo0) + 1 + (total % 2 == 0), (nb, tree_blocks)
+        assert (mid1, mid0) == (min(nb, hi1), max(min(nb, hi0), lo0)), (nb, tree_blocks)
 
 
 def test_the_op_merges_two_splits_of_whole_tiles_in_the_kernel():
