@@ -326,12 +326,9 @@ def device_time(fn, inputs, calls=8, op_kernels=None):
 
 
 def mgpu_path(H, B, T, P) -> dict:
-    """The Mosaic GPU op's defaults at a point: its kernel (``M.default_kernel_name``), split count, and where the
-    splits merge ("none" with one split, "kernel" with ``M.uses_peer_merge``, else "launch")."""
-    path = M.default_kernel_name(T, H, C, L)
-    splits = M.splits_for(B, T, H, P, tail=path == "tail")
-    in_kernel = path == "tiles" and M.uses_peer_merge(M.split_attention, splits, False, True, M.valid_rows_for(T, H))
-    return dict(path=path, num_splits=splits, merge="none" if splits == 1 else "kernel" if in_kernel else "launch")
+    """The Mosaic GPU op's defaults at a point (``M.default_plan``): its kernel, split count, and where the splits
+    merge."""
+    return M.default_plan(B, T, H, P, C, L)
 
 
 def bench_point(H, B, T, P, cfg, bw, peak, with_xla=True, check=True, repeats=5, bw_jax=None, kernel="triton",

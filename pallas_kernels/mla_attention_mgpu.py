@@ -87,7 +87,7 @@ from pallas_kernels.tree_attention import _LN2, _LOG2E, _NUM_SMS_H200, _check_sh
 __all__ = ["tree_attention_mgpu", "split_attention", "split_attention_ref", "tree_inputs", "pad_tree_latents",
            "check_in_place_inputs", "default_splits", "dense_split_partials", "pack_bits", "unpack_bits",
            "splits_for", "unsupported_reason", "smem_bytes", "valid_rows_for", "tail_rows_of", "peer_merge_fits",
-           "uses_peer_merge",
+           "uses_peer_merge", "default_plan",
            "TAIL_ROWS"]
 
 ROWS = 64              # query rows per program (one wgmma M tile)
@@ -703,6 +703,35 @@ def uses_peer_merge(kernel, num_splits: int, tail: bool, share_scores: bool, val
     return kernel is split_attention and peer_merge_fits(num_splits, tail, share_scores, valid_rows is None)
 
 
+def _kernel_plan(B, T, H, S, C, L, block_k, num_sms, kernel, num_splits, share_scores, tail):
+    """What :func:`tree_attention_mgpu` runs for its arguments: (the kernel, with one tile and a tail of rows,
+    the split count). With ``kernel`` None: the narrow kernel or :func:`split_attention` (``default_kernel_name``),
+    the latter with ``peer_merge`` where it merges two splits itself (:func:`uses_peer_merge`)."""
+    from pallas_kernels.mla_attention_narrow import split_attention_narrow  # it imports this module
+    default = default_kernel_name(T, H, C, L, block_k)
+    chosen = kernel is None
+    if chosen:
+        kernel = split_attention_narrow if default == "narrow" else split_attention
+    base = getattr(kernel, "func", kernel)  # a partial of a kernel
+    with_tail = bool(tail) and share_scores and base in (split_attention, split_attention_ref) and default == "tail"
+    if num_splits is None:
+        num_splits = splits_for(B, T, H, S, block_k, num_sms, tail=with_tail)
+    if chosen and uses_peer_merge(base, int(num_splits), with_tail, share_scores, valid_rows_for(T, H)):
+        kernel = functools.partial(split_attention, peer_merge=True)
+    return kernel, with_tail, int(num_splits)
+
+
+def default_plan(B: int, T: int, H: int, S: int, C: int, L: int, block_k: int = 64,
+                 num_sms: int = _NUM_SMS_H200) -> dict:
+    """:func:`tree_attention_mgpu`'s choices at its defaults, for a cache of S rows: ``path`` (its kernel,
+    ``default_kernel_name``), ``num_splits``, and ``merge``: "none" with one split, "kernel" where the kernel
+    merges two itself (``peer_merge``), else "launch" (``split_combine.combine_splits``)."""
+    kernel, _, splits = _kernel_plan(B, T, H, S, C, L, block_k, num_sms, None, None, True, True)
+    in_kernel = bool(getattr(kernel, "keywords", {}).get("peer_merge"))
+    return dict(path=default_kernel_name(T, H, C, L, block_k), num_splits=splits,
+                merge="none" if splits == 1 else "kernel" if in_kernel else "launch")
+
+
 def _check_valid_rows(valid_rows, rows: int) -> int:
     """V for ``split_attention``: ``rows`` (Np) by default, else a multiple of 8 in (0, 64) with one tile."""
     if valid_rows is None or valid_rows == rows:
@@ -746,18 +775,11 @@ def tree_attention_mgpu(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, k
     plen = jnp.clip(prefix_len.astype(jnp.int32), 0, S)
     valid_rows = valid_rows_for(T, H)
     from pallas_kernels.mla_attention_narrow import split_attention_narrow  # it imports this module
-    default = default_kernel_name(T, H, C, L, block_k)
-    chosen = kernel is None
-    if chosen:
-        kernel = split_attention_narrow if default == "narrow" else split_attention
+    kernel, with_tail, num_splits = _kernel_plan(B, T, H, S, C, L, block_k, num_sms, kernel, num_splits,
+                                                 share_scores, tail)
     # the narrow kernel takes the V real rows as they are (no padded copy of q), as does one tile and a tail;
     # the others whole 64-row tiles
     base = getattr(kernel, "func", kernel)  # a partial of a kernel
-    with_tail = bool(tail) and share_scores and base in (split_attention, split_attention_ref) and default == "tail"
-    if num_splits is None:
-        num_splits = splits_for(B, T, H, S, block_k, num_sms, tail=with_tail)
-    if chosen and uses_peer_merge(base, int(num_splits), with_tail, share_scores, valid_rows):
-        kernel = functools.partial(split_attention, peer_merge=True)
     qr = q.reshape(B, N, C) if base is split_attention_narrow or with_tail else fold_rows(q, ROWS)
     keys, bits = tree_inputs(tree_kv, tree_mask, H, qr.shape[1], block_k)
     stage_kw = {} if stages is None else {"stages": stages}
