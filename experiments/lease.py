@@ -10,7 +10,8 @@ A step is NAME:SECONDS:COMMAND (a shell command, run from the current directory)
 total: a step that would start with less time left than its own limit gets the time left, or is
 skipped if under 10 s. --pack FILE.tar.gz moves everything the steps left under OUT (logs, results,
 subfolders) into that one archive at the end, beside lease.json: for a transport that brings back only
-a few files.
+a few files. Without --pack, where the steps left more than --max-files files under OUT (default 8, what
+the device transport brings back), they are packed into lease_pack.tar.gz all the same, so that none is lost.
 """
 
 from __future__ import annotations
@@ -81,6 +82,11 @@ def run_steps(steps, out_dir: str, budget_s: float | None = None) -> list[dict]:
     return records
 
 
+def count_files(out_dir: str) -> int:
+    """Regular files under ``out_dir``, at any depth."""
+    return sum(len(files) for _, _, files in os.walk(out_dir))
+
+
 def pack(out_dir: str, archive: str) -> list[str]:
     """Moves every entry of ``out_dir`` except lease.json into ``out_dir/archive`` (gzip tar); returns the
     archived names."""
@@ -100,7 +106,11 @@ def main(argv=None) -> int:
     ap.add_argument("--step", action="append", default=[], help="NAME:SECONDS:COMMAND (repeatable)")
     ap.add_argument("--budget-s", type=float, default=None, help="total seconds for all steps")
     ap.add_argument("--pack", default=None, help="archive name (NAME.tar.gz): move OUT's other files into it")
+    ap.add_argument("--max-files", type=int, default=8,
+                    help="without --pack: more files than this under OUT are packed into lease_pack.tar.gz (0: never)")
     args = ap.parse_args(argv)
+    if args.max_files < 0:
+        ap.error(f"--max-files must be 0 (no limit) or positive, got {args.max_files}")
     if not args.step:
         ap.error("give at least one --step")
     if args.pack is not None and (not NAME.match(args.pack) or not args.pack.endswith(".tar.gz")):
@@ -113,8 +123,12 @@ def main(argv=None) -> int:
     if len(set(names)) != len(names):
         ap.error(f"step names must be distinct, got {names}")
     records = run_steps(steps, args.out, args.budget_s)
-    if args.pack:
-        print(f"packed {len(pack(args.out, args.pack))} entries into {os.path.join(args.out, args.pack)}")
+    archive = args.pack
+    if archive is None and args.max_files and count_files(args.out) > args.max_files:
+        archive = "lease_pack.tar.gz"
+        print(f"{count_files(args.out)} files under {args.out}, more than --max-files {args.max_files}: packing them")
+    if archive:
+        print(f"packed {len(pack(args.out, archive))} entries into {os.path.join(args.out, archive)}")
     print(f"\n{'step':16s} {'rc':>8s} {'seconds':>8s}  last line")
     for r in records:
         print(f"{r['step']:16s} {str(r['rc']):>8s} {r['seconds']:8.1f}  {r['last'][:90]}")

@@ -149,6 +149,27 @@ def test_lease_packs_what_the_steps_left_into_one_archive(tmp_path):
         lease.main(["--out", str(out), "--pack", "../x.tar.gz", "--step", "a:5:true"])
 
 
+def test_lease_packs_on_its_own_when_the_steps_leave_more_files_than_come_back(tmp_path):
+    import tarfile
+
+    from experiments import lease
+
+    out = tmp_path / "out"
+    steps = [a for k in range(8) for a in ("--step", f"s{k}:20:echo {k}")]  # 8 logs and lease.json: 9 files
+    assert lease.main(["--out", str(out), *steps]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["lease.json", "lease_pack.tar.gz"]
+    with tarfile.open(out / "lease_pack.tar.gz") as tar:
+        assert sorted(tar.getnames()) == [f"s{k}.txt" for k in range(8)]
+    few = tmp_path / "few"
+    assert lease.main(["--out", str(few), *steps[:4]]) == 0  # 3 files: left as they are
+    assert sorted(p.name for p in few.iterdir()) == ["lease.json", "s0.txt", "s1.txt"]
+    none = tmp_path / "none"
+    assert lease.main(["--out", str(none), "--max-files", "0", *steps]) == 0
+    assert len(list(none.iterdir())) == 9
+    with pytest.raises(SystemExit):
+        lease.main(["--out", str(none), "--max-files", "-1", *steps])
+
+
 def test_nvidia_smi_samples_are_summarised_per_field():
     text = "1980, 3201, 650.5, 61\n1755, 3201, 699.9, 63\nnot, a, sample, line\n1830, 3201, 690.0, 62\n\n"
     got = bench_util.parse_smi_samples(text)
