@@ -704,9 +704,11 @@ def uses_peer_merge(kernel, num_splits: int, tail: bool, share_scores: bool, val
 
 
 def _kernel_plan(B, T, H, S, C, L, block_k, num_sms, kernel, num_splits, share_scores, tail):
-    """What :func:`tree_attention_mgpu` runs for its arguments: (the kernel, with one tile and a tail of rows,
-    the split count). With ``kernel`` None: the narrow kernel or :func:`split_attention` (``default_kernel_name``),
-    the latter with ``peer_merge`` where it merges two splits itself (:func:`uses_peer_merge`)."""
+    """What :func:`tree_attention_mgpu` runs for its arguments: (the kernel, whether it takes the T*H query rows
+    as they are (the narrow kernel, or one tile and a tail) rather than whole 64-row tiles, the split count,
+    whether it merges its splits itself). With ``kernel`` None: the narrow kernel or :func:`split_attention`
+    (``default_kernel_name``), the latter with ``peer_merge`` where it merges two splits itself
+    (:func:`uses_peer_merge`)."""
     from pallas_kernels.mla_attention_narrow import split_attention_narrow  # it imports this module
     default = default_kernel_name(T, H, C, L, block_k)
     chosen = kernel is None
@@ -716,9 +718,10 @@ def _kernel_plan(B, T, H, S, C, L, block_k, num_sms, kernel, num_splits, share_s
     with_tail = bool(tail) and share_scores and base in (split_attention, split_attention_ref) and default == "tail"
     if num_splits is None:
         num_splits = splits_for(B, T, H, S, block_k, num_sms, tail=with_tail)
-    if chosen and uses_peer_merge(base, int(num_splits), with_tail, share_scores, valid_rows_for(T, H)):
+    peer = chosen and uses_peer_merge(base, int(num_splits), with_tail, share_scores, valid_rows_for(T, H))
+    if peer:
         kernel = functools.partial(split_attention, peer_merge=True)
-    return kernel, with_tail, int(num_splits)
+    return kernel, base is split_attention_narrow or with_tail, int(num_splits), peer
 
 
 def default_plan(B: int, T: int, H: int, S: int, C: int, L: int, block_k: int = 64,
@@ -726,10 +729,9 @@ def default_plan(B: int, T: int, H: int, S: int, C: int, L: int, block_k: int = 
     """:func:`tree_attention_mgpu`'s choices at its defaults, for a cache of S rows: ``path`` (its kernel,
     ``default_kernel_name``), ``num_splits``, and ``merge``: "none" with one split, "kernel" where the kernel
     merges two itself (``peer_merge``), else "launch" (``split_combine.combine_splits``)."""
-    kernel, _, splits = _kernel_plan(B, T, H, S, C, L, block_k, num_sms, None, None, True, True)
-    in_kernel = bool(getattr(kernel, "keywords", {}).get("peer_merge"))
+    _, _, splits, peer = _kernel_plan(B, T, H, S, C, L, block_k, num_sms, None, None, True, True)
     return dict(path=default_kernel_name(T, H, C, L, block_k), num_splits=splits,
-                merge="none" if splits == 1 else "kernel" if in_kernel else "launch")
+                merge="none" if splits == 1 else "kernel" if peer else "launch")
 
 
 def _check_valid_rows(valid_rows, rows: int) -> int:
@@ -774,17 +776,15 @@ def tree_attention_mgpu(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, k
     L, N = kv_lora_rank, T * H
     plen = jnp.clip(prefix_len.astype(jnp.int32), 0, S)
     valid_rows = valid_rows_for(T, H)
-    from pallas_kernels.mla_attention_narrow import split_attention_narrow  # it imports this module
-    kernel, with_tail, num_splits = _kernel_plan(B, T, H, S, C, L, block_k, num_sms, kernel, num_splits,
-                                                 share_scores, tail)
+    kernel, rows_as_is, num_splits, _ = _kernel_plan(B, T, H, S, C, L, block_k, num_sms, kernel, num_splits,
+                                                     share_scores, tail)
     # the narrow kernel takes the V real rows as they are (no padded copy of q), as does one tile and a tail;
     # the others whole 64-row tiles
-    base = getattr(kernel, "func", kernel)  # a partial of a kernel
-    qr = q.reshape(B, N, C) if base is split_attention_narrow or with_tail else fold_rows(q, ROWS)
+    qr = q.reshape(B, N, C) if rows_as_is else fold_rows(q, ROWS)
     keys, bits = tree_inputs(tree_kv, tree_mask, H, qr.shape[1], block_k)
     stage_kw = {} if stages is None else {"stages": stages}
     o, lse = kernel(qr, cache_kv, plen, keys, bits, scale=scale, kv_lora_rank=L, block_k=block_k,
-                    num_splits=int(num_splits), share_scores=share_scores, valid_rows=valid_rows, **stage_kw)
+                    num_splits=num_splits, share_scores=share_scores, valid_rows=valid_rows, **stage_kw)
     if o.shape[0] == 1:  # one split, or two merged in the kernel; every row sees its own node: lse is finite
         out, lse = o[0], lse[0]
     else:

@@ -142,5 +142,3 @@ def test_profile_names_are_checked():
             z((1, 64, 576), jnp.bfloat16), z((1, 2, 8), jnp.int32))
     with pytest.raises(ValueError, match="split_attention_narrow: profile_names"):
         split_attention_narrow(*args, scale=0.1, kv_lora_rank=512, valid_rows=8, profile_names=("k_wait",))
-
-
