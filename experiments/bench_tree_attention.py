@@ -317,12 +317,14 @@ def is_mgpu_op_kernel(name: str) -> bool:
 
 
 def device_time(fn, inputs, calls=8, op_kernels=None):
-    """Seconds per call on the device from a profiler trace of ``chained`` (the cache copies rotate), and
-    with ``op_kernels`` (a name predicate) the op's own median span per call (``bench_util.op_spans``), else
-    None."""
+    """(seconds per call on the device from a profiler trace of ``chained`` (the cache copies rotate), the op's
+    own median span per call (``bench_util.op_spans``) or None, and {kernel name: median µs of its launches} of
+    the op's kernels or {}); the last two need ``op_kernels``, a name predicate."""
     q, caches, plen, tkv, mask = inputs
     r = bench_util.traced_call_time(fn, (q, caches, plen, tkv, mask), calls, chain=chained, op_kernels=op_kernels)
-    return r["span_s"], r.get("op_span_s")
+    parts = {name: float(np.median(us)) for name, us in r["launches_us"].items()
+             if op_kernels is not None and op_kernels(name)}
+    return r["span_s"], r.get("op_span_s"), parts
 
 
 def mgpu_path(H, B, T, P) -> dict:
@@ -361,13 +363,15 @@ def bench_point(H, B, T, P, cfg, bw, peak, with_xla=True, check=True, repeats=5,
     if wall_clock:
         t_chained, n, t_program = time_op(kern, inputs, floor_s, repeats)
         row.update(ms_chained=t_chained * 1e3, calls_per_program=n, ms_with_launch=t_program * 1e3)
-    t, t_op = device_time(kern, inputs, op_kernels=is_mgpu_op_kernel if kernel.startswith("mgpu") else None) \
-        if with_trace else (t_chained, None)
+    t, t_op, op_parts = device_time(kern, inputs, op_kernels=is_mgpu_op_kernel if kernel.startswith("mgpu") else None) \
+        if with_trace else (t_chained, None, {})
     row.update(ms=t * 1e3, tflops=flops / t / 1e12, tbps=nbytes / t / 1e12,
                pct_bw=100 * nbytes / t / bw, pct_peak=100 * flops / t / peak,
                pct_floor=100 * floor_s / t)
     if t_op is not None:
         row.update(op_ms=t_op * 1e3, pct_floor_op=100 * floor_s / t_op)
+    if op_parts:
+        row["op_kernels_us"] = op_parts
     if bw_jax:
         row["pct_bw_jaxcopy"] = 100 * nbytes / t / bw_jax
     if bw_traced:

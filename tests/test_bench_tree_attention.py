@@ -146,3 +146,15 @@ def test_bad_clock_flags_are_refused(monkeypatch, capsys):
         with pytest.raises(SystemExit) as exc:
             bench.main()
         assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_device_time_reports_the_op_kernels_median_launch(monkeypatch):
+    """``device_time``'s third value: the median µs of each of the op's kernels (by the name predicate) over
+    its launches, the chain's other kernels left out; none without a predicate."""
+    fake = {"span_s": 2e-5, "op_span_s": 1.5e-5,
+            "launches_us": {"mosaic_gpu_k": [10.0, 12.0, 11.0], "combine_splits_m": [3.0, 2.0, 4.0], "tie": [1.0] * 3}}
+    monkeypatch.setattr(bench.bench_util, "traced_call_time", lambda *a, **k: fake)
+    inputs = (None,) * 5
+    assert bench.device_time(None, inputs, op_kernels=bench.is_mgpu_op_kernel) == (
+        2e-5, 1.5e-5, {"mosaic_gpu_k": 11.0, "combine_splits_m": 3.0})
+    assert bench.device_time(None, inputs)[2] == {}
