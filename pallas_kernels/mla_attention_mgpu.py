@@ -187,37 +187,29 @@ def splits_for(B: int, T: int, H: int, S: int, block_k: int = 64, num_sms: int =
     return default_splits(B, n_tiles, keys, block_k, num_sms, min_blocks=1 if one_block else 2)
 
 
-def _block_steps(plen, tree_blocks: int, sp, num_splits: int, block_k: int, peer_merge: bool = False,
-                 balanced: bool = True):
+def _block_steps(plen, tree_blocks: int, sp, num_splits: int, block_k: int, peer_merge: bool = False):
     """A program's key blocks, inside a kernel: (rem keys of the partial cache block, nbp = cache blocks read,
     lo = its first block, then the step bounds: [0, n_whole) whole cache blocks, [n_whole, n_cache) the
     partial block (0 or 1 step), [n_cache, n_all) tree blocks)."""
     nb = plen // block_k
     rem = plen - nb * block_k
     nbp = nb + (rem > 0).astype(jnp.int32)
-    lo, mid, hi = _split_range(nbp, tree_blocks, sp, num_splits, peer_merge, balanced)
+    lo, mid, hi = _split_range(nbp, tree_blocks, sp, num_splits, peer_merge)
     return rem, nbp, lo, jnp.clip(nb, lo, mid) - lo, mid - lo, hi - lo
 
 
-def _split_range(nb, tree_blocks: int, sp, num_splits: int, peer_merge: bool = False, balanced: bool = True):
+def _split_range(nb, tree_blocks: int, sp, num_splits: int, peer_merge: bool = False):
     """Blocks of split ``sp``: [lo, hi) of the ``nb`` cache blocks and TB tree blocks (cache blocks first),
-    and ``mid``, where its cache blocks end and its tree blocks begin. The splits take the blocks in order,
-    total // NS each, and the last total % NS splits one more: so no split holds more than ceil(total / NS)
-    and none idles while another holds two more, and the block more goes to the splits that hold the partial
-    and tree blocks, whose bytes are fewest. With ``peer_merge`` (two splits) split 1 takes the first
-    total - (total - 1) // 2 and split 0 the rest, at least one block fewer, so that its output is stored
-    before split 1's loop ends."""
+    and ``mid``, where its cache blocks end and its tree blocks begin. Each split takes ceil(total / NS) blocks
+    in order, so the last splits may hold fewer or none (shares that differ by at most one block were slower
+    at 12 of 15 points on the H200, session 48). With ``peer_merge`` (two splits) split 1 takes the first
+    total - (total - 1) // 2 and split 0 the rest, at least one block fewer, so that its output is stored before
+    split 1's loop ends."""
     total = nb + tree_blocks
     if peer_merge:
         first = jnp.minimum(total - (total - 1) // 2, total)  # split 1's share
         lo = jnp.where(sp == 1, 0, first)
         hi = jnp.where(sp == 1, first, total)
-        return lo, jnp.clip(nb, lo, hi), hi
-    if balanced:
-        base = total // num_splits
-        first_long = num_splits - (total - base * num_splits)  # the splits from here on take base + 1
-        lo = sp * base + jnp.maximum(sp - first_long, 0)
-        hi = lo + base + (sp >= first_long).astype(lo.dtype)
         return lo, jnp.clip(nb, lo, hi), hi
     per = (total + num_splits - 1) // num_splits
     lo = jnp.minimum(sp * per, total)
@@ -227,8 +219,7 @@ def _split_range(nb, tree_blocks: int, sp, num_splits: int, peer_merge: bool = F
 
 def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, kv_lora_rank, block_k=64,
                     stages=2, num_splits=1, share_scores=True, valid_rows=None, profile_dir=None, profile_regions=0,
-                    profile_names=None, first_block_alone=None, pv_first=True, store_early=True, peer_merge=False,
-                    balanced_splits=True):
+                    profile_names=None, first_block_alone=None, pv_first=True, store_early=True, peer_merge=False):
     """The Mosaic GPU kernel: attention of 64-row query tiles over each stream's prefix, read in place from
     the cache, and its tree, in NS splits.
 
@@ -326,7 +317,7 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
         # split 0's two consumers signal the tile's counter once their halves are stored; split 1 waits for both
         counters = pl.get_global(plgpu.SemaphoreType.REGULAR((B * n_tiles,))) if peer_merge else None
         tile_counter = lambda: counters.at[b * n_tiles + tile]  # noqa: E731
-        rem, nbp, lo, n_whole, n_cache, n_all = _block_steps(plen_ref[b], TB, sp, NS, BK, peer_merge, balanced_splits)
+        rem, nbp, lo, n_whole, n_cache, n_all = _block_steps(plen_ref[b], TB, sp, NS, BK, peer_merge)
         # with a tail, consumer 0 hands p to consumer 1 in the key block's rope columns, which both have read
         probs = (lambda slot: k_smem.at[slot, :, pl.ds(C - 64, 64)]) if tail else (lambda slot: p_smem)  # noqa: E731
 

@@ -27,9 +27,9 @@ SCALE = 0.27
 
 def split_reference(q_rows, cache, plen, tree_kv, tree_mask, H, scale, L, BK, NS, V=None):
     """float64, loops: stream b's keys are its NBP = ceil(plen / BK) cache blocks, then the tree keys padded to
-    whole blocks (TB of them); the splits take them in order, (NBP + TB) // NS blocks each and the last
-    (NBP + TB) % NS splits one more; row r < V (node r // H) sees the cache keys below plen and tree key u where
-    tree_mask[b, r // H, u] (rows r >= T*H the cache keys alone). Returns o [NS, B, V, L], lse [NS, B, V] (-inf: sees nothing)."""
+    whole blocks (TB of them); split s takes blocks [s*per, min((s+1)*per, NBP + TB)), per = ceil((NBP + TB) /
+    NS); row r < V (node r // H) sees the cache keys below plen and tree key u where tree_mask[b, r // H, u]
+    (rows r >= T*H the cache keys alone). Returns o [NS, B, V, L], lse [NS, B, V] (-inf: sees nothing)."""
     q_rows, cache, tree_kv = (np.asarray(a, np.float64) for a in (q_rows, cache, tree_kv))
     B, R, _ = q_rows.shape
     V = V or R
@@ -43,10 +43,9 @@ def split_reference(q_rows, cache, plen, tree_kv, tree_mask, H, scale, L, BK, NS
         tree = np.zeros((TB * BK, cache.shape[2]))
         tree[:T] = tree_kv[b, :T]
         keys = np.concatenate([cached, tree])
-        total = nbp + TB
-        sizes = [total // NS + (s >= NS - total % NS) for s in range(NS)]
+        per = -(-(nbp + TB) // NS)
         for s in range(NS):
-            lo, hi = sum(sizes[:s]) * BK, sum(sizes[:s + 1]) * BK
+            lo, hi = min(s * per, nbp + TB) * BK, min(s * per + per, nbp + TB) * BK
             for r in range(V):
                 vis = np.zeros(len(keys), bool)
                 vis[:int(plen[b])] = True
@@ -360,22 +359,22 @@ def test_peer_merge_lowers_for_cuda_on_cpu_to_merged_outputs(T, H, rows):
     assert f"tensor<1x2x{rows}x512xbf16>" in text and "combine_splits" not in text
 
 
-def test_splits_share_the_blocks_evenly_the_longer_ones_last():
-    """Without ``peer_merge`` the NS splits take every block once, in order, cache blocks before tree blocks;
-    their shares differ by at most one block, and the longer shares are the last (where the partial and tree
-    blocks are): 1 025 blocks over 128 splits are 127 x 8 and 1 x 9 (not 113 x 9, 8 and 14 empty splits)."""
+def test_splits_take_ceil_shares_in_order():
+    """Without ``peer_merge`` the NS splits take every block once, in order, cache blocks before tree blocks,
+    ceil(total / NS) each until the blocks run out: 1 025 blocks over 128 splits are 113 x 9, one 8 and 14 empty
+    splits (the shipped rule: even shares were slower on the H200 at 12 of 15 points, session 48)."""
     for nb, tree_blocks, NS in [(nb, tb, ns) for nb in range(0, 70, 3) for tb in (0, 1, 4) for ns in (1, 3, 8, 17)] \
-            + [(1024, 1, 128), (128, 1, 8), (1024, 1, 33)]:
+            + [(1024, 1, 128), (128, 1, 8)]:
         total = nb + tree_blocks
         ranges = [[int(x) for x in M._split_range(jnp.int32(nb), tree_blocks, jnp.int32(sp), NS)] for sp in range(NS)]
         assert ranges[0][0] == 0 and ranges[-1][2] == total, (nb, tree_blocks, NS)
         assert all(a[2] == b[0] for a, b in zip(ranges, ranges[1:])), (nb, tree_blocks, NS)
-        sizes = [hi - lo for lo, _, hi in ranges]
-        assert sizes == sorted(sizes) and sizes[-1] - sizes[0] <= 1 and sizes[-1] == -(-total // NS)
+        per = -(-total // NS)
+        assert [hi - lo for lo, _, hi in ranges] == [min(per, max(total - sp * per, 0)) for sp in range(NS)]
         assert all(mid == min(max(nb, lo), hi) for lo, mid, hi in ranges), (nb, tree_blocks, NS)
-    sizes = [int(M._split_range(jnp.int32(1024), 1, jnp.int32(sp), 128)[2] - M._split_range(
-        jnp.int32(1024), 1, jnp.int32(sp), 128)[0]) for sp in range(128)]
-    assert sizes == [8] * 127 + [9]
+    ranges = (M._split_range(jnp.int32(1024), 1, jnp.int32(sp), 128) for sp in range(128))
+    sizes = [int(hi - lo) for lo, _, hi in ranges]
+    assert sizes == [9] * 113 + [8] + [0] * 14
 
 
 @pytest.mark.parametrize("tree_blocks", [1, 2, 3])
