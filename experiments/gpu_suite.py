@@ -1,12 +1,13 @@
 """Runs the test suite on a GPU machine in N pytest processes side by side (the device image has no
 pytest-xdist), then prints one table and writes OUT/suite.json.
 
-    PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false python experiments/gpu_suite.py --out $OUT --groups 6 \\
+    PYTHONPATH=. python experiments/gpu_suite.py --out $OUT --groups 6 \\
         --timeout-s 540 -- tests --ignore=tests/test_int4.py --ignore=tests/test_notebook.py
 
 (the H200's image lacks compressed-tensors and nbformat, which those two files import). Everything after
 ``--`` goes to ``pytest --collect-only`` as it is; the collected test ids are cut into contiguous runs of
-equal length, so that a file's tests mostly stay in one process and its jitted functions compile once.
+equal length, so that a file's tests mostly stay in one process and its jitted functions compile once. The
+processes run with XLA_PYTHON_CLIENT_PREALLOCATE=false unless the caller sets it, so that they share the GPU.
 Dealt round-robin instead, every process compiled every file's functions: in session 35 eight such
 processes finished 230 of 560 tests in 530 s. Each group writes OUT/pytest_gK.txt (``-v``: a line per
 test) and a JUnit XML; a group that outlives --timeout-s is killed, its finished tests are read from its
@@ -36,7 +37,8 @@ def collect(pytest_args: list[str]) -> list[str]:
     """Test ids that ``pytest --collect-only`` finds for pytest_args, relative to the current directory (the
     rootdir of every pytest this script starts); RuntimeError with pytest's output if collection fails or
     finds tests outside the current directory."""
-    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", *ROOTDIR, *pytest_args],
+    args = [a for a in pytest_args if a not in ("-q", "--quiet")]  # a second -q lists files, not test ids
+    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", *ROOTDIR, *args],
                           capture_output=True, text=True)
     ids = [line for line in done.stdout.splitlines() if "::" in line and not line.startswith(" ")]
     if done.returncode != 0 or not ids:
@@ -92,11 +94,14 @@ def read_log(path: str) -> list[dict]:
 def run_groups(groups: list[list[str]], out: str, timeout_s: float) -> list[dict]:
     """Starts one pytest per group, waits for all (killing those past timeout_s); one record per group."""
     procs, start = [], time.monotonic()
+    # each process would otherwise take 75 % of the GPU's memory at its first op (session 48: 13 tests of six
+    # groups failed out of memory); a value set by the caller stands
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "false")}
     for k, ids in enumerate(groups):
         log = open(os.path.join(out, f"pytest_g{k}.txt"), "w")
         xml = os.path.join(out, f"junit_g{k}.xml")
         cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", *ROOTDIR, f"--junitxml={xml}", *ids]
-        procs.append((k, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log, xml, len(ids)))
+        procs.append((k, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log, xml, len(ids)))
     results = []
     for k, proc, log, xml, n in procs:
         left = max(1.0, timeout_s - (time.monotonic() - start))
