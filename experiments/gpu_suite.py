@@ -7,7 +7,9 @@ pytest-xdist), then prints one table and writes OUT/suite.json.
 (the H200's image lacks compressed-tensors and nbformat, which those two files import). Everything after
 ``--`` goes to ``pytest --collect-only`` as it is; the collected test ids are cut into contiguous runs of
 equal length, so that a file's tests mostly stay in one process and its jitted functions compile once. The
-processes run with XLA_PYTHON_CLIENT_PREALLOCATE=false unless the caller sets it, so that they share the GPU.
+processes run with XLA_PYTHON_CLIENT_PREALLOCATE=false, so that they share the GPU, and DDTREE_REQUIRE_GPU=1, so
+that a process that cannot start the GPU fails its collection instead of skipping the GPU tests (unless the caller
+sets either).
 Dealt round-robin instead, every process compiled every file's functions: in session 35 eight such
 processes finished 230 of 560 tests in 530 s. Each group writes OUT/pytest_gK.txt (``-v``: a line per
 test) and a JUnit XML; a group that outlives --timeout-s is killed, its finished tests are read from its
@@ -94,9 +96,10 @@ def read_log(path: str) -> list[dict]:
 def run_groups(groups: list[list[str]], out: str, timeout_s: float) -> list[dict]:
     """Starts one pytest per group, waits for all (killing those past timeout_s); one record per group."""
     procs, start = [], time.monotonic()
-    # each process would otherwise take 75 % of the GPU's memory at its first op (session 48: 13 tests of six
-    # groups failed out of memory); a value set by the caller stands
-    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "false")}
+    # each process would otherwise take 75 % of the GPU's memory at its first op, and a process whose GPU backend
+    # then fails to start would skip its GPU tests as if there were no GPU (session 48: 13 tests failed out of
+    # memory, 32 skipped); tests/conftest.py refuses to skip them under DDTREE_REQUIRE_GPU. The caller's values stand.
+    env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "DDTREE_REQUIRE_GPU": "1", **os.environ}
     for k, ids in enumerate(groups):
         log = open(os.path.join(out, f"pytest_g{k}.txt"), "w")
         xml = os.path.join(out, f"junit_g{k}.xml")

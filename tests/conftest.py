@@ -34,6 +34,9 @@ def host_devices():
 def pytest_collection_modifyitems(config, items):
     if has_gpu():
         return
+    if os.environ.get("DDTREE_REQUIRE_GPU") == "1":  # experiments/gpu_suite.py sets it for its processes
+        raise pytest.UsageError("DDTREE_REQUIRE_GPU=1 but JAX sees no GPU (its backend may have failed to start, e.g. "
+                                "out of memory): the GPU tests would be skipped, not run")
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:

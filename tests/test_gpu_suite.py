@@ -3,8 +3,11 @@ a failing or unfinished test makes it exit 1."""
 
 import json
 import os
+import subprocess
+import sys
 import textwrap
 
+import jax
 import pytest
 
 from experiments import gpu_suite
@@ -77,12 +80,27 @@ def test_tests_outside_the_current_directory_are_refused(tmp_path, monkeypatch):
 
 def test_groups_share_the_gpu_and_a_quiet_flag_still_collects(tmp_path, monkeypatch):
     """The groups' processes run without JAX's preallocation of 75 % of the GPU (six of them ran out of memory on
-    the H200 in session 48) unless the caller sets it; a '-q' among pytest's arguments still collects test ids."""
+    the H200 in session 48) and with DDTREE_REQUIRE_GPU=1, unless the caller sets them; a '-q' among pytest's
+    arguments still collects test ids."""
     path = write_tests(tmp_path, """
         import os
-        def test_env(): assert os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+        def test_env():
+            assert os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+            assert os.environ["DDTREE_REQUIRE_GPU"] == "1"
     """, monkeypatch)
     monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
+    monkeypatch.delenv("DDTREE_REQUIRE_GPU", raising=False)
     out = tmp_path / "out"
     assert gpu_suite.main(["--out", str(out), "--groups", "1", "--", path, "-q"]) == 0
     assert json.loads((out / "suite.json").read_text())["counts"] == {"passed": 1, "not run": 0}
+
+
+def test_gpu_tests_under_ddtree_require_gpu_fail_collection_without_a_gpu():
+    """tests/conftest.py: with DDTREE_REQUIRE_GPU=1 and no GPU, the collection fails instead of skipping the GPU
+    tests (a process whose GPU backend did not start skipped 32 of them on the H200 in session 48)."""
+    if jax.default_backend() == "gpu":
+        pytest.skip("beside a GPU the GPU tests run")
+    env = {**os.environ, "DDTREE_REQUIRE_GPU": "1"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                           "tests/test_split_combine.py"], capture_output=True, text=True, env=env)
+    assert done.returncode != 0 and "JAX sees no GPU" in done.stdout + done.stderr
