@@ -29,7 +29,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from experiments import bench_util  # noqa: E402
-from pallas_kernels.mla_attention_mgpu import ROWS, splits_for, tail_rows_of, valid_rows_for  # noqa: E402
+from pallas_kernels.mla_attention_plan import ROWS, splits_for, tail_rows_of, valid_rows_for  # noqa: E402
 from pallas_kernels.split_combine import combine_splits, combine_splits_ref  # noqa: E402
 
 L = 512

@@ -137,13 +137,13 @@ def stream_case(B: int, S: int, stages: int, C: int = 576, block_k: int = 64):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
     from pallas_kernels.mgpu_attention_parts import stream_key_blocks
-    from pallas_kernels.mla_attention_mgpu import _split_range, splits_for
+    from pallas_kernels.mla_attention_plan import split_range, splits_for
 
     NS = splits_for(B, 1, 8, S, block_k)
 
     def body(kv_ref, o_ref, k_smem, out_smem, k_bars, consumed_bars):
         b, sp, wg = (jax.lax.axis_index(n) for n in ("stream", "split", "wg"))
-        lo, _, hi = _split_range(S // block_k, 0, sp, NS)
+        lo, _, hi = split_range(S // block_k, 0, sp, NS)
 
         @pl.when(wg == 1)
         def _producer():  # the kernels' own ring, over cache blocks only

@@ -27,7 +27,8 @@ Design:
   before p·v reads them, so NaN garbage there cannot leak; where it reaches past the cache's S rows the
   TMA unit reads zeros. Tree blocks are masked per row by mask words (``tree_bits``: they depend on the
   tree mask alone, so in the model XLA computes them once per step; at T = 1 they are a constant).
-* **Kernel.** Split s of NS takes a contiguous run of a stream's blocks (``_split_range``). One program
+* **Kernel.** Split s of NS takes a contiguous run of a stream's blocks (``mla_attention_plan``: the rows,
+  splits and shares of a call, which the kernels, their twin and the op share). One program
   per (stream, 64-row tile, split), three warpgroups: a producer issues the TMA copies (the tile's
   queries once, then key blocks, and for tree blocks their mask words, through a ring of ``stages``
   slots). Consumer 0 computes s = q·kᵀ over the full C = 576 columns (wgmma, both operands in shared
@@ -79,6 +80,9 @@ from pallas_kernels.mgpu_attention_parts import (MASKED, PARTIAL, SMEM_LIMIT, TR
                                                  mask_tree_scores, plgpu, profiler_params, region_scope,
                                                  store_swapped_output, stream_key_blocks, swapped_scores,
                                                  swapped_softmax, zero_rows_from)
+from pallas_kernels.mla_attention_plan import (ROWS, TAIL_ROWS, block_steps, check_valid_rows,  # some re-exported
+                                              default_splits, peer_merge_fits, split_range, splits_for, tail_rows_of,
+                                              valid_rows_for)
 from pallas_kernels.mla_kernel_inputs import (check_in_place_inputs, pack_bits, pad_tree_latents, tree_inputs,
                                               unpack_bits)
 from pallas_kernels.split_combine import combine_splits
@@ -90,12 +94,8 @@ __all__ = ["tree_attention_mgpu", "split_attention", "split_attention_ref", "tre
            "uses_peer_merge", "default_plan",
            "TAIL_ROWS"]
 
-ROWS = 64              # query rows per program (one wgmma M tile)
+
 MERGE_COLUMNS = 64     # (peer_merge) output columns merged at a time
-TAIL_ROWS = 8          # rows past one tile that its program takes with keys as wgmma's M ("Tail rows")
-MAX_SPLITS = 128       # one wave of the H200 at B = 1, one tile; the merge reads NS partials per row (132
-                       # splits: 8 blocks each at B = 1, 64K, not 9, and the kernel 2 µs faster, but the
-                       # merge takes two chunks and 0.7 µs more: the op as fast; RESULTS.md, session 16)
 
 
 def smem_bytes(C: int, block_k: int, stages: int, share_scores: bool = True, tail: int = 0,
@@ -117,11 +117,6 @@ def smem_bytes(C: int, block_k: int, stages: int, share_scores: bool = True, tai
     barriers = 8 * (1 + 3 * stages + 1 + (2 if share_scores else 0) + (3 if peer_merge else 0))
     shared = unit(2 * ROWS * block_k) if share_scores else 0
     return unit(2 * ROWS * C) + stages * unit(2 * block_k * C) + words + unit(12 * ROWS) + barriers + shared
-
-
-def tail_rows_of(rows: int) -> int:
-    """The tail of ``rows`` query rows: TAIL_ROWS when they are one 64-row tile and a tail, else 0."""
-    return TAIL_ROWS if rows == ROWS + TAIL_ROWS else 0
 
 
 def tail_scratch_bytes(tail: int) -> int:
@@ -146,77 +141,6 @@ def unsupported_reason(q_shape, cache_shape, kv_lora_rank, *dtypes) -> str | Non
     return None
 
 
-def tail_keys(T: int, block_k: int) -> int:
-    """Keys past a prefix's whole blocks, in whole blocks, at most: a partial block (< BK rows) and T tree
-    keys (sizes the default split count)."""
-    return -(-(block_k - 1 + T) // block_k) * block_k
-
-
-def default_splits(B: int, n_tiles: int, S: int, block_k: int, num_sms: int = _NUM_SMS_H200,
-                   min_blocks: int = 2) -> int:
-    """Splits so that the programs fill at most one wave of SMs (one program per SM; a program past the
-    wave runs alone afterwards), with at least ``min_blocks`` key blocks per split at full capacity S and at
-    most MAX_SPLITS. (Sized from the capacity, which is static; a short prefix in a large cache leaves
-    splits empty, each costing one small program.)"""
-    progs = max(1, B * n_tiles)
-    return max(1, min(num_sms // progs, (S // block_k) // min_blocks, MAX_SPLITS))
-
-
-# One key block a split (not 2) where the partials are this few rows (32 rows x 512 f32 = 64 KB a split, less
-# than the 72 KB of keys it reads), or where the cache is this short and one wave holds a program for every
-# block. On the H200 (RESULTS.md, session 38) one block a split was 7-23 % faster over 1K with 1 and 4 streams
-# and with 8 rows over 8K at one stream; 2-6 % slower with 64 rows over 8K at one stream (130 programs of one
-# block); session 39: 17 splits (one block each) beat 16 and 8 at T = 1, H = 64 over 1K. Prefixes between 1K and
-# 8K were not measured.
-ONE_BLOCK_CACHE = 1024
-ONE_BLOCK_ROWS = 32
-
-
-def splits_for(B: int, T: int, H: int, S: int, block_k: int = 64, num_sms: int = _NUM_SMS_H200,
-               tail: bool = True) -> int:
-    """The split count ``tree_attention_mgpu`` uses by default for B streams of T nodes x H heads over a
-    cache of S slots: :func:`default_splits` of its 64-row tiles (one with a tail where T*H = 72 and
-    ``tail``) over the cache and tree blocks; one key block a split at least where the real rows
-    (``valid_rows_for``) are at most ONE_BLOCK_ROWS, or where S <= ONE_BLOCK_CACHE and a program per block
-    fits one wave of ``num_sms``; else two."""
-    n_tiles = 1 if tail and tail_rows_of(T * H) else -(-T * H // ROWS)
-    keys = S + tail_keys(T, block_k)
-    rows = valid_rows_for(T, H)
-    one_block = (rows is not None and rows <= ONE_BLOCK_ROWS) or \
-        (S <= ONE_BLOCK_CACHE and B * n_tiles * (keys // block_k) <= num_sms)
-    return default_splits(B, n_tiles, keys, block_k, num_sms, min_blocks=1 if one_block else 2)
-
-
-def _block_steps(plen, tree_blocks: int, sp, num_splits: int, block_k: int, peer_merge: bool = False):
-    """A program's key blocks, inside a kernel: (rem keys of the partial cache block, nbp = cache blocks read,
-    lo = its first block, then the step bounds: [0, n_whole) whole cache blocks, [n_whole, n_cache) the
-    partial block (0 or 1 step), [n_cache, n_all) tree blocks)."""
-    nb = plen // block_k
-    rem = plen - nb * block_k
-    nbp = nb + (rem > 0).astype(jnp.int32)
-    lo, mid, hi = _split_range(nbp, tree_blocks, sp, num_splits, peer_merge)
-    return rem, nbp, lo, jnp.clip(nb, lo, mid) - lo, mid - lo, hi - lo
-
-
-def _split_range(nb, tree_blocks: int, sp, num_splits: int, peer_merge: bool = False):
-    """Blocks of split ``sp``: [lo, hi) of the ``nb`` cache blocks and TB tree blocks (cache blocks first),
-    and ``mid``, where its cache blocks end and its tree blocks begin. Each split takes ceil(total / NS) blocks
-    in order, so the last splits may hold fewer or none (shares that differ by at most one block were slower
-    at 12 of 15 points on the H200, session 48). With ``peer_merge`` (two splits) split 1 takes the first
-    total - (total - 1) // 2 and split 0 the rest, at least one block fewer, so that its output is stored before
-    split 1's loop ends."""
-    total = nb + tree_blocks
-    if peer_merge:
-        first = jnp.minimum(total - (total - 1) // 2, total)  # split 1's share
-        lo = jnp.where(sp == 1, 0, first)
-        hi = jnp.where(sp == 1, first, total)
-        return lo, jnp.clip(nb, lo, hi), hi
-    per = (total + num_splits - 1) // num_splits
-    lo = jnp.minimum(sp * per, total)
-    hi = jnp.minimum(lo + per, total)
-    return lo, jnp.clip(nb, lo, hi), hi
-
-
 def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, kv_lora_rank, block_k=64,
                     stages=2, num_splits=1, share_scores=True, valid_rows=None, profile_dir=None, profile_regions=0,
                     profile_names=None, first_block_alone=None, pv_first=True, store_early=True, peer_merge=False):
@@ -230,7 +154,7 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
     are NBP = ceil(prefix_len / BK) cache blocks, the last one partial when BK does not divide prefix_len
     (masked to its prefix_len % BK keys, its value rows past the prefix zeroed in shared memory: NaN there
     cannot leak), then TP / BK tree blocks masked per row by the bits. Split s takes the blocks
-    ``_split_range(NBP, TP / BK, s, NS)`` gives it. Returns (o [NS, B, V, L] bf16, lse [NS, B, V] f32,
+    ``split_range(NBP, TP / BK, s, NS)`` gives it. Returns (o [NS, B, V, L] bf16, lse [NS, B, V] f32,
     natural log), each split normalised on its own; a row that sees no key in a split has o = 0 and lse =
     -inf there. V = ``valid_rows``: R by default, or with one 64-row tile the first V rows (a multiple of
     8), so that a decode step of few heads writes and merges only its real rows' partials.
@@ -254,7 +178,7 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
 
     ``peer_merge`` (two splits of whole tiles, shared scores; ``tree_attention_mgpu``'s choice there): no merge
     launch follows. Split 0 takes the last (total - 1) // 2 blocks, at least one fewer than split 1
-    (``_split_range``: its store then lands before split 1's loop ends; 5 % faster than equal shares at T = 128,
+    (``split_range``: its store then lands before split 1's loop ends; 5 % faster than equal shares at T = 128,
     H = 8, B = 4 over 1K, session 47), stores its partial into the outputs and, once its copies are complete,
     each of its consumers adds 1 to the tile's counter in global memory
     (``pl.get_global``). Split 1's consumer 1 waits until the counter reaches 2 and takes 2 back (0 again for the
@@ -291,7 +215,7 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
     scale_log2 = float(scale) * _LOG2E
     n_tiles, TB = Np // ROWS, TP // BK
     first_block_alone = bool(tail) if first_block_alone is None else bool(first_block_alone)
-    V = _check_valid_rows(valid_rows, Np)
+    V = check_valid_rows(valid_rows, Np)
     store_early = bool(store_early) and share_scores  # without shared scores both consumers read the query tile
     peer_merge = bool(peer_merge)
     if peer_merge and not peer_merge_fits(NS, bool(tail), share_scores, V == Np):
@@ -317,7 +241,7 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
         # split 0's two consumers signal the tile's counter once their halves are stored; split 1 waits for both
         counters = pl.get_global(plgpu.SemaphoreType.REGULAR((B * n_tiles,))) if peer_merge else None
         tile_counter = lambda: counters.at[b * n_tiles + tile]  # noqa: E731
-        rem, nbp, lo, n_whole, n_cache, n_all = _block_steps(plen_ref[b], TB, sp, NS, BK, peer_merge)
+        rem, nbp, lo, n_whole, n_cache, n_all = block_steps(plen_ref[b], TB, sp, NS, BK, peer_merge)
         # with a tail, consumer 0 hands p to consumer 1 in the key block's rope columns, which both have read
         probs = (lambda slot: k_smem.at[slot, :, pl.ds(C - 64, 64)]) if tail else (lambda slot: p_smem)  # noqa: E731
 
@@ -638,7 +562,7 @@ def split_attention_ref(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, sca
     B, R, C, S, TP = check_in_place_inputs(q_rows, cache_kv, tree_kv, tree_bits, BK, "split_attention_ref")
     plen = jnp.clip(prefix_len.astype(jnp.int32), 0, S)
     nbp = -(-plen // BK)                                                            # [B] cache blocks read
-    lo, mid, hi = _split_range(nbp[None], TP // BK, jnp.arange(NS)[:, None], NS)    # [NS, B]
+    lo, mid, hi = split_range(nbp[None], TP // BK, jnp.arange(NS)[:, None], NS)    # [NS, B]
     cache_block = jnp.arange(S) // BK
     in_cache = (cache_block >= lo[..., None]) & (cache_block < mid[..., None]) \
         & (jnp.arange(S) < plen[:, None])                                           # [NS, B, S]
@@ -669,15 +593,8 @@ def dense_split_partials(q_rows, keys, sees, readable, *, scale, kv_lora_rank, v
     empty = l == 0.0
     o = jnp.where(empty[..., None], 0.0, o / jnp.where(empty, 1.0, l)[..., None]).astype(jnp.bfloat16)
     lse = jnp.where(empty, -jnp.inf, m[..., 0] + jnp.log(jnp.where(empty, 1.0, l)))
-    V = _check_valid_rows(valid_rows, q_rows.shape[1])
+    V = check_valid_rows(valid_rows, q_rows.shape[1])
     return o[:, :, :V], lse[:, :, :V]
-
-
-def valid_rows_for(T: int, H: int) -> int | None:
-    """``split_attention``'s valid_rows for T nodes x H heads: N = T*H when that is one partial tile
-    (N < 64, a multiple of 8: the partials of only the real rows are written and merged), else None."""
-    n = T * H
-    return n if n < ROWS and n % 8 == 0 else None
 
 
 def default_kernel_name(T: int, H: int, C: int, L: int, block_k: int = 64) -> str:
@@ -690,12 +607,6 @@ def default_kernel_name(T: int, H: int, C: int, L: int, block_k: int = 64) -> st
     if keys_as_m and valid_rows is not None and valid_rows <= NARROW_MAX_ROWS:
         return "narrow"
     return "tail" if keys_as_m and tail_rows_of(T * H) else "tiles"
-
-
-def peer_merge_fits(num_splits: int, tail: bool, share_scores: bool, whole_tiles: bool) -> bool:
-    """Whether :func:`split_attention` can merge its splits itself (``peer_merge``): two splits of whole 64-row
-    tiles (no tail, every row written) with shared scores."""
-    return num_splits == 2 and not tail and share_scores and whole_tiles
 
 
 def uses_peer_merge(kernel, num_splits: int, tail: bool, share_scores: bool, valid_rows) -> bool:
@@ -734,16 +645,6 @@ def default_plan(B: int, T: int, H: int, S: int, C: int, L: int, block_k: int = 
     _, _, splits, peer = _kernel_plan(B, T, H, S, C, L, block_k, num_sms, None, None, True, True)
     return dict(path=default_kernel_name(T, H, C, L, block_k), num_splits=splits,
                 merge="none" if splits == 1 else "kernel" if peer else "launch")
-
-
-def _check_valid_rows(valid_rows, rows: int) -> int:
-    """V for ``split_attention``: ``rows`` (Np) by default, else a multiple of 8 in (0, 64) with one tile."""
-    if valid_rows is None or valid_rows == rows:
-        return rows
-    if rows != ROWS or not (0 < valid_rows < ROWS and valid_rows % 8 == 0):
-        raise ValueError(f"valid_rows={valid_rows} must be Np={rows}, or a multiple of 8 below {ROWS} when q_rows "
-                         f"is one {ROWS}-row tile")
-    return valid_rows
 
 
 def tree_attention_mgpu(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, kv_lora_rank,

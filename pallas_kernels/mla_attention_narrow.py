@@ -36,7 +36,8 @@ from jax.experimental import pallas as pl
 from pallas_kernels.mgpu_attention_parts import (PARTIAL, SMEM_LIMIT, TREE, WHOLE, WORD, plgpu, profiler_params,
                                                  region_scope, store_swapped_output, stream_key_blocks,
                                                  swapped_scores, swapped_softmax, zero_rows_from)
-from pallas_kernels.mla_attention_mgpu import ROWS, _block_steps, check_in_place_inputs
+from pallas_kernels.mla_attention_plan import ROWS, block_steps
+from pallas_kernels.mla_kernel_inputs import check_in_place_inputs
 from pallas_kernels.tree_attention import _LOG2E
 
 __all__ = ["split_attention_narrow", "narrow_smem_bytes", "NARROW_MAX_ROWS"]
@@ -86,7 +87,7 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
     q_rows [B, R, C] bf16 with R = V (``tree_attention_mgpu`` hands over exactly the real rows: no padded
     copy of the queries) or R = 64 (rows V.. are ignored), cache_kv [B, S, C] bf16, prefix_len [B]
     int32 in [0, S] (``tree_attention_mgpu`` clamps it), tree_kv [B, TP, C] bf16 and tree_bits int32
-    [B, TP/32, R] (``tree_inputs``). Split s takes the blocks ``_split_range(NBP, TP/64, s, NS)`` gives it.
+    [B, TP/32, R] (``tree_inputs``). Split s takes the blocks ``split_range(NBP, TP/64, s, NS)`` gives it.
     Returns (o [NS, B, V, L] bf16, lse [NS, B, V] f32, natural log), each split normalised on its own; a row
     that sees no key in a split has o = 0 and lse = -inf there. ``share_scores`` is accepted for the common
     signature and unused (one consumer).
@@ -127,7 +128,7 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
         b = lax.axis_index("stream")
         sp = lax.axis_index("split")
         wg = lax.axis_index("wg")
-        rem, nbp, lo, n_whole, n_cache, n_all = _block_steps(plen_ref[b], TB, sp, NS, BK)
+        rem, nbp, lo, n_whole, n_cache, n_all = block_steps(plen_ref[b], TB, sp, NS, BK)
 
         @pl.when(wg == 1)
         def _producer():

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import mla_attention_mgpu as M
+from pallas_kernels import mla_attention_plan as P
 from pallas_kernels.split_combine import combine_splits, combine_splits_ref
 from pallas_kernels.tree_attention import fold_rows, mla_attention, tree_attention_ref
 from tests.test_tree_attention_kernel import as_jax, dense_reference, make_case
@@ -126,7 +127,7 @@ def test_cascade_with_twin_prefix_matches_dense(B, T, H, S, plens, kind, NS):
 
 
 def test_default_splits_fill_the_gpu_only_when_needed():
-    assert M.default_splits(1, 1, 65536, 64) == M.MAX_SPLITS == 128
+    assert M.default_splits(1, 1, 65536, 64) == P.MAX_SPLITS == 128
     assert M.default_splits(1, 1, 65536, 64, num_sms=16) == 16
     assert M.default_splits(16, 1, 8192, 64) == 8        # 128 programs: one wave, not 144
     assert M.default_splits(16, 256, 8192, 64) == 1
@@ -366,13 +367,13 @@ def test_splits_take_ceil_shares_in_order():
     for nb, tree_blocks, NS in [(nb, tb, ns) for nb in range(0, 70, 3) for tb in (0, 1, 4) for ns in (1, 3, 8, 17)] \
             + [(1024, 1, 128), (128, 1, 8)]:
         total = nb + tree_blocks
-        ranges = [[int(x) for x in M._split_range(jnp.int32(nb), tree_blocks, jnp.int32(sp), NS)] for sp in range(NS)]
+        ranges = [[int(x) for x in P.split_range(jnp.int32(nb), tree_blocks, jnp.int32(sp), NS)] for sp in range(NS)]
         assert ranges[0][0] == 0 and ranges[-1][2] == total, (nb, tree_blocks, NS)
         assert all(a[2] == b[0] for a, b in zip(ranges, ranges[1:])), (nb, tree_blocks, NS)
         per = -(-total // NS)
         assert [hi - lo for lo, _, hi in ranges] == [min(per, max(total - sp * per, 0)) for sp in range(NS)]
         assert all(mid == min(max(nb, lo), hi) for lo, mid, hi in ranges), (nb, tree_blocks, NS)
-    ranges = (M._split_range(jnp.int32(1024), 1, jnp.int32(sp), 128) for sp in range(128))
+    ranges = (P.split_range(jnp.int32(1024), 1, jnp.int32(sp), 128) for sp in range(128))
     sizes = [int(hi - lo) for lo, _, hi in ranges]
     assert sizes == [9] * 113 + [8] + [0] * 14
 
@@ -385,7 +386,7 @@ def test_peer_merge_split_1_takes_at_least_one_block_more(tree_blocks):
     for nb in range(0, 40):
         total = nb + tree_blocks
         (lo1, mid1, hi1), (lo0, mid0, hi0) = (
-            [int(x) for x in M._split_range(jnp.int32(nb), tree_blocks, jnp.int32(sp), 2, True)] for sp in (1, 0))
+            [int(x) for x in P.split_range(jnp.int32(nb), tree_blocks, jnp.int32(sp), 2, True)] for sp in (1, 0))
         assert (lo1, hi1, hi0) == (0, lo0, total), (nb, tree_blocks)
         assert hi1 - lo1 == (hi0 - lo0) + 1 + (total % 2 == 0), (nb, tree_blocks)
         assert (mid1, mid0) == (min(nb, hi1), max(min(nb, hi0), lo0)), (nb, tree_blocks)
