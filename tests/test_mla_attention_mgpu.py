@@ -18,7 +18,6 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import mla_attention_mgpu as M
-from pallas_kernels import mla_attention_plan as P
 from pallas_kernels.split_combine import combine_splits, combine_splits_ref
 from pallas_kernels.tree_attention import fold_rows, mla_attention, tree_attention_ref
 from tests.test_tree_attention_kernel import as_jax, dense_reference, make_case
@@ -124,27 +123,6 @@ def test_cascade_with_twin_prefix_matches_dense(B, T, H, S, plens, kind, NS):
         o2, lse2 = jax.jit(functools.partial(op, combine=functools.partial(combine_splits, interpret=True)))(*args)
         np.testing.assert_allclose(np.asarray(o2, np.float32), np.asarray(o, np.float32), atol=8e-3, rtol=8e-3)
         np.testing.assert_allclose(np.asarray(lse2), np.asarray(lse), rtol=1e-6, atol=1e-6)
-
-
-def test_default_splits_fill_the_gpu_only_when_needed():
-    assert M.default_splits(1, 1, 65536, 64) == P.MAX_SPLITS == 128
-    assert M.default_splits(1, 1, 65536, 64, num_sms=16) == 16
-    assert M.default_splits(16, 1, 8192, 64) == 8        # 128 programs: one wave, not 144
-    assert M.default_splits(16, 256, 8192, 64) == 1
-    assert M.default_splits(1, 1, 256, 64) == 2          # at least 2 blocks per split
-    assert M.default_splits(1, 1, 256, 64, min_blocks=1) == 4
-    # one block a split with at most 32 real rows, or over a cache of at most 1K where a wave holds a program per
-    # block; else 2 (the tree adds its blocks)
-    assert M.splits_for(4, 1, 8, 1024) == 17 and M.splits_for(1, 8, 8, 1024) == 18
-    assert M.splits_for(1, 1, 8, 2048) == 33 and M.splits_for(1, 1, 8, 8192) == 128  # 8 rows
-    assert M.splits_for(1, 4, 8, 4096) == 66 and M.splits_for(1, 8, 8, 4096) == 33  # 32 rows; 64
-    assert M.splits_for(1, 1, 64, 8192) == 64 and M.splits_for(1, 8, 8, 8192) == 65  # 64 rows over 8K
-    assert M.splits_for(1, 1, 64, 1032) == 8 and M.splits_for(16, 1, 64, 1024) == 8  # 1032 > 1K; a wave
-    assert M.splits_for(4, 1, 64, 1024) == 17 and M.splits_for(1, 32, 8, 1024) == 18  # 68 and 72 programs
-    assert M.splits_for(1, 64, 8, 1024) == 9 and M.splits_for(1, 8, 64, 1024) == 9  # 8 tiles x 18 blocks > a wave
-    # T = 9, H = 8: one tile and a tail fills the wave with twice the splits of two tiles
-    assert M.splits_for(1, 9, 8, 65536) == 128 and M.splits_for(1, 9, 8, 65536, tail=False) == 66
-    assert M.splits_for(16, 9, 8, 8192) == 8 and M.splits_for(16, 10, 8, 8192) == 4
 
 
 def test_shared_memory_of_one_tile_and_a_tail_fits_where_two_tiles_leave_no_room():
@@ -358,38 +336,6 @@ def test_peer_merge_lowers_for_cuda_on_cpu_to_merged_outputs(T, H, rows):
                                   kernel=functools.partial(M.split_attention, peer_merge=True)))
     text = f.trace(*k26_spec(2, T, H, 1024)).lower(lowering_platforms=("cuda",)).as_text()
     assert f"tensor<1x2x{rows}x512xbf16>" in text and "combine_splits" not in text
-
-
-def test_splits_take_ceil_shares_in_order():
-    """Without ``peer_merge`` the NS splits take every block once, in order, cache blocks before tree blocks,
-    ceil(total / NS) each until the blocks run out: 1 025 blocks over 128 splits are 113 x 9, one 8 and 14 empty
-    splits (the shipped rule: even shares were slower on the H200 at 12 of 15 points, session 48)."""
-    for nb, tree_blocks, NS in [(nb, tb, ns) for nb in range(0, 70, 3) for tb in (0, 1, 4) for ns in (1, 3, 8, 17)] \
-            + [(1024, 1, 128), (128, 1, 8)]:
-        total = nb + tree_blocks
-        ranges = [[int(x) for x in P.split_range(jnp.int32(nb), tree_blocks, jnp.int32(sp), NS)] for sp in range(NS)]
-        assert ranges[0][0] == 0 and ranges[-1][2] == total, (nb, tree_blocks, NS)
-        assert all(a[2] == b[0] for a, b in zip(ranges, ranges[1:])), (nb, tree_blocks, NS)
-        per = -(-total // NS)
-        assert [hi - lo for lo, _, hi in ranges] == [min(per, max(total - sp * per, 0)) for sp in range(NS)]
-        assert all(mid == min(max(nb, lo), hi) for lo, mid, hi in ranges), (nb, tree_blocks, NS)
-    ranges = (P.split_range(jnp.int32(1024), 1, jnp.int32(sp), 128) for sp in range(128))
-    sizes = [int(hi - lo) for lo, _, hi in ranges]
-    assert sizes == [9] * 113 + [8] + [0] * 14
-
-
-@pytest.mark.parametrize("tree_blocks", [1, 2, 3])
-def test_peer_merge_split_1_takes_at_least_one_block_more(tree_blocks):
-    """With ``peer_merge`` split 1 takes the first total - (total - 1) // 2 blocks and split 0 the rest: together
-    every block once, in order, cache blocks before tree blocks, and split 1 at least one block more (its merge
-    waits for split 0's store)."""
-    for nb in range(0, 40):
-        total = nb + tree_blocks
-        (lo1, mid1, hi1), (lo0, mid0, hi0) = (
-            [int(x) for x in P.split_range(jnp.int32(nb), tree_blocks, jnp.int32(sp), 2, True)] for sp in (1, 0))
-        assert (lo1, hi1, hi0) == (0, lo0, total), (nb, tree_blocks)
-        assert hi1 - lo1 == (hi0 - lo0) + 1 + (total % 2 == 0), (nb, tree_blocks)
-        assert (mid1, mid0) == (min(nb, hi1), max(min(nb, hi0), lo0)), (nb, tree_blocks)
 
 
 def test_the_op_merges_two_splits_of_whole_tiles_in_the_kernel():
