@@ -34,7 +34,8 @@ that the GPU does not wait for inside one program. ``ms_with_launch`` is the n-c
 ``op_ms`` (Mosaic GPU kernels, since session 22) is the op's own device time per call from the same trace
 (median over calls of its attention kernel's start to its merge's end, ``bench_util.op_spans``): without
 the chain's tie (a one-element copy and the NaN check, ~2 µs a call, which a model does not run) and the
-launch gap before the kernel; ``pct_floor_op`` is the floor's share of it.
+launch gap before the kernel; ``pct_floor_op`` is the floor's share of it; ``op_kernels_us`` the median duration of
+each of the op's kernels (the attention kernel, the merge), in µs.
 Roofline: bytes = valid cache rows + q + tree_kv + output, read/written once; FLOPs = 2*B*T*H*(P+T)*(C+L).
 Floors use the copy bandwidth and bf16 matmul rate measured in the same run (bench_util; the rate is the larger
 of the wall-clock chained and the traced peak, both recorded).
