@@ -143,8 +143,7 @@ def unsupported_reason(q_shape, cache_shape, kv_lora_rank, *dtypes) -> str | Non
 
 def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, kv_lora_rank, block_k=64,
                     stages=2, num_splits=1, share_scores=True, valid_rows=None, profile_dir=None, profile_regions=0,
-                    profile_names=None, first_block_alone=None, pv_first=True, store_early=True, peer_merge=False,
-                    peer_last=False):
+                    profile_names=None, first_block_alone=None, pv_first=True, store_early=True, peer_merge=False):
     """The Mosaic GPU kernel: attention of 64-row query tiles over each stream's prefix, read in place from
     the cache, and its tree, in NS splits.
 
@@ -242,7 +241,7 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
         # split 0's two consumers signal the tile's counter once their halves are stored; split 1 waits for both
         counters = pl.get_global(plgpu.SemaphoreType.REGULAR((B * n_tiles,))) if peer_merge else None
         tile_counter = lambda: counters.at[b * n_tiles + tile]  # noqa: E731
-        rem, nbp, lo, n_whole, n_cache, n_all = block_steps(plen_ref[b], TB, sp, NS, BK, peer_merge, peer_last)
+        rem, nbp, lo, n_whole, n_cache, n_all = block_steps(plen_ref[b], TB, sp, NS, BK, peer_merge)
         # with a tail, consumer 0 hands p to consumer 1 in the key block's rope columns, which both have read
         probs = (lambda slot: k_smem.at[slot, :, pl.ds(C - 64, 64)]) if tail else (lambda slot: p_smem)  # noqa: E731
 

@@ -74,19 +74,18 @@ def splits_for(B: int, T: int, H: int, S: int, block_k: int = 64, num_sms: int =
     return default_splits(B, n_tiles, keys, block_k, num_sms, min_blocks=1 if one_block else 2)
 
 
-def block_steps(plen, tree_blocks: int, sp, num_splits: int, block_k: int, peer_merge: bool = False,
-                peer_last: bool = False):
+def block_steps(plen, tree_blocks: int, sp, num_splits: int, block_k: int, peer_merge: bool = False):
     """A program's key blocks, inside a kernel: (rem keys of the partial cache block, nbp = cache blocks read,
     lo = its first block, then the step bounds: [0, n_whole) whole cache blocks, [n_whole, n_cache) the
     partial block (0 or 1 step), [n_cache, n_all) tree blocks)."""
     nb = plen // block_k
     rem = plen - nb * block_k
     nbp = nb + (rem > 0).astype(jnp.int32)
-    lo, mid, hi = split_range(nbp, tree_blocks, sp, num_splits, peer_merge, peer_last)
+    lo, mid, hi = split_range(nbp, tree_blocks, sp, num_splits, peer_merge)
     return rem, nbp, lo, jnp.clip(nb, lo, mid) - lo, mid - lo, hi - lo
 
 
-def split_range(nb, tree_blocks: int, sp, num_splits: int, peer_merge: bool = False, peer_last: bool = False):
+def split_range(nb, tree_blocks: int, sp, num_splits: int, peer_merge: bool = False):
     """Blocks of split ``sp``: [lo, hi) of the ``nb`` cache blocks and TB tree blocks (cache blocks first),
     and ``mid``, where its cache blocks end and its tree blocks begin. Each split takes ceil(total / NS) blocks
     in order, so the last splits may hold fewer or none (shares that differ by at most one block were slower
@@ -94,11 +93,6 @@ def split_range(nb, tree_blocks: int, sp, num_splits: int, peer_merge: bool = Fa
     total - (total - 1) // 2 and split 0 the rest, at least one block fewer, so that its output is stored before
     split 1's loop ends."""
     total = nb + tree_blocks
-    if peer_merge and peer_last:  # (an A/B) split 0 the first (total - 1) // 2 blocks, split 1 the rest
-        first = (total - 1) // 2
-        lo = jnp.where(sp == 1, first, 0)
-        hi = jnp.where(sp == 1, total, first)
-        return lo, jnp.clip(nb, lo, hi), hi
     if peer_merge:
         first = jnp.minimum(total - (total - 1) // 2, total)  # split 1's share
         lo = jnp.where(sp == 1, 0, first)
