@@ -94,7 +94,6 @@ __all__ = ["tree_attention_mgpu", "split_attention", "split_attention_ref", "tre
            "uses_peer_merge", "default_plan",
            "TAIL_ROWS"]
 
-
 MERGE_COLUMNS = 64     # (peer_merge) output columns merged at a time
 
 
