@@ -323,8 +323,8 @@ def device_time(fn, inputs, calls=8, op_kernels=None):
     the op's kernels or {}); the last two need ``op_kernels``, a name predicate."""
     q, caches, plen, tkv, mask = inputs
     r = bench_util.traced_call_time(fn, (q, caches, plen, tkv, mask), calls, chain=chained, op_kernels=op_kernels)
-    parts = {name: float(np.median(us)) for name, us in r["launches_us"].items()
-             if op_kernels is not None and op_kernels(name)}
+    parts = {name: float(np.median(us)) for name, us in r["launches_us"].items() if op_kernels(name)} \
+        if op_kernels is not None else {}
     return r["span_s"], r.get("op_span_s"), parts
 
 

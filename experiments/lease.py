@@ -124,9 +124,10 @@ def main(argv=None) -> int:
         ap.error(f"step names must be distinct, got {names}")
     records = run_steps(steps, args.out, args.budget_s)
     archive = args.pack
-    if archive is None and args.max_files and count_files(args.out) > args.max_files:
+    left = count_files(args.out)
+    if archive is None and args.max_files and left > args.max_files:
         archive = "lease_pack.tar.gz"
-        print(f"{count_files(args.out)} files under {args.out}, more than --max-files {args.max_files}: packing them")
+        print(f"{left} files under {args.out}, more than --max-files {args.max_files}: packing them")
     if archive:
         print(f"packed {len(pack(args.out, archive))} entries into {os.path.join(args.out, archive)}")
     print(f"\n{'step':16s} {'rc':>8s} {'seconds':>8s}  last line")
