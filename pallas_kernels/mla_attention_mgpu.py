@@ -58,6 +58,11 @@ Design:
   to consumer 1 in the key block's rope columns, once the tail's q·kᵀ has read them (``rope_free``). The
   tail's output and LSE reuse its queries' memory (1.1-1.3x faster than two tiles on the H200, session 25).
 
+Registers: consumer 0 uses 229 of its 232 (ptxas, whole tiles), and code added elsewhere can tip its loop over
+whole blocks into spilling, even code in the producer (session 45: merge work in consumer 0; session 49: a fetch in
+the producer; each 7-11 % slower over 8K). Check a change with ``experiments/dump_isa.py attention``
+(``spills_by_region``) before timing it.
+
 Masked scores are set to a large finite negative (not -inf), so a row that has seen only masked keys
 so far carries finite placeholder weights, which the first visible key rescales to exactly zero; a
 row that sees no key in a split is reported empty (output 0, LSE -inf). The same kernel serves plain
