@@ -109,7 +109,7 @@ def smem_bytes(C: int, block_k: int, stages: int, share_scores: bool = True, tai
     docstring, "Tail rows") the query tile leaves out its last 64 columns (consumer 0 holds them in
     registers) and the probabilities go to a key block's rope columns; the tail's query rows (whose memory
     its output and LSE reuse), its pᵀ tile and the reduction scratch of its softmax take their place. With
-    ``peer_merge``, four barriers more. Each buffer counts whole 1024-byte units, as Mosaic GPU allocates them."""
+    ``peer_merge``, three barriers more. Each buffer counts whole 1024-byte units, as Mosaic GPU allocates them."""
     def unit(nbytes):
         return -(-nbytes // 1024) * 1024
     words = unit(stages * (block_k // WORD) * ROWS * 4)
@@ -118,7 +118,7 @@ def smem_bytes(C: int, block_k: int, stages: int, share_scores: bool = True, tai
         return (unit(2 * ROWS * (C - 64)) + stages * unit(2 * block_k * C) + words + unit(12 * ROWS)
                 + unit(max(2 * tail * C, unit(2 * tail * (C - 64)) + 4 * tail)) + unit(2 * tail * 64)
                 + tail_scratch_bytes(tail) + barriers)
-    barriers = 8 * (1 + 3 * stages + 1 + (2 if share_scores else 0) + (4 if peer_merge else 0))
+    barriers = 8 * (1 + 3 * stages + 1 + (2 if share_scores else 0) + (3 if peer_merge else 0))
     shared = unit(2 * ROWS * block_k) if share_scores else 0
     return unit(2 * ROWS * C) + stages * unit(2 * block_k * C) + words + unit(12 * ROWS) + barriers + shared
 
@@ -147,8 +147,7 @@ def unsupported_reason(q_shape, cache_shape, kv_lora_rank, *dtypes) -> str | Non
 
 def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, kv_lora_rank, block_k=64,
                     stages=2, num_splits=1, share_scores=True, valid_rows=None, profile_dir=None, profile_regions=0,
-                    profile_names=None, first_block_alone=None, pv_first=True, store_early=True, peer_merge=False,
-                    producer_fetch=True, registers=(40, 232)):
+                    profile_names=None, first_block_alone=None, pv_first=True, store_early=True, peer_merge=False):
     """The Mosaic GPU kernel: attention of 64-row query tiles over each stream's prefix, read in place from
     the cache, and its tree, in NS splits.
 
@@ -186,11 +185,9 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
     (``split_range``: its store then lands before split 1's loop ends; 5 % faster than equal shares at T = 128,
     H = 8, B = 4 over 1K, session 47), stores its partial into the outputs and, once its copies are complete,
     each of its consumers adds 1 to the tile's counter in global memory
-    (``pl.get_global``). In split 1, once consumer 0 has left the query tile, the producer (``producer_fetch``;
-    else consumer 1 after its loop) waits until the counter reaches 2 and takes 2 back (0 again for the next
-    call), and copies split 0's output into the query tile's memory and its LSE into a stat row. Consumer 1
-    computes the weights from the LSEs (with that work in consumer 0 its block loop spilled, session 45).
-    Each consumer merges its half with its
+    (``pl.get_global``). Split 1's consumer 1 waits until the counter reaches 2 and takes 2 back (0 again for the
+    next call), copies split 0's output into the query tile's memory and computes the weights from the LSEs
+    (with that work in consumer 0 its block loop spilled, session 45). Each consumer merges its half with its
     accumulator (f32, 64 columns at a time) and stores it over split 0's: the outputs are the merged o [1, B, V,
     L] and lse [1, B, V]. Split 0 never waits, and a tile's two splits launch side by side, split 0 first.
     """
@@ -204,11 +201,6 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
         raise ValueError(f"block_k={BK} must be 64, 128 or 256")
     if stages < 2:
         raise ValueError(f"stages={stages} must be >= 2")
-    registers = tuple(int(r) for r in registers)
-    if len(registers) != 2 or any(r % 8 or not 24 <= r <= 256 for r in registers) \
-            or registers[0] + 2 * registers[1] > 512:
-        raise ValueError(f"registers={registers} must be (producer, consumer) counts, multiples of 8 in [24, 256] "
-                         "within 512 for the three warpgroups")
     if NS < 1:
         raise ValueError(f"num_splits={NS} must be >= 1")
     R, C = q_rows.shape[1], q_rows.shape[-1]
@@ -254,20 +246,12 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
         counters = pl.get_global(plgpu.SemaphoreType.REGULAR((B * n_tiles,))) if peer_merge else None
         tile_counter = lambda: counters.at[b * n_tiles + tile]  # noqa: E731
         rem, nbp, lo, n_whole, n_cache, n_all = block_steps(plen_ref[b], TB, sp, NS, BK, peer_merge)
-
-        def fetch_split_0(lse=True):  # (peer_merge, split 1, after the counter) split 0's output into o_smem
-            async_proxy_fence()
-            rows = pl.ds(tile * ROWS, ROWS)
-            for h in range(2):
-                plgpu.copy_gmem_to_smem(o_ref.at[0, b, rows, pl.ds(h * LH, LH)], o_smem.at[h], merge_bars.at[h])
-            if lse:
-                plgpu.copy_gmem_to_smem(lse_ref.at[0, b, rows], stat_smem.at[3], merge_bars.at[2])
         # with a tail, consumer 0 hands p to consumer 1 in the key block's rope columns, which both have read
         probs = (lambda slot: k_smem.at[slot, :, pl.ds(C - 64, 64)]) if tail else (lambda slot: p_smem)  # noqa: E731
 
         @pl.when(wg == 2)
         def _producer():
-            plgpu.set_max_registers(registers[0], action="decrease")
+            plgpu.set_max_registers(40, action="decrease")
             plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(tile * ROWS, ROWS), pl.ds(0, CQ)], q_smem, q_bar)
             if tail:
                 plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(ROWS, tail)], qt_smem, qt_bar)
@@ -278,17 +262,10 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
 
             stream_key_blocks(kv_ref, tkv_ref, b, lo, nbp, n_cache, n_all, k_smem, k_bars, consumed_bars, stages, BK,
                               on_tree_block=copy_mask_words, first_block_alone=first_block_alone, region=region)
-            if peer_merge and producer_fetch:
-                @pl.when(sp == 1)
-                def _fetch_split_0():  # into the query tile's memory once consumer 0 has left it, and the LSE
-                    plgpu.barrier_wait(done_bar)
-                    with region("peer_wait"):
-                        plgpu.semaphore_wait(tile_counter(), 2, memory_scope="gpu")  # (and back to 0)
-                    fetch_split_0()
 
         def consumer(half):
             scores_here = half == 0 or not share_scores  # this warpgroup computes q.k and the softmax
-            plgpu.set_max_registers(registers[1], action="increase")
+            plgpu.set_max_registers(232, action="increase")
             # with a tail, the queries' last 64 columns in registers, from global memory: loaded before anything
             # waits, so that the load does not queue behind the key blocks' copies
             q_rope = None
@@ -477,17 +454,14 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
                         plgpu.commit_smem()
                     wait_for_stats()
                     if half == 1:  # once split 0 has stored both halves: its LSE, and its output into o_smem
-                        if producer_fetch:
-                            with region("peer_lse"):
-                                plgpu.barrier_wait(merge_bars.at[2])
-                                theirs = plgpu.load(stat_smem.at[3], (), layout=row_layout) * _LOG2E
-                        else:
-                            with region("peer_wait"):  # (and back to 0 for the next call)
-                                plgpu.semaphore_wait(tile_counter(), 2, memory_scope="gpu")
-                            fetch_split_0(lse=False)
-                            with region("peer_lse"):
-                                theirs = plgpu.load(lse_ref, (0, b, rows), layout=row_layout,
-                                                    optimized=False) * _LOG2E
+                        with region("peer_wait"):  # (and back to 0 for the next call)
+                            plgpu.semaphore_wait(tile_counter(), 2, memory_scope="gpu")
+                        async_proxy_fence()
+                        for h in range(2):
+                            plgpu.copy_gmem_to_smem(o_ref.at[0, b, rows, pl.ds(h * LH, LH)], o_smem.at[h],
+                                                    merge_bars.at[h])
+                        with region("peer_lse"):
+                            theirs = plgpu.load(lse_ref, (0, b, rows), layout=row_layout, optimized=False) * _LOG2E
                         l0 = plgpu.load(stat_smem.at[1], (), layout=row_layout)
                         mine_empty = l0 == 0.0
                         mine = jnp.where(mine_empty, -jnp.inf, plgpu.load(lse_smem, (), layout=row_layout))
@@ -569,7 +543,7 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
             plgpu.Barrier() if share_scores else None,
             tail_scratch[2],
             tail_scratch[3],
-            plgpu.Barrier(num_barriers=3) if peer_merge else None,
+            plgpu.Barrier(num_barriers=2) if peer_merge else None,
             plgpu.Barrier() if peer_merge else None,
         ),
         grid=(B, n_tiles, NS), grid_names=("stream", "tile", "split"),

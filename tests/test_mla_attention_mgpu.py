@@ -306,12 +306,10 @@ def test_kernel_options_lower_for_cuda_on_cpu(T, H, option):
     (2, 64, 64, 2048, "tree"), (2, 1, 64, 4096, "chain"), (3, 8, 8, 1000, "tree"), (2, 33, 64, 1000, "tree"),
     (2, 200, 8, 64, "tree"),      # the split inside the tree
 ])
-@pytest.mark.parametrize("producer_fetch", [True, False])
-def test_gpu_peer_merge_matches_twin_k26(B, T, H, S, kind, producer_fetch):
-    """Two splits merged in the kernel (``peer_merge``), split 0's output fetched by split 1's producer or by its
-    consumer 1. Stream 0 has no prefix (``check_kernel_k26``), so where the tree is one block, split 0 sees no key."""
-    check_kernel_k26(B, T, H, S, kind, 2, True, True,
-                     functools.partial(M.split_attention, peer_merge=True, producer_fetch=producer_fetch))
+def test_gpu_peer_merge_matches_twin_k26(B, T, H, S, kind):
+    """Two splits merged in the kernel (``peer_merge``). Stream 0 has no prefix (``check_kernel_k26``), so where the
+    tree is one block, split 0 sees no key."""
+    check_kernel_k26(B, T, H, S, kind, 2, True, True, functools.partial(M.split_attention, peer_merge=True))
 
 
 @pytest.mark.gpu
@@ -331,13 +329,11 @@ def test_gpu_peer_merge_counters_return_to_zero_between_calls():
         assert np.linalg.norm(o - r) / np.linalg.norm(r) < 1e-2, seed
 
 
-@pytest.mark.parametrize("producer_fetch", [True, False])
 @pytest.mark.parametrize("T,H,rows", [(64, 64, 4096), (32, 8, 256)])
-def test_peer_merge_lowers_for_cuda_on_cpu_to_merged_outputs(T, H, rows, producer_fetch):
+def test_peer_merge_lowers_for_cuda_on_cpu_to_merged_outputs(T, H, rows):
     """With ``peer_merge`` the kernel's outputs are the merged [1, B, V, L] (no merge launch follows)."""
     f = jax.jit(functools.partial(M.tree_attention_mgpu, scale=K26["scale"], kv_lora_rank=K26["L"], num_splits=2,
-                                  kernel=functools.partial(M.split_attention, peer_merge=True,
-                                                           producer_fetch=producer_fetch)))
+                                  kernel=functools.partial(M.split_attention, peer_merge=True)))
     text = f.trace(*k26_spec(2, T, H, 1024)).lower(lowering_platforms=("cuda",)).as_text()
     assert f"tensor<1x2x{rows}x512xbf16>" in text and "combine_splits" not in text
 
