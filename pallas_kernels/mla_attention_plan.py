@@ -97,10 +97,10 @@ def split_range(nb, tree_blocks: int, sp, num_splits: int, peer_merge: bool = Fa
         first = jnp.minimum(total - (total - 1) // 2, total)  # split 1's share
         lo = jnp.where(sp == 1, 0, first)
         hi = jnp.where(sp == 1, first, total)
-        return lo, jnp.clip(nb, lo, hi), hi
-    per = (total + num_splits - 1) // num_splits
-    lo = jnp.minimum(sp * per, total)
-    hi = jnp.minimum(lo + per, total)
+    else:
+        per = (total + num_splits - 1) // num_splits
+        lo = jnp.minimum(sp * per, total)
+        hi = jnp.minimum(lo + per, total)
     return lo, jnp.clip(nb, lo, hi), hi
 
 
