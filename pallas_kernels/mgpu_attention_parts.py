@@ -114,22 +114,12 @@ def stream_key_blocks(kv_ref, tkv_ref, b, lo, nb, n_cache, n_all, k_smem, k_bars
 
 
 def zero_rows_from(block_ref, first_row, rows: int):
-    """Inside a kernel's consumer warpgroup: rows [first_row, rows) of a swizzled bf16 block in shared memory set
-    to zero, then fenced for the tensor cores' reads: [64 k, 64 j] with 128-byte swizzles in WGMMA's register
-    layout, 64 columns at a time; [32, 32 j] with 64-byte swizzles (32-key blocks) in the layout of a copy between
-    shared and global memory (WGMMA's needs 64 rows), 32 columns at a time."""
-    if rows % 64 == 0:
-        layout, width = plgpu.Layout.WGMMA, 64
-    elif rows == 32:
-        width = 32
-        layout = plgpu.Layout.SMEM_GMEM_COPY((rows, width), block_ref.dtype, 64)
-    else:
-        raise ValueError(f"zero_rows_from: a block of {rows} rows (64 k or 32)")
-    row = plgpu.broadcasted_iota(jnp.int32, (rows, width), 0, layout=layout)
-    for c in range(block_ref.shape[1] // width):
-        chunk = block_ref.at[:, pl.ds(c * width, width)]
-        kept = chunk[...] if layout == plgpu.Layout.WGMMA else plgpu.load(chunk, (), layout=layout)
-        chunk[...] = jnp.where(row < first_row, kept, jnp.zeros((), block_ref.dtype))
+    """Inside a kernel's consumer warpgroup: rows [first_row, rows) of a [rows, 64 k] swizzled bf16 block in
+    shared memory set to zero (64 columns at a time), then fenced for the tensor cores' reads."""
+    row = plgpu.broadcasted_iota(jnp.int32, (rows, 64), 0, layout=plgpu.Layout.WGMMA)
+    for c in range(block_ref.shape[1] // 64):
+        chunk = block_ref.at[:, pl.ds(c * 64, 64)]
+        chunk[...] = jnp.where(row < first_row, chunk[...], jnp.zeros((), block_ref.dtype))
     plgpu.commit_smem()
 
 

@@ -197,8 +197,8 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
     L = kv_lora_rank
     LH = L // 2
     WB = BK // WORD  # mask words per block
-    if BK not in (32, 64, 128, 256):  # p.v's K (keys) spans whole swizzle groups (64-byte ones at 32 keys)
-        raise ValueError(f"block_k={BK} must be 32, 64, 128 or 256")
+    if BK not in (64, 128, 256):  # Mosaic's wgmma needs K (keys, for p.v) % 64 == 0
+        raise ValueError(f"block_k={BK} must be 64, 128 or 256")
     if stages < 2:
         raise ValueError(f"stages={stages} must be >= 2")
     if NS < 1:
@@ -512,10 +512,6 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
             pl.when(wg == half)(functools.partial(consumer, half))
 
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-    # p·v's K (the block's keys) must span a whole swizzle group, and a wgmma's operands share one swizzle: with
-    # 32-key blocks the key slots, the query tile and p take 64-byte swizzles
-    key_swizzle = min(128, 2 * BK)
-    by_keys = (plgpu.TilingTransform((8, key_swizzle // 2)), plgpu.SwizzleTransform(key_swizzle))
     tail_scratch = (None, None, None, None)
     if tail:
         tail_scratch = (
@@ -530,11 +526,11 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
         out_type=(jax.ShapeDtypeStruct((1 if peer_merge else NS, B, V, L), jnp.bfloat16),
                   jax.ShapeDtypeStruct((1 if peer_merge else NS, B, V), jnp.float32)),
         scratch_types=(
-            plgpu.RefUnion(plgpu.SMEM((ROWS, CQ), jnp.bfloat16, transforms=by_keys),
+            plgpu.RefUnion(plgpu.SMEM((ROWS, CQ), jnp.bfloat16, transforms=swizzled),
                            plgpu.SMEM((2, ROWS, LH), jnp.bfloat16, transforms=swizzled)),
-            plgpu.SMEM((stages, BK, C), jnp.bfloat16, transforms=by_keys),
+            plgpu.SMEM((stages, BK, C), jnp.bfloat16, transforms=swizzled),
             plgpu.SMEM((stages, WB, ROWS), jnp.int32),
-            plgpu.SMEM((ROWS, BK), jnp.bfloat16, transforms=by_keys) if share_scores and not tail else None,
+            plgpu.SMEM((ROWS, BK), jnp.bfloat16, transforms=swizzled) if share_scores and not tail else None,
             plgpu.SMEM((4 if peer_merge else 3, ROWS), jnp.float32),
             tail_scratch[0],
             tail_scratch[1],

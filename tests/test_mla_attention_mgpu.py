@@ -68,20 +68,16 @@ def split_reference(q_rows, cache, plen, tree_kv, tree_mask, H, scale, L, BK, NS
     (3, 1, 8, 256, [0, 64, 200], "chain", 4, 8),     # plain decode: empty prefix, whole blocks, a partial one
     (2, 4, 8, 192, [191, 65], "tree", 5, 32),        # splits inside the tree block
     (1, 3, 8, 100, [100], "chain", 1, 24),           # the partial block reaches past the cache (S % 64 != 0)
-    (3, 5, 8, 320, [0, 130, 320], "tree", 5, -32),   # 32-key blocks (BK = -V)
-    (2, 40, 1, 200, [181, 64], "tree", 4, -32),      # 32-key blocks: 2 tree blocks, splits inside the tree
 ])
 def test_split_twin_on_tree_inputs_matches_reference_per_split(B, T, H, S, plens, kind, NS, V):
     """The kernels' twin on ``tree_inputs`` split by split, against the float64 loops; with V real rows also
-    on the V rows alone (the narrow kernel's form); a negative V: all rows, -V keys a block."""
+    on the V rows alone (the narrow kernel's form)."""
     L, RD, BK, Np = 128, 64, 64, 64
-    if V is not None and V < 0:
-        BK, V = -V, None
     q, cache, plen, tree_kv, mask = make_case(3, B, T, H, L, RD, S, plens, kind)
     q = np.random.default_rng(4).standard_normal((B, Np, L + RD)).astype(np.float32)
     bf = lambda a: jnp.asarray(a, jnp.bfloat16)  # noqa: E731
     keys, bits = M.tree_inputs(bf(tree_kv), jnp.asarray(mask), H, Np, BK)
-    assert keys.shape == (B, BK * -(-T // BK), L + RD) and bits.shape == (B, keys.shape[1] // 32, Np)
+    assert keys.shape == (B, 64 * -(-T // 64), L + RD) and bits.shape == (B, keys.shape[1] // 32, Np)
     assert not np.asarray(bits)[:, :, T * H:].any()                 # padding rows see no tree key
     kw = dict(scale=SCALE, kv_lora_rank=L, block_k=BK, num_splits=NS, valid_rows=V)
     o, lse = jax.jit(functools.partial(M.split_attention_ref, **kw))(bf(q), bf(cache), jnp.asarray(plen), keys, bits)
@@ -153,7 +149,7 @@ def test_errors():
     with pytest.raises(ValueError, match="block_k"):
         M.split_attention(q_rows, case[1], case[2], *tail, block_k=96, **kw)
     with pytest.raises(ValueError, match="block_k"):
-        M.split_attention(q_rows, case[1], case[2], *tail, block_k=16, **kw)
+        M.split_attention(q_rows, case[1], case[2], *tail, block_k=32, **kw)
     with pytest.raises(ValueError, match="shared memory"):
         M.split_attention(q_rows, case[1], case[2], *tail, block_k=256, stages=4, **kw)
     with pytest.raises(ValueError, match="whole 64-row tiles"):
@@ -223,12 +219,11 @@ def k26_spec(B, T, H, S):
 
 @pytest.mark.parametrize("T,H,NS,share,BK,stages,tail,rows", [
     (1, 64, 4, True, 64, 2, True, 64), (8, 8, 1, False, 64, 2, True, 64), (33, 64, 2, True, 64, 2, True, 2112),
-    (9, 8, 1, True, 64, 2, True, 72), (9, 8, 4, True, 64, 2, False, 128), (9, 8, 4, False, 64, 2, True, 128),
-    (1, 64, 4, True, 32, 4, True, 64), (64, 8, 1, True, 32, 4, True, 512), (8, 8, 3, False, 32, 4, True, 64)])
+    (9, 8, 1, True, 64, 2, True, 72), (9, 8, 4, True, 64, 2, False, 128), (9, 8, 4, False, 64, 2, True, 128)])
 def test_kernel_lowers_for_cuda_on_cpu(T, H, NS, share, BK, stages, tail, rows):
     """Mosaic GPU lowering at K2.6 dims without a GPU: layouts, transforms, wgmma shapes, barriers,
     and shared memory within the H200's 227 KB; at T*H = 72 one tile and a tail (72 rows of partials), or
-    two tiles (128) where the tail is off or the scores are not shared; 32-key blocks in four slots."""
+    two tiles (128) where the tail is off or the scores are not shared."""
     f = jax.jit(functools.partial(M.tree_attention_mgpu, scale=K26["scale"], kv_lora_rank=K26["L"],
                                   num_splits=NS, share_scores=share, block_k=BK, stages=stages, tail=tail,
                                   kernel=M.split_attention))
@@ -279,17 +274,6 @@ def test_gpu_kernel_matches_twin_k26(B, T, H, S, kind, NS, share, tail):
     """The 64-row kernel, also where the default would take the narrow one (T*H <= 32); at T*H = 72 with a
     tail of 8 rows in the tile's program (``tail``) and as two tiles."""
     check_kernel_k26(B, T, H, S, kind, NS, share, tail, M.split_attention)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("B,T,H,S,kind,NS", [
-    (2, 1, 64, 4096, "chain", None), (3, 8, 8, 1000, "tree", 5), (2, 64, 64, 2048, "tree", None),
-    (2, 33, 64, 1000, "tree", 3), (2, 200, 8, 64, "tree", 5), (2, 8, 8, 100, "chain", 1)])
-def test_gpu_32_key_blocks_match_twin_k26(B, T, H, S, kind, NS):
-    """32-key blocks through four slots (64-byte swizzles; a partial block zeroed 32 columns at a time), with
-    empty streams, splits inside the tree, two splits merged in the kernel (T = 64, H = 64 by default) and a
-    partial block past the cache."""
-    check_kernel_k26(B, T, H, S, kind, NS, True, True, M.split_attention, block_k=32, stages=4)
 
 
 KERNEL_OPTIONS = {  # split_attention's options off their default, each under GPU parity and lowered on the CPU
@@ -377,9 +361,9 @@ def test_the_op_merges_two_splits_of_whole_tiles_in_the_kernel():
     assert "tensor<2x1x4096x512xbf16>" in text and "combine_splits" in text
 
 
-def check_kernel_k26(B, T, H, S, kind, NS, share, tail, kernel, **op_kw):
-    """``kernel`` through ``tree_attention_mgpu`` (and ``op_kw``) on a random case at K2.6 dims against
-    ``tree_attention_ref`` on the f32-upcast inputs."""
+def check_kernel_k26(B, T, H, S, kind, NS, share, tail, kernel):
+    """``kernel`` through ``tree_attention_mgpu`` on a random case at K2.6 dims against ``tree_attention_ref``
+    on the f32-upcast inputs."""
     L = K26["L"]
     rng = np.random.default_rng(7)
     plens = [int(x) for x in rng.integers(0, S + 1, size=B)]
@@ -390,7 +374,7 @@ def check_kernel_k26(B, T, H, S, kind, NS, share, tail, kernel, **op_kw):
     args = as_jax(case, jnp.bfloat16)
     o, lse = jax.jit(lambda *a: M.tree_attention_mgpu(*a, scale=K26["scale"], kv_lora_rank=L, num_splits=NS,
                                                       share_scores=share, return_lse=True, tail=tail,
-                                                      kernel=kernel, **op_kw))(*args)
+                                                      kernel=kernel))(*args)
     up = [a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args]
     r_o, r_l = jax.jit(lambda *a: tree_attention_ref(*a, scale=K26["scale"], kv_lora_rank=L,
                                                      return_lse=True))(*up)
