@@ -197,7 +197,9 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
     L = kv_lora_rank
     LH = L // 2
     WB = BK // WORD  # mask words per block
-    if BK not in (64, 128, 256):  # Mosaic's wgmma needs K (keys, for p.v) % 64 == 0
+    # p.v's K (the keys) spans whole 128-byte swizzle groups; 32-key blocks need 64-byte swizzles on every wgmma
+    # operand, and were 10-43 % slower (experiments/RESULTS.md, session 50)
+    if BK not in (64, 128, 256):
         raise ValueError(f"block_k={BK} must be 64, 128 or 256")
     if stages < 2:
         raise ValueError(f"stages={stages} must be >= 2")
