@@ -1,0 +1,44 @@
+"""experiments/probe_attention_ladder.py on the CPU: every rung lowers to one Mosaic GPU kernel for CUDA within
+the H200's shared memory, in the op's grid (splits_for at T = 1, H = 64), beside the real kernel on the same
+blocks; bad arguments are refused; without a GPU the script says it needs one."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from experiments.probe_attention_ladder import RUNGS, ladder_kernel, main, point_bytes, real_kernel
+from pallas_kernels.mla_attention_plan import splits_for
+
+
+def lowered(fn, B, S):
+    return jax.jit(fn).trace(jax.ShapeDtypeStruct((B, 64, 576), jnp.bfloat16),
+                             jax.ShapeDtypeStruct((B, S, 576), jnp.bfloat16)).lower(lowering_platforms=("cuda",))
+
+
+@pytest.mark.parametrize("rung", RUNGS)
+def test_rungs_lower_for_cuda_in_the_ops_grid(rung):
+    B, S = 16, 8192
+    low = lowered(ladder_kernel(B, S, rung), B, S)
+    assert low.as_text().count("mosaic_gpu") >= 1
+    assert low.out_info.shape == (splits_for(B, 1, 64, S, 64), B, 64, 512)
+
+
+def test_real_kernel_on_the_same_blocks_lowers():
+    low = lowered(real_kernel(2, 1024), 2, 1024)
+    assert "mosaic_gpu" in low.as_text() and low.out_info.shape == (splits_for(2, 1, 64, 1024, 64), 2, 64, 512)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="not one of"):
+        ladder_kernel(1, 1024, "merge")
+    for B, S in ((0, 1024), (1, 100), (1, 0)):
+        with pytest.raises(ValueError, match="positive multiple of 64"):
+            ladder_kernel(B, S, "copy")
+    with pytest.raises(SystemExit):
+        main(["--points", "1,100"])
+    with pytest.raises(SystemExit):
+        main(["--rungs", "copy,merge"])
+    assert point_bytes(16, 8192) == 2 * 16 * (8192 * 576 + 64 * 576 + 64 * 512)
+    if jax.default_backend() != "gpu":
+        with pytest.raises(SystemExit, match="needs a Hopper GPU"):
+            main(["--points", "1,1024"])
