@@ -2,14 +2,14 @@
 
     PYTHONPATH=. python experiments/probe_clusters.py --out DIR
 
-The question behind it (issue #6): three designs ran the attention kernel's programs as clusters and were slower
-than expected, and the log's reading of two of them was an untested guess that the clusters did not all fit at
-once (RESULTS.md, sessions 19 and 44). A cluster's programs must sit on SMs of one GPC, so how many fit depends on
+The question behind it (issue #6): three designs ran the attention kernels' programs as clusters (RESULTS.md,
+sessions 19, 41 and 44: a merge through shared memory, the query tile multicast, a pair merge) and none paid. The
+log read two of them as "the clusters do not all fit at once", which was never checked. A cluster's programs must sit on SMs of one GPC, so how many fit depends on
 how many SMs each GPC has, which no device attribute reports. The CUDA driver does know:
 ``cuOccupancyMaxActiveClusters`` gives the number of clusters of a given size that can be resident at once for
 a kernel's block size and shared memory. This asks it for an empty kernel (PTX for sm_90a) with the 64-row
 attention kernel's block (three warpgroups, 384 threads) at its shared memory (one program per SM), at half of
-the SM's shared memory (two per SM) and with none. Plain ctypes over ``libcuda``: no JAX, no compiler. Needs
+the SM's shared memory (two per SM) and with none. The query is plain ctypes over ``libcuda``, no compiler. Needs
 an NVIDIA GPU with compute capability 9.0.
 """
 
