@@ -4,8 +4,9 @@
 
 The question behind it (issue #6): three designs ran the attention kernels' programs as clusters (RESULTS.md,
 sessions 19, 41 and 44: a merge through shared memory, the query tile multicast, a pair merge) and none paid. The
-log read two of them as "the clusters do not all fit at once", which was never checked. A cluster's programs must sit on SMs of one GPC, so how many fit depends on
-how many SMs each GPC has, which no device attribute reports. The CUDA driver does know:
+log read two of them as "the clusters do not all fit at once", which was never checked. A cluster's programs
+must sit on SMs of one GPC, so how many fit depends on how many SMs each GPC has, which no device attribute
+reports. The CUDA driver does know:
 ``cuOccupancyMaxActiveClusters`` gives the number of clusters of a given size that can be resident at once for
 a kernel's block size and shared memory. This asks it for an empty kernel (PTX for sm_90a) with the 64-row
 attention kernel's block (three warpgroups, 384 threads) at its shared memory (one program per SM), at half of

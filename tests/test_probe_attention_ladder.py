@@ -38,7 +38,7 @@ def test_bad_arguments():
         main(["--points", "1,100"])
     with pytest.raises(SystemExit):
         main(["--rungs", "copy,merge"])
-    assert point_bytes(16, 8192) == 2 * 16 * (8192 * 576 + 64 * 576 + 64 * 512)
+    assert point_bytes(16, 8192) == 2 * 16 * (8192 * 576 + 64 * 576 + 576 + 64 * 512)  # keys, q, tree key, out
     if jax.default_backend() != "gpu":
         with pytest.raises(SystemExit, match="needs a Hopper GPU"):
             main(["--points", "1,1024"])
