@@ -200,18 +200,19 @@ def tree_attention_ref(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, kv
 # Pallas-Triton kernel
 # ----------------------------------------------------------------------------------------------
 
-def default_config(B, T, H, S, C, L, dtype=jnp.bfloat16, num_sms=_NUM_SMS_H200):
+def default_config(B, T, H, S, C, L, dtype=jnp.bfloat16, num_sms=_NUM_SMS_H200, block_rows=None):
     """Heuristic tuning for :func:`tree_attention` (all values can be overridden by keyword).
 
-    block_rows: query rows per program (heads folded into rows), 64 unless T*H is smaller (min 16).
+    block_rows: query rows per program (heads folded into rows), 64 unless T*H is smaller (min 16); a given
+    ``block_rows`` is kept, and the rest (splits, warps, block_k) are derived for it.
     block_k: prefix keys per step. block_t: tree-tail keys per step (<= 64, >= 16).
     num_splits: split-KV factor so that programs >= ~2 waves of SMs, each split >= 4 blocks (64-row
     tiles) or 8 blocks (smaller tiles).
     """
     N = T * H
-    block_rows = min(64, max(16, _pow2_ceil(N)))
-    if H < block_rows and block_rows % H:
-        raise ValueError(f"H={H} must divide block_rows={block_rows} or be a multiple of it")
+    block_rows = min(64, max(16, _pow2_ceil(N))) if block_rows is None else int(block_rows)
+    if not (_is_pow2(block_rows) and block_rows >= 16 and (H % block_rows == 0 or block_rows % H == 0)):
+        raise ValueError(f"block_rows={block_rows} must be a power of two >= 16 dividing or divided by H={H}")
     # H200 sweep (experiments/bench_tree_attention.py): 64-row tiles want 8 warps (the 64x512 f32
     # accumulator is split over two warpgroups) and 64-key blocks; 16-row decode tiles 4 warps, 32 keys.
     wide = block_rows >= 64
@@ -320,8 +321,8 @@ def tree_attention(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, kv_lor
                    num_splits=None, num_warps=None, num_stages=None):
     """MLA tree-verify attention, Pallas-Triton kernel. Shapes and semantics: module docstring.
 
-    Tuning keywords (defaults from :func:`default_config`): block_rows (16..64, power of two; H must
-    divide it or be a multiple of it), block_k (prefix keys per step), block_t (tail keys per step),
+    Tuning keywords (defaults from :func:`default_config`): block_rows (a power of two >= 16, by default
+    at most 64; H must divide it or be a multiple of it), block_k (prefix keys per step), block_t (tail keys per step),
     num_splits (split-KV factor; 1 = no combine pass), num_warps, num_stages.
     Requirements: L and C - L are powers of two >= 16 (K2.6: 512 and 64). S need not be a multiple
     of block_k (the cache is then padded, which costs a copy; keep capacity a multiple of 64).
@@ -332,14 +333,12 @@ def tree_attention(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, kv_lor
     RD = C - L
     if not (_is_pow2(L) and _is_pow2(RD) and L >= 16 and RD >= 16):
         raise ValueError(f"kernel needs power-of-two L={L} and C-L={RD}, both >= 16; use the twin")
-    cfg = default_config(B, T, H, S, C, L, cache_kv.dtype)
-    for k, v in dict(block_rows=block_rows, block_k=block_k, block_t=block_t, num_splits=num_splits,
+    cfg = default_config(B, T, H, S, C, L, cache_kv.dtype, block_rows=block_rows)
+    for k, v in dict(block_k=block_k, block_t=block_t, num_splits=num_splits,
                      num_warps=num_warps, num_stages=num_stages).items():
         if v is not None:
             cfg[k] = int(v)
     R, BK, BT, NS = cfg["block_rows"], cfg["block_k"], cfg["block_t"], cfg["num_splits"]
-    if not (_is_pow2(R) and R >= 16 and (H % R == 0 or R % H == 0)):
-        raise ValueError(f"block_rows={R} must be a power of two >= 16 dividing or divided by H={H}")
     if not (_is_pow2(BK) and _is_pow2(BT) and BK >= 16 and BT >= 16):
         raise ValueError("block_k and block_t must be powers of two >= 16")
     dt = cache_kv.dtype

@@ -211,6 +211,21 @@ def test_kernel_lowers_for_cuda_on_cpu(T, H, num_splits, monkeypatch):
     assert "triton" in text
 
 
+def test_explicit_block_rows_is_kept_where_the_default_would_not_fit():
+    """H = 48 at T = 1: the default 64-row tile does not fit the heads, a given 16-row one does (the default is not
+    checked in its place), and a block_rows that fits no rule is refused by name."""
+    L, RD = 32, 16
+    case = make_case(8, 1, 1, 48, L, RD, 40, [23], "chain")
+    args = as_jax(case)
+    with pytest.raises(ValueError, match="block_rows=64 must be a power of two"):
+        tree_attention(*args, scale=SCALE, kv_lora_rank=L, interpret=True)
+    o = tree_attention(*args, scale=SCALE, kv_lora_rank=L, interpret=True, block_rows=16, block_k=16)
+    np.testing.assert_allclose(np.asarray(o), dense_reference(*case, SCALE, L)[0], atol=2e-5, rtol=2e-5)
+    for bad in (0, 24, 32):
+        with pytest.raises(ValueError, match=f"block_rows={bad} must be a power of two"):
+            tree_attention(*args, scale=SCALE, kv_lora_rank=L, interpret=True, block_rows=bad)
+
+
 def test_default_config_splits_only_when_few_programs():
     small = default_config(1, 1, 64, 65536, 576, 512)
     big = default_config(16, 256, 64, 8192, 576, 512)
