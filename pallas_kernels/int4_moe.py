@@ -65,7 +65,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.sharding import NamedSharding, PartitionSpec
 
-from pallas_kernels.moe_routing import route_narrow
+from pallas_kernels.moe_routing import check_moe_inputs, route_narrow
 
 try:  # Triton backend params (present in 0.10.2 and 0.11.x, deprecated in 0.11).
     from jax.experimental.pallas import triton as pltriton
@@ -361,19 +361,45 @@ def _combine(y_rows, row_token, m: int, dtype):
 # ----------------------------------------------------------------------------------------------
 # Pure-JAX twin (also the CPU production path)
 # ----------------------------------------------------------------------------------------------
-def int4_moe_ref(x, expert_ids, expert_weights, weights: Int4ExpertWeights, *, tile: int | None = None,
+def _kernel_tiling(m: int, k: int, weights: Int4ExpertWeights, tile, block_n1: int, block_n2: int, split1, split2,
+                   design: str) -> tuple[int, int, int, int, int]:
+    """``int4_moe``'s tiling, checked: (T tokens per tile, gate/up rows and down rows per program, split1, split2)."""
+    e_n, f, d = weights.num_experts, weights.d_ff, weights.d_model
+    t = tile or default_tile(m, k, e_n)
+    bn1, bn2 = min(block_n1, f), min(block_n2, d)
+    if f % bn1 or d % bn2:
+        raise ValueError(f"block_n1={bn1} must divide F={f} and block_n2={bn2} must divide D={d}")
+    bw13, bw2 = weights.w13_block_words, weights.w2_block_words
+    busy = min(e_n, m * k)  # tiles expected to have work
+    s1 = split1 or _default_split(busy * (f // bn1), d // (PACK * bw13))
+    s2 = split2 or _default_split(busy * (d // bn2), f // (PACK * bw2))
+    if (d // (PACK * bw13)) % s1 or (f // (PACK * bw2)) % s2:
+        raise ValueError(f"split1={s1} / split2={s2} must divide the K-block counts")
+    if design not in ("join", "planes"):
+        raise ValueError(f"unknown design {design!r}")
+    return t, bn1, bn2, s1, s2
+
+
+def int4_moe_ref(x, expert_ids, expert_weights, weights: Int4ExpertWeights, *, interpret: bool = False,
+                 tile: int | None = None, block_n1: int = 64, block_n2: int = 64, num_warps: int = 4,
+                 num_stages: int = 3, split1: int | None = None, split2: int | None = None,
+                 dequant: str | None = None, design: str = "planes", probe: str = "",
                  expert_offset: int | jax.Array = 0, out_dtype=None):
-    """XLA twin of ``int4_moe``: same routing and tiling, one loop step per non-empty tile; an expert's
-    weights are dequantised once per run of tiles (cached in the loop carry), never for idle experts.
+    """XLA twin of ``int4_moe``, same signature: same routing and tiling, one loop step per non-empty tile; an
+    expert's weights are dequantised once per run of tiles (cached in the loop carry), never for idle experts.
 
     x [M, D], expert_ids int32 [M, K] (global ids), expert_weights f32 [M, K] -> y [M, D] in
     ``out_dtype`` (default x.dtype; the sum over experts is f32 either way). ``weights`` hold experts
-    expert_offset .. expert_offset + E - 1; pairs routed elsewhere contribute nothing.
+    expert_offset .. expert_offset + E - 1; pairs routed elsewhere contribute nothing. The kernel's tuning
+    (``block_n*``, ``split*``, ``design``) is checked as the kernel checks it and does not change the result
+    (nor do ``interpret``, ``num_warps``, ``num_stages``, ``dequant``); a ``probe``, wrong on purpose, is refused.
     """
-    m, d = x.shape
-    k = expert_ids.shape[1]
+    del interpret, num_warps, num_stages, dequant
+    m, d, k = check_moe_inputs(x, expert_ids, expert_weights, weights.d_model)
     e_n, f = weights.num_experts, weights.d_ff
-    t = tile or default_tile(m, k, e_n)
+    t = _kernel_tiling(m, k, weights, tile, block_n1, block_n2, split1, split2, design)[0]
+    if probe:
+        raise ValueError(f"probe={probe!r} times a kernel that computes something else on purpose; the twin has none")
     row_token, row_weight, tile_expert, num_tiles, _ = route_narrow(expert_ids - expert_offset, expert_weights, e_n, t)
     x_pad = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)])[row_token]  # [P, D]
     dt = x.dtype
@@ -572,28 +598,17 @@ def int4_moe(x, expert_ids, expert_weights, weights: Int4ExpertWeights, *, inter
     dots per 256-column block with f32 post-scaling, the default; "join": one K=256 dot per block on the
     joined, pre-scaled planes, slower on the H200).
     """
-    m, d = x.shape
-    k = expert_ids.shape[1]
+    m, d, k = check_moe_inputs(x, expert_ids, expert_weights, weights.d_model)
     e_n, f, grp = weights.num_experts, weights.d_ff, weights.group_size
-    t = tile or default_tile(m, k, e_n)
+    t, bn1, bn2, s1, s2 = _kernel_tiling(m, k, weights, tile, block_n1, block_n2, split1, split2, design)
     mode = dequant or ("magic" if interpret else "asm")
     if interpret and mode == "asm":
         raise ValueError("dequant='asm' needs a GPU (inline PTX); use 'magic' or 'int' in interpret mode")
     dt = jnp.bfloat16 if x.dtype == jnp.bfloat16 else jnp.float32
-    bn1, bn2 = min(block_n1, f), min(block_n2, d)
-    if f % bn1 or d % bn2:
-        raise ValueError(f"block_n1={bn1} must divide F={f} and block_n2={bn2} must divide D={d}")
     row_token, row_weight, tile_expert, _, _ = route_narrow(expert_ids - expert_offset, expert_weights, e_n, t)
     nt = tile_expert.shape[0]
     p = nt * t
     bw13, bw2 = weights.w13_block_words, weights.w2_block_words
-    busy = min(e_n, m * k)  # tiles expected to have work
-    s1 = split1 or _default_split(busy * (f // bn1), d // (PACK * bw13))
-    s2 = split2 or _default_split(busy * (d // bn2), f // (PACK * bw2))
-    if (d // (PACK * bw13)) % s1 or (f // (PACK * bw2)) % s2:
-        raise ValueError(f"split1={s1} / split2={s2} must divide the K-block counts")
-    if design not in ("join", "planes"):
-        raise ValueError(f"unknown design {design!r}")
     x_pad = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)])
     if design == "join":  # activations in the joined column order (one gather)
         x_t = x_pad[row_token[:, None], jnp.asarray(join_perm(d, bw13))[None, :]].T  # [D, P]

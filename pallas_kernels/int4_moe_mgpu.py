@@ -46,7 +46,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.int4_moe import default_tile
 from pallas_kernels.int4_tiles import FRAG_ROWS, GROUP, PAIR_BLOCK, STEP, TiledInt4, _check_dims, dequantize_expert
-from pallas_kernels.moe_routing import METHODS, route_narrow, route_per_pair, route_ragged
+from pallas_kernels.moe_routing import METHODS, check_moe_inputs, route_narrow, route_per_pair, route_ragged
 
 try:  # Mosaic GPU is importable on CPU builds too (lowering works anywhere; running needs an sm_90 GPU).
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -76,6 +76,21 @@ def _check_mma_in_flight(mma_in_flight, chunk: int) -> None:
     if mma_in_flight is not None and (not isinstance(mma_in_flight, int) or not 0 <= mma_in_flight < STEP // chunk):
         raise ValueError(f"mma_in_flight must be None or an int in [0, {STEP // chunk}) (chunks of {chunk} columns "
                          f"per step), got {mma_in_flight!r}")
+
+
+PROBES = ("", "no_scale", "mma_once", "stream_only", "no_weight_load", "wide_load", "one_scale_load")
+
+
+def _check_schedule(in_dim: int, chunk: int, split: int, mma_in_flight, overlap: bool, auto_barriers: bool,
+                    probe: str) -> None:
+    """The schedule options of ``grouped_int4_matmul`` (and its twin, which checks them and computes the same)."""
+    if probe not in PROBES:
+        raise ValueError(f"unknown probe {probe!r}")
+    _check_mma_in_flight(mma_in_flight, chunk)
+    if overlap and not auto_barriers:
+        raise ValueError("overlap=True needs auto_barriers: the next copy into a slot must wait for every warp's reads")
+    if not isinstance(split, int) or split < 1 or (in_dim // STEP) % split:
+        raise ValueError(f"split={split!r} must be a positive int dividing the {in_dim // STEP} pipeline steps")
 
 
 def check_grouped_args(x_chunks, w, s, tile_expert, n: int, tile_rows=None) -> tuple[bool, int, int]:
@@ -116,7 +131,9 @@ def check_grouped_args(x_chunks, w, s, tile_expert, n: int, tile_rows=None) -> t
 
 
 def grouped_int4_matmul_ref(x_chunks, w, s, tile_expert, tile_rows=None, *, tokens_per_tile: int,
-                            out_layout: str = "rows", epilogue: str = "none", out_dtype=jnp.float32):
+                            out_layout: str = "rows", epilogue: str = "none", out_dtype=jnp.float32, stages: int = 2,
+                            split: int = 1, mma_in_flight: int | None = None, overlap: bool = False,
+                            auto_barriers: bool = True, dependent_launch: bool = False, probe: str = ""):
     """Twin of ``grouped_int4_matmul`` (same signature): x_chunks [I/C, P, C] (``to_chunks``; bf16, or f32
     for f32 models on CPU), w/s tiled weights, tile_expert int32 [NT] -> out f32 [O, P] (out_layout "rows")
     or [P, O] ("tokens"); columns (rows) of skipped tiles (expert < 0) are zero here. Expert ids >= E are
@@ -126,12 +143,19 @@ def grouped_int4_matmul_ref(x_chunks, w, s, tile_expert, tile_rows=None, *, toke
     tile_rows int32 [2, NT] (ragged tiles, ``route_ragged``): tile t holds rows [tile_rows[0, t],
     tile_rows[0, t] + tile_rows[1, t]), its width a multiple of 8 in [8, N] and the used tiles' rows
     disjoint within [0, P) (anything else is the caller's error, as expert ids >= E are). out_dtype: of
-    the f32 products (``_check_out_dtype``: bfloat16 only for token rows with no epilogue and no split)."""
+    the f32 products (``_check_out_dtype``: bfloat16 only for token rows with no epilogue and no split).
+    The schedule's options (``stages``, ``split``, ``mma_in_flight``, ``overlap``, ``auto_barriers``,
+    ``dependent_launch``) are checked as the kernel checks them and do not change the result; a ``probe``, whose
+    results are wrong on purpose, is refused."""
     n = tokens_per_tile
+    del stages, dependent_launch
     _check_out_layout(out_layout)
-    _check_epilogue(epilogue, out_layout, s, x_chunks.shape[-1])
-    _check_out_dtype(out_dtype, out_layout, epilogue)
     _, i, o = check_grouped_args(x_chunks, w, s, tile_expert, n, tile_rows)
+    _check_schedule(i, x_chunks.shape[-1], split, mma_in_flight, overlap, auto_barriers, probe)
+    if probe:
+        raise ValueError(f"probe={probe!r} times a kernel that computes something else on purpose; the twin has none")
+    _check_epilogue(epilogue, out_layout, s, x_chunks.shape[-1], split)
+    _check_out_dtype(out_dtype, out_layout, epilogue, split)
     nc, p, chunk = x_chunks.shape
     x = jnp.swapaxes(x_chunks, 0, 1).reshape(p, nc * chunk)
     pad = n if tile_rows is not None else 0  # a ragged tile reads N rows from its first: room past P
@@ -400,12 +424,11 @@ def grouped_int4_matmul(x_chunks, w, s, tile_expert, tile_rows=None, *, tokens_p
     experiments/results/probe_moe_mgpu_smem_a_h200.json.)"""
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.mosaic_gpu is not available in this JAX")
-    if probe not in ("", "no_scale", "mma_once", "stream_only", "no_weight_load", "wide_load", "one_scale_load"):
-        raise ValueError(f"unknown probe {probe!r}")
     n = tokens_per_tile
     _check_out_layout(out_layout)
     fragments, in_dim, out_dim = check_grouped_args(x_chunks, w, s, tile_expert, n, tile_rows)
     chunk = x_chunks.shape[2]
+    _check_schedule(in_dim, chunk, split, mma_in_flight, overlap, auto_barriers, probe)
     _check_epilogue(epilogue, out_layout, s, chunk, split)
     _check_out_dtype(out_dtype, out_layout, epilogue, split)
     out_dtype = jnp.dtype(out_dtype)
@@ -413,16 +436,10 @@ def grouped_int4_matmul(x_chunks, w, s, tile_expert, tile_rows=None, *, tokens_p
     fused = epilogue == "silu_mul"
     if x_chunks.dtype != jnp.bfloat16:
         raise ValueError(f"the kernel takes bf16 activations, got {x_chunks.dtype}")
-    _check_mma_in_flight(mma_in_flight, chunk)
-    if overlap and not auto_barriers:
-        raise ValueError("overlap=True needs auto_barriers: the next copy into a slot must wait for every warp's reads")
     p = x_chunks.shape[1]
     e_n, nb, kr, step = w.shape
     rows = s.shape[-1]
-    ksteps = in_dim // STEP
-    if ksteps % split:
-        raise ValueError(f"split={split} must divide the {ksteps} pipeline steps")
-    kps = ksteps // split
+    kps = in_dim // STEP // split
     smem = smem_bytes(rows, n, stages)
     if smem > SMEM_LIMIT:
         raise ValueError(f"tiles of {n} tokens, rows={rows}, stages={stages} need {smem} bytes of shared memory "
@@ -687,8 +704,7 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
     shares; per-pair tiles and a paired gate/up stack only; ``down_blocks``: its 128-row blocks of W2 per
     pipeline step; on the H200 at M = 1 it took 71.9 us against 71.2 for two launches: see that module).
     """
-    m, d = x.shape
-    k = expert_ids.shape[1]
+    m, d, k = check_moe_inputs(x, expert_ids, expert_weights, w13.shape[2])
     e_n, f = w13.shape[0], w2.shape[2]
     if w13.shape != (e_n, 2 * f, d) or w2.shape != (e_n, d, f):
         raise ValueError(f"w13 {w13.shape} / w2 {w2.shape} do not match x [M, {d}]")
@@ -740,14 +756,10 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
                          stages=stages, down_blocks=down_blocks)  # [F/64, NT, D]
         y_tiles = jnp.sum(partials, axis=0).astype(jnp.bfloat16 if x.dtype == jnp.bfloat16 else jnp.float32)
         return _gather_combine(y_tiles, pair_row // n, expert_weights, out_dtype or x.dtype)
-    if use_kernel:
-        mm = lambda *a, split, inflight, epilogue="none", out_dtype=jnp.float32: grouped_int4_matmul(  # noqa: E731
-            *a, tokens_per_tile=n, out_layout="tokens", epilogue=epilogue, stages=stages,
-            split=split, mma_in_flight=inflight, out_dtype=out_dtype, dependent_launch=dependent_launch)
-    else:
-        mm = lambda *a, split, inflight, epilogue="none", out_dtype=jnp.float32: grouped_int4_matmul_ref(  # noqa: E731
-            *a, tokens_per_tile=n, out_layout="tokens", epilogue=epilogue,
-            out_dtype=out_dtype)
+    matmul = grouped_int4_matmul if use_kernel else grouped_int4_matmul_ref
+    mm = lambda *a, split, inflight, epilogue="none", out_dtype=jnp.float32: matmul(  # noqa: E731
+        *a, tokens_per_tile=n, out_layout="tokens", epilogue=epilogue, stages=stages,
+        split=split, mma_in_flight=inflight, out_dtype=out_dtype, dependent_launch=dependent_launch)
     if w13.gate_up_block and split13 == 1 and chunk >= PAIR_BLOCK:  # SiLU·up in the gate+up GEMM's epilogue
         h = mm(xs, w13.packed, w13.scale, tile_expert, tile_rows, split=1, inflight=inflight13,
                epilogue="silu_mul")  # [F/C, P, C]

@@ -6,9 +6,11 @@ is this kernel's twin too; the kernel on prepared rows, :func:`split_attention`,
 ``pallas_kernels.mla_kernel_inputs`` and are re-exported here)::
 
     tree_attention_mgpu(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, kv_lora_rank,
-                        interpret=False, return_lse=False, block_k=64, stages=2, num_splits=None,
-                        share_scores=True, num_sms=132, kernel=split_attention, combine=combine_splits,
-                        tail=True)
+                        interpret=False, return_lse=False, block_k=64, stages=None, num_splits=None,
+                        share_scores=True, num_sms=132, kernel=None, combine=combine_splits, tail=True)
+
+(``stages`` None: the kernel's own; ``kernel`` None: the narrow kernel for at most 32 real rows, else
+:func:`split_attention`, merging two splits itself where it can: :func:`tree_attention_mgpu`.)
 
 Dimension letters: B streams, T tree nodes, H heads, S cache slots, C latent+rope width (576),
 L latent width = value width (512), N = T*H query rows, Np rows padded to whole 64-row tiles (or one
@@ -90,7 +92,7 @@ from pallas_kernels.mla_attention_plan import (ROWS, TAIL_ROWS, block_steps, che
                                               valid_rows_for)
 from pallas_kernels.mla_kernel_inputs import (check_in_place_inputs, pack_bits, pad_tree_latents, tree_inputs,
                                               unpack_bits)
-from pallas_kernels.split_combine import combine_splits
+from pallas_kernels.split_combine import combine_splits, merge_lse
 from pallas_kernels.tree_attention import _LN2, _LOG2E, _NUM_SMS_H200, _check_shapes, fold_rows
 
 __all__ = ["tree_attention_mgpu", "split_attention", "split_attention_ref", "tree_inputs", "pad_tree_latents",
@@ -143,6 +145,15 @@ def unsupported_reason(q_shape, cache_shape, kv_lora_rank, *dtypes) -> str | Non
     if smem_bytes(C, 64, 2) > SMEM_LIMIT:
         return f"C={C} (one program's shared memory, {smem_bytes(C, 64, 2)} bytes, exceeds {SMEM_LIMIT})"
     return None
+
+
+def check_peer_merge(peer_merge, num_splits: int, rows: int, valid_rows, share_scores) -> bool:
+    """``peer_merge`` as a bool, or a ValueError where :func:`split_attention` cannot merge its splits itself."""
+    if peer_merge and not peer_merge_fits(num_splits, bool(tail_rows_of(rows)), share_scores,
+                                          check_valid_rows(valid_rows, rows) == rows):
+        raise ValueError(f"peer_merge merges two splits of whole 64-row tiles with shared scores; got num_splits="
+                         f"{num_splits}, {rows} rows, valid_rows={valid_rows}, share_scores={share_scores}")
+    return bool(peer_merge)
 
 
 def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, kv_lora_rank, block_k=64,
@@ -217,16 +228,13 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
         raise ValueError(f"block_k={BK}, stages={stages} need {smem} bytes of shared memory (limit {SMEM_LIMIT})")
     profile = profiler_params(profile_dir, profile_regions, smem, 3, "split_attention", profile_names)
     region = region_scope(profile_names)
-    B, Np, C, S, TP = check_in_place_inputs(q_rows, cache_kv, tree_kv, tree_bits, BK, "split_attention")
+    B, Np, C, S, TP = check_in_place_inputs(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, BK, "split_attention")
     scale_log2 = float(scale) * _LOG2E
     n_tiles, TB = Np // ROWS, TP // BK
     first_block_alone = bool(tail) if first_block_alone is None else bool(first_block_alone)
     V = check_valid_rows(valid_rows, Np)
     store_early = bool(store_early) and share_scores  # without shared scores both consumers read the query tile
-    peer_merge = bool(peer_merge)
-    if peer_merge and not peer_merge_fits(NS, bool(tail), share_scores, V == Np):
-        raise ValueError(f"peer_merge merges two splits of whole 64-row tiles with shared scores; got num_splits={NS}, "
-                         f"{R} rows, valid_rows={valid_rows}, share_scores={share_scores}")
+    peer_merge = check_peer_merge(peer_merge, NS, R, valid_rows, share_scores)
     CQ = C - 64 if tail else C  # query columns in shared memory (with a tail, consumer 0 holds the last 64)
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     col_layout = plgpu.Layout.WGMMA.reduce(0)  # a vector along the tail's sᵀ and oᵀ columns (its rows)
@@ -559,16 +567,22 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
 
 
 def split_attention_ref(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, kv_lora_rank, block_k=64,
-                        stages=2, num_splits=1, share_scores=True, valid_rows=None):
+                        stages=2, num_splits=1, share_scores=True, valid_rows=None, profile_dir=None,
+                        profile_regions=0, profile_names=None, first_block_alone=None, pv_first=True,
+                        store_early=True, peer_merge=False):
     """Pure-JAX twin of :func:`split_attention` and ``mla_attention_narrow.split_attention_narrow`` (same
-    signature and outputs, split ranges, bf16 partials and the -inf LSE of empty rows included; ``stages``
-    and ``share_scores`` unused). Dense [NS, B, R, S + TP] f32 scores: for tests and small shapes."""
-    del stages, share_scores
+    signature and outputs, split ranges, bf16 partials and the -inf LSE of empty rows included). With
+    ``peer_merge`` (checked as the kernel checks it) the two splits take the kernel's shares and are merged: o
+    [1, B, V, L], lse [1, B, V]. The profiler and the schedule's options (``stages``, ``share_scores``,
+    ``profile_*``, ``first_block_alone``, ``pv_first``, ``store_early``) do not change the outputs and are unused.
+    Dense [NS, B, R, S + TP] f32 scores: for tests and small shapes."""
+    del stages, profile_dir, profile_regions, profile_names, first_block_alone, pv_first, store_early
     BK, NS = int(block_k), int(num_splits)
-    B, R, C, S, TP = check_in_place_inputs(q_rows, cache_kv, tree_kv, tree_bits, BK, "split_attention_ref")
-    plen = jnp.clip(prefix_len.astype(jnp.int32), 0, S)
+    B, R, C, S, TP = check_in_place_inputs(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, BK, "split_attention_ref")
+    peer_merge = check_peer_merge(peer_merge, NS, R, valid_rows, share_scores)
+    plen = jnp.clip(prefix_len.astype(jnp.int32), 0, S)  # a traced prefix_len, which cannot be checked
     nbp = -(-plen // BK)                                                            # [B] cache blocks read
-    lo, mid, hi = split_range(nbp[None], TP // BK, jnp.arange(NS)[:, None], NS)    # [NS, B]
+    lo, mid, hi = split_range(nbp[None], TP // BK, jnp.arange(NS)[:, None], NS, peer_merge)  # [NS, B]
     cache_block = jnp.arange(S) // BK
     in_cache = (cache_block >= lo[..., None]) & (cache_block < mid[..., None]) \
         & (jnp.arange(S) < plen[:, None])                                           # [NS, B, S]
@@ -578,8 +592,12 @@ def split_attention_ref(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, sca
                             in_tree[:, :, None, :] & unpack_bits(tree_bits, TP)[None]], axis=-1)
     keys = jnp.concatenate([cache_kv, tree_kv.astype(cache_kv.dtype)], axis=1)     # [B, S + TP, C]
     readable = jnp.concatenate([in_cache, in_tree], axis=-1).any(0)
-    return dense_split_partials(q_rows, keys, sees, readable, scale=scale, kv_lora_rank=kv_lora_rank,
-                                valid_rows=valid_rows)
+    o, lse = dense_split_partials(q_rows, keys, sees, readable, scale=scale, kv_lora_rank=kv_lora_rank,
+                                  valid_rows=valid_rows)
+    if peer_merge:
+        o, lse = merge_lse(o, lse)
+        o, lse = o[None].astype(jnp.bfloat16), lse[None]
+    return o, lse
 
 
 def dense_split_partials(q_rows, keys, sees, readable, *, scale, kv_lora_rank, valid_rows=None):

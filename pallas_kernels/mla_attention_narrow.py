@@ -105,7 +105,8 @@ def split_attention_narrow(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, 
     V = _check_rows(q_rows, valid_rows)
     if BK != 64:
         raise ValueError(f"block_k={BK}: the narrow kernel reads 64-key blocks")
-    B, _, C, S, TP = check_in_place_inputs(q_rows, cache_kv, tree_kv, tree_bits, BK, "split_attention_narrow")
+    B, _, C, S, TP = check_in_place_inputs(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, BK,
+                                           "split_attention_narrow")
     L = kv_lora_rank
     WB = BK // WORD
     if C % 64 or L % 64 or L + BK > C:

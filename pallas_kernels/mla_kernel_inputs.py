@@ -1,6 +1,7 @@
 """The Mosaic GPU attention kernels' inputs, prepared in XLA (outside the kernels): the tree latents padded to
-whole key blocks, the tree mask packed into per-row mask words, and the shape check of both kernels' common
-inputs (``mla_attention_mgpu.split_attention``, ``mla_attention_narrow.split_attention_narrow``).
+whole key blocks, the tree mask packed into per-row mask words, and the checks of both kernels' common inputs
+(``mla_attention_mgpu.split_attention``, ``mla_attention_narrow.split_attention_narrow``; the prefix lengths' also
+for ``tree_attention``).
 
 Dimension letters: B streams, T tree nodes, S cache slots, C latent+rope width, R (Np) query rows,
 TP tree keys padded to whole blocks of BK keys, K keys.
@@ -8,13 +9,15 @@ TP tree keys padded to whole blocks of BK keys, K keys.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 WORD = 32  # tree keys per mask word
 
-__all__ = ["pad_tree_latents", "tree_inputs", "check_in_place_inputs", "pack_bits", "unpack_bits", "WORD"]
+__all__ = ["pad_tree_latents", "tree_inputs", "check_in_place_inputs", "check_prefix_len", "pack_bits", "unpack_bits",
+           "WORD"]
 
 
 def pad_tree_latents(tree_kv, block_k: int = 64):
@@ -47,13 +50,28 @@ def tree_inputs(tree_kv, tree_mask, heads: int, rows: int, block_k: int = 64):
     return tree_kv, pack_bits(jnp.pad(sees, ((0, 0), (0, TP - T), (0, 0))))
 
 
-def check_in_place_inputs(q_rows, cache_kv, tree_kv, tree_bits, block_k: int, name: str):
-    """Shapes of the kernels' common inputs (q_rows [B, R, C], cache_kv [B, S, C], tree_kv [B, TP, C] with TP
-    a positive multiple of ``block_k``, tree_bits int32 [B, TP/32, R]): (B, R, C, S, TP) or a ValueError."""
+def check_prefix_len(prefix_len, B: int, S: int, name: str) -> None:
+    """prefix_len must be [B] integers; where it is concrete, each in [0, S] (a traced one is clamped to it by the
+    kernels and twins, as they cannot raise). Otherwise a ValueError naming ``name``."""
+    if prefix_len.shape != (B,):
+        raise ValueError(f"{name}: prefix_len must be [B]={B}, got {prefix_len.shape}")
+    if not jnp.issubdtype(prefix_len.dtype, jnp.integer):
+        raise ValueError(f"{name}: prefix_len must be integers, got {prefix_len.dtype}")
+    if not isinstance(prefix_len, jax.core.Tracer):
+        plen = np.asarray(prefix_len)
+        if plen.min(initial=0) < 0 or plen.max(initial=0) > S:
+            raise ValueError(f"{name}: prefix_len must lie in [0, S={S}], got {plen.tolist()}")
+
+
+def check_in_place_inputs(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, block_k: int, name: str):
+    """Checks of the kernels' common inputs (q_rows [B, R, C], cache_kv [B, S, C], prefix_len [B] integers in
+    [0, S] (``check_prefix_len``), tree_kv [B, TP, C] with TP a positive multiple of ``block_k``, tree_bits int32
+    [B, TP/32, R]): (B, R, C, S, TP) or a ValueError."""
     B, R, C = q_rows.shape
     S, TP = cache_kv.shape[1], tree_kv.shape[1]
     if cache_kv.shape != (B, S, C):
         raise ValueError(f"{name}: cache_kv {cache_kv.shape} must be [B, S, C] for B={B}, C={C}")
+    check_prefix_len(prefix_len, B, S, name)
     if tree_kv.shape != (B, TP, C) or TP % block_k or TP == 0 or tree_bits.shape != (B, TP // WORD, R) \
             or tree_bits.dtype != jnp.int32:
         raise ValueError(f"{name}: tree_kv {tree_kv.shape} / tree_bits {tree_bits.dtype}{tree_bits.shape} must be "

@@ -36,6 +36,21 @@ COMPARE_MAX_PAIRS = 4096
 METHODS = ("auto", "sort", "compare")
 
 
+def check_moe_inputs(x, expert_ids, expert_weights, d_model: int) -> tuple[int, int, int]:
+    """The routed experts' token inputs: x [M, D] with D = ``d_model``, expert_ids [M, K] integers, expert_weights
+    [M, K]. Returns (M, D, K), or a ValueError naming the mismatch."""
+    if x.ndim != 2 or x.shape[1] != d_model:
+        raise ValueError(f"x must be [M, D] with D = d_model = {d_model}, got {tuple(x.shape)}")
+    m, d = x.shape
+    if expert_ids.ndim != 2 or expert_ids.shape[0] != m or not jnp.issubdtype(expert_ids.dtype, jnp.integer):
+        raise ValueError(f"expert_ids must be integers [M, K] with M = {m}, got "
+                         f"{expert_ids.dtype}{tuple(expert_ids.shape)}")
+    if tuple(expert_weights.shape) != tuple(expert_ids.shape):
+        raise ValueError(f"expert_weights must be [M, K] = {tuple(expert_ids.shape)} like expert_ids, got "
+                         f"{tuple(expert_weights.shape)}")
+    return m, d, expert_ids.shape[1]
+
+
 def routing_method(pairs: int, method: str = "auto") -> str:
     """The method that ``method`` resolves to for ``pairs`` pairs; ValueError for an unknown one."""
     if method not in METHODS:

@@ -111,6 +111,20 @@ def _kernel(lse_ref, o_ref, out_ref, lse_out_ref, *, NS, LB, CH, split_axis):
     lse_out_ref[...] = jnp.broadcast_to(top + jnp.log(tot), (1,))
 
 
+def _tiling(NS: int, L: int, block_cols, num_warps):
+    """(LB, CH, num_warps) of :func:`combine_splits`: the defaults, or the overrides checked."""
+    LB, CH = combine_blocks(NS, L)
+    if block_cols is not None:
+        if block_cols < 8 or block_cols & (block_cols - 1) or L % block_cols:
+            raise ValueError(f"block_cols={block_cols} must be a power of two >= 8 dividing L={L}")
+        LB = block_cols
+    if num_warps is None:
+        num_warps = combine_warps(CH, LB)
+    elif num_warps not in (1, 2, 4, 8):
+        raise ValueError(f"num_warps={num_warps} must be 1, 2, 4 or 8")
+    return LB, CH, num_warps
+
+
 def combine_splits(o_parts, lse_parts, *, split_axis=0, out_dtype=None, interpret=False, block_cols=None,
                    num_warps=None):
     """Combine split partials in one Pallas-Triton launch.
@@ -123,16 +137,8 @@ def combine_splits(o_parts, lse_parts, *, split_axis=0, out_dtype=None, interpre
     by default :func:`combine_blocks` and :func:`combine_warps`.
     """
     NS, B, V, L = _check(o_parts, lse_parts, split_axis)
-    LB, CH = combine_blocks(NS, L)
-    if block_cols is not None:
-        if block_cols < 8 or block_cols & (block_cols - 1) or L % block_cols:
-            raise ValueError(f"block_cols={block_cols} must be a power of two >= 8 dividing L={L}")
-        LB = block_cols
+    LB, CH, num_warps = _tiling(NS, L, block_cols, num_warps)
     out_dtype = jnp.dtype(out_dtype or o_parts.dtype)
-    if num_warps is None:
-        num_warps = combine_warps(CH, LB)
-    elif num_warps not in (1, 2, 4, 8):
-        raise ValueError(f"num_warps={num_warps} must be 1, 2, 4 or 8")
     kernel = functools.partial(_kernel, NS=NS, LB=LB, CH=CH, split_axis=split_axis)
     return pl.pallas_call(
         kernel,
@@ -161,10 +167,13 @@ def merge_lse(o_parts, lse_parts):
     return acc / jnp.where(tot > 0, tot, 1.0)[..., None], top + jnp.log(tot)
 
 
-def combine_splits_ref(o_parts, lse_parts, *, split_axis=0, out_dtype=None, interpret=False):
-    """Pure-JAX twin of :func:`combine_splits` (``merge_lse``, then the cast; ``interpret`` unused)."""
+def combine_splits_ref(o_parts, lse_parts, *, split_axis=0, out_dtype=None, interpret=False, block_cols=None,
+                       num_warps=None):
+    """Pure-JAX twin of :func:`combine_splits`, same signature (``merge_lse``, then the cast; ``interpret`` unused,
+    the tiling overrides checked as the kernel checks them, then unused)."""
     del interpret
-    _check(o_parts, lse_parts, split_axis)
+    NS, _, _, L = _check(o_parts, lse_parts, split_axis)
+    _tiling(NS, L, block_cols, num_warps)
     if split_axis == 1:
         o_parts, lse_parts = jnp.moveaxis(o_parts, 1, 0), jnp.moveaxis(lse_parts, 1, 0)
     out, lse = merge_lse(o_parts, lse_parts)

@@ -27,7 +27,8 @@ Arguments
     tree_kv    [B, T, C]     latents of the T new tokens; or [B, T', C], T' > T, followed by padding rows,
                              which must be finite (zeros): the model pads to whole 64-key blocks so
                              that the Mosaic GPU decode kernel reads them in place.
-    tree_mask  [B, T, T]     bool, tree_mask[b, i, j]: node i may see node j. The diagonal must be True.
+    tree_mask  [B, T, T]     bool, tree_mask[b, i, j]: node i may see node j. The diagonal must be True (a
+                             concrete mask with a False there is refused, as that node's row would be empty).
     scale      float         softmax scale applied to the full C-wide dot (K2.6: 0.14468, not C^-0.5).
     kv_lora_rank int         L; the value is the first L dims of each key row.
 Returns
@@ -66,6 +67,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.mla_kernel_inputs import check_prefix_len
 from pallas_kernels.split_combine import combine_splits
 
 __all__ = ["tree_attention", "tree_attention_ref", "mla_attention", "default_config", "kernel_supports",
@@ -103,20 +105,18 @@ def _check_shapes(q, cache_kv, prefix_len, tree_kv, tree_mask, kv_lora_rank):
     B, T, H, C = q.shape
     if cache_kv.ndim != 3 or cache_kv.shape[0] != B or cache_kv.shape[2] != C:
         raise ValueError(f"cache_kv must be [B, S, C]={B, 'S', C}, got {cache_kv.shape}")
-    if prefix_len.shape != (B,):
-        raise ValueError(f"prefix_len must be [B]={B}, got {prefix_len.shape}")
     S = cache_kv.shape[1]
-    if not isinstance(prefix_len, jax.core.Tracer):  # concrete: check it here; traced, the kernels clamp it
-        plen = np.asarray(prefix_len)
-        if not np.issubdtype(plen.dtype, np.integer):
-            raise ValueError(f"prefix_len must be integers, got {plen.dtype}")
-        if plen.min(initial=0) < 0 or plen.max(initial=0) > S:
-            raise ValueError(f"prefix_len must lie in [0, S={S}], got {plen.tolist()}")
+    check_prefix_len(prefix_len, B, S, "tree attention")
     if tree_kv.ndim != 3 or tree_kv.shape[0] != B or tree_kv.shape[1] < T or tree_kv.shape[2] != C:
         raise ValueError(f"tree_kv must be [B, T, C]={(B, T, C)} (or [B, T', C] with T' > T padding rows), "
                          f"got {tree_kv.shape}")
     if tree_mask.shape != (B, T, T):
         raise ValueError(f"tree_mask must be [B, T, T]={(B, T, T)}, got {tree_mask.shape}")
+    if not isinstance(tree_mask, jax.core.Tracer):  # concrete: every node must see itself (else its row is empty)
+        blind = np.argwhere(~np.diagonal(np.asarray(tree_mask, bool), axis1=1, axis2=2))
+        if blind.size:
+            raise ValueError(f"tree_mask's diagonal must be True (a node sees itself); False at (stream, node) "
+                             f"{blind[:8].tolist()}")
     if not 0 < kv_lora_rank <= C:
         raise ValueError(f"kv_lora_rank={kv_lora_rank} must be in (0, C={C}]")
     return B, T, H, C, S

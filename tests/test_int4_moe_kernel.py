@@ -128,15 +128,38 @@ def test_twin_bf16_and_tile_sizes(tiny):
     assert rel(yb.astype(jnp.float32), ref) < 2e-2
 
 
-def test_dispatcher_uses_twin_on_cpu(tiny):
-    _, wts = tiny
+def test_dispatcher_takes_the_twin_on_cpu_and_the_kernel_for_cuda(kshape):
+    """bf16 tokens and weights the kernel tiles: the one case that dispatches per platform (f32 or untileable weights
+    take the twin everywhere). On the CPU the result is the twin's, bit for bit; lowered for CUDA, the kernel."""
+    _, wts = kshape
+    ids, w = make_routing(5, 2, KSHAPE[0], seed=2)
+    args = (jnp.asarray(np.random.default_rng(2).standard_normal((5, KSHAPE[1])), jnp.bfloat16), jnp.asarray(ids),
+            jnp.asarray(w), wts)
+    dispatch = jax.jit(routed_experts)
+    assert "triton" in dispatch.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     if jax.default_backend() == "gpu":
-        pytest.skip("CPU dispatch test")
-    ids, w = make_routing(5, 2, TINY[0], seed=2)
-    x = jnp.asarray(np.random.default_rng(2).standard_normal((5, TINY[1])), jnp.float32)
-    a = jax.jit(routed_experts)(x, jnp.asarray(ids), jnp.asarray(w), wts)
-    b = jax.jit(int4_moe_ref)(x, jnp.asarray(ids), jnp.asarray(w), wts)
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        pytest.skip("the CPU half of the dispatch test")
+    cpu_text = dispatch.lower(*args).as_text()
+    assert "triton" not in cpu_text
+    np.testing.assert_array_equal(np.asarray(dispatch(*args)), np.asarray(jax.jit(int4_moe_ref)(*args)))
+
+
+def test_entry_points_refuse_token_inputs_that_do_not_match():
+    """x's width against the weights', expert_ids' rows against x's, expert_weights' shape against expert_ids': a
+    ValueError naming the mismatch at the twin, the kernel and the dispatcher (the kernel would read past D, or
+    the routing clamp a missing weight)."""
+    ct = make_ct(*KSHAPE, seed=1)
+    wts = Int4ExpertWeights.from_compressed_tensors(*ct)
+    ids, w = make_routing(3, 2, KSHAPE[0], seed=5)
+    x = jnp.zeros((3, KSHAPE[1]), jnp.float32)
+    cases = [((jnp.zeros((3, 128), jnp.float32), ids, w), "x must be \\[M, D\\] with D = d_model = 256"),
+             ((x, np.concatenate([ids, ids]), np.concatenate([w, w])), "expert_ids must be integers \\[M, K\\]"),
+             ((x, ids.astype(np.float32), w), "expert_ids must be integers"),
+             ((x, ids, w[:, :1]), "expert_weights must be \\[M, K\\] = \\(3, 2\\)")]
+    for (xx, ii, ww), match in cases:
+        for fn in (int4_moe_ref, functools.partial(int4_moe, interpret=True), routed_experts):
+            with pytest.raises(ValueError, match=match):
+                fn(xx, jnp.asarray(ii), jnp.asarray(ww), wts)
 
 
 def test_planar_leaves_roundtrip_and_dequantize_bit_exact():

@@ -185,6 +185,36 @@ def test_errors():
     assert M.unsupported_reason((1, 1, 1, 576), (1, 64, 576), 512, jnp.bfloat16, jnp.bfloat16) is None
 
 
+@pytest.mark.parametrize("bad,match", [
+    (np.asarray([100, 7], np.int32), "\\[B\\]=1"), (np.asarray([100.0], np.float32), "integers"),
+    (np.asarray([129], np.int32), "in \\[0, S=128\\]"), (np.asarray([-1], np.int32), "in \\[0, S=128\\]"),
+])
+def test_the_in_place_kernels_and_their_twin_refuse_a_bad_prefix_len(bad, match):
+    """A prefix_len of the wrong shape or dtype, or a concrete one outside [0, S], is refused by name at every
+    entry that reads the cache in place (the kernels would read zero rows past the cache as keys, or the plen ref
+    out of bounds; the twin would clamp it)."""
+    from pallas_kernels.mla_attention_narrow import split_attention_narrow
+
+    case = as_jax(make_case(1, 1, 2, 8, 128, 64, 128, [100], "chain"), jnp.bfloat16)
+    tail = M.tree_inputs(case[3], case[4], 2, 64, 64)
+    for f in (M.split_attention, M.split_attention_ref, split_attention_narrow):
+        with pytest.raises(ValueError, match=f"prefix_len must .*{match}"):
+            f(jnp.zeros((1, 64, 192), jnp.bfloat16), case[1], jnp.asarray(bad), *tail, scale=SCALE,
+              kv_lora_rank=128, valid_rows=16)
+
+
+def test_a_tree_mask_without_its_diagonal_is_refused():
+    """A node that may not see itself would have an empty row if its prefix is empty: the twin would give NaN, the
+    Triton kernel 0 and the Mosaic kernel at T = 1 its constant mask words. So a concrete mask is checked."""
+    case = list(as_jax(make_case(1, 2, 3, 8, 128, 64, 128, [100, 0], "tree")))
+    case[4] = case[4].at[1, 2, 2].set(False)
+    kw = dict(scale=SCALE, kv_lora_rank=128)
+    for f in (tree_attention_ref, mla_attention, M.tree_attention_mgpu,
+              functools.partial(mla_attention, interpret=True)):
+        with pytest.raises(ValueError, match=r"diagonal must be True.*\[\[1, 2\]\]"):
+            f(*case[:3], case[3], case[4], **kw)
+
+
 def test_valid_rows_keep_only_the_real_rows_of_one_tile():
     """One 64-row tile with fewer real rows (T = 1, H = 8): the kernel's outputs hold those rows only, equal
     to the first rows of the full outputs; the rule and its errors; the kernel lowers for CUDA that way."""
@@ -336,6 +366,31 @@ def test_peer_merge_lowers_for_cuda_on_cpu_to_merged_outputs(T, H, rows):
                                   kernel=functools.partial(M.split_attention, peer_merge=True)))
     text = f.trace(*k26_spec(2, T, H, 1024)).lower(lowering_platforms=("cuda",)).as_text()
     assert f"tensor<1x2x{rows}x512xbf16>" in text and "combine_splits" not in text
+
+
+def test_twin_with_peer_merge_takes_the_kernels_shares_and_merges_them():
+    """``split_attention_ref(peer_merge=True)`` gives the kernel's merged outputs, o [1, B, V, L] and lse [1, B, V],
+    equal to its two splits merged apart (whichever shares they take); the op on it matches the dense reference,
+    and the twin refuses a peer merge where the kernel does."""
+    B, T, H, S, L = 3, 8, 8, 320, 128
+    case = make_case(9, B, T, H, L, 64, S, [0, 130, 320], "tree")
+    args = as_jax(case, jnp.bfloat16)
+    q_rows = fold_rows(args[0], 64)
+    keys, bits = M.tree_inputs(args[3], args[4], H, 64, 64)
+    kw = dict(scale=SCALE, kv_lora_rank=L, num_splits=2)
+    o, lse = M.split_attention_ref(q_rows, args[1], args[2], keys, bits, peer_merge=True, **kw)
+    assert o.shape == (1, B, 64, L) and o.dtype == jnp.bfloat16 and lse.shape == (1, B, 64)
+    parts = M.split_attention_ref(q_rows, args[1], args[2], keys, bits, **kw)
+    merged, merged_lse = combine_splits_ref(*parts)
+    np.testing.assert_allclose(np.asarray(o[0], np.float32), np.asarray(merged, np.float32), atol=2e-2, rtol=2e-2)
+    np.testing.assert_allclose(np.asarray(lse[0]), np.asarray(merged_lse), atol=1e-4, rtol=1e-4)
+    ref_o, _ = dense_reference(*(np.asarray(a, np.float32) if a.dtype == jnp.bfloat16 else np.asarray(a)
+                                 for a in args), SCALE, L)
+    op = M.tree_attention_mgpu(*args, scale=SCALE, kv_lora_rank=L, num_splits=2,
+                               kernel=functools.partial(M.split_attention_ref, peer_merge=True))
+    assert np.linalg.norm(np.asarray(op, np.float32) - ref_o) / np.linalg.norm(ref_o) < 1e-2
+    with pytest.raises(ValueError, match="peer_merge"):
+        M.split_attention_ref(q_rows, args[1], args[2], keys, bits, peer_merge=True, **dict(kw, num_splits=3))
 
 
 def test_the_op_merges_two_splits_of_whole_tiles_in_the_kernel():

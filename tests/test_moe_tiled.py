@@ -137,6 +137,10 @@ def test_per_pair_tiles_and_word_gather_equal_the_grouped_layout(m, offset):
         K.routed_experts_tiled(x, ids, wts, t13, t2, routing="bitonic")
     with pytest.raises(ValueError, match="gather must be"):
         K.routed_experts_tiled(x, ids, wts, t13, t2, gather="bytes")
+    with pytest.raises(ValueError, match=r"expert_weights must be \[M, K\]"):  # routing would clamp the lookups
+        K.routed_experts_tiled(x, ids, wts[:, :1], t13, t2)
+    with pytest.raises(ValueError, match=r"expert_ids must be integers \[M, K\] with M = "):
+        K.routed_experts_tiled(x, jnp.concatenate([ids, ids]), jnp.concatenate([wts, wts]), t13, t2)
 
 
 def tiny_model(seed=0, dtype="float32", **overrides):
@@ -341,9 +345,15 @@ def test_bad_input_errors():
     with pytest.raises(ValueError, match="multiple of 8"):
         K.grouped_int4_matmul(xg, leaf.packed, leaf.scale, te, tokens_per_tile=12)
     te3 = jnp.zeros((3,), jnp.int32)
-    with pytest.raises(ValueError, match="split=3"):
-        K.grouped_int4_matmul(xg, leaf.packed, leaf.scale, te3, tokens_per_tile=8, split=3)
     for fn in (K.grouped_int4_matmul, K.grouped_int4_matmul_ref):  # the twin refuses what the kernel refuses
+        with pytest.raises(ValueError, match="split=3"):
+            fn(xg, leaf.packed, leaf.scale, te3, tokens_per_tile=8, split=3)
+        with pytest.raises(ValueError, match="mma_in_flight must be None or an int in"):
+            fn(xg, leaf.packed, leaf.scale, te3, tokens_per_tile=8, mma_in_flight=8)
+        with pytest.raises(ValueError, match="overlap=True needs auto_barriers"):
+            fn(xg, leaf.packed, leaf.scale, te3, tokens_per_tile=8, overlap=True, auto_barriers=False)
+        with pytest.raises(ValueError, match="unknown probe"):
+            fn(xg, leaf.packed, leaf.scale, te3, tokens_per_tile=8, probe="fast")
         with pytest.raises(ValueError, match=r"tile_expert must be \[P/N\] = \[3\]"):
             fn(xg, leaf.packed, leaf.scale, te, tokens_per_tile=8)
         with pytest.raises(ValueError, match="do not match activations"):
@@ -352,10 +362,8 @@ def test_bad_input_errors():
             fn(xg, leaf.packed, leaf.scale, te3, tokens_per_tile=16)
     with pytest.raises(ValueError, match="bf16 activations"):
         K.grouped_int4_matmul(xg.astype(jnp.float32), leaf.packed, leaf.scale, te3, tokens_per_tile=8)
-    with pytest.raises(ValueError, match="mma_in_flight must be None or an int in"):
-        K.grouped_int4_matmul(xg, leaf.packed, leaf.scale, te3, tokens_per_tile=8, mma_in_flight=8)
-    with pytest.raises(ValueError, match="overlap=True needs auto_barriers"):
-        K.grouped_int4_matmul(xg, leaf.packed, leaf.scale, te3, tokens_per_tile=8, overlap=True, auto_barriers=False)
+    with pytest.raises(ValueError, match="the twin has none"):  # a probe's results are wrong on purpose
+        K.grouped_int4_matmul_ref(xg, leaf.packed, leaf.scale, te3, tokens_per_tile=8, probe="no_scale")
     with pytest.raises(ValueError, match="shared memory"):
         K.grouped_int4_matmul(jnp.zeros((8, 512, 32), jnp.bfloat16), leaf.packed, leaf.scale, te,
                               tokens_per_tile=256)
