@@ -50,16 +50,21 @@ def commit(cache: LatentCache, new_kv: jax.Array, rows: jax.Array, counts: jax.A
     rows [B, R] int32 in [0, T): for stream b, rows[b, i] (i < counts[b]) is the block row written to
       slot lengths[b] + i (identity rows for prefill/decode; the accepted path for a verified tree).
     counts [B] int32 in [0, R].
-    Returns (cache, overflow [B] bool): True for a stream whose write would pass the capacity or whose count
-    lies outside [0, R] (traced, so it cannot raise); such a stream is left unchanged.
+    Returns (cache, overflow [B] bool): True for a stream whose write would pass the capacity, whose count
+    lies outside [0, R], or whose rows[b, :counts[b]] leave [0, T) (traced, so it cannot raise); such a stream
+    is left unchanged.
     """
-    b, t = rows.shape
-    overflow = (counts < 0) | (counts > t) | (cache.lengths + counts > cache.capacity)
-    i = jnp.arange(t)[None, :]
-    write = (i < counts[:, None]) & ~overflow[:, None]  # [B, T]
+    b, r = rows.shape
+    t = new_kv.shape[2]
+    i = jnp.arange(r)[None, :]
+    used = i < counts[:, None]  # [B, R]
+    bad_rows = (used & ((rows < 0) | (rows >= t))).any(axis=1)
+    overflow = (counts < 0) | (counts > r) | (cache.lengths + counts > cache.capacity) | bad_rows
+    write = used & ~overflow[:, None]  # [B, R]
     slots = jnp.where(write, cache.lengths[:, None] + i, cache.capacity)  # out of range -> dropped
-    gathered = jnp.take_along_axis(new_kv, rows[None, :, :, None].astype(jnp.int32), axis=2)  # [NL,B,T,C]
-    batch_idx = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
+    safe_rows = jnp.where(write, rows, 0).astype(jnp.int32)  # unwritten entries may hold any value
+    gathered = jnp.take_along_axis(new_kv, safe_rows[None, :, :, None], axis=2)  # [NL,B,R,C]
+    batch_idx = jnp.broadcast_to(jnp.arange(b)[:, None], (b, r))
     kv = cache.kv.at[:, batch_idx, slots].set(gathered.astype(cache.kv.dtype), mode="drop")
     lengths = jnp.where(overflow, cache.lengths, cache.lengths + counts)
     return LatentCache(kv=kv, lengths=lengths.astype(jnp.int32)), overflow

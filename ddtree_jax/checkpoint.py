@@ -324,6 +324,7 @@ def convert_hf_checkpoint(hf_dir: str, out_dir: str, *, dtype: str = "bfloat16",
     largest number of bytes buffered at once, and the number of parts.
     """
     cfg = hf_model_config(hf_dir, dtype=dtype)
+    _check_no_foreign_tokenizer_files(hf_dir, out_dir)  # before hours of conversion, not after
     _, abstract = abstract_model(cfg)
     flat_abstract = flat_params(abstract)
     expected: dict[str, set[tuple]] = {}
@@ -351,11 +352,26 @@ def convert_hf_checkpoint(hf_dir: str, out_dir: str, *, dtype: str = "bfloat16",
             "tokenizer_files": copied}
 
 
-def copy_tokenizer_files(src_dir: str, dst_dir: str) -> list[str]:
-    """Copies the tokenizer files of a model directory (``tokenizer.TOKENIZER_DIR_FILES``) that exist, so that
-    the converted checkpoint decodes text as the source does; returns their names."""
+def _check_no_foreign_tokenizer_files(src_dir: str, dst_dir: str) -> None:
+    """Raises CheckpointError if ``dst_dir`` holds tokenizer files that ``src_dir`` lacks: ``load_tokenizer``
+    could prefer one of them over the source's own (e.g. an old ``tokenizer.json`` beside a new
+    ``tiktoken.model``). They are the user's files, so they are named, not deleted."""
     from ddtree_jax.tokenizer import TOKENIZER_DIR_FILES
 
+    foreign = [name for name in TOKENIZER_DIR_FILES
+               if os.path.isfile(os.path.join(dst_dir, name)) and not os.path.isfile(os.path.join(src_dir, name))]
+    if foreign:
+        raise CheckpointError(f"{dst_dir}: holds tokenizer files {foreign} that {src_dir} lacks; the converted "
+                              f"checkpoint would load them as its tokenizer. Remove them or use another out_dir")
+
+
+def copy_tokenizer_files(src_dir: str, dst_dir: str) -> list[str]:
+    """Copies the tokenizer files of a model directory (``tokenizer.TOKENIZER_DIR_FILES``) that exist, so that
+    the converted checkpoint decodes text as the source does; returns their names. Raises CheckpointError
+    (copying nothing) if ``dst_dir`` holds tokenizer files that ``src_dir`` lacks."""
+    from ddtree_jax.tokenizer import TOKENIZER_DIR_FILES
+
+    _check_no_foreign_tokenizer_files(src_dir, dst_dir)
     copied = [name for name in TOKENIZER_DIR_FILES if os.path.isfile(os.path.join(src_dir, name))]
     for name in copied:
         shutil.copyfile(os.path.join(src_dir, name), os.path.join(dst_dir, name))
@@ -363,9 +379,12 @@ def copy_tokenizer_files(src_dir: str, dst_dir: str) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------------------
-# DFlash drafter checkpoints: ``drafter_config.json`` + ``params/`` (one Orbax StandardCheckpointer item)
+# DFlash drafter checkpoints: ``drafter_config.json`` (the commit record) + ``params-<hex>/`` (one Orbax
+# StandardCheckpointer item, named in the record's "params"). Drafters saved before that field existed keep
+# their params in ``params/``; a record without "params" means that directory.
 # ----------------------------------------------------------------------------------------------------
 DRAFTER_INDEX_FILE = "drafter_config.json"
+_DRAFTER_PARAMS_DIR = re.compile(r"^params(-[0-9a-f]{32})?$")
 DRAFTER_FORMAT = "ddtree-jax-drafter/1"
 
 
@@ -393,19 +412,40 @@ def is_drafter_checkpoint(path: str) -> bool:
 
 def save_drafter(drafter, path: str, metadata: dict[str, Any] | None = None, *,
                  storage_dtype: str | None = None) -> None:
-    """Writes the params (float ones rounded to ``storage_dtype`` if given; ``restore_drafter`` casts
-    back to the config dtype), then commits by atomically replacing ``drafter_config.json``."""
+    """Saves a drafter atomically, as ``save_model`` does: writes the params (float ones rounded to
+    ``storage_dtype`` if given; ``restore_drafter`` casts back to the config dtype) into a fresh
+    ``params-<hex>/``, commits by atomically replacing ``drafter_config.json``, then deletes older params
+    dirs. A save that fails or is killed before the commit leaves the previous drafter restorable."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise CheckpointError(f"{path}: exists and is not a directory")
     os.makedirs(path, exist_ok=True)
     flat = {".".join(str(p) for p in k): np.asarray(_stored(v.get_value(), storage_dtype))
             for k, v in nnx.state(drafter).flat_state()}
     if storage_dtype is not None:
         metadata = dict(metadata or {}, storage_dtype=str(jnp.dtype(storage_dtype)))
+    index = {"format": DRAFTER_FORMAT, "config": drafter_config_to_dict(drafter.cfg), "metadata": metadata or {},
+             "params": f"params-{uuid.uuid4().hex}"}
+    json.dumps(index)  # fail early on metadata that JSON cannot store
+    params_dir = os.path.abspath(os.path.join(path, index["params"]))
+    try:
+        _save_drafter_params(params_dir, flat)
+        _write_json_atomic(os.path.join(path, DRAFTER_INDEX_FILE), index)
+    except BaseException:
+        shutil.rmtree(params_dir, ignore_errors=True)
+        raise
+    for entry in os.listdir(path):
+        if _DRAFTER_PARAMS_DIR.match(entry) and entry != index["params"]:
+            shutil.rmtree(os.path.join(path, entry), ignore_errors=True)
+
+
+def _save_drafter_params(params_dir: str, flat: dict[str, np.ndarray]) -> None:
+    """The Orbax write of ``save_drafter`` (a seam for tests that interrupt a save)."""
     ckpt = ocp.StandardCheckpointer()
-    ckpt.save(os.path.abspath(os.path.join(path, "params")), flat, force=True)
-    ckpt.wait_until_finished()
-    ckpt.close()
-    _write_json_atomic(os.path.join(path, DRAFTER_INDEX_FILE), {
-        "format": DRAFTER_FORMAT, "config": drafter_config_to_dict(drafter.cfg), "metadata": metadata or {}})
+    try:
+        ckpt.save(params_dir, flat)
+        ckpt.wait_until_finished()
+    finally:
+        ckpt.close()
 
 
 def restore_drafter(path: str, dtype: str | None = None, mesh: Mesh | None = None,
@@ -415,6 +455,13 @@ def restore_drafter(path: str, dtype: str | None = None, mesh: Mesh | None = Non
     from ddtree_jax.hf_loader import ShapeOnlyRngs
 
     index = _read_json_index(path, DRAFTER_INDEX_FILE, DRAFTER_FORMAT, "drafter checkpoint")
+    params_name = index.get("params", "params")  # absent: the layout before atomic saves
+    if not isinstance(params_name, str) or not _DRAFTER_PARAMS_DIR.match(params_name):
+        raise CheckpointError(f"{path}: {DRAFTER_INDEX_FILE} names params dir {params_name!r}, expected "
+                              f"'params' or 'params-<32 hex digits>'")
+    params_dir = os.path.abspath(os.path.join(path, params_name))
+    if not os.path.isdir(params_dir):
+        raise CheckpointError(f"{path}: params directory {params_dir} is missing")
     cfg = drafter_config_from_dict(index["config"])
     if dtype:
         cfg = cfg.replace(dtype=dtype)
@@ -423,7 +470,7 @@ def restore_drafter(path: str, dtype: str | None = None, mesh: Mesh | None = Non
     names = {k: ".".join(str(p) for p in k) for k in flat_abstract}
     # restore in the stored dtype (whatever it was), cast afterwards
     ckpt = ocp.StandardCheckpointer()
-    meta = ckpt.metadata(os.path.abspath(os.path.join(path, "params")))
+    meta = ckpt.metadata(params_dir)
     stored = getattr(meta, "item_metadata", meta)
     stored = getattr(stored, "tree", stored)
     missing = [n for n in names.values() if n not in stored]
@@ -431,7 +478,7 @@ def restore_drafter(path: str, dtype: str | None = None, mesh: Mesh | None = Non
         ckpt.close()
         raise CheckpointError(f"{path}: drafter checkpoint lacks {missing[:3]}")
     like = {n: jax.ShapeDtypeStruct(tuple(stored[n].shape), stored[n].dtype) for n in names.values()}
-    restored = ckpt.restore(os.path.abspath(os.path.join(path, "params")), like)
+    restored = ckpt.restore(params_dir, like)
     ckpt.close()
     placed = {}
     for key, variable in flat_abstract.items():

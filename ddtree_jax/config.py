@@ -17,6 +17,8 @@ from typing import Any
 
 SUPPORTED_TEXT_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
 SUPPORTED_WRAPPER_TYPES = ("kimi_k25",)
+# transformers DeepseekV3Config defaults of fields that from_hf_dict requires (named in its error)
+TRANSFORMERS_DEFAULTS = {"routed_scaling_factor": 2.5, "n_group": 8, "topk_group": 4}
 
 
 class ConfigError(ValueError):
@@ -97,6 +99,13 @@ class ModelConfig:
             problems.append(f"n_routed_experts={self.n_routed_experts} not divisible by n_group={self.n_group}")
         if not 1 <= self.topk_group <= self.n_group:
             problems.append(f"topk_group={self.topk_group} must be in [1, n_group={self.n_group}]")
+        elif self.n_group > 1 and not self.n_routed_experts % self.n_group:
+            per_group = self.n_routed_experts // self.n_group
+            if per_group < 2:  # moe.route scores a group by the sum of its top-2 experts
+                problems.append(f"n_routed_experts/n_group={per_group} experts per group; group routing needs >= 2")
+            if self.topk_group * per_group < self.num_experts_per_tok:
+                problems.append(f"topk_group={self.topk_group} groups of {per_group} experts hold fewer than "
+                                f"num_experts_per_tok={self.num_experts_per_tok}")
         if self.qk_rope_head_dim % 2:
             problems.append("qk_rope_head_dim must be even")
         if self.num_nextn_predict_layers < 0:
@@ -161,11 +170,20 @@ class ModelConfig:
                 raise ConfigError(f"config.json lacks required field {key!r}")
             return raw[key]
 
+        def need_no_default(key):  # fields that change the math; a guessed default would go unnoticed
+            if key not in raw or raw[key] is None:
+                raise ConfigError(f"config.json lacks required field {key!r} (no default is assumed: transformers' "
+                                  f"DeepseekV3Config default is {TRANSFORMERS_DEFAULTS[key]}, other tools differ)")
+            return raw[key]
+
         rope_raw = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
         theta = float(rope_raw.get("rope_theta", raw.get("rope_theta", 10000.0)))
         kind = rope_raw.get("rope_type", rope_raw.get("type", "default"))
         if kind not in ("yarn", "default"):
             raise ConfigError(f"unsupported rope type {kind!r} (supported: yarn, default)")
+        if kind == "yarn" and rope_raw.get("factor") is None:
+            raise ConfigError("yarn rope section lacks required field 'factor' (no default is assumed: transformers "
+                              "derives it from max_position_embeddings / original_max_position_embeddings)")
         rope = RopeConfig(
             theta=theta,
             kind=kind,
@@ -185,8 +203,11 @@ class ModelConfig:
         eos = top.get("eos_token_id", raw.get("eos_token_id"))
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
         quant_raw = raw.get("quantization_config") or top.get("quantization_config")
-        n_group = raw.get("n_group") or 1
-        topk_group = raw.get("topk_group") or 1
+        n_group = int(need_no_default("n_group"))
+        topk_group = int(need_no_default("topk_group"))
+        for key, value in (("n_group", n_group), ("topk_group", topk_group)):
+            if value < 1:
+                raise ConfigError(f"config.json {key}={value} must be >= 1")
         if raw.get("topk_method", "noaux_tc") not in ("noaux_tc",):
             raise ConfigError(f"unsupported topk_method {raw.get('topk_method')!r} (only noaux_tc)")
         if raw.get("scoring_func", "sigmoid") != "sigmoid":
@@ -219,10 +240,10 @@ class ModelConfig:
             n_routed_experts=int(need("n_routed_experts")),
             n_shared_experts=int(raw.get("n_shared_experts") or 0),
             num_experts_per_tok=int(need("num_experts_per_tok")),
-            n_group=int(n_group),
-            topk_group=int(topk_group),
+            n_group=n_group,
+            topk_group=topk_group,
             first_k_dense_replace=int(raw.get("first_k_dense_replace") or 0),
-            routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+            routed_scaling_factor=float(need_no_default("routed_scaling_factor")),
             norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
             rms_norm_eps=float(need("rms_norm_eps")),
             rope=rope,

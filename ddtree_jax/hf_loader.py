@@ -67,13 +67,20 @@ class _ExpertStack:
         self.seen: set[tuple[int, str, str]] = set()
         self.num_experts = e
 
-    def _buffer(self, proj: str, kind: str, shape, dtype) -> np.ndarray:
+    def _buffer(self, name: str, proj: str, kind: str, value: np.ndarray) -> np.ndarray:
+        """The layer's [E, ...] stack for ``value``, in the dtype of the first expert that arrived; a value of
+        another dtype must be exactly representable in it (nothing is rounded before the final cast)."""
         key = ("w13" if proj != "down_proj" else "w2", kind)
         if key not in self.parts:
             e, d, f = self.num_experts, self.cfg.hidden_size, self.cfg.moe_intermediate_size
-            full = (e, 2 * f, shape[-1]) if key[0] == "w13" else (e, d, shape[-1])
-            self.parts[key] = np.zeros(full, dtype)
-        return self.parts[key]
+            full = (e, 2 * f, value.shape[-1]) if key[0] == "w13" else (e, d, value.shape[-1])
+            self.parts[key] = np.zeros(full, value.dtype)
+        buffer = self.parts[key]
+        if value.dtype != buffer.dtype and not np.array_equal(value.astype(buffer.dtype).astype(value.dtype), value,
+                                                              equal_nan=True):
+            raise CheckpointError(f"{name}: stored as {value.dtype}, not exactly representable in {buffer.dtype}, "
+                                  f"the dtype of this layer's experts that came first (store one dtype per layer)")
+        return buffer
 
     def add(self, name: str, expert: int, proj: str, kind: str, value: np.ndarray) -> None:
         if expert >= self.num_experts:
@@ -94,6 +101,8 @@ class _ExpertStack:
         if kind == "weight":
             if self.cfg.quant is not None:
                 raise CheckpointError(f"{name}: float expert weight but quantization_config declares INT4 experts")
+            if not jnp.issubdtype(value.dtype, jnp.floating):
+                raise CheckpointError(f"{name}: dtype {value.dtype} is not a float type")
             expected = (out_dim, in_dim)
         else:
             group = self.cfg.quant.group_size
@@ -101,10 +110,10 @@ class _ExpertStack:
             if kind == "weight_packed" and value.dtype != np.int32:
                 raise CheckpointError(f"{name}: dtype {value.dtype} != int32")
             if kind == "weight_scale" and not jnp.issubdtype(value.dtype, jnp.floating):
-                raise CheckpointError(f"{name}: dtype {value.dtype} is not a float type (bf16 expected)")
+                raise CheckpointError(f"{name}: dtype {value.dtype} is not a float type")
         if tuple(value.shape) != expected:
             raise CheckpointError(f"{name}: shape {tuple(value.shape)} != expected {expected}")
-        buffer = self._buffer(proj, kind, value.shape, value.dtype)
+        buffer = self._buffer(name, proj, kind, value)
         rows = slice(out_dim, 2 * out_dim) if proj == "up_proj" else slice(0, out_dim)
         buffer[expert, rows] = value
         self.seen.add((expert, proj, kind))
@@ -116,11 +125,13 @@ class _ExpertStack:
             raise CheckpointError(f"{name}: shape {tuple(value.shape)} != expected {expected}")
         if self.cfg.quant is not None:
             raise CheckpointError(f"{name}: fused float experts but quantization_config declares INT4 experts")
-        key = ("w13" if which == "gate_up_proj" else "w2", "weight")
-        self.parts[key] = np.array(value)
-        for ex in range(e):
-            for proj in (("gate_proj", "up_proj") if which == "gate_up_proj" else ("down_proj",)):
-                self.seen.add((ex, proj, "weight"))
+        covered = [(ex, proj, "weight") for ex in range(e)
+                   for proj in (("gate_proj", "up_proj") if which == "gate_up_proj" else ("down_proj",))]
+        if any(c in self.seen for c in covered):
+            raise CheckpointError(f"{name}: duplicate tensor (this layer's {which} experts already arrived, fused or "
+                                  f"per expert)")
+        self.parts[("w13" if which == "gate_up_proj" else "w2", "weight")] = np.array(value)
+        self.seen.update(covered)
 
     def _required(self):
         kinds = ("weight_packed", "weight_scale", "weight_shape") if self.cfg.quant is not None else ("weight",)
@@ -200,6 +211,11 @@ def iter_hf_params(path: str, cfg: ModelConfig, flat_abstract: dict[tuple, nnx.V
             raise CheckpointError(f"{tensor_name}: duplicate tensor (maps to {key} again)")
         done.add(key)
         checked = jax.tree.map(lambda leaf, ab: checked_array(tensor_name, leaf, ab), value, target)
+        if isinstance(value, QuantArray) and checked.scale.dtype != value.scale.dtype and not np.array_equal(
+                checked.scale.astype(value.scale.dtype), value.scale, equal_nan=True):
+            raise CheckpointError(f"{tensor_name}: weight_scale stored as {value.scale.dtype}, not exactly "
+                                  f"representable in the model's scale dtype {checked.scale.dtype} (every dequantised "
+                                  f"expert weight would change)")
         if key[-1] == "router" and checked.dtype != np.float32 and not np.array_equal(
                 checked.astype(value.dtype), value):
             raise CheckpointError(f"{tensor_name}: stored as {value.dtype}, not exactly representable in the "

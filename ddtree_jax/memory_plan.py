@@ -71,7 +71,8 @@ def param_bytes(state: nnx.State, mesh_shape: dict[str, int], rules: ShardingRul
     """{category: {"total": bytes, "per_device": bytes}} of an abstract (or real) ``nnx.State``.
 
     INT4 QuantArray (or kernel-layout PlanarInt4) leaves count as "experts_int4" (packed words) and "expert_scales";
-    the rest is split by module kind (attention, mlp = dense and shared-expert FFNs, router, embed_head, norms).
+    the rest is split by module kind (attention, mlp = dense and shared-expert FFNs and float routed experts,
+    router, embed_head, norms).
     """
     out = {c: {"total": 0, "per_device": 0} for c in CATEGORIES}
     for path, variable in state.flat_state():
@@ -109,19 +110,23 @@ def drafter_plan(drafter_cfg, mesh_shape: dict[str, int], rules: ShardingRules) 
     one = (drafter_cfg.num_layers, 1, 1, drafter_cfg.num_kv_heads, drafter_cfg.head_dim)  # k or v of one token
     total = 2 * int(np.prod(one)) * dtype.itemsize
     per_device = 2 * bytes_per_device(one, dtype, DRAFT_CACHE_AXES, mesh_shape, rules)
-    return {"weights": weights, "cache_per_token": {"total": total, "per_device": per_device}}
+    return {"weights": weights, "cache_per_token": {"total": total, "per_device": per_device},
+            "cache_arrays": ((2, one, dtype.name, DRAFT_CACHE_AXES),)}
 
 
 @dataclasses.dataclass(frozen=True)
 class MemoryPlan:
     """Bytes for one mesh: ``weights`` / ``drafter_weights`` {category: {total, per_device}};
-    caches per token of one stream {total, per_device}."""
+    caches per token of one stream {total, per_device}. ``cache_arrays``: (copies, shape, dtype, logical axes)
+    of each cache array for one token of one stream ("batch" and "seq" dims of size 1), placed by ``rules``."""
 
     mesh_shape: dict
     weights: dict
     cache_per_token: dict
     drafter_weights: dict | None = None
     drafter_cache_per_token: dict | None = None
+    rules: ShardingRules = DEFAULT_RULES
+    cache_arrays: tuple = ()
 
     def weight_bytes(self, key: str = "per_device") -> int:
         total = sum(v[key] for v in self.weights.values())
@@ -130,10 +135,16 @@ class MemoryPlan:
         return total
 
     def cache_bytes(self, capacity: int, streams: int, key: str = "per_device") -> int:
-        """Target + drafter caches of ``streams`` streams of ``capacity`` tokens (streams split over data)."""
-        per_token = self.cache_per_token[key] + (self.drafter_cache_per_token or {key: 0})[key]
-        local_streams = math.ceil(streams / self.mesh_shape["data"]) if key == "per_device" else streams
-        return per_token * capacity * local_streams
+        """Target + drafter caches of ``streams`` streams of ``capacity`` tokens: in all ("total") or on the
+        device holding the largest shard ("per_device"), split as ``rules`` place "batch" and "seq"."""
+        out = 0
+        for copies, one_token, dtype, axes in self.cache_arrays:
+            shape = [streams if a == "batch" else capacity if a == "seq" else d for d, a in zip(one_token, axes)]
+            if key == "per_device":
+                out += copies * bytes_per_device(shape, dtype, axes, self.mesh_shape, self.rules)
+            else:
+                out += copies * array_bytes(shape, dtype)
+        return out
 
 
 def plan_memory(cfg: ModelConfig, mesh_shape: dict[str, int], rules: ShardingRules = DEFAULT_RULES,
@@ -142,11 +153,14 @@ def plan_memory(cfg: ModelConfig, mesh_shape: dict[str, int], rules: ShardingRul
     from ddtree_jax.hf_loader import abstract_model
 
     _, abstract = abstract_model(cfg)
+    target_cache = (1, (cfg.num_layers, 1, 1, cfg.latent_dim), jnp.dtype(cfg.dtype).name, CACHE_AXES)
     plan = MemoryPlan(mesh_shape=dict(mesh_shape), weights=param_bytes(abstract, mesh_shape, rules),
-                      cache_per_token=target_cache_bytes_per_token(cfg, mesh_shape, rules))
+                      cache_per_token=target_cache_bytes_per_token(cfg, mesh_shape, rules), rules=rules,
+                      cache_arrays=(target_cache,))
     if drafter_cfg is not None:
         d = drafter_plan(drafter_cfg, mesh_shape, rules)
-        plan = dataclasses.replace(plan, drafter_weights=d["weights"], drafter_cache_per_token=d["cache_per_token"])
+        plan = dataclasses.replace(plan, drafter_weights=d["weights"], drafter_cache_per_token=d["cache_per_token"],
+                                   cache_arrays=plan.cache_arrays + d["cache_arrays"])
     return plan
 
 

@@ -202,6 +202,8 @@ class KimiModel(nnx.Module):
         for layer in tap_layers:
             if not 0 <= layer < cfg.num_layers:
                 raise ValueError(f"tap layer {layer} outside [0, {cfg.num_layers})")
+        if len(set(tap_layers)) != len(tap_layers):
+            raise ValueError(f"tap_layers {tuple(tap_layers)} names a layer twice")
         x = jnp.take(self.embed.get_value(), tokens, axis=0)
         cos, sin = rope_cos_sin(positions, cfg.rope, cfg.qk_rope_head_dim)
         block_kv, taps = [], []
@@ -228,7 +230,8 @@ class KimiModel(nnx.Module):
 
 
 def check_tokens(tokens, vocab_size: int) -> None:
-    """Host-side validation of token ids (jit cannot raise; jnp.take would clamp silently)."""
+    """Host-side validation of token ids (jit cannot raise; jnp.take would silently wrap ids in
+    [-vocab_size, 0) and give NaN rows for other out-of-range ids)."""
     import numpy as np
 
     arr = np.asarray(tokens)

@@ -32,7 +32,6 @@ LOGICAL_AXES = (
     "experts",  # E
     "router",  # E of the router's weights and bias: replicated by DEFAULT_RULES (see there)
     "expert_ffn",  # F inside one routed expert
-    "expert_in",  # packed/grouped input dim of a routed expert (int4 words or scale groups)
     "layers",
 )
 

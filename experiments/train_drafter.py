@@ -16,7 +16,7 @@
         --warmup 50 --batch 64 --lr 2e-3 --num-seqs 16384 --eval-seqs 256 --gen-streams 512 \
         --matmul-precision tensorfloat32
 
-Outputs in ``--out``: ``drafter_config.json`` + ``params/`` (``ddtree_jax.checkpoint.save_drafter``, float
+Outputs in ``--out``: ``drafter_config.json`` + ``params-<hex>/`` (``ddtree_jax.checkpoint.save_drafter``, float
 params stored as ``--storage-dtype``), ``manifest.json`` (command, commit, data hash, metrics incl.
 per-position accuracy on held-out text, measured on the drafter as restored), ``loss_curve.json`` / ``.png``.
 """

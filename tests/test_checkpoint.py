@@ -190,3 +190,100 @@ def test_convert_multi_shard_checkpoint(tmp_path):
     np.testing.assert_array_equal(a, b)
     # the planner's total for this config is the loaded model's real size
     assert plan_memory(direct.cfg, parse_mesh("1x1")).weight_bytes("total") == state_bytes(nnx.state(direct))
+
+
+def test_convert_refuses_an_out_dir_with_tokenizer_files_the_source_lacks(tmp_path):
+    from ddtree_jax.checkpoint import convert_hf_checkpoint, copy_tokenizer_files
+
+    hf_dir, out = str(tmp_path / "hf"), str(tmp_path / "out")
+    random_hf_checkpoint(hf_dir, dims=TINY_HF_DIMS, shards=1)
+    with open(os.path.join(hf_dir, "tiktoken.model"), "w") as f:
+        f.write("dG9rZW4= 0\n")
+    os.makedirs(out)
+    with open(os.path.join(out, "tokenizer.json"), "w") as f:  # an older model's tokenizer
+        f.write("{}")
+    with pytest.raises(CheckpointError, match=r"tokenizer files \['tokenizer\.json'\] that .*hf lacks"):
+        copy_tokenizer_files(hf_dir, out)
+    with pytest.raises(CheckpointError, match=r"tokenizer files \['tokenizer\.json'\]"):
+        convert_hf_checkpoint(hf_dir, out, dtype="float32")
+    assert sorted(os.listdir(out)) == ["tokenizer.json"]  # refused before writing anything; the user's file kept
+    os.remove(os.path.join(out, "tokenizer.json"))
+    for _ in range(2):  # re-converting the same source into the same directory still works
+        assert convert_hf_checkpoint(hf_dir, out, dtype="float32")["tokenizer_files"] == ["tiktoken.model"]
+
+
+def _drafter_dirs(path):
+    return sorted(entry for entry in os.listdir(path) if entry.startswith("params"))
+
+
+def test_interrupted_drafter_save_keeps_previous_drafter(tmp_path, monkeypatch):
+    from ddtree_jax.checkpoint import DRAFTER_INDEX_FILE, restore_drafter, save_drafter
+    from ddtree_jax.drafter import DFlashDrafter, tiny_drafter_config
+
+    dcfg = tiny_drafter_config(tiny_config())
+    first, second = DFlashDrafter(dcfg, nnx.Rngs(1)), DFlashDrafter(dcfg, nnx.Rngs(2))
+    path = str(tmp_path / "d")
+    save_drafter(first, path, {"step": 1})
+
+    def fails_before_the_commit(*args):  # the params are written, the commit record is not
+        raise OSError("disk full (simulated)")
+
+    monkeypatch.setattr(ckpt, "_write_json_atomic", fails_before_the_commit)
+    with pytest.raises(OSError, match="simulated"):
+        save_drafter(second, path, {"step": 2})
+    monkeypatch.undo()
+    for a, b in zip(jax.tree.leaves(nnx.state(first)), jax.tree.leaves(nnx.state(restore_drafter(path)))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert len(_drafter_dirs(path)) == 1
+    os.makedirs(os.path.join(path, "params-" + "0" * 32))  # a save killed without cleanup leaves an orphan
+    save_drafter(second, path, {"step": 2})
+    assert len(_drafter_dirs(path)) == 1  # older params dirs are gone after the commit
+    assert sorted(os.listdir(path)) == sorted([DRAFTER_INDEX_FILE] + _drafter_dirs(path))
+    for a, b in zip(jax.tree.leaves(nnx.state(second)), jax.tree.leaves(nnx.state(restore_drafter(path)))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_drafter_in_the_layout_before_atomic_saves_still_restores(tmp_path):
+    import json
+
+    from ddtree_jax.checkpoint import DRAFTER_INDEX_FILE, restore_drafter, save_drafter
+    from ddtree_jax.drafter import DFlashDrafter, tiny_drafter_config
+
+    dcfg = tiny_drafter_config(tiny_config())
+    old, new = DFlashDrafter(dcfg, nnx.Rngs(1)), DFlashDrafter(dcfg, nnx.Rngs(2))
+    path = str(tmp_path / "d")
+    save_drafter(old, path)
+    index_file = os.path.join(path, DRAFTER_INDEX_FILE)
+    with open(index_file) as f:
+        index = json.load(f)
+    os.rename(os.path.join(path, index.pop("params")), os.path.join(path, "params"))  # the old layout
+    with open(index_file, "w") as f:
+        json.dump(index, f)
+    for a, b in zip(jax.tree.leaves(nnx.state(old)), jax.tree.leaves(nnx.state(restore_drafter(path)))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    save_drafter(new, path)  # saving over it replaces the old params/ as well
+    assert _drafter_dirs(path) != ["params"] and len(_drafter_dirs(path)) == 1
+    for a, b in zip(jax.tree.leaves(nnx.state(new)), jax.tree.leaves(nnx.state(restore_drafter(path)))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    index["params"] = "../elsewhere"
+    with open(index_file, "w") as f:
+        json.dump(index, f)
+    with pytest.raises(CheckpointError, match="names params dir '../elsewhere'"):
+        restore_drafter(path)
+
+
+@pytest.mark.parametrize("streams_split", [True, False], ids=["batch-over-data", "no-batch-rule"])
+def test_planned_cache_bytes_follow_the_rules(host_devices, streams_split):
+    from ddtree_jax.cache import CACHE_AXES
+    from ddtree_jax.memory_plan import held_bytes_per_device
+    from ddtree_jax.sharding import ShardingRules, named_sharding
+
+    cfg = tiny_config()
+    rules = DEFAULT_RULES if streams_split else ShardingRules(
+        rules=tuple(rule for rule in DEFAULT_RULES.rules if rule[0] != "batch"))
+    mesh = make_mesh(data=2, model=4, devices=host_devices)
+    cache = init_cache(cfg, batch=8, capacity=100)
+    placed = jax.device_put(cache.kv, named_sharding(mesh, rules, CACHE_AXES))
+    plan = plan_memory(cfg, parse_mesh("2x4"), rules)
+    assert plan.cache_bytes(100, 8) == max(held_bytes_per_device(placed).values())
+    assert plan.cache_bytes(100, 8, "total") == cache.kv.nbytes

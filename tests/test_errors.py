@@ -236,3 +236,103 @@ def test_router_never_narrowed_lossily(hf_dir):
     with pytest.raises(CheckpointError, match=r"mlp\.gate\.weight: stored as float32, not exactly representable"):
         for _ in iter_hf_params(hf_dir, cfg, flat_params(abstract)):
             pass
+
+
+@pytest.mark.parametrize("field, transformers_default", [
+    ("routed_scaling_factor", 2.5), ("n_group", 8), ("topk_group", 4)])
+def test_config_fields_that_change_the_math_have_no_default(hf_dir, field, transformers_default):
+    raw = json.load(open(os.path.join(hf_dir, "config.json")))
+    del raw[field]
+    with pytest.raises(ConfigError, match=rf"lacks required field '{field}' .*default is {transformers_default}"):
+        ModelConfig.from_hf_dict(raw)
+
+
+def test_yarn_without_factor_is_refused(hf_dir):
+    raw = json.load(open(os.path.join(hf_dir, "config.json")))
+    del raw["rope_parameters"]["factor"]
+    with pytest.raises(ConfigError, match="yarn rope section lacks required field 'factor'"):
+        ModelConfig.from_hf_dict(raw)
+    raw["rope_parameters"]["rope_type"] = "default"  # plain RoPE has no factor
+    assert ModelConfig.from_hf_dict(raw).rope.kind == "default"
+
+
+@pytest.mark.parametrize("field", ["n_group", "topk_group"])
+def test_group_counts_below_one_are_refused_not_replaced(hf_dir, field):
+    raw = json.load(open(os.path.join(hf_dir, "config.json")))
+    raw[field] = 0
+    with pytest.raises(ConfigError, match=rf"{field}=0 must be >= 1"):
+        ModelConfig.from_hf_dict(raw)
+
+
+def test_commit_flags_rows_outside_the_block():
+    cfg = tiny_config()
+    cache = init_cache(cfg, batch=4, capacity=16)
+    new = jnp.arange(1.0, 4.0)[None, None, :, None] * jnp.ones((cfg.num_layers, 4, 3, cfg.latent_dim))
+    rows = jnp.array([[0, -1], [0, 3], [2, 1], [0, 7]])  # stream 3 reads row 7 only past its count
+    cache, overflow = commit(cache, new, rows, jnp.array([2, 2, 2, 1]))
+    assert overflow.tolist() == [True, True, False, False]
+    assert cache.lengths.tolist() == [0, 0, 2, 1]
+    assert float(jnp.abs(cache.kv[:, :2]).sum()) == 0.0  # streams 0 and 1 unwritten (no wrap, no NaN)
+    assert cache.kv[0, 2, :2, 0].tolist() == [3.0, 2.0] and float(cache.kv[0, 3, 0, 0]) == 1.0
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(n_routed_experts=8, n_group=4, topk_group=1, num_experts_per_tok=4),
+     "topk_group=1 groups of 2 experts hold fewer than num_experts_per_tok=4"),
+    (dict(n_routed_experts=8, n_group=8, topk_group=4, num_experts_per_tok=2),
+     "1 experts per group; group routing needs >= 2"),
+])
+def test_group_routing_must_reach_k_experts(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        tiny_config(**overrides)
+    tiny_config(**dict(overrides, topk_group=2, n_group=4))  # 2 groups of 2 experts hold K <= 4
+
+
+def _expert_stack():
+    from ddtree_jax.hf_loader import _ExpertStack
+    return _ExpertStack(tiny_config(), layer=1)
+
+
+def test_fused_experts_cannot_overwrite_experts_already_read():
+    cfg = tiny_config()
+    e, d, f = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    stack = _expert_stack()
+    stack.add("experts.0.gate_proj.weight", 0, "gate_proj", "weight", np.full((f, d), 7.0, np.float32))
+    with pytest.raises(CheckpointError, match="fused: duplicate tensor"):
+        stack.add_fused("fused", "gate_up_proj", np.ones((e, 2 * f, d), np.float32))
+    stack = _expert_stack()
+    stack.add_fused("fused", "gate_up_proj", np.ones((e, 2 * f, d), np.float32))
+    with pytest.raises(CheckpointError, match="again: duplicate tensor"):
+        stack.add_fused("again", "gate_up_proj", np.full((e, 2 * f, d), 2.0, np.float32))
+    stack.add_fused("down", "down_proj", np.ones((e, d, f), np.float32))
+    assert stack.complete() and float(stack.finish("")["w13"][0, 0, 0]) == 1.0
+
+
+def test_expert_of_another_dtype_is_not_rounded_into_the_stack():
+    import ml_dtypes
+    cfg = tiny_config()
+    d, f = cfg.hidden_size, cfg.moe_intermediate_size
+    stack = _expert_stack()
+    stack.add("experts.0.gate_proj.weight", 0, "gate_proj", "weight", np.ones((f, d), ml_dtypes.bfloat16))
+    with pytest.raises(CheckpointError, match=r"experts\.1\.gate_proj\.weight: stored as float32, not exactly "
+                                              r"representable in bfloat16"):
+        stack.add("experts.1.gate_proj.weight", 1, "gate_proj", "weight", np.full((f, d), 1 + 2**-12, np.float32))
+    stack.add("experts.2.gate_proj.weight", 2, "gate_proj", "weight", np.full((f, d), 1.5, np.float32))  # exact
+    with pytest.raises(CheckpointError, match=r"experts\.3\.gate_proj\.weight: dtype int32 is not a float type"):
+        stack.add("experts.3.gate_proj.weight", 3, "gate_proj", "weight", np.ones((f, d), np.int32))
+
+
+@pytest.mark.parametrize("taps", [(0, 0, 1), (2, 1, 1), (1, 1)])
+def test_repeated_tap_layer_is_refused(taps):
+    from flax import nnx
+    from ddtree_jax.decode import prefill
+    from ddtree_jax.model import KimiModel, causal_mask
+    cfg = tiny_config()
+    model = KimiModel(cfg, nnx.Rngs(0))
+    tokens = jnp.ones((1, 3), jnp.int32)
+    positions = jnp.arange(3)[None]
+    with pytest.raises(ValueError, match=r"names a layer twice"):
+        model(tokens, positions, init_cache(cfg, 1, 8), causal_mask(1, 3), tap_layers=taps)
+    graphdef, state = nnx.split(model)
+    with pytest.raises(ValueError, match=r"names a layer twice"):
+        prefill(graphdef, state, init_cache(cfg, 1, 8), tokens, jnp.array([3]), tap_layers=taps)

@@ -214,3 +214,24 @@ def test_quantization_config_inside_text_config(int4_dirs):
     raw["text_config"]["quantization_config"]["format"] = "float-quantized"
     with pytest.raises(ConfigError, match="'float-quantized'"):
         ModelConfig.from_hf_dict(raw)
+
+
+def _scales_as_float16(tensors, bump=False):
+    """Layer 2's down_proj scales stored as f16 (as an f16 model's compressed-tensors export would); ``bump`` makes
+    one of them 1 + 2**-10, which bf16 (the model's scale dtype) cannot hold."""
+    for ex in range(8):
+        name = f"model.layers.2.mlp.experts.{ex}.down_proj.weight_scale"
+        tensors[name] = tensors[name].astype(np.float16)
+    if bump:
+        tensors["model.layers.2.mlp.experts.5.down_proj.weight_scale"][0, 0] = 1 + 2**-10
+
+
+def test_int4_scales_not_exact_in_the_scale_dtype_refused(int4_dirs, tmp_path):
+    exact = edited_copy(int4_dirs["plain"][0], tmp_path / "exact", _scales_as_float16)
+    reference = load_hf_model(int4_dirs["plain"][0], dtype="float32").layers[2].mlp.w2.value.scale
+    np.testing.assert_array_equal(np.asarray(load_hf_model(exact, dtype="float32").layers[2].mlp.w2.value.scale),
+                                  np.asarray(reference))
+    rounded = edited_copy(int4_dirs["plain"][0], tmp_path / "rounded", lambda t: _scales_as_float16(t, bump=True))
+    with pytest.raises(CheckpointError, match=r"layers\.2\.mlp\.experts \(w2\): weight_scale stored as float16, "
+                                              r"not exactly representable in the model's scale dtype bfloat16"):
+        load_hf_model(rounded, dtype="float32")

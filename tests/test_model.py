@@ -229,3 +229,21 @@ def test_one_token_dot_padding(spec, x_shape, w_shape, axis):
         got = _padded_dot(x, w, spec, axis)
         assert got.shape == want.shape
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
+def test_every_logical_axis_is_used():
+    """A declared logical axis that no parameter or cache carries is dead: rules for it would do nothing."""
+    from ddtree_jax.cache import CACHE_AXES
+    from ddtree_jax.config import QuantConfig
+    from ddtree_jax.drafter import DRAFT_CACHE_AXES, DFlashDrafter, tiny_drafter_config
+    from ddtree_jax.hf_loader import ShapeOnlyRngs, abstract_model
+    from ddtree_jax.sharding import LOGICAL_AXES
+
+    used = set(CACHE_AXES) | set(DRAFT_CACHE_AXES)
+    for quant in (None, QuantConfig()):
+        cfg = tiny_config(quant=quant)
+        drafter = nnx.eval_shape(lambda: DFlashDrafter(tiny_drafter_config(cfg), ShapeOnlyRngs()))
+        for state in (abstract_model(cfg)[1], nnx.state(drafter)):
+            for _, variable in state.flat_state():
+                used.update(axis for axis in variable.get_metadata()["logical_axes"] if axis is not None)
+    assert set(LOGICAL_AXES) == used
