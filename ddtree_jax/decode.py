@@ -71,18 +71,51 @@ def _token_ids(prompt, index: int) -> np.ndarray:
     return ids
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "runtime", "tap_layers"), donate_argnames=("cache",))
 def prefill(graphdef: nnx.GraphDef, state: nnx.State, cache: LatentCache, tokens: jax.Array, lengths: jax.Array,
             *, runtime: Runtime = Runtime(), tap_layers: tuple[int, ...] = ()):
     """Runs padded prompts [B, P] on top of ``cache`` and commits the first lengths[b] rows per stream.
 
     Returns (last_logits [B, W] f32 at each prompt's last token, cache, overflow [B] bool,
-    taps [n_taps, B, P, D] or None). ``pad_prompts`` makes valid inputs; here they are traced and cannot
-    raise, so a stream whose length lies outside [1, P] is flagged in ``overflow``, not written, and gets NaN
-    logits (as does a token id outside the vocabulary, here and in ``decode_step``).
+    taps [n_taps, B, P, D] or None). ``pad_prompts`` makes valid inputs. Every id of ``tokens``, padding
+    included, must lie in [0, W): host ids (numpy, lists) are checked here (``check_tokens``, ValueError).
+    Device arrays are not read back (that would stall a decode loop) and traced ones cannot raise: a stream
+    with an id outside [0, W), negative ones included, gets NaN logits (its rows are written, as NaN), and
+    a stream whose length lies outside [1, P] is flagged in ``overflow``, not written, and gets NaN logits.
     """
+    _check_concrete_tokens(tokens, state)
+    return _prefill(graphdef, state, cache, tokens, lengths, runtime=runtime, tap_layers=tap_layers)
+
+
+def decode_step(graphdef: nnx.GraphDef, state: nnx.State, cache: LatentCache, tokens: jax.Array,
+                *, runtime: Runtime = Runtime()):
+    """One token per stream: tokens [B] -> (logits [B, W] f32, cache, overflow [B] bool).
+
+    Token ids must lie in [0, W): host ids are checked here (ValueError, as in ``prefill``); on a device
+    array or traced, an id outside [0, W), negative ones included, gives NaN logits (its row is committed,
+    as NaN).
+    """
+    _check_concrete_tokens(tokens, state)
+    return _decode_step(graphdef, state, cache, tokens, runtime=runtime)
+
+
+def _check_concrete_tokens(tokens, state: nnx.State) -> None:
+    """``check_tokens`` against the embedding's vocabulary for host ids; a jax array (on a device, or traced)
+    is left to ``_nan_if_outside_vocab``, as reading it back would wait for the device."""
+    if not isinstance(tokens, jax.Array):
+        check_tokens(tokens, state["embed"].shape[0])
+
+
+def _nan_if_outside_vocab(tokens: jax.Array, vocab_size: int) -> jax.Array:
+    """Ids outside [0, W) -> W, which the embedding lookup (``jnp.take``'s fill mode) turns into a NaN row;
+    without this, ids in [-W, 0) would wrap silently to real tokens."""
+    return jnp.where((tokens >= 0) & (tokens < vocab_size), tokens, vocab_size)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "runtime", "tap_layers"), donate_argnames=("cache",))
+def _prefill(graphdef, state, cache, tokens, lengths, *, runtime, tap_layers):
     model = nnx.merge(graphdef, state)
     b, p = tokens.shape
+    tokens = _nan_if_outside_vocab(tokens, model.cfg.vocab_size)
     positions = cache.lengths[:, None] + jnp.arange(p)[None, :]
     out = model(tokens, positions, cache, causal_mask(b, p), tap_layers=tap_layers, runtime=runtime)
     rows = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
@@ -94,11 +127,10 @@ def prefill(graphdef: nnx.GraphDef, state: nnx.State, cache: LatentCache, tokens
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "runtime"), donate_argnames=("cache",))
-def decode_step(graphdef: nnx.GraphDef, state: nnx.State, cache: LatentCache, tokens: jax.Array,
-                *, runtime: Runtime = Runtime()):
-    """One token per stream: tokens [B] -> (logits [B, W] f32, cache, overflow [B] bool)."""
+def _decode_step(graphdef, state, cache, tokens, *, runtime):
     model = nnx.merge(graphdef, state)
     b = tokens.shape[0]
+    tokens = _nan_if_outside_vocab(tokens, model.cfg.vocab_size)
     out = model(tokens[:, None], cache.lengths[:, None], cache, causal_mask(b, 1), runtime=runtime)
     cache, overflow = commit(cache, out.block_kv, jnp.zeros((b, 1), jnp.int32), jnp.ones((b,), jnp.int32))
     return out.logits[:, 0], cache, overflow

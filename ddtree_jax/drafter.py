@@ -249,12 +249,16 @@ def tiny_drafter_config(target_cfg, *, block_size: int = 4, dtype: str | None = 
 
 
 def check_drafter_target(cfg: DrafterConfig, target_cfg) -> None:
-    """Raises ConfigError if the drafter cannot run on this target (width, vocabulary, tapped layers)."""
+    """Raises ConfigError if the drafter cannot run on this target (width, vocabulary, tapped layers, and the
+    target depth it was built for when ``cfg.num_target_layers`` is set)."""
     problems = []
     if cfg.hidden_size != target_cfg.hidden_size:
         problems.append(f"drafter hidden_size {cfg.hidden_size} != target hidden_size {target_cfg.hidden_size}")
     if cfg.vocab_size != target_cfg.vocab_size:
         problems.append(f"drafter vocab_size {cfg.vocab_size} != target vocab_size {target_cfg.vocab_size}")
+    if cfg.num_target_layers is not None and cfg.num_target_layers != target_cfg.num_layers:
+        problems.append(f"drafter built for num_target_layers={cfg.num_target_layers} != target num_layers "
+                        f"{target_cfg.num_layers}")
     if any(i >= target_cfg.num_layers for i in cfg.target_layer_ids):
         problems.append(f"target_layer_ids {cfg.target_layer_ids} outside the target's {target_cfg.num_layers} layers")
     if problems:

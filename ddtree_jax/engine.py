@@ -32,7 +32,8 @@ from flax import nnx
 
 from ddtree_jax.cache import CACHE_AXES, LatentCache, commit, init_cache
 from ddtree_jax.decode import pad_prompts
-from ddtree_jax.drafter import DFlashDrafter, DraftCache, check_drafter_target, draft_cache_axes, init_draft_cache
+from ddtree_jax.drafter import (DFlashDrafter, DraftCache, check_drafter_target, draft_cache_axes, draft_logits,
+                                init_draft_cache)
 from ddtree_jax.model import KimiModel, Runtime, causal_mask
 from ddtree_jax.sharding import DEFAULT_RULES, named_sharding, shard_state
 from ddtree_jax.tree import PAD, accept_tokens, build_tree, chain_tree, check_budget, sample_target_tokens
@@ -227,6 +228,9 @@ class Engine:
 
 
 def summarize(state: DecodeState, prefill_s: float, decode_s: float) -> dict:
+    """Per-stream tokens and status, and metrics: new_tokens counts every generated token (the prefill's
+    first token per stream included); tau and tokens_per_s count only the tokens of the rounds (decode_s),
+    not the one the prefill samples per stream (its time is in prefill_s)."""
     out = np.asarray(state.out_tokens)
     num = np.asarray(state.num_out)
     rounds = np.asarray(state.rounds)
@@ -242,7 +246,7 @@ def summarize(state: DecodeState, prefill_s: float, decode_s: float) -> dict:
         "new_tokens": int(num.sum()),
         "prefill_s": prefill_s,
         "decode_s": decode_s,
-        "tokens_per_s": float(num.sum() / decode_s) if decode_s > 0 else float("nan"),
+        "tokens_per_s": float(emitted_in_rounds.sum() / decode_s) if decode_s > 0 else float("nan"),
     }
 
 
@@ -263,8 +267,9 @@ def _static_if_greedy(temperature, greedy: bool):
 def _prefill(target_def, target_state, drafter_def, drafter_state, cache, draft_cache, tokens, lengths, temperature,
              key, *, max_new_tokens: int, eos_ids: tuple[int, ...], runtime: Runtime, taps: tuple[int, ...],
              depth: int, greedy: bool) -> DecodeState:
-    # Keyed on the few EngineConfig fields it reads (not mode / budget), so engines that differ only
-    # in those share one compiled prefill.
+    # Keyed on its static arguments, not on the EngineConfig: mode and budget enter only through depth
+    # (= tree_depth, the shapes of ctx_taps / tau_hist), taps and drafter_def, so engines that agree on
+    # those (e.g. dflash and ddtree with budget >= Dp) and on the other static arguments share one program.
     temperature = _static_if_greedy(temperature, greedy)
     target = nnx.merge(target_def, target_state)
     cfg = target.cfg
@@ -298,15 +303,10 @@ def _draft_tree(target, drafter, state: DecodeState, start, active, ecfg: Engine
     b = state.bonus.shape[0]
     if ecfg.mode == "ar":
         return chain_tree(jnp.zeros((b, 0), jnp.int32), state.bonus), state.draft_cache
-    dcfg = drafter.cfg
     positions = state.ctx_start[:, None] + jnp.arange(depth + 1, dtype=jnp.int32)[None, :]
     draft_cache, _ = drafter.append_context(state.draft_cache, state.ctx_taps, positions,
                                             jnp.where(active, state.ctx_counts, 0))
-    block = jnp.concatenate([state.bonus[:, None],
-                             jnp.full((b, dcfg.block_size - 1), dcfg.mask_token_id, jnp.int32)], axis=1)
-    block_pos = start[:, None] + jnp.arange(dcfg.block_size, dtype=jnp.int32)[None, :]
-    hidden = drafter(draft_cache, target.embed_tokens(block), block_pos)
-    logits = target.head(hidden[:, 1:])  # [B, Dp, W]
+    logits = draft_logits(drafter, target, draft_cache, state.bonus, start)  # [B, Dp, W]
     if ecfg.mode == "dflash":
         tree = chain_tree(jnp.argmax(logits, -1).astype(jnp.int32), state.bonus)
     else:

@@ -1,4 +1,4 @@
-"""Device-side draft trees: DDTree build, DFlash chain, lossless acceptance walk, KV compaction.
+"""Device-side draft trees: DDTree build, DFlash chain, lossless acceptance walk.
 
 Everything here is pure JAX with static shapes and jit-able; nothing syncs with the host.
 Dimension letters: B streams, T tree nodes (root included), Dp draft depth (= block_size - 1),
@@ -49,6 +49,7 @@ output distribution equals the target's (lossless). Do NOT use min(1, p/q) with 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -231,10 +232,13 @@ def make_tree(tokens, parents, max_depth: int, logprob=None) -> Tree:
     max_depth = int(max_depth)
     if max_depth < 0:
         raise ValueError(f"max_depth must be >= 0, got {max_depth}")
-    depths, vis = _ancestry(parents, max_depth)
     if logprob is None:
         logprob = jnp.zeros(tokens.shape, jnp.float32)
-    return Tree(tokens, parents, depths, jnp.asarray(logprob, jnp.float32), vis, max_depth)
+    logprob = jnp.asarray(logprob, jnp.float32)
+    if logprob.shape != tokens.shape:
+        raise ValueError(f"logprob must be [B, T] = {tokens.shape} like tokens, got {logprob.shape}")
+    depths, vis = _ancestry(parents, max_depth)
+    return Tree(tokens, parents, depths, logprob, vis, max_depth)
 
 
 def chain_tree(draft_tokens, root_token, token_logprobs=None) -> Tree:
@@ -263,7 +267,11 @@ def chain_tree(draft_tokens, root_token, token_logprobs=None) -> Tree:
     if token_logprobs is None:
         logprob = jnp.zeros((b, t), jnp.float32)
     else:
-        cum = jnp.cumsum(jnp.asarray(token_logprobs, jnp.float32), axis=1)
+        token_logprobs = jnp.asarray(token_logprobs, jnp.float32)
+        if token_logprobs.shape != draft_tokens.shape:
+            raise ValueError(f"token_logprobs must be [B, Dp] = {draft_tokens.shape} like draft_tokens, "
+                             f"got {token_logprobs.shape}")
+        cum = jnp.cumsum(token_logprobs, axis=1)
         logprob = jnp.concatenate([jnp.zeros((b, 1), jnp.float32), cum], axis=1)
     return Tree(tokens, parents, depths, logprob, vis, dp)
 
@@ -424,12 +432,16 @@ def sample_target_tokens(target_logits, temperature, key) -> jax.Array:
 
     ``temperature``: scalar or [B] (per stream), may be traced. Where it is > 0 the token is a
     sample from softmax(logits / temperature); where it is <= 0 it is the argmax (greedy). A Python
-    number computes only the path it takes; a traced one computes both, and the sample's B*T*W random
-    draws cost far more than the argmax.
+    number computes only the path it takes and must be finite (ValueError for NaN / inf); a traced one
+    computes both, and the sample's B*T*W random draws cost far more than the argmax. A traced value
+    cannot be checked under jit: NaN acts as greedy and +inf samples uniformly (callers validate on the
+    host, e.g. ``engine.check_temperature``).
     ``key``: a jax PRNG key; the B*T draws are independent (the same draws either way).
     """
     logits = jnp.asarray(target_logits).astype(jnp.float32)
     if isinstance(temperature, (int, float)) and not isinstance(temperature, bool):
+        if not math.isfinite(temperature):
+            raise ValueError(f"temperature must be finite (<= 0: greedy), got {temperature}")
         if temperature <= 0:
             return jnp.argmax(logits, axis=-1).astype(jnp.int32)
         return jax.random.categorical(key, logits / jnp.float32(temperature), axis=-1).astype(jnp.int32)
@@ -448,39 +460,11 @@ def accept_sample(tree: Tree, target_logits, temperature, key) -> Acceptance:
     Args:
       tree:          Tree (T nodes).
       target_logits: [B, T, W] target logits at every node (from one tree-verify forward).
-      temperature:   scalar or [B]; <= 0 means greedy for that stream.
+      temperature:   scalar or [B]; <= 0 means greedy for that stream. A Python number must be finite
+                     (ValueError); a traced non-finite one is not checked (see ``sample_target_tokens``).
       key:           jax PRNG key.
     Every emitted token is a target sample given exactly the committed prefix, so the output
     distribution equals sampling from the target directly (no min(1, p/q) with draft marginals).
     """
     return accept_tokens(tree, sample_target_tokens(target_logits, temperature, key))
 
-
-def compaction_indices(acceptance: Acceptance, start, dest_start=None):
-    """Cache rows to copy so the accepted path (root included) becomes contiguous.
-
-    The verify forward wrote tree node t of stream b at cache slot ``start[b] + t``. After the walk
-    the accepted nodes path[b, 0..n] (n = num_accepted, path[b, 0] = root = 0) must sit at slots
-    ``dest_start[b] + 0..n`` (default ``dest_start = start``), after which the stream's cache length
-    is ``dest_start + n + 1``.
-
-    Args:
-      acceptance: Acceptance with path [B, D+1].
-      start:      [B] int32 cache slot of the tree's root row.
-      dest_start: optional [B] int32 first destination slot (default ``start``).
-    Returns:
-      (src, dst, valid), each [B, D+1]: copy row ``src[b, k]`` to ``dst[b, k]`` where valid.
-      ``dst = dest_start + k``. Invalid entries (k > n) have ``src == dst`` (a no-op copy), so the
-      engine may apply all D+1 copies unconditionally. With ``dest_start == start``, ``src >= dst``
-      always (node index >= depth); gather all src rows before scattering (or copy in increasing
-      k) and no row is overwritten before it is read. The drafter's next-round context rows are
-      the verify hidden states at node indices ``path`` (same validity).
-    """
-    path = acceptance.path
-    start = jnp.asarray(start, jnp.int32)
-    dest = start if dest_start is None else jnp.asarray(dest_start, jnp.int32)
-    k = jnp.arange(path.shape[1], dtype=jnp.int32)[None, :]
-    valid = path >= 0
-    dst = dest[:, None] + k
-    src = jnp.where(valid, start[:, None] + path, dst)
-    return src, dst, valid

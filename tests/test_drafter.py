@@ -373,6 +373,10 @@ def test_drafter_target_mismatch_raises():
     with pytest.raises(ConfigError, match="outside the target's 3 layers"):
         check_drafter_target(tiny_drafter_config(tiny_config(), target_layer_ids=(0, 5), num_target_layers=None),
                              tiny_config())
+    # taps that fit, but a drafter built on a deeper target's features
+    with pytest.raises(ConfigError, match="num_target_layers=23 != target num_layers 3"):
+        check_drafter_target(tiny_drafter_config(tiny_config()).replace(num_target_layers=23), tiny_config())
+    check_drafter_target(tiny_drafter_config(tiny_config()).replace(num_target_layers=None), tiny_config())
 
 
 def test_loader_errors_name_the_tensor(setup, tmp_path):

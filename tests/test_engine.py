@@ -1,7 +1,9 @@
 """Engine invariants: AR greedy output == greedy decoding over the plain causal forward (a reference
 outside the engine); DDTree / DFlash greedy output == AR greedy output token for token; streams stop
-cleanly (EOS, token limit, cache capacity); sampling is lossless; sharded == unsharded; bad budgets."""
+cleanly (EOS, token limit, cache capacity); sampling is lossless; sharded == unsharded; bad budgets;
+tokens/s counts only the decoded tokens."""
 
+import types
 
 import jax
 import numpy as np
@@ -10,7 +12,7 @@ from flax import nnx
 
 from ddtree_jax.config import QuantConfig, tiny_config
 from ddtree_jax.drafter import DFlashDrafter, tiny_drafter_config
-from ddtree_jax.engine import Engine, EngineConfig
+from ddtree_jax.engine import Engine, EngineConfig, summarize
 from ddtree_jax.model import KimiModel
 from ddtree_jax.sharding import DEFAULT_RULES, make_mesh
 from ddtree_jax.model import Runtime
@@ -117,6 +119,23 @@ def test_cache_capacity_ends_stream_with_status(models):
         assert len(prompts[b]) + len(res["tokens"][b]) <= 24
 
 
+def test_tokens_per_s_excludes_the_prefill_token():
+    """The prefill samples each stream's first token (its time is prefill_s): tokens_per_s divides only the
+    tokens of the rounds by decode_s, like tau; new_tokens still counts every token."""
+    state = types.SimpleNamespace(out_tokens=np.arange(12).reshape(2, 6), num_out=np.array([5, 3]),
+                                  rounds=np.array([2, 1]), tau_hist=np.zeros((2, 5), int), status=np.array([2, 2]))
+    res = summarize(state, prefill_s=7.0, decode_s=2.0)
+    assert res["new_tokens"] == 8
+    assert res["tokens_per_s"] == (4 + 2) / 2.0
+    assert res["tau_mean"] == (4 + 2) / 3
+    from experiments.run_decode import merge_results  # run_decode's tok/s (and speedup_vs_ar) over batches
+
+    other = dict(res, tokens=[[1]], new_tokens=1, rounds=[0], decode_s=1.0, prefill_s=1.0, tau_hist=[0] * 5)
+    _, _, metrics = merge_results([res, other])  # a stream that stopped after its prefill token adds none
+    assert metrics["new_tokens"] == 9 and metrics["decode_s"] == 3.0
+    assert metrics["tokens_per_s"] == 6 / 3.0 and metrics["tau"] == 6 / 3
+
+
 def test_bad_budget_refused():
     for bad in (0, -3, 10**9):
         with pytest.raises(ValueError, match="budget"):
@@ -184,6 +203,11 @@ def test_sampling_distribution_equals_ar(models):
     for position in (1, 2):
         p = chi2_two_sample_pvalue(ar[:, position], dd[:, position], VOCAB)
         assert p > 1e-3, f"token {position}: p = {p}"
+    # and their joint distribution (token 3 given token 2 is decided by the same tree)
+    p = chi2_two_sample_pvalue(ar[:, 1] * VOCAB + ar[:, 2], dd[:, 1] * VOCAB + dd[:, 2], VOCAB * VOCAB)
+    assert p > 1e-3, f"tokens 2 and 3 jointly: p = {p}"
+    shuffled = np.random.default_rng(0).permutation(dd[:, 2])  # same marginals, dependence broken: rejected
+    assert chi2_two_sample_pvalue(ar[:, 1] * VOCAB + ar[:, 2], dd[:, 1] * VOCAB + shuffled, VOCAB * VOCAB) < 1e-6
     # the drafts were actually used: most rounds accepted something
     engine = Engine(target, drafter, EngineConfig(mode="ddtree", budget=32, max_new_tokens=3, capacity=64))
     assert engine.generate([prompt] * 64, temperature=1.0, seed=7)["tau_mean"] > 1.2

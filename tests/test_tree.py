@@ -1,5 +1,5 @@
 """Tests for ddtree_jax.tree: DDTree build vs a heapq reference, invariants, acceptance walk,
-lossless sampling (chi-square), compaction, budget validation. CPU, fast."""
+lossless sampling (chi-square), budget validation. CPU, fast."""
 
 from __future__ import annotations
 
@@ -239,6 +239,11 @@ def test_positions_and_chain_tree():
     again = make_tree_jit(tree.tokens, tree.parents, tree.max_depth, tree.logprob)
     np.testing.assert_array_equal(again.depths, tree.depths)
     np.testing.assert_array_equal(again.visibility, tree.visibility)
+    # log-prob arguments must match the tokens' shapes
+    with pytest.raises(ValueError, match=r"token_logprobs must be \[B, Dp\] = \(2, 3\).*\(2, 5\)"):
+        tr.chain_tree(drafts, roots, token_logprobs=jnp.zeros((2, 5)))
+    with pytest.raises(ValueError, match=r"logprob must be \[B, T\] = \(3, 33\).*\(7,\)"):
+        tr.make_tree(tree.tokens, tree.parents, tree.max_depth, jnp.zeros(7))
     # pytree round trip (the engine carries trees through jit / while_loop)
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     assert len(leaves) == 5 and jax.tree_util.tree_unflatten(treedef, leaves).max_depth == tree.max_depth
@@ -428,6 +433,21 @@ def test_static_temperature_takes_one_path_with_the_same_tokens():
         assert ("random_bits" in jaxpr) == (temp > 0), temp
         assert jaxpr.count("argmax[") == 1, temp  # the traced temperature's program has two (greedy and sample)
 
+
+def test_non_finite_static_temperature_refused():
+    """A Python NaN / inf temperature raises (NaN used to give token 0 at every node, inf uniform samples);
+    <= 0 stays greedy."""
+    logits = jnp.asarray(np.random.default_rng(6).normal(size=(2, 3, 10)), jnp.float32)
+    key = jax.random.key(0)
+    tree = tr.chain_tree(jnp.zeros((2, 2), jnp.int32), jnp.zeros((2,), jnp.int32))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        with pytest.raises(ValueError, match=f"temperature must be finite.*{bad}"):
+            tr.sample_target_tokens(logits, bad, key)
+        with pytest.raises(ValueError, match="temperature must be finite"):
+            tr.accept_sample(tree, logits, bad, key)
+    for cold in (0, 0.0, -1.5):
+        np.testing.assert_array_equal(tr.sample_target_tokens(logits, cold, key), jnp.argmax(logits, -1))
+
 # --------------------------------------------------------------------------------------------------
 # Lossless: chi-square of the emitted continuation vs direct target sampling
 # --------------------------------------------------------------------------------------------------
@@ -516,60 +536,21 @@ def test_accept_sample_lossless_chi2(kind):
 
 
 # --------------------------------------------------------------------------------------------------
-# Compaction
-# --------------------------------------------------------------------------------------------------
-
-
-def test_compaction_indices():
-    rng = np.random.default_rng(5)
-    w = 16
-    lp = jax.nn.log_softmax(jnp.asarray(rng.normal(size=(3, 7, w)) * 3, jnp.float32), -1)
-    tree = build_jit(lp, jnp.array([1, 2, 3]), 32)
-    depths = np.asarray(tree.depths)
-    logits = forced_logits(rng, tree, w, [int(np.argmax(depths[0])), 0, int(np.flatnonzero(depths[2] == 2)[0])])
-    acc = greedy_jit(tree, jnp.asarray(logits))
-    start = np.array([0, 5, 17])
-    src, dst, valid = map(np.asarray, tr.compaction_indices(acc, jnp.asarray(start)))
-    t = tree.num_nodes
-    for s in range(3):
-        n = int(acc.num_accepted[s])
-        path = np.asarray(acc.path[s, : n + 1])
-        np.testing.assert_array_equal(valid[s], np.arange(tree.max_depth + 1) <= n)
-        np.testing.assert_array_equal(src[s, : n + 1], start[s] + path)
-        np.testing.assert_array_equal(dst[s], start[s] + np.arange(tree.max_depth + 1))
-        np.testing.assert_array_equal(src[s, n + 1 :], dst[s, n + 1 :])
-        assert np.all(src[s] >= dst[s])
-        # apply to a fake cache whose rows hold (node index) for the tree block
-        cache = np.full(start[s] + t + 4, -7)
-        cache[start[s] : start[s] + t] = np.arange(t)
-        before = cache.copy()
-        cache[dst[s]] = cache[src[s]]  # gather all, then scatter, unconditionally
-        np.testing.assert_array_equal(cache[start[s] : start[s] + n + 1], path)
-        np.testing.assert_array_equal(cache[: start[s]], before[: start[s]])
-        seq = before.copy()  # in-place copies in increasing k give the same result
-        for k in range(tree.max_depth + 1):
-            seq[dst[s, k]] = seq[src[s, k]]
-        np.testing.assert_array_equal(seq[start[s] : start[s] + n + 1], path)
-    assert int(acc.num_accepted[0]) == depths[0].max() and int(acc.num_accepted[1]) == 0
-
-
-# --------------------------------------------------------------------------------------------------
 # One jitted round; streams sharded over the 8 fake CPU devices
 # --------------------------------------------------------------------------------------------------
 
 
 def test_round_in_jit_while_loop_and_sharded(host_devices):
-    """build -> accept -> compaction in one jitted program (Tree carried through while_loop), and
+    """build -> accept in one jitted program (Tree carried through while_loop), and
     streams sharded over devices give the same result as one device."""
     rng = np.random.default_rng(9)
     b, w, budget = 8, 16, 32
     lp = jax.nn.log_softmax(jnp.asarray(rng.normal(size=(b, 7, w)) * 3, jnp.float32), -1)
     roots = jnp.asarray(rng.integers(0, w, size=b), jnp.int32)
     logits = jnp.asarray(rng.normal(size=(b, budget + 1, w)), jnp.float32)
-    start = jnp.arange(b, dtype=jnp.int32) * 3
 
     @jax.jit
-    def round_fn(lp, roots, logits, start, key):
+    def round_fn(lp, roots, logits, key):
         tree0 = tr.build_tree(lp, roots, budget)
 
         def body(carry):
@@ -578,10 +559,10 @@ def test_round_in_jit_while_loop_and_sharded(host_devices):
 
         _, tree = jax.lax.while_loop(lambda c: c[0] < 2, body, (0, tree0))
         acc = tr.accept_sample(tree, logits, jnp.where(jnp.arange(b) % 2 == 0, 0.0, 1.0), key)
-        return tree, acc, tr.compaction_indices(acc, start)
+        return tree, acc
 
     key = jax.random.key(0)
-    tree, acc, comp = round_fn(lp, roots, logits, start, key)
+    tree, acc = round_fn(lp, roots, logits, key)
     check_invariants(tree, np.asarray(lp))
     ref_tree = build_jit(lp, roots, budget)
     for f in ("tokens", "parents", "depths", "logprob", "visibility"):
@@ -591,14 +572,13 @@ def test_round_in_jit_while_loop_and_sharded(host_devices):
     check_acceptance(tree, acc, np.asarray(acc.target_tokens))
 
     # sharded over the 8 host devices against the same round on one of them (not the GPU, if there is one)
-    plain = round_fn(*(jax.device_put(a, host_devices[0]) for a in (lp, roots, logits, start)), key)
+    plain = round_fn(*(jax.device_put(a, host_devices[0]) for a in (lp, roots, logits)), key)
     mesh = jax.sharding.Mesh(np.array(host_devices), ("data",))
     spec = lambda *rest: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data", *rest))
     sharded = round_fn(
         jax.device_put(lp, spec(None, None)),
         jax.device_put(roots, spec()),
         jax.device_put(logits, spec(None, None)),
-        jax.device_put(start, spec()),
         key,
     )
     for x, y in zip(jax.tree_util.tree_leaves(plain), jax.tree_util.tree_leaves(sharded)):
