@@ -94,6 +94,22 @@ def expert_share(cfg, m: int) -> float:
     return 1.0 - (1.0 - cfg.num_experts_per_tok / cfg.n_routed_experts) ** m
 
 
+def weight_share(path, cfg, m: int) -> float:
+    """Share of one weight (``path``: its nnx state path) that a step of M tokens reads: the routed experts
+    (``w13``, ``w2``) by ``expert_share``, the token embedding table by the M rows it gathers, everything else
+    (attention, norms, shared expert, router and its bias, lm head) in full."""
+    if path[-1] in ("w13", "w2"):
+        return expert_share(cfg, m)
+    if path[-1] == "embed":
+        return min(m, cfg.vocab_size) / cfg.vocab_size
+    return 1.0
+
+
+def step_weight_bytes(state, cfg, m: int) -> float:
+    """Bytes of ``state``'s weights that a step of M tokens reads (each scaled by ``weight_share``)."""
+    return sum(weight_share(path, cfg, m) * bytes_of(variable.get_value()) for path, variable in state.flat_state())
+
+
 def build_models(args):
     if args.size == "full":
         cfg = k26_config(dtype="bfloat16").replace(num_layers=args.layers)
@@ -268,7 +284,6 @@ def bench_layer_cost(target, args, deadline, rows, bandwidth):
     layer = target.layers[cfg.first_k_dense_replace]
     ldef, lstate = nnx.split(layer)
     prefix = 1024
-    layer_bytes = bytes_of(lstate)
     for m in (1, 9, 33, 65, 264, 528):
         if time.time() > deadline:
             break
@@ -282,7 +297,7 @@ def bench_layer_cost(target, args, deadline, rows, bandwidth):
             return lay(x, cos, sin, kv, jnp.array([prefix]), causal_mask(1, m), Runtime())[0]
 
         t = time_fn(step, lstate, x, kv, repeats=args.repeats)["median_s"]
-        moved = layer_bytes - bytes_of(nnx.state(layer.mlp)) + expert_share(cfg, m) * bytes_of(nnx.state(layer.mlp))
+        moved = step_weight_bytes(lstate, cfg, m)
         rows.append({"bench": "layer", "M": m, "ms": 1e3 * t, "bytes_floor_MB": moved / 1e6,
                      "floor_ms": 1e3 * moved / bandwidth, "pct_of_bw": 100 * moved / bandwidth / t,
                      "projected_61_layers_ms": 61 * 1e3 * t})
@@ -331,8 +346,7 @@ def bench_kernel_path(target, args, deadline, rows, bandwidth):
     dt = jnp.dtype(cfg.dtype)
     ms = [int(v) for v in args.kernel_ms.split(",")]
     layers = {"xla": nnx.split(target.layers[idx]), "kernel": nnx.split(prepared.layers[idx])}
-    moe_bytes = bytes_of(nnx.state(target.layers[idx].mlp))
-    layer_bytes = bytes_of(nnx.state(target.layers[idx]))
+    layer_state, target_state = nnx.state(target.layers[idx]), nnx.state(target)
     prefix = 1024
     for m in ms:  # one MoE decoder layer
         if time.time() > deadline:
@@ -356,7 +370,7 @@ def bench_kernel_path(target, args, deadline, rows, bandwidth):
                     row["kernel_in_program"] = "mosaic_gpu" in text or "int4_moe_gate_up" in text
             except Exception as e:  # keep the other path's numbers
                 row[f"{path}_error"] = f"{type(e).__name__}: {e}"[:300]
-        floor_s = (layer_bytes - moe_bytes + expert_share(cfg, m) * moe_bytes) / bandwidth
+        floor_s = step_weight_bytes(layer_state, cfg, m) / bandwidth
         row["floor_ms"] = 1e3 * floor_s
         if "xla_ms" in row and "kernel_ms" in row:
             row["speedup"] = row["xla_ms"] / row["kernel_ms"]
@@ -379,6 +393,10 @@ def bench_kernel_path(target, args, deadline, rows, bandwidth):
         cache = init_cache(cfg, b, p + t)
         cache = dataclasses.replace(cache, lengths=jnp.full((b,), p, jnp.int32))
         row = {"bench": "kernel_verify", "M": m, "streams": b, "tree_tokens": t, "prefix": p}
+        # floor: the weights M tokens read (``step_weight_bytes``) and the streams' latent caches of the prefix
+        floor_s = (step_weight_bytes(target_state, cfg, m)
+                   + b * p * cfg.num_layers * cfg.latent_dim * dt.itemsize) / bandwidth
+        row["floor_ms"] = 1e3 * floor_s
         outs = {}
         for path, (gdef, gstate) in graphs.items():
             fwd = jax.jit(lambda st, tok, pos, c, v, gdef=gdef: nnx.merge(gdef, st)(tok, pos, c, v).logits)
@@ -392,6 +410,7 @@ def bench_kernel_path(target, args, deadline, rows, bandwidth):
                 row[f"{path}_error"] = f"{type(e).__name__}: {e}"[:300]
         if "xla_ms" in row and "kernel_ms" in row:
             row["speedup"] = row["xla_ms"] / row["kernel_ms"]
+            row["kernel_pct_of_bw"] = 100 * 1e3 * floor_s / row["kernel_ms"]
             row["rel_diff"] = rel_diff(outs["kernel"], outs["xla"])
             agree = np.asarray(outs["kernel"]).argmax(-1) == np.asarray(outs["xla"]).argmax(-1)
             row["argmax_agree"] = float(np.mean(agree))
@@ -399,7 +418,39 @@ def bench_kernel_path(target, args, deadline, rows, bandwidth):
         print(row, flush=True)
 
 
-def main():
+SECTIONS = ("layer", "round_split", "no_host_sync", "engine", "kernel")
+
+
+def check_sections(text: str) -> list[str]:
+    """--sections -> its names; ValueError for an unknown or repeated name, or no_host_sync without
+    round_split before it (it reuses that section's engine)."""
+    names = text.split(",")
+    unknown = [n for n in names if n not in SECTIONS]
+    if unknown:
+        raise ValueError(f"--sections: unknown {unknown}; known: {', '.join(SECTIONS)}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"--sections {text!r} names a section twice")
+    engine_made = names.index("round_split") if "round_split" in names else len(names)
+    if "no_host_sync" in names and names.index("no_host_sync") < engine_made:
+        raise ValueError("--sections: no_host_sync reuses round_split's engine; put round_split before it")
+    return names
+
+
+def check_kernel_ms(text: str) -> list[int]:
+    """--kernel-ms -> its M values; ValueError for one that is not a positive integer or not a verify
+    step's size (``verify_shape``: up to 65, else a multiple of 66)."""
+    try:
+        ms = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--kernel-ms {text!r} must be comma-separated integers") from None
+    for m in ms:
+        if m < 1:
+            raise ValueError(f"--kernel-ms: M={m} must be at least 1")
+        verify_shape(m)
+    return ms
+
+
+def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--size", choices=["full", "tiny"], default="tiny")
     p.add_argument("--layers", type=int, default=4)
@@ -408,7 +459,9 @@ def main():
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--time-budget-s", type=float, default=400)
-    p.add_argument("--sections", default="layer,round_split,no_host_sync,engine,kernel")
+    p.add_argument("--sections", default="layer,round_split,no_host_sync,engine,kernel",
+                   help=f"comma list of {', '.join(SECTIONS)}, run in the order given (no_host_sync reuses the "
+                        "engine of round_split: after it)")
     p.add_argument("--runs", default="ar:1,dflash:1,ddtree:1,ddtree:4,ar:4",
                    help="section engine: MODE:STREAMS,... (ddtree at --budget)")
     p.add_argument("--kernel-ms", default="1,9,33,65,264,528", help="tokens per step M of section kernel")
@@ -418,11 +471,15 @@ def main():
     p.add_argument("--hlo", action="store_true", help="section round_split: write each phase's optimized HLO to --out")
     p.add_argument("--commit", default=None, help="commit hash to record (the device copy has no git)")
     p.add_argument("--out", default=None)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     try:
         args.runs = parse_runs(args.runs, args.budget)
+        check_sections(args.sections)
+        check_kernel_ms(args.kernel_ms)
     except ValueError as e:
         p.error(str(e))
+    if args.repeats < 1:
+        p.error(f"--repeats {args.repeats}: must be at least 1")
     if args.hlo and (not args.out or "round_split" not in args.sections.split(",")):
         p.error("--hlo writes the round split's phases into --out: give --out and section round_split")
     if args.prepare_kernels and "kernel" in args.sections.split(","):
@@ -460,7 +517,7 @@ def main():
     payload = {"config": vars(args), "copy_bandwidth_Bps": bandwidth, "rows": rows,
                "target_bytes": bytes_of(nnx.state(target)), "drafter_bytes": bytes_of(nnx.state(drafter))}
     if args.commit:
-        payload["commit_override"] = args.commit
+        payload["code_commit"] = args.commit  # write_result records it as the commit (the device has no git)
     path = write_result(f"bench_engine_{args.size}", payload, args.out)
     for bench in ("layer", "round_split", "engine", "no_host_sync", "kernel_layer", "kernel_verify"):
         sel = [r for r in rows if r.get("bench") == bench]
@@ -468,6 +525,9 @@ def main():
             print(f"\n== {bench}")
             print_table(sel, list(dict.fromkeys(k for r in sel for k in r if k not in ("bench", "kernels"))))
     print(f"\nwrote {path}; total {time.time() - start:.0f}s")
+    failed = [r["bench"] for r in rows if "error" in r]
+    if failed:
+        sys.exit(f"sections failed: {', '.join(failed)} (their error rows are in {path})")
 
 
 if __name__ == "__main__":

@@ -181,7 +181,10 @@ def main(argv=None):
     moe_bytes = bytes_of(nnx.state(layer.mlp))
     rest_bytes = bytes_of(state) - moe_bytes
     shared_bytes = bytes_of(nnx.state(layer.mlp.shared))
-    router_bytes = layer.mlp.router.get_value().size * 4  # as f32; replicated, so not split over a mesh
+    experts_bytes = bytes_of((layer.mlp.w13.get_value(), layer.mlp.w2.get_value()))  # the routed experts, all
+    # the router's weight and bias as stored, read in full by every token; replicated, so not split over a mesh
+    router_all_bytes = moe_bytes - shared_bytes - experts_bytes
+    router_bytes = layer.mlp.router.get_value().size * 4  # the router's dot alone: its weight as f32
     rows = []
 
     def save(rows):
@@ -196,14 +199,14 @@ def main(argv=None):
 
     for m in [int(v) for v in args.ms.split(",")]:
         x = (0.1 * jax.random.normal(jax.random.key(m), (1, m, cfg.hidden_size), jnp.float32)).astype(cfg.dtype)
-        routed_bytes = expert_share(cfg, m) * (moe_bytes - shared_bytes)
+        routed_bytes = expert_share(cfg, m) * experts_bytes
         kv_bytes = (args.prefix + m) * cfg.latent_dim * jnp.dtype(cfg.dtype).itemsize
         # sharded: the weights split over the model axis (an even share per device; at small M the
         # busiest device's experts decide), the latent cache read whole by every device
         n = rt.mesh.shape["model"] if rt.mesh is not None else 1
-        floors = {"layer": (rest_bytes + shared_bytes + routed_bytes) / n + kv_bytes,
+        floors = {"layer": (rest_bytes + shared_bytes + routed_bytes) / n + router_all_bytes + kv_bytes,
                   "attention": bytes_of(nnx.state(layer.attn)) / n + kv_bytes,
-                  "moe": (shared_bytes + routed_bytes) / n, "routed_experts": routed_bytes / n,
+                  "moe": (shared_bytes + routed_bytes) / n + router_all_bytes, "routed_experts": routed_bytes / n,
                   "shared_expert": shared_bytes / n, "router_logits": router_bytes, "router_logits_x9": router_bytes,
                   "router_logits_bf16": router_bytes / 2}
         for name, (step, aux) in parts(cfg, layer, m, args.prefix, rt).items():
@@ -225,7 +228,8 @@ def main(argv=None):
             row = {"M": m, "part": name, "us": 1e6 * t, "us_loop": t_loop and 1e6 * t_loop}
             if trace:  # where the part's device time goes: its slowest kernels, µs per call (per device)
                 row["kernels"] = [[k, launches, round(1e6 * sec, 2)] for k, launches, sec in trace["kernels"][:40]]
-                row.update(busy_us=1e6 * trace["busy_s"], idle_us=1e6 * trace["idle_s"],
+                row.update(us_repeats=[round(1e6 * v, 2) for v in trace["span_repeats_s"]],
+                           busy_us=1e6 * trace["busy_s"], idle_us=1e6 * trace["idle_s"],
                            span_per_device_us=[round(1e6 * v, 2) for v in trace["span_per_device_s"]],
                            largest_gaps_us=trace["largest_gaps_us"])
             if name in floors:
@@ -240,8 +244,10 @@ def main(argv=None):
         single = jax.jit(lambda st, x, aux: parts(cfg, nnx.merge(gdef, st), m, args.prefix, rt)["layer"][0](
             nnx.merge(gdef, st), x, aux))
         kv = parts(cfg, layer, m, args.prefix, rt)["layer"][1]
-        rows.append({"M": m, "part": "layer, one dispatched call",
-                     "us": 1e6 * time_fn(single, state, x, kv, repeats=args.repeats)["median_s"]})
+        t_single = time_fn(single, state, x, kv, repeats=args.repeats)["median_s"]
+        rows.append({"M": m, "part": "layer, one dispatched call", "us": 1e6 * t_single,
+                     "floor_us": 1e6 * floors["layer"] / bandwidth,
+                     "pct_of_bw": 100 * floors["layer"] / bandwidth / t_single})
         print(rows[-1], flush=True)
         save(rows)
     print_table(rows, ["M", "part", "us", "us_loop", "floor_us", "pct_of_bw"])

@@ -57,7 +57,7 @@ from ddtree_jax.memory_plan import held_bytes_per_device, parse_mesh, plan_memor
 from ddtree_jax.model import KimiModel, Runtime  # noqa: E402
 from ddtree_jax.moe import prepare_for_kernels  # noqa: E402
 from ddtree_jax.sharding import DEFAULT_RULES, make_mesh  # noqa: E402
-from experiments.bench_engine import expert_share, random_state, random_trees, verify_shape  # noqa: E402
+from experiments.bench_engine import random_state, random_trees, verify_shape, weight_share  # noqa: E402
 from experiments.bench_util import (measure_copy_bandwidth, measure_torch_copy_bandwidth, print_table,  # noqa: E402
                                     time_fn, write_result)
 from experiments.project_k26 import taus  # noqa: E402
@@ -121,12 +121,12 @@ def bench_memory(target, drafter, cfg, dcfg, mesh, mesh_shape, args, rows):
 
 def step_floor_bytes(target, cfg, mesh_shape, m: int, streams: int, prefix: int) -> int:
     """Bytes the fullest device reads in a verify step of M tokens: its shards of the weights (the routed
-    experts scaled by the share that M tokens' top-k touches under uniform routing) and its streams' latent
-    cache (every device reads all of it: heads split, the latent shared)."""
-    touched = expert_share(cfg, m)
+    experts scaled by the share that M tokens' top-k touches under uniform routing, the embedding table by
+    the M rows gathered: ``bench_engine.weight_share``) and its streams' latent cache (every device reads
+    all of it: heads split, the latent shared)."""
     per_device = {}
     for path, variable in nnx.state(target).flat_state():
-        share = touched if path[-1] in ("w13", "w2") else 1.0
+        share = weight_share(path, cfg, m)
         for dev, nbytes in held_bytes_per_device(variable.get_value()).items():
             per_device[dev] = per_device.get(dev, 0.0) + share * nbytes
     local_streams = -(-streams // mesh_shape["data"])
@@ -217,6 +217,20 @@ def main(argv=None):
     unknown = set(sections) - {"memory", "step", "engine"}
     if unknown:
         p.error(f"--sections: unknown {sorted(unknown)}")
+    try:
+        ms = [int(v) for v in args.ms.split(",")]
+        streams = [int(v) for v in args.streams.split(",")]
+    except ValueError:
+        p.error(f"--ms {args.ms!r} and --streams {args.streams!r} must be comma-separated integers")
+    for m in ms:
+        if m < 1:
+            p.error(f"--ms: M={m} must be at least 1")
+        try:
+            verify_shape(m)
+        except ValueError as e:
+            p.error(f"--ms: {e}")
+    if min(streams) < 1 or args.repeats < 1:
+        p.error("--streams values and --repeats must be at least 1")
     mesh_shape = parse_mesh(args.mesh)
     if mesh_shape["data"] * mesh_shape["model"] > len(jax.devices()):
         p.error(f"--mesh {args.mesh} needs {mesh_shape['data'] * mesh_shape['model']} devices; this machine has "
@@ -255,6 +269,9 @@ def main(argv=None):
             print(f"\n== {bench}")
             print_table(sel, list(dict.fromkeys(k for r in sel for k in r if k != "bench")))
     print(f"\nwrote {path}; total {time.time() - start:.0f}s")
+    failed = [r["bench"] for r in rows if "error" in r]
+    if failed:
+        sys.exit(f"sections failed: {', '.join(failed)} (their error rows are in {path})")
     return rows
 
 

@@ -7,10 +7,10 @@ layout) vs the Pallas-Triton kernel ("pallas[...]", layout "planar") vs XLA twin
         [--sweep "k=v,...;..." --sweep-ms 1,256]
 
 Reports per (M, routing): ms per call, us per token, active experts, weight bytes read (INT4 words +
-bf16 scales of the active experts), effective TB/s = bytes / time, and % of the device copy bandwidth
-measured in the same run: pct_copy against PyTorch's device-to-device copy of 1 GiB (read + write
-counted; the yardstick of issue #5's goal), pct_xla_copy against XLA's elementwise a+1 over 1 GiB
-(bench_util.measure_copy_bandwidth, lower on this machine). Timing: back-to-back calls,
+bf16 scales of the active experts; for the ragged_dot row their bf16 weights), effective TB/s = bytes / time,
+and % of the device copy bandwidth measured in the same run: pct_copy against PyTorch's device-to-device
+copy of 1 GiB (read + write counted; the yardstick of issue #5's goal), pct_xla_copy against XLA's
+elementwise a+1 over 1 GiB (bench_util.measure_copy_bandwidth, lower on this machine). Timing: back-to-back calls,
 blocked once at the end, median over several such batches. The Mosaic GPU rows report the device time
 per call instead, from a profiler trace of an unrolled chain of dependent calls
 (``bench_util.traced_call_time``: first kernel's start to last kernel's end, XLA glue included, the
@@ -235,8 +235,10 @@ def main(argv=None):
                 t_chained = bench_util.chained_call_time(tied, (x, ids, w, *stacks))
                 traced = bench_util.traced_call_time(tied, (x, ids, w, *stacks))
                 t = traced["span_s"]
-                extra = dict(ms_chained=t_chained * 1e3, kernel_us=[round(u, 2) for u in next(
-                    (v for k_, v in traced["launches_us"].items() if "mosaic" in k_), [])[:2]],
+                extra = dict(
+                    ms_chained=t_chained * 1e3, ms_repeats=[round(v * 1e3, 4) for v in traced["span_repeats_s"]],
+                    kernel_us=[round(u, 2) for u in next(
+                        (v for k_, v in traced["launches_us"].items() if "mosaic" in k_), [])[:2]],
                     glue_us=(traced["busy_s"] - sum(s_ for k_, _, s_ in traced["kernels"] if "mosaic" in k_)) * 1e6,
                     # every kernel of a call (name, launches per call, µs per call), slowest first: the glue's parts
                     kernels=[[k_, round(n_, 2), round(s_ * 1e6, 2)] for k_, n_, s_ in traced["kernels"]])
@@ -258,7 +260,7 @@ def main(argv=None):
             if m <= args.twin_max_m:
                 try:
                     y_ref = jax.block_until_ready(twin(x, ids, w, wts))
-                    t, _ = time_calls(twin, (x, ids, w, wts), calls=2, batches=2, budget_s=args.budget_s)
+                    t, _ = time_calls(twin, (x, ids, w, wts), calls=2, batches=3, budget_s=args.budget_s)
                     record(base, "twin", t, nbytes, err=0.0, phase="table")
                 except Exception as ex:  # noqa: BLE001
                     print(f"twin M={m} failed: {type(ex).__name__}: {str(ex)[:300]}", flush=True)
@@ -275,10 +277,11 @@ def main(argv=None):
                         kk = jax.random.split(jax.random.key(7))
                         state["w13"] = jax.random.normal(kk[0], (E, D, 2 * F), jnp.bfloat16) * 0.02
                         state["w2"] = jax.random.normal(kk[1], (E, F, D), jnp.bfloat16) * 0.02
-                    t, _ = time_calls(ragged, (x, ids, w, state["w13"], state["w2"]), calls=2, batches=2,
+                    t, _ = time_calls(ragged, (x, ids, w, state["w13"], state["w2"]), calls=2, batches=3,
                                       budget_s=args.budget_s)
-                    record(base, "ragged_dot_bf16", t, nbytes, bf16_GB=base["active"] * 3 * D * F * 2 / 1e9,
-                           phase="table")
+                    bf16_bytes = base["active"] * 3 * D * F * 2  # this path reads bf16 experts, not INT4
+                    record(dict(base, GB=bf16_bytes / 1e9), "ragged_dot_bf16", t, bf16_bytes,
+                           bf16_GB=bf16_bytes / 1e9, phase="table")
                 except Exception as ex:  # noqa: BLE001
                     print(f"ragged_dot M={m} failed: {type(ex).__name__}: {str(ex)[:300]}", flush=True)
             save()

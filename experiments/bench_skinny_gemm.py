@@ -92,10 +92,20 @@ def variant_fn(name: str, spec: str = DENSE):
     raise ValueError(f"unknown variant {name!r} for {spec!r}")
 
 
+def known_variant(name: str) -> bool:
+    """Whether ``name`` is a variant of ``variant_fn`` (kn, nk, hmajor, split{S} or pad{P}, S and P positive
+    integers), whether or not it applies to a given product."""
+    for prefix in ("split", "pad"):
+        if name.startswith(prefix):
+            return name[len(prefix):].isdigit() and int(name[len(prefix):]) > 0
+    return name in ("kn", "nk", "hmajor")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--ms", default="1,9,33")
-    p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--shapes", default=None, help=f"comma list of {', '.join(SHAPES)} (default: all; not with "
+                   "--smoke, which runs its own tiny shapes)")
     p.add_argument("--variants", default="kn,nk,split2,split4,split8",
                    help="kn, nk, split{S}, pad{P}, hmajor (each where it applies to a product)")
     p.add_argument("--calls", type=int, default=8)
@@ -103,7 +113,16 @@ def main(argv=None):
     p.add_argument("--out", default=None)
     p.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, each variant checked, timings meaningless")
     args = p.parse_args(argv)
-    shapes = SMOKE_SHAPES if args.smoke else {k: SHAPES[k] for k in args.shapes.split(",")}
+    variants = args.variants.split(",")
+    unknown = [v for v in variants if not known_variant(v)]
+    if unknown:
+        p.error(f"--variants: unknown {unknown}; known: kn, nk, split{{S}}, pad{{P}}, hmajor (S, P positive)")
+    if args.smoke and args.shapes is not None:
+        p.error("--smoke runs its own tiny shapes: leave out --shapes")
+    names = (args.shapes or ",".join(SHAPES)).split(",")
+    if any(n not in SHAPES for n in names):
+        p.error(f"--shapes: unknown {[n for n in names if n not in SHAPES]}; known: {', '.join(SHAPES)}")
+    shapes = SMOKE_SHAPES if args.smoke else {k: SHAPES[k] for k in names}
     bandwidth = (bench_util.measure_torch_copy_bandwidth() or bench_util.measure_copy_bandwidth()) \
         if not args.smoke else bench_util.measure_copy_bandwidth(1 << 24)
     rows = []
@@ -121,16 +140,20 @@ def main(argv=None):
         copies = max(2, min(16, -(-4 * L2_BYTES // nbytes)))
         base = [jax.random.normal(jax.random.key(i), w_shape, jnp.float32).astype(jnp.bfloat16) * 0.02
                 for i in range(copies)]
+        applies = {}
+        for variant in variants:
+            try:
+                applies[variant] = variant_fn(variant, spec)
+            except ValueError:  # known (checked above), but not for this product
+                print(f"{name}: variant {variant} does not apply to {spec}; skipped", flush=True)
+                continue
+            if variant.startswith("split") and w_shape[0] % int(variant[5:]):
+                print(f"{name}: {variant} does not divide K = {w_shape[0]}; skipped", flush=True)
+                del applies[variant]
         for m in [int(v) for v in args.ms.split(",")]:
             x = jax.random.normal(jax.random.key(100 + m), (m, *x_tail), jnp.float32).astype(jnp.bfloat16)
             want = np.asarray(jnp.einsum(spec, x, base[0], preferred_element_type=jnp.float32))
-            for variant in args.variants.split(","):
-                try:
-                    fn, layout = variant_fn(variant, spec)
-                except ValueError:
-                    continue  # a variant that does not apply to this product
-                if variant.startswith("split") and w_shape[0] % int(variant[5:]):
-                    continue
+            for variant, (fn, layout) in applies.items():
                 ws = [layout(w) for w in base]
                 got = np.asarray(jax.jit(fn)(x, ws[0]).astype(jnp.float32))
                 err = float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-30))
@@ -139,8 +162,9 @@ def main(argv=None):
                 floor_us = 1e6 * (nbytes + (x.size + want.size) * 2) / bandwidth
                 us = 1e6 * t["span_s"]
                 rows.append({"shape": name, "spec": spec, "x_shape": list(x.shape), "w_shape": list(w_shape), "M": m,
-                             "variant": variant, "us": us, "floor_us": floor_us, "pct_of_copy": 100 * floor_us / us,
-                             "max_rel_err": err, "copies": copies,
+                             "variant": variant, "us": us, "floor_us": floor_us,
+                             "us_repeats": [round(v * 1e6, 2) for v in t["span_repeats_s"]],
+                             "pct_of_copy": 100 * floor_us / us, "max_rel_err": err, "copies": copies,
                              "kernels": [[kn[:70], c, round(s * 1e6, 2)] for kn, c, s in t["kernels"][:4]]})
                 print({kk: v for kk, v in rows[-1].items() if kk != "kernels"}, flush=True)
                 path = save(rows)  # after every point, so that a run cut short keeps what it measured

@@ -2,7 +2,8 @@
 and at the build's beams, the log-softmax before them, and ``build_tree`` whole, by the device time per call
 from a profiler trace (a chain of 8 dependent calls, ``bench_util.traced_call_time``; each call's span
 holds the chain's one-element tie, ~1 µs). The floor of a vocabulary point is its bytes read once (M x W
-f32) over PyTorch's copy bandwidth.
+f32) over PyTorch's copy bandwidth (XLA's a+1 copy, ``bench_util.measure_copy_bandwidth``, where PyTorch
+or CUDA is missing, and on a CPU).
 
     PYTHONPATH=. python experiments/bench_top_k.py --out DIR
 
@@ -57,7 +58,8 @@ def as_one(out) -> jax.Array:
 
 def timed(fn, args) -> dict:
     t = bench_util.traced_call_time(lambda *a: as_one(fn(*a)), args, calls=8)
-    return {"us": t["span_s"] * 1e6, "launches": sum(k[1] for k in t["kernels"]),
+    return {"us": t["span_s"] * 1e6, "us_repeats": [round(x * 1e6, 2) for x in t["span_repeats_s"]],
+            "launches": sum(k[1] for k in t["kernels"]),
             "kernels": [[n[:60], k, round(s * 1e6, 2)] for n, k, s in t["kernels"][:6]]}
 
 
@@ -143,7 +145,10 @@ def main():
     w = 4096 if args.smoke else VOCAB
     m_list = [7, 28] if args.smoke else [7, 28, 112]
     chunks = [64, 128] if args.smoke else [64, 128, 256, 512, 1024]
-    bw = None if args.smoke else bench_util.measure_torch_copy_bandwidth()
+    # the floors' yardstick: PyTorch's device copy, else (no PyTorch / CUDA, or --smoke) XLA's a+1 copy
+    tbw = None if args.smoke else bench_util.measure_torch_copy_bandwidth()
+    bw = tbw or bench_util.measure_copy_bandwidth(1 << 24 if args.smoke else 1 << 30)
+    bw_source = "torch copy" if tbw else "XLA a+1 copy"
     rows, t0 = [], time.time()
     if "vocab" in parts:
         bench_vocab(rows, m_list, w, BUDGET, chunks, bw)
@@ -153,7 +158,8 @@ def main():
         bench_log_softmax(rows, m_list, w, chunks, bw)
     if "build" in parts:
         bench_build(rows, [1, 4] if args.smoke else [1, 4, 16], w, DEPTH, BUDGET)
-    payload = {"copy_bw_Bps": bw, "code_commit": args.commit, "hardware": bench_util.hardware(),
+    payload = {"copy_bw_Bps": bw, "copy_bw_source": bw_source, "code_commit": args.commit,
+               "hardware": bench_util.hardware(),
                "jax": jax.__version__, "seconds": round(time.time() - t0, 1), "rows": rows}
     bench_util.write_result(args.name, payload, out_dir=args.out)
     bench_util.print_table(rows, ["part", "M", "N", "K", "method", "chunk", "exact", "us", "floor_us", "launches"])

@@ -466,9 +466,10 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--budget-s", type=float, default=150.0)
     ap.add_argument("--cfg", default=None, help="JSON dict of tuning overrides for grid mode (Triton kernel)")
-    ap.add_argument("--kernel", default="triton,mgpu",
+    ap.add_argument("--kernel", default=None,
                     help=f"comma-separated kernels the grid times side by side in one run, of {sorted(KERNELS)}, "
-                         "each optionally with integer keywords: mgpu_wide:num_splits=4&stages=2")
+                         "each optionally with integer keywords: mgpu_wide:num_splits=4&stages=2 (default "
+                         "triton,mgpu; --smoke runs triton only)")
     ap.add_argument("--no-xla", action="store_true", help="grid mode: skip XLA's masked attention (an A/B of kernels)")
     ap.add_argument("--mgpu-cfg", default=None, help="JSON dict of tuning overrides for the Mosaic GPU kernel")
     ap.add_argument("--name", default=None, help="result file name (default from the mode)")
@@ -515,6 +516,14 @@ def main():
         ap.error(f"--clocks takes seconds >= 0, got {args.clocks}")
     if args.clocks and args.mode not in ("grid", "splits"):
         ap.error(f"--clocks samples grid or splits points, not --mode {args.mode}")
+    if args.smoke and args.kernel is not None and args.kernel != "triton":
+        ap.error("--smoke times the Triton kernel only (the Mosaic GPU kernels have no CPU interpret mode): "
+                 "leave out --kernel or give --kernel triton")
+    if args.mode in ("sweep", "both") and (args.points is not None or args.heads is not None):
+        ap.error(f"--mode {args.mode} times its own sweep shapes (and the default grid): --points and --heads "
+                 "apply to --mode grid, parts and splits")
+    if not all(math.isfinite(f) and f > 0 for f in args.split_factors):
+        ap.error(f"--split-factors must be positive, got {args.split_factors}")
     t_start = time.time()
     print("jax", jax.__version__, jax.devices()[0].device_kind, flush=True)
     if args.smoke:
@@ -558,7 +567,7 @@ def main():
         bench_util.write_result(name, payload, out_dir=args.out)
 
     mgpu_cfg = json.loads(args.mgpu_cfg) if args.mgpu_cfg else {}
-    kernels = args.kernel.split(",")
+    kernels = (args.kernel or "triton,mgpu").split(",")
     for k in kernels:
         try:
             kernel_fn(k)

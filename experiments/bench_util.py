@@ -1,7 +1,8 @@
 """Shared benchmark plumbing: timing, measured roofline, and result files with provenance.
 
 Every benchmark writes ``experiments/results/<name>.json`` (or ``$OUT``-style ``--out`` path) with
-hardware, JAX version, commit, config and the median of repeats, and prints a table.
+hardware, JAX version, commit, config and the median of repeats, and prints a table. Traced device times
+(``traced_call_time``) are the median over ``repeats`` traces of a chain of calls.
 """
 
 from __future__ import annotations
@@ -203,9 +204,13 @@ def kernel_totals(per_name: dict[str, list[int]], per: int = 1) -> list[list]:
 
 
 def traced_call_time(fn: Callable, args: tuple, calls: int = 8, chain: Callable = None,
-                     gaps: int = 4, op_kernels: Callable[[str], bool] | None = None) -> dict[str, Any]:
-    """Device time per call of ``fn(*args)`` from a profiler trace of a chain of ``calls`` dependent calls
-    (``chain(fn, calls)``, default ``dependent_chain``; a benchmark passes its own to rotate inputs).
+                     gaps: int = 4, op_kernels: Callable[[str], bool] | None = None,
+                     repeats: int = 3) -> dict[str, Any]:
+    """Device time per call of ``fn(*args)`` from profiler traces of a chain of ``calls`` dependent calls
+    (``chain(fn, calls)``, default ``dependent_chain``; a benchmark passes its own to rotate inputs), the
+    chain traced ``repeats`` times (``median_of_traces``): span_s is the median over the traces of each
+    one's span per call, span_repeats_s every trace's, and the other fields are those of the trace whose
+    span is the median (the lower one for an even count). What follows describes one trace.
 
     Per device (each GPU's own timeline; devices' clocks are not compared): span (first kernel's start to
     last kernel's end), busy (summed kernel time) and idle (the gaps). Returned per call: span_s (the
@@ -215,10 +220,33 @@ def traced_call_time(fn: Callable, args: tuple, calls: int = 8, chain: Callable 
     The host's work (dispatch, per-launch setup) shows only as idle gaps when the GPU waits for it:
     largest_gaps_us lists each device's ``gaps`` longest gaps over the whole chain (µs, the kernel
     before, the kernel after), to tell a launch skew at the start from waits between kernels.
-    ``op_kernels`` (a predicate on kernel names): also op_span_s, the median over calls of the op's own
-    span on the slowest device (``op_spans``: the chain's tie kernels and the gap before the op left out),
-    and op_spans_us, every call's."""
-    events = trace_kernel_events((chain or dependent_chain)(fn, calls), args)
+    ``op_kernels`` (a predicate on kernel names): also op_span_s, the median over calls (of every trace) of
+    the op's own span on the slowest device (``op_spans``: the chain's tie kernels and the gap before the op
+    left out), and op_spans_us, every call's."""
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats}: trace the chain at least once")
+    program = (chain or dependent_chain)(fn, calls)
+    return median_of_traces([_trace_stats(trace_kernel_events(program, args), calls, gaps, op_kernels)
+                             for _ in range(repeats)])
+
+
+def median_of_traces(traces: list[dict[str, Any]]) -> dict[str, Any]:
+    """One ``traced_call_time`` result from several traces' (``_trace_stats``): the trace whose span_s is the
+    median (the lower one for an even count), with span_s the median of all (``statistics.median``),
+    span_repeats_s every trace's span_s in trace order, and repeats their count; op_span_s (where traced)
+    the median over every call of every trace, op_spans_us those calls' µs."""
+    spans = [t["span_s"] for t in traces]
+    middle = sorted(range(len(traces)), key=lambda i: spans[i])[(len(traces) - 1) // 2]
+    op = {}
+    if "op_spans_us" in traces[0]:  # every call of every trace
+        op_us = [us for t in traces for us in t["op_spans_us"]]
+        op = {"op_span_s": statistics.median(op_us) / 1e6, "op_spans_us": op_us}
+    return {**traces[middle], **op, "span_s": statistics.median(spans), "span_repeats_s": spans,
+            "repeats": len(traces)}
+
+
+def _trace_stats(events, calls: int, gaps: int, op_kernels) -> dict[str, Any]:
+    """``traced_call_time``'s fields from one trace's kernel events."""
     if not events:
         raise RuntimeError("the profiler trace holds no kernel events")
     per_device: dict[str, list] = {}

@@ -122,6 +122,10 @@ def parse_args(argv=None):
     if not given or any(m not in MODES for m in given):
         p.error(f"--modes takes a subset of {','.join(MODES)}, got {args.modes!r}")
     args.modes = tuple(m for m in MODES if m in given)
+    if args.repeats < 1:
+        p.error(f"--repeats {args.repeats}: at least one timed pass")
+    if args.compile_workers is not None and args.compile_workers < 1:
+        p.error(f"--compile-workers {args.compile_workers}: at least 1 (leave it out for the default)")
     return args
 
 
@@ -206,9 +210,11 @@ def time_passes(engine: Engine, batches: Sequence[Sequence[Sequence[int]]], *, t
 
     Returns the record (metrics of the first pass, timing medians) with the generated ``tokens``;
     ``compiles_while_timed`` counts XLA compiles inside the passes (0 unless the warm-up missed one)."""
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats}: at least one timed pass")
     passes, walls = [], []
     with bench_util.counting_compiles() as compiles:
-        for _ in range(max(repeats, 1)):
+        for _ in range(repeats):
             t0 = time.perf_counter()
             results = [engine.generate(b, temperature, seed + i) for i, b in enumerate(batches)]
             walls.append(time.perf_counter() - t0)
@@ -243,8 +249,10 @@ def grid_points(modes: Sequence[str], budgets: Sequence[int], streams: Sequence[
 
 
 def resolve_compile_workers(requested: int | None, configs: int) -> int:
-    """Compile threads: ``requested`` (default the CPU count), at most one per configuration."""
-    return max(1, min(requested or os.cpu_count() or 1, configs))
+    """Compile threads: ``requested`` (None: the CPU count; ValueError below 1), at most one per configuration."""
+    if requested is not None and requested < 1:
+        raise ValueError(f"compile workers {requested}: at least 1")
+    return max(1, min(requested if requested is not None else os.cpu_count() or 1, configs))
 
 
 def compiled_points(build: Callable[[dict], tuple[Engine, list]], points: Sequence[dict], workers: int,

@@ -91,7 +91,7 @@ def main(argv=None) -> int:
             ok = bool(jnp.array_equal(y, x))
             spans, busy = [], []
             for _ in range(args.repeats):
-                t = bench_util.traced_call_time(fn, (x,), calls=args.calls)
+                t = bench_util.traced_call_time(fn, (x,), calls=args.calls, repeats=1)  # repeated here
                 spans.append(t["span_s"])
                 busy.append(t["busy_s"])
             rows.append({"programs": args.programs, "group": group, "variant": variant, "copy_ok": ok,

@@ -84,8 +84,18 @@ def main(argv=None):
                     help="chained: wall clock of call chains, differenced; traced: the kernel's device time from a "
                          "profiler trace (bench_util.traced_call_time)")
     args = ap.parse_args(argv)
+    bad_data = [d for d in args.width_data.split(",") if d not in WIDTH_DATA]
+    if bad_data:
+        ap.error(f"--width-data: {bad_data} not of {WIDTH_DATA}")
     bw = bench_util.measure_torch_copy_bandwidth() or bench_util.measure_copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    # plan width's compute floor: the bf16 peak measured in this run, both ways (the larger quoted, as
+    # bench_tree_attention does); at N = 64 the GEMMs' FLOPs take longer at the peak than their bytes at bw
+    peaks = dict(chained=bench_util.measure_bf16_peak(), traced=bench_util.measure_traced_bf16_peak()) \
+        if args.plan == "width" else {}
+    peak = max(peaks.values()) if peaks else None
+    if peak:
+        print(f"bf16 peak {peak / 1e12:.0f} TFLOP/s", flush=True)
     key = jax.random.key(0)
     gemms = {"gate_up": (2 * F, D), "down": (D, F)}
     weights = {}
@@ -106,6 +116,7 @@ def main(argv=None):
             return
         payload = dict(commit=args.commit or bench_util.git_commit(), hardware=bench_util.hardware(),
                        jax=jax.__version__, copy_bandwidth=bw, plan=args.plan,
+                       **({"bf16_peak_flops": peak, "bf16_peaks": peaks} if peak else {}),
                        timing=("kernel device time from a profiler trace" if args.timing == "traced"
                                else "unrolled chains, 17 vs 1 calls differenced"),
                        argv=sys.argv[1:], records=records)
@@ -114,7 +125,7 @@ def main(argv=None):
             json.dump(payload, fh, indent=1, default=str)
 
     if args.plan == "width":
-        width_sweep(args, weights, gemms, bw, records, save)
+        width_sweep(args, weights, gemms, bw, peak, records, save)
         return
     # correctness: kernel vs twin on the real arrays, a few tiles incl. a skipped one
     for (name, rows), (w, s) in weights.items():
@@ -233,7 +244,16 @@ def main(argv=None):
                             "floor_ms", "pct_copy"])
 
 
-def width_sweep(args, weights, gemms, bw, records, save):
+def width_floors(e: int, n: int, o: int, i: int, bw: float, peak: float) -> dict:
+    """Floors (ms) of one width-sweep GEMM: its weight bytes (INT4 + bf16 scales of all ``e`` experts) over
+    the copy bandwidth, its FLOPs (2 e n o i) over the bf16 peak, and floor_ms, the larger."""
+    nbytes, flops = e * (o * i // 2 + o * (i // K.GROUP) * 2), 2 * e * n * o * i
+    bytes_ms, flops_ms = nbytes / bw * 1e3, flops / peak * 1e3
+    return dict(gb=nbytes / 1e9, gflop=flops / 1e9, bytes_floor_ms=bytes_ms, flops_floor_ms=flops_ms,
+                floor_ms=max(bytes_ms, flops_ms))
+
+
+def width_sweep(args, weights, gemms, bw, peak, records, save):
     """Kernel device time against tokens per tile N at fixed weight bytes: one tile per expert, so every
     GEMM streams all E experts once whatever N is, as the layer runs them (gate+up with the SiLU·up
     epilogue, down storing bf16 token rows; 128-column chunks, no chunk left in flight). What grows with N
@@ -241,19 +261,19 @@ def width_sweep(args, weights, gemms, bw, records, save):
     pipeline with an empty step. ``--width-data`` runs the same kernels on other operand values
     (``WIDTH_DATA``), and ``--width-clocks`` samples the SM clock and power over ~0.5 s of back-to-back calls
     of each (``bench_util.sustained_gpu_state``): whether the width's cost is the clock that random
-    operands allow (dynamic power) rather than any stage of the kernel."""
+    operands allow (dynamic power) rather than any stage of the kernel. Each time is quoted beside its floor,
+    max(bytes / bw, FLOPs / peak) (``width_floors``; at N = 64 the FLOPs' side is the larger): pct_floor;
+    pct_copy is the bytes' side alone."""
     te = jnp.arange(E, dtype=jnp.int32)
     table = []
     cases = itertools.product([int(v) for v in args.widths.split(",")], args.width_data.split(","), gemms.items())
     for n, data, (name, (o, i)) in cases:
-        if data not in WIDTH_DATA:
-            raise SystemExit(f"--width-data: {data!r} is not one of {WIDTH_DATA}")
         x = jax.random.normal(jax.random.key(n), (E * n, i), jnp.float32).astype(jnp.bfloat16)
         xg = K.to_chunks(jnp.ones_like(x) if data == "constant_tokens" else x, 128)
         w, s = weights[name, "fragments"]
         if data == "zero_weights":
             w = jnp.full_like(w, ZERO_WORD)
-        nbytes = E * (o * i // 2 + o * (i // K.GROUP) * 2)
+        floors = width_floors(E, n, o, i, bw, peak)
         kw = (dict(out_layout="tokens", epilogue="silu_mul") if name == "gate_up" else
               dict(out_layout="tokens", out_dtype=jnp.bfloat16))
         probes = (args.width_probes.split(",") if args.width_probes else
@@ -266,20 +286,21 @@ def width_sweep(args, weights, gemms, bw, records, save):
             except Exception as exc:  # noqa: BLE001 - report and go on
                 print(f"FAILED {name} N={n} {data} {probe}: {exc!r:.300}", flush=True)
                 continue
-            rec = dict(kind="width", gemm=name, n=n, data=data, probe=probe or "-", tiles=E, gb=nbytes / 1e9,
-                       x_gb=x.size * 2 / 1e9, ms=t * 1e3, floor_ms=nbytes / bw * 1e3,
-                       pct_copy=100 * nbytes / t / bw, tflops=2 * E * n * o * i / t / 1e12,
+            rec = dict(kind="width", gemm=name, n=n, data=data, probe=probe or "-", tiles=E, **floors,
+                       x_gb=x.size * 2 / 1e9, ms=t * 1e3, pct_floor=100 * floors["floor_ms"] / (t * 1e3),
+                       pct_copy=100 * floors["bytes_floor_ms"] / (t * 1e3), tflops=floors["gflop"] / t / 1e3,
                        **({"sm_mhz": state["sm_mhz"]["median"], "power_w": state["power_w"]["median"],
                            "gpu_state": state} if state else {}))
             records.append(rec)
             table.append(rec)
-            print(f"{name:8s} N={n:3d} {data:15s} {probe or '-':11s} {t * 1e3:8.3f} ms {rec['pct_copy']:5.1f} % "
+            print(f"{name:8s} N={n:3d} {data:15s} {probe or '-':11s} {t * 1e3:8.3f} ms {rec['pct_floor']:5.1f} % "
                   f"{rec['tflops']:6.1f} TFLOP/s {rec.get('sm_mhz', '-')} MHz {rec.get('power_w', '-')} W", flush=True)
             save(records)
     save(records)
     bench_util.print_table([{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items() if k != "kind"}
                             for r in table],
-                           ["gemm", "n", "data", "probe", "ms", "floor_ms", "pct_copy", "tflops", "sm_mhz", "power_w"])
+                           ["gemm", "n", "data", "probe", "ms", "bytes_floor_ms", "flops_floor_ms", "floor_ms",
+                            "pct_floor", "pct_copy", "tflops", "sm_mhz", "power_w"])
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ grid (budgets 8–128, streams 1/4/16, JSON + PNG under `experiments/results/`) 
 output must equal AR's token for token; `assert_lossless` raises otherwise."""),
     new_code_cell("""\
 %matplotlib inline
-import os
 import pathlib
 import sys
 
@@ -57,7 +56,8 @@ import jax  # noqa: E402
 from experiments import eval_grid  # noqa: E402
 
 print(f"repo {ROOT}, jax {jax.__version__}, device {jax.devices()[0].device_kind}")"""),
-    new_markdown_cell("Grid (small by default so that it runs on a 2-core CPU in about a minute)."),
+    new_markdown_cell("Grid (small by default so that it runs on a 2-core CPU in about two minutes; the test suite "
+                      "runs a smaller one)."),
     new_code_cell("""\
 NUM_PROMPTS = 4
 BUDGETS = (8, 32, 64)
@@ -95,6 +95,7 @@ print(f"highest tau: DDTree-{best['budget']} at {best['streams']} streams, tau {
 
 
 def build():
+    """The notebook as ``main`` writes it (tests/test_notebook.py checks that it equals the committed file)."""
     nb = new_notebook(cells=CELLS)
     for i, cell in enumerate(nb.cells):
         cell.id = f"cell-{i:02d}"  # stable ids: regenerating gives the same file

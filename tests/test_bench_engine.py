@@ -8,8 +8,10 @@ import subprocess
 import sys
 
 import pytest
+from flax import nnx
 
-from experiments.bench_engine import parse_runs
+from experiments import bench_engine
+from experiments.bench_engine import check_kernel_ms, check_sections, parse_runs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -39,3 +41,59 @@ def test_runs_are_parsed_and_bad_ones_refused():
     for bad in ("tree:1", "ar", "ar:0", "ar:x", "ddtree:1,"):
         with pytest.raises(ValueError, match="--runs item"):
             parse_runs(bad, 32)
+
+
+def test_layer_floor_reads_shared_expert_and_router_in_full():
+    """The floor of one MoE layer at M tokens: attention, norms, the shared expert and the router (weight and
+    bias) in full, only the routed experts' w13 / w2 scaled by the share M tokens' top-k touches (until the
+    review of session 44 the shared expert and router were scaled too: the M = 1 floor was 18 % low)."""
+    from flax import nnx
+
+    from ddtree_jax.config import QuantConfig, tiny_config
+    from ddtree_jax.hf_loader import ShapeOnlyRngs
+    from ddtree_jax.model import DecoderLayer
+    from experiments.bench_engine import bytes_of, expert_share, step_weight_bytes
+
+    cfg = tiny_config(dtype="float32", quant=QuantConfig(group_size=32), hidden_size=256, moe_intermediate_size=256)
+    layer = nnx.eval_shape(lambda: DecoderLayer(cfg, cfg.first_k_dense_replace, ShapeOnlyRngs()))
+    moe = layer.mlp
+    routed = bytes_of((moe.w13.get_value(), moe.w2.get_value()))
+    shared, router = bytes_of(nnx.state(moe.shared)), bytes_of((moe.router.get_value(), moe.router_bias.get_value()))
+    rest = bytes_of(nnx.state(layer)) - bytes_of(nnx.state(moe))
+    assert min(routed, shared, router, rest) > 0
+    for m in (1, 3, 65):
+        share = expert_share(cfg, m)
+        assert 0 < share < 1
+        assert step_weight_bytes(nnx.state(layer), cfg, m) == pytest.approx(rest + shared + router + share * routed)
+
+
+def test_bad_sections_and_kernel_ms_are_refused_before_any_model_is_built(capsys):
+    for bad, message in ((["--sections", "layer,kernal"], "unknown ['kernal']"),
+                         (["--sections", "no_host_sync,round_split"], "put round_split before it"),
+                         (["--sections", "no_host_sync"], "put round_split before it"),
+                         (["--sections", "layer,layer"], "twice"),
+                         (["--kernel-ms", "1,70"], "M=70"), (["--kernel-ms", "0"], "at least 1"),
+                         (["--kernel-ms", "1,x"], "comma-separated integers"), (["--repeats", "0"], "at least 1")):
+        with pytest.raises(SystemExit) as exit_:
+            bench_engine.main(bad)
+        out, err = capsys.readouterr()
+        assert exit_.value.code == 2 and message in err and "built:" not in out, (bad, err)
+    check_sections("layer,round_split,no_host_sync")
+    assert check_kernel_ms("1,65,132") == [1, 65, 132]
+
+
+def test_a_failed_section_fails_the_run_after_writing_the_json(tmp_path, monkeypatch):
+    """A section that raises leaves an error row in the JSON and the script exits non-zero (it exited 0)."""
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(bench_engine, "bench_layer_cost", broken)
+    monkeypatch.setattr(bench_engine, "measure_copy_bandwidth", lambda *a, **k: 1e11)
+    monkeypatch.setattr(bench_engine, "measure_torch_copy_bandwidth", lambda *a, **k: None)
+    stub = nnx.Linear(2, 2, rngs=nnx.Rngs(0))  # the section fails before it reads a model
+    monkeypatch.setattr(bench_engine, "build_models", lambda args: (stub, stub))
+    with pytest.raises(SystemExit, match="sections failed: layer"):
+        bench_engine.main(["--sections", "layer", "--out", str(tmp_path), "--commit", "abc1234"])
+    saved = json.load(open(tmp_path / "bench_engine_tiny.json"))
+    assert saved["rows"] == [{"bench": "layer", "error": "RuntimeError: boom"}]
+    assert saved["commit"] == "abc1234"  # --commit is the recorded commit, as in the other benchmarks

@@ -38,3 +38,14 @@ def test_tiny_run_on_eight_devices(tmp_path):
 def test_rejects_a_mesh_larger_than_the_machine():
     with pytest.raises(SystemExit):
         bench_mesh.main(["--mesh", "4x8", "--size", "tiny"])
+
+
+def test_bad_m_values_are_refused_before_any_model_is_built(capsys):
+    """M = 70 is no verify step's size (up to 65, else streams of 66): refused up front, not an error row after
+    the model build with exit status 0."""
+    for argv, message in ((["--ms", "1,70"], "M=70"), (["--ms", "0"], "at least 1"), (["--ms", "1,x"], "integers"),
+                          (["--streams", "0"], "at least 1")):
+        with pytest.raises(SystemExit) as exc:
+            bench_mesh.main(["--size", "tiny", *argv])
+        out, err = capsys.readouterr()
+        assert exc.value.code == 2 and message in err and "built on" not in out, (argv, err)

@@ -49,3 +49,24 @@ def test_smoke_run_writes_every_point(tmp_path):
         for v in vs}
     for r in rows:
         assert r["max_rel_err"] < 1e-2 and math.isfinite(r["us"]) and r["us"] > 0 and r["copies"] >= 2
+
+
+def test_unknown_variants_and_shapes_are_refused_up_front(capsys):
+    """A typo or ``pad`` without its rows is a CLI error (it was skipped without a word and the run exited 0);
+    --shapes is refused under --smoke (it was ignored there)."""
+    for bad, message in ((["--variants", "kn,knn"], "unknown ['knn']"), (["--variants", "kn,pad"], "unknown ['pad']"),
+                         (["--variants", "split0"], "unknown ['split0']"), (["--shapes", "q_b,qb"], "unknown ['qb']"),
+                         (["--smoke", "--shapes", "q_b"], "leave out --shapes")):
+        with pytest.raises(SystemExit) as exit_:
+            bench.main(bad)
+        assert exit_.value.code == 2 and message in capsys.readouterr().err, bad
+    assert all(map(bench.known_variant, ("kn", "nk", "hmajor", "split8", "pad16")))
+
+
+def test_a_variant_that_does_not_apply_is_skipped_with_a_note(tmp_path, capsys):
+    bench.main(["--smoke", "--ms", "1", "--variants", "kn,nk,split3", "--out", str(tmp_path), "--calls", "2"])
+    out = capsys.readouterr().out
+    assert "w_uk: variant nk does not apply" in out and "q_b: split3 does not divide K = 64" in out
+    rows = json.loads((tmp_path / "bench_skinny_gemm_smoke.json").read_text())["rows"]
+    assert {(r["shape"], r["variant"]) for r in rows} == {("q_b", "kn"), ("q_b", "nk"), ("shared_down", "kn"),
+                                                          ("shared_down", "nk"), ("w_uk", "kn")}

@@ -26,6 +26,8 @@ def test_smoke_run_times_and_checks_each_variant(tmp_path, monkeypatch):
     assert [(r["NS"], r["V"], r["variant"]) for r in rows] == [(33, 8, "{}"), (33, 8, '{"num_warps": 4}')]
     for r in rows:
         assert "error" not in r and math.isfinite(r["us"]) and r["us"] > 0
+        assert r["floor_us"] == pytest.approx(r["bytes"] / json.loads((tmp_path / "smoke.json").read_text())[
+            "copy_bw_Bps"] * 1e6)  # beside its floor, also without PyTorch (XLA's copy)
         assert r["max_abs_err"] < 1e-2  # bf16 output against the twin's
 
 

@@ -27,6 +27,8 @@ def test_smoke_run_checks_each_part(tmp_path, monkeypatch):
     for r in rows:
         assert r.get("exact", True) is True and r.get("max_abs_err", 0) < 1e-5
         assert math.isfinite(r["us"]) and r["us"] > 0
+        if r["part"] in ("top_k vocab", "log_softmax"):  # beside its floor, also without PyTorch (XLA's copy)
+            assert r["floor_us"] > 0, r
 
 
 def test_unknown_part_is_refused(monkeypatch):

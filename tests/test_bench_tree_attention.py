@@ -158,3 +158,21 @@ def test_device_time_reports_the_op_kernels_median_launch(monkeypatch):
     assert bench.device_time(None, inputs, op_kernels=bench.is_mgpu_op_kernel) == (
         2e-5, 1.5e-5, {"mosaic_gpu_k": 11.0, "combine_splits_m": 3.0})
     assert bench.device_time(None, inputs)[2] == {}
+
+
+def test_flags_that_would_be_ignored_are_refused(monkeypatch, capsys):
+    """--smoke with another kernel (it timed Triton instead), --points / --heads with --mode sweep or both (their
+    own shapes replaced them) and split factors <= 0 (clamped to one split) are errors, not silent changes."""
+    import sys
+
+    import pytest
+
+    for argv, message in [(["--smoke", "--kernel", "mgpu"], "--smoke times the Triton kernel only"),
+                          (["--smoke", "--mode", "sweep", "--points", "8,1,1,128"], "--mode sweep times its own"),
+                          (["--smoke", "--mode", "both", "--heads", "8"], "--mode both times its own"),
+                          (["--mode", "splits", "--split-factors", "1,0"], "--split-factors must be positive"),
+                          (["--mode", "splits", "--split-factors", "-0.5"], "--split-factors must be positive")]:
+        monkeypatch.setattr(sys, "argv", ["bench_tree_attention.py", *argv])
+        with pytest.raises(SystemExit) as exc:
+            bench.main()
+        assert exc.value.code == 2 and message in capsys.readouterr().err, argv

@@ -100,8 +100,30 @@ def test_traced_call_time_reports_the_op_span(monkeypatch):
     r = bench_util.traced_call_time(lambda a: a, (None,), calls=2, chain=lambda fn, n: fn,
                                     op_kernels=lambda n: n == "k")
     assert r["span_s"] == pytest.approx(4.25e-6)
-    assert r["op_span_s"] == pytest.approx(2.5e-6) and r["op_spans_us"] == [3.0, 2.0]
+    assert r["op_span_s"] == pytest.approx(2.5e-6) and r["op_spans_us"] == [3.0, 2.0] * 3  # 3 traces' calls
     assert "op_span_s" not in bench_util.traced_call_time(lambda a: a, (None,), calls=2, chain=lambda fn, n: fn)
+
+
+def test_traced_call_time_is_the_median_of_repeated_traces(monkeypatch):
+    """The chain is traced ``repeats`` times: span_s is the median of the traces' spans per call (not one
+    trace's), the other fields come from the median trace, and every trace's span is recorded."""
+    spans_ns = iter([8000, 2000, 4000, 6000])  # span of one call's kernel, trace by trace
+    monkeypatch.setattr(bench_util, "trace_kernel_events",
+                        lambda program, args: [("k", 0, next(spans_ns), "/device:GPU:0")])
+    built = []
+    r = bench_util.traced_call_time(lambda a: a, (None,), calls=1, chain=lambda fn, n: built.append(n) or fn)
+    assert built == [1] and r["repeats"] == 3  # one program, traced three times (the default)
+    assert r["span_s"] == pytest.approx(4e-6) and r["span_repeats_s"] == pytest.approx([8e-6, 2e-6, 4e-6])
+    assert r["busy_s"] == pytest.approx(4e-6) and r["kernels"][0][2] == pytest.approx(4e-6)  # the median trace's
+    once = bench_util.traced_call_time(lambda a: a, (None,), calls=1, chain=lambda fn, n: fn, repeats=1)
+    assert once["span_s"] == pytest.approx(6e-6) and once["repeats"] == 1
+    even = bench_util.median_of_traces([{"span_s": s, "busy_s": s / 2} for s in (4.0, 1.0, 3.0, 2.0)])
+    assert even["span_s"] == 2.5 and even["busy_s"] == 1.0  # the median's mean; the lower middle trace's fields
+    ops = bench_util.median_of_traces([{"span_s": 1.0, "op_spans_us": [1.0, 5.0]}, {"span_s": 2.0,
+                                                                                     "op_spans_us": [2.0, 3.0]}])
+    assert ops["op_spans_us"] == [1.0, 5.0, 2.0, 3.0] and ops["op_span_s"] == pytest.approx(2.5e-6)
+    with pytest.raises(ValueError, match="repeats=0"):
+        bench_util.traced_call_time(lambda a: a, (None,), calls=1, chain=lambda fn, n: fn, repeats=0)
 
 
 def test_traced_call_time_takes_a_chain_builder():

@@ -62,3 +62,17 @@ def test_engines_share_the_pair_arrays_and_workers(pair):
     points = eval_grid.grid_points(("ar", "dflash", "ddtree"), (8, 16), (1, 4), (0.0,))
     assert [(p["streams"], p["mode"], p["budget"]) for p in points][:4] == [
         (1, "ar", None), (1, "dflash", None), (1, "ddtree", 8), (1, "ddtree", 16)] and len(points) == 8
+
+
+def test_repeats_and_compile_workers_below_one_are_refused(capsys):
+    """--repeats 0 ran one pass and --compile-workers 0 / -4 became the default / one worker, silently."""
+    for argv, message in ((["--repeats", "0"], "--repeats 0"), (["--compile-workers", "0"], "--compile-workers 0"),
+                          (["--compile-workers", "-4"], "--compile-workers -4")):
+        with pytest.raises(SystemExit) as exc:
+            eval_grid.parse_args(argv)
+        assert exc.value.code == 2 and message in capsys.readouterr().err, argv
+    assert eval_grid.parse_args(["--repeats", "1", "--compile-workers", "1"]).compile_workers == 1
+    with pytest.raises(ValueError, match="at least 1"):
+        eval_grid.resolve_compile_workers(0, 4)
+    with pytest.raises(ValueError, match="at least one timed pass"):
+        eval_grid.time_passes(None, [], temperature=0.0, repeats=0)

@@ -26,6 +26,22 @@ def test_notebook_committed_without_outputs():
             assert cell["outputs"] == [] and cell["execution_count"] is None, "clear outputs before committing"
 
 
+def test_generator_writes_the_committed_notebook():
+    """notebooks/make_eval_notebook.py (which its docstring says to re-run after editing it) builds exactly the
+    committed eval.ipynb: hand edits to the notebook were undone by the next regeneration until session 44."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_eval_notebook",
+                                                  os.path.join(ROOT, "notebooks", "make_eval_notebook.py"))
+    generator = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generator)
+    built = generator.build()
+    nbformat.validate(built)
+    text = nbformat.writes(built)
+    with open(NOTEBOOK) as f:
+        assert f.read() == text + ("" if text.endswith("\n") else "\n"), "run python notebooks/make_eval_notebook.py"
+
+
 # the test's grid (the notebook's default is larger: 3 budgets x 2 stream counts, about a minute more on a 2-core
 # CPU); every cell still runs, on fewer compiled configurations
 TEST_GRID = """NUM_PROMPTS = 2

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from experiments.probe_attention_ladder import RUNGS, ladder_kernel, main, point_bytes, real_kernel
+from experiments.probe_attention_ladder import RUNGS, ladder_kernel, main, mosaic_us, point_bytes, real_kernel
 from pallas_kernels.mla_attention_plan import splits_for
 
 
@@ -42,3 +42,13 @@ def test_bad_arguments():
     if jax.default_backend() != "gpu":
         with pytest.raises(SystemExit, match="needs a Hopper GPU"):
             main(["--points", "1,1024"])
+
+
+def test_mosaic_us_is_the_median_launch():
+    """The rung's time is the median of the Mosaic GPU kernel's launches (as the docstring says), not their mean:
+    one slow launch of four does not move it; the chain's tie kernels are left out."""
+    result = {"launches_us": {"mosaic_gpu_kernel": [10.0, 11.0, 12.0, 40.0], "tie_fusion": [1.0] * 4},
+              "kernels": [["mosaic_gpu_kernel", 1.0, 18.25e-6], ["tie_fusion", 1.0, 1e-6]]}
+    assert mosaic_us(result) == 11.5
+    with pytest.raises(RuntimeError, match="one Mosaic GPU kernel"):
+        mosaic_us({"launches_us": {"tie_fusion": [1.0]}, "kernels": []})
