@@ -151,7 +151,7 @@ def bench_engine(target, drafter, args, deadline, rows):
         rows.append({"bench": "engine", "mode": mode, "budget": budget if mode == "ddtree" else None,
                      "streams": streams, "tokens": res["new_tokens"], "rounds": rounds,
                      "tau": res["tau_mean"], "decode_s": res["decode_s"],
-                     "tok_per_s": res["new_tokens"] / res["decode_s"],
+                     "tok_per_s": res["tokens_per_s"],
                      "ms_per_round": 1e3 * res["decode_s"] / max(rounds, 1),
                      "compile_s": compile_s, **rounds_breakdown(engine, prompts)})
         print({k: v[:8] if k == "kernels" else v for k, v in rows[-1].items()}, flush=True)

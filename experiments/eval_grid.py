@@ -227,7 +227,7 @@ def time_passes(engine: Engine, batches: Sequence[Sequence[Sequence[int]]], *, t
         "temperature": float(temperature), "mode": mode, "budget": engine.ecfg.budget if mode == "ddtree" else None,
         "streams": len(batches[0]), "block_size": engine.block_size, "depth": engine.depth,
         "tau": m["tau"], "tokens_per_round": m["tokens_per_round_batch"],
-        "tokens_per_s": m["new_tokens"] / wall, "decode_tokens_per_s": m["new_tokens"] / decode,
+        "tokens_per_s": m["new_tokens"] / wall, "decode_tokens_per_s": m["round_tokens"] / decode,
         "wall_s_median": wall, "wall_s": walls, "decode_s_median": decode, "compile_s": compile_s,
         "compiles_while_timed": len(compiles),
         "rounds": m["rounds"], "new_tokens": m["new_tokens"], "tau_hist": m["tau_hist"],

@@ -307,8 +307,8 @@ def merge_results(results):
     tau: tokens emitted per stream-round incl. the bonus (the prefill token excluded), as the engine
     counts it; tokens_per_round_batch: all new tokens / rounds run (a batch runs as many rounds as its
     longest stream); tokens_per_s: tokens emitted by the rounds / decode time (the prefill, its time and its
-    one token per stream excluded; speedup_vs_ar compares these); tau_hist[k]: stream-rounds that emitted k
-    tokens.
+    one token per stream excluded; speedup_vs_ar compares these); round_tokens: those tokens; tau_hist[k]:
+    stream-rounds that emitted k tokens.
     """
     tokens = [t for r in results for t in r["tokens"]]
     status = [s for r in results for s in r["status"]]
@@ -320,7 +320,8 @@ def merge_results(results):
         "tau": emitted / max(rounds, 1), "rounds": rounds,
         "tokens_per_round_batch": new_tokens / max(sum(max(r["rounds"]) for r in results), 1),
         "tokens_per_s": emitted / decode_s if decode_s else float("nan"),
-        "new_tokens": new_tokens, "decode_s": decode_s, "prefill_s": sum(r["prefill_s"] for r in results),
+        "new_tokens": new_tokens, "round_tokens": emitted, "decode_s": decode_s,
+        "prefill_s": sum(r["prefill_s"] for r in results),
         "tau_hist": np.sum([r["tau_hist"] for r in results], axis=0).tolist(),
     }
     return tokens, status, metrics

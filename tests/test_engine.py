@@ -133,7 +133,7 @@ def test_tokens_per_s_excludes_the_prefill_token():
     other = dict(res, tokens=[[1]], new_tokens=1, rounds=[0], decode_s=1.0, prefill_s=1.0, tau_hist=[0] * 5)
     _, _, metrics = merge_results([res, other])  # a stream that stopped after its prefill token adds none
     assert metrics["new_tokens"] == 9 and metrics["decode_s"] == 3.0
-    assert metrics["tokens_per_s"] == 6 / 3.0 and metrics["tau"] == 6 / 3
+    assert metrics["tokens_per_s"] == 6 / 3.0 and metrics["tau"] == 6 / 3 and metrics["round_tokens"] == 6
 
 
 def test_bad_budget_refused():

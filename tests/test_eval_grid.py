@@ -76,3 +76,19 @@ def test_repeats_and_compile_workers_below_one_are_refused(capsys):
         eval_grid.resolve_compile_workers(0, 4)
     with pytest.raises(ValueError, match="at least one timed pass"):
         eval_grid.time_passes(None, [], temperature=0.0, repeats=0)
+
+
+def test_decode_tokens_per_s_counts_the_rounds_tokens_only():
+    """decode tok/s divides the tokens the rounds emitted by the decode time: the prefill's first token per stream
+    (its time is outside decode_s) is left out, as in run_decode and the engine."""
+    import types
+
+    def generate(batch, temperature, seed):
+        return {"tokens": [[1, 2, 3, 4]] * len(batch), "status": ["max_new_tokens"] * len(batch),
+                "rounds": [3] * len(batch), "new_tokens": 4 * len(batch), "decode_s": 0.5, "prefill_s": 9.0,
+                "tau_hist": [0, 0, 0, 0, 0]}
+
+    engine = types.SimpleNamespace(generate=generate, ecfg=types.SimpleNamespace(mode="ar", budget=None),
+                                   block_size=1, depth=0)
+    record = eval_grid.time_passes(engine, [[[5], [6]]], temperature=0.0, repeats=1)
+    assert record["new_tokens"] == 8 and record["decode_tokens_per_s"] == 6 / 0.5
