@@ -236,9 +236,9 @@ def test_skipped_tile_columns_never_reach_the_output(monkeypatch):
     plain = K.grouped_int4_matmul_ref
 
     def poisoned(x_chunks, w, s, tile_expert, tile_rows=None, *, tokens_per_tile, out_layout="rows",
-                 epilogue="none", out_dtype=jnp.float32):
+                 epilogue="none", out_dtype=jnp.float32, **schedule):
         out = plain(x_chunks, w, s, tile_expert, tile_rows, tokens_per_tile=tokens_per_tile, out_layout=out_layout,
-                    epilogue=epilogue, out_dtype=out_dtype)
+                    epilogue=epilogue, out_dtype=out_dtype, **schedule)
         n, p, nt = tokens_per_tile, x_chunks.shape[1], tile_expert.shape[0]
         if tile_rows is None:  # one width: tile t holds rows [t N, (t + 1) N)
             tile_rows = jnp.stack([jnp.arange(nt) * n, jnp.full((nt,), n)])
