@@ -220,20 +220,59 @@ def sweep(workdir: str, points=SWEEP) -> dict:
             "load in a fresh process; random K2.6-layout INT4 checkpoints (experts INT4, rest bf16)"}
 
 
+# the flags each mode reads (besides the one naming the mode); every other flag given is refused
+MODE_FLAGS = {"--make-random": ("--shards", "--layers"), "--sweep": ("--result",),
+              "convert": ("--hf", "--out", "--dtype", "--result", "--no-progress", "--json-line")}
+
+
+def check_args(args) -> None:
+    """Refuses a flag that the chosen mode (--make-random, --sweep or a conversion) would ignore, fills in the
+    defaults of the flags it reads; ValueError naming the flag otherwise."""
+    given = {"--hf": args.hf, "--out": args.out, "--make-random": args.make_random, "--shards": args.shards,
+             "--layers": args.layers, "--dtype": args.dtype, "--result": args.result, "--sweep": args.sweep,
+             "--no-progress": args.no_progress or None, "--json-line": args.json_line or None}
+    modes = [flag for flag in ("--make-random", "--sweep") if given[flag] is not None]
+    if len(modes) > 1:
+        raise ValueError("--make-random and --sweep are separate modes: give one")
+    mode = modes[0] if modes else "convert"
+    ignored = [flag for flag, value in given.items()
+               if value is not None and flag not in modes and flag not in MODE_FLAGS[mode]]
+    if ignored:
+        what = "a conversion" if mode == "convert" else mode
+        raise ValueError(f"{', '.join(ignored)} {'does' if len(ignored) == 1 else 'do'} nothing with {what} "
+                         f"(it reads only {', '.join(MODE_FLAGS[mode])})")
+    if mode == "convert" and not (args.hf and args.out):
+        raise ValueError("--hf and --out are required")
+    for flag, value in (("--shards", args.shards), ("--layers", args.layers)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    if mode == "--make-random":
+        args.shards = 8 if args.shards is None else args.shards
+        args.layers = DEMO_DIMS["num_hidden_layers"] if args.layers is None else args.layers
+    if mode == "convert":
+        args.dtype = args.dtype or "bfloat16"
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hf", help="HF checkpoint directory (config.json + *.safetensors)")
     parser.add_argument("--out", help="output checkpoint directory")
     parser.add_argument("--make-random", metavar="DIR", help="write a random K2.6-layout HF checkpoint and exit")
-    parser.add_argument("--shards", type=int, default=8, help="shards for --make-random")
-    parser.add_argument("--layers", type=int, default=DEMO_DIMS["num_hidden_layers"], help="layers for --make-random")
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"),
-                        help="dtype of the non-expert weights (INT4 experts stay INT4)")
+    parser.add_argument("--shards", type=int, default=None, help="shards for --make-random (default 8)")
+    parser.add_argument("--layers", type=int, default=None,
+                        help=f"layers for --make-random (default {DEMO_DIMS['num_hidden_layers']})")
+    parser.add_argument("--dtype", default=None, choices=("bfloat16", "float32", "float16"),
+                        help="dtype of the non-expert weights when converting (default bfloat16; INT4 experts stay "
+                             "INT4)")
     parser.add_argument("--result", help="write experiments/results/<RESULT>.json with the measurement")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--sweep", metavar="WORKDIR", help="measure peak RSS over several model sizes")
     parser.add_argument("--json-line", action="store_true", help="print the report as one JSON line")
     args = parser.parse_args(argv)
+    try:
+        check_args(args)
+    except ValueError as e:
+        parser.error(str(e))
     if args.make_random:
         files = random_hf_checkpoint(args.make_random, dims={"num_hidden_layers": args.layers},
                                      shards=args.shards)
@@ -246,9 +285,6 @@ def main(argv=None) -> dict:
         if args.result:
             print("wrote", write_result(args.result, result))
         return result
-    if not (args.hf and args.out):
-        parser.error("--hf and --out are required")
-
     files = checkpoint_files(args.hf)
     shard_sizes = {os.path.basename(f): os.path.getsize(f) for f in files}
     total_tensors = sum(len(SafetensorsFile(f).keys()) for f in files)

@@ -145,7 +145,8 @@ def data_hash(files: Sequence[dict]) -> str:
 def load_texts(split: str, *, manifest_path: str = MANIFEST_PATH, root: str | None = None,
                allow_mismatch: bool = False) -> tuple[list[tuple[str, str]], dict]:
     """(relpath, text) of the ``split`` ("train" or "heldout") after verification, and an info dict
-    (python_version, total_sha256 of the manifest, data_hash of the files used, num_files)."""
+    (python_version: this interpreter's, whose files are read; manifest_python_version: the pinned one;
+    total_sha256 of the manifest, data_hash of the files used, num_files)."""
     if split not in ("train", "heldout"):
         raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
     root = root or stdlib_dir()
@@ -153,7 +154,8 @@ def load_texts(split: str, *, manifest_path: str = MANIFEST_PATH, root: str | No
     files = verify(manifest, root, allow_mismatch=allow_mismatch)
     chosen = [f for f in files if f["heldout"] == (split == "heldout")]
     texts = [(f["path"], _read(root, f["path"]).decode("utf-8", errors="replace")) for f in chosen]
-    info = {"python_version": manifest["python_version"], "manifest_total_sha256": manifest["total_sha256"],
+    info = {"python_version": python_version(), "manifest_python_version": manifest["python_version"],
+            "manifest_total_sha256": manifest["total_sha256"],
             "data_hash": data_hash(files), "split": split, "num_files": len(chosen)}
     return texts, info
 
@@ -333,7 +335,8 @@ def main(argv=None):
         meta = {"command": " ".join(["python", os.path.relpath(os.path.abspath(sys.argv[0]), ROOT)]
                                     + (argv if argv is not None else sys.argv[1:])),
                 "commit": git_commit(), "vocab_size": tok.get_vocab_size(), "special_tokens": list(SPECIAL_TOKENS),
-                "train_tokens": int(sum(len(d) for d in docs)), "train_bytes": int(sum(len(t) for _, t in texts)),
+                "train_tokens": int(sum(len(d) for d in docs)),
+                "train_bytes": int(sum(os.path.getsize(os.path.join(stdlib_dir(), p)) for p, _ in texts)),
                 **info}
         with open(os.path.join(args.out, "manifest.json"), "w") as f:
             json.dump(meta, f, indent=1)

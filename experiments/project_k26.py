@@ -50,16 +50,29 @@ def layer_times(result: dict, figure: str = "span") -> dict[int, float]:
     return {r["M"]: r[FIGURES[figure]] for r in rows}
 
 
-def combine_results(results: list[dict], names: list[str]) -> dict:
+SETTINGS = ("size", "prefix", "dtype", "mesh")  # the bench_layer config that the fit's inputs must share
+
+
+def settings_of(result: dict) -> dict:
+    """The run settings of a bench_layer result that change the layer timed (absent keys read as None)."""
+    return {k: result.get("config", {}).get(k) for k in SETTINGS}
+
+
+def combine_results(results: list[dict], names: list[str], allow_mixed: bool = False) -> dict:
     """Several bench_layer results of one mesh (e.g. M = 1, 9, 65 from one device call and M = 90 from
     another) as one: their layer rows, each tagged with its file's commit; ``commit`` is the sorted set of
     commits joined by "+" (so differing commits across files count as mixed). Raises ValueError if the
-    files time the layer differently or measure the same M twice."""
+    files time the layer differently, measure the same M twice, or (unless ``allow_mixed``) differ in
+    ``SETTINGS``."""
     if len(results) == 1:
         return results[0]
     timings = {timing_of(r) for r in results}
     if len(timings) > 1:
         raise ValueError(f"{names} time the layer differently ({sorted(timings)}): measure them the same way")
+    settings = [settings_of(r) for r in results]
+    if not allow_mixed and any(s != settings[0] for s in settings):
+        raise ValueError(f"{names} were run with different settings ({settings}): combine runs of one size, "
+                         "prefix, dtype and mesh (or pass allow_mixed / --allow-mixed)")
     rows, seen = [], {}
     for result, name in zip(results, names):
         for row in result["rows"]:
@@ -105,15 +118,31 @@ def timing_of(result: dict) -> str:
     return "traced" if result.get("config", {}).get("traced") else "fori_loop"
 
 
+def layer_commits(result: dict) -> dict[int, str | None]:
+    """M -> the commit its layer row was measured at (a combined result tags each row; else the file's)."""
+    return {r["M"]: r.get("commit", result.get("commit")) for r in result["rows"] if r["part"] == "layer"}
+
+
 def check_comparable(one: dict, two: dict) -> None:
-    """The fit's two inputs must time the layer the same way and come from the same code: otherwise b
-    (what sharding divides) absorbs the difference (a faster kernel on one side reads as scaling)."""
+    """The fit's two inputs must time the layer the same way, come from the same code at every M fitted, and
+    run the same layer (size, prefix, dtype) on one GPU and on a 1x2 mesh: otherwise b (what sharding divides)
+    absorbs the difference (a faster kernel on one side reads as scaling)."""
     if timing_of(one) != timing_of(two):
         raise ValueError(f"the 1-GPU layer times are {timing_of(one)}, the 2-GPU ones {timing_of(two)}: "
                          "measure both the same way (or pass allow_mixed / --allow-mixed)")
-    if one.get("commit") != two.get("commit"):
-        raise ValueError(f"the 1-GPU layer times come from commit {one.get('commit')}, the 2-GPU ones from "
-                         f"{two.get('commit')}: measure both at one commit (or pass allow_mixed / --allow-mixed)")
+    c1, c2 = layer_commits(one), layer_commits(two)
+    for m in sorted(set(c1) & set(c2)):
+        if c1[m] != c2[m]:
+            raise ValueError(f"at M={m} the 1-GPU layer time comes from commit {c1[m]}, the 2-GPU one from "
+                             f"{c2[m]}: measure both at one commit (or pass allow_mixed / --allow-mixed)")
+    s1, s2 = settings_of(one), settings_of(two)
+    if s1["mesh"] is not None or s2["mesh"] != "1x2":
+        raise ValueError(f"the fit needs 1-GPU times (mesh null) and 1x2-mesh times; got mesh {s1['mesh']} and "
+                         f"{s2['mesh']} (or pass allow_mixed / --allow-mixed)")
+    differ = {k: (s1[k], s2[k]) for k in SETTINGS if k != "mesh" and s1[k] != s2[k]}
+    if differ:
+        raise ValueError(f"the 1- and 2-GPU layer times were run with different settings {differ} (1 GPU, 2 GPUs): "
+                         "measure the same layer (or pass allow_mixed / --allow-mixed)")
 
 
 def project(one: dict, two: dict, tau_by_budget: dict[int, float], gpus: int, layers: int = K26_LAYERS,
@@ -145,13 +174,14 @@ def main(argv=None):
     ap.add_argument("--gpus", type=int, default=8)
     ap.add_argument("--out", default=None)
     ap.add_argument("--allow-mixed", action="store_true",
-                    help="fit inputs of different commits or timing methods (recorded as such)")
+                    help="fit inputs of different commits, timing methods or settings (size, prefix, dtype, "
+                         "mesh) (recorded as such)")
     ap.add_argument("--figure", default="span", choices=sorted(FIGURES),
                     help="the layer time fitted: the trace's span, or each device's summed kernel time")
     args = ap.parse_args(argv)
     load = lambda p: json.load(open(p))  # noqa: E731
-    one = combine_results([load(p) for p in args.one], args.one)
-    two = combine_results([load(p) for p in args.two], args.two)
+    one = combine_results([load(p) for p in args.one], args.one, args.allow_mixed)
+    two = combine_results([load(p) for p in args.two], args.two, args.allow_mixed)
     tau = taus(load(args.eval)) if args.eval else {}
     rows = project(one, two, tau, args.gpus, allow_mixed=args.allow_mixed, figure=args.figure)
     payload = dict(kind="projection, not a measurement", gpus=args.gpus, layers=K26_LAYERS,

@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
 import json
+import math
 import os
 import shutil
 import sys
@@ -46,9 +48,12 @@ from ddtree_jax.layers import dot  # noqa: E402
 from ddtree_jax.model import KimiModel  # noqa: E402
 from ddtree_jax.rope import apply_rope_half, rope_cos_sin  # noqa: E402
 from experiments import data as data_lib  # noqa: E402
-from experiments.train_target import (TRAIN_RUNTIME, add_training_args, lm_forward, load_tokenizer_json,  # noqa: E402
-                                      make_optimizer, planned_steps, read_train_meta, restore_train_state,
-                                      save_train_state, scaled_update, training_loop, write_curve)
+from experiments.train_target import (TRAIN_RUNTIME, add_training_args, check_training_args,  # noqa: E402
+                                      lm_forward, load_tokenizer_json, make_optimizer, minutes_left,
+                                      planned_steps, restore_run, save_run, scaled_update, stopped_early,
+                                      training_loop, write_curve)
+
+EVAL_BATCH = 16  # sequences per evaluation forward (``evaluate``)
 
 
 def small_drafter_config(target_cfg, mask_token_id: int, *, block_size: int = 8, taps=None,
@@ -229,7 +234,7 @@ def cut_prompts(rows: np.ndarray, count: int, length: int, seed: int) -> np.ndar
 # ----------------------------------------------------------------------------------------------------
 # Evaluation
 # ----------------------------------------------------------------------------------------------------
-def evaluate(drafter, target, taps, seqs, lo, weights, seed=0, num_anchors=16, batch=16) -> dict:
+def evaluate(drafter, target, taps, seqs, lo, weights, seed=0, num_anchors=16, batch=EVAL_BATCH) -> dict:
     """Per-slot accuracy (slots 1..Bs-1) and the mean accepted chain length 1 + #leading correct slots
     on sequences seqs [N, S] with features taps [n, N, S, D] (anchors in [lo, S - Bs])."""
     cfg = drafter.cfg
@@ -272,13 +277,54 @@ def parse_args(argv=None):
     p.add_argument("--gamma", type=float, default=4.0)
     p.add_argument("--num-anchors", type=int, default=16)
     p.add_argument("--num-seqs", type=int, default=512, help="training sequences (target continuations)")
-    p.add_argument("--eval-seqs", type=int, default=64)
+    p.add_argument("--eval-seqs", type=int, default=64, help=f"held-out sequences (a multiple of {EVAL_BATCH})")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--gen-streams", type=int, default=32, help="streams per batch when generating continuations")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--config", default="{}", help="JSON overrides of the drafter config")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    try:
+        check_drafter_args(args)
+    except ValueError as e:
+        p.error(str(e))
+    return args
+
+
+def check_drafter_args(args) -> None:
+    """``check_training_args`` plus the drafter's own flags; ValueError naming the flag otherwise."""
+    check_training_args(args)
+    for flag, value, least in (("--block-size", args.block_size, 2), ("--num-anchors", args.num_anchors, 1),
+                               ("--num-seqs", args.num_seqs, args.batch), ("--eval-seqs", args.eval_seqs, EVAL_BATCH),
+                               ("--prompt-len", args.prompt_len, 1), ("--gen-streams", args.gen_streams, 1),
+                               ("--new-tokens", args.new_tokens, args.num_anchors + args.block_size - 1)):
+        if value < least:
+            why = {"--block-size": " (slot 0 is the known anchor token: one slot at least to predict)",
+                   "--num-seqs": " (--batch: each batch draws distinct sequences)",
+                   "--eval-seqs": f" (evaluate's batch of {EVAL_BATCH})",
+                   "--new-tokens": " (--num-anchors + --block-size - 1: distinct anchors in the continuation, "
+                                   "each with a whole block after it)"}.get(flag, "")
+            raise ValueError(f"{flag} must be >= {least}{why}, got {value}")
+    if args.eval_seqs % EVAL_BATCH:
+        raise ValueError(f"--eval-seqs must be a multiple of {EVAL_BATCH} (evaluate's batch), got {args.eval_seqs}")
+    if not (math.isfinite(args.gamma) and args.gamma > 0):
+        raise ValueError(f"--gamma must be finite and > 0, got {args.gamma}")
+
+
+def drafter_resume_key(args, info: dict) -> dict:
+    """What a resumed drafter run must agree with: the schedule and sampling flags, the target (its commit
+    record's contents), the corpus (``data_hash``) and the tokenizer that cut it (``info`` of ``corpus_streams``)."""
+    key = {k: getattr(args, k) for k in ("steps", "minutes", "batch", "lr", "warmup", "block_size", "gamma",
+                                         "num_anchors", "num_seqs", "prompt_len", "new_tokens", "seed", "config")}
+    return dict(key, target_record_sha256=target_record_sha256(args.target), data_hash=info["data_hash"],
+                tokenizer_sha256=info["tokenizer_sha256"])
+
+
+def target_record_sha256(target_dir: str) -> str:
+    """SHA-256 of the target's commit record (ddtree_checkpoint.json: its config and the name of its data
+    directory, which every save makes new), so a resume is keyed on the target's contents, not a file time."""
+    with open(os.path.join(target_dir, "ddtree_checkpoint.json"), "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
 
 
 def main(argv=None):
@@ -324,17 +370,9 @@ def train(args, argv=None):
     before = evaluate(drafter, target, eval_taps, eval_seqs, args.prompt_len, weights)
     tx = make_optimizer(weight_decay=0.01)
     opt_state = tx.init(params)
-    start = 0
-    resume_key = {k: getattr(args, k) for k in ("steps", "minutes", "batch", "lr", "warmup", "block_size", "gamma",
-                                               "num_anchors", "num_seqs", "prompt_len", "new_tokens", "seed",
-                                               "config")}
-    resume_key["target_commit"] = os.path.getmtime(os.path.join(args.target, "ddtree_checkpoint.json"))
-    total_steps = planned_steps(args)
-    restored = restore_train_state(state_dir, (params, opt_state), resume_key)
-    if restored is not None:
-        (params, opt_state), start = restored
-        total_steps = read_train_meta(state_dir)["meta"].get("total_steps", total_steps)
-        print(f"resumed from {state_dir} at step {start} of {total_steps}")
+    resume_key = drafter_resume_key(args, info)
+    (params, opt_state), start, total_steps, curve, history = restore_run(
+        state_dir, (params, opt_state), resume_key, planned_steps(args))
     step_fn = make_train_step(d_def, t_def, tx, weights)
     rng = np.random.default_rng(args.seed + 1000 + start)  # a resumed run draws fresh (not replayed) batches
     live = {"params": params, "opt_state": opt_state}
@@ -348,22 +386,24 @@ def train(args, argv=None):
         return {"loss": float(loss), "acc_slot1": float(acc[1]), "acc_last": float(acc[-1])}
 
     def save(step, total, curve_now):
-        save_train_state(state_dir, (live["params"], live["opt_state"]), step,
-                         {"resume_key": resume_key, "total_steps": total})
+        run = {"start_step": start, "end_step": step, "seconds": time.perf_counter() - t_begin}
+        save_run(state_dir, (live["params"], live["opt_state"]), step, total, curve_now, resume_key, history + [run])
 
+    t_begin = time.perf_counter()
     curve, steps_done, total_steps, train_s = training_loop(
-        run_step, start=start, total_steps=total_steps, minutes=args.minutes, lr=args.lr, warmup=args.warmup,
-        max_minutes=args.max_minutes, save_every=args.save_every, save=save, desc="drafter")
+        run_step, start=start, total_steps=total_steps, minutes=minutes_left(args.minutes, history), lr=args.lr,
+        warmup=args.warmup, max_minutes=args.max_minutes, save_every=args.save_every, save=save, desc="drafter",
+        curve=curve)
     params = live["params"]
-    if steps_done < total_steps:
-        print(f"stopped at step {steps_done} of {total_steps} (--max-minutes); state in {state_dir}; "
-              "rerun the same command to resume")
+    if stopped_early(steps_done, total_steps, state_dir):
         return None
+    history = history + [{"start_step": start, "end_step": steps_done, "seconds": train_s}]
     save_drafter(nnx.merge(d_def, params), args.out, metadata={"trained_by": "experiments/train_drafter.py"},
                  storage_dtype=None if args.storage_dtype == dcfg.dtype else args.storage_dtype)
     drafter = restore_drafter(args.out, dtype=dcfg.dtype)  # evaluate the drafter as shipped
     after = evaluate(drafter, target, eval_taps, eval_seqs, args.prompt_len, weights)
-    metrics = {"steps": steps_done, "batch": args.batch, "train_seconds": train_s, "data_seconds": data_s,
+    metrics = {"steps": steps_done, "batch": args.batch, "train_seconds": sum(h["seconds"] for h in history),
+               "runs": history, "data_seconds": data_s,
                "params": int(n_params), "final_train_loss": float(np.mean([c["loss"] for c in curve[-20:]])),
                "heldout_before": before, "heldout_after": after, "storage_dtype": args.storage_dtype}
     print(json.dumps(metrics, indent=1))

@@ -57,6 +57,9 @@ from experiments import data as data_lib  # noqa: E402
 from experiments.bench_util import add_matmul_precision_arg  # noqa: E402
 
 DEFAULT_STEPS = 300
+MIN_CLOCK_WARMUP = 13  # StepClock skips 3 warmup steps and times at least 10 more
+INFERENCE_EVAL_ROWS = 16  # the shipped inference path's NLL is measured on the first 16 held-out rows
+EVAL_ROWS_MIN = INFERENCE_EVAL_ROWS
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -224,15 +227,25 @@ def training_loop(run_step, *, start: int, total_steps: int | None, minutes: flo
 
     ``run_step(step, lr) -> dict`` of floats (with "loss") does one update. ``total_steps`` None means
     "fix it from ``minutes``" (``StepClock``, during warmup, whose learning rates do not depend on the
-    length). ``save(step, total_steps, curve)`` runs every ``save_every`` steps and at the end (also when
-    ``max_minutes`` stops the run early). ``max_steps`` caps a length fixed from ``minutes`` (e.g. a number
-    of epochs). Returns (curve, steps_done, total_steps, seconds).
+    length; ``minutes`` is what is left of the budget, and a resumed run, ``start`` > 0, must still have
+    13 warmup steps to time). ``save(step, total_steps, curve)`` runs every ``save_every`` steps and at the
+    end (also when ``max_minutes`` stops the run early, then with ``total_steps`` None if the length was not
+    fixed yet). ``max_steps`` caps a length fixed from ``minutes`` (e.g. a number of epochs); it is refused
+    with a fixed ``total_steps``. Returns (curve, steps_done, total_steps, seconds); total_steps is None
+    when ``max_minutes`` stopped the run before its length was fixed.
     """
     from tqdm import tqdm
 
-    if total_steps is None and warmup < 13:
-        raise ValueError("--minutes times warmup steps 3..12; use --warmup >= 13")
-    clock = StepClock(minutes, measure=min(warmup - 3, 30)) if total_steps is None else None
+    if max_steps is not None and total_steps is not None:
+        raise ValueError(f"max_steps {max_steps} caps a length fixed from minutes; total_steps {total_steps} is "
+                         "already fixed")
+    if total_steps is None and warmup < MIN_CLOCK_WARMUP:
+        raise ValueError(f"--minutes times warmup steps 3..12; use --warmup >= {MIN_CLOCK_WARMUP}")
+    if total_steps is None and warmup - start < MIN_CLOCK_WARMUP:
+        raise ValueError(f"the saved state is at step {start}, before --minutes fixed the run's length, and only "
+                         f"{max(warmup - start, 0)} of the {warmup} warmup steps are left to time it "
+                         f"(>= {MIN_CLOCK_WARMUP} needed): start again with a fresh --state-dir")
+    clock = StepClock(minutes, measure=min(warmup - start - 3, 30)) if total_steps is None else None
     warm = lr_schedule(warmup + 1, lr, warmup)
     schedule = lr_schedule(total_steps, lr, warmup) if total_steps else None
     curve = list(curve or [])
@@ -255,7 +268,7 @@ def training_loop(run_step, *, start: int, total_steps: int | None, minutes: flo
             schedule = lr_schedule(total_steps, lr, warmup)
             bar.total = total_steps
         done = step == total_steps or bool(max_minutes and time.perf_counter() - t0 > 60 * max_minutes)
-        if total_steps is not None and (step % save_every == 0 or done):
+        if done or (total_steps is not None and step % save_every == 0):
             save(step, total_steps, curve)
         if done:
             break
@@ -280,17 +293,18 @@ def make_bias_update(graphdef, rate: float, runtime: Runtime = TRAIN_RUNTIME):
 
 
 def make_nll_eval(graphdef, rows: np.ndarray, batch: int = 8, runtime: Runtime = TRAIN_RUNTIME):
-    """Returns evaluate(state) -> mean per-token NLL (nats) over rows [N, T+1] (inputs rows[:, :-1],
-    labels rows[:, 1:]) of the model ``nnx.merge(graphdef, state)``; compiled once, reusable."""
+    """Returns evaluate(state) -> mean per-token NLL (nats) over all rows [N, T+1] (inputs rows[:, :-1],
+    labels rows[:, 1:]) of the model ``nnx.merge(graphdef, state)``, in chunks of ``batch`` rows (a last,
+    shorter chunk holds the remainder); compiled once per chunk shape, reusable."""
 
     @jax.jit
     def nll(state, chunk):
         m = nnx.merge(graphdef, state)
         return token_nll(lm_forward(m, chunk[:, :-1], runtime).logits, chunk[:, 1:]).sum()
 
-    chunks = [jnp.asarray(rows[i:i + batch]) for i in range(0, len(rows) - batch + 1, batch)]
+    chunks = [jnp.asarray(rows[i:i + batch]) for i in range(0, len(rows), batch)]
     if not chunks:
-        raise ValueError(f"need at least {batch} rows to evaluate, got {len(rows)}")
+        raise ValueError("no rows to evaluate")
 
     def evaluate(state) -> float:
         total = sum(float(nll(state, c)) for c in chunks)
@@ -377,6 +391,34 @@ def restore_train_state(path: str, like: Any, expect: dict | None = None) -> tup
     return jax.tree.unflatten(treedef, [jnp.asarray(restored[f"{i:05d}"]) for i in range(len(leaves))]), meta["step"]
 
 
+def save_run(state_dir: str, state: Any, step: int, total_steps: int | None, curve: list[dict], resume_key: dict,
+             history: list[dict]) -> None:
+    """``save_train_state`` with what a resume of either trainer needs: the key it must agree with, the run's
+    length (None while --minutes has not fixed it), the segments so far (``history``: start_step, end_step,
+    seconds each) and the loss curve (``curve.json``)."""
+    save_train_state(state_dir, state, step, {"resume_key": resume_key, "total_steps": total_steps,
+                                              "history": history})
+    with open(os.path.join(state_dir, "curve.json"), "w") as f:
+        json.dump(curve, f)
+
+
+def restore_run(state_dir: str, like: Any, resume_key: dict, total_steps: int | None):
+    """What ``save_run`` left in ``state_dir``: (state, start step, total_steps, the curve before start, the
+    earlier segments); (like, 0, total_steps, [], []) when it holds none. Raises as ``restore_train_state``."""
+    restored = restore_train_state(state_dir, like, resume_key)
+    if restored is None:
+        return like, 0, total_steps, [], []
+    state, start = restored
+    meta = read_train_meta(state_dir)["meta"]
+    total_steps = meta.get("total_steps", total_steps)
+    curve, curve_file = [], os.path.join(state_dir, "curve.json")
+    if os.path.exists(curve_file):
+        with open(curve_file) as f:
+            curve = [c for c in json.load(f) if c["step"] < start]
+    print(f"resumed from {state_dir} at step {start} of {total_steps}")
+    return state, start, total_steps, curve, meta.get("history", [])
+
+
 # ----------------------------------------------------------------------------------------------------
 # Data
 # ----------------------------------------------------------------------------------------------------
@@ -452,7 +494,64 @@ def add_training_args(p, *, storage_help: str) -> None:
 
 def planned_steps(args) -> int | None:
     """--steps (default DEFAULT_STEPS), or None when --minutes fixes the length during warmup."""
-    return None if args.minutes is not None else (args.steps or DEFAULT_STEPS)
+    return None if args.minutes is not None else (args.steps if args.steps is not None else DEFAULT_STEPS)
+
+
+def check_training_args(args) -> None:
+    """Checks the flags ``add_training_args`` adds and the ones both trainers have (--batch, --lr, --warmup,
+    --seed, --config) before any data or model work; ValueError naming the flag otherwise."""
+    for flag, value, least in (("--steps", args.steps, 1), ("--save-every", args.save_every, 1),
+                               ("--batch", args.batch, 1), ("--warmup", args.warmup, 0), ("--seed", args.seed, 0)):
+        if value is not None and value < least:
+            raise ValueError(f"{flag} must be >= {least}, got {value}")
+    for flag, value in (("--minutes", args.minutes), ("--max-minutes", args.max_minutes), ("--lr", args.lr)):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{flag} must be finite and > 0, got {value}")
+    if args.minutes is not None and args.warmup < MIN_CLOCK_WARMUP:
+        raise ValueError(f"--minutes times warmup steps 3..12 to fix the run's length; use --warmup >= "
+                         f"{MIN_CLOCK_WARMUP}, got {args.warmup}")
+    try:
+        overrides = json.loads(args.config)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--config must be a JSON object: {e}") from None
+    if not isinstance(overrides, dict):
+        raise ValueError(f"--config must be a JSON object, got {args.config!r}")
+
+
+def check_target_args(args) -> None:
+    """``check_training_args`` plus the target's own flags."""
+    check_training_args(args)
+    if args.max_epochs is not None:
+        if args.minutes is None:
+            raise ValueError("--max-epochs caps a length fixed from --minutes; with --steps (or its default) "
+                             "the length is already fixed: give --steps for the number of steps wanted")
+        if not (math.isfinite(args.max_epochs) and args.max_epochs > 0):
+            raise ValueError(f"--max-epochs must be finite and > 0, got {args.max_epochs}")
+    for flag, value, least in (("--eval-every", args.eval_every, 0), ("--seq", args.seq, 1),
+                               ("--bias-every", args.bias_every, 1), ("--eval-rows", args.eval_rows, EVAL_ROWS_MIN)):
+        if value < least:
+            raise ValueError(f"{flag} must be >= {least}, got {value}")
+    if not (math.isfinite(args.bias_rate) and args.bias_rate >= 0):
+        raise ValueError(f"--bias-rate must be finite and >= 0 (0 disables), got {args.bias_rate}")
+
+
+def minutes_left(minutes: float | None, history: list[dict]) -> float | None:
+    """What is left of a --minutes budget after the earlier segments of a resumed run (``history``)."""
+    return None if minutes is None else minutes - sum(h["seconds"] for h in history) / 60
+
+
+def stopped_early(steps_done: int, total_steps: int | None, state_dir: str) -> bool:
+    """True (with a message) when --max-minutes stopped the run: before its planned end, or before --minutes
+    fixed its length (``total_steps`` None)."""
+    if total_steps is None:
+        print(f"stopped at step {steps_done} (--max-minutes), before --minutes fixed the run's length during "
+              f"warmup; state in {state_dir}; rerun the same command to resume")
+        return True
+    if steps_done < total_steps:
+        print(f"stopped at step {steps_done} of {total_steps} (--max-minutes); state in {state_dir}; "
+              "rerun the same command to resume")
+        return True
+    return False
 
 
 def parse_args(argv=None):
@@ -473,9 +572,16 @@ def parse_args(argv=None):
     p.add_argument("--out", default=os.path.join(ROOT, "checkpoints", "target"))
     p.add_argument("--state-dir", default=None, help="resumable training state (default <out>.train_state)")
     p.add_argument("--tokenizer", default=os.path.join(ROOT, "checkpoints", "tokenizer", "tokenizer.json"))
-    p.add_argument("--eval-rows", type=int, default=64, help="held-out rows for perplexity")
+    p.add_argument("--eval-rows", type=int, default=64,
+                   help=f"held-out rows for perplexity (>= {EVAL_ROWS_MIN}: the inference path's NLL takes the first "
+                        f"{INFERENCE_EVAL_ROWS})")
     p.add_argument("--config", default="{}", help="JSON overrides of the model config, e.g. '{\"num_layers\": 2}'")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    try:
+        check_target_args(args)
+    except ValueError as e:
+        p.error(str(e))
+    return args
 
 
 def main(argv=None):
@@ -489,29 +595,21 @@ def train(args, argv=None):
     tokenizer = load_tokenizer_json(args.tokenizer)
     train_rows, held_rows, info = prepare_rows(tokenizer, args.seq, tokenizer_path=args.tokenizer,
                                                tokens_path=args.tokens, allow_mismatch=args.allow_mismatch)
+    if len(held_rows) < args.eval_rows:
+        raise ValueError(f"--eval-rows {args.eval_rows} is more than the {len(held_rows)} held-out rows of "
+                         f"{args.seq + 1} tokens")
     cfg = small_target_config(tokenizer.get_vocab_size(), args.dtype, **json.loads(args.config))
     model = KimiModel(cfg, nnx.Rngs(args.seed))
     graphdef, params = nnx.split(model)  # every variable is an nnx.Param
     n_params = sum(x.size for x in jax.tree.leaves(params))
     tx = make_optimizer()
     opt_state = tx.init(params)
-    start, curve = 0, []
     resume_key = {k: getattr(args, k) for k in ("steps", "minutes", "batch", "seq", "lr", "warmup", "bias_rate",
                                                "bias_every", "seed", "dtype", "config")}
     runtime = TRAIN_RUNTIME if args.experts == "dense" else Runtime(attention="naive", matmul_precision=None)
     resume_key["data_hash"] = info["data_hash"]
-    previous = read_train_meta(state_dir)
-    history = previous["meta"].get("history", []) if previous else []
-    total_steps = planned_steps(args)
-    restored = restore_train_state(state_dir, (params, opt_state), resume_key)
-    if restored is not None:
-        (params, opt_state), start = restored
-        total_steps = previous["meta"].get("total_steps", total_steps)
-        curve_file = os.path.join(state_dir, "curve.json")
-        if os.path.exists(curve_file):
-            with open(curve_file) as f:
-                curve = [c for c in json.load(f) if c["step"] < start]
-        print(f"resumed from {state_dir} at step {start} of {total_steps}")
+    (params, opt_state), start, total_steps, curve, history = restore_run(
+        state_dir, (params, opt_state), resume_key, planned_steps(args))
     print(f"target: {n_params / 1e6:.2f}M params, {info['train_rows']} train rows x {args.seq + 1}, "
           f"{info['heldout_rows']} held-out rows; data hash {info['data_hash'][:12]}")
     step_fn = make_train_step(graphdef, tx, runtime)
@@ -534,20 +632,16 @@ def train(args, argv=None):
 
     def save(step, total, curve_now):
         run = {"start_step": start, "end_step": step, "seconds": time.perf_counter() - t_begin}
-        save_train_state(state_dir, (live["params"], live["opt_state"]), step,
-                         {"resume_key": resume_key, "total_steps": total, "history": history + [run]})
-        with open(os.path.join(state_dir, "curve.json"), "w") as f:
-            json.dump(curve_now, f)
+        save_run(state_dir, (live["params"], live["opt_state"]), step, total, curve_now, resume_key, history + [run])
 
     t_begin = time.perf_counter()
     curve, steps_done, total_steps, train_s = training_loop(
-        run_step, start=start, total_steps=total_steps, minutes=args.minutes, lr=args.lr, warmup=args.warmup,
-        max_minutes=args.max_minutes, save_every=args.save_every, save=save, desc="target", curve=curve,
-        max_steps=None if args.max_epochs is None else int(args.max_epochs * per_epoch))
+        run_step, start=start, total_steps=total_steps, minutes=minutes_left(args.minutes, history), lr=args.lr,
+        warmup=args.warmup, max_minutes=args.max_minutes, save_every=args.save_every, save=save, desc="target",
+        curve=curve, max_steps=None if args.max_epochs is None or total_steps is not None
+        else int(args.max_epochs * per_epoch))  # a resumed --minutes run's stored length is already capped
     params = live["params"]
-    if steps_done < total_steps:
-        print(f"stopped at step {steps_done} of {total_steps} (--max-minutes); state in {state_dir}; "
-              "rerun the same command to resume")
+    if stopped_early(steps_done, total_steps, state_dir):
         return None
     model = nnx.merge(graphdef, params)
 
@@ -562,7 +656,7 @@ def train(args, argv=None):
     eval_rows = held_rows[: args.eval_rows]
     nll_float = eval_nll(model, eval_rows)
     nll_int4 = eval_nll(shipped, eval_rows)
-    nll_int4_infer = eval_nll(shipped, eval_rows[:16], runtime=Runtime())  # the shipped inference path
+    nll_int4_infer = eval_nll(shipped, eval_rows[:INFERENCE_EVAL_ROWS], runtime=Runtime())  # shipped inference path
     history = history + [{"start_step": start, "end_step": steps_done, "seconds": train_s}]
     metrics = {"steps": steps_done, "batch": args.batch, "seq": args.seq,
                "train_seconds": sum(h["seconds"] for h in history), "runs": history,

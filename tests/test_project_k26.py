@@ -5,9 +5,15 @@ import pytest
 from experiments import project_k26 as P
 
 
-def result(times, name="r"):
-    return {"name": name, "config": {}, "rows": [{"M": m, "part": "layer", "us": t} for m, t in times.items()]
+def result(times, name="r", mesh=None, **config):
+    return {"name": name, "config": dict(dict(size="full", prefix=1024, dtype="bfloat16"), mesh=mesh, **config),
+            "rows": [{"M": m, "part": "layer", "us": t} for m, t in times.items()]
             + [{"M": 1, "part": "attention", "us": 1.0}]}
+
+
+def pair(one_times, two_times):
+    """A 1-GPU result and a 1x2-mesh one."""
+    return result(one_times), result(two_times, mesh="1x2")
 
 
 def test_fit_passes_through_both_measurements():
@@ -29,7 +35,7 @@ def test_interpolates_between_measured_m_and_refuses_outside():
 
 
 def test_project_rows():
-    one, two = result({1: 300.0, 9: 500.0, 65: 1900.0}), result({1: 290.0, 9: 400.0, 65: 1100.0})
+    one, two = pair({1: 300.0, 9: 500.0, 65: 1900.0}, {1: 290.0, 9: 400.0, 65: 1100.0})
     rows = P.project(one, two, {8: 2.5, 64: 3.0}, gpus=8, layers=61, streams=(1, 10))
     ar = rows[0]
     assert ar["mode"] == "AR" and ar["M"] == 1
@@ -39,23 +45,23 @@ def test_project_rows():
     assert by_key[("DDTree", 1, 64)]["M"] == 65
     assert "outside" in by_key[("DDTree", 10, 64)]["note"]  # M = 650: not measured, not projected
     with pytest.raises(ValueError, match="no 'layer' rows"):
-        P.project({"rows": []}, two, {}, gpus=8)
+        P.project(dict(one, rows=[]), two, {}, gpus=8)
 
 
 def test_refuses_inputs_of_different_commits_or_timing_unless_allowed():
-    one, two = result({1: 300.0}), result({1: 290.0})
-    traced = dict(two, config={"traced": True})
+    one, two = pair({1: 300.0}, {1: 290.0})
+    traced = dict(two, config=dict(two["config"], traced=True))
     with pytest.raises(ValueError, match="1-GPU layer times are fori_loop, the 2-GPU ones traced"):
         P.project(one, traced, {}, gpus=8)
-    with pytest.raises(ValueError, match="from commit a, the 2-GPU ones from b"):
+    with pytest.raises(ValueError, match="at M=1 the 1-GPU layer time comes from commit a, the 2-GPU one from b"):
         P.project(dict(one, commit="a"), dict(two, commit="b"), {}, gpus=8)
     assert P.project(dict(one, commit="a"), dict(two, commit="b"), {}, gpus=8, allow_mixed=True)[0]["mode"] == "AR"
 
 
 def test_busy_figure_fits_the_kernels_time_and_needs_it_recorded():
-    one = {"name": "one", "config": {"traced": True},
+    one = {"name": "one", "config": {"traced": True, "mesh": None},
            "rows": [{"M": 1, "part": "layer", "us": 220.0, "busy_us": 225.0}]}
-    two = {"name": "two", "config": {"traced": True},
+    two = {"name": "two", "config": {"traced": True, "mesh": "1x2"},
            "rows": [{"M": 1, "part": "layer", "us": 1800.0, "busy_us": 221.0}]}
     assert P.layer_times(two, "busy") == {1: 221.0} and P.layer_times(two) == {1: 1800.0}
     ar = P.project(one, two, {}, gpus=8, layers=61, figure="busy")[0]
@@ -77,3 +83,40 @@ def test_results_of_several_calls_combine_by_m():
         P.combine_results([a, dict(result({1: 1.0}), commit="c3")], ["a.json", "c.json"])
     with pytest.raises(ValueError, match="time the layer differently"):
         P.combine_results([a, dict(b, config={"traced": True})], ["a.json", "b.json"])
+
+
+def test_crossed_commits_in_combined_inputs_are_refused_per_m():
+    # --one = [M=1 @c1, M=9 @c2], --two = [M=1 @c2, M=9 @c1]: both read "c1+c2", yet every M mixes commits
+    one = P.combine_results([dict(result({1: 300.0}), commit="c1"), dict(result({9: 500.0}), commit="c2")],
+                            ["o1.json", "o9.json"])
+    two = P.combine_results([dict(result({1: 290.0}, mesh="1x2"), commit="c2"),
+                             dict(result({9: 400.0}, mesh="1x2"), commit="c1")], ["t1.json", "t9.json"])
+    assert one["commit"] == two["commit"] == "c1+c2"
+    with pytest.raises(ValueError, match="at M=1 the 1-GPU layer time comes from commit c1, the 2-GPU one from c2"):
+        P.project(one, two, {}, gpus=8)
+    assert P.project(one, two, {}, gpus=8, allow_mixed=True)[0]["mode"] == "AR"
+    # the same commit per M passes, even though the files' commits differ
+    two = P.combine_results([dict(result({1: 290.0}, mesh="1x2"), commit="c1"),
+                             dict(result({9: 400.0}, mesh="1x2"), commit="c2")], ["t1.json", "t9.json"])
+    assert P.project(one, two, {}, gpus=8)[0]["mode"] == "AR"
+
+
+@pytest.mark.parametrize("one,two,message", [
+    (result({1: 300.0}), result({1: 290.0}, mesh="1x2", prefix=65536), "different settings {'prefix': (1024, 65536)}"),
+    (result({1: 300.0}), result({1: 290.0}, mesh="1x2", size="tiny"), "different settings {'size'"),
+    (result({1: 300.0}), result({1: 290.0}, mesh="1x2", dtype="float32"), "different settings {'dtype'"),
+    (result({1: 300.0}), result({1: 290.0}), "1x2-mesh times; got mesh None and None"),  # a 1-GPU file as --two
+    (result({1: 300.0}, mesh="1x2"), result({1: 290.0}, mesh="1x2"), "got mesh 1x2 and 1x2"),
+    (result({1: 300.0}), result({1: 290.0}, mesh="1x4"), "got mesh None and 1x4"),
+])
+def test_inputs_of_other_settings_are_refused_unless_allowed(one, two, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        P.project(one, two, {}, gpus=8)
+    assert P.project(one, two, {}, gpus=8, allow_mixed=True)[0]["mode"] == "AR"
+
+
+def test_combined_files_must_share_their_settings():
+    a, b = result({1: 300.0}), result({90: 1800.0}, prefix=65536)
+    with pytest.raises(ValueError, match="different settings"):
+        P.combine_results([a, b], ["a.json", "b.json"])
+    assert P.layer_times(P.combine_results([a, b], ["a.json", "b.json"], allow_mixed=True)) == {1: 300.0, 90: 1800.0}
