@@ -90,43 +90,58 @@ def param_bytes(state: nnx.State, mesh_shape: dict[str, int], rules: ShardingRul
     return out
 
 
-def target_cache_bytes_per_token(cfg: ModelConfig, mesh_shape: dict[str, int], rules: ShardingRules,
-                                 dtype=None) -> dict[str, int]:
-    """Latent cache of one token of one stream: total bytes and bytes on one device."""
-    dtype = jnp.dtype(dtype or cfg.dtype)
-    shape = (cfg.num_layers, 1, 1, cfg.latent_dim)  # [NL, B=1, S=1, C]
-    total = int(np.prod(shape)) * dtype.itemsize
-    return {"total": total, "per_device": bytes_per_device(shape, dtype, CACHE_AXES, mesh_shape, rules)}
+def target_cache_arrays(cfg: ModelConfig, dtype=None) -> tuple:
+    """The target's latent cache for one token of one stream: ((copies, shape [NL, B=1, S=1, C], dtype, logical
+    axes),), the form ``MemoryPlan.target_cache`` holds."""
+    return ((1, (cfg.num_layers, 1, 1, cfg.latent_dim), jnp.dtype(dtype or cfg.dtype).name, CACHE_AXES),)
+
+
+def cache_arrays_bytes(arrays: tuple, mesh_shape: dict[str, int], rules: ShardingRules, *, streams: int = 1,
+                       capacity: int = 1) -> dict[str, int]:
+    """{total, per_device} bytes of cache ``arrays`` ((copies, one-token shape, dtype, logical axes) each) grown to
+    ``streams`` streams of ``capacity`` tokens; per_device is the largest shard, as ``rules`` place "batch" and
+    "seq"."""
+    out = {"total": 0, "per_device": 0}
+    for copies, one_token, dtype, axes in arrays:
+        shape = [streams if a == "batch" else capacity if a == "seq" else d for d, a in zip(one_token, axes)]
+        out["total"] += copies * array_bytes(shape, dtype)
+        out["per_device"] += copies * bytes_per_device(shape, dtype, axes, mesh_shape, rules)
+    return out
 
 
 def drafter_plan(drafter_cfg, mesh_shape: dict[str, int], rules: ShardingRules) -> dict[str, Any]:
-    """Drafter weights (from ``DFlashDrafter`` abstractly) and its K/V cache per token of one stream."""
+    """Drafter weights (from ``DFlashDrafter`` abstractly) and its K/V cache arrays for one token of one stream."""
     from ddtree_jax.drafter import DRAFT_CACHE_AXES, DFlashDrafter
     from ddtree_jax.hf_loader import ShapeOnlyRngs
 
     abstract = nnx.eval_shape(lambda: DFlashDrafter(drafter_cfg, ShapeOnlyRngs()))
-    weights = param_bytes(nnx.state(abstract), mesh_shape, rules)
-    dtype = jnp.dtype(drafter_cfg.dtype)
     one = (drafter_cfg.num_layers, 1, 1, drafter_cfg.num_kv_heads, drafter_cfg.head_dim)  # k or v of one token
-    total = 2 * int(np.prod(one)) * dtype.itemsize
-    per_device = 2 * bytes_per_device(one, dtype, DRAFT_CACHE_AXES, mesh_shape, rules)
-    return {"weights": weights, "cache_per_token": {"total": total, "per_device": per_device},
-            "cache_arrays": ((2, one, dtype.name, DRAFT_CACHE_AXES),)}
+    return {"weights": param_bytes(nnx.state(abstract), mesh_shape, rules),
+            "cache_arrays": ((2, one, jnp.dtype(drafter_cfg.dtype).name, DRAFT_CACHE_AXES),)}
 
 
 @dataclasses.dataclass(frozen=True)
 class MemoryPlan:
-    """Bytes for one mesh: ``weights`` / ``drafter_weights`` {category: {total, per_device}};
-    caches per token of one stream {total, per_device}. ``cache_arrays``: (copies, shape, dtype, logical axes)
-    of each cache array for one token of one stream ("batch" and "seq" dims of size 1), placed by ``rules``."""
+    """Bytes for one mesh: ``weights`` / ``drafter_weights`` {category: {total, per_device}}; the caches as
+    arrays for one token of one stream (``target_cache`` / ``drafter_cache``: (copies, shape, dtype, logical
+    axes) each, "batch" and "seq" dims of size 1), placed by ``rules``."""
 
     mesh_shape: dict
     weights: dict
-    cache_per_token: dict
+    target_cache: tuple
     drafter_weights: dict | None = None
-    drafter_cache_per_token: dict | None = None
+    drafter_cache: tuple = ()
     rules: ShardingRules = DEFAULT_RULES
-    cache_arrays: tuple = ()
+
+    @property
+    def cache_per_token(self) -> dict[str, int]:
+        """The target's cache for one token of one stream: {total, per_device}."""
+        return cache_arrays_bytes(self.target_cache, self.mesh_shape, self.rules)
+
+    @property
+    def drafter_cache_per_token(self) -> dict[str, int] | None:
+        """The drafter's K/V cache for one token of one stream, or None without a drafter."""
+        return cache_arrays_bytes(self.drafter_cache, self.mesh_shape, self.rules) if self.drafter_cache else None
 
     def weight_bytes(self, key: str = "per_device") -> int:
         total = sum(v[key] for v in self.weights.values())
@@ -137,14 +152,8 @@ class MemoryPlan:
     def cache_bytes(self, capacity: int, streams: int, key: str = "per_device") -> int:
         """Target + drafter caches of ``streams`` streams of ``capacity`` tokens: in all ("total") or on the
         device holding the largest shard ("per_device"), split as ``rules`` place "batch" and "seq"."""
-        out = 0
-        for copies, one_token, dtype, axes in self.cache_arrays:
-            shape = [streams if a == "batch" else capacity if a == "seq" else d for d, a in zip(one_token, axes)]
-            if key == "per_device":
-                out += copies * bytes_per_device(shape, dtype, axes, self.mesh_shape, self.rules)
-            else:
-                out += copies * array_bytes(shape, dtype)
-        return out
+        return cache_arrays_bytes(self.target_cache + self.drafter_cache, self.mesh_shape, self.rules,
+                                  streams=streams, capacity=capacity)[key]
 
 
 def plan_memory(cfg: ModelConfig, mesh_shape: dict[str, int], rules: ShardingRules = DEFAULT_RULES,
@@ -153,14 +162,11 @@ def plan_memory(cfg: ModelConfig, mesh_shape: dict[str, int], rules: ShardingRul
     from ddtree_jax.hf_loader import abstract_model
 
     _, abstract = abstract_model(cfg)
-    target_cache = (1, (cfg.num_layers, 1, 1, cfg.latent_dim), jnp.dtype(cfg.dtype).name, CACHE_AXES)
     plan = MemoryPlan(mesh_shape=dict(mesh_shape), weights=param_bytes(abstract, mesh_shape, rules),
-                      cache_per_token=target_cache_bytes_per_token(cfg, mesh_shape, rules), rules=rules,
-                      cache_arrays=(target_cache,))
+                      target_cache=target_cache_arrays(cfg), rules=rules)
     if drafter_cfg is not None:
         d = drafter_plan(drafter_cfg, mesh_shape, rules)
-        plan = dataclasses.replace(plan, drafter_weights=d["weights"], drafter_cache_per_token=d["cache_per_token"],
-                                   cache_arrays=plan.cache_arrays + d["cache_arrays"])
+        plan = dataclasses.replace(plan, drafter_weights=d["weights"], drafter_cache=d["cache_arrays"])
     return plan
 
 
