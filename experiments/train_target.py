@@ -60,6 +60,7 @@ DEFAULT_STEPS = 300
 MIN_CLOCK_WARMUP = 13  # StepClock skips 3 warmup steps and times at least 10 more
 INFERENCE_EVAL_ROWS = 16  # the shipped inference path's NLL is measured on the first 16 held-out rows
 EVAL_ROWS_MIN = INFERENCE_EVAL_ROWS
+PROBE_ROWS = 32  # --eval-every's held-out NLL probe
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -437,6 +438,16 @@ def prepare_rows(tokenizer, seq: int, *, tokenizer_path: str, tokens_path: str |
     return train_rows, held_rows, dict(info, train_rows=len(train_rows), heldout_rows=len(held_rows))
 
 
+def probe_rows(held_rows: np.ndarray, eval_rows: int, count: int = PROBE_ROWS) -> np.ndarray:
+    """``count`` held-out rows for the --eval-every probe, spread evenly over the rows past the final evaluation's
+    first ``eval_rows`` (rows are packed file after file, so the probe spans many files, not the last few)."""
+    spare = len(held_rows) - eval_rows
+    if spare < count:
+        raise ValueError(f"--eval-every probes {count} held-out rows past the --eval-rows {eval_rows}, but only "
+                         f"{max(spare, 0)} of the {len(held_rows)} held-out rows are left")
+    return held_rows[eval_rows + np.linspace(0, spare - 1, count).round().astype(int)]
+
+
 def batch_rows(rows: np.ndarray, step: int, batch: int, seed: int) -> np.ndarray:
     """Rows of ``step``: epochs are seeded permutations, so a resumed run sees the same batches."""
     per_epoch = len(rows) // batch
@@ -559,7 +570,8 @@ def parse_args(argv=None):
     add_training_args(p, storage_help="dtype of the float params on disk (restored as --dtype); INT4 experts "
                                       "are unaffected")
     p.add_argument("--max-epochs", type=float, default=None, help="with --minutes: at most this many epochs")
-    p.add_argument("--eval-every", type=int, default=0, help="held-out NLL on 32 rows every N steps (0: never)")
+    p.add_argument("--eval-every", type=int, default=0,
+                   help=f"held-out NLL on {PROBE_ROWS} rows spread past --eval-rows, every N steps (0: never)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--lr", type=float, default=3e-3)
@@ -598,6 +610,7 @@ def train(args, argv=None):
     if len(held_rows) < args.eval_rows:
         raise ValueError(f"--eval-rows {args.eval_rows} is more than the {len(held_rows)} held-out rows of "
                          f"{args.seq + 1} tokens")
+    probe = probe_rows(held_rows, args.eval_rows) if args.eval_every else None
     cfg = small_target_config(tokenizer.get_vocab_size(), args.dtype, **json.loads(args.config))
     model = KimiModel(cfg, nnx.Rngs(args.seed))
     graphdef, params = nnx.split(model)  # every variable is an nnx.Param
@@ -615,7 +628,7 @@ def train(args, argv=None):
     step_fn = make_train_step(graphdef, tx, runtime)
     bias_fn = make_bias_update(graphdef, args.bias_rate, runtime) if args.bias_rate > 0 else None
     live = {"params": params, "opt_state": opt_state, "max_load": float("nan")}
-    heldout_eval = make_nll_eval(graphdef, held_rows[-32:]) if args.eval_every else None  # not the final eval rows
+    heldout_eval = make_nll_eval(graphdef, probe) if args.eval_every else None
     per_epoch = len(train_rows) // args.batch
 
     def run_step(step, lr):

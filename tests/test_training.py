@@ -298,3 +298,13 @@ def test_drafter_training_step_decreases_loss(tmp_path):
     assert back.cfg == cfg
     for a, b in zip(jax.tree.leaves(nnx.state(back)), jax.tree.leaves(nnx.state(trained))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_eval_probe_spans_the_heldout_rows_past_the_final_eval():
+    held = np.arange(300)[:, None] * np.ones((1, 5), dtype=np.int64)  # row i holds i
+    probe = tt.probe_rows(held, eval_rows=100, count=32)[:, 0]
+    assert len(set(probe.tolist())) == 32 and probe.min() == 100 and probe.max() == 299  # disjoint, first to last
+    assert np.all(np.diff(probe) >= 6)  # evenly spread, not the last 32 rows
+    assert len(tt.probe_rows(held, eval_rows=268, count=32)) == 32
+    with pytest.raises(ValueError, match="only 31 of the 300 held-out rows are left"):
+        tt.probe_rows(held, eval_rows=269, count=32)
