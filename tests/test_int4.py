@@ -1,6 +1,7 @@
 """INT4 in the compressed-tensors pack-quantized layout: bit-exact pack/unpack/dequantize against
-compressed-tensors, a tiny DeepseekV3 whose experts were compressed by compressed-tensors' own compressor
-loads and matches torch, and bad INT4 checkpoints / configs fail with errors naming the culprit."""
+compressed-tensors, our own quantizer against the rounding it promises, a tiny DeepseekV3 whose experts were
+compressed by compressed-tensors' own compressor loads and matches torch, and bad INT4 checkpoints / configs
+fail with errors naming the culprit."""
 
 import json
 import os
@@ -22,7 +23,8 @@ from ddtree_jax.cache import init_cache
 from ddtree_jax.config import ConfigError, ModelConfig
 from ddtree_jax.hf_loader import load_hf_model
 from ddtree_jax.model import causal_mask
-from ddtree_jax.quant import QuantArray, dequantize_int4, pack_int4, parse_quantization_config, unpack_int4
+from ddtree_jax.quant import (QuantArray, dequantize_int4, pack_int4, parse_quantization_config, quantize_array,
+                              quantize_int4, unpack_int4)
 from ddtree_jax.safetensors_io import CheckpointError, SafetensorsFile
 
 SHAPES = [(1, 8), (16, 64), (7, 96), (3, 8, 32), (2, 5, 256)]
@@ -66,6 +68,49 @@ def test_dequantize_matches_compressed_tensors_decompressor(shape):
         q = QuantArray(jnp.asarray(packed), jnp.asarray(scale_bf16))
         assert q.shape == shape and q.group_size == 32
         np.testing.assert_array_equal(np.asarray(q.dequantize(dtype), np.float32), ref)
+
+
+def test_pack_and_quantize_refuse_what_the_layout_cannot_hold():
+    with pytest.raises(ValueError, match="last dim 12 is not a multiple of 8"):
+        pack_int4(np.zeros((2, 12), np.int8))
+    for bad in (8, -9):
+        q = np.zeros((2, 16), np.int8)
+        q[1, 3] = bad
+        with pytest.raises(ValueError, match=r"int4 values must lie in \[-8, 7\]"):
+            pack_int4(q)
+    with pytest.raises(ValueError, match="in-dim 48 is not a multiple of group_size 32"):
+        quantize_int4(np.zeros((4, 48), np.float32))
+
+
+@pytest.mark.parametrize("backend", [np, jnp], ids=["numpy", "jax"])
+def test_quantizer_rounds_to_the_nearest_step_of_its_group(backend):
+    """Our quantizer: scale = max|w| / 7 per group of 32, every weight within half a step of its dequantised value,
+    the largest magnitude exact; an all-zero group stays zero (finite, not 0/0)."""
+    rng = np.random.default_rng(5)
+    w = rng.normal(0, 0.05, (3, 8, 64)).astype(np.float32)
+    w[1, 2, 32:] = 0.0
+    packed, scale = quantize_int4(backend.asarray(w))
+    packed, scale = np.asarray(packed), np.asarray(scale)
+    groups = w.reshape(3, 8, 2, 32)
+    max_abs = np.abs(groups).max(-1)
+    np.testing.assert_allclose(scale, np.where(max_abs == 0, 1.0, max_abs / 7), rtol=1e-6)
+    back = np.asarray(dequantize_int4(packed, scale)).reshape(groups.shape)
+    assert np.isfinite(back).all() and (back[1, 2, 1] == 0).all()
+    assert (np.abs(back - groups) <= scale[..., None] * (0.5 + 1e-5)).all()
+    at_max = np.abs(groups) == max_abs[..., None]
+    np.testing.assert_allclose(np.abs(back)[at_max], np.abs(groups)[at_max], rtol=1e-6)
+
+
+def test_quantize_array_packs_against_its_stored_scale():
+    """The bf16 scale a QuantArray stores is what the values were rounded against: each packed value is the nearest
+    integer to w / stored scale, so dequantisation reproduces exactly what was packed."""
+    w = np.random.default_rng(6).normal(0, 0.05, (4, 16, 96)).astype(np.float32)
+    arr = quantize_array(w)
+    assert arr.scale.dtype == jnp.bfloat16 and arr.shape == w.shape and arr.group_size == 32
+    stored = np.asarray(arr.scale, np.float32)
+    want = np.clip(np.round(w.reshape(4, 16, 3, 32) / stored[..., None]), -8, 7).reshape(w.shape)
+    np.testing.assert_array_equal(np.asarray(unpack_int4(arr.packed)), want)
+    assert arr.nbytes == arr.packed.size * 4 + arr.scale.size * 2 == 4 * 16 * 96 // 2 + 4 * 16 * 3 * 2
 
 
 @jax.jit(static_argnames=("graphdef",))
@@ -192,7 +237,11 @@ def _quant(**changes):
     (_quant(symmetric=False), "asymmetric"),
     (_quant(strategy="channel"), "unsupported quantization strategy 'channel'"),
     (_quant(group_size=12), "group_size 12"),
-], ids=["fp8", "gptq", "naive", "nvfp4", "int8", "float4", "asym", "channel", "group12"])
+    (_quant(group_size=0), "group_size 0 must be a positive multiple of 8"),
+    (_quant(config_groups={}), "exactly one compressed-tensors config group, found 0"),
+    (_quant(config_groups={"a": {}, "b": {}}), "found 2"),
+], ids=["fp8", "gptq", "naive", "nvfp4", "int8", "float4", "asym", "channel", "group12", "group0", "no-group",
+        "two-groups"])
 def test_other_quantization_formats_refused(raw, message):
     with pytest.raises(ConfigError, match=message):
         parse_quantization_config(raw)
