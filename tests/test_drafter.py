@@ -266,6 +266,29 @@ def test_block_is_bidirectional_and_positions_matter(setup):
     np.testing.assert_allclose(forward(drafter, dirty, embeds, pos), base, rtol=1e-6, atol=1e-6)
 
 
+def test_invisible_cache_rows_may_hold_nan(setup):
+    """Rows past a stream's length never reach the output, not even as 0 * NaN."""
+    _, drafter, _ = setup
+    rng = np.random.default_rng(7)
+    cache, _ = append(drafter, init_draft_cache(drafter.cfg, 1, 8), rng.standard_normal((N_TAPS, 1, 5, 64)),
+                      np.arange(5)[None], [5])
+    embeds, pos = rng.standard_normal((1, BLOCK, 64)), (5 + np.arange(BLOCK))[None]
+    dirty = type(cache)(k=cache.k.at[:, :, 5:].set(jnp.nan), v=cache.v.at[:, :, 5:].set(jnp.nan),
+                        lengths=cache.lengths)
+    np.testing.assert_array_equal(forward(drafter, dirty, embeds, pos), forward(drafter, cache, embeds, pos))
+
+
+def test_append_fills_to_capacity_and_flags_counts_past_the_block(setup):
+    _, drafter, _ = setup
+    rng = np.random.default_rng(8)
+    taps = rng.standard_normal((N_TAPS, 2, 3, 64))
+    cache = init_draft_cache(drafter.cfg, 2, 6)
+    cache, overflow = append(drafter, cache, taps, np.tile(np.arange(3), (2, 1)), [3, 1])
+    full, overflow = append(drafter, cache, taps, np.tile(np.arange(3, 6), (2, 1)), [3, 4])
+    assert np.asarray(overflow).tolist() == [False, True]  # 3 + 3 == capacity fits; 4 rows of a 3-row block do not
+    assert np.asarray(full.lengths).tolist() == [6, 1]
+
+
 def test_cache_overflow_is_flagged_not_clamped(setup):
     _, drafter, _ = setup
     rng = np.random.default_rng(3)
@@ -367,6 +390,55 @@ def test_bad_config_raises(change, message):
         DrafterConfig.from_hf_dict(raw)
 
 
+@pytest.mark.parametrize("change, message", [
+    ({"head_dim": 15}, "head_dim=15 must be even"),
+    ({"rms_norm_eps": 0.0}, "rms_norm_eps=0.0 must be > 0"),
+    ({"dflash_config": {"target_layer_ids": [-1, 2], "mask_token_id": 3}}, "has negative entries"),
+    ({"is_causal": True}, "causal drafter attention"),
+    ({"dflash_config": {"target_layer_ids": [0, 2], "mask_token_id": 3, "causal": True}}, "causal drafter attention"),
+    ({"input_embedding_scale": 2.0}, "input_embedding_scale=2.0 is not supported"),
+    ({"output_multiplier": 0.5}, "output_multiplier=0.5 is not supported"),
+    ({"final_logit_softcapping": 30.0}, "final_logit_softcapping"),
+    ({"rope_scaling": {**YARN, "truncate": False}}, "truncate: false"),
+    ({"hidden_act": "gelu"}, "unsupported hidden_act 'gelu'"),
+    ({"attention_bias": True}, "attention_bias=true"),
+], ids=["odd-head-dim", "zero-eps", "negative-tap", "is-causal", "causal", "embedding-scale", "output-multiplier",
+        "softcapping", "no-truncate", "gelu", "attention-bias"])
+def test_unsupported_drafter_settings_raise(change, message):
+    raw = {**copy.deepcopy(HF_CONFIG), **change}
+    with pytest.raises(ConfigError, match=message):
+        DrafterConfig.from_hf_dict(raw)
+
+
+def test_config_defaults_and_precedence_follow_the_reference():
+    """Absent head_dim / rms_norm_eps take Qwen3Config's defaults; dflash_config wins over top-level fields;
+    build_target_layer_ids gives L // 2 for a single draft layer."""
+    raw = copy.deepcopy(HF_CONFIG)
+    del raw["head_dim"], raw["rms_norm_eps"]
+    raw.update(block_size=4, mask_token_id=3, dflash_config={"target_layer_ids": [0, 2], "mask_token_id": 255,
+                                                              "block_size": 8})
+    cfg = DrafterConfig.from_hf_dict(raw)
+    assert (cfg.head_dim, cfg.rms_norm_eps) == (Qwen3Config().head_dim, Qwen3Config().rms_norm_eps)
+    assert (cfg.block_size, cfg.mask_token_id) == (8, 255)
+    assert build_target_layer_ids(36, 1) == (18,) and build_target_layer_ids(61, 1) == (30,)
+
+
+@pytest.mark.parametrize("rope_fields", [
+    {"rope_theta": 50000.0, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1000.0, "factor": 8.0,
+                                                 "original_max_position_embeddings": 32}},
+    {"rope_scaling": {"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32}},
+    {"rope_theta": 1e6, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
+], ids=["theta-in-rope-parameters", "legacy-type-key", "default"])
+def test_rope_fields_read_as_transformers_reads_them(rope_fields):
+    raw = {k: v for k, v in HF_CONFIG.items() if k not in ("rope_theta", "rope_scaling")} | rope_fields
+    cfg = DrafterConfig.from_hf_dict(raw)
+    hf = Qwen3RotaryEmbedding(Qwen3Config(hidden_size=64, num_attention_heads=4, head_dim=16,
+                                          max_position_embeddings=2048, **rope_fields))
+    inv_freq, amplitude = rope_inv_freq(cfg.rope, cfg.head_dim)
+    np.testing.assert_allclose(inv_freq, hf.inv_freq.numpy(), rtol=2e-7)
+    assert amplitude == pytest.approx(hf.attention_scaling, abs=1e-7)
+
+
 def test_drafter_target_mismatch_raises():
     with pytest.raises(ConfigError, match="vocab_size 300 != target vocab_size 256"):
         check_drafter_target(tiny_drafter_config(tiny_config(), vocab_size=300, mask_token_id=1), tiny_config())
@@ -377,6 +449,36 @@ def test_drafter_target_mismatch_raises():
     with pytest.raises(ConfigError, match="num_target_layers=23 != target num_layers 3"):
         check_drafter_target(tiny_drafter_config(tiny_config()).replace(num_target_layers=23), tiny_config())
     check_drafter_target(tiny_drafter_config(tiny_config()).replace(num_target_layers=None), tiny_config())
+
+
+def test_drafter_target_boundaries_raise():
+    with pytest.raises(ConfigError, match="outside the target's 3 layers"):  # the first layer past the end
+        check_drafter_target(tiny_drafter_config(tiny_config(), target_layer_ids=(0, 3), num_target_layers=None),
+                             tiny_config())
+    with pytest.raises(ConfigError, match="drafter hidden_size 32 != target hidden_size 64"):
+        check_drafter_target(tiny_drafter_config(tiny_config(), hidden_size=32), tiny_config())
+
+
+def test_draft_logits_check_the_target_and_loader_skips_rotary_buffers(setup, tmp_path):
+    ref, drafter, _ = setup
+    deeper = nnx.eval_shape(lambda: KimiModel(tiny_config(num_layers=4), nnx.Rngs(0)))
+    with pytest.raises(ConfigError, match="num_target_layers=3 != target num_layers 4"):
+        draft_logits(drafter, deeper, init_draft_cache(drafter.cfg, 1, 8), jnp.zeros(1, jnp.int32),
+                     jnp.zeros(1, jnp.int32))
+    tensors = {**ref_tensors(ref, prefix="model."), "model.layers.0.self_attn.rotary_emb.inv_freq": np.ones(8)}
+    assert isinstance(load_hf_drafter(export(tensors, tmp_path / "rotary"), dtype="float32"), DFlashDrafter)
+
+
+def test_draft_inputs_of_the_wrong_shape_raise(setup):
+    _, drafter, _ = setup
+    with pytest.raises(ValueError, match="batch >= 1 and capacity >= 1"):
+        init_draft_cache(drafter.cfg, 2, 0)
+    with pytest.raises(ValueError, match="batch >= 1 and capacity >= 1"):
+        init_draft_cache(drafter.cfg, 0, 4)
+    with pytest.raises(ValueError, match=r"taps of shape \(3, 1, 5, 64\): expected \[2, B, Tc, 64\]"):
+        drafter.context_features(jnp.zeros((3, 1, 5, 64)))
+    with pytest.raises(ValueError, match=r"taps of shape \(2, 1, 5, 32\)"):
+        drafter.context_features(jnp.zeros((2, 1, 5, 32)))
 
 
 def test_loader_errors_name_the_tensor(setup, tmp_path):
