@@ -1,6 +1,7 @@
 """Target-model invariants: torch parity, absorbed == naive MLA, cached decode == full forward,
 tree block == sequential paths, sharded == unsharded."""
 
+import functools
 import re
 
 import jax
@@ -99,6 +100,33 @@ def test_logits_and_hidden_states_match_torch(any_pair, attention):
         assert rel_err(out.taps[i], ref_hidden[i + 1]) <= 1e-4, f"layer {i}"
     last = rms_norm(out.taps[n - 1], model.norm.weight.value, model.cfg.rms_norm_eps)
     assert rel_err(last, ref_hidden[n]) <= 1e-4
+
+
+def test_taps_come_in_the_order_asked():
+    """tap_layers (1, 0): taps[0] is layer 1's output, taps[1] layer 0's (a drafter's target_layer_ids order)."""
+    cfg = tiny_config(num_layers=2, first_k_dense_replace=2)
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: KimiModel(cfg, nnx.Rngs(0))))
+    rng = np.random.default_rng(5)
+    state = jax.tree.map(lambda a: jnp.asarray(0.1 * rng.standard_normal(a.shape), a.dtype), abstract)
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, 4)))
+
+    @jax.jit
+    def both_orders(state):
+        model = nnx.merge(graphdef, state)
+        run = functools.partial(model, tokens, jnp.arange(4)[None], init_cache(cfg, 1, 4), causal_mask(1, 4))
+        return run(tap_layers=(1, 0)).taps, run(tap_layers=(0, 1)).taps
+
+    swapped, in_order = both_orders(state)
+    assert np.abs(np.asarray(in_order[0] - in_order[1])).max() > 1e-3
+    np.testing.assert_array_equal(np.asarray(swapped), np.asarray(in_order)[::-1])
+
+
+def test_model_without_q_lora_matches_torch(tmp_path_factory):
+    """q_lora_rank None (DeepSeek-V2-Lite style, q projected straight from the hidden state)."""
+    hf, model = _load_pair(tmp_path_factory, q_lora_rank=None, num_hidden_layers=1)  # one dense layer
+    assert model.layers[0].attn.q_a is None
+    tokens = np.random.default_rng(6).integers(0, hf.config.vocab_size, (1, 6))
+    assert rel_err(full_forward(model, tokens).logits, hf_logits_and_hidden(hf, tokens)[0]) <= 1e-4
 
 
 def test_absorbed_equals_naive(pair):
@@ -211,6 +239,7 @@ def test_sharded_equals_unsharded(pair, host_devices):
     ("bthv,hvd->btd", (1, 1, 2, 8), (2, 8, 16), (0, 0)),   # the output projection
     ("...d,df->...f", (1, 16), (16, 24), (0, 0)),          # the shared expert on flat tokens
     ("btd,dw->btw", (1, 1, 16), (16, 24), (0, 0)),
+    ("td,dhk->hkt", (1, 16), (16, 2, 8), (0, 2)),           # the token axis moves: sliced where the result has it
     ("...d,df->...f", (1, 3, 16), (16, 24), None),         # three tokens: not padded
     ("bthn,lhn->bthl", (1, 1, 2, 8), (4, 2, 8), None),     # heads shared with w (absorbed MLA): not padded
     ("bths,bshv->bthv", (1, 1, 2, 4), (1, 4, 2, 8), None),
