@@ -214,3 +214,34 @@ def test_router_with_16_bit_operands_sums_the_exact_products(dtype):
             if e.primitive.name == "dot_general"]
     assert [tuple(v.aval.dtype for v in e.invars) for e in dots] == [(jnp.dtype(dtype), jnp.dtype(dtype))]
     assert dots[0].outvars[0].aval.dtype == jnp.float32
+
+
+@pytest.mark.parametrize("groups,topk_group,norm", [(4, 2, True), (2, 1, False), (1, 1, True)])
+def test_router_equals_transformers_gate_where_masked_groups_matter(groups, topk_group, norm):
+    """route against transformers' DeepseekV3TopkRouter, with correction biases that put every expert below zero
+    (a masked expert must lose to any expert of a chosen group, even a negative one) and make the selection
+    differ from the weights' order (the bias picks; the unbiased sigmoid weighs)."""
+    import torch
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    e, d, k = 32, 64, 4
+    cfg = tiny_config(n_routed_experts=e, num_experts_per_tok=k, n_group=groups, topk_group=topk_group,
+                      norm_topk_prob=norm, routed_scaling_factor=2.5)
+    rng = np.random.default_rng(groups + topk_group)
+    x = rng.standard_normal((9, d)).astype(np.float32)
+    w = (rng.standard_normal((e, d)) * 0.2).astype(np.float32)
+    bias = (rng.standard_normal(e) * 0.3 - 1.5).astype(np.float32)
+    ref = DeepseekV3TopkRouter(DeepseekV3Config(hidden_size=d, n_routed_experts=e, num_experts_per_tok=k,
+                                                n_group=groups, topk_group=topk_group, norm_topk_prob=norm,
+                                                routed_scaling_factor=2.5))
+    with torch.no_grad():
+        ref.weight.copy_(torch.from_numpy(w))
+        ref.e_score_correction_bias.copy_(torch.from_numpy(bias))
+        _, want_weights, want_ids = ref(torch.from_numpy(x))
+    ids, weights = jax.jit(lambda x: route(x, jnp.asarray(w), jnp.asarray(bias), cfg))(jnp.asarray(x))
+    ids, weights, want_ids, want_weights = map(np.asarray, (ids, weights, want_ids, want_weights))
+    order, want_order = np.argsort(ids, axis=1), np.argsort(want_ids, axis=1)
+    np.testing.assert_array_equal(np.take_along_axis(ids, order, 1), np.take_along_axis(want_ids, want_order, 1))
+    np.testing.assert_allclose(np.take_along_axis(weights, order, 1), np.take_along_axis(want_weights, want_order, 1),
+                               rtol=1e-6)
