@@ -1,0 +1,73 @@
+"""memory_plan against what is really placed: a target with a drafter on a 2x2 mesh under two rule sets (weights
+and both caches, per device and in all), the weight categories against sums from the config, and the byte
+arithmetic of uneven splits and sub-byte dtypes."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from ddtree_jax.cache import CACHE_AXES, init_cache
+from ddtree_jax.config import QuantConfig, tiny_config
+from ddtree_jax.drafter import DFlashDrafter, draft_cache_axes, init_draft_cache, tiny_drafter_config
+from ddtree_jax.hf_loader import abstract_model
+from ddtree_jax.memory_plan import (array_bytes, bytes_per_device, held_bytes_per_device, param_bytes, parse_mesh,
+                                    plan_memory, state_bytes)
+from ddtree_jax.sharding import DEFAULT_RULES, ShardingRules, make_mesh, named_sharding, shard_state
+
+REPLICATED_VOCAB_AND_STREAMS = ShardingRules(
+    rules=tuple(rule for rule in DEFAULT_RULES.rules if rule[0] not in ("vocab", "batch")))
+
+
+def _largest(held: dict) -> int:
+    return max(held.values())
+
+
+@pytest.mark.parametrize("rules", [DEFAULT_RULES, REPLICATED_VOCAB_AND_STREAMS], ids=["default", "no-vocab-no-batch"])
+def test_plan_with_a_drafter_equals_the_placed_arrays(host_devices, rules):
+    """A 2x2 mesh: the tiny drafter has 2 kv heads."""
+    cfg = tiny_config(quant=QuantConfig())
+    dcfg = tiny_drafter_config(cfg)
+    mesh = make_mesh(data=2, model=2, devices=host_devices)
+    plan = plan_memory(cfg, parse_mesh("2x2"), rules, drafter_cfg=dcfg)
+    target = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract_model(cfg)[1])
+    drafter = nnx.state(nnx.eval_shape(lambda: DFlashDrafter(dcfg, nnx.Rngs(0))))
+    drafter = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), drafter)
+    placed_target, placed_drafter = shard_state(target, mesh, rules), shard_state(drafter, mesh, rules)
+    assert sum(v["total"] for v in plan.drafter_weights.values()) == state_bytes(drafter)
+    assert plan.weight_bytes("total") == state_bytes(target) + state_bytes(drafter)
+    drafter_per_device = sum(v["per_device"] for v in plan.drafter_weights.values())
+    assert drafter_per_device == _largest(held_bytes_per_device(placed_drafter))
+    assert plan.weight_bytes() == _largest(held_bytes_per_device((placed_target, placed_drafter)))
+    streams, capacity = 2, 5  # an odd capacity: streams and capacity cannot trade places unnoticed
+    cache = init_cache(cfg, streams, capacity)
+    dcache = init_draft_cache(dcfg, streams, capacity)
+    placed_caches = (jax.device_put(cache.kv, named_sharding(mesh, rules, CACHE_AXES)),
+                     jax.device_put(dcache.k, named_sharding(mesh, rules, draft_cache_axes().k)),
+                     jax.device_put(dcache.v, named_sharding(mesh, rules, draft_cache_axes().v)))
+    assert plan.cache_bytes(capacity, streams, "total") == cache.kv.nbytes + dcache.k.nbytes + dcache.v.nbytes
+    assert plan.cache_bytes(capacity, streams) == _largest(held_bytes_per_device(placed_caches))
+    per_token = (dcache.k.nbytes + dcache.v.nbytes) // (streams * capacity)
+    assert plan.drafter_cache_per_token["total"] == per_token
+    assert plan.cache_per_token["total"] == cache.kv.nbytes // (streams * capacity)
+
+
+def test_weight_categories_add_up_from_the_config():
+    cfg = tiny_config(quant=QuantConfig(), router_dtype="float32")
+    weights = param_bytes(abstract_model(cfg)[1], parse_mesh("1x1"), DEFAULT_RULES)
+    item = jnp.dtype(cfg.dtype).itemsize
+    moe_layers = cfg.num_layers - cfg.first_k_dense_replace
+    norms = cfg.num_layers * (2 * cfg.hidden_size + cfg.q_lora_rank + cfg.kv_lora_rank) + cfg.hidden_size
+    assert weights["norms"]["total"] == norms * item
+    assert weights["router"]["total"] == moe_layers * cfg.n_routed_experts * (cfg.hidden_size + 1) * 4
+    assert weights["embed_head"]["total"] == 2 * cfg.vocab_size * cfg.hidden_size * item
+    experts = moe_layers * cfg.n_routed_experts * 3 * cfg.moe_intermediate_size * cfg.hidden_size
+    assert weights["experts_int4"]["total"] == experts // 2
+    assert weights["expert_scales"]["total"] == experts // cfg.quant.group_size * 2  # bf16 scales
+
+
+def test_uneven_splits_count_the_largest_shard_and_int4_packs_two_per_byte():
+    mesh_shape = {"data": 1, "model": 4}
+    assert bytes_per_device((10, 6), jnp.float32, ("vocab", "embed"), mesh_shape, DEFAULT_RULES) == 3 * 6 * 4
+    assert bytes_per_device((10, 6), jnp.float32, ("embed", "vocab"), mesh_shape, DEFAULT_RULES) == 10 * 2 * 4
+    assert array_bytes((3, 8), jnp.int4) == 12 and array_bytes((3, 8), jnp.bfloat16) == 48
