@@ -212,8 +212,10 @@ def _rope_from_hf(raw: dict[str, Any], legacy_yarn_amplitude: bool) -> RopeConfi
         raise ConfigError("rope 'truncate: false' is not supported")
     max_pos = int(raw.get("max_position_embeddings", 32768))
     original = int(rope_raw.get("original_max_position_embeddings") or max_pos)
-    factor = rope_raw.get("factor")
-    factor = float(factor) if factor is not None else max_pos / original
+    if rope_raw.get("factor") is None:
+        raise ConfigError("drafter yarn rope section lacks required field 'factor' (transformers refuses it too; "
+                          "no default is assumed)")
+    factor = float(rope_raw["factor"])
     attention_factor = rope_raw.get("attention_factor")
     if attention_factor is None and legacy_yarn_amplitude:
         attention_factor = yarn_mscale(factor)

@@ -48,7 +48,7 @@ def parse_quantization_config(raw: dict[str, Any] | None):
     num_bits = weights.get("num_bits")
     if num_bits != 4 or weights.get("type", "int") != "int":
         raise ConfigError(f"unsupported weight quantization num_bits={num_bits} type={weights.get('type')!r}")
-    if not weights.get("symmetric", False):
+    if not weights.get("symmetric", True):  # absent: compressed-tensors' default, symmetric
         raise ConfigError("asymmetric INT4 (zero points) is not supported")
     if weights.get("strategy") != "group":
         raise ConfigError(f"unsupported quantization strategy {weights.get('strategy')!r}: only 'group'")

@@ -383,6 +383,7 @@ def test_yarn_amplitude_matches_transformers(legacy):
     ({"architectures": ["DFlash2DraftModel"]}, "unsupported drafter architectures"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "unsupported drafter rope type"),
     ({"intermediate_size": None}, "lacks required field 'intermediate_size'"),
+    ({"rope_scaling": {k: v for k, v in YARN.items() if k != "factor"}}, "lacks required field 'factor'"),
 ])
 def test_bad_config_raises(change, message):
     raw = {**copy.deepcopy(HF_CONFIG), **change}

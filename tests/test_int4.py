@@ -247,6 +247,15 @@ def test_other_quantization_formats_refused(raw, message):
         parse_quantization_config(raw)
 
 
+def test_absent_symmetric_means_symmetric_as_in_compressed_tensors():
+    from compressed_tensors.quantization import QuantizationArgs
+
+    raw = ct_quantization_config()
+    del raw["config_groups"]["group_0"]["weights"]["symmetric"]
+    assert QuantizationArgs(num_bits=4, strategy="group", group_size=32).symmetric
+    assert parse_quantization_config(raw).symmetric
+
+
 def test_activation_quantization_refused():
     raw = ct_quantization_config()
     raw["config_groups"]["group_0"]["input_activations"] = {"num_bits": 8, "type": "int", "symmetric": True,
