@@ -15,7 +15,9 @@ Shapes: M rows, N values a row, K kept, C chunks a row, S values a chunk (N padd
 * "auto":    "compare" while M * N^2 <= ``COMPARE_MAX_COMPARISONS``, "chunked" from
              ``CHUNKED_MIN_VALUES`` values a row while K * ``CHUNK`` <= N / 4, else "sort".
 
-None of them is for NaN (a NaN compares false with everything); callers map NaN first.
+None of them is for NaN (a NaN compares false with everything); callers map NaN first. Nor do they agree on
+signed zeros: ``lax.top_k`` ranks +0.0 above -0.0, "compare" and "chunked" tie them; a caller that needs one
+order maps -0.0 to +0.0 first, with ``jnp.where`` (XLA folds ``x + 0.0`` away under jit, -0.0 and all).
 """
 
 from __future__ import annotations

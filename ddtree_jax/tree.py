@@ -318,9 +318,11 @@ def build_tree(draft_logprobs, root_token, budget: int, top_k_method: str = "aut
     if root_token.shape != (b,):
         raise ValueError(f"root_token must be [B] = [{b}], got shape {root_token.shape}")
 
-    # Sanitize: NaN -> -inf, clamp to <= 0; "+ 0.0" turns -0.0 into +0.0 so sorting sees one zero.
+    # Sanitize: NaN -> -inf, clamp to <= 0, -0.0 -> +0.0 so that lax.top_k (which ranks +0.0 above -0.0) sees
+    # one zero. Not "+ 0.0": XLA folds that away under jit and the -0.0 stays.
     lp = lp.astype(jnp.float32)
-    lp = jnp.where(jnp.isnan(lp), -jnp.inf, jnp.minimum(lp, 0.0)) + 0.0
+    lp = jnp.where(jnp.isnan(lp), -jnp.inf, jnp.minimum(lp, 0.0))
+    lp = jnp.where(lp == 0.0, 0.0, lp)
 
     max_depth = min(dp, budget)  # a depth-d node needs d nodes on its path
     n_tok = min(budget, w)

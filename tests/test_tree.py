@@ -194,6 +194,21 @@ def test_build_matches_heap_inf_nan_positive(budget):
     assert not np.isnan(np.asarray(tree.logprob)).any()
 
 
+def test_signed_zero_log_probs_tie_with_every_top_k_method():
+    """-0.0 and +0.0 are one log-prob: tied tokens go smaller id first by every top-k method, as in the heap
+    (``lax.top_k``, the "sort" method, would rank +0.0 above -0.0)."""
+    rng = np.random.default_rng(8)
+    lp = np.array(jax.nn.log_softmax(jnp.asarray(rng.normal(size=(2, 3, 16)), jnp.float32), -1))
+    lp[:, :, :6] = np.array([-0.0, 0.0, -0.0, -0.0, 0.0, 0.0], np.float32)
+    roots = np.array([1, 2])
+    for method in ("sort", "compare", "chunked"):
+        tree = jax.jit(tr.build_tree, static_argnums=(2, 3))(jnp.asarray(lp), jnp.asarray(roots), 8, method)
+        for s in range(2):
+            r_tok, r_par, r_dep, r_lp = ref_build(lp[s], roots[s], 8)
+            np.testing.assert_array_equal(np.asarray(tree.tokens[s]), r_tok, err_msg=method)
+            np.testing.assert_array_equal(np.asarray(tree.parents[s]), r_par, err_msg=method)
+
+
 def test_build_budget_nesting_and_order():
     """Best-first order: the budget-k tree is the first k+1 nodes of the budget-K tree."""
     rng = np.random.default_rng(3)
@@ -282,6 +297,27 @@ def test_budget_above_distinct_prefixes():
     assert tr.check_budget(tr.MAX_BUDGET, 7, 163840) == tr.MAX_BUDGET
     with pytest.raises(ValueError, match="draft_logprobs must be"):
         tr.build_tree(jnp.zeros((7, 16)), jnp.array([0]), 4)
+    for depth, vocab in ((0, 16), (7, 0)):  # no prefixes at all: named as such, not as a budget overflow
+        with pytest.raises(ValueError, match=f"draft depth >= 1 and vocab >= 1, got Dp={depth}, W={vocab}"):
+            tr.check_budget(4, depth, vocab)
+
+
+def test_malformed_tree_arguments_refused():
+    """Each entry point names the argument whose shape or value is wrong (at trace time), rather than building
+    a tree or a walk from mismatched arrays."""
+    tokens = jnp.zeros((2, 4), jnp.int32)
+    parents = jnp.array([[-1, 0, 0, 1]] * 2, jnp.int32)
+    with pytest.raises(ValueError, match="tokens and parents must both be"):
+        tr.make_tree(tokens, parents[:, :3], 2)
+    with pytest.raises(ValueError, match="max_depth must be >= 0, got -1"):
+        tr.make_tree(tokens, parents, -1)
+    with pytest.raises(ValueError, match="chain_tree expects"):
+        tr.chain_tree(jnp.zeros((2, 3), jnp.int32), jnp.zeros((3,), jnp.int32))
+    with pytest.raises(ValueError, match=r"root_token must be \[B\] = \[2\]"):
+        tr.build_tree(jnp.zeros((2, 3, 8)), jnp.zeros((3,), jnp.int32), 4)
+    tree = tr.make_tree(tokens, parents, 2)
+    with pytest.raises(ValueError, match=r"target_tokens must be \[B, T\] = \(2, 4\)"):
+        tr.accept_tokens(tree, jnp.zeros((2, 3), jnp.int32))
 
 
 # --------------------------------------------------------------------------------------------------
