@@ -1,5 +1,6 @@
 """ddtree_jax.decode's prefill / decode_step with token ids outside the vocabulary: host ids raise, ids on a
-device or traced give that stream NaN logits (negative ones included, never a wrapped real token)."""
+device or traced give that stream NaN logits (negative ones included, never a wrapped real token); a prefill on
+top of a filled cache continues each stream; prompts are padded to the smallest bucket that holds them."""
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +10,7 @@ from flax import nnx
 
 from ddtree_jax.cache import init_cache
 from ddtree_jax.config import tiny_config
-from ddtree_jax.decode import decode_step, prefill
+from ddtree_jax.decode import PROMPT_BUCKETS, decode_step, pad_prompts, prefill
 from ddtree_jax.model import KimiModel
 
 
@@ -54,3 +55,27 @@ def test_traced_ids_outside_the_vocabulary_give_nan_logits(split_model):
         last = np.asarray(run(jnp.array([[1, 2, 3], [4, bad, 6]], jnp.int32)))
         assert np.isnan(last[1]).all(), bad
         np.testing.assert_array_equal(last[0], good[0])
+
+
+def test_prefill_on_top_of_a_cache_continues_each_stream(split_model):
+    """A prompt prefilled in two ragged pieces gives the last logits and cache rows of the whole prompt prefilled
+    at once: the second piece's positions start at each stream's committed length."""
+    cfg, graphdef, state = split_model
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 8)).astype(np.int32)
+    whole, whole_cache, _, _ = prefill(graphdef, state, init_cache(cfg, 2, 16), ids, jnp.array([8, 8]))
+    first, second = np.zeros((2, 8), np.int32), np.zeros((2, 8), np.int32)  # one block shape: one compile
+    first[0, :5], first[1, :3] = ids[0, :5], ids[1, :3]
+    second[0, :3], second[1, :5] = ids[0, 5:], ids[1, 3:]
+    _, cache, _, _ = prefill(graphdef, state, init_cache(cfg, 2, 16), first, jnp.array([5, 3]))
+    last, cache, overflow, _ = prefill(graphdef, state, cache, second, jnp.array([3, 5]))
+    assert not overflow.any() and cache.lengths.tolist() == [8, 8]
+    np.testing.assert_allclose(np.asarray(last), np.asarray(whole), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(cache.kv), np.asarray(whole_cache.kv), rtol=1e-4, atol=1e-4)
+
+
+def test_prompts_are_padded_to_the_smallest_bucket_that_holds_them():
+    # (12, 12): with no reserve a prompt may fill the cache; a bucket longer than the capacity is cut to it
+    for longest, capacity in [(1, 64), (16, 64), (17, 64), (33, 64), (40, 50), (12, 12)]:
+        tokens, lengths = pad_prompts([[1] * longest, [2, 3]], vocab_size=8, capacity=capacity)
+        assert tokens.shape == (2, min(min(b for b in PROMPT_BUCKETS if b >= longest), capacity)), (longest, capacity)
+        assert lengths.tolist() == [longest, 2] and tokens[1, :3].tolist() == [2, 3, 0]

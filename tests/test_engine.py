@@ -6,16 +6,19 @@ tokens/s counts only the decoded tokens."""
 import types
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 from ddtree_jax.config import QuantConfig, tiny_config
 from ddtree_jax.drafter import DFlashDrafter, tiny_drafter_config
-from ddtree_jax.engine import Engine, EngineConfig, summarize
+from ddtree_jax.engine import (CACHE_FULL, EOS, MAX_TOKENS, RUNNING, Engine, EngineConfig, _stop_and_emit,
+                               required_capacity, summarize)
 from ddtree_jax.model import KimiModel
 from ddtree_jax.sharding import DEFAULT_RULES, make_mesh
 from ddtree_jax.model import Runtime
+from ddtree_jax.tree import PAD
 from tests.test_moe_kernel_model import forward as causal_forward  # plain causal forward, empty cache
 
 VOCAB = 64  # small, so that trees of 8..128 nodes cover a real share of the target's choices
@@ -119,6 +122,66 @@ def test_cache_capacity_ends_stream_with_status(models):
         assert len(prompts[b]) + len(res["tokens"][b]) <= 24
 
 
+def test_ar_counts_and_capacity_are_exact(models):
+    """AR commits one row and emits one token a round, so every count is known: the prefill commits the prompt
+    and emits one token, each round needs one free slot, so a stream gets min(N, capacity - prompt + 1) tokens
+    in as many rounds less one, and stops at max_new_tokens exactly when required_capacity fits. One round a
+    dispatch: streams that stop in different dispatches keep their own counts and the others run on."""
+    target, _ = models
+    capacity, new = 9, 7
+    prompts = [PROMPTS[0][:5], PROMPTS[1][:3], PROMPTS[2][:4], PROMPTS[3][:8]]
+    engine = Engine(target, None, EngineConfig(mode="ar", max_new_tokens=new, capacity=capacity, rounds_per_dispatch=1))
+    res = engine.generate(prompts)
+    counts = [min(new, capacity - len(p) + 1) for p in prompts]
+    assert [len(t) for t in res["tokens"]] == counts
+    assert res["status"] == ["max_new_tokens" if required_capacity(len(p), new, 0) <= capacity else "cache_full"
+                             for p in prompts]
+    assert len(set(res["status"])) == 2  # both sides of the bound occur
+    assert res["rounds"] == [c - 1 for c in counts]
+    assert res["tau_hist"] == [0, sum(counts) - len(prompts)]  # AR: every round emits exactly one token
+    with pytest.raises(ValueError, match="does not fit the cache capacity 9"):
+        engine.generate([[1] * capacity])  # a round needs one free slot after the prompt
+
+
+def ref_stop_and_emit(out, num_out, status, emitted, n_emit, active, eos_ids, max_new):
+    """One stream, token by token: an active stream appends this round's first n_emit tokens until it has
+    appended an EOS (status eos) or reaches max_new tokens (status max_new_tokens); others are unchanged."""
+    out = list(out)
+    if not active:
+        return out, num_out, status
+    for token in emitted[:n_emit]:
+        out[num_out] = token
+        num_out += 1
+        if token in eos_ids:
+            return out, num_out, EOS
+        if num_out == max_new:
+            return out, num_out, MAX_TOKENS
+    return out, num_out, status
+
+
+def test_stop_and_emit_equals_a_token_by_token_reference():
+    """The engine's vectorised truncation at EOS / the token limit against ``ref_stop_and_emit`` on random
+    streams: EOS early, late, past the limit or absent, inactive streams holding EOS tokens, and entries past
+    n_emit that must be ignored."""
+    rng = np.random.default_rng(0)
+    b, width, max_new = 200, 5, 8
+    for eos_ids in ((), (3,), (3, 5)):
+        active = rng.random(b) < 0.7
+        num_out = np.where(active, rng.integers(0, max_new, b), rng.integers(0, max_new + 1, b))
+        status = np.where(active, RUNNING, rng.choice([EOS, MAX_TOKENS, CACHE_FULL], b))
+        n_emit = rng.integers(1, width + 1, b)
+        emitted = rng.integers(0, 8, (b, width))
+        out = np.where(np.arange(max_new) < num_out[:, None], rng.integers(0, 8, (b, max_new)), PAD)
+        state = types.SimpleNamespace(out_tokens=jnp.asarray(out, jnp.int32), num_out=jnp.asarray(num_out, jnp.int32),
+                                      status=jnp.asarray(status, jnp.int32))
+        got_out, got_num, got_status = _stop_and_emit(state, jnp.asarray(emitted, jnp.int32), jnp.asarray(n_emit),
+                                                      jnp.asarray(active), eos_ids, max_new)
+        got_out, got_num, got_status = map(np.asarray, (got_out, got_num, got_status))
+        for s in range(b):
+            want = ref_stop_and_emit(out[s], num_out[s], status[s], emitted[s], n_emit[s], active[s], eos_ids, max_new)
+            assert (got_out[s].tolist(), int(got_num[s]), int(got_status[s])) == want, (eos_ids, s)
+
+
 def test_tokens_per_s_excludes_the_prefill_token():
     """The prefill samples each stream's first token (its time is prefill_s): tokens_per_s divides only the
     tokens of the rounds by decode_s, like tau; new_tokens still counts every token."""
@@ -147,6 +210,8 @@ def test_prompt_past_capacity_refused(models):
     engine = Engine(target, drafter, EngineConfig(mode="ddtree", budget=8, capacity=16))
     with pytest.raises(ValueError, match="does not fit the cache capacity 16"):
         engine.generate([[1] * 14])  # 14 + one tree of depth 3 does not fit 16 slots
+    with pytest.raises(ValueError, match="does not fit the cache capacity 16"):
+        engine.generate([[1] * 13])  # the tree's root row is one slot more than its depth
 
 
 def test_sharded_engine_matches(models, host_devices):

@@ -99,6 +99,8 @@ def test_prompt_longer_than_cache():
         pad_prompts([[1] * 5, [2] * 9], vocab_size=256, capacity=8)
     with pytest.raises(ValueError, match="empty prompt"):
         pad_prompts([[1], []], vocab_size=256, capacity=8)
+    with pytest.raises(ValueError, match="no prompts given"):
+        pad_prompts([], vocab_size=256, capacity=8)
 
 
 def test_cache_write_past_capacity_is_flagged_not_clamped():
@@ -113,6 +115,10 @@ def test_cache_write_past_capacity_is_flagged_not_clamped():
     assert cache.lengths.tolist() == [4, 2]
     assert float(cache.kv[0, 0, 3, 0]) == 2.0  # stream 0 wrote its last slot
     assert float(cache.kv[:, 1, 2:].sum()) == 0.0  # stream 1 untouched past its length
+    for batch, capacity in ((0, 4), (2, 0)):
+        with pytest.raises(ValueError, match=f"cache needs batch >= 1 and capacity >= 1, got batch={batch}"):
+            init_cache(cfg, batch=batch, capacity=capacity)
+    assert init_cache(cfg, 1, 4, dtype=jnp.bfloat16).kv.dtype == jnp.bfloat16  # an explicit dtype wins over cfg's
 
 
 def test_bad_config_values():
@@ -178,11 +184,17 @@ def test_engine_config_and_engine_refuse_bad_values():
         with pytest.raises(ValueError, match=match):
             EngineConfig(**kw)
     assert EngineConfig(eos_ids=[1, np.int64(2)]).eos_ids == (1, 2)  # a list is normalised (hashable)
+    assert EngineConfig(eos_ids=(0,)).eos_ids == (0,)  # token id 0 is a valid EOS
     cfg = tiny_config(vocab_size=64)
     target = KimiModel(cfg, nnx.Rngs(0))
     other_vocab = DFlashDrafter(tiny_drafter_config(cfg.replace(vocab_size=128), mask_token_id=100), nnx.Rngs(1))
     with pytest.raises(ConfigError, match="vocab_size 128 != target vocab_size 64"):
         Engine(target, other_vocab, EngineConfig(mode="dflash", capacity=64))
+    with pytest.raises(ValueError, match="mode 'ddtree' needs a drafter"):
+        Engine(target, None, EngineConfig(mode="ddtree", capacity=64))
+    one_deep = DFlashDrafter(tiny_drafter_config(cfg, block_size=2), nnx.Rngs(1))  # Dp = 1: 64 distinct prefixes
+    with pytest.raises(ValueError, match=r"budget 65 exceeds the number of distinct draft prefixes for Dp=1, W=64"):
+        Engine(target, one_deep, EngineConfig(mode="ddtree", budget=65, capacity=64))  # refused before any compile
     with pytest.raises(ValueError, match=r"eos_ids \[64\] outside"):
         Engine(target, None, EngineConfig(mode="ar", capacity=64, eos_ids=(64,)))
     with pytest.raises(ValueError, match="max_position_embeddings"):

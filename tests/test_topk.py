@@ -53,11 +53,13 @@ def test_every_method_is_lax_top_k(method, m, n, k, chunk):
 
 @pytest.mark.parametrize("method", ["compare", "chunked"])
 def test_integer_values(method):
-    values = jnp.asarray(np.random.default_rng(0).integers(-5, 5, (3, 500)), jnp.int32)
-    want = jax.lax.top_k(values, 20)
-    got = topk.top_k(values, 20, method, chunk=32)
-    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
-    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    rng = np.random.default_rng(0)
+    for low, high in ((-5, 5), (-9, -1)):  # all negative: the padding of the last chunk must not rank
+        values = jnp.asarray(rng.integers(low, high, (3, 500)), jnp.int32)
+        want = jax.lax.top_k(values, 20)
+        got = topk.top_k(values, 20, method, chunk=32)
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+        np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
 
 
 def test_descending_rank_is_the_inverse_of_a_stable_descending_sort():
@@ -75,6 +77,11 @@ def test_auto_choice():
     assert topk.resolve_method(4, 130, 32) == "compare"  # a DDTree beam
     assert topk.resolve_method(7, 10000, 32) == "sort"  # K * chunk too close to N
     assert topk.resolve_method(7, 163840, 32, "sort") == "sort"
+    # "chunked"'s two bounds: from CHUNKED_MIN_VALUES values a row, while 4 * K * CHUNK <= N
+    n = topk.CHUNKED_MIN_VALUES
+    assert topk.resolve_method(7, n, 1) == "chunked" and topk.resolve_method(7, n - 1, 1) == "sort"
+    k = 2 * n // (4 * topk.CHUNK)
+    assert topk.resolve_method(7, 2 * n, k) == "chunked" and topk.resolve_method(7, 2 * n, k + 1) == "sort"
 
 
 def test_refusals():
