@@ -15,7 +15,8 @@ from ddtree_jax.config import QuantConfig, tiny_config
 from ddtree_jax.drafter import DFlashDrafter, tiny_drafter_config
 from ddtree_jax.engine import (CACHE_FULL, EOS, MAX_TOKENS, RUNNING, Engine, EngineConfig, _stop_and_emit,
                                required_capacity, summarize)
-from ddtree_jax.model import KimiModel
+from ddtree_jax.cache import init_cache
+from ddtree_jax.model import KimiModel, causal_mask
 from ddtree_jax.sharding import DEFAULT_RULES, make_mesh
 from ddtree_jax.model import Runtime
 from ddtree_jax.tree import PAD
@@ -95,6 +96,31 @@ def test_trees_accept_something(models):
     engine = Engine(target, drafter, EngineConfig(mode="ddtree", budget=128, max_new_tokens=NEW, capacity=64))
     res = engine.generate(PROMPTS[:8])
     assert res["tau_mean"] > 1.3, res["tau_mean"]  # 1.47 in session 31
+
+
+def test_draft_cache_holds_the_committed_text_at_its_positions(models):
+    """After DDTree rounds the drafter's cache equals, row for row, one append of the committed text's target
+    features from a plain causal forward at positions 0..n-1: each round's context rows reach the drafter at
+    the right positions, from the accepted target rows, none skipped or repeated (an off-by-one there costs
+    only acceptance, which the greedy-equality tests cannot see)."""
+    target, drafter = models
+    prompts = PROMPTS[:4]
+    engine = Engine(target, drafter, EngineConfig(mode="ddtree", budget=16, max_new_tokens=NEW, capacity=64))
+    state = engine.run(engine.prefill(prompts))
+    out, num_out, cache = np.asarray(state.out_tokens), np.asarray(state.num_out), state.draft_cache
+    lengths = np.asarray(cache.lengths)
+    width = int(lengths.max())
+    tokens = np.zeros((len(prompts), width), np.int32)  # right-padded: causal, so the padding is never seen
+    for b, prompt in enumerate(prompts):
+        assert len(prompt) + 1 < lengths[b] <= len(prompt) + num_out[b]  # rounds appended rows; they lag the output
+        tokens[b, :lengths[b]] = list(prompt) + out[b, :lengths[b] - len(prompt)].tolist()
+    positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), tokens.shape)
+    ref = target(jnp.asarray(tokens), positions, init_cache(target.cfg, len(prompts), width),
+                 causal_mask(len(prompts), width), tap_layers=engine.taps, runtime=Runtime())
+    k, v = drafter.context_kv(ref.taps, positions)
+    for b, n in enumerate(lengths):
+        np.testing.assert_allclose(cache.k[:, b, :n], k[:, b, :n], rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(cache.v[:, b, :n], v[:, b, :n], rtol=1e-4, atol=1e-4)
 
 
 def test_streams_stop_independently(models):
