@@ -85,6 +85,8 @@ def check_ragged(ids, e, tile, offset=0, method="auto"):
         assert len(mine) == -(-counts[ex] // tile) and (widths[:-1] == tile).all()
         assert widths[-1] == -(-last // 8) * 8
     assert (tile_expert[tile_expert >= 0].size == np.sum(-(-counts // tile)))
+    unused = tile_expert < 0  # documented as first row 0, width 8
+    assert (tile_rows[0, unused] == 0).all() and (tile_rows[1, unused] == 8).all()
     seen = np.zeros(p, bool)
     for t in range(m):
         for j in range(k):
@@ -114,8 +116,10 @@ def test_route_ragged_extremes_and_errors():
     assert sorted(rows[1][:3].tolist()) == [8, 16, 16]
     check_ragged(np.arange(m * k, dtype=np.int32).reshape(m, k) % e, e, 64)  # spread evenly: one tile each
     check_ragged(np.full((3, 2), 99, np.int32), e, 8)  # every pair held elsewhere: no tile used
-    with pytest.raises(ValueError, match="multiple of 8"):
-        R.route_ragged(jnp.zeros((2, 2), jnp.int32), e, 12)
+    check_ragged(np.arange(16, dtype=np.int32).reshape(2, 8), e, 8)  # a pair per expert: 7 padding rows each, P's bound
+    for tile in (12, 0, -8):
+        with pytest.raises(ValueError, match="multiple of 8"):
+            R.route_ragged(jnp.zeros((2, 2), jnp.int32), e, tile)
 
 
 def routings():

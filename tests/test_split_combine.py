@@ -49,6 +49,7 @@ def test_kernel_interpret_matches_twin_and_reference(NS, B, V, L, split_axis):
     out, tot = combine_splits(o, lse, split_axis=split_axis, interpret=True)
     r_out, r_tot = combine_splits_ref(o, lse, split_axis=split_axis)
     assert out.shape == (B, V, L) and out.dtype == jnp.bfloat16 and tot.dtype == jnp.float32
+    assert r_out.shape == out.shape and r_out.dtype == out.dtype and r_tot.dtype == tot.dtype
     o64, lse64 = (np.asarray(jnp.moveaxis(a, 1, 0) if split_axis == 1 else a, np.float64) for a in (o, lse))
     d_out, d_tot = reference(o64, lse64)
     np.testing.assert_allclose(np.asarray(out, np.float32), d_out, atol=1e-2, rtol=1e-2)  # one bf16 rounding
@@ -104,10 +105,12 @@ def test_errors():
         combine_splits(o[..., :12], lse, interpret=True)
     with pytest.raises(ValueError, match="no split"):
         combine_splits(o[:0], lse[:0], interpret=True)
-    with pytest.raises(ValueError, match="block_cols=48"):
-        combine_splits(o, lse, block_cols=48, interpret=True)
-    with pytest.raises(ValueError, match="num_warps=3"):
-        combine_splits(o, lse, num_warps=3, interpret=True)
+    for fn in (functools.partial(combine_splits, interpret=True), combine_splits_ref):  # the twin checks them too
+        for cols in (48, 4, 128):  # not a power of two; below 8; not dividing L = 64
+            with pytest.raises(ValueError, match=f"block_cols={cols}"):
+                fn(o, lse, block_cols=cols)
+        with pytest.raises(ValueError, match="num_warps=3"):
+            fn(o, lse, num_warps=3)
 
 
 @pytest.mark.parametrize("split_axis", [0, 1])

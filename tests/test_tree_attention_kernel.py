@@ -9,7 +9,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.tree_attention import (default_config, kernel_supports, mla_attention,
+from pallas_kernels.tree_attention import (default_config, fold_rows, kernel_supports, mla_attention,
                                            tree_attention, tree_attention_ref)
 
 
@@ -110,6 +110,7 @@ KERNEL_CASES = [
     (2, 1, 32, 64, [64, 3], "chain", dict(block_rows=16, num_splits=2)),           # H > block_rows
     (2, 11, 2, 48, [17, 0], "chain", dict(block_rows=16, block_k=16, block_t=16)),  # causal chain
     (2, 20, 4, 64, [33, 64], "tree", dict(block_rows=32, block_k=32, block_t=16, num_splits=2)),
+    (1, 3, 32, 32, [19], "tree", dict(block_rows=16, block_k=16)),                  # H > block_rows, T > 1
 ]
 
 
@@ -231,6 +232,77 @@ def test_default_config_splits_only_when_few_programs():
     big = default_config(16, 256, 64, 8192, 576, 512)
     assert small["num_splits"] > 1 and big["num_splits"] == 1
     assert default_config(4, 1, 8, 4096, 576, 512)["block_rows"] == 16
+
+
+def test_default_config_follows_its_documented_rules():
+    """default_config's docstring and sweep notes as invariants: 64-row tiles unless T*H is smaller (16 at least);
+    64-row tiles take 8 warps and (16-bit) 64-key blocks, smaller ones 4 warps and 32 keys; a power-of-two tail
+    block in [16, 64]; splits only while programs stay under ~2 waves, each split at least 4 (64-row tiles) or 8
+    key blocks, at most 64."""
+    for (B, T, H, S), rows in [((1, 1, 64, 65536), 64), ((16, 1, 8, 8192), 16), ((1, 3, 8, 4096), 32),
+                               ((4, 64, 64, 2048), 64), ((1, 1, 64, 1024), 64), ((2, 1, 8, 512), 16),
+                               ((1, 20, 4, 8192), 64)]:
+        for dtype in (jnp.bfloat16, jnp.float32):
+            cfg = default_config(B, T, H, S, 576, 512, dtype)
+            wide = cfg["block_rows"] == 64
+            assert cfg["block_rows"] == rows
+            assert cfg["num_warps"] == (8 if wide else 4)
+            assert cfg["block_k"] == (64 if wide and dtype == jnp.bfloat16 else 32)
+            bt = cfg["block_t"]
+            assert bt & (bt - 1) == 0 and 16 <= bt <= 64 and (bt >= T or bt == 64)
+            splits, programs = cfg["num_splits"], -(-T * H // rows) * B
+            assert 1 <= splits <= 64 and (splits == 1 or (programs * (splits - 1) < 2 * 132))
+            if splits > 1:
+                assert (S // cfg["block_k"]) // splits >= (4 if wide else 8)
+
+
+@pytest.mark.parametrize("T,H,L,RD,block_rows", [
+    (2, 4, 32, 16, None), (1, 32, 32, 16, 16), (1, 48, 32, 16, None), (1, 48, 32, 16, 16), (4, 3, 32, 16, None),
+    (2, 4, 24, 16, None), (2, 4, 32, 8, None), (2, 4, 8, 16, None), (11, 2, 16, 16, None)])
+def test_kernel_supports_exactly_the_dims_the_kernel_takes(T, H, L, RD, block_rows):
+    """The dispatcher's ``kernel_supports`` says yes exactly where ``tree_attention`` accepts the dims (else the
+    dispatcher would send the kernel dims it refuses, or the twin dims it could take)."""
+    B, S = 1, 32
+    spec = (jax.ShapeDtypeStruct((B, T, H, L + RD), jnp.float32), jax.ShapeDtypeStruct((B, S, L + RD), jnp.float32),
+            jnp.asarray([S], jnp.int32), jax.ShapeDtypeStruct((B, T, L + RD), jnp.float32),
+            jnp.ones((B, T, T), bool))
+    try:
+        jax.eval_shape(lambda q, c, t: tree_attention(q, c, spec[2], t, spec[4], scale=SCALE, kv_lora_rank=L,
+                                                      interpret=True, block_rows=block_rows), spec[0], spec[1],
+                       spec[3])
+        takes = True
+    except ValueError:
+        takes = False
+    assert kernel_supports((B, T, H, L + RD), L, block_rows) == takes
+
+
+def test_shapes_that_do_not_fit_are_refused_by_name():
+    """q, cache_kv, tree_mask and kv_lora_rank that do not fit one another: a ValueError naming the argument at the
+    twin and the kernel (else a broadcast would hide the mismatch, or the value slice would read past C)."""
+    q, cache, plen, tkv, mask = as_jax(make_case(3, 2, 3, 2, 16, 16, 16, [4, 16], "chain"))
+    cases = [((q[0], cache, plen, tkv, mask, 16), "q must be"),
+             ((q, cache[..., :24], plen, tkv, mask, 16), "cache_kv must be"),
+             ((q, cache[:1], plen, tkv, mask, 16), "cache_kv must be"),
+             ((q, cache, plen, tkv, mask[:, :2, :2], 16), "tree_mask must be"),
+             ((q, cache, plen, tkv, mask[:1], 16), "tree_mask must be"),
+             ((q, cache, plen, tkv, mask, 0), "kv_lora_rank=0"),
+             ((q, cache, plen, tkv, mask, 33), "kv_lora_rank=33")]
+    for fn in (tree_attention_ref, functools.partial(tree_attention, interpret=True)):
+        for (*args, rank), match in cases:
+            with pytest.raises(ValueError, match=match):
+                fn(*args, scale=SCALE, kv_lora_rank=rank)
+    for tuning in (dict(block_k=24), dict(block_t=8)):  # the kernel's key blocks: powers of two >= 16
+        with pytest.raises(ValueError, match="block_k and block_t must be powers of two"):
+            tree_attention(q, cache, plen, tkv, mask, scale=SCALE, kv_lora_rank=16, interpret=True, **tuning)
+
+
+def test_fold_rows_puts_heads_in_rows_and_pads_to_the_next_whole_tile():
+    q = jnp.arange(2 * 3 * 4 * 5, dtype=jnp.float32).reshape(2, 3, 4, 5)
+    for multiple, rows in [(4, 12), (16, 16), (12, 12), (8, 16)]:
+        folded = np.asarray(fold_rows(q, multiple))
+        assert folded.shape == (2, rows, 5)
+        np.testing.assert_array_equal(folded[:, :12], np.asarray(q).reshape(2, 12, 5))  # row = node * H + head
+        assert not folded[:, 12:].any()
 
 
 # ---------------------------------------------------------------------------------------------
