@@ -162,6 +162,22 @@ def test_entry_points_refuse_token_inputs_that_do_not_match():
                 fn(xx, jnp.asarray(ii), jnp.asarray(ww), wts)
 
 
+def test_entry_points_refuse_tiling_the_weights_do_not_divide(kshape):
+    """Row blocks that do not divide F or D, split-K factors that do not divide the 256-column block counts, an
+    unknown design: a ValueError at the kernel and at the twin, which checks the kernel's tuning as the kernel does."""
+    _, wts = kshape
+    ids, w = make_routing(3, 2, KSHAPE[0], seed=5)
+    args = (jnp.zeros((3, KSHAPE[1]), jnp.float32), jnp.asarray(ids), jnp.asarray(w), wts)
+    cases = [(dict(block_n1=96), "block_n1=96 must divide F=256"), (dict(block_n2=96), "block_n2=96 must divide D"),
+             (dict(split1=3), "split1=3"), (dict(split2=2), "split2=2"), (dict(design="fused"), "unknown design")]
+    for fn in (int4_moe_ref, functools.partial(int4_moe, interpret=True)):
+        for tuning, match in cases:
+            with pytest.raises(ValueError, match=match):
+                fn(*args, **tuning)
+    with pytest.raises(ValueError, match="dequant='asm' needs a GPU"):  # inline PTX cannot be interpreted
+        int4_moe(*args, interpret=True, dequant="asm")
+
+
 def test_planar_leaves_roundtrip_and_dequantize_bit_exact():
     """Each stack alone (the model's leaves): f32 scales keep their dtype, rows dequantise in natural order."""
     ct = make_ct(3, 256, 128, seed=4)

@@ -186,7 +186,7 @@ def test_router_picks_the_same_experts_with_either_top_k(groups):
 @pytest.mark.parametrize("m,k,e,n,offset", [(1, 8, 384, 8, 0), (3, 4, 16, 8, 0), (2, 4, 8, 16, 4)])
 def test_route_per_pair_gives_each_pair_its_own_tile(m, k, e, n, offset):
     rng = np.random.default_rng(m + offset)
-    ids = rng.integers(0, e + offset, (m, k)).astype(np.int32)  # repeats allowed: each pair still its tile
+    ids = rng.integers(0, e + 2 * offset, (m, k)).astype(np.int32)  # repeats allowed: each pair still its tile
     row_token, tile_expert, pair_row = map(np.asarray, jax.jit(R.route_per_pair, static_argnums=(1, 2))(
         jnp.asarray(ids - offset), e, n))
     p = m * k * n
