@@ -206,6 +206,36 @@ def test_repack_refuses_bad_shapes():
         Int4ExpertWeights.from_leaves(a, a)
 
 
+def test_repack_and_layer_refuse_each_stack_they_cannot_hold():
+    """Each check of ``PlanarInt4.from_compressed_tensors`` and ``Int4ExpertWeights.from_leaves`` alone (the rest
+    of the input valid), the group size a stack reports, and the twin refusing a probe."""
+    ct = make_ct(2, 64, 32, seed=5)  # w13 [2, 64, 64/8], 2 groups a row; w2 [2, 64, 32/8], 1 group
+    with pytest.raises(ValueError, match="does not match packed"):
+        PlanarInt4.from_compressed_tensors(ct[0], ct[1][:, :32], gate_up=True)
+    with pytest.raises(ValueError, match="group_size 4 is not a multiple of 8"):
+        PlanarInt4.from_compressed_tensors(ct[0], np.repeat(ct[1], 8, -1), gate_up=True)
+    with pytest.raises(ValueError, match="even row count, got 63"):
+        PlanarInt4.from_compressed_tensors(ct[0][:, :63], ct[1][:, :63], gate_up=True)
+    w13 = PlanarInt4.from_compressed_tensors(ct[0], ct[1], gate_up=True)
+    w2 = PlanarInt4.from_compressed_tensors(ct[2], ct[3], gate_up=False)
+    w2_16 = PlanarInt4.from_compressed_tensors(ct[2], np.repeat(ct[3], 2, -1), gate_up=False)
+    assert (w13.group_size, w2.group_size, w2_16.group_size) == (32, 32, 16)
+    layer = Int4ExpertWeights.from_leaves(w13, w2)
+    assert (layer.group_size, layer.w13_block_words, layer.w2_block_words) == (32, w13.block_words, w2.block_words)
+    with pytest.raises(TypeError, match="expected two PlanarInt4 stacks"):
+        Int4ExpertWeights.from_leaves(w13, (w2.packed, w2.scale))
+    unpaired = PlanarInt4(w13.packed, w13.scale, w13.block_words, 0)
+    other_blocks = PlanarInt4(w13.packed, w13.scale, w13.block_words, 2 * w13.row_block_words)
+    paired_w2 = PlanarInt4(w2.packed, w2.scale, w2.block_words, w2.block_words)
+    assert w2_16.block_words == w13.row_block_words  # only the group size differs
+    for a, b in ((unpaired, w2), (other_blocks, w2), (w13, paired_w2), (w13, w2_16), (w13, w13)):
+        with pytest.raises(ValueError, match="not one layer's"):
+            Int4ExpertWeights.from_leaves(a, b)
+    x, ids, wts = jnp.ones((3, 64), jnp.float32), jnp.zeros((3, 1), jnp.int32), jnp.ones((3, 1), jnp.float32)
+    with pytest.raises(ValueError, match="the twin has none"):
+        int4_moe_ref(x, ids, wts, layer, probe="no_scale")
+
+
 @pytest.mark.parametrize("offset", [0, 3, 6])
 def test_expert_offset_keeps_only_local_experts(offset):
     """Weights of experts offset..offset+3 only: pairs routed elsewhere add nothing (twin and kernel)."""

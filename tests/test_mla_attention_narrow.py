@@ -72,6 +72,19 @@ def test_tree_inputs():
     np.testing.assert_array_equal(np.asarray(const), np.asarray(general))
 
 
+def test_pad_tree_latents_rounds_up_to_whole_blocks_only():
+    """[B, T, C] -> [B, TP, C], TP = T rounded up to whole blocks (T itself where it is whole, the latents as they
+    are), the rows past T zero."""
+    for T, block_k in [(1, 64), (63, 64), (64, 64), (65, 64), (128, 64), (5, 16), (32, 16)]:
+        kv = jnp.asarray(np.random.default_rng(T).standard_normal((2, T, 8)) + 1.0, jnp.float32)
+        out = M.pad_tree_latents(kv, block_k)
+        assert out.shape == (2, -(-T // block_k) * block_k, 8), (T, block_k)
+        np.testing.assert_array_equal(np.asarray(out[:, :T]), np.asarray(kv))
+        assert not np.asarray(out[:, T:]).any()
+        if T % block_k == 0:
+            assert out is kv
+
+
 def test_padded_tree_latents_are_accepted_by_every_entry():
     """tree_kv [B, T', C] with T' > T: its padding rows are ignored by the twin and the Triton kernel
     (interpreted); a tree_kv shorter than T is an error."""

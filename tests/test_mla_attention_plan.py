@@ -2,6 +2,7 @@
 counts per stream and each split's key blocks (the kernels and their twin take the same shares)."""
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from pallas_kernels import mla_attention_plan as P
@@ -58,3 +59,27 @@ def test_peer_merge_split_1_takes_at_least_one_block_more(tree_blocks):
         assert (lo1, hi1, hi0) == (0, lo0, total), (nb, tree_blocks)
         assert hi1 - lo1 == (hi0 - lo0) + 1 + (total % 2 == 0), (nb, tree_blocks)
         assert (mid1, mid0) == (min(nb, hi1), max(min(nb, hi0), lo0)), (nb, tree_blocks)
+
+
+@pytest.mark.parametrize("block_k", [16, 64])
+def test_block_steps_walk_each_splits_blocks_whole_then_partial_then_tree(block_k):
+    """``block_steps`` (the kernels' loop bounds) against a plain walk over the blocks: the prefix's whole blocks,
+    then its partial block where plen % BK > 0, then the tree blocks; split sp's steps 0..n_all-1 are blocks
+    lo..lo+n_all-1 of that walk, and the splits together take every block once."""
+    plens = np.array([0, 1, block_k - 1, block_k, block_k + 1, 2 * block_k, 3 * block_k - 5, 5 * block_k])
+    for tree_blocks, NS, peer in [(1, 1, False), (2, 2, False), (1, 3, False), (3, 5, False), (1, 2, True),
+                                  (2, 2, True)]:
+        out = [[np.asarray(v) for v in P.block_steps(jnp.asarray(plens, jnp.int32), tree_blocks, jnp.int32(sp), NS,
+                                                     block_k, peer)] for sp in range(NS)]
+        for i, plen in enumerate(plens):
+            nb, rem = divmod(int(plen), block_k)
+            walk = ["whole"] * nb + ["partial"] * (rem > 0) + ["tree"] * tree_blocks
+            taken = []
+            for sp in range(NS):
+                rem_s, nbp, lo, n_whole, n_cache, n_all = (int(v[i]) for v in out[sp])
+                assert (rem_s, nbp) == (rem, nb + (rem > 0)), (plen, sp)
+                assert 0 <= n_whole <= n_cache <= n_all, (plen, sp, n_whole, n_cache, n_all)
+                kinds = ["whole"] * n_whole + ["partial"] * (n_cache - n_whole) + ["tree"] * (n_all - n_cache)
+                assert kinds == walk[lo:lo + n_all], (plen, tree_blocks, NS, peer, sp)
+                taken += range(lo, lo + n_all)
+            assert sorted(taken) == list(range(len(walk))), (plen, tree_blocks, NS, peer)

@@ -382,6 +382,35 @@ def test_bad_input_errors():
         routed_experts_tiled(jnp.zeros((2, 256)), jnp.zeros((2, 2), jnp.int32), jnp.ones((2, 2)), qa, qa)
 
 
+def test_repack_refuses_an_unknown_order_and_scales_of_another_stack():
+    """The repack's own checks, before anything is converted: a misspelt order is not taken as "groups"."""
+    qa = random_stack(np.random.default_rng(1), 2, 128, 256)
+    with pytest.raises(ValueError, match="unknown order 'fragment'"):
+        TiledInt4.from_compressed_tensors(qa.packed, qa.scale, order="fragment")
+    with pytest.raises(ValueError, match=r"scale \(2, 64, 8\) does not match packed \(2, 128, 32\)"):
+        TiledInt4.from_compressed_tensors(qa.packed, qa.scale[:, :64])
+    q = TL.unpack_compressed_tensors(qa.packed)
+    with pytest.raises(ValueError, match="rows per program must be 64 or 128, got 32"):
+        TL.tile_weights(q, qa.scale, rows=32)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32, jnp.float16])
+def test_dequantize_expert_rounds_q_times_scale_once(dtype):
+    """W_e = q * scale computed in f32 and rounded once to ``dtype`` (both orders), checked against the
+    compressed-tensors values; scales ~1e-6 make a float16 rounding of the scale itself show."""
+    qa = random_stack(np.random.default_rng(2), 2, 128, 256)
+    scale = (qa.scale.astype(jnp.float32) * 1e-4).astype(jnp.bfloat16)
+    q = np.asarray(TL.unpack_compressed_tensors(qa.packed), np.float32)
+    want = (q.reshape(2, 128, 8, 32) * np.asarray(scale, np.float32)[..., None]).reshape(2, 128, 256)
+    for order in ("groups", "fragments"):
+        leaf = TiledInt4.from_compressed_tensors(qa.packed, scale, order=order)
+        for e in range(2):
+            got = leaf.dequantize_expert(jnp.int32(e), dtype)
+            assert got.dtype == dtype
+            np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                          np.asarray(jnp.asarray(want[e]).astype(dtype), np.float32))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows,n,split,out_layout,chunk", [
     (64, 8, 1, "rows", 32), (128, 8, 2, "rows", 64), (128, 16, 1, "rows", 128), (128, 32, 1, "rows", 32),
