@@ -85,6 +85,20 @@ def test_pad_tree_latents_rounds_up_to_whole_blocks_only():
             assert out is kv
 
 
+def test_check_in_place_inputs_wants_tree_keys_in_whole_blocks():
+    """tree_kv's TP must be a positive multiple of block_k (the kernels read whole blocks in place), checked
+    directly: TP = 96 is whole 32-key mask words but not whole 64-key blocks."""
+    B, R, C, S = 2, 64, 16, 128
+    q, cache, plen = jnp.zeros((B, R, C)), jnp.zeros((B, S, C)), jnp.zeros((B,), jnp.int32)
+    for TP, block_k in [(64, 64), (96, 32), (128, 64)]:
+        bits = jnp.zeros((B, TP // M.WORD, R), jnp.int32)
+        assert M.check_in_place_inputs(q, cache, plen, jnp.zeros((B, TP, C)), bits, block_k, "f") == (B, R, C, S, TP)
+    for TP, block_k in [(96, 64), (32, 64), (0, 64)]:
+        bits = jnp.zeros((B, TP // M.WORD, R), jnp.int32)
+        with pytest.raises(ValueError, match="f: tree_kv .* TP a positive multiple of block_k"):
+            M.check_in_place_inputs(q, cache, plen, jnp.zeros((B, TP, C)), bits, block_k, "f")
+
+
 def test_padded_tree_latents_are_accepted_by_every_entry():
     """tree_kv [B, T', C] with T' > T: its padding rows are ignored by the twin and the Triton kernel
     (interpreted); a tree_kv shorter than T is an error."""

@@ -83,3 +83,13 @@ def test_block_steps_walk_each_splits_blocks_whole_then_partial_then_tree(block_
                 assert kinds == walk[lo:lo + n_all], (plen, tree_blocks, NS, peer, sp)
                 taken += range(lo, lo + n_all)
             assert sorted(taken) == list(range(len(walk))), (plen, tree_blocks, NS, peer)
+
+
+def test_check_valid_rows_takes_fewer_rows_of_one_tile_only():
+    """valid_rows: None or Np itself give Np; fewer (a multiple of 8 below 64) only where q_rows is one 64-row tile,
+    not two tiles or a tile and a tail."""
+    assert [P.check_valid_rows(v, rows) for v, rows in [(None, 128), (72, 72), (64, 64)]] == [128, 72, 64]
+    assert [P.check_valid_rows(v, 64) for v in (8, 16, 56)] == [8, 16, 56]
+    for v, rows in [(16, 128), (8, 72), (0, 64), (12, 64), (72, 64), (-8, 64)]:
+        with pytest.raises(ValueError, match=f"valid_rows={v} must be Np={rows}"):
+            P.check_valid_rows(v, rows)
