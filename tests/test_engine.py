@@ -98,6 +98,25 @@ def test_trees_accept_something(models):
     assert res["tau_mean"] > 1.3, res["tau_mean"]  # 1.47 in session 31
 
 
+def test_the_round_builds_ddtree_over_the_drafts_log_probabilities(models):
+    """The first round's tree (``inspect_round``) is DDTree over the drafter's log-softmax at the prefill's
+    state, computed here outside the engine: not over raw logits, whose per-depth offsets reorder prefixes
+    of different lengths (a change that greedy output, lossless whatever the tree, cannot show)."""
+    from ddtree_jax.drafter import draft_logits
+    from ddtree_jax.engine import inspect_round
+    from ddtree_jax.tree import build_tree
+    target, drafter = models
+    engine = Engine(target, drafter, EngineConfig(mode="ddtree", budget=128, max_new_tokens=NEW, capacity=64))
+    prompts = PROMPTS[5:6]
+    tree, _ = inspect_round(engine, prompts)
+    state = engine.prefill(prompts)
+    logits = draft_logits(drafter, target, state.draft_cache, state.bonus, state.cache.lengths)
+    want = build_tree(jax.nn.log_softmax(logits, axis=-1), state.bonus, 128)
+    assert tree["tokens"].tolist() == np.asarray(want.tokens[0]).tolist()
+    assert tree["parents"].tolist() == np.asarray(want.parents[0]).tolist()
+    assert tree["depths"].max() > 1  # deeper than one level: the ranking across depths was exercised
+
+
 def test_draft_cache_holds_the_committed_text_at_its_positions(models):
     """After DDTree rounds the drafter's cache equals, row for row, one append of the committed text's target
     features from a plain causal forward at positions 0..n-1: each round's context rows reach the drafter at
@@ -223,6 +242,19 @@ def test_tokens_per_s_excludes_the_prefill_token():
     _, _, metrics = merge_results([res, other])  # a stream that stopped after its prefill token adds none
     assert metrics["new_tokens"] == 9 and metrics["decode_s"] == 3.0
     assert metrics["tokens_per_s"] == 6 / 3.0 and metrics["tau"] == 6 / 3 and metrics["round_tokens"] == 6
+
+
+def test_tau_over_one_round_and_over_none():
+    """tau = tokens of the rounds / rounds, also when the batch ran exactly one round (a single stream that
+    emitted 3 tokens in it: tau 3), and 0 (not a division by zero) when no stream ran a round."""
+    def state(num_out, rounds):
+        n = len(num_out)
+        return types.SimpleNamespace(out_tokens=np.zeros((n, 6), int), num_out=np.array(num_out),
+                                     rounds=np.array(rounds), tau_hist=np.zeros((n, 5), int), status=np.full(n, 2))
+    one = summarize(state([4], [1]), prefill_s=1.0, decode_s=1.0)
+    assert one["tau_mean"] == 3.0 and one["tau_per_stream"] == [3.0]
+    none = summarize(state([1, 1], [0, 0]), prefill_s=1.0, decode_s=1.0)
+    assert none["tau_mean"] == 0.0 and none["tau_per_stream"] == [0.0, 0.0]
 
 
 def test_bad_budget_refused():

@@ -136,6 +136,14 @@ def test_prompts_must_be_integer_token_id_lists():
     assert lengths.tolist() == [3, 2] and tokens[1, :2].tolist() == [4, 5]
 
 
+def test_a_bare_string_is_refused_as_the_prompt_list_not_read_as_prompts():
+    """A str / bytes in place of the prompt list is named as such; not iterated as prompts (bytes would give
+    ints, "abc" one-character strings) and blamed on its first element."""
+    for bad, kind in (("abc", "str"), (b"abc", "bytes")):
+        with pytest.raises(ValueError, match=f"prompts must be a list of token-id lists, got {kind}$"):
+            pad_prompts(bad, vocab_size=256, capacity=64)
+
+
 def test_commit_flags_counts_outside_the_block():
     cfg = tiny_config()
     cache = init_cache(cfg, batch=3, capacity=16)

@@ -234,6 +234,20 @@ def test_sharded_equals_unsharded(pair, host_devices):
     assert sharded_state["layers"][1]["mlp"]["router"].value.sharding.is_fully_replicated
 
 
+@pytest.mark.parametrize("b,h", [(4, 6), (3, 8)])
+def test_latent_attention_leaves_an_axis_that_does_not_divide_replicated(b, h, host_devices):
+    """data=2 x model=4: a batch or head count the mesh axis does not divide is left replicated (the other
+    axis still split where it divides), with the unsharded result; never handed to shard_map unevenly."""
+    from pallas_kernels.tree_attention import tree_attention_ref
+    from ddtree_jax.model import latent_attention
+    from tests.test_tree_attention_kernel import as_jax, make_case
+    runtime = Runtime(mesh=make_mesh(data=2, model=4, devices=host_devices), rules=DEFAULT_RULES)
+    args = as_jax(make_case(0, b, 4, h, 16, 8, 24, [0, 5, 24, 11][:b], "tree"))
+    kw = dict(scale=0.2, kv_lora_rank=16)
+    got = jax.jit(lambda *a: latent_attention(tree_attention_ref, runtime, *a, **kw))(*args)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(tree_attention_ref(*args, **kw)), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("spec,x_shape,w_shape,axis", [
     ("btd,dhk->bthk", (1, 1, 16), (16, 2, 8), (0, 0)),     # q_b
     ("bthv,hvd->btd", (1, 1, 2, 8), (2, 8, 16), (0, 0)),   # the output projection

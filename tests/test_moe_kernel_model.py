@@ -160,6 +160,22 @@ def abstract_prepared(allow_twin_only=False, **overrides):
                                                       allow_twin_only=allow_twin_only))
 
 
+def test_experts_that_do_not_split_over_the_mesh_are_refused(host_devices):
+    """6 experts over a model axis of 4: refused by name, not handed to shard_map unevenly."""
+    from ddtree_jax.moe import routed_experts
+    mesh = make_mesh(data=2, model=4, devices=host_devices)
+    e, f, d = 6, 8, 16
+    x, ids, weights = jnp.ones((2, d)), jnp.array([[0, 5], [1, 4]], jnp.int32), jnp.ones((2, 2))
+    with pytest.raises(ValueError, match="6 experts do not split over mesh axis 'model' of size 4"):
+        routed_experts(x, ids, weights, jnp.ones((e, 2 * f, d)), jnp.ones((e, d, f)), mesh=mesh, rules=DEFAULT_RULES)
+
+
+def test_fuse_silu_is_refused_for_the_planar_layout():
+    """fuse_silu=True asks for a 'tiles' storage; with layout 'planar' it is refused, not silently dropped."""
+    with pytest.raises(ValueError, match="fuse_silu is a property of the 'tiles' layout, not 'planar'"):
+        nnx.eval_shape(lambda: prepare_for_kernels(tiny_model(), layout="planar", fuse_silu=True))
+
+
 @pytest.mark.parametrize("overrides,kernel", [(dict(dtype="bfloat16"), True), (dict(dtype="float32"), False),
                                               (dict(dtype="bfloat16", hidden_size=64, moe_intermediate_size=32,
                                                     allow_twin_only=True), False)])

@@ -206,6 +206,17 @@ def test_expert_parallel_tiles_tell_the_kernel_its_share(pair, tokens, monkeypat
     assert seen and set(seen) == {None}
 
 
+def test_default_tiles_pair_gate_up_rows_where_the_stack_allows():
+    """fuse_silu None (default) stores w13 with gate and up rows paired in 64-row blocks (the kernel's fused
+    SiLU epilogue) where 2F % 256 == 0, as here (2F = 512); False keeps them apart. Shapes only."""
+    def gate_up_block(**kw):
+        model = nnx.eval_shape(lambda: prepare_for_kernels(tiny_model(), **kw))
+        return model.layers[1].mlp.w13.get_value().gate_up_block, model.layers[1].mlp.w2.get_value().gate_up_block
+
+    assert gate_up_block() == (64, 0)
+    assert gate_up_block(fuse_silu=False) == (0, 0)
+
+
 def test_prepare_a_sharded_model_repacks_tiles_in_place(pair, host_devices):
     """A model already split over experts is repacked per device and stays split (never gathered)."""
     model, prepared = pair
