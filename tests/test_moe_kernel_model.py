@@ -176,6 +176,18 @@ def test_fuse_silu_is_refused_for_the_planar_layout():
         nnx.eval_shape(lambda: prepare_for_kernels(tiny_model(), layout="planar", fuse_silu=True))
 
 
+def test_a_layer_whose_w2_alone_is_float_is_refused_by_name():
+    """Both stacks must be INT4: a float w2 beside an INT4 w13 is refused naming the layer, not repacked."""
+    def build():
+        model = tiny_model()
+        moe = model.layers[1].mlp
+        moe.w2 = nnx.Param(jnp.zeros(moe.w2.get_value().shape), logical_axes=moe.w2.get_metadata()["logical_axes"])
+        return prepare_for_kernels(model, layout="planar")
+
+    with pytest.raises(ValueError, match=r"layers\.1\.mlp: routed experts are .*not INT4"):
+        nnx.eval_shape(build)
+
+
 @pytest.mark.parametrize("overrides,kernel", [(dict(dtype="bfloat16"), True), (dict(dtype="float32"), False),
                                               (dict(dtype="bfloat16", hidden_size=64, moe_intermediate_size=32,
                                                     allow_twin_only=True), False)])
