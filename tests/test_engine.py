@@ -106,12 +106,12 @@ def test_the_round_builds_ddtree_over_the_drafts_log_probabilities(models):
     from ddtree_jax.engine import inspect_round
     from ddtree_jax.tree import build_tree
     target, drafter = models
-    engine = Engine(target, drafter, EngineConfig(mode="ddtree", budget=128, max_new_tokens=NEW, capacity=64))
+    engine = Engine(target, drafter, EngineConfig(mode="ddtree", budget=32, max_new_tokens=NEW, capacity=64))
     prompts = PROMPTS[5:6]
     tree, _ = inspect_round(engine, prompts)
     state = engine.prefill(prompts)
     logits = draft_logits(drafter, target, state.draft_cache, state.bonus, state.cache.lengths)
-    want = build_tree(jax.nn.log_softmax(logits, axis=-1), state.bonus, 128)
+    want = jax.jit(build_tree, static_argnums=2)(jax.nn.log_softmax(logits, axis=-1), state.bonus, 32)
     assert tree["tokens"].tolist() == np.asarray(want.tokens[0]).tolist()
     assert tree["parents"].tolist() == np.asarray(want.parents[0]).tolist()
     assert tree["depths"].max() > 1  # deeper than one level: the ranking across depths was exercised
