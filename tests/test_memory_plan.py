@@ -71,3 +71,20 @@ def test_uneven_splits_count_the_largest_shard_and_int4_packs_two_per_byte():
     assert bytes_per_device((10, 6), jnp.float32, ("vocab", "embed"), mesh_shape, DEFAULT_RULES) == 3 * 6 * 4
     assert bytes_per_device((10, 6), jnp.float32, ("embed", "vocab"), mesh_shape, DEFAULT_RULES) == 10 * 2 * 4
     assert array_bytes((3, 8), jnp.int4) == 12 and array_bytes((3, 8), jnp.bfloat16) == 48
+
+
+@pytest.mark.parametrize("layout", ["planar", "tiles"])
+def test_a_prepared_model_plans_its_kernel_layout_as_int4(layout):
+    """prepare_for_kernels repacks the INT4 experts bit for bit: the plan of the prepared model holds the same
+    packed words and scales as the compressed-tensors one, and nothing of them moves to another category."""
+    from ddtree_jax.model import KimiModel
+    from ddtree_jax.moe import prepare_for_kernels
+
+    cfg = tiny_config(vocab_size=64, num_layers=2, hidden_size=256, moe_intermediate_size=256,
+                      quant=QuantConfig(group_size=32))  # widths the tiled layout takes
+    model = KimiModel(cfg, nnx.Rngs(0))
+    before = param_bytes(nnx.state(model), parse_mesh("1x1"), DEFAULT_RULES)
+    after = param_bytes(nnx.state(prepare_for_kernels(model, layout=layout, allow_twin_only=True)), parse_mesh("1x1"),
+                        DEFAULT_RULES)
+    assert before["experts_int4"]["total"] > 0
+    assert {c: v["total"] for c, v in after.items()} == {c: v["total"] for c, v in before.items()}
