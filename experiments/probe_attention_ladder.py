@@ -1,7 +1,7 @@
 """Where the 64-row attention kernel loses its time at the memory-bound points: the kernel rebuilt one part at a
 time, each rung timed like the kernel.
 
-    PYTHONPATH=. python experiments/probe_attention_ladder.py --out DIR [--points 16,8192;1,65536]
+    PYTHONPATH=. python experiments/probe_attention_ladder.py --out DIR [--points 16,8192] [--layouts tile2,slot3]
 
 The question behind it (issue #6): at T*H = 64 query rows the op misses 80 % of the bandwidth at two points that
 a plain read passes (16 streams over 8K: a read reaches 97-98 %, the kernel alone 79.6-79.9 %), and its block loop
@@ -20,6 +20,9 @@ memory (query tile, two 72 KB key slots, the probability tile: one program per S
   (consumer 1 waits for them every block, then frees its slot);
 * ``pv``: + both consumers' p·v into [64, 256] f32 accumulators (consumer 0's issued before the hand-over), the
   output normalised: the kernel without masks, the partial block or the tree.
+
+``--layouts`` adds the rungs in shared-memory layouts without the query tile (``LAYOUTS``): q·kᵀ reads the current
+key block as its query, so the tile's 72 KB can hold a third key slot (``slot3``; ``slot2`` is the control).
 
 Beside the rungs, ``split_attention`` itself on the same blocks (the prefix one block short, one tree block of
 64 keys all visible), and the floor (the keys' bytes over PyTorch's copy bandwidth). Per rung the traced time of
@@ -53,22 +56,38 @@ LH = L // 2
 SCALE = 0.14468                   # K2.6's softmax scale, as the benchmarks use it
 SCALE_LOG2 = SCALE * _LOG2E
 DEFAULT_POINTS = "16,8192;1,65536;4,65536"
+# layout -> (key slots, query from the current key slot): "tile2" is the kernel's shared memory (the query tile and
+# two key slots). "slot2" and "slot3" drop the query tile: q.k^T reads the current key block as its query (the same
+# [64, 576] operand from shared memory, the same work, wrong numbers), and the outputs are staged in the key slots
+# once both consumers' loops are done. They ask what the query tile's 72 KB would buy as a third key slot, were the
+# query held elsewhere (in registers, split over the two consumers).
+LAYOUTS = {"tile2": (2, False), "slot2": (2, True), "slot3": (3, True)}
 
 
-def ladder_kernel(B: int, S: int, rung: str):
+def ladder_kernel(B: int, S: int, rung: str, layout: str = "tile2"):
     """(q [B, 64, C] bf16, kv [B, S, C] bf16) -> out [NS, B, 64, L] bf16: the rung's kernel over each stream's
-    S / 64 key blocks in NS splits (``splits_for`` at T = 1, H = 64)."""
+    S / 64 key blocks in NS splits (``splits_for`` at T = 1, H = 64), in one of ``LAYOUTS`` of shared memory."""
     if rung not in RUNGS:
         raise ValueError(f"rung {rung!r} is not one of {RUNGS}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout {layout!r} is not one of {tuple(LAYOUTS)}")
     if B < 1 or S < BK or S % BK:
         raise ValueError(f"B={B}, S={S}: need B >= 1 and S a positive multiple of {BK}")
+    stages, query_in_slot = LAYOUTS[layout]
+    if query_in_slot and rung == "query":
+        raise ValueError(f"layout {layout!r} has no query tile: its rungs are {RUNGS[:1] + RUNGS[2:]}")
     level = RUNGS.index(rung)
     with_query, with_scores, with_softmax, with_pv = (level >= i for i in range(1, 5))
+    with_query = with_query and not query_in_slot
     NS, total = splits_for(B, 1, 64, S, BK), S // BK
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
-    def body(q_ref, kv_ref, o_ref, qo_smem, k_smem, p_smem, stat_smem, k_bars, consumed_bars, bars):
-        q_smem, o_smem = qo_smem  # the output reuses the query tile's memory, as in the kernel
+    def body(q_ref, kv_ref, o_ref, *scratch):
+        if query_in_slot:  # the outputs reuse the key slots' memory, once both loops are done
+            (k_smem, o_smem), p_smem, stat_smem, k_bars, consumed_bars, bars, loops_done = scratch
+            q_smem = None
+        else:  # the output reuses the query tile's memory, as in the kernel
+            (q_smem, o_smem), k_smem, p_smem, stat_smem, k_bars, consumed_bars, bars, loops_done = scratch
         q_bar, p_ready, p_free, done_bar = (bars.at[i] for i in range(4))
         b, sp, wg = (lax.axis_index(n) for n in ("stream", "split", "wg"))
         lo, _, hi = split_range(total, 0, sp, NS)
@@ -79,7 +98,7 @@ def ladder_kernel(B: int, S: int, rung: str):
             plgpu.set_max_registers(40, action="decrease")
             if with_query:
                 plgpu.copy_gmem_to_smem(q_ref.at[b], q_smem, q_bar)
-            stream_key_blocks(kv_ref, kv_ref, b, lo, 0, n, n, k_smem, k_bars, consumed_bars, STAGES, BK)
+            stream_key_blocks(kv_ref, kv_ref, b, lo, 0, n, n, k_smem, k_bars, consumed_bars, stages, BK)
 
         def consumer(half):
             plgpu.set_max_registers(232, action="increase")
@@ -90,12 +109,13 @@ def ladder_kernel(B: int, S: int, rung: str):
             def loop(acc_ref):
                 def step(j, carry):
                     m, l = carry
-                    slot = lax.rem(j, STAGES)
+                    slot = lax.rem(j, stages)
                     plgpu.barrier_wait(k_bars.at[slot])
                     values = k_smem.at[slot, :, pl.ds(half * LH, LH)]
                     if with_scores and scores_here:
                         def qk(s_ref):
-                            plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                            query = k_smem.at[slot] if query_in_slot else q_smem
+                            plgpu.wgmma(s_ref, query, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
                             return s_ref[...]
 
                         s = pl.run_scoped(qk, plgpu.ACC((ROWS, BK), jnp.float32)) * SCALE_LOG2
@@ -137,6 +157,9 @@ def ladder_kernel(B: int, S: int, rung: str):
                 return acc_ref[...], m, l
 
             acc, m, l = pl.run_scoped(loop, plgpu.ACC((ROWS, LH), jnp.float32))
+            if query_in_slot:  # the key slots are free for the outputs only when both loops are done
+                plgpu.barrier_arrive(loops_done)
+                plgpu.barrier_wait(loops_done)
             # consumer 0 leaves the query tile first (the kernel's store_early): consumer 1 writes after it
             if scores_here:
                 stat_smem[1] = l
@@ -160,17 +183,22 @@ def ladder_kernel(B: int, S: int, rung: str):
             pl.when(wg == half)(functools.partial(consumer, half))
 
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    key_slots = plgpu.SMEM((stages, BK, C), jnp.bfloat16, transforms=swizzled)
+    out_tiles = plgpu.SMEM((2, ROWS, LH), jnp.bfloat16, transforms=swizzled)
+    if query_in_slot:
+        shared = (plgpu.RefUnion(key_slots, out_tiles),)
+    else:
+        shared = (plgpu.RefUnion(plgpu.SMEM((ROWS, C), jnp.bfloat16, transforms=swizzled), out_tiles), key_slots)
     return plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct((NS, B, ROWS, L), jnp.bfloat16),
         scratch_types=(
-            plgpu.RefUnion(plgpu.SMEM((ROWS, C), jnp.bfloat16, transforms=swizzled),
-                           plgpu.SMEM((2, ROWS, LH), jnp.bfloat16, transforms=swizzled)),
-            plgpu.SMEM((STAGES, BK, C), jnp.bfloat16, transforms=swizzled),
+            *shared,
             plgpu.SMEM((ROWS, BK), jnp.bfloat16, transforms=swizzled),
             plgpu.SMEM((2, ROWS), jnp.float32),
-            plgpu.Barrier(num_barriers=STAGES),
-            plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_arrivals=2, num_barriers=stages),
             plgpu.Barrier(num_barriers=4),  # the query tile's, p ready, p free, consumer 0 done
+            plgpu.Barrier(num_arrivals=2),  # both consumers' loops done (the slot layouts' outputs wait for it)
         ),
         grid=(B, NS), grid_names=("stream", "split"), num_threads=3, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0))
@@ -211,6 +239,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--points", default=DEFAULT_POINTS, help="'B,S;B,S...' streams and cache rows (S %% 64 == 0)")
     ap.add_argument("--rungs", default=",".join(RUNGS))
+    ap.add_argument("--layouts", default="tile2", help=f"shared-memory layouts of the rungs, of {tuple(LAYOUTS)}")
     ap.add_argument("--calls", type=int, default=8)
     ap.add_argument("--commit", default=None)
     ap.add_argument("--out", default=None, help="folder for probe_attention_ladder.json")
@@ -218,6 +247,9 @@ def main(argv=None):
     rungs = [r for r in args.rungs.split(",") if r]
     if any(r not in RUNGS for r in rungs):
         ap.error(f"--rungs must name rungs of {RUNGS}")
+    layouts = [name for name in args.layouts.split(",") if name]
+    if not layouts or any(name not in LAYOUTS for name in layouts):
+        ap.error(f"--layouts must name layouts of {tuple(LAYOUTS)}")
     points = bench_util.int_points(args.points, 2)
     if any(B < 1 or S < BK or S % BK for B, S in points):
         ap.error(f"--points: each S must be a positive multiple of {BK}")
@@ -232,21 +264,24 @@ def main(argv=None):
         floor_us = point_bytes(B, S) / bandwidth * 1e6
         real = real_kernel(B, S)
         o_real = jax.jit(real)(q, kv)
-        previous = None
-        for rung in rungs + ["kernel"]:
-            fn = real if rung == "kernel" else ladder_kernel(B, S, rung)
+        steps = [(layout, rung) for layout in layouts for rung in rungs
+                 if not (LAYOUTS[layout][1] and rung == "query")] + [("kernel", "kernel")]
+        previous = {}
+        for layout, rung in steps:
+            fn = real if rung == "kernel" else ladder_kernel(B, S, rung, layout)
             us = mosaic_us(bench_util.traced_call_time(fn, (q, kv), args.calls))
-            row = dict(B=B, S=S, rung=rung, splits=splits_for(B, 1, 64, S, BK), kernel_us=us, floor_us=floor_us,
-                       pct_floor=100 * floor_us / us, added_us=None if previous is None else us - previous)
-            if rung == "pv":  # the top rung computes the kernel's partials
+            row = dict(B=B, S=S, layout=layout, rung=rung, splits=splits_for(B, 1, 64, S, BK), kernel_us=us,
+                       floor_us=floor_us, pct_floor=100 * floor_us / us,
+                       added_us=us - previous[layout] if layout in previous else None)
+            if rung == "pv" and layout == "tile2":  # the top rung computes the kernel's partials
                 o = jax.jit(fn)(q, kv).astype(jnp.float32)
                 ref = o_real.astype(jnp.float32)
                 row["rel_err_vs_kernel"] = float(jnp.linalg.norm(o - ref) / jnp.linalg.norm(ref))
             rows.append(row)
-            previous = us if rung != "kernel" else previous
+            previous[layout] = us
             print(row, flush=True)
-    bench_util.print_table(rows, ["B", "S", "rung", "splits", "kernel_us", "added_us", "floor_us", "pct_floor",
-                                  "rel_err_vs_kernel"])
+    bench_util.print_table(rows, ["B", "S", "layout", "rung", "splits", "kernel_us", "added_us", "floor_us",
+                                  "pct_floor", "rel_err_vs_kernel"])
     if args.out:
         bench_util.write_result("probe_attention_ladder", dict(code_commit=args.commit, bandwidth_Bps=bandwidth,
                                                                rows=rows), args.out)

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from experiments.probe_attention_ladder import RUNGS, ladder_kernel, main, mosaic_us, point_bytes, real_kernel
+from experiments.probe_attention_ladder import LAYOUTS, RUNGS, ladder_kernel, main, mosaic_us, point_bytes, real_kernel
 from pallas_kernels.mla_attention_plan import splits_for
 
 
@@ -23,6 +23,16 @@ def test_rungs_lower_for_cuda_in_the_ops_grid(rung):
     assert low.out_info.shape == (splits_for(B, 1, 64, S, 64), B, 64, 512)
 
 
+@pytest.mark.parametrize("layout,rung", [("slot2", "copy"), ("slot3", "scores"), ("slot3", "pv")])
+def test_layouts_without_the_query_tile_lower(layout, rung):
+    """The query tile's memory as a third key slot (slot3) fits the H200's shared memory beside p and the stats."""
+    B, S = 4, 4096
+    assert LAYOUTS[layout][1]
+    low = lowered(ladder_kernel(B, S, rung, layout), B, S)
+    assert low.as_text().count("mosaic_gpu") >= 1
+    assert low.out_info.shape == (splits_for(B, 1, 64, S, 64), B, 64, 512)
+
+
 def test_real_kernel_on_the_same_blocks_lowers():
     low = lowered(real_kernel(2, 1024), 2, 1024)
     assert "mosaic_gpu" in low.as_text() and low.out_info.shape == (splits_for(2, 1, 64, 1024, 64), 2, 64, 512)
@@ -31,6 +41,10 @@ def test_real_kernel_on_the_same_blocks_lowers():
 def test_bad_arguments():
     with pytest.raises(ValueError, match="not one of"):
         ladder_kernel(1, 1024, "merge")
+    with pytest.raises(ValueError, match="not one of"):
+        ladder_kernel(1, 1024, "copy", "tile3")
+    with pytest.raises(ValueError, match="has no query tile"):
+        ladder_kernel(1, 1024, "query", "slot3")
     for B, S in ((0, 1024), (1, 100), (1, 0)):
         with pytest.raises(ValueError, match="positive multiple of 64"):
             ladder_kernel(B, S, "copy")
@@ -38,6 +52,9 @@ def test_bad_arguments():
         main(["--points", "1,100"])
     with pytest.raises(SystemExit):
         main(["--rungs", "copy,merge"])
+    for layouts in ("slot4", ","):
+        with pytest.raises(SystemExit):
+            main(["--layouts", layouts])
     assert point_bytes(16, 8192) == 2 * 16 * (8192 * 576 + 64 * 576 + 576 + 64 * 512)  # keys, q, tree key, out
     if jax.default_backend() != "gpu":
         with pytest.raises(SystemExit, match="needs a Hopper GPU"):
