@@ -285,9 +285,11 @@ def prepare_for_kernels(model: nnx.Module, *, layout: str = "tiles", allow_twin_
         if isinstance(w13, tuple(KERNEL_LAYOUTS.values())) or isinstance(w2, tuple(KERNEL_LAYOUTS.values())):
             raise ValueError(f"{name}: experts are already in another kernel layout ({type(w13).__name__} / "
                              f"{type(w2).__name__}); call unprepare_for_kernels(model) first to change to {layout!r}")
-        if not (isinstance(w13, QuantArray) and isinstance(w2, QuantArray)):
-            raise ValueError(f"{name}: routed experts are {type(w13).__name__} ({getattr(w13, 'dtype', '?')}), not "
-                             "INT4; the INT4 kernels need compressed-tensors experts (a config with quant)")
+        for attr, value in (("w13", w13), ("w2", w2)):
+            if not isinstance(value, QuantArray):
+                raise ValueError(f"{name}: routed experts' {attr} is {type(value).__name__} "
+                                 f"({getattr(value, 'dtype', '?')}), not INT4; the INT4 kernels need "
+                                 "compressed-tensors experts (a config with quant)")
         try:
             new13, new2, problem = _to_layout(layout, w13, w2, fuse_silu)
         except ValueError as e:
