@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from ddtree_jax.quant import dequantize_int4, pack_int4
-from pallas_kernels.int4_moe import (Int4ExpertWeights, PlanarInt4, _dequant_planar, int4_moe,
-                                     int4_moe_ref, routed_experts)
+from pallas_kernels.int4_moe import (Int4ExpertWeights, PlanarInt4, _default_split, _dequant_planar, _kernel_tiling,
+                                     default_tile, int4_moe, int4_moe_ref, routed_experts)
 
 
 def make_ct(e, d, f, seed=0, group=32):
@@ -178,6 +178,50 @@ def test_entry_points_refuse_tiling_the_weights_do_not_divide(kshape):
         int4_moe(*args, interpret=True, dequant="asm")
 
 
+@pytest.mark.parametrize("m,k,e", [(1, 8, 384), (3, 2, 8), (17, 2, 8), (64, 8, 384), (300, 8, 384), (1000, 8, 16),
+                                   (5, 4, 4), (40, 1, 2)])
+def test_default_tile_is_mean_pairs_per_busy_expert_rounded_up_to_a_power_of_two(m, k, e):
+    """T = the smallest power of two >= the mean pairs per busy expert (M*K / min(E, M*K)), clipped to
+    [smallest, largest]; checked against the definition for several bounds (no golden tile)."""
+    mean = m * k / min(e, m * k)
+    for lo, hi in ((16, 64), (1, 64), (1, 1024), (4, 8)):
+        t = default_tile(m, k, e, smallest=lo, largest=hi)
+        assert isinstance(t, int) and t & (t - 1) == 0 and lo <= t <= hi, (t, lo, hi)
+        if t < hi:
+            assert t >= mean, (t, mean)
+        if t > lo:
+            assert t < 2 * mean, (t, mean)
+
+
+def test_default_split_k_is_the_smallest_divisor_reaching_528_programs():
+    """``_default_split(programs, nblk)``: the smallest divisor s of the K-block count with programs * s >= 528 (4
+    programs per SM), or the whole block count when no divisor gets there; brute force over a grid that includes
+    exact hits (264 programs x 2 = 528)."""
+    for nblk in (1, 2, 4, 7, 12, 28):
+        divisors = [s for s in range(1, nblk + 1) if nblk % s == 0]
+        for programs in range(1, 600):
+            enough = [s for s in divisors if programs * s >= 528]
+            assert _default_split(programs, nblk) == (enough[0] if enough else nblk), (programs, nblk)
+
+
+@pytest.mark.parametrize("m", [1, 3, 64, 300])
+def test_default_split_counts_only_tiles_that_can_have_work(m):
+    """At K2.6 dims (E=384, D=7168, F=2048, top-8) the default split-K factors come from the programs of the
+    min(E, M*K) tiles that can have work (not all E experts): e.g. one decode token has 8 busy tiles x 32 row blocks,
+    too few for 528 programs, so kernel 1 splits its 28 K-blocks. The tile is ``default_tile`` unless one is given."""
+    e, d, f, k = 384, 7168, 2048, 8
+    sd = jax.ShapeDtypeStruct
+    wts = Int4ExpertWeights(w13=sd((e, 2 * f, d // 8), jnp.int32), w13_scale=sd((e, d // 32, 2 * f), jnp.bfloat16),
+                            w2=sd((e, d, f // 8), jnp.int32), w2_scale=sd((e, f // 32, d), jnp.bfloat16))
+    t, bn1, bn2, s1, s2 = _kernel_tiling(m, k, wts, None, 64, 64, None, None, "planes")
+    assert t == default_tile(m, k, e) and _kernel_tiling(m, k, wts, 8, 64, 64, None, None, "planes")[0] == 8
+    busy = min(e, m * k)
+    for programs, nblk, s in ((busy * (f // bn1), d // 256, s1), (busy * (d // bn2), f // 256, s2)):
+        assert _default_split(programs, nblk) == s, (programs, nblk, s)
+    if m == 1:
+        assert s1 > 1  # a decode token's gate/up GEMM is split-K
+
+
 def test_planar_leaves_roundtrip_and_dequantize_bit_exact():
     """Each stack alone (the model's leaves): f32 scales keep their dtype, rows dequantise in natural order."""
     ct = make_ct(3, 256, 128, seed=4)
@@ -282,6 +326,8 @@ def test_kernel_interpret_split_k_and_tiny_blocks(tiny):
     y2 = int4_moe(x2, jnp.asarray(ids2), jnp.asarray(rw2), w2, interpret=True, split1=2, split2=2,
                   block_n1=256, block_n2=512, design="join")
     assert rel(y2, dense_moe(np.asarray(x2), ids2, rw2, ct2)) < 1e-5
+
+
 
 
 # --- GPU parity at K2.6 shapes (skipped without a GPU) ---------------------------------------------------
