@@ -328,6 +328,66 @@ def test_kernel_interpret_split_k_and_tiny_blocks(tiny):
     assert rel(y2, dense_moe(np.asarray(x2), ids2, rw2, ct2)) < 1e-5
 
 
+def dense_moe_bf16(x, ids, w, ct, round_w):
+    """float64 numpy y [M, D] of the bf16 kernel's arithmetic: h = silu(g) * u rounded to bf16 (the module's stated
+    rounding of the intermediate), weights exact (``round_w=False``, design "planes": f32 post-scaling) or each
+    dequantised weight q * scale rounded to bf16 (``round_w=True``, design "join": planes scaled in bf16)."""
+    def deq(packed, scale):
+        wd = np.asarray(dequantize_int4(packed, jnp.asarray(scale, jnp.float32)), np.float64)
+        return np.asarray(jnp.asarray(wd, jnp.bfloat16), np.float64) if round_w else wd
+
+    w13, w2 = deq(ct[0], ct[1]), deq(ct[2], ct[3])
+    f = w13.shape[1] // 2
+    x = np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+    y = np.zeros((x.shape[0], w2.shape[1]))
+    for m in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            e = ids[m, k]
+            gu = w13[e] @ x[m]
+            h = np.asarray(jnp.asarray(gu[:f] / (1 + np.exp(-gu[:f])) * gu[f:], jnp.bfloat16), np.float64)
+            y[m] += w[m, k] * (w2[e] @ h)
+    return y
+
+
+@pytest.mark.parametrize("design", ["planes", "join"])
+def test_kernel_interpret_bf16_split_k_matches_bf16_reference(design):
+    """bf16 tokens through the kernel with split-K in both GEMMs: the split partial sums stay f32 (only h is rounded
+    to bf16, as the one-pass epilogue does), "join" scales its planes in bf16 while "planes" post-scales in f32, so
+    y (out_dtype f32) equals a float64 evaluation with exactly those roundings to ~1e-7 (a wrong rounding shows at
+    ~3e-3); the default out_dtype is x's, the same values cast once at the end."""
+    ct = make_ct(2, 512, 512, seed=12)
+    wts = Int4ExpertWeights.from_compressed_tensors(*ct)
+    ids, rw = make_routing(3, 2, 2, seed=12)
+    x = jnp.asarray(np.random.default_rng(12).standard_normal((3, 512)), jnp.bfloat16)
+    run = functools.partial(int4_moe, x, jnp.asarray(ids), jnp.asarray(rw), wts, interpret=True, split1=2, split2=2,
+                            block_n1=256, block_n2=512, design=design)
+    y32 = run(out_dtype=jnp.float32)
+    assert y32.dtype == jnp.float32
+    assert rel(y32, dense_moe_bf16(x, ids, rw, ct, round_w=design == "join")) < 1e-5
+    y16 = run()
+    assert y16.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(y16, np.float32), np.asarray(y32.astype(jnp.bfloat16), np.float32))
+
+
+def test_kernel_traffic_dtypes_at_k26_dims():
+    """Traced (not run) at K2.6 dims for one bf16 decode token (default split-K 4 on the gate/up GEMM, none on down):
+    kernel 1 writes f32 split-K partials of gate and up, the XLA epilogue hands h to kernel 2 in x's dtype (bf16,
+    half the bytes of f32), and kernel 2 writes f32 rows."""
+    e, d, f, k = 384, 7168, 2048, 8
+    sd = jax.ShapeDtypeStruct
+    wts = Int4ExpertWeights(w13=sd((e, 2 * f, d // 8), jnp.int32), w13_scale=sd((e, d // 32, 2 * f), jnp.bfloat16),
+                            w2=sd((e, d, f // 8), jnp.int32), w2_scale=sd((e, f // 32, d), jnp.bfloat16))
+    args = (sd((1, d), jnp.bfloat16), sd((1, k), jnp.int32), sd((1, k), jnp.float32), wts)
+    jaxpr = jax.make_jaxpr(functools.partial(int4_moe, interpret=True))(*args).jaxpr
+    calls = {q.params["name"]: q for q in jaxpr.eqns if q.primitive.name == "pallas_call"}
+    gate_up, down = calls["int4_moe_gate_up"], calls["int4_moe_down"]
+    split1 = gate_up.params["grid_mapping"].grid[2]
+    assert split1 > 1
+    [h_parts] = gate_up.params["out_avals"]
+    assert h_parts.dtype == jnp.float32 and h_parts.shape[:3] == (split1, 2, f)
+    x_t, h_t = gate_up.invars[1].aval, down.invars[2].aval
+    assert x_t.dtype == jnp.bfloat16 and h_t.dtype == jnp.bfloat16 and h_t.shape == (f, x_t.shape[1])
+    assert down.params["out_avals"][0].dtype == jnp.float32
 
 
 # --- GPU parity at K2.6 shapes (skipped without a GPU) ---------------------------------------------------
