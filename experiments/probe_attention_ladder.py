@@ -24,6 +24,10 @@ memory (query tile, two 72 KB key slots, the probability tile: one program per S
 ``--layouts`` adds the rungs in shared-memory layouts without the query tile (``LAYOUTS``): q·kᵀ reads the current
 key block as its query, so the tile's 72 KB can hold a third key slot (``slot3``; ``slot2`` is the control).
 
+Points of one grid size (the same B * splits programs) with different blocks a program give each rung a fixed cost
+and a cost per block (``fixed_and_per_block``, printed after the rungs), e.g. ``--points
+"16,2048;16,8192;16,32768;1,32768;1,65536;1,131072"`` (128 programs of 4-64 blocks).
+
 Beside the rungs, ``split_attention`` itself on the same blocks (the prefix one block short, one tree block of
 64 keys all visible), and the floor (the keys' bytes over PyTorch's copy bandwidth). Per rung the traced time of
 the Mosaic GPU kernel (the median of its launches over a chain of calls), its share of the floor and what the rung
@@ -235,6 +239,31 @@ def mosaic_us(result: dict) -> float:
     return statistics.median(result["launches_us"][names[0]])
 
 
+def fixed_and_per_block(rows: list[dict]) -> list[dict]:
+    """A least-squares line of each rung's kernel µs against the blocks of its busiest program
+    (ceil(S / 64 / splits)), per layout, rung and grid size (programs = B * splits), wherever a group holds at least
+    two block counts: its fixed µs (the intercept) and µs per block, with the largest residual. Rows of one grid
+    differ only in how many blocks each program streams, so the intercept is what a program costs before and after
+    its blocks (launch, the first copies' latency, the first and last blocks' exposed work, the epilogue)."""
+    groups: dict[tuple, list[tuple[int, float]]] = {}
+    for r in rows:
+        blocks = -(-(r["S"] // BK) // r["splits"])
+        groups.setdefault((r["layout"], r["rung"], r["B"] * r["splits"]), []).append((blocks, r["kernel_us"]))
+    fits = []
+    for (layout, rung, programs), pts in groups.items():
+        if len({b for b, _ in pts}) < 2:
+            continue
+        mean_b = sum(b for b, _ in pts) / len(pts)
+        mean_t = sum(t for _, t in pts) / len(pts)
+        per_block = (sum((b - mean_b) * (t - mean_t) for b, t in pts)
+                     / sum((b - mean_b) ** 2 for b, _ in pts))
+        fixed = mean_t - per_block * mean_b
+        fits.append(dict(layout=layout, rung=rung, programs=programs, blocks=sorted({b for b, _ in pts}),
+                         us_per_block=per_block, fixed_us=fixed,
+                         max_residual_us=max(abs(t - fixed - per_block * b) for b, t in pts)))
+    return fits
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--points", default=DEFAULT_POINTS, help="'B,S;B,S...' streams and cache rows (S %% 64 == 0)")
@@ -282,9 +311,13 @@ def main(argv=None):
             print(row, flush=True)
     bench_util.print_table(rows, ["B", "S", "layout", "rung", "splits", "kernel_us", "added_us", "floor_us",
                                   "pct_floor", "rel_err_vs_kernel"])
+    fits = fixed_and_per_block(rows)
+    if fits:
+        bench_util.print_table(fits, ["layout", "rung", "programs", "blocks", "us_per_block", "fixed_us",
+                                      "max_residual_us"])
     if args.out:
         bench_util.write_result("probe_attention_ladder", dict(code_commit=args.commit, bandwidth_Bps=bandwidth,
-                                                               rows=rows), args.out)
+                                                               rows=rows, fits=fits), args.out)
     return rows
 
 

@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from experiments.probe_attention_ladder import LAYOUTS, RUNGS, ladder_kernel, main, mosaic_us, point_bytes, real_kernel
+from experiments.probe_attention_ladder import (LAYOUTS, RUNGS, fixed_and_per_block, ladder_kernel, main, mosaic_us,
+                                               point_bytes, real_kernel)
 from pallas_kernels.mla_attention_plan import splits_for
 
 
@@ -69,3 +70,24 @@ def test_mosaic_us_is_the_median_launch():
     assert mosaic_us(result) == 11.5
     with pytest.raises(RuntimeError, match="one Mosaic GPU kernel"):
         mosaic_us({"launches_us": {"tie_fusion": [1.0]}, "kernels": []})
+
+
+def test_fixed_and_per_block_recovers_a_line_per_grid():
+    """Rows of one grid size (B * splits programs) on an exact line are fitted back to its intercept and slope; a
+    group with one block count (or one point) has no line; layouts, rungs and grid sizes are never mixed. Session
+    53's two copy-rung points (128 programs of 16 and 8 blocks) give its quoted 2.01 µs a block and 6.4 µs fixed."""
+    def row(B, S, splits, us, rung="copy", layout="tile2"):
+        return dict(B=B, S=S, splits=splits, kernel_us=us, rung=rung, layout=layout)
+
+    line = [row(16, S, 8, 6.4 + 2.01 * (S // 64 // 8)) for S in (2048, 4096, 8192, 16384)]
+    line += [row(1, S, 128, 6.4 + 2.01 * (S // 64 // 128)) for S in (32768, 131072)]
+    others = [row(16, 8192, 8, 99.0, rung="pv"), row(4, 8192, 33, 10.0), row(4, 65536, 33, 70.0, layout="slot2")]
+    [fit] = fixed_and_per_block(line + others)
+    assert (fit["layout"], fit["rung"], fit["programs"], fit["blocks"]) == ("tile2", "copy", 128, [4, 8, 16, 32])
+    assert abs(fit["us_per_block"] - 2.01) < 1e-9 and abs(fit["fixed_us"] - 6.4) < 1e-9
+    assert fit["max_residual_us"] < 1e-9
+    # the busiest program sets the blocks: 33 splits of 128 blocks -> 4; of 1024 -> 32 (31 or 32 each)
+    [fit] = fixed_and_per_block([row(4, 8192, 33, 10.0), row(4, 65536, 33, 70.0)])
+    assert fit["blocks"] == [4, 32] and abs(fit["us_per_block"] - 60.0 / 28) < 1e-9
+    [fit] = fixed_and_per_block([row(16, 8192, 8, 38.58), row(1, 65536, 128, 22.50)])
+    assert round(fit["us_per_block"], 2) == 2.01 and round(fit["fixed_us"], 1) == 6.4
