@@ -45,6 +45,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax import lax  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
@@ -55,7 +56,7 @@ from pallas_kernels.mla_attention_plan import split_range, splits_for  # noqa: E
 from pallas_kernels.tree_attention import _LOG2E  # noqa: E402
 
 RUNGS = ("copy", "query", "scores", "softmax", "pv")
-C, L, ROWS, BK, STAGES = 576, 512, 64, 64, 2
+C, L, ROWS, BK = 576, 512, 64, 64
 LH = L // 2
 SCALE = 0.14468                   # K2.6's softmax scale, as the benchmarks use it
 SCALE_LOG2 = SCALE * _LOG2E
@@ -253,11 +254,7 @@ def fixed_and_per_block(rows: list[dict]) -> list[dict]:
     for (layout, rung, programs), pts in groups.items():
         if len({b for b, _ in pts}) < 2:
             continue
-        mean_b = sum(b for b, _ in pts) / len(pts)
-        mean_t = sum(t for _, t in pts) / len(pts)
-        per_block = (sum((b - mean_b) * (t - mean_t) for b, t in pts)
-                     / sum((b - mean_b) ** 2 for b, _ in pts))
-        fixed = mean_t - per_block * mean_b
+        per_block, fixed = (float(c) for c in np.polyfit(*zip(*pts), 1))
         fits.append(dict(layout=layout, rung=rung, programs=programs, blocks=sorted({b for b, _ in pts}),
                          us_per_block=per_block, fixed_us=fixed,
                          max_residual_us=max(abs(t - fixed - per_block * b) for b, t in pts)))
