@@ -16,6 +16,17 @@ from pallas_kernels.int4_moe import (Int4ExpertWeights, PlanarInt4, _default_spl
                                      default_tile, int4_moe, int4_moe_ref, routed_experts)
 
 
+K26_DIMS = (384, 7168, 2048, 8)  # experts, d_model, d_ff, top-k
+
+
+def k26_abstract_weights() -> Int4ExpertWeights:
+    """K2.6's routed-expert stacks as shapes only, for tests that trace or lower the kernels without running them."""
+    e, d, f, _ = K26_DIMS
+    sd = jax.ShapeDtypeStruct
+    return Int4ExpertWeights(w13=sd((e, 2 * f, d // 8), jnp.int32), w13_scale=sd((e, d // 32, 2 * f), jnp.bfloat16),
+                             w2=sd((e, d, f // 8), jnp.int32), w2_scale=sd((e, f // 32, d), jnp.bfloat16))
+
+
 def make_ct(e, d, f, seed=0, group=32):
     """Random compressed-tensors expert weights: (w13_packed, w13_scale, w2_packed, w2_scale)."""
     r = np.random.default_rng(seed)
@@ -209,10 +220,8 @@ def test_default_split_counts_only_tiles_that_can_have_work(m):
     """At K2.6 dims (E=384, D=7168, F=2048, top-8) the default split-K factors come from the programs of the
     min(E, M*K) tiles that can have work (not all E experts): e.g. one decode token has 8 busy tiles x 32 row blocks,
     too few for 528 programs, so kernel 1 splits its 28 K-blocks. The tile is ``default_tile`` unless one is given."""
-    e, d, f, k = 384, 7168, 2048, 8
-    sd = jax.ShapeDtypeStruct
-    wts = Int4ExpertWeights(w13=sd((e, 2 * f, d // 8), jnp.int32), w13_scale=sd((e, d // 32, 2 * f), jnp.bfloat16),
-                            w2=sd((e, d, f // 8), jnp.int32), w2_scale=sd((e, f // 32, d), jnp.bfloat16))
+    e, d, f, k = K26_DIMS
+    wts = k26_abstract_weights()
     t, bn1, bn2, s1, s2 = _kernel_tiling(m, k, wts, None, 64, 64, None, None, "planes")
     assert t == default_tile(m, k, e) and _kernel_tiling(m, k, wts, 8, 64, 64, None, None, "planes")[0] == 8
     busy = min(e, m * k)
@@ -373,10 +382,9 @@ def test_kernel_traffic_dtypes_at_k26_dims():
     """Traced (not run) at K2.6 dims for one bf16 decode token (default split-K 4 on the gate/up GEMM, none on down):
     kernel 1 writes f32 split-K partials of gate and up, the XLA epilogue hands h to kernel 2 in x's dtype (bf16,
     half the bytes of f32), and kernel 2 writes f32 rows."""
-    e, d, f, k = 384, 7168, 2048, 8
+    e, d, f, k = K26_DIMS
     sd = jax.ShapeDtypeStruct
-    wts = Int4ExpertWeights(w13=sd((e, 2 * f, d // 8), jnp.int32), w13_scale=sd((e, d // 32, 2 * f), jnp.bfloat16),
-                            w2=sd((e, d, f // 8), jnp.int32), w2_scale=sd((e, f // 32, d), jnp.bfloat16))
+    wts = k26_abstract_weights()
     args = (sd((1, d), jnp.bfloat16), sd((1, k), jnp.int32), sd((1, k), jnp.float32), wts)
     jaxpr = jax.make_jaxpr(functools.partial(int4_moe, interpret=True))(*args).jaxpr
     calls = {q.params["name"]: q for q in jaxpr.eqns if q.primitive.name == "pallas_call"}
@@ -451,10 +459,9 @@ def test_kernel_lowers_for_cuda_on_cpu(design, m, monkeypatch):
         return res
 
     monkeypatch.setattr(reg.lowering, "lower_jaxpr_to_triton_module", verified)
-    e, d, f, k = 384, 7168, 2048, 8
+    e, d, f, k = K26_DIMS
     sd = jax.ShapeDtypeStruct
-    wts = Int4ExpertWeights(w13=sd((e, 2 * f, d // 8), jnp.int32), w13_scale=sd((e, d // 32, 2 * f), jnp.bfloat16),
-                            w2=sd((e, d, f // 8), jnp.int32), w2_scale=sd((e, f // 32, d), jnp.bfloat16))
+    wts = k26_abstract_weights()
     args = (sd((m, d), jnp.bfloat16), sd((m, k), jnp.int32), sd((m, k), jnp.float32), wts)
     text = jax.jit(functools.partial(int4_moe, design=design)).trace(*args).lower(
         lowering_platforms=("cuda",)).as_text()
