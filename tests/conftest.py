@@ -3,6 +3,7 @@
 Only this file and experiments/ read the environment; library code never does.
 """
 
+import gc
 import os
 
 os.environ.setdefault("XLA_FLAGS", "")
@@ -41,3 +42,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Keeps a worker's exit inside pytest-xdist's grace period.
+
+    A worker ends holding ~2 million objects (JAX's compile caches, torch, transformers), and each full garbage
+    collection of them took ~2 s on the 2-core CI machine. Teardown triggered several in a row; 5 s after the
+    controller asked a worker to stop, execnet sent it SIGINT, which surfaced as a KeyboardInterrupt "ignored" in
+    JAX's GC callback (sessions 52-54; their execnet traces say "sending ourselves a SIGINT"). Collecting at exit
+    frees nothing that exit does not, so what is alive now is frozen out of every later collection."""
+    gc.freeze()
