@@ -86,6 +86,20 @@ def check_temperature(temperature) -> float:
     return float(temperature)
 
 
+SEED_LIMIT = 2**32
+"""Seeds are ints in [0, SEED_LIMIT): ``jax.random.key`` keeps 32 bits without x64, so 2**32 would alias 0 and -1
+would alias 2**32 - 1."""
+
+
+def check_seed(seed) -> int:
+    """The sampling seed as an int in [0, SEED_LIMIT); ValueError otherwise."""
+    if not _is_int(seed):
+        raise ValueError(f"seed must be an integer, got {seed!r}")
+    if not 0 <= seed < SEED_LIMIT:
+        raise ValueError(f"seed must be in [0, {SEED_LIMIT}) (a 32-bit key), got {seed}")
+    return int(seed)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DecodeState:
@@ -192,7 +206,7 @@ class Engine:
     # ------------------------------------------------------------------ prefill
     def prefill(self, prompts: Sequence[Sequence[int]], temperature: float = 0.0, seed: int = 0) -> DecodeState:
         ecfg = self.ecfg
-        temperature = check_temperature(temperature)
+        temperature, seed = check_temperature(temperature), check_seed(seed)
         tokens, lengths = pad_prompts(prompts, vocab_size=self.cfg.vocab_size, capacity=ecfg.capacity,
                                       reserve=self.depth + 1)
         b = len(prompts)

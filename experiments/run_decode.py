@@ -35,8 +35,8 @@ from ddtree_jax.checkpoint import (INDEX_FILE, checkpoint_config, is_drafter_che
                                    restore_drafter, restore_model)
 from ddtree_jax.config import QuantConfig, tiny_config  # noqa: E402
 from ddtree_jax.drafter import DFlashDrafter, load_hf_drafter, tiny_drafter_config  # noqa: E402
-from ddtree_jax.engine import (EOS, Engine, EngineConfig, check_temperature, inspect_round,  # noqa: E402
-                               required_capacity, tree_depth)
+from ddtree_jax.engine import (EOS, SEED_LIMIT, Engine, EngineConfig, check_temperature,  # noqa: E402
+                               inspect_round, required_capacity, tree_depth)
 from ddtree_jax.hf_loader import load_hf_model  # noqa: E402
 from ddtree_jax.model import KimiModel  # noqa: E402
 from ddtree_jax.tokenizer import load_tokenizer  # noqa: E402
@@ -49,7 +49,6 @@ CHECKPOINTS = os.path.join(ROOT, "checkpoints")
 MODE_CHOICES = ("ar", "dflash", "ddtree", "all")
 DEFAULT_BUDGET = 64
 DEFAULT_NUM_PROMPTS = 8
-SEED_LIMIT = 2**32
 PROMPTS_FILE_HELP = ("JSON Lines file of prompt texts: each line one JSON string, read exactly as JSON decodes it "
                      "(e.g. \"def f(x):\\n    return x\\n\" is two lines of code); blank lines are skipped, "
                      "\\r\\n line ends are fine")
@@ -117,8 +116,6 @@ def check_args(args) -> None:
         check_temperature(args.temperature)
     except ValueError as e:
         raise ValueError(f"--temperature: {e}") from None
-    if not 0 <= args.seed < SEED_LIMIT:
-        raise ValueError(f"--seed must be in [0, {SEED_LIMIT}), got {args.seed}")
     for flag, path in (("--target", args.target), ("--drafter", args.drafter)):
         if path not in (None, "random") and not os.path.isdir(path):
             raise ValueError(f"{flag} {path!r} is neither a directory nor 'random'")
@@ -127,6 +124,10 @@ def check_args(args) -> None:
     n = count_prompts(args)
     if args.streams is not None and args.streams > n:
         raise ValueError(f"--streams {args.streams} is more than the {n} prompts given")
+    batches = -(-n // (args.streams or n))
+    if not 0 <= args.seed < SEED_LIMIT - (batches - 1):
+        reason = f" (its {batches} batches of streams decode with --seed + 0..{batches - 1})" if batches > 1 else ""
+        raise ValueError(f"--seed must be in [0, {SEED_LIMIT - (batches - 1)}){reason}, got {args.seed}")
 
 
 def check_mode_flags(args, modes: Sequence[str]) -> None:

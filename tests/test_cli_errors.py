@@ -44,7 +44,10 @@ def refused(argv, capsys) -> str:
     (["--prompt-ids", " "], "--prompt-ids #1 must be"),
     (["--temperature", "-0.5"], "--temperature: temperature must be finite and >= 0"),
     (["--temperature", "nan"], "--temperature: temperature must be finite and >= 0"),
-    (["--seed", "-1"], "--seed must be in [0, 4294967296)"),
+    (["--seed", "-1"], "--seed must be in [0, 4294967296), got -1"),
+    (["--seed", "4294967296"], "--seed must be in [0, 4294967296), got 4294967296"),
+    (["--streams", "3", "--seed", "4294967294"],
+     "--seed must be in [0, 4294967294) (its 3 batches of streams decode with --seed + 0..2), got 4294967294"),
     (["--mode", "ar", "--compare"], "--mode ar is AR alone"),
     (["--mode", "ar", "--drafter", "random"], "--drafter is not used"),
     (["--target", "/no/such/model"], "--target '/no/such/model' is neither a directory nor 'random'"),
@@ -61,6 +64,8 @@ def test_mode_dependent_defaults():
     assert args.drafter.endswith("drafter")
     args = run_decode.parse_args(RANDOM + ["--mode", "ar", "--prompt", "hi"])
     assert (args.budget, args.drafter, args.num_prompts) == (None, None, None)
+    args = run_decode.parse_args(RANDOM + ["--streams", "3", "--seed", "4294967293"])  # its last batch: 2**32 - 1
+    assert args.seed == 4294967293
     args = run_decode.parse_args(RANDOM + ["--mode", "dflash", "--compare", "--drafter", "random", "--streams", "8"])
     assert run_decode.modes_of(args) == ["ar", "dflash"] and args.budget is None and args.streams == 8
 

@@ -14,7 +14,7 @@ from flax import nnx
 from ddtree_jax.config import QuantConfig, tiny_config
 from ddtree_jax.drafter import DFlashDrafter, tiny_drafter_config
 from ddtree_jax.engine import (CACHE_FULL, EOS, MAX_TOKENS, RUNNING, Engine, EngineConfig, _stop_and_emit,
-                               required_capacity, summarize)
+                               check_seed, required_capacity, summarize)
 from ddtree_jax.cache import init_cache
 from ddtree_jax.model import KimiModel, causal_mask
 from ddtree_jax.sharding import DEFAULT_RULES, make_mesh
@@ -270,6 +270,21 @@ def test_prompt_past_capacity_refused(models):
         engine.generate([[1] * 14])  # 14 + one tree of depth 3 does not fit 16 slots
     with pytest.raises(ValueError, match="does not fit the cache capacity 16"):
         engine.generate([[1] * 13])  # the tree's root row is one slot more than its depth
+
+
+def test_seed_outside_32_bits_refused(models):
+    """``jax.random.key`` keeps 32 bits without x64 (seed 2**32 gave seed 0's key, -1 gave 2**32 - 1's), so the
+    engine takes seeds in [0, 2**32) only, checked before anything compiles."""
+    target, drafter = models
+    engine = Engine(target, drafter, EngineConfig(mode="ddtree", budget=8, capacity=16))
+    for bad in (-1, 2**32, 2**63 - 1):
+        with pytest.raises(ValueError, match=rf"seed must be in \[0, 4294967296\) \(a 32-bit key\), got {bad}"):
+            engine.generate([[1, 2]], temperature=1.0, seed=bad)
+    for bad in (1.5, True, "3", None):
+        with pytest.raises(ValueError, match="seed must be an integer"):
+            engine.prefill([[1, 2]], seed=bad)
+    for good in (0, 2**32 - 1, np.uint32(7), np.int64(2**32 - 1)):
+        assert check_seed(good) == int(good) and type(check_seed(good)) is int
 
 
 def test_sharded_engine_matches(models, host_devices):
