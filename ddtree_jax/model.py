@@ -199,6 +199,7 @@ class KimiModel(nnx.Module):
 
     def _forward(self, tokens, positions, cache, tree_mask, tap_layers, runtime) -> ForwardOutput:
         cfg = self.cfg
+        check_block(cfg, tokens, positions, cache, tree_mask)
         for layer in tap_layers:
             if not 0 <= layer < cfg.num_layers:
                 raise ValueError(f"tap layer {layer} outside [0, {cfg.num_layers})")
@@ -239,8 +240,28 @@ def check_tokens(tokens, vocab_size: int) -> None:
         raise ValueError(f"token ids must lie in [0, {vocab_size}); got min {arr.min()} max {arr.max()}")
 
 
+def check_block(cfg: ModelConfig, tokens, positions, cache: LatentCache, tree_mask) -> None:
+    """Shapes and dtypes of a forward's block (static, so also under jit): tokens and positions [B, T] integers,
+    tree_mask [B, T, T] bool, cache kv [NL, B, S, C] and lengths [B]; a ValueError naming the argument otherwise.
+    A float position would rotate by a fraction of a step and a float mask would read any nonzero as visible."""
+    tokens, positions, tree_mask = (jnp.asarray(a) for a in (tokens, positions, tree_mask))
+    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(f"tokens must be [B, T] integers, got {tokens.shape} {tokens.dtype}")
+    b, t = tokens.shape
+    if positions.shape != (b, t) or not jnp.issubdtype(positions.dtype, jnp.integer):
+        raise ValueError(f"positions must be [B, T]={(b, t)} integers like tokens, got {positions.shape} "
+                         f"{positions.dtype}")
+    if tree_mask.shape != (b, t, t) or tree_mask.dtype != jnp.bool_:
+        raise ValueError(f"tree_mask must be [B, T, T]={(b, t, t)} bool, got {tree_mask.shape} {tree_mask.dtype}")
+    want_kv = (cfg.num_layers, b, cache.capacity, cfg.latent_dim)
+    if cache.kv.shape != want_kv or cache.lengths.shape != (b,):
+        raise ValueError(f"cache must hold kv [NL, B, S, C]={want_kv} and lengths [B]=({b},) for this block, got "
+                         f"kv {cache.kv.shape} and lengths {cache.lengths.shape}")
+
+
 def causal_mask(batch: int, t: int) -> jax.Array:
     return jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (batch, t, t))
 
 
-__all__ = ["KimiModel", "Runtime", "ForwardOutput", "check_tokens", "causal_mask", "latent_attention", "rms_norm"]
+__all__ = ["KimiModel", "Runtime", "ForwardOutput", "check_block", "check_tokens", "causal_mask", "latent_attention",
+           "rms_norm"]

@@ -103,8 +103,7 @@ class Tree:
         ``start`` [B] int32 is the position of the root (the bonus token) in each stream. Siblings
         share a position.
         """
-        start = jnp.asarray(start, jnp.int32)
-        return start[:, None] + self.depths
+        return _as_int32("start", start)[:, None] + self.depths
 
 
 jax.tree_util.register_dataclass(
@@ -200,6 +199,36 @@ def check_budget(budget, depth: int | None = None, vocab: int | None = None) -> 
 # --------------------------------------------------------------------------------------------------
 
 
+def _as_int32(name: str, values) -> jax.Array:
+    """``values`` as int32, refusing a non-integer dtype (a float id would be truncated without a word)."""
+    values = jnp.asarray(values)
+    if not jnp.issubdtype(values.dtype, jnp.integer):
+        raise ValueError(f"{name} must be integers, got dtype {values.dtype}")
+    return values.astype(jnp.int32)
+
+
+def _check_parents(parents: np.ndarray, max_depth: int) -> None:
+    """A concrete parents array [B, T] describes trees: the root's parent is -1, every other node's parent an
+    earlier node, and no node deeper than ``max_depth``; ValueError naming the first (stream, node) that is not."""
+    b, t = parents.shape
+    bad_root = np.flatnonzero(parents[:, 0] != -1)
+    if bad_root.size:
+        raise ValueError(f"parents[:, 0] must be -1 (node 0 is the root); stream {bad_root[0]} has "
+                         f"{parents[bad_root[0], 0]}")
+    nodes = np.arange(t)
+    bad = np.argwhere((parents[:, 1:] < 0) | (parents[:, 1:] >= nodes[1:]))
+    if bad.size:
+        s, n = bad[0][0], bad[0][1] + 1
+        raise ValueError(f"parents[:, t] must lie in [0, t) for t >= 1; stream {s} node {n} has {parents[s, n]}")
+    depths = np.zeros((b, t), np.int64)
+    for n in range(1, t):
+        depths[:, n] = depths[np.arange(b), parents[:, n]] + 1
+    if depths.max(initial=0) > max_depth:
+        s, n = np.unravel_index(np.argmax(depths), depths.shape)
+        raise ValueError(f"max_depth={max_depth} is less than the trees' depth: stream {s} node {n} is at depth "
+                         f"{depths[s, n]}")
+
+
 def _ancestry(parents: jax.Array, max_depth: int) -> tuple[jax.Array, jax.Array]:
     """Depths [B, T] and ancestor-or-self visibility [B, T, T] by pointer chasing ``max_depth`` steps."""
     b, t = parents.shape
@@ -221,17 +250,20 @@ def make_tree(tokens, parents, max_depth: int, logprob=None) -> Tree:
     Args:
       tokens:    [B, T] int  node tokens, node 0 = root.
       parents:   [B, T] int  parent indices with ``parents[:, t] < t`` and ``parents[:, 0] == -1``.
-      max_depth: static int D >= every node depth (deeper nodes would get wrong depths; not checked
-                 on device). May exceed the true depth, e.g. to keep Acceptance shapes fixed.
+      max_depth: static int D >= every node depth. May exceed the true depth, e.g. to keep Acceptance
+                 shapes fixed.
       logprob:   optional [B, T] f32 cumulative draft log-probs (default zeros).
+    Concrete parents are checked (``parents`` as above, no node deeper than D); traced ones cannot be, and a
+    node deeper than D would get a wrong depth and visibility.
     """
-    tokens = jnp.asarray(tokens, jnp.int32)
-    parents = jnp.asarray(parents, jnp.int32)
+    tokens, parents = _as_int32("tokens", tokens), _as_int32("parents", parents)
     if tokens.ndim != 2 or tokens.shape != parents.shape:
         raise ValueError(f"tokens and parents must both be [B, T], got {tokens.shape}, {parents.shape}")
     max_depth = int(max_depth)
     if max_depth < 0:
         raise ValueError(f"max_depth must be >= 0, got {max_depth}")
+    if not isinstance(parents, jax.core.Tracer):
+        _check_parents(np.asarray(parents), max_depth)
     if logprob is None:
         logprob = jnp.zeros(tokens.shape, jnp.float32)
     logprob = jnp.asarray(logprob, jnp.float32)
@@ -251,8 +283,7 @@ def chain_tree(draft_tokens, root_token, token_logprobs=None) -> Tree:
                       their cumulative sum (zeros when omitted).
     Returns a causal Tree with parents [-1, 0, 1, ..., Dp-1] and max_depth Dp.
     """
-    draft_tokens = jnp.asarray(draft_tokens, jnp.int32)
-    root_token = jnp.asarray(root_token, jnp.int32)
+    draft_tokens, root_token = _as_int32("draft_tokens", draft_tokens), _as_int32("root_token", root_token)
     if draft_tokens.ndim != 2 or root_token.shape != draft_tokens.shape[:1]:
         raise ValueError(
             f"chain_tree expects draft_tokens [B, Dp] and root_token [B], got {draft_tokens.shape}, "
@@ -310,11 +341,11 @@ def build_tree(draft_logprobs, root_token, budget: int, top_k_method: str = "aut
       ValueError for a bad budget or bad shapes (at trace time).
     """
     lp = jnp.asarray(draft_logprobs)
-    if lp.ndim != 3:
-        raise ValueError(f"draft_logprobs must be [B, Dp, W], got shape {lp.shape}")
+    if lp.ndim != 3 or not jnp.issubdtype(lp.dtype, jnp.floating):
+        raise ValueError(f"draft_logprobs must be [B, Dp, W] floats, got shape {lp.shape} {lp.dtype}")
     b, dp, w = lp.shape
     budget = check_budget(budget, dp, w)
-    root_token = jnp.asarray(root_token, jnp.int32)
+    root_token = _as_int32("root_token", root_token)
     if root_token.shape != (b,):
         raise ValueError(f"root_token must be [B] = [{b}], got shape {root_token.shape}")
 
@@ -392,7 +423,7 @@ def accept_tokens(tree: Tree, target_tokens) -> Acceptance:
     from build_tree/chain_tree have none), until no child matches. ``lax.fori_loop`` over D steps,
     O(T) work per step and stream, no host sync.
     """
-    y = jnp.asarray(target_tokens, jnp.int32)
+    y = _as_int32("target_tokens", target_tokens)
     b, t = tree.tokens.shape
     if y.shape != (b, t):
         raise ValueError(f"target_tokens must be [B, T] = {(b, t)}, got {y.shape}")

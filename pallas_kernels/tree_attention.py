@@ -110,8 +110,8 @@ def _check_shapes(q, cache_kv, prefix_len, tree_kv, tree_mask, kv_lora_rank):
     if tree_kv.ndim != 3 or tree_kv.shape[0] != B or tree_kv.shape[1] < T or tree_kv.shape[2] != C:
         raise ValueError(f"tree_kv must be [B, T, C]={(B, T, C)} (or [B, T', C] with T' > T padding rows), "
                          f"got {tree_kv.shape}")
-    if tree_mask.shape != (B, T, T):
-        raise ValueError(f"tree_mask must be [B, T, T]={(B, T, T)}, got {tree_mask.shape}")
+    if tree_mask.shape != (B, T, T) or tree_mask.dtype != jnp.bool_:
+        raise ValueError(f"tree_mask must be [B, T, T]={(B, T, T)} bool, got {tree_mask.shape} {tree_mask.dtype}")
     if not isinstance(tree_mask, jax.core.Tracer):  # concrete: every node must see itself (else its row is empty)
         blind = np.argwhere(~np.diagonal(np.asarray(tree_mask, bool), axis1=1, axis2=2))
         if blind.size:

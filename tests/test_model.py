@@ -102,6 +102,30 @@ def test_logits_and_hidden_states_match_torch(any_pair, attention):
     assert rel_err(last, ref_hidden[n]) <= 1e-4
 
 
+def test_a_block_of_the_wrong_shape_or_dtype_is_refused_by_name():
+    """tokens, positions, tree_mask and cache must agree (B, T) and have integer / bool dtypes: a float position
+    would rotate by a fraction of a step and a float mask would read any nonzero as visible, silently."""
+    cfg = tiny_config()
+    model = KimiModel(cfg, nnx.Rngs(0))
+    b, t = 2, 3
+    tokens, positions = jnp.ones((b, t), jnp.int32), jnp.broadcast_to(jnp.arange(t), (b, t))
+    cache, mask = init_cache(cfg, b, 16), causal_mask(b, t)
+    cases = [((tokens[0], positions, cache, mask), r"tokens must be \[B, T\] integers, got \(3,\)"),
+             ((tokens.astype(jnp.float32), positions, cache, mask), "tokens must be .* float32"),
+             ((tokens, positions[:, :2], cache, mask), r"positions must be \[B, T\]=\(2, 3\) integers"),
+             ((tokens, positions + 0.5, cache, mask), "positions must be .* float32"),
+             ((tokens, positions, cache, mask[:1]), r"tree_mask must be \[B, T, T\]=\(2, 3, 3\) bool"),
+             ((tokens, positions, cache, mask.astype(jnp.float32)), "tree_mask must be .* float32"),
+             ((tokens, positions, init_cache(cfg, 3, 16), mask),
+              r"cache must hold kv \[NL, B, S, C\]=\(3, 2, 16, 40\)")]
+    for args, match in cases:
+        with pytest.raises(ValueError, match=match):
+            model(*args)
+        with pytest.raises(ValueError, match=match):
+            jax.jit(lambda *a: model(*a))(*args)
+    assert model(tokens, positions, cache, mask).logits.shape == (b, t, cfg.vocab_size)
+
+
 def test_taps_come_in_the_order_asked():
     """tap_layers (1, 0): taps[0] is layer 1's output, taps[1] layer 0's (a drafter's target_layer_ids order)."""
     cfg = tiny_config(num_layers=2, first_k_dense_replace=2)

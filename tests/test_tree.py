@@ -320,6 +320,47 @@ def test_malformed_tree_arguments_refused():
         tr.accept_tokens(tree, jnp.zeros((2, 3), jnp.int32))
 
 
+def test_float_ids_and_integer_log_probs_refused():
+    """A float token id or parent would be truncated to an int, and integer log-probs are not log-probs: each entry
+    point names the argument rather than converting it."""
+    tokens, parents = jnp.zeros((2, 4), jnp.int32), jnp.array([[-1, 0, 0, 1]] * 2, jnp.int32)
+    for args, name in (((tokens + 0.5, parents, 2), "tokens"), ((tokens, parents.astype(jnp.float32), 2), "parents")):
+        with pytest.raises(ValueError, match=f"^{name} must be integers, got dtype float32"):
+            tr.make_tree(*args)
+    with pytest.raises(ValueError, match="draft_tokens must be integers"):
+        tr.chain_tree(jnp.zeros((2, 3)), jnp.zeros((2,), jnp.int32))
+    with pytest.raises(ValueError, match="root_token must be integers"):
+        tr.chain_tree(jnp.zeros((2, 3), jnp.int32), jnp.zeros((2,)))
+    with pytest.raises(ValueError, match="root_token must be integers"):
+        tr.build_tree(jnp.zeros((2, 3, 8)), jnp.zeros((2,), jnp.float32), 4)
+    with pytest.raises(ValueError, match=r"draft_logprobs must be \[B, Dp, W\] floats, got shape \(2, 3, 8\) int32"):
+        tr.build_tree(jnp.zeros((2, 3, 8), jnp.int32), jnp.zeros((2,), jnp.int32), 4)
+    tree = tr.make_tree(tokens, parents, 2)
+    with pytest.raises(ValueError, match="target_tokens must be integers"):
+        tr.accept_tokens(tree, jnp.zeros((2, 4)))
+    with pytest.raises(ValueError, match="start must be integers"):
+        tree.positions(jnp.zeros((2,)))
+    assert tr.build_tree(jnp.zeros((2, 3, 8), jnp.bfloat16), np.zeros((2,), np.int64), 4).tokens.dtype == jnp.int32
+
+
+@pytest.mark.parametrize("parents, max_depth, message", [
+    ([[0, 0, 0, 1]], 2, r"parents\[:, 0\] must be -1 \(node 0 is the root\); stream 0 has 0"),
+    ([[-1, 0, 2, 1]], 2, r"must lie in \[0, t\) for t >= 1; stream 0 node 2 has 2"),
+    ([[-1, 0, 0, 1], [-1, 0, 3, 0]], 2, "stream 1 node 2 has 3"),
+    ([[-1, -1, 0, 1]], 2, "stream 0 node 1 has -1"),
+    ([[-1, 0, 1, 2]], 2, "max_depth=2 is less than the trees' depth: stream 0 node 3 is at depth 3"),
+])
+def test_concrete_parents_that_are_not_trees_refused(parents, max_depth, message):
+    """A concrete parents array is checked against make_tree's contract (a traced one cannot be), so a wrong tree
+    never reaches the walk or the attention mask with wrong depths."""
+    parents = np.array(parents, np.int32)
+    with pytest.raises(ValueError, match=message):
+        tr.make_tree(np.zeros(parents.shape, np.int32), parents, max_depth)
+    traced = jax.jit(tr.make_tree, static_argnums=2)(np.zeros(parents.shape, np.int32), parents, max_depth)
+    assert traced.parents.shape == parents.shape  # under jit the contract is the caller's
+    assert tr.make_tree(np.zeros((1, 4), np.int32), np.array([[-1, 0, 1, 2]]), 3).depths.tolist() == [[0, 1, 2, 3]]
+
+
 # --------------------------------------------------------------------------------------------------
 # Acceptance walk
 # --------------------------------------------------------------------------------------------------

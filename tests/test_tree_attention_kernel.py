@@ -285,6 +285,7 @@ def test_shapes_that_do_not_fit_are_refused_by_name():
              ((q, cache[:1], plen, tkv, mask, 16), "cache_kv must be"),
              ((q, cache, plen, tkv, mask[:, :2, :2], 16), "tree_mask must be"),
              ((q, cache, plen, tkv, mask[:1], 16), "tree_mask must be"),
+             ((q, cache, plen, tkv, mask.astype(jnp.float32), 16), r"tree_mask must be .* bool, got .* float32"),
              ((q, cache, plen, tkv, mask, 0), "kv_lora_rank=0"),
              ((q, cache, plen, tkv, mask, 33), "kv_lora_rank=33")]
     for fn in (tree_attention_ref, functools.partial(tree_attention, interpret=True)):
