@@ -35,7 +35,7 @@ from ddtree_jax.decode import pad_prompts
 from ddtree_jax.drafter import (DFlashDrafter, DraftCache, check_drafter_target, draft_cache_axes, draft_logits,
                                 init_draft_cache)
 from ddtree_jax.model import KimiModel, Runtime, causal_mask
-from ddtree_jax.sharding import DEFAULT_RULES, named_sharding, shard_state
+from ddtree_jax.sharding import named_sharding, shard_state
 from ddtree_jax.tree import PAD, accept_tokens, build_tree, chain_tree, check_budget, sample_target_tokens
 
 MODES = ("ar", "dflash", "ddtree")
@@ -161,7 +161,7 @@ def place_caches(cache: LatentCache, draft_cache: DraftCache | None, runtime: Ru
     ``memory_plan`` counts them; unchanged without a mesh."""
     if runtime.mesh is None:
         return cache, draft_cache
-    rules = runtime.rules or DEFAULT_RULES
+    rules = runtime.rules  # set whenever a mesh is (Runtime's default: DEFAULT_RULES)
     cache = dataclasses.replace(cache, kv=jax.device_put(cache.kv, named_sharding(runtime.mesh, rules, CACHE_AXES)))
     if draft_cache is not None:
         draft_cache = jax.tree.map(lambda x, axes: jax.device_put(x, named_sharding(runtime.mesh, rules, axes)),

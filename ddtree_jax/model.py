@@ -24,7 +24,7 @@ from ddtree_jax.config import ModelConfig
 from ddtree_jax.layers import RMSNorm, SwiGLU, declare, dot, rms_norm
 from ddtree_jax.moe import MoE
 from ddtree_jax.rope import apply_rope_interleaved, rope_cos_sin
-from ddtree_jax.sharding import ShardingRules
+from ddtree_jax.sharding import DEFAULT_RULES, ShardingRules
 from pallas_kernels.mla_kernel_inputs import pad_tree_latents
 from pallas_kernels.tree_attention import mla_attention
 
@@ -43,6 +43,14 @@ class Runtime:
     # batch and can flip near-tie greedy tokens (greedy DDTree != AR; seen on an H200). Applied to f32
     # models only (bf16 operands have nothing to round further); no effect on CPU.
     matmul_precision: str | None = "float32"
+
+    def __post_init__(self):
+        if self.attention not in ("absorbed", "naive"):
+            raise ValueError(f"attention must be 'absorbed' or 'naive', got {self.attention!r}")
+        if self.mesh is not None and self.rules is None:
+            # the rules every placement on a mesh falls back to; without them the latent attention and the
+            # experts would run as one global program rather than per device (correct, but not sharded as placed)
+            object.__setattr__(self, "rules", DEFAULT_RULES)
 
 
 def latent_attention(attend: Callable, runtime: Runtime, q, cache_kv, prefix_len, tree_kv, tree_mask, **kw):
@@ -117,10 +125,8 @@ class MLA(nnx.Module):
             o_latent = latent_attention(attend, runtime, q_abs, cache_kv, prefix_len, pad_tree_latents(block_kv),
                                         tree_mask, scale=cfg.softmax_scale, kv_lora_rank=cfg.kv_lora_rank)
             o = dot(o_latent, w_uv, "bthl,lhv->bthv")
-        elif runtime.attention == "naive":
+        else:  # "naive" (Runtime checks the name)
             o = self._naive_attention(q_nope, q_pe, cache_kv, prefix_len, block_kv, tree_mask, w_uk, w_uv)
-        else:
-            raise ValueError(f"unknown attention {runtime.attention!r}")
         return dot(o, self.o.get_value(), "bthv,hvd->btd"), block_kv
 
     def _naive_attention(self, q_nope, q_pe, cache_kv, prefix_len, block_kv, tree_mask, w_uk, w_uv):

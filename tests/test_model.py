@@ -258,6 +258,16 @@ def test_sharded_equals_unsharded(pair, host_devices):
     assert sharded_state["layers"][1]["mlp"]["router"].value.sharding.is_fully_replicated
 
 
+def test_runtime_checks_its_attention_and_a_mesh_brings_its_rules(host_devices):
+    """A mesh without rules takes DEFAULT_RULES, which every placement on a mesh falls back to, so the latent
+    attention and the experts run per device as the weights were placed (without rules they left shard_map out)."""
+    mesh = make_mesh(data=2, model=4, devices=host_devices)
+    assert Runtime(mesh=mesh).rules is DEFAULT_RULES and Runtime(mesh=mesh) == Runtime(mesh=mesh, rules=DEFAULT_RULES)
+    assert Runtime().rules is None
+    with pytest.raises(ValueError, match="attention must be 'absorbed' or 'naive', got 'flash'"):
+        Runtime(attention="flash")
+
+
 @pytest.mark.parametrize("b,h", [(4, 6), (3, 8)])
 def test_latent_attention_leaves_an_axis_that_does_not_divide_replicated(b, h, host_devices):
     """data=2 x model=4: a batch or head count the mesh axis does not divide is left replicated (the other
