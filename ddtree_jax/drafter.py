@@ -29,6 +29,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from ddtree_jax.checks import as_int32
 from ddtree_jax.config import ConfigError, RopeConfig, yarn_mscale
 from ddtree_jax.layers import RMSNorm, SwiGLU, declare, dot
 from ddtree_jax.rope import apply_rope_half, rope_cos_sin
@@ -415,9 +416,13 @@ class DFlashDrafter(nnx.Module):
         slot lengths[b] + i. Returns (cache, overflow [B] bool). Writes never clamp: a stream with
         lengths + counts > capacity, or counts outside [0, Tc], is left untouched and flagged.
         """
+        if taps.ndim != 4 or taps.shape[1] != cache.batch:
+            raise ValueError(f"taps must be [n, B, Tc, D] with B = {cache.batch} (the draft cache's streams), got "
+                             f"{taps.shape}")
+        b, t = taps.shape[1:3]
+        positions = as_int32("positions", positions, (b, t))
+        counts = as_int32("counts", counts, (b,))
         k_new, v_new = self.context_kv(taps, positions)
-        _, b, t = k_new.shape[:3]
-        counts = counts.astype(jnp.int32)
         overflow = (counts < 0) | (counts > t) | (cache.lengths + counts > cache.capacity)
         i = jnp.arange(t)[None, :]
         write = (i < counts[:, None]) & ~overflow[:, None]  # [B, Tc]
@@ -439,6 +444,11 @@ class DFlashDrafter(nnx.Module):
         ``target.head``. ``attention_fn`` replaces ``draft_attention_xla`` (same signature).
         """
         cfg = self.cfg
+        if block_embeds.ndim != 3 or block_embeds.shape[0] != cache.batch or block_embeds.shape[2] != cfg.hidden_size:
+            raise ValueError(f"block_embeds must be [B, Tb, D] = [{cache.batch}, Tb, {cfg.hidden_size}], got "
+                             f"{block_embeds.shape}")
+        b, t = block_embeds.shape[:2]
+        block_positions = as_int32("block_positions", block_positions, (b, t))
         x = block_embeds.astype(jnp.dtype(cfg.dtype))
         cos, sin = rope_cos_sin(block_positions, cfg.rope, cfg.head_dim)
         for i, layer in enumerate(self.layers):
@@ -462,8 +472,10 @@ def draft_logits(drafter: DFlashDrafter, target, cache: DraftCache, bonus_tokens
     """
     cfg = drafter.cfg
     check_drafter_target(cfg, target.cfg)
+    bonus_tokens = as_int32("bonus_tokens", bonus_tokens, (cache.batch,))
+    start = as_int32("start", start, (cache.batch,))
     tokens = block_tokens(cfg, bonus_tokens)
-    positions = start.astype(jnp.int32)[:, None] + jnp.arange(cfg.block_size, dtype=jnp.int32)[None, :]
+    positions = start[:, None] + jnp.arange(cfg.block_size, dtype=jnp.int32)[None, :]
     hidden = drafter(cache, target.embed_tokens(tokens), positions, attention_fn=attention_fn)
     return target.head(hidden[:, 1:])
 

@@ -20,6 +20,7 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
 from ddtree_jax.cache import LatentCache
+from ddtree_jax.checks import as_int32
 from ddtree_jax.config import ModelConfig
 from ddtree_jax.layers import RMSNorm, SwiGLU, declare, dot, rms_norm
 from ddtree_jax.moe import MoE
@@ -250,13 +251,12 @@ def check_block(cfg: ModelConfig, tokens, positions, cache: LatentCache, tree_ma
     """Shapes and dtypes of a forward's block (static, so also under jit): tokens and positions [B, T] integers,
     tree_mask [B, T, T] bool, cache kv [NL, B, S, C] and lengths [B]; a ValueError naming the argument otherwise.
     A float position would rotate by a fraction of a step and a float mask would read any nonzero as visible."""
-    tokens, positions, tree_mask = (jnp.asarray(a) for a in (tokens, positions, tree_mask))
-    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
-        raise ValueError(f"tokens must be [B, T] integers, got {tokens.shape} {tokens.dtype}")
+    tokens, tree_mask = jnp.asarray(tokens), jnp.asarray(tree_mask)
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens must be [B, T], got shape {tokens.shape}")
     b, t = tokens.shape
-    if positions.shape != (b, t) or not jnp.issubdtype(positions.dtype, jnp.integer):
-        raise ValueError(f"positions must be [B, T]={(b, t)} integers like tokens, got {positions.shape} "
-                         f"{positions.dtype}")
+    as_int32("tokens", tokens)
+    as_int32("positions", positions, (b, t))
     if tree_mask.shape != (b, t, t) or tree_mask.dtype != jnp.bool_:
         raise ValueError(f"tree_mask must be [B, T, T]={(b, t, t)} bool, got {tree_mask.shape} {tree_mask.dtype}")
     want_kv = (cfg.num_layers, b, cache.capacity, cfg.latent_dim)

@@ -56,6 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ddtree_jax.checks import as_int32
 from ddtree_jax.topk import top_k
 
 MAX_BUDGET = 4096
@@ -103,7 +104,7 @@ class Tree:
         ``start`` [B] int32 is the position of the root (the bonus token) in each stream. Siblings
         share a position.
         """
-        return _as_int32("start", start)[:, None] + self.depths
+        return as_int32("start", start)[:, None] + self.depths
 
 
 jax.tree_util.register_dataclass(
@@ -199,14 +200,6 @@ def check_budget(budget, depth: int | None = None, vocab: int | None = None) -> 
 # --------------------------------------------------------------------------------------------------
 
 
-def _as_int32(name: str, values) -> jax.Array:
-    """``values`` as int32, refusing a non-integer dtype (a float id would be truncated without a word)."""
-    values = jnp.asarray(values)
-    if not jnp.issubdtype(values.dtype, jnp.integer):
-        raise ValueError(f"{name} must be integers, got dtype {values.dtype}")
-    return values.astype(jnp.int32)
-
-
 def _check_parents(parents: np.ndarray, max_depth: int) -> None:
     """A concrete parents array [B, T] describes trees: the root's parent is -1, every other node's parent an
     earlier node, and no node deeper than ``max_depth``; ValueError naming the first (stream, node) that is not."""
@@ -256,7 +249,7 @@ def make_tree(tokens, parents, max_depth: int, logprob=None) -> Tree:
     Concrete parents are checked (``parents`` as above, no node deeper than D); traced ones cannot be, and a
     node deeper than D would get a wrong depth and visibility.
     """
-    tokens, parents = _as_int32("tokens", tokens), _as_int32("parents", parents)
+    tokens, parents = as_int32("tokens", tokens), as_int32("parents", parents)
     if tokens.ndim != 2 or tokens.shape != parents.shape:
         raise ValueError(f"tokens and parents must both be [B, T], got {tokens.shape}, {parents.shape}")
     max_depth = int(max_depth)
@@ -283,7 +276,7 @@ def chain_tree(draft_tokens, root_token, token_logprobs=None) -> Tree:
                       their cumulative sum (zeros when omitted).
     Returns a causal Tree with parents [-1, 0, 1, ..., Dp-1] and max_depth Dp.
     """
-    draft_tokens, root_token = _as_int32("draft_tokens", draft_tokens), _as_int32("root_token", root_token)
+    draft_tokens, root_token = as_int32("draft_tokens", draft_tokens), as_int32("root_token", root_token)
     if draft_tokens.ndim != 2 or root_token.shape != draft_tokens.shape[:1]:
         raise ValueError(
             f"chain_tree expects draft_tokens [B, Dp] and root_token [B], got {draft_tokens.shape}, "
@@ -345,7 +338,7 @@ def build_tree(draft_logprobs, root_token, budget: int, top_k_method: str = "aut
         raise ValueError(f"draft_logprobs must be [B, Dp, W] floats, got shape {lp.shape} {lp.dtype}")
     b, dp, w = lp.shape
     budget = check_budget(budget, dp, w)
-    root_token = _as_int32("root_token", root_token)
+    root_token = as_int32("root_token", root_token)
     if root_token.shape != (b,):
         raise ValueError(f"root_token must be [B] = [{b}], got shape {root_token.shape}")
 
@@ -423,7 +416,7 @@ def accept_tokens(tree: Tree, target_tokens) -> Acceptance:
     from build_tree/chain_tree have none), until no child matches. ``lax.fori_loop`` over D steps,
     O(T) work per step and stream, no host sync.
     """
-    y = _as_int32("target_tokens", target_tokens)
+    y = as_int32("target_tokens", target_tokens)
     b, t = tree.tokens.shape
     if y.shape != (b, t):
         raise ValueError(f"target_tokens must be [B, T] = {(b, t)}, got {y.shape}")

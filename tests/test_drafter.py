@@ -380,6 +380,34 @@ def test_draft_inputs_of_the_wrong_shape_raise(setup):
         drafter.context_features(jnp.zeros((2, 1, 5, 32)))
 
 
+def test_draft_block_arguments_are_checked_by_name(setup):
+    """Each argument of a draft step that does not fit the cache's streams, or would be truncated to an int (a
+    float position rotates by a fraction of a step), is named in a ValueError, eagerly and at trace time."""
+    _, drafter, target = setup
+    cache = init_draft_cache(drafter.cfg, 1, 8)
+    taps, pos, counts = jnp.zeros((N_TAPS, 1, 5, 64)), jnp.arange(5)[None], jnp.array([5])
+    embeds, block_pos = jnp.zeros((1, BLOCK, 64)), jnp.arange(BLOCK)[None]
+    bonus, start = jnp.array([3]), jnp.array([0])
+    calls = [
+        (lambda: drafter.append_context(cache, jnp.zeros((N_TAPS, 2, 5, 64)), pos, counts),
+         r"taps must be \[n, B, Tc, D\] with B = 1 \(the draft cache's streams\), got \(2, 2, 5, 64\)"),
+        (lambda: drafter.append_context(cache, taps, pos + 0.5, counts), "positions must be integers"),
+        (lambda: drafter.append_context(cache, taps, pos[:, :4], counts), r"positions must have shape \(1, 5\)"),
+        (lambda: drafter.append_context(cache, taps, pos, counts * 1.0), "counts must be integers"),
+        (lambda: drafter(cache, jnp.zeros((1, BLOCK, 32)), block_pos),
+         r"block_embeds must be \[B, Tb, D\] = \[1, Tb, 64\], got \(1, 4, 32\)"),
+        (lambda: drafter(cache, jnp.zeros((2, BLOCK, 64)), block_pos), "block_embeds must be"),
+        (lambda: drafter(cache, embeds, block_pos * 1.0), "block_positions must be integers"),
+        (lambda: draft_logits(drafter, target, cache, bonus * 1.0, start), "bonus_tokens must be integers"),
+        (lambda: draft_logits(drafter, target, cache, bonus, jnp.array([0, 1])), r"start must have shape \(1,\)"),
+    ]
+    for call, match in calls:
+        with pytest.raises(ValueError, match=match):
+            call()
+        with pytest.raises(ValueError, match=match):
+            jax.jit(call)()
+
+
 def test_loader_errors_name_the_tensor(setup, tmp_path):
     ref = setup[0]
     good = ref_tensors(ref)

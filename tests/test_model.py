@@ -110,10 +110,10 @@ def test_a_block_of_the_wrong_shape_or_dtype_is_refused_by_name():
     b, t = 2, 3
     tokens, positions = jnp.ones((b, t), jnp.int32), jnp.broadcast_to(jnp.arange(t), (b, t))
     cache, mask = init_cache(cfg, b, 16), causal_mask(b, t)
-    cases = [((tokens[0], positions, cache, mask), r"tokens must be \[B, T\] integers, got \(3,\)"),
-             ((tokens.astype(jnp.float32), positions, cache, mask), "tokens must be .* float32"),
-             ((tokens, positions[:, :2], cache, mask), r"positions must be \[B, T\]=\(2, 3\) integers"),
-             ((tokens, positions + 0.5, cache, mask), "positions must be .* float32"),
+    cases = [((tokens[0], positions, cache, mask), r"tokens must be \[B, T\], got shape \(3,\)"),
+             ((tokens.astype(jnp.float32), positions, cache, mask), "tokens must be integers, got dtype float32"),
+             ((tokens, positions[:, :2], cache, mask), r"positions must have shape \(2, 3\), got \(2, 2\)"),
+             ((tokens, positions + 0.5, cache, mask), "positions must be integers, got dtype float32"),
              ((tokens, positions, cache, mask[:1]), r"tree_mask must be \[B, T, T\]=\(2, 3, 3\) bool"),
              ((tokens, positions, cache, mask.astype(jnp.float32)), "tree_mask must be .* float32"),
              ((tokens, positions, init_cache(cfg, 3, 16), mask),
