@@ -15,6 +15,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from ddtree_jax.checks import as_int32
 from ddtree_jax.config import ModelConfig
 
 CACHE_AXES = ("layers", "batch", "seq", "kv_lora")
@@ -54,8 +55,14 @@ def commit(cache: LatentCache, new_kv: jax.Array, rows: jax.Array, counts: jax.A
     lies outside [0, R], or whose rows[b, :counts[b]] leave [0, T) (traced, so it cannot raise); such a stream
     is left unchanged.
     """
-    b, r = rows.shape
-    t = new_kv.shape[2]
+    nl, b, s, c = cache.kv.shape
+    if new_kv.ndim != 4 or new_kv.shape[:2] != (nl, b) or new_kv.shape[3] != c:
+        raise ValueError(f"new_kv must be [NL, B, T, C] = [{nl}, {b}, T, {c}] like the cache, got {new_kv.shape}")
+    rows = as_int32("rows", rows)
+    if rows.ndim != 2 or rows.shape[0] != b:
+        raise ValueError(f"rows must be [B, R] with B = {b}, got {rows.shape}")
+    r, t = rows.shape[1], new_kv.shape[2]
+    counts = as_int32("counts", counts, (b,))
     i = jnp.arange(r)[None, :]
     used = i < counts[:, None]  # [B, R]
     bad_rows = (used & ((rows < 0) | (rows >= t))).any(axis=1)

@@ -4,6 +4,7 @@ import json
 import os
 import shutil
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -152,6 +153,27 @@ def test_commit_flags_counts_outside_the_block():
     cache, overflow = commit(cache, new, rows, jnp.array([2, 7, -2]))  # 7 > 2 rows; -2 < 0
     assert overflow.tolist() == [False, True, True]
     assert cache.lengths.tolist() == [2, 0, 0]
+
+
+def test_commit_arguments_that_do_not_fit_the_cache_are_refused_by_name():
+    """A block, rows or counts for other streams, or float rows / counts (a float count used to add to the lengths
+    and be cast back to int32), raise a ValueError naming the argument: eagerly and at trace time."""
+    cfg = tiny_config()
+    cache = init_cache(cfg, batch=2, capacity=8)
+    new = jnp.ones((cfg.num_layers, 2, 3, cfg.latent_dim))
+    rows, counts = jnp.broadcast_to(jnp.arange(3), (2, 3)), jnp.array([3, 1])
+    cases = [((new[:, :1], rows, counts), r"new_kv must be \[NL, B, T, C\] = \[3, 2, T, 40\] like the cache"),
+             ((new[..., :8], rows, counts), "new_kv must be"),
+             ((new, rows[:1], counts), r"rows must be \[B, R\] with B = 2, got \(1, 3\)"),
+             ((new, rows * 1.0, counts), "rows must be integers, got dtype float32"),
+             ((new, rows, counts + 0.5), "counts must be integers, got dtype float32"),
+             ((new, rows, counts[:1]), r"counts must have shape \(2,\), got \(1,\)")]
+    for args, match in cases:
+        with pytest.raises(ValueError, match=match):
+            commit(cache, *args)
+        with pytest.raises(ValueError, match=match):
+            jax.jit(commit)(cache, *args)
+    assert commit(cache, new, rows, counts)[0].lengths.tolist() == [3, 1]
 
 
 def test_prefill_with_a_length_outside_the_padded_prompt_is_flagged():
