@@ -176,9 +176,9 @@ def test_commit_arguments_that_do_not_fit_the_cache_are_refused_by_name():
     assert commit(cache, new, rows, counts)[0].lengths.tolist() == [3, 1]
 
 
-def test_prefill_with_a_length_outside_the_padded_prompt_is_flagged():
+def test_prefill_flags_lengths_outside_the_prompt_and_both_steps_name_bad_arguments():
     from flax import nnx
-    from ddtree_jax.decode import prefill
+    from ddtree_jax.decode import decode_step, prefill
     from ddtree_jax.model import KimiModel
     cfg = tiny_config()
     graphdef, state = nnx.split(KimiModel(cfg, nnx.Rngs(0)))
@@ -187,6 +187,18 @@ def test_prefill_with_a_length_outside_the_padded_prompt_is_flagged():
     assert overflow.tolist() == [False, True, True]
     assert cache.lengths.tolist() == [4, 0, 0]
     assert np.isfinite(np.asarray(last[0])).all() and np.isnan(np.asarray(last[1:])).all()
+    cache = init_cache(cfg, 3, 16)
+    for args, match in (((tokens[:2], jnp.array([4, 4])), r"tokens must be \[B, P\] with B = 3 .*, got \(2, 4\)"),
+                        ((tokens[0], jnp.array([4, 4, 4])), r"tokens must be \[B, P\]"),
+                        ((tokens * 1.0, jnp.array([4, 4, 4])), "tokens must be integers"),
+                        ((tokens, jnp.array([4.0, 4.0, 4.0])), "lengths must be integers"),
+                        ((tokens, jnp.array([4, 4])), r"lengths must have shape \(3,\)")):
+        with pytest.raises(ValueError, match=match):
+            prefill(graphdef, state, cache, *args)
+    for bad, match in ((np.ones((3, 1), np.int32), r"tokens must have shape \(3,\), got \(3, 1\)"),
+                       (np.ones(3, np.float32), "tokens must be integers")):
+        with pytest.raises(ValueError, match=match):
+            decode_step(graphdef, state, cache, bad)
 
 
 def test_checkpoint_layers_past_the_config_are_refused_unless_multi_token_prediction(hf_dir, tmp_path):
