@@ -61,12 +61,14 @@ if ROOT not in sys.path:
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from ddtree_jax.engine import Engine, EngineConfig  # noqa: E402
+from ddtree_jax.engine import Engine, EngineConfig, check_temperature  # noqa: E402
+from ddtree_jax.tree import check_budget  # noqa: E402
 from experiments import bench_util  # noqa: E402
 from experiments import run_decode  # noqa: E402
 
 PROMPTS_FORMAT = "ddtree-jax-prompts/1"
 MODES = ("ar", "dflash", "ddtree")
+DEFAULT_BUDGETS = (8, 16, 32, 64, 128)
 CHECKPOINTS = run_decode.CHECKPOINTS
 
 
@@ -99,7 +101,9 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     bench_util.add_matmul_precision_arg(p, "float32")
     p.add_argument("--modes", default="ar,dflash,ddtree", help="subset of ar,dflash,ddtree")
-    p.add_argument("--budgets", type=int_list, default=(8, 16, 32, 64, 128), help="DDTree node budgets")
+    p.add_argument("--budgets", type=int_list, default=None,
+                   help=f"DDTree node budgets (default {','.join(map(str, DEFAULT_BUDGETS))}; only with ddtree in "
+                        "--modes)")
     p.add_argument("--streams", type=int_list, default=(1, 4, 16), help="streams decoded together")
     p.add_argument("--temperatures", type=float_list, default=(0.0,), help="e.g. 0 or 0,1")
     p.add_argument("--num-prompts", type=int, default=16, help="prompts (from the file: its first N)")
@@ -122,6 +126,17 @@ def parse_args(argv=None):
     if not given or any(m not in MODES for m in given):
         p.error(f"--modes takes a subset of {','.join(MODES)}, got {args.modes!r}")
     args.modes = tuple(m for m in MODES if m in given)
+    if args.budgets is not None and "ddtree" not in args.modes:
+        p.error(f"--budgets: --modes {','.join(args.modes)} has no ddtree, the only mode that builds trees")
+    args.budgets = (DEFAULT_BUDGETS if args.budgets is None else args.budgets) if "ddtree" in args.modes else ()
+    try:
+        check_grid(args.modes, args.budgets, args.streams, args.temperatures)
+    except ValueError as e:
+        p.error(f"--{e}")
+    for flag, value in (("--num-prompts", args.num_prompts), ("--max-new-tokens", args.max_new_tokens),
+                        ("--capacity", args.capacity)):
+        if value < 1:
+            p.error(f"{flag} must be >= 1, got {value}")
     if args.repeats < 1:
         p.error(f"--repeats {args.repeats}: at least one timed pass")
     if args.compile_workers is not None and args.compile_workers < 1:
@@ -241,6 +256,30 @@ def time_passes(engine: Engine, batches: Sequence[Sequence[Sequence[int]]], *, t
 # Compiling the grid's programs: each just before it is timed, or all at once in threads (XLA compiles
 # release the GIL, so they overlap), never while anything is timed
 # ----------------------------------------------------------------------------------------------------
+def check_grid(modes: Sequence[str], budgets: Sequence[int], streams: Sequence[int],
+               temperatures: Sequence[float]) -> None:
+    """A ValueError, led by the list's name, unless the grid's lists are usable: at least one budget when
+    ddtree is measured, each a valid DDTree budget; streams integers >= 1; temperatures finite and >= 0; none
+    of them empty."""
+    if "ddtree" in modes:
+        if not budgets:
+            raise ValueError("budgets: ddtree needs at least one")
+        for budget in budgets:
+            try:
+                check_budget(budget)
+            except ValueError as e:
+                raise ValueError(f"budgets: {e}") from None
+    if not streams or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in streams):
+        raise ValueError(f"streams must be integers >= 1 (at least one), got {tuple(streams)}")
+    if not temperatures:
+        raise ValueError("temperatures: at least one")
+    for temperature in temperatures:
+        try:
+            check_temperature(temperature)
+        except ValueError as e:
+            raise ValueError(f"temperatures: {e}") from None
+
+
 def grid_points(modes: Sequence[str], budgets: Sequence[int], streams: Sequence[int],
                 temperatures: Sequence[float]) -> list[dict]:
     """(temperature, streams, mode, budget) in measuring order: AR first per temperature and streams."""
@@ -304,7 +343,7 @@ def _compare_with_ar(rec: dict, ar_ref: dict, log: Callable[[str], None] | None)
 
 
 def run_grid(pair: Pair, prompts: Sequence[Sequence[int]], *, modes: Sequence[str] = MODES,
-             budgets: Sequence[int] = (8, 16, 32, 64, 128), streams: Sequence[int] = (1, 4, 16),
+             budgets: Sequence[int] = DEFAULT_BUDGETS, streams: Sequence[int] = (1, 4, 16),
              temperatures: Sequence[float] = (0.0,), max_new_tokens: int = 32, repeats: int = 3, seed: int = 0,
              capacity: int = 512, compile_workers: int | None = None, log: Callable[[str], None] | None = print,
              compile_summary: dict | None = None) -> list[dict]:
@@ -312,8 +351,7 @@ def run_grid(pair: Pair, prompts: Sequence[Sequence[int]], *, modes: Sequence[st
     ``compile_workers`` threads, then timed one after another by ``time_passes``. AR comes first so that
     each greedy DFlash/DDTree output is compared with AR's at once (``identical_to_ar``; None where not
     checked). ``compile_summary``, if given, receives the compile summary (``compiled_points``)."""
-    if "ddtree" in modes and not budgets:
-        raise ValueError("ddtree needs at least one budget")
+    check_grid(modes, budgets, streams, temperatures)
     if pair.drafter is None and set(modes) - {"ar"}:
         raise ValueError("DFlash / DDTree need a drafter")
     points = grid_points(modes, budgets, streams, temperatures)

@@ -64,6 +64,38 @@ def test_engines_share_the_pair_arrays_and_workers(pair):
         (1, "ar", None), (1, "dflash", None), (1, "ddtree", 8), (1, "ddtree", 16)] and len(points) == 8
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--budgets", "0"], "--budgets: DDTree budget must be >= 1"),
+    (["--budgets", "5000"], "--budgets: DDTree budget 5000 exceeds"),
+    (["--budgets", ",", "--modes", "ddtree"], "--budgets: ddtree needs at least one"),
+    (["--budgets", "8", "--modes", "ar,dflash"], "--budgets: --modes ar,dflash has no ddtree"),
+    (["--streams", "0"], "--streams must be integers >= 1 (at least one), got (0,)"),
+    (["--streams", ","], "--streams must be integers >= 1 (at least one), got ()"),
+    (["--temperatures", "-1"], "--temperatures: temperature must be finite and >= 0"),
+    (["--temperatures", ","], "--temperatures: at least one"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
+    (["--capacity", "0"], "--capacity must be >= 1, got 0"),
+    (["--num-prompts", "0"], "--num-prompts must be >= 1, got 0"),
+])
+def test_grid_flags_are_checked_before_any_model_is_built(argv, message, capsys):
+    """Each was found only deep in the run (--streams 0 as "range() arg 3 must not be zero"), or, for --budgets
+    without ddtree, ignored."""
+    with pytest.raises(SystemExit) as exc:
+        eval_grid.parse_args(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err, argv
+
+
+def test_grid_defaults_and_run_grid_checks_its_lists(pair):
+    args = eval_grid.parse_args([])
+    assert args.budgets == eval_grid.DEFAULT_BUDGETS and args.streams == (1, 4, 16)
+    assert eval_grid.parse_args(["--modes", "ar"]).budgets == ()
+    for kwargs, match in ((dict(streams=(0,)), "streams must be integers >= 1"),
+                          (dict(budgets=()), "budgets: ddtree needs at least one"),
+                          (dict(temperatures=(float("inf"),)), "temperatures: temperature must be finite")):
+        with pytest.raises(ValueError, match=match):
+            eval_grid.run_grid(pair, [[1, 2]], **kwargs, log=None)
+
+
 def test_repeats_and_compile_workers_below_one_are_refused(capsys):
     """--repeats 0 ran one pass and --compile-workers 0 / -4 became the default / one worker, silently."""
     for argv, message in ((["--repeats", "0"], "--repeats 0"), (["--compile-workers", "0"], "--compile-workers 0"),
