@@ -5,14 +5,22 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+
+def check_int(name: str, values, shape: tuple[int, ...] | None = None) -> None:
+    """A ValueError naming ``name`` unless ``values`` has an integer dtype (a float id or position would be
+    truncated without a word) and, when ``shape`` is given, that shape. Reads an array's shape and dtype
+    without converting or moving it (lists are read through numpy)."""
+    if not (hasattr(values, "shape") and hasattr(values, "dtype")):
+        values = np.asarray(values)
+    if not jnp.issubdtype(values.dtype, jnp.integer):
+        raise ValueError(f"{name} must be integers, got dtype {values.dtype}")
+    if shape is not None and tuple(values.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(values.shape)}")
 
 
 def as_int32(name: str, values, shape: tuple[int, ...] | None = None) -> jax.Array:
-    """``values`` as an int32 array, refusing a non-integer dtype (a float id or position would be truncated
-    without a word) and, when ``shape`` is given, any other shape; the ValueError names the argument."""
-    values = jnp.asarray(values)
-    if not jnp.issubdtype(values.dtype, jnp.integer):
-        raise ValueError(f"{name} must be integers, got dtype {values.dtype}")
-    if shape is not None and values.shape != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}, got {values.shape}")
-    return values.astype(jnp.int32)
+    """``values`` as an int32 array once ``check_int`` has passed it."""
+    check_int(name, values, shape)
+    return jnp.asarray(values).astype(jnp.int32)

@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 
 from ddtree_jax.cache import LatentCache, commit
-from ddtree_jax.checks import as_int32
+from ddtree_jax.checks import as_int32, check_int
 from ddtree_jax.model import Runtime, causal_mask, check_tokens
 
 PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
@@ -85,7 +85,7 @@ def prefill(graphdef: nnx.GraphDef, state: nnx.State, cache: LatentCache, tokens
     """
     if np.ndim(tokens) != 2 or np.shape(tokens)[0] != cache.batch:
         raise ValueError(f"tokens must be [B, P] with B = {cache.batch} (the cache's streams), got {np.shape(tokens)}")
-    as_int32("tokens", tokens)
+    check_int("tokens", tokens)
     lengths = as_int32("lengths", lengths, (cache.batch,))
     _check_concrete_tokens(tokens, state)
     return _prefill(graphdef, state, cache, tokens, lengths, runtime=runtime, tap_layers=tap_layers)
@@ -99,7 +99,7 @@ def decode_step(graphdef: nnx.GraphDef, state: nnx.State, cache: LatentCache, to
     array or traced, an id outside [0, W), negative ones included, gives NaN logits (its row is committed,
     as NaN).
     """
-    as_int32("tokens", tokens, (cache.batch,))
+    check_int("tokens", tokens, (cache.batch,))
     _check_concrete_tokens(tokens, state)
     return _decode_step(graphdef, state, cache, tokens, runtime=runtime)
 

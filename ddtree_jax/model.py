@@ -16,11 +16,12 @@ from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
 from ddtree_jax.cache import LatentCache
-from ddtree_jax.checks import as_int32
+from ddtree_jax.checks import check_int
 from ddtree_jax.config import ModelConfig
 from ddtree_jax.layers import RMSNorm, SwiGLU, declare, dot, rms_norm
 from ddtree_jax.moe import MoE
@@ -240,8 +241,6 @@ class KimiModel(nnx.Module):
 def check_tokens(tokens, vocab_size: int) -> None:
     """Host-side validation of token ids (jit cannot raise; jnp.take would silently wrap ids in
     [-vocab_size, 0) and give NaN rows for other out-of-range ids)."""
-    import numpy as np
-
     arr = np.asarray(tokens)
     if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
         raise ValueError(f"token ids must lie in [0, {vocab_size}); got min {arr.min()} max {arr.max()}")
@@ -251,14 +250,14 @@ def check_block(cfg: ModelConfig, tokens, positions, cache: LatentCache, tree_ma
     """Shapes and dtypes of a forward's block (static, so also under jit): tokens and positions [B, T] integers,
     tree_mask [B, T, T] bool, cache kv [NL, B, S, C] and lengths [B]; a ValueError naming the argument otherwise.
     A float position would rotate by a fraction of a step and a float mask would read any nonzero as visible."""
-    tokens, tree_mask = jnp.asarray(tokens), jnp.asarray(tree_mask)
-    if tokens.ndim != 2:
-        raise ValueError(f"tokens must be [B, T], got shape {tokens.shape}")
-    b, t = tokens.shape
-    as_int32("tokens", tokens)
-    as_int32("positions", positions, (b, t))
-    if tree_mask.shape != (b, t, t) or tree_mask.dtype != jnp.bool_:
-        raise ValueError(f"tree_mask must be [B, T, T]={(b, t, t)} bool, got {tree_mask.shape} {tree_mask.dtype}")
+    if np.ndim(tokens) != 2:
+        raise ValueError(f"tokens must be [B, T], got shape {np.shape(tokens)}")
+    b, t = np.shape(tokens)
+    check_int("tokens", tokens)
+    check_int("positions", positions, (b, t))
+    mask_dtype = tree_mask.dtype if hasattr(tree_mask, "dtype") else np.asarray(tree_mask).dtype
+    if np.shape(tree_mask) != (b, t, t) or mask_dtype != np.bool_:
+        raise ValueError(f"tree_mask must be [B, T, T]={(b, t, t)} bool, got {np.shape(tree_mask)} {mask_dtype}")
     want_kv = (cfg.num_layers, b, cache.capacity, cfg.latent_dim)
     if cache.kv.shape != want_kv or cache.lengths.shape != (b,):
         raise ValueError(f"cache must hold kv [NL, B, S, C]={want_kv} and lengths [B]=({b},) for this block, got "

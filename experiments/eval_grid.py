@@ -252,34 +252,31 @@ def time_passes(engine: Engine, batches: Sequence[Sequence[Sequence[int]]], *, t
     }
 
 
-# ----------------------------------------------------------------------------------------------------
-# Compiling the grid's programs: each just before it is timed, or all at once in threads (XLA compiles
-# release the GIL, so they overlap), never while anything is timed
-# ----------------------------------------------------------------------------------------------------
 def check_grid(modes: Sequence[str], budgets: Sequence[int], streams: Sequence[int],
                temperatures: Sequence[float]) -> None:
     """A ValueError, led by the list's name, unless the grid's lists are usable: at least one budget when
     ddtree is measured, each a valid DDTree budget; streams integers >= 1; temperatures finite and >= 0; none
     of them empty."""
-    if "ddtree" in modes:
-        if not budgets:
-            raise ValueError("budgets: ddtree needs at least one")
-        for budget in budgets:
-            try:
-                check_budget(budget)
-            except ValueError as e:
-                raise ValueError(f"budgets: {e}") from None
     if not streams or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in streams):
         raise ValueError(f"streams must be integers >= 1 (at least one), got {tuple(streams)}")
+    if "ddtree" in modes and not budgets:
+        raise ValueError("budgets: ddtree needs at least one")
     if not temperatures:
         raise ValueError("temperatures: at least one")
-    for temperature in temperatures:
-        try:
-            check_temperature(temperature)
-        except ValueError as e:
-            raise ValueError(f"temperatures: {e}") from None
+    lists = [("budgets", budgets if "ddtree" in modes else (), check_budget),
+             ("temperatures", temperatures, check_temperature)]
+    for name, values, check in lists:
+        for value in values:
+            try:
+                check(value)
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from None
 
 
+# ----------------------------------------------------------------------------------------------------
+# Compiling the grid's programs: each just before it is timed, or all at once in threads (XLA compiles
+# release the GIL, so they overlap), never while anything is timed
+# ----------------------------------------------------------------------------------------------------
 def grid_points(modes: Sequence[str], budgets: Sequence[int], streams: Sequence[int],
                 temperatures: Sequence[float]) -> list[dict]:
     """(temperature, streams, mode, budget) in measuring order: AR first per temperature and streams."""
