@@ -2,6 +2,8 @@
 range clamped at both ends or collapsed to one index, mscale != mscale_all_dim, mscale alone, an explicit
 attention_factor, and positions that float16/bfloat16 cannot hold."""
 
+import math
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -42,14 +44,27 @@ def test_inverse_frequencies_and_amplitude_match_transformers(name):
     rope, dim = ROPES[name]
     hf = transformers_rope(rope, dim)
     inv_freq, amplitude = rope_inv_freq(rope, dim)
-    np.testing.assert_allclose(inv_freq, hf.inv_freq.numpy(), rtol=2e-7)
+    # torch's float32 power is not correctly rounded (up to 0.53 ulp off on an AVX-512 CPU): one ulp apart at most
+    np.testing.assert_array_max_ulp(inv_freq, hf.inv_freq.numpy(), maxulp=1)
     assert amplitude == pytest.approx(hf.attention_scaling, abs=1e-7)
+
+
+@pytest.mark.parametrize("theta, dim", [(50000.0, 64), (10000.0, 64), (10000.0, 48), (1e6, 128), (10.0, 16)])
+def test_plain_frequencies_are_correctly_rounded(theta, dim):
+    """theta ** (2i / dim) in float32 (base and exponent as transformers rounds them) rounded once, against
+    Python's double-precision pow: the same bits on every CPU (numpy's float32 power had been 0.9 ulp off on
+    AVX-512, which put the table two ulps from transformers' there)."""
+    base = float(np.float32(theta))
+    expected = [np.float32(1.0) / np.float32(math.pow(base, float(np.float32(i) / np.float32(dim))))
+                for i in range(0, dim, 2)]
+    inv_freq, amplitude = rope_inv_freq(RopeConfig(theta=theta, kind="default", factor=1.0), dim)
+    assert inv_freq.dtype == np.float32 and amplitude == 1.0
+    np.testing.assert_array_equal(inv_freq, np.array(expected, np.float32))
 
 
 def test_correction_range_cases_are_reached():
     """The settings above do reach the branches they are named after (else the comparison proves little); the
     one-index ramp needs beta_slow > beta_fast, which transformers handles the same way."""
-    import math
 
     def correction_dim(rope, dim, rotations):
         return dim * math.log(rope.original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
