@@ -19,6 +19,7 @@ import concurrent.futures
 import dataclasses
 import json
 import os
+import platform
 import sys
 import time
 from typing import Sequence
@@ -388,7 +389,11 @@ def _main(args):
     print(f"target: {args.target}  layers={target.cfg.num_layers} hidden={target.cfg.hidden_size} "
           f"experts={target.cfg.n_routed_experts} int4={target.cfg.quant is not None}  drafter: {args.drafter}  "
           f"device: {jax.devices()[0].device_kind}  jax {jax.__version__}")
-    report = {"args": vars(args), "runs": {}}
+    # where it ran and what it read: held-out prompts come from this interpreter's standard library, so another
+    # Python version decodes other prompts (data.verify warns)
+    report = {"args": vars(args), "environment": {**bench_util.hardware(), "commit": bench_util.git_commit(),
+                                                  "python": platform.python_version()},
+              "prompts": [[int(t) for t in p] for p in prompts], "runs": {}}
     for mode in modes:
         report["runs"][mode] = run_mode(target, drafter, mode, args, prompts, tokenizer, eos_ids)
     print()
