@@ -12,17 +12,10 @@ from ddtree_jax.drafter import DFlashDrafter, tiny_drafter_config
 from ddtree_jax.engine import Engine, required_capacity
 from ddtree_jax.model import KimiModel
 from ddtree_jax.tokenizer import ByteTokenizer, load_tokenizer
+from cli_helpers import refused
 from experiments import run_decode
 
 RANDOM = ["--target", "random"]
-
-
-def refused(argv, capsys) -> str:
-    """argparse's error message for ``argv`` (fails if it is accepted)."""
-    with pytest.raises(SystemExit) as exc:
-        run_decode.parse_args(argv)
-    assert exc.value.code == 2
-    return capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------------------------- flags
@@ -55,7 +48,7 @@ def refused(argv, capsys) -> str:
     (["--json", "/no/such/dir/out.json"], "its directory does not exist"),
 ])
 def test_bad_flags_are_refused_before_any_model_is_built(argv, message, capsys):
-    assert message in refused(RANDOM + argv, capsys)
+    assert message in refused(run_decode.parse_args, RANDOM + argv, capsys)
 
 
 def test_mode_dependent_defaults():
@@ -143,7 +136,7 @@ def test_prompts_file_is_read_exactly(tmp_path):
 def test_bad_prompts_file_is_refused_naming_the_line(tmp_path, capsys, content, message):
     path = tmp_path / "prompts.jsonl"
     path.write_text(content)
-    assert message in refused(RANDOM + ["--prompts-file", str(path)], capsys)
+    assert message in refused(run_decode.parse_args, RANDOM + ["--prompts-file", str(path)], capsys)
 
 
 # ------------------------------------------------------------------------------------------ tokenizer

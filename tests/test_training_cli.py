@@ -12,18 +12,11 @@ from flax import nnx
 
 from ddtree_jax.config import tiny_config
 from ddtree_jax.model import KimiModel
+from cli_helpers import refused
 from experiments import convert_checkpoint
 from experiments import data as data_lib
 from experiments import train_drafter as td
 from experiments import train_target as tt
-
-
-def refused(parse, argv, capsys) -> str:
-    """argparse's error message for ``argv`` (fails if it is accepted)."""
-    with pytest.raises(SystemExit) as exc:
-        parse(argv)
-    assert exc.value.code == 2
-    return capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------------- flags
