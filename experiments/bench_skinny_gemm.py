@@ -137,7 +137,7 @@ def main(argv=None):
     path = save(rows)
     for name, (spec, x_tail, w_shape) in shapes.items():
         nbytes = int(np.prod(w_shape)) * 2
-        copies = max(2, min(16, -(-4 * L2_BYTES // nbytes)))
+        copies = max(2, bench_util.rotating_copies(nbytes, reads_over_l2=4, l2_bytes=L2_BYTES))
         base = [jax.random.normal(jax.random.key(i), w_shape, jnp.float32).astype(jnp.bfloat16) * 0.02
                 for i in range(copies)]
         applies = {}

@@ -115,7 +115,6 @@ def kernel_fn(name: str):
 
 
 C, L, SCALE = 576, 512, 0.14468
-L2_BYTES = 60 * 2**20
 XLA_SCORES_LIMIT = 4 << 30  # XLA's masked attention is timed only where its f32 scores fit in this
 
 # (H, B, T, P): trimmed from H in {64, 8} x P 1K..64K x T {1,8,32,64,128,256} x B {1,4,16}.
@@ -168,7 +167,7 @@ def make_inputs(key, H, B, T, P, copies, padded_tree=False):
 def point_inputs(H, B, T, P, padded_tree=False):
     """(``make_inputs`` of a point, its cache copies): enough copies (at most 16) that the chain's calls, which
     rotate over them, read more than twice the L2; the same random inputs for a point in every benchmark."""
-    copies = int(min(16, max(1, math.ceil(2 * L2_BYTES / (2 * B * P * C)))))
+    copies = bench_util.rotating_copies(2 * B * P * C)
     return make_inputs(jax.random.key(H * 7 + B * 131 + T * 17 + P), H, B, T, P, copies, padded_tree), copies
 
 

@@ -23,6 +23,7 @@ import numpy as np
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax.monitoring: one per XLA compile
+L2_BYTES = 60 * 2**20  # above the H100's and the H200's 50 MB L2, so copies counted against it are enough on both
 
 
 def git_commit() -> str:
@@ -108,6 +109,16 @@ def tie_to(a: jax.Array, b: jax.Array) -> jax.Array:
     first = b.ravel()[0]
     never = first != first if jnp.issubdtype(b.dtype, jnp.floating) else first == jnp.iinfo(b.dtype).max
     return a + never.astype(a.dtype)
+
+
+def rotating_copies(nbytes: int, reads_over_l2: int = 2, l2_bytes: int = L2_BYTES, most: int = 16) -> int:
+    """How many copies of an input of ``nbytes`` a chain of calls rotates over (``dependent_chain(rotate=True)``)
+    so that the copies together hold more than ``reads_over_l2`` times the L2: each call then reads its copy from
+    DRAM, not from what the calls before it left in the L2. At least 1, at most ``most``."""
+    if nbytes < 1 or reads_over_l2 < 1 or l2_bytes < 1 or most < 1:
+        raise ValueError(f"rotating_copies: nbytes={nbytes}, reads_over_l2={reads_over_l2}, l2_bytes={l2_bytes}, "
+                         f"most={most}: each must be positive")
+    return min(most, -(-reads_over_l2 * l2_bytes // nbytes))
 
 
 def dependent_chain(fn: Callable, n: int, rotate: bool = False) -> Callable:

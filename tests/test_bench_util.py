@@ -19,6 +19,33 @@ def test_dependent_chain_feeds_each_output_into_the_next_call():
     np.testing.assert_allclose(np.stack(outs), [[2.0, 2.0], [4.0, 2.0], [8.0, 2.0]])
 
 
+def test_rotating_copies_read_past_the_l2():
+    """Enough copies that together they hold more than reads_over_l2 times the L2, at least one, at most ``most``:
+    the ladder's 4-block points (16 x 2K keys, 37.7 MB) take 4 copies of a 60 MiB L2, its 64-block ones 1."""
+    l2 = bench_util.L2_BYTES
+    assert bench_util.rotating_copies(16 * 2048 * 576 * 2) == 4
+    assert bench_util.rotating_copies(16 * 32768 * 576 * 2) == 1
+    assert bench_util.rotating_copies(l2) == 2 and bench_util.rotating_copies(l2 + 1) == 2
+    assert bench_util.rotating_copies(l2 - 1) == 3
+    assert bench_util.rotating_copies(1) == 16 and bench_util.rotating_copies(1, most=3) == 3
+    assert bench_util.rotating_copies(100, reads_over_l2=4, l2_bytes=1000) == 16  # 40 wanted, capped
+    assert bench_util.rotating_copies(1000, reads_over_l2=4, l2_bytes=1000) == 4
+    for n in (1, 10**6, 10**8, 10**10):
+        c = bench_util.rotating_copies(n)
+        assert 1 <= c <= 16 and (c == 16 or c * n >= 2 * l2) and (c == 1 or (c - 1) * n < 2 * l2)
+    for bad in (dict(nbytes=0), dict(nbytes=-5), dict(nbytes=10, reads_over_l2=0), dict(nbytes=10, most=0),
+                dict(nbytes=10, l2_bytes=0)):
+        with pytest.raises(ValueError, match="must be positive"):
+            bench_util.rotating_copies(**bad)
+
+
+def test_rotating_chain_reads_each_copy_in_turn():
+    """``dependent_chain(rotate=True)``: call i reads copy i % copies (what the benchmarks' L2 copies rely on)."""
+    copies = [jnp.full((2,), float(10 ** i)) for i in range(3)]
+    outs = bench_util.dependent_chain(lambda x, w: w, 5, rotate=True)(jnp.zeros((2,)), *copies)
+    assert [float(o[1]) for o in outs] == [1.0, 10.0, 100.0, 1.0, 10.0]
+
+
 def test_tied_arguments_are_recomputed_in_every_call_of_a_chain():
     """Work on a fixed argument is shared by the chain's calls (XLA's CSE) unless tie_to makes it depend on
     each call's x: one sort for 4 calls untied, 4 tied."""
