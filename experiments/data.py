@@ -7,7 +7,10 @@ scripts may pass ``--allow-mismatch`` to proceed (with a warning) on a different
 the local files that the rules select.
 
 Split: a file is held out iff ``int(sha256(relpath)[:8], 16) % 10 == 0`` (deterministic, by file, never
-trained on). Eval prompts are cut from held-out files at line boundaries.
+trained on). Eval prompts are cut from held-out files at line boundaries. The first 16 that ``run_decode.py``
+cuts by default (the shipped tokenizer, seed 0, 64-128 tokens) ship as texts in
+``experiments/heldout_prompts.json``, so that its default prompts are the pinned ones on any Python
+(``shipped_prompts``; ``python experiments/data.py prompts`` rewrites the file, on the pinned stdlib only).
 
 Commands::
 
@@ -15,6 +18,7 @@ Commands::
     python experiments/data.py verify [--allow-mismatch]
     python experiments/data.py tokenizer --vocab 4096 --out checkpoints/tokenizer
     python experiments/data.py tokens --out tmp/tokens.npz   # both splits tokenized, for another machine
+    python experiments/data.py prompts               # (re)write experiments/heldout_prompts.json
 """
 
 from __future__ import annotations
@@ -42,6 +46,10 @@ EXCLUDED_DIRS = frozenset({
 EXCLUDED_DIR_PREFIXES = ("config-",)  # e.g. config-3.11-x86_64-linux-gnu (build files)
 EXCLUDED_FILE_PREFIXES = ("_sysconfigdata",)  # generated at build time
 SPECIAL_TOKENS = ("<|endoftext|>", "<|mask|>")  # ids 0 and 1 of the trained tokenizer
+PROMPTS_PATH = os.path.join(ROOT, "experiments", "heldout_prompts.json")
+PROMPTS_FORMAT = "ddtree-jax-heldout-prompts/1"
+SHIPPED_TOKENIZER_DIR = os.path.join(ROOT, "checkpoints", "tokenizer")
+SHIPPED_PROMPT_CUT = {"seed": 0, "min_tokens": 64, "max_tokens": 128, "count": 16}  # run_decode's default cut
 EOS_TOKEN, MASK_TOKEN = SPECIAL_TOKENS
 
 
@@ -287,6 +295,65 @@ def eval_prompts(tokenizer, texts: Sequence[tuple[str, str]], n: int = 64, min_t
     return out
 
 
+def tokenizer_file_fingerprint(model_dir: str) -> str | None:
+    """``"<file>:sha256:<hex>"`` of the tokenizer file ``load_tokenizer`` reads from ``model_dir``
+    (``tokenizer.json``, else ``tiktoken.model``); None where it has neither (a model without a directory takes
+    the byte tokenizer)."""
+    for name in ("tokenizer.json", "tiktoken.model"):
+        path = os.path.join(model_dir, name)
+        if os.path.exists(path):
+            return f"{name}:sha256:{_file_sha256(path)}"
+    return None
+
+
+def cut_heldout_prompts(tokenizer, n: int, *, seed: int, min_tokens: int, max_tokens: int,
+                        allow_mismatch: bool = False) -> list[dict]:
+    """``eval_prompts`` over this machine's held-out files (``load_texts``; a stdlib other than the pinned one is
+    refused, or warned about and used with ``allow_mismatch``)."""
+    held, _ = load_texts("heldout", allow_mismatch=allow_mismatch)
+    return eval_prompts(tokenizer, held, n=n, min_tokens=min_tokens, max_tokens=max_tokens, seed=seed)
+
+
+def write_shipped_prompts(path: str = PROMPTS_PATH, tokenizer_dir: str = SHIPPED_TOKENIZER_DIR) -> dict:
+    """Writes ``SHIPPED_PROMPT_CUT``'s prompts, cut from the pinned held-out files (this machine's stdlib must be
+    the manifest's) with the tokenizer in ``tokenizer_dir``, to ``path``; returns what it wrote."""
+    from tokenizers import Tokenizer
+
+    cut = dict(SHIPPED_PROMPT_CUT)
+    fingerprint = tokenizer_file_fingerprint(tokenizer_dir)
+    if fingerprint is None or not fingerprint.startswith("tokenizer.json:"):
+        raise ValueError(f"{tokenizer_dir} holds no tokenizer.json")
+    tokenizer = Tokenizer.from_file(os.path.join(tokenizer_dir, "tokenizer.json"))
+    manifest = load_manifest()
+    prompts = cut_heldout_prompts(tokenizer, cut.pop("count"), **cut)
+    payload = {"format": PROMPTS_FORMAT,
+               "source": f"held-out files of CPython {manifest['python_version']}'s standard library (PSF License)",
+               "tokenizer": fingerprint, **cut,
+               "python_version": manifest["python_version"], "manifest_total_sha256": manifest["total_sha256"],
+               "prompts": [{"path": q["path"], "line": q["line"], "text": q["text"]} for q in prompts]}
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=1, ensure_ascii=False)
+        f.write("\n")
+    return payload
+
+
+def shipped_prompts(tokenizer_fingerprint: str | None, n: int, *, seed: int, min_tokens: int, max_tokens: int,
+                    path: str = PROMPTS_PATH) -> list[str] | None:
+    """The first ``n`` texts of the shipped held-out prompts when they are the cut asked for (the same
+    tokenizer file, seed and token range, ``n`` within the file's count), else None (cut them from the
+    stdlib then: ``cut_heldout_prompts``). They equal that cut on the pinned stdlib, on any machine."""
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    if not isinstance(data, dict) or data.get("format") != PROMPTS_FORMAT:
+        raise ValueError(f"{path}: not a {PROMPTS_FORMAT} file (rewrite it with `python experiments/data.py prompts`)")
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    asked = (tokenizer_fingerprint, seed, min_tokens, max_tokens)
+    if asked != (data["tokenizer"], data["seed"], data["min_tokens"], data["max_tokens"]) or n > len(data["prompts"]):
+        return None
+    return [q["text"] for q in data["prompts"][:n]]
+
+
 def git_commit() -> str:
     import subprocess
 
@@ -313,8 +380,13 @@ def main(argv=None):
     x.add_argument("--tokenizer", default=os.path.join(ROOT, "checkpoints", "tokenizer", "tokenizer.json"))
     x.add_argument("--out", required=True)
     x.add_argument("--allow-mismatch", action="store_true")
+    sub.add_parser("prompts", help="write experiments/heldout_prompts.json (run_decode's default prompts) from the "
+                                   "pinned held-out files")
     args = p.parse_args(argv)
-    if args.cmd == "manifest":
+    if args.cmd == "prompts":
+        payload = write_shipped_prompts()
+        print(f"wrote {PROMPTS_PATH}: {len(payload['prompts'])} prompts, tokenizer {payload['tokenizer']}")
+    elif args.cmd == "manifest":
         manifest = build_manifest()
         with open(MANIFEST_PATH, "w") as f:
             json.dump(manifest, f, indent=0)

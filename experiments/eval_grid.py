@@ -3,8 +3,7 @@ streams, at temperature 0 (and optionally 1), on held-out prompts.
 
     python experiments/eval_grid.py                                  # shipped pair, CPU defaults (~7 min, 2 cores)
     python experiments/eval_grid.py --export-prompts prompts.json    # write the held-out prompts, then exit
-    python experiments/eval_grid.py --prompts-file experiments/results/eval_prompts_16.json \\
-        --max-new-tokens 64 --repeats 1 --name eval_grid_h200       # the shipped H200 grid (stdlib differs there)
+    python experiments/eval_grid.py --max-new-tokens 64 --repeats 1 --name eval_grid_h200   # the shipped H200 grid
 
 Per (temperature, mode, budget, streams) it reports, for all prompts decoded in consecutive batches
 of ``streams``:
@@ -19,10 +18,12 @@ DFlash's block is fixed by the drafter, so only DDTree runs per budget. At T=0 e
 output must equal AR's (same streams) token for token and AR must agree with itself across streams;
 any difference is printed at once, recorded in the JSON, and ends the run with an error.
 
-Prompts: cut from held-out standard-library files exactly as ``run_decode.py`` cuts them (seeded),
-or read from ``--prompts-file`` (JSON written by ``--export-prompts``: token ids plus the tokenizer's
-fingerprint, which must match). Writes ``experiments/results/<name>.json`` (hardware, JAX version,
-commit, config, results) and ``<name>_tokens_per_s.png``, ``<name>_tau.png``, ``<name>_tau_hist.png``.
+Prompts: held-out prompts exactly as ``run_decode.py`` picks them (at seed 0 the first 16 ship in
+``experiments/heldout_prompts.json``, the same on any Python; the H200's grid read them from
+``experiments/results/eval_prompts_16.json``, the same 16 as token ids), or read from ``--prompts-file`` (JSON
+written by ``--export-prompts``: token ids plus the tokenizer's fingerprint, which must match). Writes
+``experiments/results/<name>.json`` (hardware, JAX version, commit, config, results) and
+``<name>_tokens_per_s.png``, ``<name>_tau.png``, ``<name>_tau_hist.png``.
 
 Compiles: every configuration's programs (``run_decode.warm_up``) are compiled before any is timed, by
 ``--compile-workers`` threads at once (default min(#configs, CPU count); XLA compiles release the GIL);
@@ -64,6 +65,7 @@ import numpy as np  # noqa: E402
 from ddtree_jax.engine import Engine, EngineConfig, check_temperature  # noqa: E402
 from ddtree_jax.tree import check_budget  # noqa: E402
 from experiments import bench_util  # noqa: E402
+from experiments import data as data_lib  # noqa: E402
 from experiments import run_decode  # noqa: E402
 
 PROMPTS_FORMAT = "ddtree-jax-prompts/1"
@@ -149,12 +151,8 @@ def parse_args(argv=None):
 # ----------------------------------------------------------------------------------------------------
 def tokenizer_fingerprint(target: str, vocab_size: int) -> str:
     """sha256 of the tokenizer file ``load_tokenizer`` reads for ``target`` (or the byte tokenizer's name)."""
-    for name in ("tokenizer.json", "tiktoken.model"):
-        path = os.path.join(target, name)
-        if target != "random" and os.path.exists(path):
-            with open(path, "rb") as f:
-                return f"{name}:sha256:{hashlib.sha256(f.read()).hexdigest()}"
-    return f"bytes:{vocab_size}"
+    found = None if target == "random" else data_lib.tokenizer_file_fingerprint(target)
+    return found or f"bytes:{vocab_size}"
 
 
 def load_pair(target: str = os.path.join(CHECKPOINTS, "target"), drafter: str = os.path.join(CHECKPOINTS, "drafter"),
@@ -168,11 +166,12 @@ def load_pair(target: str = os.path.join(CHECKPOINTS, "target"), drafter: str = 
 
 
 def heldout_prompts(pair: Pair, n: int, seed: int = 0) -> tuple[list[list[int]], dict]:
-    """``n`` prompts cut from held-out standard-library files by ``run_decode.read_prompts``."""
-    rd_args = run_decode.parse_args(["--num-prompts", str(n), "--seed", str(seed)])
-    prompts = run_decode.read_prompts(rd_args, pair.tokenizer)
-    return prompts, {"source": "held-out stdlib files (run_decode.read_prompts)", "seed": seed,
-                     "python_version": ".".join(map(str, sys.version_info[:3]))}
+    """``n`` held-out prompts for the pair's tokenizer, as ``run_decode.read_prompts`` picks them."""
+    target = pair.source["target"]
+    target = target if target == "random" else os.path.join(ROOT, target)
+    rd_args = run_decode.parse_args(["--target", target, "--num-prompts", str(n), "--seed", str(seed)])
+    prompts, source = run_decode.read_prompts(rd_args, pair.tokenizer)
+    return prompts, {"source": f"{source} (run_decode.read_prompts)", "seed": seed}
 
 
 def export_prompts(path: str, prompts: Sequence[Sequence[int]], pair: Pair, meta: dict) -> None:

@@ -5,7 +5,9 @@
     python experiments/run_decode.py --target random --drafter random --prompt-ids "1 2 3" --json out.json
 
 Defaults: the trained K2-architecture target and DFlash drafter shipped in ``checkpoints/`` (see their
-``manifest.json``), eight prompts cut from held-out standard-library files (``experiments/data.py``).
+``manifest.json``), eight prompts cut from held-out standard-library files (``experiments/data.py``; with the
+shipped tokenizer and ``--seed 0`` the first 16 of that cut come from ``experiments/heldout_prompts.json``, so they
+are the pinned prompts whatever this machine's Python).
 ``--target``: an HF checkpoint directory (config.json + safetensors), a ddtree-jax Orbax checkpoint
 (``experiments/convert_checkpoint.py``), or ``random`` (a tiny random K2-architecture model with INT4
 experts). ``--drafter``: an HF DFlash drafter directory or ``random``.
@@ -50,6 +52,7 @@ CHECKPOINTS = os.path.join(ROOT, "checkpoints")
 MODE_CHOICES = ("ar", "dflash", "ddtree", "all")
 DEFAULT_BUDGET = 64
 DEFAULT_NUM_PROMPTS = 8
+HELDOUT_PROMPT_TOKENS = {"min_tokens": 64, "max_tokens": 128}  # each held-out prompt's length, in tokens
 PROMPTS_FILE_HELP = ("JSON Lines file of prompt texts: each line one JSON string, read exactly as JSON decodes it "
                      "(e.g. \"def f(x):\\n    return x\\n\" is two lines of code); blank lines are skipped, "
                      "\\r\\n line ends are fine")
@@ -67,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt-ids", action="append", help="space-separated token ids (repeatable)")
     src.add_argument("--prompts-file", help=PROMPTS_FILE_HELP)
     p.add_argument("--num-prompts", type=int, default=None,
-                   help=f"held-out prompts when no prompt is given (default {DEFAULT_NUM_PROMPTS})")
+                   help=f"held-out prompts when no prompt is given (default {DEFAULT_NUM_PROMPTS}; up to 16 of them "
+                        "ship in experiments/heldout_prompts.json, more are cut from this machine's stdlib)")
     p.add_argument("--mode", choices=MODE_CHOICES, default="all")
     p.add_argument("--budget", type=int, default=None,
                    help=f"DDTree node budget (default {DEFAULT_BUDGET}; only for --mode ddtree or all)")
@@ -233,18 +237,26 @@ def read_prompts_file(path: str) -> list[str]:
     return texts
 
 
-def read_prompts(args, tokenizer):
+def read_prompts(args, tokenizer) -> tuple[list[list[int]], str]:
+    """(token ids of each prompt, where they came from): the prompt flags' own, or ``--num-prompts`` held-out
+    prompts (``--seed`` picks them): the shipped pinned cut (``data.shipped_prompts``) where it holds them, else cut
+    from this machine's held-out standard-library files (a stdlib other than the pinned one is warned about)."""
     if args.prompt_ids:
-        return [parse_prompt_ids(s, i) for i, s in enumerate(args.prompt_ids)]
+        return [parse_prompt_ids(s, i) for i, s in enumerate(args.prompt_ids)], "--prompt-ids"
     if args.prompts_file:
-        return [tokenizer.encode(t) for t in read_prompts_file(args.prompts_file)]
+        texts = read_prompts_file(args.prompts_file)
+        return [tokenizer.encode(t) for t in texts], f"--prompts-file {args.prompts_file}"
     if args.prompt:
-        return [tokenizer.encode(t) for t in args.prompt]
+        return [tokenizer.encode(t) for t in args.prompt], "--prompt"
     from experiments import data as data_lib  # held-out standard-library files (never trained on)
 
-    held, _ = data_lib.load_texts("heldout", allow_mismatch=True)  # a differing stdlib is reported, not fatal
-    return [q["ids"] for q in data_lib.eval_prompts(tokenizer, held, n=args.num_prompts, min_tokens=64,
-                                                     max_tokens=128, seed=args.seed)]
+    cut = dict(seed=args.seed, **HELDOUT_PROMPT_TOKENS)
+    fingerprint = None if args.target == "random" else data_lib.tokenizer_file_fingerprint(args.target)
+    shipped = data_lib.shipped_prompts(fingerprint, args.num_prompts, **cut)
+    if shipped is not None:  # the pinned cut, whatever this machine's stdlib
+        return [tokenizer.encode(text) for text in shipped], os.path.relpath(data_lib.PROMPTS_PATH, ROOT)
+    prompts = data_lib.cut_heldout_prompts(tokenizer, args.num_prompts, allow_mismatch=True, **cut)
+    return [q["ids"] for q in prompts], f"held-out files of this machine's Python {platform.python_version()} stdlib"
 
 
 def engine_config(mode: str, args, eos_ids=()) -> EngineConfig:
@@ -383,17 +395,18 @@ def main(argv=None):
 
 def _main(args):
     target, drafter, tokenizer, eos_ids = load_pair(args)
-    prompts = read_prompts(args, tokenizer)
+    prompts, prompt_source = read_prompts(args, tokenizer)
     modes = modes_of(args)
     check_fits(args, modes, prompts, target, drafter)
     print(f"target: {args.target}  layers={target.cfg.num_layers} hidden={target.cfg.hidden_size} "
           f"experts={target.cfg.n_routed_experts} int4={target.cfg.quant is not None}  drafter: {args.drafter}  "
           f"device: {jax.devices()[0].device_kind}  jax {jax.__version__}")
-    # where it ran and what it read: held-out prompts come from this interpreter's standard library, so another
-    # Python version decodes other prompts (data.verify warns)
+    print(f"prompts: {len(prompts)} from {prompt_source}")
+    # where it ran and what it read (held-out prompts past the shipped ones come from this interpreter's standard
+    # library, so another Python version decodes other prompts there: data.verify warns)
     report = {"args": vars(args), "environment": {**bench_util.hardware(), "commit": bench_util.git_commit(),
                                                   "python": platform.python_version()},
-              "prompts": [[int(t) for t in p] for p in prompts], "runs": {}}
+              "prompt_source": prompt_source, "prompts": [[int(t) for t in p] for p in prompts], "runs": {}}
     for mode in modes:
         report["runs"][mode] = run_mode(target, drafter, mode, args, prompts, tokenizer, eos_ids)
     print()

@@ -2,6 +2,7 @@
 refused with a clear message before any model is built or decoding runs; nothing is silently dropped."""
 
 import json
+import os
 import types
 
 import pytest
@@ -123,8 +124,35 @@ def test_prompts_file_is_read_exactly(tmp_path):
     path.write_bytes((json.dumps(code) + "\r\n\r\n" + json.dumps("def f():\n    return 1\n") + "\n").encode())
     assert run_decode.read_prompts_file(str(path)) == [code, "def f():\n    return 1\n"]
     args = run_decode.parse_args(RANDOM + ["--mode", "ar", "--prompts-file", str(path)])
-    assert run_decode.read_prompts(args, ByteTokenizer(512)) == [list(code.encode()),
-                                                                  list(b"def f():\n    return 1\n")]
+    assert run_decode.read_prompts(args, ByteTokenizer(512)) == ([list(code.encode()),
+                                                                   list(b"def f():\n    return 1\n")],
+                                                                  f"--prompts-file {path}")
+
+
+def test_default_prompts_are_the_shipped_cut_on_any_stdlib(monkeypatch):
+    """With the shipped tokenizer and --seed 0, up to 16 held-out prompts come from experiments/heldout_prompts.json
+    without reading the stdlib (another Python's would give other prompts); more prompts, another seed or the
+    random model's byte tokenizer are cut from the stdlib as before, and the report names where they came from."""
+    from experiments import data as data_lib
+
+    tokenizer = load_tokenizer(os.path.join(run_decode.CHECKPOINTS, "target"), 4096)
+    with open(data_lib.PROMPTS_PATH, encoding="utf-8") as f:
+        shipped = [q["text"] for q in json.load(f)["prompts"]]
+    cuts = []
+
+    def fake_cut(tok, n, *, seed, min_tokens, max_tokens, allow_mismatch):
+        cuts.append((n, seed, min_tokens, max_tokens, allow_mismatch))
+        return [{"ids": [seed, i]} for i in range(n)]
+
+    monkeypatch.setattr(data_lib, "cut_heldout_prompts", fake_cut)
+    prompts, source = run_decode.read_prompts(run_decode.parse_args([]), tokenizer)
+    assert prompts == [tokenizer.encode(t) for t in shipped[:8]] and source == "experiments/heldout_prompts.json"
+    prompts, _ = run_decode.read_prompts(run_decode.parse_args(["--num-prompts", "16"]), tokenizer)
+    assert prompts == [tokenizer.encode(t) for t in shipped] and cuts == []
+    for argv, n, seed in ((["--num-prompts", "17"], 17, 0), (["--seed", "3"], 8, 3), (RANDOM, 8, 0)):
+        prompts, source = run_decode.read_prompts(run_decode.parse_args(argv), tokenizer)
+        assert prompts == [[seed, i] for i in range(n)] and source.startswith("held-out files of this machine's")
+        assert cuts.pop() == (n, seed, 64, 128, True)
 
 
 @pytest.mark.parametrize("content,message", [

@@ -124,6 +124,57 @@ def test_shipped_manifest_matches_this_python():
     data_lib.verify(manifest)
 
 
+def test_shipped_prompts_are_the_pinned_cut():
+    """experiments/heldout_prompts.json holds the first prompts ``run_decode`` cuts by default (the shipped
+    tokenizer, seed 0, 64-128 tokens) from the pinned held-out files: the same paths, lines and texts as a cut on
+    this machine where its stdlib is the manifest's."""
+    with open(data_lib.PROMPTS_PATH, encoding="utf-8") as f:
+        shipped = json.load(f)
+    manifest = data_lib.load_manifest()
+    assert (shipped["python_version"], shipped["manifest_total_sha256"]) == (manifest["python_version"],
+                                                                             manifest["total_sha256"])
+    cut = dict(data_lib.SHIPPED_PROMPT_CUT)
+    count = cut.pop("count")
+    assert len(shipped["prompts"]) == count and {k: shipped[k] for k in cut} == cut
+    tokenizer_dir = data_lib.SHIPPED_TOKENIZER_DIR
+    assert shipped["tokenizer"] == data_lib.tokenizer_file_fingerprint(tokenizer_dir)
+    for model in ("target", "drafter"):  # the shipped pair reads the same tokenizer
+        assert data_lib.tokenizer_file_fingerprint(os.path.join(data_lib.ROOT, "checkpoints", model)) == \
+            shipped["tokenizer"]
+    tokenizer = load_tokenizer(tokenizer_dir, 4096)
+    for q in shipped["prompts"]:
+        assert cut["min_tokens"] <= len(tokenizer.encode(q["text"])) <= cut["max_tokens"] and q["text"].endswith("\n")
+    if manifest["python_version"] != data_lib.python_version():
+        pytest.skip(f"the cut itself needs the pinned stdlib (Python {manifest['python_version']})")
+    again = data_lib.cut_heldout_prompts(tokenizer, count, **cut)
+    assert [(q["path"], q["line"], q["text"]) for q in again] == \
+        [(q["path"], q["line"], q["text"]) for q in shipped["prompts"]]
+
+
+def test_shipped_prompts_answer_only_for_their_cut(tmp_path):
+    """``shipped_prompts`` gives the first n texts for the file's tokenizer, seed and token range with n within its
+    count, None for any other request (the caller cuts those from the stdlib), and refuses n < 1 or another file."""
+    with open(data_lib.PROMPTS_PATH, encoding="utf-8") as f:
+        shipped = json.load(f)
+    texts = [q["text"] for q in shipped["prompts"]]
+    fp = shipped["tokenizer"]
+    cut = dict(seed=0, min_tokens=64, max_tokens=128)
+    assert data_lib.shipped_prompts(fp, 8, **cut) == texts[:8]
+    assert data_lib.shipped_prompts(fp, len(texts), **cut) == texts
+    assert data_lib.shipped_prompts(fp, len(texts) + 1, **cut) is None
+    assert data_lib.shipped_prompts(None, 8, **cut) is None  # the byte tokenizer
+    assert data_lib.shipped_prompts("tokenizer.json:sha256:" + "0" * 64, 8, **cut) is None
+    for other in (dict(cut, seed=1), dict(cut, min_tokens=32), dict(cut, max_tokens=96)):
+        assert data_lib.shipped_prompts(fp, 8, **other) is None
+    with pytest.raises(ValueError, match="n must be >= 1"):
+        data_lib.shipped_prompts(fp, 0, **cut)
+    bad = tmp_path / "prompts.json"
+    bad.write_text(json.dumps({"format": "something/1", "prompts": []}))
+    with pytest.raises(ValueError, match="not a ddtree-jax-heldout-prompts/1 file"):
+        data_lib.shipped_prompts(fp, 1, path=str(bad), **cut)
+    assert data_lib.tokenizer_file_fingerprint(str(tmp_path)) is None
+
+
 # ------------------------------------------------------------------------------------------- tokenizers
 def test_bpe_round_trip_and_prompts(tmp_path):
     texts = ["def add(a, b):\n    return a + b\n", "class Foo:\n    pass\n", "import os\nprint('héllo')\n"] * 20
