@@ -87,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare", action="store_true",
                    help="with --mode dflash or ddtree: also run AR and report the speedup (--mode all always does)")
     p.add_argument("--json", help="write generated ids and metrics here")
+    p.add_argument("--commit", default=None, help="with --json: the code commit to record (a checkout copied "
+                                                  "elsewhere may report a stale git HEAD; default: git's)")
     return p
 
 
@@ -126,6 +128,11 @@ def check_args(args) -> None:
             raise ValueError(f"{flag} {path!r} is neither a directory nor 'random'")
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         raise ValueError(f"--json {args.json!r}: its directory does not exist")
+    if args.commit is not None:
+        if not args.json:
+            raise ValueError("--commit is recorded in the --json report; give --json too")
+        if not args.commit.strip():
+            raise ValueError("--commit must name a commit, got an empty string")
     n = count_prompts(args)
     if args.streams is not None and args.streams > n:
         raise ValueError(f"--streams {args.streams} is more than the {n} prompts given")
@@ -404,8 +411,9 @@ def _main(args):
     print(f"prompts: {len(prompts)} from {prompt_source}")
     # where it ran and what it read (held-out prompts past the shipped ones come from this interpreter's standard
     # library, so another Python version decodes other prompts there: data.verify warns)
-    report = {"args": vars(args), "environment": {**bench_util.hardware(), "commit": bench_util.git_commit(),
-                                                  "python": platform.python_version()},
+    environment = {**bench_util.hardware(), "commit": args.commit or bench_util.git_commit(),
+                   "python": platform.python_version()}
+    report = {"args": vars(args), "environment": environment,
               "prompt_source": prompt_source, "prompts": [[int(t) for t in p] for p in prompts], "runs": {}}
     for mode in modes:
         report["runs"][mode] = run_mode(target, drafter, mode, args, prompts, tokenizer, eos_ids)

@@ -29,6 +29,8 @@ RANDOM = ["--target", "random"]
     (["--streams", "-1"], "--streams must be >= 1, got -1"),
     (["--streams", "9"], "--streams 9 is more than the 8 prompts given"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--commit", "abc1234"], "--commit is recorded in the --json report; give --json too"),
+    (["--commit", " ", "--json", "report.json"], "--commit must name a commit, got an empty string"),
     (["--capacity", "0"], "--capacity must be >= 1"),
     (["--num-prompts", "0"], "--num-prompts must be >= 1"),
     (["--num-prompts", "3", "--prompt", "x"], "--num-prompts picks held-out prompts"),
