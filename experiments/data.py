@@ -49,7 +49,8 @@ SPECIAL_TOKENS = ("<|endoftext|>", "<|mask|>")  # ids 0 and 1 of the trained tok
 PROMPTS_PATH = os.path.join(ROOT, "experiments", "heldout_prompts.json")
 PROMPTS_FORMAT = "ddtree-jax-heldout-prompts/1"
 SHIPPED_TOKENIZER_DIR = os.path.join(ROOT, "checkpoints", "tokenizer")
-SHIPPED_PROMPT_CUT = {"seed": 0, "min_tokens": 64, "max_tokens": 128, "count": 16}  # run_decode's default cut
+PROMPT_TOKENS = {"min_tokens": 64, "max_tokens": 128}  # each held-out prompt's length, in tokens (run_decode's)
+SHIPPED_PROMPT_CUT = {"seed": 0, **PROMPT_TOKENS, "count": 16}  # run_decode's default cut
 EOS_TOKEN, MASK_TOKEN = SPECIAL_TOKENS
 
 

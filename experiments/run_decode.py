@@ -52,7 +52,6 @@ CHECKPOINTS = os.path.join(ROOT, "checkpoints")
 MODE_CHOICES = ("ar", "dflash", "ddtree", "all")
 DEFAULT_BUDGET = 64
 DEFAULT_NUM_PROMPTS = 8
-HELDOUT_PROMPT_TOKENS = {"min_tokens": 64, "max_tokens": 128}  # each held-out prompt's length, in tokens
 PROMPTS_FILE_HELP = ("JSON Lines file of prompt texts: each line one JSON string, read exactly as JSON decodes it "
                      "(e.g. \"def f(x):\\n    return x\\n\" is two lines of code); blank lines are skipped, "
                      "\\r\\n line ends are fine")
@@ -257,7 +256,7 @@ def read_prompts(args, tokenizer) -> tuple[list[list[int]], str]:
         return [tokenizer.encode(t) for t in args.prompt], "--prompt"
     from experiments import data as data_lib  # held-out standard-library files (never trained on)
 
-    cut = dict(seed=args.seed, **HELDOUT_PROMPT_TOKENS)
+    cut = dict(seed=args.seed, **data_lib.PROMPT_TOKENS)
     fingerprint = None if args.target == "random" else data_lib.tokenizer_file_fingerprint(args.target)
     shipped = data_lib.shipped_prompts(fingerprint, args.num_prompts, **cut)
     if shipped is not None:  # the pinned cut, whatever this machine's stdlib
