@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -119,6 +119,17 @@ class DecodeState:
     key: jax.Array
 
 
+@dataclasses.dataclass(frozen=True)
+class StreamUpdate:
+    """What ``Engine.stream`` reports after the prefill and after each dispatch, per stream: the tokens emitted
+    since the last update (empty for a stream that had stopped), its status (``STATUS_NAMES``' values) and the
+    rounds it has run so far."""
+
+    new_tokens: list[list[int]]
+    status: list[str]
+    rounds: list[int]
+
+
 def required_capacity(longest_prompt: int, max_new_tokens: int, depth: int) -> int:
     """Cache slots a stream needs so that it never stops at ``cache_full``: a round starts with at most
     ``max_new_tokens - 1`` tokens out (all but the pending bonus token committed after the prompt) and
@@ -172,7 +183,8 @@ def place_caches(cache: LatentCache, draft_cache: DraftCache | None, runtime: Ru
 class Engine:
     """Holds the split target (and drafter) and the compiled programs for one EngineConfig.
 
-    ``generate(prompts, temperature, seed)`` runs prefill then rounds until every stream stops.
+    ``generate(prompts, temperature, seed)`` runs prefill then rounds until every stream stops; ``stream`` (same
+    arguments) reports each stream's new tokens after the prefill and after every dispatch.
     """
 
     def __init__(self, target: KimiModel, drafter: DFlashDrafter | None, ecfg: EngineConfig, *,
@@ -221,13 +233,42 @@ class Engine:
 
     def run(self, state: DecodeState, temperature: float = 0.0) -> DecodeState:
         """Dispatches rounds (``rounds_per_dispatch`` per call) until every stream has stopped."""
+        for state in self._dispatches(state, temperature):
+            pass
+        return state
+
+    def _dispatches(self, state: DecodeState, temperature: float):
+        """Yields the state after each dispatch while any stream runs (each one donates the state before it)."""
         temperature = check_temperature(temperature)
-        while True:
+        while bool((state.status == RUNNING).any()):
             state = _run_rounds(self.target_def, self.target_state, self.drafter_def, self.drafter_state, state,
                                 jnp.float32(temperature), ecfg=self.ecfg, runtime=self.runtime, taps=self.taps,
                                 depth=self.depth, greedy=temperature == 0)
-            if not bool((state.status == RUNNING).any()):
-                return state
+            yield state
+
+    def stream(self, prompts: Sequence[Sequence[int]], temperature: float = 0.0,
+               seed: int = 0) -> Iterator[StreamUpdate]:
+        """``generate``'s decoding, reported as it goes: an iterator of StreamUpdates, one after the prefill (each
+        stream's first token) and one after every dispatch of ``rounds_per_dispatch`` rounds (the config's
+        granularity: 1 reports every round), until every stream has stopped. Joined over the updates, each
+        stream's ``new_tokens`` are ``generate``'s tokens for the same prompts, temperature and seed. The inputs
+        are checked and the prompts prefilled in this call, not at the first ``next``."""
+        state = self.prefill(prompts, temperature, seed)
+        return self._updates(state, temperature)
+
+    def _updates(self, state: DecodeState, temperature: float) -> Iterator[StreamUpdate]:
+        sent = np.zeros(state.num_out.shape[0], np.int64)
+
+        def update(state: DecodeState) -> StreamUpdate:  # read before the next dispatch donates the state
+            out, num = np.asarray(state.out_tokens), np.asarray(state.num_out)
+            new = [out[b, sent[b]: num[b]].tolist() for b in range(len(sent))]
+            sent[:] = num
+            return StreamUpdate(new, [STATUS_NAMES[int(s)] for s in np.asarray(state.status)],
+                                np.asarray(state.rounds).tolist())
+
+        yield update(state)
+        for state in self._dispatches(state, temperature):
+            yield update(state)
 
     def generate(self, prompts: Sequence[Sequence[int]], temperature: float = 0.0, seed: int = 0) -> dict:
         """Returns per-stream tokens, statuses and metrics (compile time is separate from run time)."""

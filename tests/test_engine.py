@@ -155,6 +155,45 @@ def test_streams_stop_independently(models):
         assert res["status"][b] == ("eos" if eos in ar[b] else "max_new_tokens")
 
 
+@pytest.mark.parametrize("mode,temperature", [("ddtree", 0.0), ("ddtree", 1.0), ("dflash", 0.0), ("ar", 0.0)])
+def test_stream_reports_generate_round_by_round(models, mode, temperature):
+    """``Engine.stream`` at one round a dispatch: the first update holds each stream's prefill token, then one
+    update a round; a stopped stream gets no more tokens and keeps its status and rounds; joined, the updates
+    are ``generate``'s tokens (same seed), and the last one has its statuses and rounds."""
+    target, drafter = models
+    prompts = PROMPTS[:3]
+    ar = generate_all(target, None, EngineConfig(mode="ar", max_new_tokens=NEW, capacity=64), prompts, 3)
+    eos = ar[1][3]  # stream 1 stops early (greedy), the others run to the token limit unless they meet it too
+    ecfg = EngineConfig(mode=mode, budget=16, max_new_tokens=NEW, capacity=64, eos_ids=(eos,), rounds_per_dispatch=1)
+    engine = Engine(target, drafter if mode != "ar" else None, ecfg)
+    res = engine.generate(prompts, temperature, seed=3)
+    updates = list(engine.stream(prompts, temperature, seed=3))
+    assert [len(t) for t in updates[0].new_tokens] == [1, 1, 1] and updates[0].rounds == [0, 0, 0]
+    assert len(updates) == 1 + max(res["rounds"])
+    assert [sum((u.new_tokens[b] for u in updates), []) for b in range(3)] == res["tokens"]
+    assert updates[-1].status == res["status"] and updates[-1].rounds == res["rounds"]
+    if temperature == 0:
+        assert res["status"][1] == "eos" and res["tokens"] == [t[:len(r)] for t, r in zip(ar, res["tokens"])]
+    for before, after in zip(updates, updates[1:]):
+        assert "running" in before.status
+        for b in range(3):
+            if before.status[b] == "running":
+                assert after.rounds[b] == before.rounds[b] + 1 and after.new_tokens[b]
+            else:
+                assert (after.new_tokens[b], after.status[b], after.rounds[b]) == ([], before.status[b],
+                                                                                   before.rounds[b])
+
+
+def test_stream_checks_its_inputs_when_called(models):
+    """Bad input is refused by ``stream`` itself, not at the first ``next``."""
+    target, drafter = models
+    engine = Engine(target, drafter, EngineConfig(mode="ddtree", budget=8, max_new_tokens=4, capacity=64))
+    with pytest.raises(ValueError, match="temperature"):
+        engine.stream(PROMPTS[:2], temperature=-1.0)
+    with pytest.raises(ValueError, match="seed"):
+        engine.stream(PROMPTS[:2], seed=-1)
+
+
 def test_cache_capacity_ends_stream_with_status(models):
     target, drafter = models
     prompts = [PROMPTS[0][:4], PROMPTS[1][:12]]

@@ -42,3 +42,4 @@ def test_readme_usage_snippet_runs(tmp_path):
         assert all(0 <= t < 256 for t in tokens)
         assert status in ("max_new_tokens", "eos"), status
     assert math.isfinite(result["tau_mean"]) and result["tau_mean"] >= 1.0, result["tau_mean"]
+    assert namespace["update"].status == result["status"]  # the streamed loop ran to the end, as generate did
