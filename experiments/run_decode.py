@@ -42,6 +42,7 @@ from ddtree_jax.engine import (EOS, SEED_LIMIT, Engine, EngineConfig, check_temp
                                inspect_round, required_capacity, tree_depth)
 from ddtree_jax.hf_loader import load_hf_model  # noqa: E402
 from ddtree_jax.model import KimiModel  # noqa: E402
+from ddtree_jax.sampling import check_top_k, check_top_p  # noqa: E402
 from ddtree_jax.tokenizer import load_tokenizer  # noqa: E402
 from ddtree_jax.tree import check_budget  # noqa: E402
 from experiments import bench_util  # noqa: E402
@@ -76,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"DDTree node budget (default {DEFAULT_BUDGET}; only for --mode ddtree or all)")
     p.add_argument("--streams", type=int, default=None, help="streams decoded together (default: #prompts)")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-k", type=int, default=0, help="with --temperature > 0: sample from the top_k likeliest "
+                                                       "tokens only (0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature > 0: then from the fewest likeliest "
+                                                         "tokens whose probability reaches top_p (1: all)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--capacity", type=int, default=512,
                    help="cache slots per stream: must hold the longest prompt, --max-new-tokens and the mode's "
@@ -118,10 +123,15 @@ def check_args(args) -> None:
                         ("--streams", args.streams), ("--num-prompts", args.num_prompts)):
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
-    try:
-        check_temperature(args.temperature)
-    except ValueError as e:
-        raise ValueError(f"--temperature: {e}") from None
+    for flag, check, value in (("--temperature", check_temperature, args.temperature),
+                               ("--top-k", check_top_k, args.top_k), ("--top-p", check_top_p, args.top_p)):
+        try:
+            check(value)
+        except ValueError as e:
+            raise ValueError(f"{flag}: {e}") from None
+    if args.temperature == 0 and (args.top_k != 0 or args.top_p != 1):
+        raise ValueError("--top-k and --top-p filter what is sampled; greedy decoding (--temperature 0) samples "
+                         "nothing: give --temperature > 0")
     for flag, path in (("--target", args.target), ("--drafter", args.drafter)):
         if path not in (None, "random") and not os.path.isdir(path):
             raise ValueError(f"{flag} {path!r} is neither a directory nor 'random'")
@@ -268,13 +278,18 @@ def read_prompts(args, tokenizer) -> tuple[list[list[int]], str]:
 def engine_config(mode: str, args, eos_ids=()) -> EngineConfig:
     budget = {"budget": args.budget} if mode == "ddtree" else {}
     return EngineConfig(mode=mode, max_new_tokens=args.max_new_tokens, capacity=args.capacity, eos_ids=eos_ids,
-                        **budget)
+                        top_k=args.top_k, top_p=args.top_p, **budget)
 
 
 def check_fits(args, modes: Sequence[str], prompts, target, drafter) -> None:
-    """Before anything is compiled: the DDTree budget against the drafter's depth and the vocabulary, and
-    ``--capacity`` against every mode's need (``required_capacity``); ValueError naming what is needed."""
+    """Before anything is compiled: ``--top-k`` against the vocabulary, the DDTree budget against the drafter's depth
+    and the vocabulary, and ``--capacity`` against every mode's need (``required_capacity``); ValueError naming what
+    is needed."""
     block_size = drafter.cfg.block_size if drafter is not None else 1
+    try:
+        check_top_k(args.top_k, target.cfg.vocab_size)
+    except ValueError as e:
+        raise ValueError(f"--top-k: {e} (the target's vocabulary)") from None
     if "ddtree" in modes:
         check_budget(args.budget, block_size - 1, target.cfg.vocab_size)
     longest = max(len(p) for p in prompts)

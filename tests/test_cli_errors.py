@@ -40,6 +40,11 @@ RANDOM = ["--target", "random"]
     (["--prompt-ids", " "], "--prompt-ids #1 must be"),
     (["--temperature", "-0.5"], "--temperature: temperature must be finite and >= 0"),
     (["--temperature", "nan"], "--temperature: temperature must be finite and >= 0"),
+    (["--temperature", "1", "--top-k", "-2"], "--top-k: top_k must be >= 0 (0: off), got -2"),
+    (["--temperature", "1", "--top-p", "0"], "--top-p: top_p must be in (0, 1] (1: off), got 0.0"),
+    (["--temperature", "1", "--top-p", "1.5"], "--top-p: top_p must be in (0, 1] (1: off), got 1.5"),
+    (["--top-k", "5"], "--top-k and --top-p filter what is sampled; greedy decoding (--temperature 0)"),
+    (["--top-p", "0.9"], "--top-k and --top-p filter what is sampled"),
     (["--seed", "-1"], "--seed must be in [0, 4294967296), got -1"),
     (["--seed", "4294967296"], "--seed must be in [0, 4294967296), got 4294967296"),
     (["--streams", "3", "--seed", "4294967294"],
@@ -89,6 +94,17 @@ def test_budget_is_checked_against_the_drafter_before_decoding():
     target, drafter = fake_pair(block_size=2, vocab=8)  # one draft level of 8 tokens: at most 8 nodes
     with pytest.raises(ValueError, match="budget"):
         run_decode.check_fits(args, ["ddtree"], [[1]], target, drafter)
+
+
+def test_top_k_is_checked_against_the_vocabulary_before_decoding():
+    args = run_decode.parse_args(RANDOM + ["--drafter", "random", "--prompt-ids", "1", "--temperature", "1",
+                                           "--top-k", "9"])
+    target, drafter = fake_pair(vocab=8)
+    with pytest.raises(ValueError, match=r"--top-k: top_k must be at most the vocabulary's 8 tokens .*got 9 \(the"):
+        run_decode.check_fits(args, run_decode.modes_of(args), [[1]], target, drafter)
+    args.top_k = 8
+    run_decode.check_fits(args, run_decode.modes_of(args), [[1]], target, drafter)
+    assert run_decode.engine_config("ddtree", args).top_k == 8
 
 
 def test_required_capacity_is_exactly_what_the_engine_needs():

@@ -360,15 +360,16 @@ def chi2_two_sample_pvalue(a, b, categories):
     return float(gammaincc(dof / 2.0, stat / 2.0))
 
 
-def test_sampling_distribution_equals_ar(models):
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (4, 0.8)])
+def test_sampling_distribution_equals_ar(models, top_k, top_p):
     """T=1: the 2nd and 3rd generated tokens (the first ones speculation decides) have the same
-    distribution under DDTree as under AR sampling (two-sample chi-squared, many streams)."""
+    distribution under DDTree as under AR sampling (two-sample chi-squared, many streams), also truncated."""
     target, drafter = models
     prompt = PROMPTS[5]
     streams, calls = 256, 6
 
     def samples(mode):
-        ecfg = EngineConfig(mode=mode, budget=32, max_new_tokens=3, capacity=64)
+        ecfg = EngineConfig(mode=mode, budget=32, max_new_tokens=3, capacity=64, top_k=top_k, top_p=top_p)
         engine = Engine(target, drafter if mode != "ar" else None, ecfg)
         toks = []
         for seed in range(calls):
@@ -386,8 +387,30 @@ def test_sampling_distribution_equals_ar(models):
     shuffled = np.random.default_rng(0).permutation(dd[:, 2])  # same marginals, dependence broken: rejected
     assert chi2_two_sample_pvalue(ar[:, 1] * VOCAB + ar[:, 2], dd[:, 1] * VOCAB + shuffled, VOCAB * VOCAB) < 1e-6
     # the drafts were actually used: most rounds accepted something
-    engine = Engine(target, drafter, EngineConfig(mode="ddtree", budget=32, max_new_tokens=3, capacity=64))
+    engine = Engine(target, drafter, EngineConfig(mode="ddtree", budget=32, max_new_tokens=3, capacity=64,
+                                                  top_k=top_k, top_p=top_p))
     assert engine.generate([prompt] * 64, temperature=1.0, seed=7)["tau_mean"] > 1.2
+
+
+@pytest.mark.parametrize("mode", ["ar", "dflash", "ddtree"])
+@pytest.mark.parametrize("top_k,top_p", [(1, 1.0), (0, 1e-6)])
+def test_sampling_that_keeps_only_the_argmax_is_greedy(models, ar_reference, mode, top_k, top_p):
+    """top_k = 1, or a top_p below any second token's share, leaves one token to sample: at temperature 1 every
+    mode then emits AR's greedy tokens (the filters reach the prefill's sample and every round's)."""
+    target, drafter = models
+    ecfg = EngineConfig(mode=mode, budget=16, max_new_tokens=NEW, capacity=64, top_k=top_k, top_p=top_p)
+    engine = Engine(target, drafter if mode != "ar" else None, ecfg)
+    assert engine.generate(PROMPTS[:8], temperature=1.0, seed=5)["tokens"] == ar_reference[:8]
+
+
+def test_bad_truncation_refused(models):
+    target, drafter = models
+    for bad, message in ((dict(top_k=-1), "top_k must be >= 0"), (dict(top_k=2.5), "top_k must be an integer"),
+                         (dict(top_p=0.0), "top_p must be in"), (dict(top_p=float("nan")), "top_p must be in")):
+        with pytest.raises(ValueError, match=message):
+            EngineConfig(**bad)
+    with pytest.raises(ValueError, match=f"top_k must be at most the vocabulary's {VOCAB} tokens"):
+        Engine(target, drafter, EngineConfig(top_k=VOCAB + 1))
 
 
 def test_trained_pair_greedy_equals_ar():
