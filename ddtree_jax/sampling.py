@@ -41,28 +41,84 @@ def check_top_p(top_p) -> float:
     return float(top_p)
 
 
-def truncate(scaled: jax.Array, top_k: int = 0, top_p: float = 1.0) -> jax.Array:
+TOP_P_METHODS = ("auto", "sort", "bisect")
+SORT_MAX_VALUES = 8192
+"""Top-p's "auto" sorts rows up to this long (and the K values top-k keeps); longer ones, a vocabulary, bisect."""
+
+
+def truncate(scaled: jax.Array, top_k: int = 0, top_p: float = 1.0, top_p_method: str = "auto") -> jax.Array:
     """scaled [..., W] float (logits over the temperature) -> the same with the tokens that top-k and then top-p
-    drop set to -inf. ``top_k`` (0: off) and ``top_p`` (1: off) are Python numbers: they pick what is compiled."""
+    drop set to -inf. ``top_k`` (0: off) and ``top_p`` (1: off) are Python numbers: they pick what is compiled.
+
+    Top-p finds the nucleus's last value ("the edge") by ``top_p_method``: "sort" ranks the row (after top-k: its K
+    values, already ranked) and sums the masses in order; "bisect" needs no sort (``nucleus_edge_by_bisection``);
+    "auto" sorts rows of at most SORT_MAX_VALUES and the top-k's, else bisects. Both give the same edge up to the
+    rounding of the masses' sums."""
     top_k = check_top_k(top_k, scaled.shape[-1])
     top_p = check_top_p(top_p)
+    if top_p_method not in TOP_P_METHODS:
+        raise ValueError(f"top_p_method must be one of {TOP_P_METHODS}, got {top_p_method!r}")
     if top_k == 0 and top_p == 1:
         return scaled
     shape = scaled.shape
     rows = scaled.reshape(-1, shape[-1])  # [R, W]
     neg_inf = jnp.array(-jnp.inf, rows.dtype)
+    best = None
     if top_k:
         best, _ = topk.top_k(rows, top_k)  # [R, K], largest first
         rows = jnp.where(rows >= best[:, -1:], rows, neg_inf)
-    else:
-        best = -jnp.sort(-rows, axis=-1)  # [R, W], largest first
     if top_p < 1:
-        # Mass of the tokens ranked before each of the best ones, over everything still kept (ties past the
-        # K-th included): a token is in the nucleus while that mass is below top_p. The first always is.
-        probs = jnp.exp(best - jax.nn.logsumexp(rows, axis=-1, keepdims=True))
-        before = jnp.cumsum(probs, axis=-1) - probs
-        n_kept = jnp.maximum(jnp.sum(before < top_p, axis=-1, keepdims=True), 1)
-        last = jnp.take_along_axis(best, n_kept - 1, axis=-1)
-        rows = jnp.where(rows >= last, rows, neg_inf)
+        if top_p_method == "auto":
+            top_p_method = "sort" if top_k or rows.shape[-1] <= SORT_MAX_VALUES else "bisect"
+        if top_p_method == "sort":
+            edge = nucleus_edge_by_sort(rows, top_p, best)
+        else:
+            edge = nucleus_edge_by_bisection(rows, top_p)
+        rows = jnp.where(rows >= edge, rows, neg_inf)
     return rows.reshape(shape)
 
+
+def nucleus_edge_by_sort(rows: jax.Array, top_p: float, best: jax.Array | None = None) -> jax.Array:
+    """rows [R, W] -> [R, 1]: the value of the last token in the nucleus, the tokens ranked by value whose mass
+    before them (over the whole row) is below top_p. ``best``: the row's largest values in order, if known (top-k's
+    K: the tokens past them, ties of the K-th included, are never before a kept one); else the row is sorted."""
+    if best is None:
+        best = -jnp.sort(-rows, axis=-1)  # [R, W], largest first
+    probs = jnp.exp(best - jax.nn.logsumexp(rows, axis=-1, keepdims=True))
+    before = jnp.cumsum(probs, axis=-1) - probs
+    n_kept = jnp.maximum(jnp.sum(before < top_p, axis=-1, keepdims=True), 1)  # the first is always in
+    return jnp.take_along_axis(best, n_kept - 1, axis=-1)
+
+
+def nucleus_edge_by_bisection(rows: jax.Array, top_p: float) -> jax.Array:
+    """``nucleus_edge_by_sort`` without a sort: rows [R, W] -> [R, 1], in 32 passes over the row.
+
+    Let mass(t) be the probability of the tokens above t, a non-increasing function. The nucleus's last value is
+    the smallest t with mass(t) < top_p: it is below no other row value with that property, and every t under it
+    has the last kept value's own mass above it, which reaches top_p (else the next value down would be kept too).
+    So it is found by bisection over the floats' order-preserving integer keys, one masked sum a step."""
+    rows = rows.astype(jnp.float32)
+    probs = jnp.exp(rows - jax.nn.logsumexp(rows, axis=-1, keepdims=True))
+    keys = _order_keys(rows)
+    lo = jnp.min(keys, axis=-1, keepdims=True)
+    hi = jnp.max(keys, axis=-1, keepdims=True)  # mass above the largest value: 0 < top_p
+
+    def halve(_, bounds):  # the answer stays in [lo, hi]
+        lo, hi = bounds
+        mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # floor((lo + hi) / 2) without overflow
+        short = jnp.sum(jnp.where(keys > mid, probs, 0.0), axis=-1, keepdims=True) < top_p
+        return jnp.where(short, lo, mid + 1), jnp.where(short, mid, hi)
+
+    _, hi = jax.lax.fori_loop(0, 32, halve, (lo, hi))
+    return _from_order_keys(hi)
+
+
+def _order_keys(values: jax.Array) -> jax.Array:
+    """float32 -> int32 in the same order (-0.0 taken as +0.0): sign-magnitude bits with negatives' magnitudes
+    flipped."""
+    bits = jax.lax.bitcast_convert_type(jnp.where(values == 0, 0.0, values), jnp.int32)
+    return jnp.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+
+
+def _from_order_keys(keys: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(jnp.where(keys >= 0, keys, keys ^ 0x7FFFFFFF), jnp.float32)

@@ -1,5 +1,6 @@
 """DDTree's ranking steps on the device: ``ddtree_jax.topk.top_k`` by each method at the draft's vocabulary
-and at the build's beams, the log-softmax before them, and ``build_tree`` whole, by the device time per call
+and at the build's beams, the log-softmax before them, ``build_tree`` whole, and the verify's target sample
+plain and truncated by top-k / top-p (``ddtree_jax.sampling``, each top-p method), by the device time per call
 from a profiler trace (a chain of 8 dependent calls, ``bench_util.traced_call_time``; each call's span
 holds the chain's one-element tie, ~1 µs). The floor of a vocabulary point is its bytes read once (M x W
 f32) over PyTorch's copy bandwidth (XLA's a+1 copy, ``bench_util.measure_copy_bandwidth``, where PyTorch
@@ -26,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from ddtree_jax import topk  # noqa: E402
+from ddtree_jax import sampling, topk  # noqa: E402
 from ddtree_jax.tree import build_tree  # noqa: E402
 from experiments import bench_util  # noqa: E402
 
@@ -129,16 +130,43 @@ def bench_build(rows, streams, w, depth, budget):
             print(row, flush=True)
 
 
+SAMPLE_SETTINGS = [("categorical", 0, 1.0, "auto"), ("top_k", 50, 1.0, "auto"), ("top_p", 0, 0.95, "sort"),
+                   ("top_p", 0, 0.95, "bisect"), ("top_k+top_p", 50, 0.95, "auto")]
+
+
+def bench_sample(rows, m_list, w, bw):
+    """The verify's target sample (temperature 1) over [M, W] logits, plain and truncated: ``sampling.truncate``
+    then one categorical draw. Top-p alone by each method; "exact": the kept tokens equal the sort's."""
+    rng = np.random.default_rng(4)
+    key = jax.random.key(0)
+    for m in m_list:
+        logits = jnp.asarray(rng.standard_normal((m, w)) * 3, jnp.float32)
+        kept = {}
+        for name, k, p, method in SAMPLE_SETTINGS:
+            kept_fn = jax.jit(lambda x, k=k, p=p, method=method: jnp.isfinite(sampling.truncate(x, k, p, method)))
+            kept[name, method] = np.asarray(kept_fn(logits))
+            fn = jax.jit(lambda x, k=k, p=p, method=method:
+                         jax.random.categorical(key, sampling.truncate(x, k, p, method), axis=-1))
+            row = {"part": "sample", "M": m, "N": w, "K": k or None, "top_p": p, "method": f"{name} {method}",
+                   "kept_mean": float(kept[name, method].sum(-1).mean()), **timed(fn, (logits,))}
+            if name == "top_p":
+                row["exact"] = bool(np.array_equal(kept[name, method], kept["top_p", "sort"]))
+            if bw:
+                row["floor_us"] = m * w * 4 / bw * 1e6  # the logits read once
+            rows.append(row)
+            print(row, flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--name", default="bench_top_k")
-    ap.add_argument("--parts", default="vocab,beams,log_softmax,build")
+    ap.add_argument("--parts", default="vocab,beams,log_softmax,build,sample")
     ap.add_argument("--commit", default=None, help="code commit to record (the device copy has no .git)")
     ap.add_argument("--smoke", action="store_true", help="CPU: small shapes")
     args = ap.parse_args()
     parts = args.parts.split(",")
-    unknown = set(parts) - {"vocab", "beams", "log_softmax", "build"}
+    unknown = set(parts) - {"vocab", "beams", "log_softmax", "build", "sample"}
     if unknown:
         ap.error(f"unknown --parts {sorted(unknown)}")
     print("jax", jax.__version__, jax.devices()[0].device_kind, flush=True)
@@ -159,11 +187,14 @@ def main():
         bench_log_softmax(rows, m_list, w, chunks, bw)
     if "build" in parts:
         bench_build(rows, [4] if args.smoke else [1, 4, 16], w, DEPTH, BUDGET)
+    if "sample" in parts:  # the verify's rows: DDTree-32 at 1 and 4 streams, DDTree-64 at 4
+        bench_sample(rows, [33] if args.smoke else [33, 132, 260], w, bw)
     payload = {"copy_bw_Bps": bw, "copy_bw_source": bw_source, "code_commit": args.commit,
                "hardware": bench_util.hardware(),
                "jax": jax.__version__, "seconds": round(time.time() - t0, 1), "rows": rows}
     bench_util.write_result(args.name, payload, out_dir=args.out)
-    bench_util.print_table(rows, ["part", "M", "N", "K", "method", "chunk", "exact", "us", "floor_us", "launches"])
+    bench_util.print_table(rows, ["part", "M", "N", "K", "top_p", "method", "chunk", "exact", "us", "floor_us",
+                                  "launches"])
 
 
 if __name__ == "__main__":

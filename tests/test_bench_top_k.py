@@ -23,11 +23,12 @@ def test_smoke_run_checks_each_part(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["bench_top_k.py", "--smoke", "--out", str(tmp_path), "--name", "smoke"])
     bench.main()
     rows = json.loads((tmp_path / "smoke.json").read_text())["rows"]
-    assert {r["part"] for r in rows} == {"top_k vocab", "top_k beam", "log_softmax", "build_tree from logits"}
+    assert {r["part"] for r in rows} == {"top_k vocab", "top_k beam", "log_softmax", "build_tree from logits",
+                                         "sample"}
     for r in rows:
         assert r.get("exact", True) is True and r.get("max_abs_err", 0) < 1e-5
         assert math.isfinite(r["us"]) and r["us"] > 0
-        if r["part"] in ("top_k vocab", "log_softmax"):  # beside its floor, also without PyTorch (XLA's copy)
+        if r["part"] in ("top_k vocab", "log_softmax", "sample"):  # beside its floor, also without PyTorch (XLA's copy)
             assert r["floor_us"] > 0, r
 
 

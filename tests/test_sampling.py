@@ -25,25 +25,28 @@ def hf_kept(scaled, top_k, top_p):
 SETTINGS = [(0, 1.0), (1, 1.0), (5, 1.0), (40, 1.0), (0, 0.9), (0, 0.5), (0, 1e-6), (8, 0.7), (3, 0.95), (60, 0.3)]
 
 
+@pytest.mark.parametrize("method", ["sort", "bisect"])
 @pytest.mark.parametrize("top_k,top_p", SETTINGS)
-def test_kept_tokens_equal_transformers_warpers(top_k, top_p):
+def test_kept_tokens_equal_transformers_warpers(top_k, top_p, method):
     rng = np.random.default_rng([7, top_k, int(top_p * 1000)])
     logits = (rng.normal(size=(64, 96)) * rng.uniform(0.3, 4.0, size=(64, 1))).astype(np.float32)
     for temperature in (1.0, 0.6):
         scaled = logits / np.float32(temperature)
-        got = np.isfinite(np.asarray(sampling.truncate(jnp.asarray(scaled), top_k, top_p)))
+        got = np.isfinite(np.asarray(sampling.truncate(jnp.asarray(scaled), top_k, top_p, method)))
         np.testing.assert_array_equal(got, hf_kept(scaled, top_k, top_p), err_msg=f"T={temperature}")
         assert got.any(axis=-1).all() and got[np.arange(64), scaled.argmax(-1)].all()  # the argmax survives
         kept_values = np.asarray(sampling.truncate(jnp.asarray(scaled), top_k, top_p))[got]
         np.testing.assert_array_equal(kept_values, scaled[got])  # kept logits are untouched
 
 
+@pytest.mark.parametrize("method", ["sort", "bisect"])
 @pytest.mark.parametrize("top_k,top_p", [(2, 1.0), (3, 1.0), (0, 0.5), (0, 0.6), (2, 0.5), (4, 0.3)])
-def test_ties_at_the_boundary_are_all_kept(top_k, top_p):
+def test_ties_at_the_boundary_are_all_kept(top_k, top_p, method):
     """Rows of few distinct values, ties everywhere: the kept set is the reference's (whole tie groups)."""
     rng = np.random.default_rng([3, top_k])
     logits = rng.integers(0, 4, size=(200, 12)).astype(np.float32)
-    got = np.isfinite(np.asarray(sampling.truncate(jnp.asarray(logits), top_k, top_p)))
+    logits[::3, ::2] = -logits[::3, ::2]  # signed zeros among the ties
+    got = np.isfinite(np.asarray(sampling.truncate(jnp.asarray(logits), top_k, top_p, method)))
     want = np.stack([truncated_probs(row, 1.0, top_k, top_p) > 0 for row in logits])
     np.testing.assert_array_equal(got, want)
     for row, kept in zip(logits, got):  # a tie group is kept or dropped whole
@@ -63,6 +66,37 @@ def test_long_rows_take_the_chunked_top_k():
         got = np.isfinite(np.asarray(sampling.truncate(jnp.asarray(logits), top_k, top_p)))
         want = np.stack([truncated_probs(row, 1.0, top_k, top_p) > 0 for row in logits])
         np.testing.assert_array_equal(got, want, err_msg=f"{top_k}, {top_p}")
+
+
+def test_bisection_and_sort_find_the_same_edge():
+    """Both top-p methods on rows of every kind: wide and narrow spreads, -inf entries, huge and tiny magnitudes,
+    negatives only, one finite value; the edge is the same row value."""
+    rng = np.random.default_rng(9)
+    n = 301  # no top_p below is a multiple of 1 / n: a flat row's edge is not left to the sums' rounding
+    rows = [rng.normal(size=n) * scale for scale in (0.01, 1.0, 30.0)]
+    rows += [np.where(rng.random(n) < 0.5, -np.inf, rng.normal(size=n)), -np.abs(rng.normal(size=n)) - 1e4,
+             np.r_[5.0, np.full(n - 1, -np.inf)], rng.normal(size=n) * 1e-30, np.r_[rng.normal(size=n - 1), 80.0]]
+    rows = jnp.asarray(np.stack(rows), jnp.float32)
+    for top_p in (1e-7, 0.05, 0.5, 0.9, 0.999, 1 - 1e-7):
+        by_sort = np.asarray(sampling.nucleus_edge_by_sort(rows, top_p))
+        by_bisection = np.asarray(sampling.nucleus_edge_by_bisection(rows, top_p))
+        np.testing.assert_array_equal(by_bisection, by_sort, err_msg=f"top_p={top_p}")
+        assert all(edge in row for edge, row in zip(by_bisection[:, 0], np.asarray(rows)))
+
+
+def test_order_keys_sort_floats():
+    """The bisection's keys order float32 values as the floats (-0.0 equal to +0.0), infinities included, and map
+    back exactly. (Subnormals are left out: XLA may flush them to zero, as it does on this CPU.)"""
+    f32 = np.finfo(np.float32)
+    values = np.r_[np.random.default_rng(4).normal(size=200) * 10.0 ** np.arange(-20, 20, 0.2),
+                   [0.0, -0.0, np.inf, -np.inf, f32.tiny, -f32.tiny, f32.max, -f32.max]]
+    values = values.astype(np.float32)
+    keys = np.asarray(sampling._order_keys(jnp.asarray(values)))
+    order = np.argsort(values, kind="stable")
+    assert (np.diff(keys[order]) >= 0).all()
+    assert ((np.diff(keys[order]) == 0) == (np.diff(values[order]) == 0)).all()
+    back = np.asarray(sampling._from_order_keys(jnp.asarray(keys)))
+    np.testing.assert_array_equal(back, np.where(values == 0, 0, values))
 
 
 def test_samples_follow_the_truncated_distribution():
@@ -108,3 +142,5 @@ def test_bad_top_k_refused(top_k, message):
 def test_bad_top_p_refused(top_p):
     with pytest.raises(ValueError, match="top_p must be"):
         sampling.truncate(jnp.zeros((2, 30)), 0, top_p)
+    with pytest.raises(ValueError, match="top_p_method must be one of"):
+        sampling.truncate(jnp.zeros((2, 30)), 0, 0.5, "heap")
