@@ -41,9 +41,11 @@ def check_top_p(top_p) -> float:
     return float(top_p)
 
 
-TOP_P_METHODS = ("auto", "sort", "bisect")
+TOP_P_METHODS = ("auto", "sort", "search")
 SORT_MAX_VALUES = 8192
-"""Top-p's "auto" sorts rows up to this long (and the K values top-k keeps); longer ones, a vocabulary, bisect."""
+"""Top-p's "auto" sorts rows up to this long (and the K values top-k keeps); longer ones, a vocabulary, search."""
+SEARCH_FANOUT = 16
+"""Thresholds per pass of top-p's "search": 16 cuts the 2^32 float keys to one in 8 passes."""
 
 
 def truncate(scaled: jax.Array, top_k: int = 0, top_p: float = 1.0, top_p_method: str = "auto") -> jax.Array:
@@ -51,9 +53,9 @@ def truncate(scaled: jax.Array, top_k: int = 0, top_p: float = 1.0, top_p_method
     drop set to -inf. ``top_k`` (0: off) and ``top_p`` (1: off) are Python numbers: they pick what is compiled.
 
     Top-p finds the nucleus's last value ("the edge") by ``top_p_method``: "sort" ranks the row (after top-k: its K
-    values, already ranked) and sums the masses in order; "bisect" needs no sort (``nucleus_edge_by_bisection``);
-    "auto" sorts rows of at most SORT_MAX_VALUES and the top-k's, else bisects. Both give the same edge up to the
-    rounding of the masses' sums."""
+    values, already ranked) and sums the masses in order; "search" needs no sort (``nucleus_edge_by_search``);
+    "auto" sorts rows of at most SORT_MAX_VALUES and the top-k's, else searches. Both give the same edge up to the
+    rounding of the masses' sums (which can move a flat row's edge by a token)."""
     top_k = check_top_k(top_k, scaled.shape[-1])
     top_p = check_top_p(top_p)
     if top_p_method not in TOP_P_METHODS:
@@ -69,11 +71,11 @@ def truncate(scaled: jax.Array, top_k: int = 0, top_p: float = 1.0, top_p_method
         rows = jnp.where(rows >= best[:, -1:], rows, neg_inf)
     if top_p < 1:
         if top_p_method == "auto":
-            top_p_method = "sort" if top_k or rows.shape[-1] <= SORT_MAX_VALUES else "bisect"
+            top_p_method = "sort" if top_k or rows.shape[-1] <= SORT_MAX_VALUES else "search"
         if top_p_method == "sort":
             edge = nucleus_edge_by_sort(rows, top_p, best)
         else:
-            edge = nucleus_edge_by_bisection(rows, top_p)
+            edge = nucleus_edge_by_search(rows, top_p)
         rows = jnp.where(rows >= edge, rows, neg_inf)
     return rows.reshape(shape)
 
@@ -90,27 +92,50 @@ def nucleus_edge_by_sort(rows: jax.Array, top_p: float, best: jax.Array | None =
     return jnp.take_along_axis(best, n_kept - 1, axis=-1)
 
 
-def nucleus_edge_by_bisection(rows: jax.Array, top_p: float) -> jax.Array:
-    """``nucleus_edge_by_sort`` without a sort: rows [R, W] -> [R, 1], in 32 passes over the row.
+def nucleus_edge_by_search(rows: jax.Array, top_p: float, fanout: int = SEARCH_FANOUT) -> jax.Array:
+    """``nucleus_edge_by_sort`` without a sort: rows [R, W] -> [R, 1], in ceil(32 / log2(fanout)) passes over the
+    row, unrolled (a device loop would cost a host round trip a pass on a GPU).
 
     Let mass(t) be the probability of the tokens above t, a non-increasing function. The nucleus's last value is
     the smallest t with mass(t) < top_p: it is below no other row value with that property, and every t under it
     has the last kept value's own mass above it, which reaches top_p (else the next value down would be kept too).
-    So it is found by bisection over the floats' order-preserving integer keys, one masked sum a step."""
+    It is searched for over the floats' order-preserving integer keys: each pass cuts the keys left, [lo, hi], into
+    ``fanout`` pieces, takes mass(t) at the last key of all but the last piece in one masked sum, and keeps the
+    first piece whose last key has mass(t) < top_p (hi itself always has)."""
+    if fanout < 2:
+        raise ValueError(f"fanout must be >= 2, got {fanout}")
     rows = rows.astype(jnp.float32)
     probs = jnp.exp(rows - jax.nn.logsumexp(rows, axis=-1, keepdims=True))
     keys = _order_keys(rows)
-    lo = jnp.min(keys, axis=-1, keepdims=True)
+    lo = jnp.min(keys, axis=-1, keepdims=True)  # [R, 1]
     hi = jnp.max(keys, axis=-1, keepdims=True)  # mass above the largest value: 0 < top_p
-
-    def halve(_, bounds):  # the answer stays in [lo, hi]
-        lo, hi = bounds
-        mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # floor((lo + hi) / 2) without overflow
-        short = jnp.sum(jnp.where(keys > mid, probs, 0.0), axis=-1, keepdims=True) < top_p
-        return jnp.where(short, lo, mid + 1), jnp.where(short, mid, hi)
-
-    _, hi = jax.lax.fori_loop(0, 32, halve, (lo, hi))
+    ends = jnp.arange(1, fanout, dtype=jnp.uint32)  # pieces 0 .. fanout - 2 end at lo + ends * piece - 1
+    for _ in range(search_passes(fanout)):
+        span = _as_uint(hi) - _as_uint(lo)  # keys left - 1, < 2^32
+        piece = span // fanout + 1  # ceil((span + 1) / fanout): (fanout - 1) * piece - 1 fits in 32 bits
+        last = _as_int(_as_uint(lo) + jnp.minimum(ends * piece - 1, span))  # [R, fanout - 1]
+        above = jnp.sum(jnp.where(keys[:, :, None] > last[:, None, :], probs[:, :, None], 0.0), axis=1)
+        first = jnp.sum(above >= top_p, axis=-1, keepdims=True).astype(jnp.uint32)  # the edge's piece
+        edge_in_last_piece = first == fanout - 1
+        hi = jnp.where(edge_in_last_piece, hi, jnp.take_along_axis(last, jnp.minimum(first, fanout - 2), -1))
+        lo = _as_int(_as_uint(lo) + first * piece)
     return _from_order_keys(hi)
+
+
+def search_passes(fanout: int) -> int:
+    """Passes of ``nucleus_edge_by_search`` that leave one of 2^32 keys: each keeps ceil(keys / fanout)."""
+    passes, keys = 0, 1 << 32
+    while keys > 1:
+        passes, keys = passes + 1, -(-keys // fanout)
+    return passes
+
+
+def _as_uint(x: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(x, jnp.uint32)
+
+
+def _as_int(x: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(x, jnp.int32)
 
 
 def _order_keys(values: jax.Array) -> jax.Array:

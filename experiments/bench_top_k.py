@@ -131,12 +131,14 @@ def bench_build(rows, streams, w, depth, budget):
 
 
 SAMPLE_SETTINGS = [("categorical", 0, 1.0, "auto"), ("top_k", 50, 1.0, "auto"), ("top_p", 0, 0.95, "sort"),
-                   ("top_p", 0, 0.95, "bisect"), ("top_k+top_p", 50, 0.95, "auto")]
+                   ("top_p", 0, 0.95, "search"), ("top_k+top_p", 50, 0.95, "auto")]
+SEARCH_FANOUTS = (2, 4, 16, 64)
 
 
 def bench_sample(rows, m_list, w, bw):
     """The verify's target sample (temperature 1) over [M, W] logits, plain and truncated: ``sampling.truncate``
-    then one categorical draw. Top-p alone by each method; "exact": the kept tokens equal the sort's."""
+    then one categorical draw, top-p alone by each method ("exact": the kept tokens equal the sort's); then the
+    search's nucleus edge alone at each of SEARCH_FANOUTS ("exact": the sort's edge)."""
     rng = np.random.default_rng(4)
     key = jax.random.key(0)
     for m in m_list:
@@ -153,6 +155,14 @@ def bench_sample(rows, m_list, w, bw):
                 row["exact"] = bool(np.array_equal(kept[name, method], kept["top_p", "sort"]))
             if bw:
                 row["floor_us"] = m * w * 4 / bw * 1e6  # the logits read once
+            rows.append(row)
+            print(row, flush=True)
+        edge_by_sort = np.asarray(jax.jit(lambda x: sampling.nucleus_edge_by_sort(x, 0.95))(logits))
+        for fanout in SEARCH_FANOUTS:  # the search's edge alone, by its thresholds a pass
+            fn = jax.jit(lambda x, f=fanout: sampling.nucleus_edge_by_search(x, 0.95, f))
+            row = {"part": "top_p edge", "M": m, "N": w, "top_p": 0.95, "method": f"search x{fanout}",
+                   "passes": sampling.search_passes(fanout), "exact": bool(np.array_equal(fn(logits), edge_by_sort)),
+                   **timed(fn, (logits,))}
             rows.append(row)
             print(row, flush=True)
 
@@ -193,8 +203,8 @@ def main():
                "hardware": bench_util.hardware(),
                "jax": jax.__version__, "seconds": round(time.time() - t0, 1), "rows": rows}
     bench_util.write_result(args.name, payload, out_dir=args.out)
-    bench_util.print_table(rows, ["part", "M", "N", "K", "top_p", "method", "chunk", "exact", "us", "floor_us",
-                                  "launches"])
+    bench_util.print_table(rows, ["part", "M", "N", "K", "top_p", "method", "passes", "chunk", "exact", "us",
+                                  "floor_us", "launches"])
 
 
 if __name__ == "__main__":

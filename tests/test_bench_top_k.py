@@ -24,7 +24,7 @@ def test_smoke_run_checks_each_part(tmp_path, monkeypatch):
     bench.main()
     rows = json.loads((tmp_path / "smoke.json").read_text())["rows"]
     assert {r["part"] for r in rows} == {"top_k vocab", "top_k beam", "log_softmax", "build_tree from logits",
-                                         "sample"}
+                                         "sample", "top_p edge"}
     for r in rows:
         assert r.get("exact", True) is True and r.get("max_abs_err", 0) < 1e-5
         assert math.isfinite(r["us"]) and r["us"] > 0

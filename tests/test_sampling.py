@@ -25,7 +25,7 @@ def hf_kept(scaled, top_k, top_p):
 SETTINGS = [(0, 1.0), (1, 1.0), (5, 1.0), (40, 1.0), (0, 0.9), (0, 0.5), (0, 1e-6), (8, 0.7), (3, 0.95), (60, 0.3)]
 
 
-@pytest.mark.parametrize("method", ["sort", "bisect"])
+@pytest.mark.parametrize("method", ["sort", "search"])
 @pytest.mark.parametrize("top_k,top_p", SETTINGS)
 def test_kept_tokens_equal_transformers_warpers(top_k, top_p, method):
     rng = np.random.default_rng([7, top_k, int(top_p * 1000)])
@@ -39,7 +39,7 @@ def test_kept_tokens_equal_transformers_warpers(top_k, top_p, method):
         np.testing.assert_array_equal(kept_values, scaled[got])  # kept logits are untouched
 
 
-@pytest.mark.parametrize("method", ["sort", "bisect"])
+@pytest.mark.parametrize("method", ["sort", "search"])
 @pytest.mark.parametrize("top_k,top_p", [(2, 1.0), (3, 1.0), (0, 0.5), (0, 0.6), (2, 0.5), (4, 0.3)])
 def test_ties_at_the_boundary_are_all_kept(top_k, top_p, method):
     """Rows of few distinct values, ties everywhere: the kept set is the reference's (whole tie groups)."""
@@ -68,24 +68,32 @@ def test_long_rows_take_the_chunked_top_k():
         np.testing.assert_array_equal(got, want, err_msg=f"{top_k}, {top_p}")
 
 
-def test_bisection_and_sort_find_the_same_edge():
+@pytest.mark.parametrize("fanout", [2, 3, 16, 64])
+def test_search_and_sort_find_the_same_edge(fanout):
     """Both top-p methods on rows of every kind: wide and narrow spreads, -inf entries, huge and tiny magnitudes,
-    negatives only, one finite value; the edge is the same row value."""
+    negatives only, one finite value; the edge is the same row value, at any fanout of the search."""
     rng = np.random.default_rng(9)
     n = 301  # no top_p below is a multiple of 1 / n: a flat row's edge is not left to the sums' rounding
     rows = [rng.normal(size=n) * scale for scale in (0.01, 1.0, 30.0)]
     rows += [np.where(rng.random(n) < 0.5, -np.inf, rng.normal(size=n)), -np.abs(rng.normal(size=n)) - 1e4,
-             np.r_[5.0, np.full(n - 1, -np.inf)], rng.normal(size=n) * 1e-30, np.r_[rng.normal(size=n - 1), 80.0]]
+             np.r_[5.0, np.full(n - 1, -np.inf)], rng.normal(size=n) * 1e-30, np.r_[rng.normal(size=n - 1), 80.0],
+             np.r_[np.full(n - 1, 2.0), 3.0], np.full(n, -7.0)]
     rows = jnp.asarray(np.stack(rows), jnp.float32)
     for top_p in (1e-7, 0.05, 0.5, 0.9, 0.999, 1 - 1e-7):
         by_sort = np.asarray(sampling.nucleus_edge_by_sort(rows, top_p))
-        by_bisection = np.asarray(sampling.nucleus_edge_by_bisection(rows, top_p))
-        np.testing.assert_array_equal(by_bisection, by_sort, err_msg=f"top_p={top_p}")
-        assert all(edge in row for edge, row in zip(by_bisection[:, 0], np.asarray(rows)))
+        by_search = np.asarray(sampling.nucleus_edge_by_search(rows, top_p, fanout))
+        np.testing.assert_array_equal(by_search, by_sort, err_msg=f"top_p={top_p}")
+        assert all(edge in row for edge, row in zip(by_search[:, 0], np.asarray(rows)))
+
+
+def test_search_passes_leave_one_key():
+    assert [sampling.search_passes(f) for f in (2, 3, 4, 16, 64, 1 << 16)] == [32, 21, 16, 8, 6, 2]
+    with pytest.raises(ValueError, match="fanout must be >= 2"):
+        sampling.nucleus_edge_by_search(jnp.zeros((1, 4)), 0.5, 1)
 
 
 def test_order_keys_sort_floats():
-    """The bisection's keys order float32 values as the floats (-0.0 equal to +0.0), infinities included, and map
+    """The search's keys order float32 values as the floats (-0.0 equal to +0.0), infinities included, and map
     back exactly. (Subnormals are left out: XLA may flush them to zero, as it does on this CPU.)"""
     f32 = np.finfo(np.float32)
     values = np.r_[np.random.default_rng(4).normal(size=200) * 10.0 ** np.arange(-20, 20, 0.2),
