@@ -9,7 +9,7 @@ survives, so greedy decoding is unchanged by either filter.
 Losslessness does not depend on the filters: the acceptance walk draws one target token per tree node, from the
 same truncated distribution that plain sampling would draw from.
 
-Shapes: R rows, W vocabulary, K = top_k.
+Rows must hold no NaN (as for ``topk``). Shapes: R rows, W vocabulary, K = top_k.
 """
 
 from __future__ import annotations
@@ -93,8 +93,8 @@ def nucleus_edge_by_sort(rows: jax.Array, top_p: float, best: jax.Array | None =
 
 
 def nucleus_edge_by_search(rows: jax.Array, top_p: float, fanout: int = SEARCH_FANOUT) -> jax.Array:
-    """``nucleus_edge_by_sort`` without a sort: rows [R, W] -> [R, 1], in ceil(32 / log2(fanout)) passes over the
-    row, unrolled (a device loop would cost a host round trip a pass on a GPU).
+    """``nucleus_edge_by_sort`` without a sort: rows [R, W] -> [R, 1], in ``search_passes(fanout)`` passes over
+    the row, unrolled (a device loop would cost a host round trip a pass on a GPU).
 
     Let mass(t) be the probability of the tokens above t, a non-increasing function. The nucleus's last value is
     the smallest t with mass(t) < top_p: it is below no other row value with that property, and every t under it
