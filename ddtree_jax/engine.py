@@ -244,13 +244,17 @@ class Engine:
         return state
 
     def _dispatches(self, state: DecodeState, temperature: float):
-        """Yields the state after each dispatch while any stream runs (each one donates the state before it)."""
+        """Yields the state after each dispatch (each one donates the state before it): the first whatever the
+        streams' status (a round loop whose streams have all stopped runs no round; ``run_decode.warm_up`` compiles
+        it so), the next ones while any stream runs."""
         temperature = check_temperature(temperature)
-        while bool((state.status == RUNNING).any()):
+        while True:
             state = _run_rounds(self.target_def, self.target_state, self.drafter_def, self.drafter_state, state,
                                 jnp.float32(temperature), ecfg=self.ecfg, runtime=self.runtime, taps=self.taps,
                                 depth=self.depth, greedy=temperature == 0)
             yield state
+            if not _any_running(state):
+                return
 
     def stream(self, prompts: Sequence[Sequence[int]], temperature: float = 0.0,
                seed: int = 0) -> Iterator[StreamUpdate]:
@@ -273,8 +277,9 @@ class Engine:
                                 np.asarray(state.rounds).tolist())
 
         yield update(state)
-        for state in self._dispatches(state, temperature):
-            yield update(state)
+        if _any_running(state):  # else the prefill's token was each stream's last
+            for state in self._dispatches(state, temperature):
+                yield update(state)
 
     def generate(self, prompts: Sequence[Sequence[int]], temperature: float = 0.0, seed: int = 0) -> dict:
         """Returns per-stream tokens, statuses and metrics (compile time is separate from run time)."""
@@ -286,6 +291,10 @@ class Engine:
         jax.block_until_ready(state.out_tokens)
         t2 = time.perf_counter()
         return summarize(state, prefill_s=t1 - t0, decode_s=t2 - t1)
+
+
+def _any_running(state: DecodeState) -> bool:
+    return bool((state.status == RUNNING).any())
 
 
 def summarize(state: DecodeState, prefill_s: float, decode_s: float) -> dict:

@@ -184,6 +184,15 @@ def test_stream_reports_generate_round_by_round(models, mode, temperature):
                                                                                    before.rounds[b])
 
 
+def test_stream_ends_after_the_prefill_when_its_token_is_the_last(models):
+    """max_new_tokens = 1: the prefill's token ends every stream, and ``stream`` reports it alone (no dispatch)."""
+    target, drafter = models
+    engine = Engine(target, drafter, EngineConfig(mode="ddtree", budget=8, max_new_tokens=1, capacity=64))
+    updates = list(engine.stream(PROMPTS[:2]))
+    assert len(updates) == 1 and updates[0].status == ["max_new_tokens"] * 2 and updates[0].rounds == [0, 0]
+    assert updates[0].new_tokens == engine.generate(PROMPTS[:2])["tokens"]
+
+
 def test_stream_checks_its_inputs_when_called(models):
     """Bad input is refused by ``stream`` itself, not at the first ``next``."""
     target, drafter = models

@@ -65,6 +65,19 @@ def test_engines_share_the_pair_arrays_and_workers(pair):
         (1, "ar", None), (1, "dflash", None), (1, "ddtree", 8), (1, "ddtree", 16)] and len(points) == 8
 
 
+def test_truncation_reaches_the_sampled_points_only(pair):
+    """top_k = 1 leaves one token to sample: every sampled point decodes the greedy point's tokens, and the records
+    say which points were truncated."""
+    prompts = [[3, 1, 4], [1, 5, 9, 2]]
+    records = eval_grid.run_grid(pair, prompts, modes=("ar", "ddtree"), budgets=(4,), streams=(2,),
+                                 temperatures=(0.0, 1.0), max_new_tokens=6, repeats=1, capacity=64, log=None, top_k=1)
+    by_point = {(r["temperature"], r["mode"]): r for r in records}
+    for mode in ("ar", "ddtree"):
+        greedy, sampled = by_point[0.0, mode], by_point[1.0, mode]
+        assert sampled["tokens"] == greedy["tokens"], mode
+        assert (greedy["top_k"], greedy["top_p"], sampled["top_k"], sampled["top_p"]) == (None, None, 1, 1.0)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--budgets", "0"], "--budgets: DDTree budget must be >= 1"),
     (["--budgets", "5000"], "--budgets: DDTree budget 5000 exceeds"),
@@ -74,6 +87,9 @@ def test_engines_share_the_pair_arrays_and_workers(pair):
     (["--streams", ","], "--streams must be integers >= 1 (at least one), got ()"),
     (["--temperatures", "-1"], "--temperatures: temperature must be finite and >= 0"),
     (["--temperatures", ","], "--temperatures: at least one"),
+    (["--temperatures", "0,1", "--top-k", "-1"], "--top-k: top_k must be >= 0 (0: off), got -1"),
+    (["--temperatures", "1", "--top-p", "0"], "--top-p: top_p must be in (0, 1] (1: off), got 0.0"),
+    (["--top-p", "0.9"], "--top-k / top-p: they truncate samples, and every temperature is 0 (greedy)"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
     (["--capacity", "0"], "--capacity must be >= 1, got 0"),
     (["--num-prompts", "0"], "--num-prompts must be >= 1, got 0"),
