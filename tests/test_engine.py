@@ -193,6 +193,20 @@ def test_stream_ends_after_the_prefill_when_its_token_is_the_last(models):
     assert updates[0].new_tokens == engine.generate(PROMPTS[:2])["tokens"]
 
 
+def test_a_stopped_batch_compiles_the_round_loop(models):
+    """``run`` dispatches at least once, also when every stream has stopped (a loop of no rounds):
+    ``run_decode.warm_up`` compiles the round loop so, and a decode after it compiles nothing."""
+    from experiments import bench_util, run_decode
+
+    target, drafter = models
+    engine = Engine(target, drafter, EngineConfig(mode="ddtree", budget=6, max_new_tokens=5, capacity=48))
+    batches = [PROMPTS[:3], PROMPTS[3:5]]
+    run_decode.warm_up(engine, batches, 0.0)
+    with bench_util.counting_compiles() as compiles:
+        tokens = [engine.generate(batch)["tokens"] for batch in batches]
+    assert compiles == [] and all(len(t) == 5 for batch in tokens for t in batch)
+
+
 def test_stream_checks_its_inputs_when_called(models):
     """Bad input is refused by ``stream`` itself, not at the first ``next``."""
     target, drafter = models
