@@ -172,10 +172,9 @@ def bench_sample(rows, m_list, w, bw):
 
 
 TOP_P_KINDS = ("flat", "zipf", "peaked", "mixed")
-TOP_P_EDGES = [("sort", {}), ("search", {}), ("search", {"one_sum_per_threshold": True}),
+TOP_P_EDGES = [("search", {}), ("search", {"one_sum_per_threshold": True}),
                ("chunks", {"chunks": 32, "chunk": 128}),
                ("chunks", {"chunks": 32, "chunk": 128, "one_sum_per_threshold": True}),
-               ("chunks", {"chunks": 128, "chunk": 32, "one_sum_per_threshold": True}),
                ("chunks", {"chunks": 256, "chunk": 16, "one_sum_per_threshold": True})]
 
 
