@@ -41,17 +41,11 @@ def check_top_p(top_p) -> float:
     return float(top_p)
 
 
-TOP_P_METHODS = ("auto", "sort", "search", "chunks")
+TOP_P_METHODS = ("auto", "sort", "search")
 SORT_MAX_VALUES = 8192
-"""Top-p's "auto" sorts rows up to this long (and the K values top-k keeps); longer ones, a vocabulary, take
-"chunks"."""
+"""Top-p's "auto" sorts rows up to this long (and the K values top-k keeps); longer ones, a vocabulary, search."""
 SEARCH_FANOUT = 16
 """Thresholds per pass of top-p's "search": 16 cuts the 2^32 float keys to one in 8 passes."""
-NUCLEUS_CHUNK = 128
-"""Values a chunk for top-p's "chunks"."""
-NUCLEUS_CHUNKS = 32
-"""Chunks whose values "chunks" searches first: a nucleus of fewer tokens than this is found there (unless the
-chunks' largest values tie), and most larger ones are."""
 
 
 def truncate(scaled: jax.Array, top_k: int = 0, top_p: float = 1.0, top_p_method: str = "auto") -> jax.Array:
@@ -60,10 +54,8 @@ def truncate(scaled: jax.Array, top_k: int = 0, top_p: float = 1.0, top_p_method
 
     Top-p finds the nucleus's last value ("the edge") by ``top_p_method``: "sort" ranks the row (after top-k: its K
     values, already ranked) and sums the masses in order; "search" needs no sort (``nucleus_edge_by_search``);
-    "chunks" searches the chunks with the largest values first, and the whole row only where the nucleus reaches
-    past them (``nucleus_edge_by_chunks``); "auto" sorts rows of at most SORT_MAX_VALUES and the top-k's, else
-    takes "chunks". All give the same edge up to the rounding of the masses' sums (which can move a flat row's edge
-    by a token)."""
+    "auto" sorts rows of at most SORT_MAX_VALUES and the top-k's, else searches. Both give the same edge up to the
+    rounding of the masses' sums (which can move a flat row's edge by a token)."""
     top_k = check_top_k(top_k, scaled.shape[-1])
     top_p = check_top_p(top_p)
     if top_p_method not in TOP_P_METHODS:
@@ -79,11 +71,9 @@ def truncate(scaled: jax.Array, top_k: int = 0, top_p: float = 1.0, top_p_method
         rows = jnp.where(rows >= best[:, -1:], rows, neg_inf)
     if top_p < 1:
         if top_p_method == "auto":
-            top_p_method = "sort" if top_k or rows.shape[-1] <= SORT_MAX_VALUES else "chunks"
+            top_p_method = "sort" if top_k or rows.shape[-1] <= SORT_MAX_VALUES else "search"
         if top_p_method == "sort":
             edge = nucleus_edge_by_sort(rows, top_p, best)
-        elif top_p_method == "chunks":
-            edge = nucleus_edge_by_chunks(rows, top_p)
         else:
             edge = nucleus_edge_by_search(rows, top_p)
         rows = jnp.where(rows >= edge, rows, neg_inf)
@@ -102,8 +92,7 @@ def nucleus_edge_by_sort(rows: jax.Array, top_p: float, best: jax.Array | None =
     return jnp.take_along_axis(best, n_kept - 1, axis=-1)
 
 
-def nucleus_edge_by_search(rows: jax.Array, top_p: float, fanout: int = SEARCH_FANOUT,
-                           log_norm: jax.Array | None = None, one_sum_per_threshold: bool = False) -> jax.Array:
+def nucleus_edge_by_search(rows: jax.Array, top_p: float, fanout: int = SEARCH_FANOUT) -> jax.Array:
     """``nucleus_edge_by_sort`` without a sort: rows [R, W] -> [R, 1], in ``search_passes(fanout)`` passes over
     the row, unrolled (a device loop would cost a host round trip a pass on a GPU).
 
@@ -112,17 +101,11 @@ def nucleus_edge_by_search(rows: jax.Array, top_p: float, fanout: int = SEARCH_F
     has the last kept value's own mass above it, which reaches top_p (else the next value down would be kept too).
     It is searched for over the floats' order-preserving integer keys: each pass cuts the keys left, [lo, hi], into
     ``fanout`` pieces, takes mass(t) at the last key of all but the last piece in one masked sum, and keeps the
-    first piece whose last key has mass(t) < top_p (hi itself always has).
-
-    ``log_norm`` [R, 1]: the log of the masses' normaliser, when ``rows`` are only part of the distribution (by
-    default the rows' own logsumexp). ``one_sum_per_threshold``: the pass's masked sums as fanout - 1 sums over
-    [R, W] (sibling reductions of one input) instead of one over [R, W, fanout - 1]."""
+    first piece whose last key has mass(t) < top_p (hi itself always has)."""
     if fanout < 2:
         raise ValueError(f"fanout must be >= 2, got {fanout}")
     rows = rows.astype(jnp.float32)
-    if log_norm is None:
-        log_norm = jax.nn.logsumexp(rows, axis=-1, keepdims=True)
-    probs = jnp.exp(rows - log_norm)
+    probs = jnp.exp(rows - jax.nn.logsumexp(rows, axis=-1, keepdims=True))
     keys = _order_keys(rows)
     lo = jnp.min(keys, axis=-1, keepdims=True)  # [R, 1]
     hi = jnp.max(keys, axis=-1, keepdims=True)  # mass above the largest value: 0 < top_p
@@ -131,54 +114,12 @@ def nucleus_edge_by_search(rows: jax.Array, top_p: float, fanout: int = SEARCH_F
         span = _as_uint(hi) - _as_uint(lo)  # keys left - 1, < 2^32
         piece = span // fanout + 1  # ceil((span + 1) / fanout): (fanout - 1) * piece - 1 fits in 32 bits
         last = _as_int(_as_uint(lo) + jnp.minimum(ends * piece - 1, span))  # [R, fanout - 1]
-        if one_sum_per_threshold:
-            above = jnp.stack([jnp.sum(jnp.where(keys > last[:, j:j + 1], probs, 0.0), axis=-1)
-                               for j in range(fanout - 1)], axis=-1)
-        else:
-            above = jnp.sum(jnp.where(keys[:, :, None] > last[:, None, :], probs[:, :, None], 0.0), axis=1)
+        above = jnp.sum(jnp.where(keys[:, :, None] > last[:, None, :], probs[:, :, None], 0.0), axis=1)
         first = jnp.sum(above >= top_p, axis=-1, keepdims=True).astype(jnp.uint32)  # the edge's piece
         edge_in_last_piece = first == fanout - 1
         hi = jnp.where(edge_in_last_piece, hi, jnp.take_along_axis(last, jnp.minimum(first, fanout - 2), -1))
         lo = _as_int(_as_uint(lo) + first * piece)
     return _from_order_keys(hi)
-
-
-def nucleus_edge_by_chunks(rows: jax.Array, top_p: float, chunks: int = NUCLEUS_CHUNKS,
-                           chunk: int = NUCLEUS_CHUNK, fanout: int = SEARCH_FANOUT,
-                           one_sum_per_threshold: bool = False) -> jax.Array:
-    """``nucleus_edge_by_search`` over a few chunks of the row first: rows [R, W] -> [R, 1].
-
-    Where the values of ``nucleus_chunks`` hold a mass of at least top_p, the edge is above their floor f, and
-    mass(t) above f is the same over them as over the row: the search over those C values (with the row's
-    normaliser) finds the row's edge. Other rows (a nucleus of at least ``chunks`` tokens spread over more
-    chunks) are searched whole, in a branch that runs only when a row needs it."""
-    rows = rows.astype(jnp.float32)
-    if -(-rows.shape[-1] // chunk) <= chunks:  # the chunks would be the whole row
-        return nucleus_edge_by_search(rows, top_p, fanout, one_sum_per_threshold=one_sum_per_threshold)
-    candidates, log_norm = nucleus_chunks(rows, chunks, chunk)
-    found = jnp.sum(jnp.exp(candidates - log_norm), axis=-1, keepdims=True) >= top_p  # [R, 1]
-    edge = nucleus_edge_by_search(candidates, top_p, fanout, log_norm, one_sum_per_threshold)
-    return jax.lax.cond(jnp.all(found), lambda: edge, lambda: jnp.where(
-        found, edge, nucleus_edge_by_search(rows, top_p, fanout, one_sum_per_threshold=one_sum_per_threshold)))
-
-
-def nucleus_chunks(rows: jax.Array, chunks: int = NUCLEUS_CHUNKS, chunk: int = NUCLEUS_CHUNK):
-    """rows [R, W] -> (candidates [R, C], log_norm [R, 1]): every value of the row above f, the ``chunks``-th
-    largest of its chunks' largest values (``chunk`` values a chunk, C = chunks x chunk), -inf elsewhere; and the
-    row's logsumexp. The values above f all lie in the ``chunks`` chunks with the largest values (all but the
-    last of them), which are gathered; the rest of their values is set to -inf."""
-    if chunks < 1 or chunk < 1:
-        raise ValueError(f"chunks and chunk must be >= 1, got {chunks} and {chunk}")
-    r, w = rows.shape
-    n_chunks = -(-w // chunk)
-    if n_chunks < chunks:
-        raise ValueError(f"{chunks} chunks of {chunk} asked of rows of {w} values ({n_chunks} chunks)")
-    padded = jnp.pad(rows, ((0, 0), (0, n_chunks * chunk - w)), constant_values=-jnp.inf)
-    padded = padded.reshape(r, n_chunks, chunk)
-    tops, which = topk.top_k(jnp.max(padded, axis=-1), chunks)  # [R, chunks]
-    candidates = jnp.take_along_axis(padded, which[:, :, None], axis=1).reshape(r, chunks * chunk)
-    candidates = jnp.where(candidates > tops[:, -1:], candidates, -jnp.inf)
-    return candidates, jax.nn.logsumexp(rows, axis=-1, keepdims=True)
 
 
 def search_passes(fanout: int) -> int:

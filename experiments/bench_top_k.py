@@ -131,7 +131,7 @@ def bench_build(rows, streams, w, depth, budget):
 
 
 SAMPLE_SETTINGS = [("categorical", 0, 1.0, "auto"), ("top_k", 50, 1.0, "auto"), ("top_p", 0, 0.95, "sort"),
-                   ("top_p", 0, 0.95, "search"), ("top_p", 0, 0.95, "chunks"), ("top_k+top_p", 50, 0.95, "auto")]
+                   ("top_p", 0, 0.95, "search"), ("top_k+top_p", 50, 0.95, "auto")]
 SEARCH_FANOUTS = (2, 4, 16, 64)
 
 
@@ -171,67 +171,16 @@ def bench_sample(rows, m_list, w, bw):
             print(row, flush=True)
 
 
-TOP_P_KINDS = ("flat", "zipf", "peaked", "mixed")
-TOP_P_EDGES = [("search", {}), ("search", {"one_sum_per_threshold": True}),
-               ("chunks", {"chunks": 32, "chunk": 128}),
-               ("chunks", {"chunks": 32, "chunk": 128, "one_sum_per_threshold": True}),
-               ("chunks", {"chunks": 256, "chunk": 16, "one_sum_per_threshold": True})]
-
-
-SHORT = {"chunks": "C", "chunk": "S", "one_sum_per_threshold": "siblings"}
-
-
-def top_p_logits(rng, kind: str, m: int, w: int) -> np.ndarray:
-    """[m, w] f32 logits of one kind: "flat" N(0, 9) (~14.5K tokens in a 0.95 nucleus of K2.6's vocabulary),
-    "zipf" probabilities ~ rank^-1.5 shuffled (~200), "peaked" ~ rank^-3 (~3), "mixed" peaked but one flat row."""
-    if kind in ("flat", "mixed"):
-        flat = rng.standard_normal((m, w)) * 3
-        if kind == "flat":
-            return flat.astype(np.float32)
-    exponent = 1.5 if kind == "zipf" else 3.0
-    base = -exponent * np.log(np.arange(1, w + 1))
-    rows = np.stack([rng.permutation(base) for _ in range(m)]) + rng.standard_normal((m, w)) * 0.1
-    if kind == "mixed":
-        rows[m // 2] = flat[m // 2]
-    return rows.astype(np.float32)
-
-
-def bench_top_p(rows, m_list, w, top_p=0.95):
-    """The nucleus's edge alone (``sampling.nucleus_edge_by_*``) at each TOP_P_EDGES setting, over each of
-    TOP_P_KINDS of logits: "found" counts the rows whose nucleus lies in "chunks"' candidates, "rows_as_sort" the
-    rows whose edge equals the sort's."""
-    rng = np.random.default_rng(6)
-    for kind in TOP_P_KINDS:
-        for m in m_list:
-            logits = jnp.asarray(top_p_logits(rng, kind, m, w))
-            edge_by_sort = np.asarray(jax.jit(lambda x: sampling.nucleus_edge_by_sort(x, top_p))(logits))
-            nucleus = float((np.asarray(logits) >= edge_by_sort).sum(-1).mean())
-            for method, kw in TOP_P_EDGES:
-                edge_fn = getattr(sampling, f"nucleus_edge_by_{method}")
-                fn = jax.jit(lambda x, edge_fn=edge_fn, kw=kw: edge_fn(x, top_p, **kw))
-                same_rows = int((np.asarray(fn(logits)) == edge_by_sort).sum())
-                row = {"part": "top_p edge", "kind": kind, "M": m, "N": w, "top_p": top_p, "nucleus": round(nucleus, 1),
-                       "method": method + "".join(f" {SHORT[k]}={v}" for k, v in kw.items()),
-                       "rows_as_sort": f"{same_rows}/{m}"}
-                if method == "chunks":
-                    chunks_fn = jax.jit(lambda x, kw=kw: sampling.nucleus_chunks(x, kw["chunks"], kw["chunk"]))
-                    cand, log_norm = chunks_fn(logits)
-                    row["found"] = int((np.asarray(jnp.sum(jnp.exp(cand - log_norm), -1)) >= top_p).sum())
-                row.update(timed(fn, (logits,)))
-                rows.append(row)
-                print(row, flush=True)
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--name", default="bench_top_k")
-    ap.add_argument("--parts", default="vocab,beams,log_softmax,build,sample,top_p")
+    ap.add_argument("--parts", default="vocab,beams,log_softmax,build,sample")
     ap.add_argument("--commit", default=None, help="code commit to record (the device copy has no .git)")
     ap.add_argument("--smoke", action="store_true", help="CPU: small shapes")
     args = ap.parse_args()
     parts = args.parts.split(",")
-    unknown = set(parts) - {"vocab", "beams", "log_softmax", "build", "sample", "top_p"}
+    unknown = set(parts) - {"vocab", "beams", "log_softmax", "build", "sample"}
     if unknown:
         ap.error(f"unknown --parts {sorted(unknown)}")
     print("jax", jax.__version__, jax.devices()[0].device_kind, flush=True)
@@ -254,14 +203,12 @@ def main():
         bench_build(rows, [4] if args.smoke else [1, 4, 16], w, DEPTH, BUDGET)
     if "sample" in parts:  # the verify's rows: DDTree-32 at 1 and 4 streams, DDTree-64 at 4
         bench_sample(rows, [33] if args.smoke else [33, 132, 260], w, bw)
-    if "top_p" in parts:
-        bench_top_p(rows, [8] if args.smoke else [33, 260], w)
     payload = {"copy_bw_Bps": bw, "copy_bw_source": bw_source, "code_commit": args.commit,
                "hardware": bench_util.hardware(),
                "jax": jax.__version__, "seconds": round(time.time() - t0, 1), "rows": rows}
     bench_util.write_result(args.name, payload, out_dir=args.out)
-    bench_util.print_table(rows, ["part", "kind", "M", "N", "K", "top_p", "method", "passes", "chunk", "exact",
-                                  "nucleus", "found", "rows_as_sort", "kept_diff", "us", "floor_us", "launches"])
+    bench_util.print_table(rows, ["part", "M", "N", "K", "top_p", "method", "passes", "chunk", "exact",
+                                  "rows_as_sort", "kept_diff", "us", "floor_us", "launches"])
 
 
 if __name__ == "__main__":
