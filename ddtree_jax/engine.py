@@ -35,7 +35,7 @@ from ddtree_jax.decode import pad_prompts
 from ddtree_jax.drafter import (DFlashDrafter, DraftCache, check_drafter_target, draft_cache_axes, draft_logits,
                                 init_draft_cache)
 from ddtree_jax.model import KimiModel, Runtime, causal_mask
-from ddtree_jax.sampling import check_top_k, check_top_p
+from ddtree_jax.sampling import check_min_p, check_top_k, check_top_p
 from ddtree_jax.sharding import named_sharding, shard_state
 from ddtree_jax.tree import PAD, accept_tokens, build_tree, chain_tree, check_budget, sample_target_tokens
 
@@ -56,6 +56,7 @@ class EngineConfig:
     eos_ids: tuple[int, ...] = ()
     top_k: int = 0  # sampling keeps the top_k likeliest tokens (0: all); greedy decoding ignores it
     top_p: float = 1.0  # then the fewest likeliest whose mass reaches top_p (1: all); ``sampling.truncate``
+    min_p: float = 0.0  # then those at least min_p times as likely as the likeliest (0: all)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -76,6 +77,7 @@ class EngineConfig:
         object.__setattr__(self, "eos_ids", tuple(int(i) for i in eos_ids))
         object.__setattr__(self, "top_k", check_top_k(self.top_k))
         object.__setattr__(self, "top_p", check_top_p(self.top_p))
+        object.__setattr__(self, "min_p", check_min_p(self.min_p))
 
 
 def _is_int(value) -> bool:
@@ -235,7 +237,8 @@ class Engine:
         return _prefill(self.target_def, self.target_state, self.drafter_def, self.drafter_state, cache, draft_cache,
                         jnp.asarray(tokens), jnp.asarray(lengths), jnp.float32(temperature), jax.random.key(seed),
                         max_new_tokens=ecfg.max_new_tokens, eos_ids=ecfg.eos_ids, runtime=self.runtime,
-                        taps=self.taps, depth=self.depth, greedy=temperature == 0, top_k=ecfg.top_k, top_p=ecfg.top_p)
+                        taps=self.taps, depth=self.depth, greedy=temperature == 0, top_k=ecfg.top_k, top_p=ecfg.top_p,
+                        min_p=ecfg.min_p)
 
     def run(self, state: DecodeState, temperature: float = 0.0) -> DecodeState:
         """Dispatches rounds (``rounds_per_dispatch`` per call) until every stream has stopped."""
@@ -320,9 +323,9 @@ def summarize(state: DecodeState, prefill_s: float, decode_s: float) -> dict:
     }
 
 
-def _sample(logits, temperature, key, top_k: int, top_p: float):
+def _sample(logits, temperature, key, top_k: int, top_p: float, min_p: float):
     """logits [B, W] -> [B] int32; argmax when temperature <= 0."""
-    return sample_target_tokens(logits[:, None, :], temperature, key, top_k, top_p)[:, 0]
+    return sample_target_tokens(logits[:, None, :], temperature, key, top_k, top_p, min_p)[:, 0]
 
 
 def _static_if_greedy(temperature, greedy: bool):
@@ -332,11 +335,11 @@ def _static_if_greedy(temperature, greedy: bool):
 
 
 @functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "max_new_tokens", "eos_ids", "runtime",
-                                             "taps", "depth", "greedy", "top_k", "top_p"),
+                                             "taps", "depth", "greedy", "top_k", "top_p", "min_p"),
                    donate_argnames=("cache", "draft_cache"))
 def _prefill(target_def, target_state, drafter_def, drafter_state, cache, draft_cache, tokens, lengths, temperature,
              key, *, max_new_tokens: int, eos_ids: tuple[int, ...], runtime: Runtime, taps: tuple[int, ...],
-             depth: int, greedy: bool, top_k: int, top_p: float) -> DecodeState:
+             depth: int, greedy: bool, top_k: int, top_p: float, min_p: float) -> DecodeState:
     # Keyed on its static arguments, not on the EngineConfig: mode and budget enter only through depth
     # (= tree_depth, the shapes of ctx_taps / tau_hist), taps and drafter_def, so engines that agree on
     # those (e.g. dflash and ddtree with budget >= Dp) and on the other static arguments share one program.
@@ -349,7 +352,7 @@ def _prefill(target_def, target_state, drafter_def, drafter_state, cache, draft_
     cache, _ = commit(cache, out.block_kv, positions, lengths)  # capacity checked on the host
     last = jnp.take_along_axis(out.logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
     key, sub = jax.random.split(key)
-    bonus = _sample(last, temperature, sub, top_k, top_p)
+    bonus = _sample(last, temperature, sub, top_k, top_p, min_p)
     dm = cfg.hidden_size
     if draft_cache is not None:
         drafter = nnx.merge(drafter_def, drafter_state)
@@ -397,7 +400,7 @@ def _round(target, drafter, state: DecodeState, temperature, ecfg: EngineConfig,
     tree, draft_cache = _draft_tree(target, drafter, state, start, active, ecfg, depth)
     out = target(tree.tokens, tree.positions(start), state.cache, tree.visibility, tap_layers=taps, runtime=runtime)
     key, sub = jax.random.split(state.key)
-    acc = accept_tokens(tree, sample_target_tokens(out.logits, temperature, sub, ecfg.top_k, ecfg.top_p))
+    acc = accept_tokens(tree, sample_target_tokens(out.logits, temperature, sub, ecfg.top_k, ecfg.top_p, ecfg.min_p))
 
     n_commit = jnp.where(active, acc.num_accepted + 1, 0)
     rows = jnp.maximum(acc.path, 0)
@@ -459,5 +462,6 @@ def _inspect(target_def, target_state, drafter_def, drafter_state, state, temper
     active = state.status == RUNNING
     tree, _ = _draft_tree(target, drafter, state, start, active, ecfg, depth)
     out = target(tree.tokens, tree.positions(start), state.cache, tree.visibility, runtime=runtime)
-    acc = accept_tokens(tree, sample_target_tokens(out.logits, temperature, state.key, ecfg.top_k, ecfg.top_p))
+    acc = accept_tokens(tree, sample_target_tokens(out.logits, temperature, state.key, ecfg.top_k, ecfg.top_p,
+                                                     ecfg.min_p))
     return tree, acc

@@ -1,10 +1,11 @@
-"""Truncated sampling: the top-k and top-p (nucleus) filters over temperature-scaled logits.
+"""Truncated sampling: the top-k, top-p (nucleus) and min-p filters over temperature-scaled logits.
 
-Applied as transformers' ``TopKLogitsWarper`` and ``TopPLogitsWarper`` apply them, after the temperature, top-k
-first: top-k keeps the ``top_k`` largest logits of a row; top-p then keeps the fewest most likely tokens whose
-probabilities (over what top-k kept) add up to at least ``top_p``. One difference: every token tied with the
-last one kept is kept too, so the result never depends on how a sort orders equal values. The argmax always
-survives, so greedy decoding is unchanged by either filter.
+Applied as transformers' ``TopKLogitsWarper``, ``TopPLogitsWarper`` and ``MinPLogitsWarper`` apply them, after the
+temperature, in that order: top-k keeps the ``top_k`` largest logits of a row; top-p then keeps the fewest most
+likely tokens whose probabilities (over what top-k kept) add up to at least ``top_p``; min-p then keeps the tokens
+at least ``min_p`` times as likely as the likeliest. One difference: every token tied with the last one kept is
+kept too, so the result never depends on how a sort orders equal values. The argmax always survives, so greedy
+decoding is unchanged by any filter.
 
 Losslessness does not depend on the filters: the acceptance walk draws one target token per tree node, from the
 same truncated distribution that plain sampling would draw from.
@@ -41,6 +42,15 @@ def check_top_p(top_p) -> float:
     return float(top_p)
 
 
+def check_min_p(min_p) -> float:
+    """min_p as a float in [0, 1] (0: off); ValueError otherwise (NaN included)."""
+    if isinstance(min_p, (bool, np.bool_)) or not isinstance(min_p, (int, float, np.integer, np.floating)):
+        raise ValueError(f"min_p must be a number in [0, 1] (0: off), got {min_p!r}")
+    if not (0 <= min_p <= 1):
+        raise ValueError(f"min_p must be in [0, 1] (0: off), got {min_p}")
+    return float(min_p)
+
+
 TOP_P_METHODS = ("auto", "sort", "search")
 SORT_MAX_VALUES = 8192
 """Top-p's "auto" sorts rows up to this long (and the K values top-k keeps); longer ones, a vocabulary, search."""
@@ -48,19 +58,25 @@ SEARCH_FANOUT = 16
 """Thresholds per pass of top-p's "search": 16 cuts the 2^32 float keys to one in 8 passes."""
 
 
-def truncate(scaled: jax.Array, top_k: int = 0, top_p: float = 1.0, top_p_method: str = "auto") -> jax.Array:
-    """scaled [..., W] float (logits over the temperature) -> the same with the tokens that top-k and then top-p
-    drop set to -inf. ``top_k`` (0: off) and ``top_p`` (1: off) are Python numbers: they pick what is compiled.
+def truncate(scaled: jax.Array, top_k: int = 0, top_p: float = 1.0, top_p_method: str = "auto",
+             min_p: float = 0.0) -> jax.Array:
+    """scaled [..., W] float (logits over the temperature) -> the same with the tokens that top-k, then top-p, then
+    min-p drop set to -inf. ``top_k`` (0: off), ``top_p`` (1: off) and ``min_p`` (0: off) are Python numbers: they
+    pick what is compiled.
 
     Top-p finds the nucleus's last value ("the edge") by ``top_p_method``: "sort" ranks the row (after top-k: its K
     values, already ranked) and sums the masses in order; "search" needs no sort (``nucleus_edge_by_search``);
     "auto" sorts rows of at most SORT_MAX_VALUES and the top-k's, else searches. Both give the same edge up to the
-    rounding of the masses' sums (which can move a flat row's edge by a token)."""
+    rounding of the masses' sums (which can move a flat row's edge by a token).
+
+    Min-p keeps a token where exp(its logit - the row's largest) >= min_p: its probability over the likeliest's,
+    which no earlier filter changes."""
     top_k = check_top_k(top_k, scaled.shape[-1])
     top_p = check_top_p(top_p)
+    min_p = check_min_p(min_p)
     if top_p_method not in TOP_P_METHODS:
         raise ValueError(f"top_p_method must be one of {TOP_P_METHODS}, got {top_p_method!r}")
-    if top_k == 0 and top_p == 1:
+    if top_k == 0 and top_p == 1 and min_p == 0:
         return scaled
     shape = scaled.shape
     rows = scaled.reshape(-1, shape[-1])  # [R, W]
@@ -77,6 +93,9 @@ def truncate(scaled: jax.Array, top_k: int = 0, top_p: float = 1.0, top_p_method
         else:
             edge = nucleus_edge_by_search(rows, top_p)
         rows = jnp.where(rows >= edge, rows, neg_inf)
+    if min_p > 0:
+        largest = jnp.max(rows, axis=-1, keepdims=True)
+        rows = jnp.where(jnp.exp(rows - largest) >= min_p, rows, neg_inf)
     return rows.reshape(shape)
 
 

@@ -454,7 +454,8 @@ def accept_greedy(tree: Tree, target_logits) -> Acceptance:
     return accept_tokens(tree, jnp.argmax(logits, axis=-1).astype(jnp.int32))
 
 
-def sample_target_tokens(target_logits, temperature, key, top_k: int = 0, top_p: float = 1.0) -> jax.Array:
+def sample_target_tokens(target_logits, temperature, key, top_k: int = 0, top_p: float = 1.0,
+                         min_p: float = 0.0) -> jax.Array:
     """One independent target token per node: [B, T, W] logits -> [B, T] int32.
 
     ``temperature``: scalar or [B] (per stream), may be traced. Where it is > 0 the token is a
@@ -463,8 +464,8 @@ def sample_target_tokens(target_logits, temperature, key, top_k: int = 0, top_p:
     computes both, and the sample's B*T*W random draws cost far more than the argmax. A traced value
     cannot be checked under jit: NaN acts as greedy and +inf samples uniformly (callers validate on the
     host, e.g. ``engine.check_temperature``).
-    ``top_k`` (0: off), ``top_p`` (1: off): Python numbers, the filters of ``sampling.truncate`` (the sample
-    only; the argmax always survives them).
+    ``top_k`` (0: off), ``top_p`` (1: off), ``min_p`` (0: off): Python numbers, the filters of
+    ``sampling.truncate`` (the sample only; the argmax always survives them).
     ``key``: a jax PRNG key; the B*T draws are independent (the same draws either way).
     """
     logits = jnp.asarray(target_logits).astype(jnp.float32)
@@ -473,18 +474,19 @@ def sample_target_tokens(target_logits, temperature, key, top_k: int = 0, top_p:
             raise ValueError(f"temperature must be finite (<= 0: greedy), got {temperature}")
         if temperature <= 0:
             return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        scaled = truncate(logits / jnp.float32(temperature), top_k, top_p)
+        scaled = truncate(logits / jnp.float32(temperature), top_k, top_p, min_p=min_p)
         return jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
     b = logits.shape[0]
     temp = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (b,))
     hot = temp > 0
     safe = jnp.where(hot, temp, 1.0)
-    sampled = jax.random.categorical(key, truncate(logits / safe[:, None, None], top_k, top_p), axis=-1)
+    sampled = jax.random.categorical(key, truncate(logits / safe[:, None, None], top_k, top_p, min_p=min_p), axis=-1)
     greedy = jnp.argmax(logits, axis=-1)
     return jnp.where(hot[:, None], sampled, greedy).astype(jnp.int32)
 
 
-def accept_sample(tree: Tree, target_logits, temperature, key, top_k: int = 0, top_p: float = 1.0) -> Acceptance:
+def accept_sample(tree: Tree, target_logits, temperature, key, top_k: int = 0, top_p: float = 1.0,
+                  min_p: float = 0.0) -> Acceptance:
     """Lossless sampled acceptance: ONE target sample per node, then follow the matching child.
 
     Args:
@@ -493,9 +495,9 @@ def accept_sample(tree: Tree, target_logits, temperature, key, top_k: int = 0, t
       temperature:   scalar or [B]; <= 0 means greedy for that stream. A Python number must be finite
                      (ValueError); a traced non-finite one is not checked (see ``sample_target_tokens``).
       key:           jax PRNG key.
-      top_k, top_p:  the sample's filters (``sample_target_tokens``; 0 and 1: off).
+      top_k, top_p, min_p: the sample's filters (``sample_target_tokens``; 0, 1 and 0: off).
     Every emitted token is a target sample given exactly the committed prefix, so the output
     distribution equals sampling from the target directly (no min(1, p/q) with draft marginals).
     """
-    return accept_tokens(tree, sample_target_tokens(target_logits, temperature, key, top_k, top_p))
+    return accept_tokens(tree, sample_target_tokens(target_logits, temperature, key, top_k, top_p, min_p))
 

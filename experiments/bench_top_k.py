@@ -130,8 +130,9 @@ def bench_build(rows, streams, w, depth, budget):
             print(row, flush=True)
 
 
-SAMPLE_SETTINGS = [("categorical", 0, 1.0, "auto"), ("top_k", 50, 1.0, "auto"), ("top_p", 0, 0.95, "sort"),
-                   ("top_p", 0, 0.95, "search"), ("top_k+top_p", 50, 0.95, "auto")]
+SAMPLE_SETTINGS = [("categorical", 0, 1.0, 0.0, "auto"), ("top_k", 50, 1.0, 0.0, "auto"),
+                   ("top_p", 0, 0.95, 0.0, "sort"), ("top_p", 0, 0.95, 0.0, "search"),
+                   ("top_k+top_p", 50, 0.95, 0.0, "auto"), ("min_p", 0, 1.0, 0.05, "auto")]
 SEARCH_FANOUTS = (2, 4, 16, 64)
 
 
@@ -146,12 +147,14 @@ def bench_sample(rows, m_list, w, bw):
     for m in m_list:
         logits = jnp.asarray(rng.standard_normal((m, w)) * 3, jnp.float32)
         kept = {}
-        for name, k, p, method in SAMPLE_SETTINGS:
-            kept_fn = jax.jit(lambda x, k=k, p=p, method=method: jnp.isfinite(sampling.truncate(x, k, p, method)))
-            kept[name, method] = np.asarray(kept_fn(logits))
-            fn = jax.jit(lambda x, k=k, p=p, method=method:
-                         jax.random.categorical(key, sampling.truncate(x, k, p, method), axis=-1))
-            row = {"part": "sample", "M": m, "N": w, "K": k or None, "top_p": p, "method": f"{name} {method}",
+        for name, k, p, min_p, method in SAMPLE_SETTINGS:
+            def truncated(x, k=k, p=p, method=method, min_p=min_p):
+                return sampling.truncate(x, k, p, method, min_p)
+
+            kept[name, method] = np.asarray(jax.jit(lambda x, f=truncated: jnp.isfinite(f(x)))(logits))
+            fn = jax.jit(lambda x, f=truncated: jax.random.categorical(key, f(x), axis=-1))
+            row = {"part": "sample", "M": m, "N": w, "K": k or None, "top_p": p, "min_p": min_p or None,
+                   "method": f"{name} {method}",
                    "kept_mean": float(kept[name, method].sum(-1).mean()), **timed(fn, (logits,))}
             if name == "top_p":
                 same_rows = (kept[name, method] == kept["top_p", "sort"]).all(-1)
@@ -207,7 +210,7 @@ def main():
                "hardware": bench_util.hardware(),
                "jax": jax.__version__, "seconds": round(time.time() - t0, 1), "rows": rows}
     bench_util.write_result(args.name, payload, out_dir=args.out)
-    bench_util.print_table(rows, ["part", "M", "N", "K", "top_p", "method", "passes", "chunk", "exact",
+    bench_util.print_table(rows, ["part", "M", "N", "K", "top_p", "method", "min_p", "passes", "chunk", "exact",
                                   "rows_as_sort", "kept_diff", "us", "floor_us", "launches"])
 
 

@@ -63,7 +63,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from ddtree_jax.engine import Engine, EngineConfig, check_temperature  # noqa: E402
-from ddtree_jax.sampling import check_top_k, check_top_p  # noqa: E402
+from ddtree_jax.sampling import check_min_p, check_top_k, check_top_p  # noqa: E402
 from ddtree_jax.tree import check_budget  # noqa: E402
 from experiments import bench_util  # noqa: E402
 from experiments import data as data_lib  # noqa: E402
@@ -113,6 +113,8 @@ def parse_args(argv=None):
                                                        "likeliest tokens only (0: all)")
     p.add_argument("--top-p", type=float, default=1.0, help="and then from the fewest likeliest whose probability "
                                                          "reaches top_p (1: all)")
+    p.add_argument("--min-p", type=float, default=0.0, help="and then from those at least min_p times as likely as "
+                                                         "the likeliest (0: all)")
     p.add_argument("--num-prompts", type=int, default=16, help="prompts (from the file: its first N)")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--capacity", type=int, default=512, help="cache slots per stream")
@@ -137,7 +139,8 @@ def parse_args(argv=None):
         p.error(f"--budgets: --modes {','.join(args.modes)} has no ddtree, the only mode that builds trees")
     args.budgets = (DEFAULT_BUDGETS if args.budgets is None else args.budgets) if "ddtree" in args.modes else ()
     try:
-        check_grid(args.modes, args.budgets, args.streams, args.temperatures, args.top_k, args.top_p)
+        check_grid(args.modes, args.budgets, args.streams, args.temperatures, args.top_k, args.top_p,
+                   args.min_p)
     except ValueError as e:
         p.error(f"--{e}")
     for flag, value in (("--num-prompts", args.num_prompts), ("--max-new-tokens", args.max_new_tokens),
@@ -212,14 +215,16 @@ def prompts_digest(prompts: Sequence[Sequence[int]]) -> str:
 # Measuring one configuration and the grid
 # ----------------------------------------------------------------------------------------------------
 def build_engine(pair: Pair, prompts: Sequence[Sequence[int]], *, mode: str, budget: int | None, streams: int,
-                 max_new_tokens: int, capacity: int = 512, top_k: int = 0, top_p: float = 1.0) -> tuple[Engine, list]:
+                 max_new_tokens: int, capacity: int = 512, top_k: int = 0, top_p: float = 1.0,
+                 min_p: float = 0.0) -> tuple[Engine, list]:
     """The Engine of one grid point (nothing compiled yet; it references the pair's arrays, copies none)
-    and the prompts in consecutive batches of ``streams``; its samples truncated by ``top_k`` / ``top_p``."""
+    and the prompts in consecutive batches of ``streams``; its samples truncated by ``top_k`` / ``top_p`` /
+    ``min_p``."""
     if streams > len(prompts):
         raise ValueError(f"{streams} streams need at least {streams} prompts, have {len(prompts)}")
     ecfg = EngineConfig(mode=mode, budget=budget if mode == "ddtree" else EngineConfig.budget,
                         max_new_tokens=max_new_tokens, capacity=capacity, eos_ids=pair.eos_ids, top_k=top_k,
-                        top_p=top_p)
+                        top_p=top_p, min_p=min_p)
     engine = Engine(pair.target, pair.drafter if mode != "ar" else None, ecfg)
     return engine, run_decode.split_batches(list(prompts), streams)
 
@@ -248,6 +253,7 @@ def time_passes(engine: Engine, batches: Sequence[Sequence[Sequence[int]]], *, t
         "temperature": float(temperature), "mode": mode, "budget": engine.ecfg.budget if mode == "ddtree" else None,
         "streams": len(batches[0]), "block_size": engine.block_size, "depth": engine.depth,
         "top_k": engine.ecfg.top_k if sampled else None, "top_p": engine.ecfg.top_p if sampled else None,
+        "min_p": engine.ecfg.min_p if sampled else None,
         "tau": m["tau"], "tokens_per_round": m["tokens_per_round_batch"],
         "tokens_per_s": m["new_tokens"] / wall, "decode_tokens_per_s": m["round_tokens"] / decode,
         "wall_s_median": wall, "wall_s": walls, "decode_s_median": decode, "compile_s": compile_s,
@@ -260,10 +266,10 @@ def time_passes(engine: Engine, batches: Sequence[Sequence[Sequence[int]]], *, t
 
 
 def check_grid(modes: Sequence[str], budgets: Sequence[int], streams: Sequence[int],
-               temperatures: Sequence[float], top_k: int = 0, top_p: float = 1.0) -> None:
+               temperatures: Sequence[float], top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> None:
     """A ValueError, led by the list's name, unless the grid's lists are usable: at least one budget when
     ddtree is measured, each a valid DDTree budget; streams integers >= 1; temperatures finite and >= 0; none
-    of them empty; and top_k / top_p valid, and set only where some temperature samples."""
+    of them empty; and top_k / top_p / min_p valid, and set only where some temperature samples."""
     if not streams or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in streams):
         raise ValueError(f"streams must be integers >= 1 (at least one), got {tuple(streams)}")
     if "ddtree" in modes and not budgets:
@@ -278,13 +284,14 @@ def check_grid(modes: Sequence[str], budgets: Sequence[int], streams: Sequence[i
                 check(value)
             except ValueError as e:
                 raise ValueError(f"{name}: {e}") from None
-    for name, check, value in (("top-k", check_top_k, top_k), ("top-p", check_top_p, top_p)):
+    for name, check, value in (("top-k", check_top_k, top_k), ("top-p", check_top_p, top_p),
+                               ("min-p", check_min_p, min_p)):
         try:
             check(value)
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from None
-    if (top_k != 0 or top_p != 1) and not any(t > 0 for t in temperatures):
-        raise ValueError("top-k / top-p: they truncate samples, and every temperature is 0 (greedy)")
+    if (top_k != 0 or top_p != 1 or min_p != 0) and not any(t > 0 for t in temperatures):
+        raise ValueError("top-k / top-p / min-p: they truncate samples, and every temperature is 0 (greedy)")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -357,13 +364,14 @@ def run_grid(pair: Pair, prompts: Sequence[Sequence[int]], *, modes: Sequence[st
              budgets: Sequence[int] = DEFAULT_BUDGETS, streams: Sequence[int] = (1, 4, 16),
              temperatures: Sequence[float] = (0.0,), max_new_tokens: int = 32, repeats: int = 3, seed: int = 0,
              capacity: int = 512, compile_workers: int | None = None, log: Callable[[str], None] | None = print,
-             compile_summary: dict | None = None, top_k: int = 0, top_p: float = 1.0) -> list[dict]:
+             compile_summary: dict | None = None, top_k: int = 0, top_p: float = 1.0,
+             min_p: float = 0.0) -> list[dict]:
     """Every (temperature, streams, mode, budget) point, compiled by ``compiled_points`` in
     ``compile_workers`` threads, then timed one after another by ``time_passes``. AR comes first so that
     each greedy DFlash/DDTree output is compared with AR's at once (``identical_to_ar``; None where not
     checked). ``compile_summary``, if given, receives the compile summary (``compiled_points``). ``top_k`` /
-    ``top_p`` truncate the sampled points' draws (``EngineConfig``)."""
-    check_grid(modes, budgets, streams, temperatures, top_k, top_p)
+    ``top_p`` / ``min_p`` truncate the sampled points' draws (``EngineConfig``)."""
+    check_grid(modes, budgets, streams, temperatures, top_k, top_p, min_p)
     if pair.drafter is None and set(modes) - {"ar"}:
         raise ValueError("DFlash / DDTree need a drafter")
     points = grid_points(modes, budgets, streams, temperatures)
@@ -373,7 +381,7 @@ def run_grid(pair: Pair, prompts: Sequence[Sequence[int]], *, modes: Sequence[st
     def build(p):
         return build_engine(pair, prompts, mode=p["mode"], budget=p["budget"], streams=p["streams"],
                             max_new_tokens=max_new_tokens, capacity=capacity,
-                            **(dict(top_k=top_k, top_p=top_p) if p["temperature"] > 0 else {}))  # greedy: no filter
+                            **(dict(top_k=top_k, top_p=top_p, min_p=min_p) if p["temperature"] > 0 else {}))
 
     records, ar_ref = [], {}
     for p, engine, batches, compile_s in compiled_points(build, points, workers, summary, log):
@@ -553,7 +561,8 @@ def _main(args):
     records = run_grid(pair, prompts, modes=args.modes, budgets=args.budgets, streams=args.streams,
                        temperatures=args.temperatures, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
                        seed=args.seed, capacity=args.capacity, compile_workers=args.compile_workers,
-                       compile_summary=compile_summary, top_k=args.top_k, top_p=args.top_p)
+                       compile_summary=compile_summary, top_k=args.top_k, top_p=args.top_p,
+                       min_p=args.min_p)
     runtime = time.perf_counter() - t_start
     print()
     print_table(records)

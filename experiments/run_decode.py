@@ -42,7 +42,7 @@ from ddtree_jax.engine import (EOS, SEED_LIMIT, Engine, EngineConfig, check_temp
                                inspect_round, required_capacity, tree_depth)
 from ddtree_jax.hf_loader import load_hf_model  # noqa: E402
 from ddtree_jax.model import KimiModel  # noqa: E402
-from ddtree_jax.sampling import check_top_k, check_top_p  # noqa: E402
+from ddtree_jax.sampling import check_min_p, check_top_k, check_top_p  # noqa: E402
 from ddtree_jax.tokenizer import load_tokenizer  # noqa: E402
 from ddtree_jax.tree import check_budget  # noqa: E402
 from experiments import bench_util  # noqa: E402
@@ -81,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                        "tokens only (0: all)")
     p.add_argument("--top-p", type=float, default=1.0, help="with --temperature > 0: then from the fewest likeliest "
                                                          "tokens whose probability reaches top_p (1: all)")
+    p.add_argument("--min-p", type=float, default=0.0, help="with --temperature > 0: then from the tokens at least "
+                                                         "min_p times as likely as the likeliest (0: all)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--capacity", type=int, default=512,
                    help="cache slots per stream: must hold the longest prompt, --max-new-tokens and the mode's "
@@ -124,14 +126,15 @@ def check_args(args) -> None:
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
     for flag, check, value in (("--temperature", check_temperature, args.temperature),
-                               ("--top-k", check_top_k, args.top_k), ("--top-p", check_top_p, args.top_p)):
+                               ("--top-k", check_top_k, args.top_k), ("--top-p", check_top_p, args.top_p),
+                               ("--min-p", check_min_p, args.min_p)):
         try:
             check(value)
         except ValueError as e:
             raise ValueError(f"{flag}: {e}") from None
-    if args.temperature == 0 and (args.top_k != 0 or args.top_p != 1):
-        raise ValueError("--top-k and --top-p filter what is sampled; greedy decoding (--temperature 0) samples "
-                         "nothing: give --temperature > 0")
+    if args.temperature == 0 and (args.top_k != 0 or args.top_p != 1 or args.min_p != 0):
+        raise ValueError("--top-k, --top-p and --min-p filter what is sampled; greedy decoding (--temperature 0) "
+                         "samples nothing: give --temperature > 0")
     for flag, path in (("--target", args.target), ("--drafter", args.drafter)):
         if path not in (None, "random") and not os.path.isdir(path):
             raise ValueError(f"{flag} {path!r} is neither a directory nor 'random'")
@@ -278,7 +281,7 @@ def read_prompts(args, tokenizer) -> tuple[list[list[int]], str]:
 def engine_config(mode: str, args, eos_ids=()) -> EngineConfig:
     budget = {"budget": args.budget} if mode == "ddtree" else {}
     return EngineConfig(mode=mode, max_new_tokens=args.max_new_tokens, capacity=args.capacity, eos_ids=eos_ids,
-                        top_k=args.top_k, top_p=args.top_p, **budget)
+                        top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, **budget)
 
 
 def check_fits(args, modes: Sequence[str], prompts, target, drafter) -> None:

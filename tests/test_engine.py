@@ -416,12 +416,13 @@ def test_sampling_distribution_equals_ar(models, top_k, top_p):
 
 
 @pytest.mark.parametrize("mode", ["ar", "dflash", "ddtree"])
-@pytest.mark.parametrize("top_k,top_p", [(1, 1.0), (0, 1e-6)])
-def test_sampling_that_keeps_only_the_argmax_is_greedy(models, ar_reference, mode, top_k, top_p):
-    """top_k = 1, or a top_p below any second token's share, leaves one token to sample: at temperature 1 every
-    mode then emits AR's greedy tokens (the filters reach the prefill's sample and every round's)."""
+@pytest.mark.parametrize("top_k,top_p,min_p", [(1, 1.0, 0.0), (0, 1e-6, 0.0), (0, 1.0, 1.0)])
+def test_sampling_that_keeps_only_the_argmax_is_greedy(models, ar_reference, mode, top_k, top_p, min_p):
+    """top_k = 1, a top_p below any second token's share, or min_p = 1, leaves one token to sample: at temperature 1
+    every mode then emits AR's greedy tokens (the filters reach the prefill's sample and every round's)."""
     target, drafter = models
-    ecfg = EngineConfig(mode=mode, budget=16, max_new_tokens=NEW, capacity=64, top_k=top_k, top_p=top_p)
+    ecfg = EngineConfig(mode=mode, budget=16, max_new_tokens=NEW, capacity=64, top_k=top_k, top_p=top_p,
+                        min_p=min_p)
     engine = Engine(target, drafter if mode != "ar" else None, ecfg)
     assert engine.generate(PROMPTS[:8], temperature=1.0, seed=5)["tokens"] == ar_reference[:8]
 
@@ -429,7 +430,8 @@ def test_sampling_that_keeps_only_the_argmax_is_greedy(models, ar_reference, mod
 def test_bad_truncation_refused(models):
     target, drafter = models
     for bad, message in ((dict(top_k=-1), "top_k must be >= 0"), (dict(top_k=2.5), "top_k must be an integer"),
-                         (dict(top_p=0.0), "top_p must be in"), (dict(top_p=float("nan")), "top_p must be in")):
+                         (dict(top_p=0.0), "top_p must be in"), (dict(top_p=float("nan")), "top_p must be in"),
+                         (dict(min_p=-0.5), "min_p must be in"), (dict(min_p="0.1"), "min_p must be a number")):
         with pytest.raises(ValueError, match=message):
             EngineConfig(**bad)
     with pytest.raises(ValueError, match=f"top_k must be at most the vocabulary's {VOCAB} tokens"):

@@ -75,7 +75,8 @@ def test_truncation_reaches_the_sampled_points_only(pair):
     for mode in ("ar", "ddtree"):
         greedy, sampled = by_point[0.0, mode], by_point[1.0, mode]
         assert sampled["tokens"] == greedy["tokens"], mode
-        assert (greedy["top_k"], greedy["top_p"], sampled["top_k"], sampled["top_p"]) == (None, None, 1, 1.0)
+        assert (greedy["top_k"], greedy["top_p"], greedy["min_p"]) == (None, None, None)
+        assert (sampled["top_k"], sampled["top_p"], sampled["min_p"]) == (1, 1.0, 0.0)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -89,7 +90,9 @@ def test_truncation_reaches_the_sampled_points_only(pair):
     (["--temperatures", ","], "--temperatures: at least one"),
     (["--temperatures", "0,1", "--top-k", "-1"], "--top-k: top_k must be >= 0 (0: off), got -1"),
     (["--temperatures", "1", "--top-p", "0"], "--top-p: top_p must be in (0, 1] (1: off), got 0.0"),
-    (["--top-p", "0.9"], "--top-k / top-p: they truncate samples, and every temperature is 0 (greedy)"),
+    (["--top-p", "0.9"], "--top-k / top-p / min-p: they truncate samples, and every temperature is 0 (greedy)"),
+    (["--temperatures", "1", "--min-p", "-0.1"], "--min-p: min_p must be in [0, 1] (0: off), got -0.1"),
+    (["--min-p", "0.2"], "--top-k / top-p / min-p: they truncate samples"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
     (["--capacity", "0"], "--capacity must be >= 1, got 0"),
     (["--num-prompts", "0"], "--num-prompts must be >= 1, got 0"),

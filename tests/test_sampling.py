@@ -1,53 +1,60 @@
-"""Top-k / top-p truncation (``ddtree_jax.sampling``): the kept tokens equal transformers' ``TopKLogitsWarper`` then
-``TopPLogitsWarper`` on rows without ties, and a plain float64 reference (``sampling_reference``, ties kept) on
-rows with them; samples follow the truncated distribution; greedy is unchanged; bad settings are refused."""
+"""Top-k / top-p / min-p truncation (``ddtree_jax.sampling``): the kept tokens equal transformers'
+``TopKLogitsWarper``, ``TopPLogitsWarper`` then ``MinPLogitsWarper`` on rows without ties, and a plain float64
+reference (``sampling_reference``, ties kept) on rows with them; samples follow the truncated distribution; greedy
+is unchanged; bad settings are refused."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+from transformers.generation.logits_process import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from ddtree_jax import sampling, tree as tr
 from sampling_reference import truncated_probs
 
 
-def hf_kept(scaled, top_k, top_p):
+def hf_kept(scaled, top_k, top_p, min_p=0.0):
     scores = torch.from_numpy(np.asarray(scaled, np.float32))
     if top_k:
         scores = TopKLogitsWarper(top_k)(None, scores)
     if top_p < 1:
         scores = TopPLogitsWarper(top_p)(None, scores)
+    if min_p > 0:
+        scores = MinPLogitsWarper(min_p)(None, scores)
     return torch.isfinite(scores).numpy()
 
 
-SETTINGS = [(0, 1.0), (1, 1.0), (5, 1.0), (40, 1.0), (0, 0.9), (0, 0.5), (0, 1e-6), (8, 0.7), (3, 0.95), (60, 0.3)]
+SETTINGS = [(0, 1.0, 0.0), (1, 1.0, 0.0), (5, 1.0, 0.0), (40, 1.0, 0.0), (0, 0.9, 0.0), (0, 0.5, 0.0),
+            (0, 1e-6, 0.0), (8, 0.7, 0.0), (3, 0.95, 0.0), (60, 0.3, 0.0),
+            (0, 1.0, 0.05), (0, 1.0, 0.3), (0, 1.0, 1.0), (10, 1.0, 0.1), (0, 0.8, 0.2), (20, 0.9, 0.02)]
 
 
 @pytest.mark.parametrize("method", ["sort", "search"])
-@pytest.mark.parametrize("top_k,top_p", SETTINGS)
-def test_kept_tokens_equal_transformers_warpers(top_k, top_p, method):
-    rng = np.random.default_rng([7, top_k, int(top_p * 1000)])
+@pytest.mark.parametrize("top_k,top_p,min_p", SETTINGS)
+def test_kept_tokens_equal_transformers_warpers(top_k, top_p, min_p, method):
+    rng = np.random.default_rng([7, top_k, int(top_p * 1000), int(min_p * 1000)])
     logits = (rng.normal(size=(64, 96)) * rng.uniform(0.3, 4.0, size=(64, 1))).astype(np.float32)
     for temperature in (1.0, 0.6):
         scaled = logits / np.float32(temperature)
-        got = np.isfinite(np.asarray(sampling.truncate(jnp.asarray(scaled), top_k, top_p, method)))
-        np.testing.assert_array_equal(got, hf_kept(scaled, top_k, top_p), err_msg=f"T={temperature}")
+        truncated = np.asarray(sampling.truncate(jnp.asarray(scaled), top_k, top_p, method, min_p))
+        got = np.isfinite(truncated)
+        np.testing.assert_array_equal(got, hf_kept(scaled, top_k, top_p, min_p), err_msg=f"T={temperature}")
         assert got.any(axis=-1).all() and got[np.arange(64), scaled.argmax(-1)].all()  # the argmax survives
-        kept_values = np.asarray(sampling.truncate(jnp.asarray(scaled), top_k, top_p))[got]
-        np.testing.assert_array_equal(kept_values, scaled[got])  # kept logits are untouched
+        np.testing.assert_array_equal(truncated[got], scaled[got])  # kept logits are untouched
 
 
 @pytest.mark.parametrize("method", ["sort", "search"])
-@pytest.mark.parametrize("top_k,top_p", [(2, 1.0), (3, 1.0), (0, 0.5), (0, 0.6), (2, 0.5), (4, 0.3)])
-def test_ties_at_the_boundary_are_all_kept(top_k, top_p, method):
+@pytest.mark.parametrize("top_k,top_p,min_p", [(2, 1.0, 0.0), (3, 1.0, 0.0), (0, 0.5, 0.0), (0, 0.6, 0.0),
+                                               (2, 0.5, 0.0), (4, 0.3, 0.0), (0, 1.0, 0.3), (0, 1.0, 1.0),
+                                               (3, 0.9, 0.1)])
+def test_ties_at_the_boundary_are_all_kept(top_k, top_p, min_p, method):
     """Rows of few distinct values, ties everywhere: the kept set is the reference's (whole tie groups)."""
     rng = np.random.default_rng([3, top_k])
     logits = rng.integers(0, 4, size=(200, 12)).astype(np.float32)
     logits[::3, ::2] = -logits[::3, ::2]  # signed zeros among the ties
-    got = np.isfinite(np.asarray(sampling.truncate(jnp.asarray(logits), top_k, top_p, method)))
-    want = np.stack([truncated_probs(row, 1.0, top_k, top_p) > 0 for row in logits])
+    got = np.isfinite(np.asarray(sampling.truncate(jnp.asarray(logits), top_k, top_p, method, min_p)))
+    want = np.stack([truncated_probs(row, 1.0, top_k, top_p, min_p) > 0 for row in logits])
     np.testing.assert_array_equal(got, want)
     for row, kept in zip(logits, got):  # a tie group is kept or dropped whole
         for value in np.unique(row):
@@ -62,10 +69,10 @@ def test_long_rows_take_the_chunked_top_k():
     from ddtree_jax.topk import resolve_method
 
     assert resolve_method(6, 40960, 50) == "chunked"
-    for top_k, top_p in ((50, 1.0), (50, 0.8), (0, 0.95)):
-        got = np.isfinite(np.asarray(sampling.truncate(jnp.asarray(logits), top_k, top_p)))
-        want = np.stack([truncated_probs(row, 1.0, top_k, top_p) > 0 for row in logits])
-        np.testing.assert_array_equal(got, want, err_msg=f"{top_k}, {top_p}")
+    for top_k, top_p, min_p in ((50, 1.0, 0.0), (50, 0.8, 0.0), (0, 0.95, 0.0), (0, 1.0, 1e-3), (50, 0.95, 0.05)):
+        got = np.isfinite(np.asarray(sampling.truncate(jnp.asarray(logits), top_k, top_p, min_p=min_p)))
+        want = np.stack([truncated_probs(row, 1.0, top_k, top_p, min_p) > 0 for row in logits])
+        np.testing.assert_array_equal(got, want, err_msg=f"{top_k}, {top_p}, {min_p}")
 
 
 @pytest.mark.parametrize("fanout", [2, 3, 16, 64])
@@ -114,18 +121,20 @@ def test_samples_follow_the_truncated_distribution():
     logits = (rng.normal(size=(2, 3, 10)) * 2).astype(np.float32)
     n = 40_000
     keys = jax.random.split(jax.random.key(0), n)
-    for top_k, top_p, temperature in ((3, 1.0, 0.8), (0, 0.7, 1.3), (5, 0.8, 1.0)):
-        draw = jax.jit(jax.vmap(lambda k: tr.sample_target_tokens(jnp.asarray(logits), temperature, k, top_k, top_p)))
-        traced = jax.jit(jax.vmap(lambda k, t: tr.sample_target_tokens(jnp.asarray(logits), t, k, top_k, top_p),
+    for top_k, top_p, min_p, temperature in ((3, 1.0, 0.0, 0.8), (0, 0.7, 0.0, 1.3), (5, 0.8, 0.0, 1.0),
+                                             (0, 1.0, 0.15, 1.1), (6, 0.9, 0.05, 0.9)):
+        filters = (top_k, top_p, min_p)
+        draw = jax.jit(jax.vmap(lambda k: tr.sample_target_tokens(jnp.asarray(logits), temperature, k, *filters)))
+        traced = jax.jit(jax.vmap(lambda k, t: tr.sample_target_tokens(jnp.asarray(logits), t, k, *filters),
                                   in_axes=(0, None)))
         for samples in (np.asarray(draw(keys)), np.asarray(traced(keys, jnp.full((2,), temperature)))):
             for b in range(2):
                 for t in range(3):
-                    want = truncated_probs(logits[b, t], temperature, top_k, top_p)
+                    want = truncated_probs(logits[b, t], temperature, *filters)
                     freq = np.bincount(samples[:, b, t], minlength=10) / n
-                    assert (freq[want == 0] == 0).all(), (top_k, top_p, b, t)
+                    assert (freq[want == 0] == 0).all(), (filters, b, t)
                     sigma = np.sqrt(want * (1 - want) / n)
-                    assert (np.abs(freq - want) <= 5 * sigma + 1e-12).all(), (top_k, top_p, b, t, freq, want)
+                    assert (np.abs(freq - want) <= 5 * sigma + 1e-12).all(), (filters, b, t, freq, want)
 
 
 def test_greedy_ignores_the_filters():
@@ -136,6 +145,7 @@ def test_greedy_ignores_the_filters():
     mixed = tr.sample_target_tokens(logits, jnp.array([0.0, 1.0, 0.0]), key, 1, 1.0)  # top_k 1: the argmax too
     np.testing.assert_array_equal(mixed, argmax)
     np.testing.assert_array_equal(tr.sample_target_tokens(logits, 1.0, key, 0, 1e-9), argmax)
+    np.testing.assert_array_equal(tr.sample_target_tokens(logits, 1.0, key, 0, 1.0, 1.0), argmax)  # min_p 1: ties
 
 
 @pytest.mark.parametrize("top_k,message", [(-1, r"top_k must be >= 0 \(0: off\), got -1"),
@@ -152,3 +162,9 @@ def test_bad_top_p_refused(top_p):
         sampling.truncate(jnp.zeros((2, 30)), 0, top_p)
     with pytest.raises(ValueError, match="top_p_method must be one of"):
         sampling.truncate(jnp.zeros((2, 30)), 0, 0.5, "heap")
+
+
+@pytest.mark.parametrize("min_p", [-0.1, 1.5, float("nan"), True, "0.1", None])
+def test_bad_min_p_refused(min_p):
+    with pytest.raises(ValueError, match="min_p must be"):
+        sampling.truncate(jnp.zeros((2, 30)), 0, 1.0, min_p=min_p)

@@ -540,8 +540,8 @@ def cond_logits(prefix):
     return (1.5 * rng.normal(size=W_TINY)).astype(np.float32)
 
 
-def cond_probs(prefix, temp=TEMP, top_k=0, top_p=1.0):
-    return truncated_probs(cond_logits(prefix), temp, top_k, top_p)
+def cond_probs(prefix, temp=TEMP, top_k=0, top_p=1.0, min_p=0.0):
+    return truncated_probs(cond_logits(prefix), temp, top_k, top_p, min_p)
 
 
 def toy_tree(kind, roots, rng):
@@ -568,10 +568,12 @@ def chi2_pvalue(counts, probs):
     return float(jax.scipy.special.gammaincc(df / 2.0, stat / 2.0))
 
 
-@pytest.mark.parametrize("kind,top_k,top_p", [("ddtree", 0, 1.0), ("chain", 0, 1.0), ("ddtree", 2, 1.0),
-                                               ("ddtree", 0, 0.9)])
-def test_accept_sample_lossless_chi2(kind, top_k, top_p):
-    """The walk's output law equals direct sampling from the target (truncated by top-k / top-p where set)."""
+@pytest.mark.parametrize("kind,top_k,top_p,min_p", [("ddtree", 0, 1.0, 0.0), ("chain", 0, 1.0, 0.0),
+                                                     ("ddtree", 2, 1.0, 0.0), ("ddtree", 0, 0.9, 0.0),
+                                                     ("ddtree", 0, 1.0, 0.05)])
+def test_accept_sample_lossless_chi2(kind, top_k, top_p, min_p):
+    """The walk's output law equals direct sampling from the target (truncated by top-k / top-p / min-p where
+    set)."""
     rng = np.random.default_rng(11)
     roots = [0, 2]
     tree = toy_tree(kind, roots, rng)
@@ -582,7 +584,7 @@ def test_accept_sample_lossless_chi2(kind, top_k, top_p):
             logits[s, t] = cond_logits((r,) + path)
     n_samples = 120_000
     keys = jax.random.split(jax.random.key(2024), n_samples)
-    run = jax.jit(jax.vmap(lambda k: tr.accept_sample(tree, jnp.asarray(logits), TEMP, k, top_k, top_p)))
+    run = jax.jit(jax.vmap(lambda k: tr.accept_sample(tree, jnp.asarray(logits), TEMP, k, top_k, top_p, min_p)))
     acc = run(keys)
     emitted, n_acc = np.asarray(acc.emitted), np.asarray(acc.num_accepted)  # [N, B, D+1], [N, B]
     assert n_acc.mean() > 0.5  # the tree really gets accepted, not just the bonus token
@@ -597,7 +599,7 @@ def test_accept_sample_lossless_chi2(kind, top_k, top_p):
             need = seq[:, k] < 0
             for pre in set(map(tuple, seq[need, :k])):
                 rows = need & np.all(seq[:, :k] == np.array(pre, np.int64), axis=1)
-                seq[rows, k] = rng.choice(W_TINY, size=rows.sum(), p=cond_probs((r,) + pre, TEMP, top_k, top_p))
+                seq[rows, k] = rng.choice(W_TINY, size=rows.sum(), p=cond_probs((r,) + pre, TEMP, top_k, top_p, min_p))
         codes = seq @ (W_TINY ** np.arange(L_CONT - 1, -1, -1))
         counts = np.bincount(codes, minlength=W_TINY**L_CONT).astype(np.float64)
 
@@ -605,14 +607,14 @@ def test_accept_sample_lossless_chi2(kind, top_k, top_p):
             return np.array([np.prod([cond_probs((r,) + c[:k], *settings)[c[k]] for k in range(L_CONT)])
                              for c in cells])
 
-        exact = law(TEMP, top_k, top_p)
+        exact = law(TEMP, top_k, top_p, min_p)
         assert abs(exact.sum() - 1) < 1e-9
         support = exact > 0
         assert support.sum() > 1 and counts[~support].sum() == 0, "a truncated token was emitted"
         p = chi2_pvalue(counts[support], exact[support])
         assert p > 1e-4, (kind, s, p)
         # the test has power: the same samples reject a slightly different temperature, or the untruncated law
-        wrong = law(1.0) if top_k == 0 and top_p == 1 else law(TEMP)
+        wrong = law(1.0) if (top_k, top_p, min_p) == (0, 1, 0) else law(TEMP)
         assert chi2_pvalue(counts, wrong) < 1e-6
 
 
