@@ -183,6 +183,7 @@ def main():
     ap.add_argument("--parts", default="vocab,beams,log_softmax,build,sample")
     ap.add_argument("--commit", default=None, help="code commit to record (the device copy has no .git)")
     ap.add_argument("--smoke", action="store_true", help="CPU: small shapes")
+    ap.add_argument("--sample-rows", default="33,132,260", help="the sample part's M values (comma-separated)")
     args = ap.parse_args()
     parts = args.parts.split(",")
     unknown = set(parts) - {"vocab", "beams", "log_softmax", "build", "sample"}
@@ -207,7 +208,7 @@ def main():
     if "build" in parts:
         bench_build(rows, [4] if args.smoke else [1, 4, 16], w, DEPTH, BUDGET)
     if "sample" in parts:  # the verify's rows: DDTree-32 at 1 and 4 streams, DDTree-64 at 4
-        bench_sample(rows, [33] if args.smoke else [33, 132, 260], w, bw)
+        bench_sample(rows, [33] if args.smoke else [int(m) for m in args.sample_rows.split(",")], w, bw)
     payload = {"copy_bw_Bps": bw, "copy_bw_source": bw_source, "code_commit": args.commit,
                "hardware": bench_util.hardware(),
                "jax": jax.__version__, "seconds": round(time.time() - t0, 1), "rows": rows}
