@@ -111,8 +111,7 @@ def nucleus_edge_by_sort(rows: jax.Array, top_p: float, best: jax.Array | None =
     return jnp.take_along_axis(best, n_kept - 1, axis=-1)
 
 
-def nucleus_edge_by_search(rows: jax.Array, top_p: float, fanout: int = SEARCH_FANOUT,
-                           sum_chunk: int = 0) -> jax.Array:
+def nucleus_edge_by_search(rows: jax.Array, top_p: float, fanout: int = SEARCH_FANOUT) -> jax.Array:
     """``nucleus_edge_by_sort`` without a sort: rows [R, W] -> [R, 1], in ``search_passes(fanout)`` passes over
     the row, unrolled (a device loop would cost a host round trip a pass on a GPU).
 
@@ -121,19 +120,12 @@ def nucleus_edge_by_search(rows: jax.Array, top_p: float, fanout: int = SEARCH_F
     has the last kept value's own mass above it, which reaches top_p (else the next value down would be kept too).
     It is searched for over the floats' order-preserving integer keys: each pass cuts the keys left, [lo, hi], into
     ``fanout`` pieces, takes mass(t) at the last key of all but the last piece in one masked sum, and keeps the
-    first piece whose last key has mass(t) < top_p (hi itself always has).
-
-    ``sum_chunk``: 0 sums each pass's masses over [R, W, fanout - 1] in one reduction; S > 0 first over chunks of
-    S values with the thresholds outside them ([R, W / S, fanout - 1, S]), then over the chunks."""
+    first piece whose last key has mass(t) < top_p (hi itself always has)."""
     if fanout < 2:
         raise ValueError(f"fanout must be >= 2, got {fanout}")
     rows = rows.astype(jnp.float32)
     probs = jnp.exp(rows - jax.nn.logsumexp(rows, axis=-1, keepdims=True))
     keys = _order_keys(rows)
-    if sum_chunk:
-        pad = -rows.shape[-1] % sum_chunk  # padding: probability 0
-        probs = jnp.pad(probs, ((0, 0), (0, pad))).reshape(rows.shape[0], -1, 1, sum_chunk)
-        chunked_keys = jnp.pad(keys, ((0, 0), (0, pad))).reshape(probs.shape)
     lo = jnp.min(keys, axis=-1, keepdims=True)  # [R, 1]
     hi = jnp.max(keys, axis=-1, keepdims=True)  # mass above the largest value: 0 < top_p
     ends = jnp.arange(1, fanout, dtype=jnp.uint32)  # pieces 0 .. fanout - 2 end at lo + ends * piece - 1
@@ -141,11 +133,7 @@ def nucleus_edge_by_search(rows: jax.Array, top_p: float, fanout: int = SEARCH_F
         span = _as_uint(hi) - _as_uint(lo)  # keys left - 1, < 2^32
         piece = span // fanout + 1  # ceil((span + 1) / fanout): (fanout - 1) * piece - 1 fits in 32 bits
         last = _as_int(_as_uint(lo) + jnp.minimum(ends * piece - 1, span))  # [R, fanout - 1]
-        if sum_chunk:
-            in_chunks = jnp.sum(jnp.where(chunked_keys > last[:, None, :, None], probs, 0.0), axis=-1)
-            above = jnp.sum(in_chunks, axis=1)  # [R, W / S, fanout - 1] -> [R, fanout - 1]
-        else:
-            above = jnp.sum(jnp.where(keys[:, :, None] > last[:, None, :], probs[:, :, None], 0.0), axis=1)
+        above = jnp.sum(jnp.where(keys[:, :, None] > last[:, None, :], probs[:, :, None], 0.0), axis=1)
         first = jnp.sum(above >= top_p, axis=-1, keepdims=True).astype(jnp.uint32)  # the edge's piece
         edge_in_last_piece = first == fanout - 1
         hi = jnp.where(edge_in_last_piece, hi, jnp.take_along_axis(last, jnp.minimum(first, fanout - 2), -1))

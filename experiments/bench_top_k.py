@@ -133,14 +133,13 @@ def bench_build(rows, streams, w, depth, budget):
 SAMPLE_SETTINGS = [("categorical", 0, 1.0, 0.0, "auto"), ("top_k", 50, 1.0, 0.0, "auto"),
                    ("top_p", 0, 0.95, 0.0, "sort"), ("top_p", 0, 0.95, 0.0, "search"),
                    ("top_k+top_p", 50, 0.95, 0.0, "auto"), ("min_p", 0, 1.0, 0.05, "auto")]
-SEARCH_VARIANTS = ((16, 0), (16, 128), (16, 512), (4, 128))
-"""(fanout, sum_chunk) of ``nucleus_edge_by_search`` timed alone (session 57 timed fanouts 2-64 at sum_chunk 0)."""
+SEARCH_FANOUTS = (2, 4, 16, 64)
 
 
 def bench_sample(rows, m_list, w, bw):
     """The verify's target sample (temperature 1) over [M, W] logits, plain and truncated: ``sampling.truncate``
     then one categorical draw, top-p alone by each method; then the search's nucleus edge alone at each of
-    SEARCH_VARIANTS. The two methods' masses are sums in another order, so on these flat rows (~14K tokens in the
+    SEARCH_FANOUTS. The two methods' masses are sums in another order, so on these flat rows (~14K tokens in the
     nucleus) an edge may differ by a token: "rows_as_sort" counts the rows whose kept tokens (or edge) equal the
     sort's, "kept_diff" the kept tokens' count against the sort's, summed over the rows."""
     rng = np.random.default_rng(4)
@@ -166,11 +165,10 @@ def bench_sample(rows, m_list, w, bw):
             rows.append(row)
             print(row, flush=True)
         edge_by_sort = np.asarray(jax.jit(lambda x: sampling.nucleus_edge_by_sort(x, 0.95))(logits))
-        for fanout, sum_chunk in SEARCH_VARIANTS:  # the search's edge alone
-            fn = jax.jit(lambda x, f=fanout, s=sum_chunk: sampling.nucleus_edge_by_search(x, 0.95, f, s))
+        for fanout in SEARCH_FANOUTS:  # the search's edge alone, by its thresholds a pass
+            fn = jax.jit(lambda x, f=fanout: sampling.nucleus_edge_by_search(x, 0.95, f))
             same_rows = int((np.asarray(fn(logits)) == edge_by_sort).sum())
-            row = {"part": "top_p edge", "M": m, "N": w, "top_p": 0.95, "chunk": sum_chunk or None,
-                   "method": f"search x{fanout}",
+            row = {"part": "top_p edge", "M": m, "N": w, "top_p": 0.95, "method": f"search x{fanout}",
                    "passes": sampling.search_passes(fanout), "rows_as_sort": f"{same_rows}/{m}", **timed(fn, (logits,))}
             rows.append(row)
             print(row, flush=True)
