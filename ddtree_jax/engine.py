@@ -93,6 +93,27 @@ def check_temperature(temperature) -> float:
     return float(temperature)
 
 
+def check_temperatures(temperature, streams: int) -> np.ndarray:
+    """Each stream's sampling temperature, float32 [streams]: ``temperature`` is one number for every stream or a
+    sequence of one per stream, each finite and >= 0 (0: that stream decodes greedily); ValueError otherwise."""
+    try:
+        ndim = np.ndim(temperature)
+    except ValueError:  # a ragged nesting
+        ndim = -1
+    if ndim == 0:
+        return np.full((streams,), check_temperature(temperature), np.float32)
+    if ndim != 1 or len(temperature) != streams:
+        raise ValueError(f"temperature must be one number or a sequence of one per stream ({streams}), "
+                         f"got {temperature!r}")
+    values = []
+    for i, value in enumerate(temperature):
+        try:
+            values.append(check_temperature(value.item() if isinstance(value, np.generic) else value))
+        except ValueError as e:
+            raise ValueError(f"stream {i}'s {e}") from None
+    return np.asarray(values, np.float32)
+
+
 SEED_LIMIT = 2**32
 """Seeds are ints in [0, SEED_LIMIT): ``jax.random.key`` keeps 32 bits without x64, so 2**32 would alias 0 and -1
 would alias 2**32 - 1."""
@@ -191,7 +212,9 @@ class Engine:
     """Holds the split target (and drafter) and the compiled programs for one EngineConfig.
 
     ``generate(prompts, temperature, seed)`` runs prefill then rounds until every stream stops; ``stream`` (same
-    arguments) reports each stream's new tokens after the prefill and after every dispatch.
+    arguments) reports each stream's new tokens after the prefill and after every dispatch. ``temperature``: one
+    for every stream, or one per stream (``check_temperatures``; 0 decodes that stream greedily). Where every
+    stream is greedy, the programs compiled take no random draws; otherwise one program serves every temperature.
     """
 
     def __init__(self, target: KimiModel, drafter: DFlashDrafter | None, ecfg: EngineConfig, *,
@@ -224,9 +247,9 @@ class Engine:
         self.taps = tuple(self.dcfg.target_layer_ids) if self.dcfg and ecfg.mode != "ar" else ()
 
     # ------------------------------------------------------------------ prefill
-    def prefill(self, prompts: Sequence[Sequence[int]], temperature: float = 0.0, seed: int = 0) -> DecodeState:
+    def prefill(self, prompts: Sequence[Sequence[int]], temperature=0.0, seed: int = 0) -> DecodeState:
         ecfg = self.ecfg
-        temperature, seed = check_temperature(temperature), check_seed(seed)
+        temperature, seed = check_temperatures(temperature, len(prompts)), check_seed(seed)
         tokens, lengths = pad_prompts(prompts, vocab_size=self.cfg.vocab_size, capacity=ecfg.capacity,
                                       reserve=self.depth + 1)
         b = len(prompts)
@@ -235,32 +258,32 @@ class Engine:
         draft_cache = init_draft_cache(self.dcfg, b, ecfg.capacity) if self.taps else None
         cache, draft_cache = place_caches(cache, draft_cache, self.runtime)
         return _prefill(self.target_def, self.target_state, self.drafter_def, self.drafter_state, cache, draft_cache,
-                        jnp.asarray(tokens), jnp.asarray(lengths), jnp.float32(temperature), jax.random.key(seed),
+                        jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(temperature), jax.random.key(seed),
                         max_new_tokens=ecfg.max_new_tokens, eos_ids=ecfg.eos_ids, runtime=self.runtime,
-                        taps=self.taps, depth=self.depth, greedy=temperature == 0, top_k=ecfg.top_k, top_p=ecfg.top_p,
+                        taps=self.taps, depth=self.depth, greedy=not temperature.any(), top_k=ecfg.top_k,
+                        top_p=ecfg.top_p,
                         min_p=ecfg.min_p)
 
-    def run(self, state: DecodeState, temperature: float = 0.0) -> DecodeState:
+    def run(self, state: DecodeState, temperature=0.0) -> DecodeState:
         """Dispatches rounds (``rounds_per_dispatch`` per call) until every stream has stopped."""
         for state in self._dispatches(state, temperature):
             pass
         return state
 
-    def _dispatches(self, state: DecodeState, temperature: float):
+    def _dispatches(self, state: DecodeState, temperature):
         """Yields the state after each dispatch (each one donates the state before it): the first whatever the
         streams' status (a round loop whose streams have all stopped runs no round; ``run_decode.warm_up`` compiles
         it so), the next ones while any stream runs."""
-        temperature = check_temperature(temperature)
+        temperature = check_temperatures(temperature, state.num_out.shape[0])
         while True:
             state = _run_rounds(self.target_def, self.target_state, self.drafter_def, self.drafter_state, state,
-                                jnp.float32(temperature), ecfg=self.ecfg, runtime=self.runtime, taps=self.taps,
-                                depth=self.depth, greedy=temperature == 0)
+                                jnp.asarray(temperature), ecfg=self.ecfg, runtime=self.runtime, taps=self.taps,
+                                depth=self.depth, greedy=not temperature.any())
             yield state
             if not _any_running(state):
                 return
 
-    def stream(self, prompts: Sequence[Sequence[int]], temperature: float = 0.0,
-               seed: int = 0) -> Iterator[StreamUpdate]:
+    def stream(self, prompts: Sequence[Sequence[int]], temperature=0.0, seed: int = 0) -> Iterator[StreamUpdate]:
         """``generate``'s decoding, reported as it goes: an iterator of StreamUpdates, one after the prefill (each
         stream's first token) and one after every dispatch of ``rounds_per_dispatch`` rounds (the config's
         granularity: 1 reports every round), until every stream has stopped. Joined over the updates, each
@@ -269,7 +292,7 @@ class Engine:
         state = self.prefill(prompts, temperature, seed)
         return self._updates(state, temperature)
 
-    def _updates(self, state: DecodeState, temperature: float) -> Iterator[StreamUpdate]:
+    def _updates(self, state: DecodeState, temperature) -> Iterator[StreamUpdate]:
         sent = np.zeros(state.num_out.shape[0], np.int64)
 
         def update(state: DecodeState) -> StreamUpdate:  # read before the next dispatch donates the state
@@ -284,7 +307,7 @@ class Engine:
             for state in self._dispatches(state, temperature):
                 yield update(state)
 
-    def generate(self, prompts: Sequence[Sequence[int]], temperature: float = 0.0, seed: int = 0) -> dict:
+    def generate(self, prompts: Sequence[Sequence[int]], temperature=0.0, seed: int = 0) -> dict:
         """Returns per-stream tokens, statuses and metrics (compile time is separate from run time)."""
         t0 = time.perf_counter()
         state = self.prefill(prompts, temperature, seed)
@@ -440,13 +463,13 @@ def _run_rounds(target_def, target_state, drafter_def, drafter_state, state: Dec
     return state
 
 
-def inspect_round(engine: Engine, prompts: Sequence[Sequence[int]], temperature: float = 0.0, seed: int = 0):
+def inspect_round(engine: Engine, prompts: Sequence[Sequence[int]], temperature=0.0, seed: int = 0):
     """Prefill, then one round whose tree and acceptance are returned (numpy) for display."""
-    temperature = check_temperature(temperature)
+    temperature = check_temperatures(temperature, len(prompts))
     state = engine.prefill(prompts, temperature, seed)
     tree, acc = _inspect(engine.target_def, engine.target_state, engine.drafter_def, engine.drafter_state, state,
-                         jnp.float32(temperature), ecfg=engine.ecfg, runtime=engine.runtime, taps=engine.taps,
-                         depth=engine.depth, greedy=temperature == 0)
+                         jnp.asarray(temperature), ecfg=engine.ecfg, runtime=engine.runtime, taps=engine.taps,
+                         depth=engine.depth, greedy=not temperature.any())
     tree = {"tokens": np.asarray(tree.tokens[0]), "parents": np.asarray(tree.parents[0]),
             "depths": np.asarray(tree.depths[0])}
     return tree, {"path": np.asarray(acc.path[0]), "num_accepted": int(acc.num_accepted[0])}

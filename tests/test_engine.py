@@ -184,6 +184,37 @@ def test_stream_reports_generate_round_by_round(models, mode, temperature):
                                                                                    before.rounds[b])
 
 
+@pytest.mark.parametrize("mode", ["ar", "dflash", "ddtree"])
+def test_per_stream_temperatures(models, ar_reference, mode):
+    """One batch of greedy and sampled streams: a greedy stream emits AR's greedy tokens; a sampled one what it
+    emits in a batch sampled throughout at its temperature, with the same seed (a stream's draws depend on the
+    key and its place, not on the others' temperatures)."""
+    target, drafter = models
+    engine = Engine(target, drafter if mode != "ar" else None,
+                    EngineConfig(mode=mode, budget=16, max_new_tokens=NEW, capacity=64))
+    prompts = PROMPTS[:4]
+    mixed = engine.generate(prompts, temperature=[0.0, 1.0, 0.0, 0.7], seed=3)["tokens"]
+    assert [mixed[0], mixed[2]] == [ar_reference[0], ar_reference[2]]
+    assert mixed[1] == engine.generate(prompts, temperature=1.0, seed=3)["tokens"][1] != ar_reference[1]
+    assert mixed[3] == engine.generate(prompts, temperature=np.full(4, 0.7), seed=3)["tokens"][3] != ar_reference[3]
+    joined = [sum(t, []) for t in zip(*(u.new_tokens for u in engine.stream(prompts, (0.0, 1.0, 0.0, 0.7), 3)))]
+    assert joined == mixed
+
+
+@pytest.mark.parametrize("temperature,message", [
+    ([0.0, 1.0], r"one number or a sequence of one per stream \(3\), got \[0.0, 1.0\]"),
+    ([[0.0, 1.0, 1.0]], "one per stream"), ([0.0, [1.0], 1.0], "one per stream"),
+    ([0.0, -1.0, 1.0], r"stream 1's temperature must be finite and >= 0 \(0: greedy\), got -1.0"),
+    ((1.0, 1.0, float("nan")), "stream 2's temperature must be finite"),
+    ([1.0, "hot", 1.0], "stream 1's temperature must be a number"),
+    ("hot", "temperature must be a number")])
+def test_bad_per_stream_temperatures_refused(models, temperature, message):
+    target, drafter = models
+    engine = Engine(target, drafter, EngineConfig(mode="ddtree", budget=8, max_new_tokens=4, capacity=64))
+    with pytest.raises(ValueError, match=message):
+        engine.generate(PROMPTS[:3], temperature)
+
+
 def test_stream_ends_after_the_prefill_when_its_token_is_the_last(models):
     """max_new_tokens = 1: the prefill's token ends every stream, and ``stream`` reports it alone (no dispatch)."""
     target, drafter = models
