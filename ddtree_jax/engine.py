@@ -119,6 +119,29 @@ SEED_LIMIT = 2**32
 would alias 2**32 - 1."""
 
 
+def check_token_limits(max_new_tokens, streams: int, most: int) -> np.ndarray:
+    """Each stream's token limit, int32 [streams]: ``max_new_tokens`` is None (``most``, the config's), one
+    integer for every stream or a sequence of one per stream, each in [1, most]; ValueError otherwise."""
+    if max_new_tokens is None:
+        return np.full((streams,), most, np.int32)
+    try:
+        ndim = np.ndim(max_new_tokens)
+    except ValueError:  # a ragged nesting
+        ndim = -1
+    values = [max_new_tokens] * streams if ndim == 0 else max_new_tokens
+    if ndim not in (0, 1) or len(values) != streams:
+        raise ValueError(f"max_new_tokens must be one integer or a sequence of one per stream ({streams}), "
+                         f"got {max_new_tokens!r}")
+    for i, value in enumerate(values):
+        whose = "" if ndim == 0 else f"stream {i}'s "
+        if not _is_int(value):
+            raise ValueError(f"{whose}max_new_tokens must be an integer, got {value!r}")
+        if not 1 <= value <= most:
+            raise ValueError(f"{whose}max_new_tokens must be in [1, {most}] (EngineConfig.max_new_tokens), "
+                             f"got {value}")
+    return np.asarray(values, np.int32)
+
+
 def check_seed(seed) -> int:
     """The sampling seed as an int in [0, SEED_LIMIT); ValueError otherwise."""
     if not _is_int(seed):
@@ -141,6 +164,7 @@ class DecodeState:
     ctx_start: jax.Array  # [B]: position of the first pending context row
     out_tokens: jax.Array  # [B, N] int32 generated tokens
     num_out: jax.Array  # [B] int32
+    limit: jax.Array  # [B] int32: the stream's token limit (at most EngineConfig.max_new_tokens, N)
     status: jax.Array  # [B] int32 (RUNNING / EOS / MAX_TOKENS / CACHE_FULL)
     rounds: jax.Array  # [B] int32: rounds in which the stream was active
     tau_hist: jax.Array  # [B, D+2] int32: histogram of tokens emitted per round
@@ -173,12 +197,12 @@ def tree_depth(ecfg: EngineConfig, block_size: int) -> int:
     return min(block_size - 1, ecfg.budget)
 
 
-def _stop_and_emit(state: DecodeState, emitted, n_emit, active, eos_ids, max_new):
-    """Truncates each stream's emitted tokens at EOS / the token limit and updates status."""
+def _stop_and_emit(state: DecodeState, emitted, n_emit, active, eos_ids):
+    """Truncates each stream's emitted tokens at EOS / its token limit and updates status."""
     b, width = emitted.shape
     k = jnp.arange(width)[None, :]
     in_round = k < n_emit[:, None]
-    room = max_new - state.num_out
+    room = state.limit - state.num_out
     if eos_ids:
         is_eos = jnp.isin(emitted, jnp.asarray(eos_ids, jnp.int32)) & in_round
         first_eos = jnp.argmax(is_eos, axis=1)
@@ -188,7 +212,7 @@ def _stop_and_emit(state: DecodeState, emitted, n_emit, active, eos_ids, max_new
         hit_eos = jnp.zeros((b,), bool)
     hit_limit = n_emit >= room
     n_emit = jnp.where(active, jnp.minimum(n_emit, room), 0)
-    slots = jnp.where(k < n_emit[:, None], state.num_out[:, None] + k, max_new)
+    slots = jnp.where(k < n_emit[:, None], state.num_out[:, None] + k, state.out_tokens.shape[1])  # else dropped
     out = state.out_tokens.at[jnp.arange(b)[:, None], slots].set(emitted, mode="drop")
     status = jnp.where(active & hit_eos, EOS, jnp.where(active & hit_limit, MAX_TOKENS, state.status))
     return out, state.num_out + n_emit, status
@@ -211,10 +235,12 @@ def place_caches(cache: LatentCache, draft_cache: DraftCache | None, runtime: Ru
 class Engine:
     """Holds the split target (and drafter) and the compiled programs for one EngineConfig.
 
-    ``generate(prompts, temperature, seed)`` runs prefill then rounds until every stream stops; ``stream`` (same
-    arguments) reports each stream's new tokens after the prefill and after every dispatch. ``temperature``: one
-    for every stream, or one per stream (``check_temperatures``; 0 decodes that stream greedily). Where every
-    stream is greedy, the programs compiled take no random draws; otherwise one program serves every temperature.
+    ``generate(prompts, temperature, seed, max_new_tokens)`` runs prefill then rounds until every stream stops;
+    ``stream`` (same arguments) reports each stream's new tokens after the prefill and after every dispatch.
+    ``temperature``: one for every stream, or one per stream (``check_temperatures``; 0 decodes that stream
+    greedily). Where every stream is greedy, the programs compiled take no random draws; otherwise one program
+    serves every temperature. ``max_new_tokens``: the config's (None), or a smaller limit for every stream or for
+    each (``check_token_limits``); the same programs serve any limits.
     """
 
     def __init__(self, target: KimiModel, drafter: DFlashDrafter | None, ecfg: EngineConfig, *,
@@ -247,9 +273,11 @@ class Engine:
         self.taps = tuple(self.dcfg.target_layer_ids) if self.dcfg and ecfg.mode != "ar" else ()
 
     # ------------------------------------------------------------------ prefill
-    def prefill(self, prompts: Sequence[Sequence[int]], temperature=0.0, seed: int = 0) -> DecodeState:
+    def prefill(self, prompts: Sequence[Sequence[int]], temperature=0.0, seed: int = 0,
+                max_new_tokens=None) -> DecodeState:
         ecfg = self.ecfg
         temperature, seed = check_temperatures(temperature, len(prompts)), check_seed(seed)
+        limits = check_token_limits(max_new_tokens, len(prompts), ecfg.max_new_tokens)
         tokens, lengths = pad_prompts(prompts, vocab_size=self.cfg.vocab_size, capacity=ecfg.capacity,
                                       reserve=self.depth + 1)
         b = len(prompts)
@@ -259,6 +287,7 @@ class Engine:
         cache, draft_cache = place_caches(cache, draft_cache, self.runtime)
         return _prefill(self.target_def, self.target_state, self.drafter_def, self.drafter_state, cache, draft_cache,
                         jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(temperature), jax.random.key(seed),
+                        jnp.asarray(limits),
                         max_new_tokens=ecfg.max_new_tokens, eos_ids=ecfg.eos_ids, runtime=self.runtime,
                         taps=self.taps, depth=self.depth, greedy=not temperature.any(), top_k=ecfg.top_k,
                         top_p=ecfg.top_p,
@@ -283,13 +312,14 @@ class Engine:
             if not _any_running(state):
                 return
 
-    def stream(self, prompts: Sequence[Sequence[int]], temperature=0.0, seed: int = 0) -> Iterator[StreamUpdate]:
+    def stream(self, prompts: Sequence[Sequence[int]], temperature=0.0, seed: int = 0,
+               max_new_tokens=None) -> Iterator[StreamUpdate]:
         """``generate``'s decoding, reported as it goes: an iterator of StreamUpdates, one after the prefill (each
         stream's first token) and one after every dispatch of ``rounds_per_dispatch`` rounds (the config's
         granularity: 1 reports every round), until every stream has stopped. Joined over the updates, each
         stream's ``new_tokens`` are ``generate``'s tokens for the same prompts, temperature and seed. The inputs
         are checked and the prompts prefilled in this call, not at the first ``next``."""
-        state = self.prefill(prompts, temperature, seed)
+        state = self.prefill(prompts, temperature, seed, max_new_tokens)
         return self._updates(state, temperature)
 
     def _updates(self, state: DecodeState, temperature) -> Iterator[StreamUpdate]:
@@ -307,10 +337,11 @@ class Engine:
             for state in self._dispatches(state, temperature):
                 yield update(state)
 
-    def generate(self, prompts: Sequence[Sequence[int]], temperature=0.0, seed: int = 0) -> dict:
+    def generate(self, prompts: Sequence[Sequence[int]], temperature=0.0, seed: int = 0,
+                 max_new_tokens=None) -> dict:
         """Returns per-stream tokens, statuses and metrics (compile time is separate from run time)."""
         t0 = time.perf_counter()
-        state = self.prefill(prompts, temperature, seed)
+        state = self.prefill(prompts, temperature, seed, max_new_tokens)
         jax.block_until_ready(state.bonus)
         t1 = time.perf_counter()
         state = self.run(state, temperature)
@@ -361,7 +392,7 @@ def _static_if_greedy(temperature, greedy: bool):
                                              "taps", "depth", "greedy", "top_k", "top_p", "min_p"),
                    donate_argnames=("cache", "draft_cache"))
 def _prefill(target_def, target_state, drafter_def, drafter_state, cache, draft_cache, tokens, lengths, temperature,
-             key, *, max_new_tokens: int, eos_ids: tuple[int, ...], runtime: Runtime, taps: tuple[int, ...],
+             key, limits, *, max_new_tokens: int, eos_ids: tuple[int, ...], runtime: Runtime, taps: tuple[int, ...],
              depth: int, greedy: bool, top_k: int, top_p: float, min_p: float) -> DecodeState:
     # Keyed on its static arguments, not on the EngineConfig: mode and budget enter only through depth
     # (= tree_depth, the shapes of ctx_taps / tau_hist), taps and drafter_def, so engines that agree on
@@ -385,12 +416,12 @@ def _prefill(target_def, target_state, drafter_def, drafter_state, cache, draft_
         cache=cache, draft_cache=draft_cache, bonus=bonus,
         ctx_taps=jnp.zeros((n_taps, b, depth + 1, dm), jnp.dtype(cfg.dtype)),
         ctx_counts=jnp.zeros((b,), jnp.int32), ctx_start=lengths,
-        out_tokens=jnp.full((b, max_new_tokens), PAD, jnp.int32), num_out=jnp.zeros((b,), jnp.int32),
+        out_tokens=jnp.full((b, max_new_tokens), PAD, jnp.int32), num_out=jnp.zeros((b,), jnp.int32), limit=limits,
         status=jnp.full((b,), RUNNING, jnp.int32), rounds=jnp.zeros((b,), jnp.int32),
         tau_hist=jnp.zeros((b, depth + 2), jnp.int32), key=key,
     )
     out_tokens, num_out, status = _stop_and_emit(state, bonus[:, None], jnp.ones((b,), jnp.int32),
-                                                 jnp.ones((b,), bool), eos_ids, max_new_tokens)
+                                                 jnp.ones((b,), bool), eos_ids)
     return dataclasses.replace(state, out_tokens=out_tokens, num_out=num_out, status=status)
 
 
@@ -434,12 +465,12 @@ def _round(target, drafter, state: DecodeState, temperature, ecfg: EngineConfig,
         ctx_taps = state.ctx_taps
     out_tokens, num_out, status = _stop_and_emit(
         dataclasses.replace(state, status=status), acc.emitted, acc.num_accepted + 1, active,
-        ecfg.eos_ids, ecfg.max_new_tokens)
+        ecfg.eos_ids)
     tau_hist = state.tau_hist.at[jnp.arange(b), acc.num_accepted + 1].add(active.astype(jnp.int32))
     return DecodeState(
         cache=cache, draft_cache=draft_cache, bonus=jnp.where(active, acc.next_token, state.bonus),
         ctx_taps=ctx_taps, ctx_counts=n_commit, ctx_start=start, out_tokens=out_tokens, num_out=num_out,
-        status=status, rounds=state.rounds + active.astype(jnp.int32), tau_hist=tau_hist, key=key,
+        limit=state.limit, status=status, rounds=state.rounds + active.astype(jnp.int32), tau_hist=tau_hist, key=key,
     )
 
 

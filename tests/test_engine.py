@@ -201,6 +201,42 @@ def test_per_stream_temperatures(models, ar_reference, mode):
     assert joined == mixed
 
 
+@pytest.mark.parametrize("mode", ["ar", "dflash", "ddtree"])
+def test_per_stream_token_limits(models, ar_reference, mode):
+    """Each stream stops at its own limit (one for all, or one per stream, at most the config's): its tokens are
+    AR's first ones, with status max_new_tokens, and one compiled program serves every limit."""
+    from experiments import bench_util
+
+    target, drafter = models
+    engine = Engine(target, drafter if mode != "ar" else None,
+                    EngineConfig(mode=mode, budget=16, max_new_tokens=NEW, capacity=64))
+    prompts = PROMPTS[:4]
+    engine.generate(prompts)  # compiles
+    with bench_util.counting_compiles() as compiles:
+        for limits in ([1, NEW, 4, 7], 5):
+            res = engine.generate(prompts, max_new_tokens=limits)
+            for b, limit in enumerate([limits] * 4 if isinstance(limits, int) else limits):
+                assert res["tokens"][b] == ar_reference[b][:limit] and res["status"][b] == "max_new_tokens"
+        updates = engine.stream(prompts, max_new_tokens=[2, 3, 1, 9])
+        joined = [sum(t, []) for t in zip(*(u.new_tokens for u in updates))]
+        assert joined == [ar_reference[b][:n] for b, n in enumerate([2, 3, 1, 9])]
+    assert compiles == []
+
+
+@pytest.mark.parametrize("limits,message", [
+    ([4, 4], r"max_new_tokens must be one integer or a sequence of one per stream \(3\), got \[4, 4\]"),
+    ([4, NEW + 1, 4], rf"stream 1's max_new_tokens must be in \[1, {NEW}\] \(EngineConfig.max_new_tokens\), "
+                      rf"got {NEW + 1}"),
+    ([4, 4, 0], "stream 2's max_new_tokens must be in"), ([4, 4.0, 4], "stream 1's max_new_tokens must be an integer"),
+    (0, r"^max_new_tokens must be in \[1, 10\]"), (True, "max_new_tokens must be an integer"),
+    ([[4, 4, 4]], "one per stream")])
+def test_bad_token_limits_refused(models, limits, message):
+    target, drafter = models
+    engine = Engine(target, drafter, EngineConfig(mode="ddtree", budget=8, max_new_tokens=NEW, capacity=64))
+    with pytest.raises(ValueError, match=message):
+        engine.generate(PROMPTS[:3], max_new_tokens=limits)
+
+
 @pytest.mark.parametrize("temperature,message", [
     ([0.0, 1.0], r"one number or a sequence of one per stream \(3\), got \[0.0, 1.0\]"),
     ([[0.0, 1.0, 1.0]], "one per stream"), ([0.0, [1.0], 1.0], "one per stream"),
@@ -298,25 +334,27 @@ def ref_stop_and_emit(out, num_out, status, emitted, n_emit, active, eos_ids, ma
 
 
 def test_stop_and_emit_equals_a_token_by_token_reference():
-    """The engine's vectorised truncation at EOS / the token limit against ``ref_stop_and_emit`` on random
-    streams: EOS early, late, past the limit or absent, inactive streams holding EOS tokens, and entries past
-    n_emit that must be ignored."""
+    """The engine's vectorised truncation at EOS / each stream's token limit against ``ref_stop_and_emit`` on
+    random streams: EOS early, late, past the limit or absent, inactive streams holding EOS tokens, and entries
+    past n_emit that must be ignored."""
     rng = np.random.default_rng(0)
     b, width, max_new = 200, 5, 8
     for eos_ids in ((), (3,), (3, 5)):
         active = rng.random(b) < 0.7
-        num_out = np.where(active, rng.integers(0, max_new, b), rng.integers(0, max_new + 1, b))
+        limit = rng.integers(1, max_new + 1, b)  # per stream, at most the buffer's max_new
+        num_out = np.where(active, rng.integers(0, limit), rng.integers(0, limit + 1))
         status = np.where(active, RUNNING, rng.choice([EOS, MAX_TOKENS, CACHE_FULL], b))
         n_emit = rng.integers(1, width + 1, b)
         emitted = rng.integers(0, 8, (b, width))
         out = np.where(np.arange(max_new) < num_out[:, None], rng.integers(0, 8, (b, max_new)), PAD)
         state = types.SimpleNamespace(out_tokens=jnp.asarray(out, jnp.int32), num_out=jnp.asarray(num_out, jnp.int32),
-                                      status=jnp.asarray(status, jnp.int32))
+                                      status=jnp.asarray(status, jnp.int32), limit=jnp.asarray(limit, jnp.int32))
         got_out, got_num, got_status = _stop_and_emit(state, jnp.asarray(emitted, jnp.int32), jnp.asarray(n_emit),
-                                                      jnp.asarray(active), eos_ids, max_new)
+                                                      jnp.asarray(active), eos_ids)
         got_out, got_num, got_status = map(np.asarray, (got_out, got_num, got_status))
         for s in range(b):
-            want = ref_stop_and_emit(out[s], num_out[s], status[s], emitted[s], n_emit[s], active[s], eos_ids, max_new)
+            want = ref_stop_and_emit(out[s], num_out[s], status[s], emitted[s], n_emit[s], active[s], eos_ids,
+                                     limit[s])
             assert (got_out[s].tolist(), int(got_num[s]), int(got_status[s])) == want, (eos_ids, s)
 
 
