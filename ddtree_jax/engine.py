@@ -96,27 +96,7 @@ def check_temperature(temperature) -> float:
 def check_temperatures(temperature, streams: int) -> np.ndarray:
     """Each stream's sampling temperature, float32 [streams]: ``temperature`` is one number for every stream or a
     sequence of one per stream, each finite and >= 0 (0: that stream decodes greedily); ValueError otherwise."""
-    try:
-        ndim = np.ndim(temperature)
-    except ValueError:  # a ragged nesting
-        ndim = -1
-    if ndim == 0:
-        return np.full((streams,), check_temperature(temperature), np.float32)
-    if ndim != 1 or len(temperature) != streams:
-        raise ValueError(f"temperature must be one number or a sequence of one per stream ({streams}), "
-                         f"got {temperature!r}")
-    values = []
-    for i, value in enumerate(temperature):
-        try:
-            values.append(check_temperature(value.item() if isinstance(value, np.generic) else value))
-        except ValueError as e:
-            raise ValueError(f"stream {i}'s {e}") from None
-    return np.asarray(values, np.float32)
-
-
-SEED_LIMIT = 2**32
-"""Seeds are ints in [0, SEED_LIMIT): ``jax.random.key`` keeps 32 bits without x64, so 2**32 would alias 0 and -1
-would alias 2**32 - 1."""
+    return np.asarray(_per_stream(temperature, streams, "temperature", "one number", check_temperature), np.float32)
 
 
 def check_token_limits(max_new_tokens, streams: int, most: int) -> np.ndarray:
@@ -124,22 +104,45 @@ def check_token_limits(max_new_tokens, streams: int, most: int) -> np.ndarray:
     integer for every stream or a sequence of one per stream, each in [1, most]; ValueError otherwise."""
     if max_new_tokens is None:
         return np.full((streams,), most, np.int32)
+
+    def check_one(value) -> int:
+        if not _is_int(value):
+            raise ValueError(f"max_new_tokens must be an integer, got {value!r}")
+        if not 1 <= value <= most:
+            raise ValueError(f"max_new_tokens must be in [1, {most}] (EngineConfig.max_new_tokens), got {value}")
+        return int(value)
+
+    return np.asarray(_per_stream(max_new_tokens, streams, "max_new_tokens", "one integer", check_one), np.int32)
+
+
+def _per_stream(value, streams: int, name: str, one: str, check_one) -> list:
+    """``value`` (one for every stream, or a sequence of one per stream) as a list of ``streams`` values, each
+    passed through ``check_one``; a ValueError names the stream whose value it refuses."""
     try:
-        ndim = np.ndim(max_new_tokens)
+        ndim = np.ndim(value)
     except ValueError:  # a ragged nesting
         ndim = -1
-    values = [max_new_tokens] * streams if ndim == 0 else max_new_tokens
-    if ndim not in (0, 1) or len(values) != streams:
-        raise ValueError(f"max_new_tokens must be one integer or a sequence of one per stream ({streams}), "
-                         f"got {max_new_tokens!r}")
-    for i, value in enumerate(values):
-        whose = "" if ndim == 0 else f"stream {i}'s "
-        if not _is_int(value):
-            raise ValueError(f"{whose}max_new_tokens must be an integer, got {value!r}")
-        if not 1 <= value <= most:
-            raise ValueError(f"{whose}max_new_tokens must be in [1, {most}] (EngineConfig.max_new_tokens), "
-                             f"got {value}")
-    return np.asarray(values, np.int32)
+    if ndim == 0:
+        return [check_one(_as_python(value))] * streams
+    if ndim != 1 or len(value) != streams:
+        raise ValueError(f"{name} must be {one} or a sequence of one per stream ({streams}), got {value!r}")
+    checked = []
+    for i, item in enumerate(np.asarray(value) if hasattr(value, "__array__") else value):
+        try:
+            checked.append(check_one(_as_python(item)))
+        except ValueError as e:
+            raise ValueError(f"stream {i}'s {e}") from None
+    return checked
+
+
+def _as_python(value):
+    """A numpy or JAX scalar as the Python number it holds (its type checked as that); anything else as given."""
+    return np.asarray(value).item() if isinstance(value, (np.generic, jax.Array)) else value
+
+
+SEED_LIMIT = 2**32
+"""Seeds are ints in [0, SEED_LIMIT): ``jax.random.key`` keeps 32 bits without x64, so 2**32 would alias 0 and -1
+would alias 2**32 - 1."""
 
 
 def check_seed(seed) -> int:

@@ -212,10 +212,11 @@ def test_per_stream_token_limits(models, ar_reference, mode):
                     EngineConfig(mode=mode, budget=16, max_new_tokens=NEW, capacity=64))
     prompts = PROMPTS[:4]
     engine.generate(prompts)  # compiles
+    cases = [([1, NEW, 4, 7], [1, NEW, 4, 7]), (5, [5] * 4), (jnp.asarray([3, 3, 2, 1]), [3, 3, 2, 1])]
     with bench_util.counting_compiles() as compiles:
-        for limits in ([1, NEW, 4, 7], 5):
+        for limits, per_stream in cases:
             res = engine.generate(prompts, max_new_tokens=limits)
-            for b, limit in enumerate([limits] * 4 if isinstance(limits, int) else limits):
+            for b, limit in enumerate(per_stream):
                 assert res["tokens"][b] == ar_reference[b][:limit] and res["status"][b] == "max_new_tokens"
         updates = engine.stream(prompts, max_new_tokens=[2, 3, 1, 9])
         joined = [sum(t, []) for t in zip(*(u.new_tokens for u in updates))]
