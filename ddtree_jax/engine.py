@@ -168,6 +168,7 @@ class DecodeState:
     out_tokens: jax.Array  # [B, N] int32 generated tokens
     num_out: jax.Array  # [B] int32
     limit: jax.Array  # [B] int32: the stream's token limit (at most EngineConfig.max_new_tokens, N)
+    temperature: jax.Array  # [B] float32: the stream's sampling temperature (0: greedy)
     status: jax.Array  # [B] int32 (RUNNING / EOS / MAX_TOKENS / CACHE_FULL)
     rounds: jax.Array  # [B] int32: rounds in which the stream was active
     tau_hist: jax.Array  # [B, D+2] int32: histogram of tokens emitted per round
@@ -241,9 +242,10 @@ class Engine:
     ``generate(prompts, temperature, seed, max_new_tokens)`` runs prefill then rounds until every stream stops;
     ``stream`` (same arguments) reports each stream's new tokens after the prefill and after every dispatch.
     ``temperature``: one for every stream, or one per stream (``check_temperatures``; 0 decodes that stream
-    greedily). Where every stream is greedy, the programs compiled take no random draws; otherwise one program
-    serves every temperature. ``max_new_tokens``: the config's (None), or a smaller limit for every stream or for
-    each (``check_token_limits``); the same programs serve any limits.
+    greedily), fixed by ``prefill`` in the state for every round after it. Where every stream is greedy, the
+    programs compiled take no random draws; otherwise one program serves every temperature. ``max_new_tokens``:
+    the config's (None), or a smaller limit for every stream or for each (``check_token_limits``); the same
+    programs serve any limits.
     """
 
     def __init__(self, target: KimiModel, drafter: DFlashDrafter | None, ecfg: EngineConfig, *,
@@ -296,21 +298,21 @@ class Engine:
                         top_p=ecfg.top_p,
                         min_p=ecfg.min_p)
 
-    def run(self, state: DecodeState, temperature=0.0) -> DecodeState:
-        """Dispatches rounds (``rounds_per_dispatch`` per call) until every stream has stopped."""
-        for state in self._dispatches(state, temperature):
+    def run(self, state: DecodeState) -> DecodeState:
+        """Dispatches rounds (``rounds_per_dispatch`` per call) until every stream has stopped, each stream at the
+        temperature its prefill fixed (``DecodeState.temperature``)."""
+        for state in self._dispatches(state):
             pass
         return state
 
-    def _dispatches(self, state: DecodeState, temperature):
+    def _dispatches(self, state: DecodeState):
         """Yields the state after each dispatch (each one donates the state before it): the first whatever the
         streams' status (a round loop whose streams have all stopped runs no round; ``run_decode.warm_up`` compiles
         it so), the next ones while any stream runs."""
-        temperature = check_temperatures(temperature, state.num_out.shape[0])
+        greedy = not np.asarray(state.temperature).any()
         while True:
             state = _run_rounds(self.target_def, self.target_state, self.drafter_def, self.drafter_state, state,
-                                jnp.asarray(temperature), ecfg=self.ecfg, runtime=self.runtime, taps=self.taps,
-                                depth=self.depth, greedy=not temperature.any())
+                                ecfg=self.ecfg, runtime=self.runtime, taps=self.taps, depth=self.depth, greedy=greedy)
             yield state
             if not _any_running(state):
                 return
@@ -323,9 +325,9 @@ class Engine:
         stream's ``new_tokens`` are ``generate``'s tokens for the same prompts, temperature and seed. The inputs
         are checked and the prompts prefilled in this call, not at the first ``next``."""
         state = self.prefill(prompts, temperature, seed, max_new_tokens)
-        return self._updates(state, temperature)
+        return self._updates(state)
 
-    def _updates(self, state: DecodeState, temperature) -> Iterator[StreamUpdate]:
+    def _updates(self, state: DecodeState) -> Iterator[StreamUpdate]:
         sent = np.zeros(state.num_out.shape[0], np.int64)
 
         def update(state: DecodeState) -> StreamUpdate:  # read before the next dispatch donates the state
@@ -337,7 +339,7 @@ class Engine:
 
         yield update(state)
         if _any_running(state):  # else the prefill's token was each stream's last
-            for state in self._dispatches(state, temperature):
+            for state in self._dispatches(state):
                 yield update(state)
 
     def generate(self, prompts: Sequence[Sequence[int]], temperature=0.0, seed: int = 0,
@@ -347,7 +349,7 @@ class Engine:
         state = self.prefill(prompts, temperature, seed, max_new_tokens)
         jax.block_until_ready(state.bonus)
         t1 = time.perf_counter()
-        state = self.run(state, temperature)
+        state = self.run(state)
         jax.block_until_ready(state.out_tokens)
         t2 = time.perf_counter()
         return summarize(state, prefill_s=t1 - t0, decode_s=t2 - t1)
@@ -400,7 +402,7 @@ def _prefill(target_def, target_state, drafter_def, drafter_state, cache, draft_
     # Keyed on its static arguments, not on the EngineConfig: mode and budget enter only through depth
     # (= tree_depth, the shapes of ctx_taps / tau_hist), taps and drafter_def, so engines that agree on
     # those (e.g. dflash and ddtree with budget >= Dp) and on the other static arguments share one program.
-    temperature = _static_if_greedy(temperature, greedy)
+    temperatures, temperature = temperature, _static_if_greedy(temperature, greedy)
     target = nnx.merge(target_def, target_state)
     cfg = target.cfg
     b, p = tokens.shape
@@ -420,6 +422,7 @@ def _prefill(target_def, target_state, drafter_def, drafter_state, cache, draft_
         ctx_taps=jnp.zeros((n_taps, b, depth + 1, dm), jnp.dtype(cfg.dtype)),
         ctx_counts=jnp.zeros((b,), jnp.int32), ctx_start=lengths,
         out_tokens=jnp.full((b, max_new_tokens), PAD, jnp.int32), num_out=jnp.zeros((b,), jnp.int32), limit=limits,
+        temperature=temperatures,
         status=jnp.full((b,), RUNNING, jnp.int32), rounds=jnp.zeros((b,), jnp.int32),
         tau_hist=jnp.zeros((b, depth + 2), jnp.int32), key=key,
     )
@@ -473,15 +476,15 @@ def _round(target, drafter, state: DecodeState, temperature, ecfg: EngineConfig,
     return DecodeState(
         cache=cache, draft_cache=draft_cache, bonus=jnp.where(active, acc.next_token, state.bonus),
         ctx_taps=ctx_taps, ctx_counts=n_commit, ctx_start=start, out_tokens=out_tokens, num_out=num_out,
-        limit=state.limit, status=status, rounds=state.rounds + active.astype(jnp.int32), tau_hist=tau_hist, key=key,
+        limit=state.limit, temperature=state.temperature, status=status,
+        rounds=state.rounds + active.astype(jnp.int32), tau_hist=tau_hist, key=key,
     )
 
 
 @functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "ecfg", "runtime", "taps", "depth", "greedy"),
                    donate_argnames=("state",))
-def _run_rounds(target_def, target_state, drafter_def, drafter_state, state: DecodeState, temperature, *,
+def _run_rounds(target_def, target_state, drafter_def, drafter_state, state: DecodeState, *,
                 ecfg: EngineConfig, runtime: Runtime, taps: tuple[int, ...], depth: int, greedy: bool) -> DecodeState:
-    temperature = _static_if_greedy(temperature, greedy)
     target = nnx.merge(target_def, target_state)
     drafter = nnx.merge(drafter_def, drafter_state) if drafter_def is not None else None
 
@@ -491,7 +494,8 @@ def _run_rounds(target_def, target_state, drafter_def, drafter_state, state: Dec
 
     def body(carry):
         i, st = carry
-        return i + 1, _round(target, drafter, st, temperature, ecfg, runtime, taps, depth)
+        return i + 1, _round(target, drafter, st, _static_if_greedy(st.temperature, greedy), ecfg, runtime, taps,
+                             depth)
 
     _, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
     return state
@@ -499,20 +503,18 @@ def _run_rounds(target_def, target_state, drafter_def, drafter_state, state: Dec
 
 def inspect_round(engine: Engine, prompts: Sequence[Sequence[int]], temperature=0.0, seed: int = 0):
     """Prefill, then one round whose tree and acceptance are returned (numpy) for display."""
-    temperature = check_temperatures(temperature, len(prompts))
     state = engine.prefill(prompts, temperature, seed)
     tree, acc = _inspect(engine.target_def, engine.target_state, engine.drafter_def, engine.drafter_state, state,
-                         jnp.asarray(temperature), ecfg=engine.ecfg, runtime=engine.runtime, taps=engine.taps,
-                         depth=engine.depth, greedy=not temperature.any())
+                         ecfg=engine.ecfg, runtime=engine.runtime, taps=engine.taps, depth=engine.depth,
+                         greedy=not np.asarray(state.temperature).any())
     tree = {"tokens": np.asarray(tree.tokens[0]), "parents": np.asarray(tree.parents[0]),
             "depths": np.asarray(tree.depths[0])}
     return tree, {"path": np.asarray(acc.path[0]), "num_accepted": int(acc.num_accepted[0])}
 
 
 @functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "ecfg", "runtime", "taps", "depth", "greedy"))
-def _inspect(target_def, target_state, drafter_def, drafter_state, state, temperature, *, ecfg, runtime, taps, depth,
-             greedy):
-    temperature = _static_if_greedy(temperature, greedy)
+def _inspect(target_def, target_state, drafter_def, drafter_state, state, *, ecfg, runtime, taps, depth, greedy):
+    temperature = _static_if_greedy(state.temperature, greedy)
     target = nnx.merge(target_def, target_state)
     drafter = nnx.merge(drafter_def, drafter_state) if drafter_def is not None else None
     start = state.cache.lengths

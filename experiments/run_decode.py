@@ -373,7 +373,7 @@ def warm_up(engine: Engine, batches, temperature: float) -> float:
     for batch in batches:
         state = engine.prefill(batch, temperature)
         state = dataclasses.replace(state, status=state.status * 0 + EOS)  # derived, so placed like the real one
-        jax.block_until_ready(engine.run(state, temperature).out_tokens)
+        jax.block_until_ready(engine.run(state).out_tokens)
     return time.perf_counter() - t0
 
 

@@ -194,6 +194,9 @@ def test_per_stream_temperatures(models, ar_reference, mode):
                     EngineConfig(mode=mode, budget=16, max_new_tokens=NEW, capacity=64))
     prompts = PROMPTS[:4]
     mixed = engine.generate(prompts, temperature=[0.0, 1.0, 0.0, 0.7], seed=3)["tokens"]
+    state = engine.prefill(prompts, [0.0, 1.0, 0.0, 0.7], seed=3)  # the state carries them into every round
+    assert np.asarray(state.temperature).tolist() == pytest.approx([0.0, 1.0, 0.0, 0.7])
+    assert summarize(engine.run(state), 0.0, 0.0)["tokens"] == mixed
     assert [mixed[0], mixed[2]] == [ar_reference[0], ar_reference[2]]
     assert mixed[1] == engine.generate(prompts, temperature=1.0, seed=3)["tokens"][1] != ar_reference[1]
     assert mixed[3] == engine.generate(prompts, temperature=np.full(4, 0.7), seed=3)["tokens"][3] != ar_reference[3]
