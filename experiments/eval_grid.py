@@ -109,12 +109,7 @@ def parse_args(argv=None):
                         "--modes)")
     p.add_argument("--streams", type=int_list, default=(1, 4, 16), help="streams decoded together")
     p.add_argument("--temperatures", type=float_list, default=(0.0,), help="e.g. 0 or 0,1")
-    p.add_argument("--top-k", type=int, default=0, help="sampled points (temperature > 0) draw from the top_k "
-                                                       "likeliest tokens only (0: all)")
-    p.add_argument("--top-p", type=float, default=1.0, help="and then from the fewest likeliest whose probability "
-                                                         "reaches top_p (1: all)")
-    p.add_argument("--min-p", type=float, default=0.0, help="and then from those at least min_p times as likely as "
-                                                         "the likeliest (0: all)")
+    run_decode.add_truncation_args(p, "at the sampled points (temperature > 0)")
     p.add_argument("--num-prompts", type=int, default=16, help="prompts (from the file: its first N)")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--capacity", type=int, default=512, help="cache slots per stream")

@@ -77,12 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"DDTree node budget (default {DEFAULT_BUDGET}; only for --mode ddtree or all)")
     p.add_argument("--streams", type=int, default=None, help="streams decoded together (default: #prompts)")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    p.add_argument("--top-k", type=int, default=0, help="with --temperature > 0: sample from the top_k likeliest "
-                                                       "tokens only (0: all)")
-    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature > 0: then from the fewest likeliest "
-                                                         "tokens whose probability reaches top_p (1: all)")
-    p.add_argument("--min-p", type=float, default=0.0, help="with --temperature > 0: then from the tokens at least "
-                                                         "min_p times as likely as the likeliest (0: all)")
+    add_truncation_args(p, "with --temperature > 0")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--capacity", type=int, default=512,
                    help="cache slots per stream: must hold the longest prompt, --max-new-tokens and the mode's "
@@ -96,6 +91,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--commit", default=None, help="with --json: the code commit to record (a checkout copied "
                                                   "elsewhere may report a stale git HEAD; default: git's)")
     return p
+
+
+def add_truncation_args(p: argparse.ArgumentParser, when: str) -> None:
+    """--top-k, --top-p and --min-p: the filters of what is sampled (``EngineConfig``); ``when`` leads each help."""
+    p.add_argument("--top-k", type=int, default=0, help=f"{when}: sample from the top_k likeliest tokens only (0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help=f"{when}: then from the fewest likeliest tokens whose "
+                                                         "probability reaches top_p (1: all)")
+    p.add_argument("--min-p", type=float, default=0.0, help=f"{when}: then from the tokens at least min_p times as "
+                                                         "likely as the likeliest (0: all)")
 
 
 def parse_args(argv=None):
