@@ -35,20 +35,21 @@ def check_top_k(top_k, vocab_size: int | None = None) -> int:
 
 def check_top_p(top_p) -> float:
     """top_p as a float in (0, 1] (1: off); ValueError otherwise (NaN included)."""
-    if isinstance(top_p, (bool, np.bool_)) or not isinstance(top_p, (int, float, np.integer, np.floating)):
-        raise ValueError(f"top_p must be a number in (0, 1] (1: off), got {top_p!r}")
-    if not (0 < top_p <= 1):
-        raise ValueError(f"top_p must be in (0, 1] (1: off), got {top_p}")
-    return float(top_p)
+    return _check_share("top_p", top_p, zero_allowed=False, off="1: off")
 
 
 def check_min_p(min_p) -> float:
     """min_p as a float in [0, 1] (0: off); ValueError otherwise (NaN included)."""
-    if isinstance(min_p, (bool, np.bool_)) or not isinstance(min_p, (int, float, np.integer, np.floating)):
-        raise ValueError(f"min_p must be a number in [0, 1] (0: off), got {min_p!r}")
-    if not (0 <= min_p <= 1):
-        raise ValueError(f"min_p must be in [0, 1] (0: off), got {min_p}")
-    return float(min_p)
+    return _check_share("min_p", min_p, zero_allowed=True, off="0: off")
+
+
+def _check_share(name: str, value, zero_allowed: bool, off: str) -> float:
+    interval = f"{'[' if zero_allowed else '('}0, 1] ({off})"
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValueError(f"{name} must be a number in {interval}, got {value!r}")
+    if not (0 <= value <= 1 and (zero_allowed or value > 0)):
+        raise ValueError(f"{name} must be in {interval}, got {value}")
+    return float(value)
 
 
 TOP_P_METHODS = ("auto", "sort", "search")
