@@ -57,6 +57,7 @@ class EngineConfig:
     top_k: int = 0  # sampling keeps the top_k likeliest tokens (0: all); greedy decoding ignores it
     top_p: float = 1.0  # then the fewest likeliest whose mass reaches top_p (1: all); ``sampling.truncate``
     min_p: float = 0.0  # then those at least min_p times as likely as the likeliest (0: all)
+    logprobs: bool = False  # also keep each emitted token's log-probability under the target (``DecodeState``)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -78,6 +79,9 @@ class EngineConfig:
         object.__setattr__(self, "top_k", check_top_k(self.top_k))
         object.__setattr__(self, "top_p", check_top_p(self.top_p))
         object.__setattr__(self, "min_p", check_min_p(self.min_p))
+        if not isinstance(self.logprobs, (bool, np.bool_)):
+            raise ValueError(f"logprobs must be True or False, got {self.logprobs!r}")
+        object.__setattr__(self, "logprobs", bool(self.logprobs))
 
 
 def _is_int(value) -> bool:
@@ -166,6 +170,7 @@ class DecodeState:
     ctx_counts: jax.Array  # [B]
     ctx_start: jax.Array  # [B]: position of the first pending context row
     out_tokens: jax.Array  # [B, N] int32 generated tokens
+    out_logprobs: jax.Array | None  # [B, N] float32: their log-probabilities (``token_logprobs``); None: not kept
     num_out: jax.Array  # [B] int32
     limit: jax.Array  # [B] int32: the stream's token limit (at most EngineConfig.max_new_tokens, N)
     temperature: jax.Array  # [B] float32: the stream's sampling temperature (0: greedy)
@@ -179,11 +184,13 @@ class DecodeState:
 class StreamUpdate:
     """What ``Engine.stream`` reports after the prefill and after each dispatch, per stream: the tokens emitted
     since the last update (empty for a stream that had stopped), its status (``STATUS_NAMES``' values) and the
-    rounds it has run so far."""
+    rounds it has run so far; with ``EngineConfig(logprobs=True)`` also the new tokens' log-probabilities
+    (``token_logprobs``), else None."""
 
     new_tokens: list[list[int]]
     status: list[str]
     rounds: list[int]
+    new_logprobs: list[list[float]] | None = None
 
 
 def required_capacity(longest_prompt: int, max_new_tokens: int, depth: int) -> int:
@@ -201,8 +208,10 @@ def tree_depth(ecfg: EngineConfig, block_size: int) -> int:
     return min(block_size - 1, ecfg.budget)
 
 
-def _stop_and_emit(state: DecodeState, emitted, n_emit, active, eos_ids):
-    """Truncates each stream's emitted tokens at EOS / its token limit and updates status."""
+def _stop_and_emit(state: DecodeState, emitted, n_emit, active, eos_ids, emitted_logprobs=None):
+    """Truncates each stream's emitted tokens [B, E] at EOS / its token limit, appends them (and their
+    log-probabilities [B, E], where the state keeps them) to its output and updates status. Returns
+    (out_tokens, out_logprobs, num_out, status)."""
     b, width = emitted.shape
     k = jnp.arange(width)[None, :]
     in_round = k < n_emit[:, None]
@@ -217,9 +226,24 @@ def _stop_and_emit(state: DecodeState, emitted, n_emit, active, eos_ids):
     hit_limit = n_emit >= room
     n_emit = jnp.where(active, jnp.minimum(n_emit, room), 0)
     slots = jnp.where(k < n_emit[:, None], state.num_out[:, None] + k, state.out_tokens.shape[1])  # else dropped
-    out = state.out_tokens.at[jnp.arange(b)[:, None], slots].set(emitted, mode="drop")
+    rows = jnp.arange(b)[:, None]
+    out = state.out_tokens.at[rows, slots].set(emitted, mode="drop")
+    out_logprobs = state.out_logprobs
+    if out_logprobs is not None:
+        if emitted_logprobs is None:
+            raise ValueError("the state keeps log-probabilities: emitted_logprobs is needed")
+        out_logprobs = out_logprobs.at[rows, slots].set(emitted_logprobs, mode="drop")
     status = jnp.where(active & hit_eos, EOS, jnp.where(active & hit_limit, MAX_TOKENS, state.status))
-    return out, state.num_out + n_emit, status
+    return out, out_logprobs, state.num_out + n_emit, status
+
+
+def token_logprobs(logits, tokens) -> jax.Array:
+    """The target's log-probability of each token: logits [B, R, W] (any float), tokens [B, R] int -> [B, R]
+    float32, log_softmax(logits)[token] in float32: the model's own distribution (temperature 1, no top-k / top-p
+    / min-p), whatever a stream samples with. A negative token (PAD) reads token 0's."""
+    logits = logits.astype(jnp.float32)
+    picked = jnp.take_along_axis(logits, jnp.maximum(tokens, 0)[..., None], axis=-1)[..., 0]
+    return picked - jax.nn.logsumexp(logits, axis=-1)
 
 
 def place_caches(cache: LatentCache, draft_cache: DraftCache | None, runtime: Runtime):
@@ -245,7 +269,8 @@ class Engine:
     greedily), fixed by ``prefill`` in the state for every round after it. Where every stream is greedy, the
     programs compiled take no random draws; otherwise one program serves every temperature. ``max_new_tokens``:
     the config's (None), or a smaller limit for every stream or for each (``check_token_limits``); the same
-    programs serve any limits.
+    programs serve any limits. ``EngineConfig(logprobs=True)`` also keeps each emitted token's log-probability
+    under the target (``token_logprobs``), read from the verify forward's row of the node that produced it.
     """
 
     def __init__(self, target: KimiModel, drafter: DFlashDrafter | None, ecfg: EngineConfig, *,
@@ -295,8 +320,7 @@ class Engine:
                         jnp.asarray(limits),
                         max_new_tokens=ecfg.max_new_tokens, eos_ids=ecfg.eos_ids, runtime=self.runtime,
                         taps=self.taps, depth=self.depth, greedy=not temperature.any(), top_k=ecfg.top_k,
-                        top_p=ecfg.top_p,
-                        min_p=ecfg.min_p)
+                        top_p=ecfg.top_p, min_p=ecfg.min_p, logprobs=ecfg.logprobs)
 
     def run(self, state: DecodeState) -> DecodeState:
         """Dispatches rounds (``rounds_per_dispatch`` per call) until every stream has stopped, each stream at the
@@ -331,11 +355,12 @@ class Engine:
         sent = np.zeros(state.num_out.shape[0], np.int64)
 
         def update(state: DecodeState) -> StreamUpdate:  # read before the next dispatch donates the state
-            out, num = np.asarray(state.out_tokens), np.asarray(state.num_out)
-            new = [out[b, sent[b]: num[b]].tolist() for b in range(len(sent))]
+            num = np.asarray(state.num_out)
+            new = _per_stream_slices(state.out_tokens, sent, num)
+            new_logprobs = None if state.out_logprobs is None else _per_stream_slices(state.out_logprobs, sent, num)
             sent[:] = num
             return StreamUpdate(new, [STATUS_NAMES[int(s)] for s in np.asarray(state.status)],
-                                np.asarray(state.rounds).tolist())
+                                np.asarray(state.rounds).tolist(), new_logprobs)
 
         yield update(state)
         if _any_running(state):  # else the prefill's token was each stream's last
@@ -355,6 +380,12 @@ class Engine:
         return summarize(state, prefill_s=t1 - t0, decode_s=t2 - t1)
 
 
+def _per_stream_slices(values, start, stop) -> list[list]:
+    """values [B, N] (device or host) -> row b's values[start[b]:stop[b]] as a list, for each stream."""
+    values = np.asarray(values)
+    return [values[b, start[b]: stop[b]].tolist() for b in range(values.shape[0])]
+
+
 def _any_running(state: DecodeState) -> bool:
     return bool((state.status == RUNNING).any())
 
@@ -362,14 +393,16 @@ def _any_running(state: DecodeState) -> bool:
 def summarize(state: DecodeState, prefill_s: float, decode_s: float) -> dict:
     """Per-stream tokens and status, and metrics: new_tokens counts every generated token (the prefill's
     first token per stream included); tau and tokens_per_s count only the tokens of the rounds (decode_s),
-    not the one the prefill samples per stream (its time is in prefill_s)."""
-    out = np.asarray(state.out_tokens)
+    not the one the prefill samples per stream (its time is in prefill_s). With ``EngineConfig(logprobs=True)``,
+    logprobs holds each token's log-probability under the target (``token_logprobs``); else None."""
     num = np.asarray(state.num_out)
+    first = np.zeros_like(num)
     rounds = np.asarray(state.rounds)
     hist = np.asarray(state.tau_hist)
     emitted_in_rounds = num - 1  # the first token comes from prefill
     return {
-        "tokens": [out[b, : num[b]].tolist() for b in range(out.shape[0])],
+        "tokens": _per_stream_slices(state.out_tokens, first, num),
+        "logprobs": None if state.out_logprobs is None else _per_stream_slices(state.out_logprobs, first, num),
         "status": [STATUS_NAMES[int(s)] for s in np.asarray(state.status)],
         "rounds": rounds.tolist(),
         "tau_mean": float(emitted_in_rounds.sum() / max(rounds.sum(), 1)),
@@ -394,11 +427,11 @@ def _static_if_greedy(temperature, greedy: bool):
 
 
 @functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "max_new_tokens", "eos_ids", "runtime",
-                                             "taps", "depth", "greedy", "top_k", "top_p", "min_p"),
+                                             "taps", "depth", "greedy", "top_k", "top_p", "min_p", "logprobs"),
                    donate_argnames=("cache", "draft_cache"))
 def _prefill(target_def, target_state, drafter_def, drafter_state, cache, draft_cache, tokens, lengths, temperature,
              key, limits, *, max_new_tokens: int, eos_ids: tuple[int, ...], runtime: Runtime, taps: tuple[int, ...],
-             depth: int, greedy: bool, top_k: int, top_p: float, min_p: float) -> DecodeState:
+             depth: int, greedy: bool, top_k: int, top_p: float, min_p: float, logprobs: bool) -> DecodeState:
     # Keyed on its static arguments, not on the EngineConfig: mode and budget enter only through depth
     # (= tree_depth, the shapes of ctx_taps / tau_hist), taps and drafter_def, so engines that agree on
     # those (e.g. dflash and ddtree with budget >= Dp) and on the other static arguments share one program.
@@ -421,14 +454,18 @@ def _prefill(target_def, target_state, drafter_def, drafter_state, cache, draft_
         cache=cache, draft_cache=draft_cache, bonus=bonus,
         ctx_taps=jnp.zeros((n_taps, b, depth + 1, dm), jnp.dtype(cfg.dtype)),
         ctx_counts=jnp.zeros((b,), jnp.int32), ctx_start=lengths,
-        out_tokens=jnp.full((b, max_new_tokens), PAD, jnp.int32), num_out=jnp.zeros((b,), jnp.int32), limit=limits,
+        out_tokens=jnp.full((b, max_new_tokens), PAD, jnp.int32),
+        out_logprobs=jnp.full((b, max_new_tokens), jnp.nan, jnp.float32) if logprobs else None,
+        num_out=jnp.zeros((b,), jnp.int32), limit=limits,
         temperature=temperatures,
         status=jnp.full((b,), RUNNING, jnp.int32), rounds=jnp.zeros((b,), jnp.int32),
         tau_hist=jnp.zeros((b, depth + 2), jnp.int32), key=key,
     )
-    out_tokens, num_out, status = _stop_and_emit(state, bonus[:, None], jnp.ones((b,), jnp.int32),
-                                                 jnp.ones((b,), bool), eos_ids)
-    return dataclasses.replace(state, out_tokens=out_tokens, num_out=num_out, status=status)
+    bonus_logprob = token_logprobs(last[:, None], bonus[:, None]) if logprobs else None
+    out_tokens, out_logprobs, num_out, status = _stop_and_emit(state, bonus[:, None], jnp.ones((b,), jnp.int32),
+                                                               jnp.ones((b,), bool), eos_ids, bonus_logprob)
+    return dataclasses.replace(state, out_tokens=out_tokens, out_logprobs=out_logprobs, num_out=num_out,
+                               status=status)
 
 
 def _draft_tree(target, drafter, state: DecodeState, start, active, ecfg: EngineConfig, depth: int):
@@ -469,13 +506,17 @@ def _round(target, drafter, state: DecodeState, temperature, ecfg: EngineConfig,
         ctx_taps = jnp.take_along_axis(out.taps, rows[None, :, :, None], axis=2).astype(state.ctx_taps.dtype)
     else:
         ctx_taps = state.ctx_taps
-    out_tokens, num_out, status = _stop_and_emit(
+    # The k-th emitted token is the target's token at the path's k-th node, so its log-probability is that row's.
+    emitted_logprobs = token_logprobs(jnp.take_along_axis(out.logits, rows[:, :, None], axis=1),
+                                      acc.emitted) if ecfg.logprobs else None
+    out_tokens, out_logprobs, num_out, status = _stop_and_emit(
         dataclasses.replace(state, status=status), acc.emitted, acc.num_accepted + 1, active,
-        ecfg.eos_ids)
+        ecfg.eos_ids, emitted_logprobs)
     tau_hist = state.tau_hist.at[jnp.arange(b), acc.num_accepted + 1].add(active.astype(jnp.int32))
     return DecodeState(
         cache=cache, draft_cache=draft_cache, bonus=jnp.where(active, acc.next_token, state.bonus),
-        ctx_taps=ctx_taps, ctx_counts=n_commit, ctx_start=start, out_tokens=out_tokens, num_out=num_out,
+        ctx_taps=ctx_taps, ctx_counts=n_commit, ctx_start=start, out_tokens=out_tokens, out_logprobs=out_logprobs,
+        num_out=num_out,
         limit=state.limit, temperature=state.temperature, status=status,
         rounds=state.rounds + active.astype(jnp.int32), tau_hist=tau_hist, key=key,
     )

@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cache slots per stream: must hold the longest prompt, --max-new-tokens and the mode's "
                         "draft tree (checked before decoding)")
     p.add_argument("--seed", type=int, default=0, help=f"in [0, {SEED_LIMIT})")
+    p.add_argument("--logprobs", action="store_true",
+                   help="also keep each generated token's log-probability under the target; report each mode's "
+                        "mean per token and perplexity (in --json: per token)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     bench_util.add_matmul_precision_arg(p, "float32")
     p.add_argument("--compare", action="store_true",
@@ -285,7 +288,7 @@ def read_prompts(args, tokenizer) -> tuple[list[list[int]], str]:
 def engine_config(mode: str, args, eos_ids=()) -> EngineConfig:
     budget = {"budget": args.budget} if mode == "ddtree" else {}
     return EngineConfig(mode=mode, max_new_tokens=args.max_new_tokens, capacity=args.capacity, eos_ids=eos_ids,
-                        top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, **budget)
+                        top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, logprobs=args.logprobs, **budget)
 
 
 def check_fits(args, modes: Sequence[str], prompts, target, drafter) -> None:
@@ -350,7 +353,8 @@ def merge_results(results):
     counts it; tokens_per_round_batch: all new tokens / rounds run (a batch runs as many rounds as its
     longest stream); tokens_per_s: tokens emitted by the rounds / decode time (the prefill, its time and its
     one token per stream excluded; speedup_vs_ar compares these); round_tokens: those tokens; tau_hist[k]:
-    stream-rounds that emitted k tokens.
+    stream-rounds that emitted k tokens; where the results hold log-probabilities, mean_logprob: their mean over
+    every generated token, and perplexity: exp(-mean_logprob).
     """
     tokens = [t for r in results for t in r["tokens"]]
     status = [s for r in results for s in r["status"]]
@@ -366,6 +370,9 @@ def merge_results(results):
         "prefill_s": sum(r["prefill_s"] for r in results),
         "tau_hist": np.sum([r["tau_hist"] for r in results], axis=0).tolist(),
     }
+    if all(r.get("logprobs") is not None for r in results):
+        mean = float(np.mean([lp for r in results for stream in r["logprobs"] for lp in stream]))
+        metrics.update(mean_logprob=mean, perplexity=float(np.exp(-mean)))
     return tokens, status, metrics
 
 
@@ -412,7 +419,10 @@ def run_mode(target, drafter, mode, args, prompts, tokenizer, eos_ids):
     if mode == "ddtree":
         tree, acc = inspect_round(engine, prompts[:1], args.temperature, args.seed)
         picture = draw_tree(tree["tokens"], tree["parents"], acc["path"], tokenizer)
-    return {"metrics": metrics, "tokens": tokens, "status": status, "tree_picture": picture}
+    run = {"metrics": metrics, "tokens": tokens, "status": status, "tree_picture": picture}
+    if args.logprobs:
+        run["logprobs"] = [lp for r in results for lp in r["logprobs"]]
+    return run
 
 
 def main(argv=None):
@@ -439,11 +449,13 @@ def _main(args):
     for mode in modes:
         report["runs"][mode] = run_mode(target, drafter, mode, args, prompts, tokenizer, eos_ids)
     print()
-    print(f"{'mode':>8} {'tau':>6} {'tok/round':>10} {'tok/s':>9} {'rounds':>7} {'compile s':>10}")
+    scores = f" {'logprob/tok':>12} {'perplexity':>11}" if args.logprobs else ""
+    print(f"{'mode':>8} {'tau':>6} {'tok/round':>10} {'tok/s':>9} {'rounds':>7} {'compile s':>10}" + scores)
     for mode, run in report["runs"].items():
         m = run["metrics"]
+        scores = f" {m['mean_logprob']:12.4f} {m['perplexity']:11.3f}" if args.logprobs else ""
         print(f"{mode:>8} {m['tau']:6.2f} {m['tokens_per_round_batch']:10.2f} {m['tokens_per_s']:9.1f} "
-              f"{m['rounds']:7d} {m['compile_s']:10.1f}")
+              f"{m['rounds']:7d} {m['compile_s']:10.1f}" + scores)
     if "ar" in report["runs"]:
         base = report["runs"]["ar"]["metrics"]["tokens_per_s"]
         for mode in modes[1:]:

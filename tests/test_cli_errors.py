@@ -5,6 +5,7 @@ import json
 import os
 import types
 
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -135,6 +136,24 @@ def test_streams_stopped_by_a_full_cache_are_reported():
     assert "ddtree outputs differ from AR where streams stopped at cache_full" in report
     assert "ar stream status" not in report
     assert run_decode.stop_report({"ar": {"status": ["eos", "max_new_tokens"]}}, capacity=24) == []
+
+
+def test_logprobs_flag_reaches_the_engine_and_the_mean_weighs_every_token():
+    """--logprobs: the engine keeps log-probabilities, and merge_results' mean is over tokens (a 1-token stream
+    weighs a quarter of 4 tokens, not half), perplexity exp(-mean); without them neither is reported."""
+    args = run_decode.parse_args(RANDOM + ["--mode", "ar", "--logprobs"])
+    assert run_decode.engine_config("ar", args).logprobs and not run_decode.engine_config(
+        "ar", run_decode.parse_args(RANDOM + ["--mode", "ar"])).logprobs
+
+    def result(logprobs):
+        return {"tokens": [[0] * len(lp) for lp in logprobs], "status": ["eos"] * len(logprobs), "rounds": [1],
+                "new_tokens": sum(map(len, logprobs)), "decode_s": 1.0, "prefill_s": 0.0, "tau_hist": [0, 1],
+                "logprobs": logprobs}
+
+    _, _, metrics = run_decode.merge_results([result([[-1.0, -1.0, -1.0]]), result([[-5.0]])])
+    assert metrics["mean_logprob"] == -2.0 and metrics["perplexity"] == pytest.approx(np.exp(2.0))
+    _, _, metrics = run_decode.merge_results([dict(result([[-1.0]]), logprobs=None)])
+    assert "mean_logprob" not in metrics and "perplexity" not in metrics
 
 
 # --------------------------------------------------------------------------------------- prompts file

@@ -3,6 +3,7 @@ outside the engine); DDTree / DFlash greedy output == AR greedy output token for
 cleanly (EOS, token limit, cache capacity); sampling is lossless; sharded == unsharded; bad budgets;
 tokens/s counts only the decoded tokens."""
 
+import dataclasses
 import types
 
 import jax
@@ -227,6 +228,42 @@ def test_per_stream_token_limits(models, ar_reference, mode):
     assert compiles == []
 
 
+def teacher_forced_logprobs(target, prompts, outputs) -> list[np.ndarray]:
+    """Each output token's log-probability from the plain causal forward over prompt + output (right-padded,
+    one batch), outside the engine: log_softmax of the logits at the position before the token."""
+    seqs = [list(p) + list(o) for p, o in zip(prompts, outputs)]
+    tokens = np.zeros((len(seqs), max(map(len, seqs))), np.int32)
+    for i, seq in enumerate(seqs):
+        tokens[i, :len(seq)] = seq
+    logp = np.asarray(jax.nn.log_softmax(causal_forward(target, tokens).astype(jnp.float32), axis=-1))
+    return [logp[i, len(p) - 1 + np.arange(len(o)), o] for i, (p, o) in enumerate(zip(prompts, outputs))]
+
+
+@pytest.mark.parametrize("mode", ["ar", "dflash", "ddtree"])
+def test_logprobs_are_the_full_forwards(models, ar_reference, mode):
+    """``EngineConfig(logprobs=True)``: each emitted token's log-probability equals the plain causal forward's
+    over the prompt and the tokens before it, in greedy and sampled streams (the model's own distribution,
+    whatever the temperature and filters), cut with the tokens at each stream's limit; ``stream`` reports the
+    same values as they come; the tokens are those decoded without logprobs."""
+    target, drafter = models
+    ecfg = EngineConfig(mode=mode, budget=16, max_new_tokens=NEW, capacity=64, top_k=8, logprobs=True)
+    engine = Engine(target, drafter if mode != "ar" else None, ecfg)
+    prompts, temperatures, limits = PROMPTS[:4], [0.0, 1.0, 0.0, 0.7], [NEW, NEW, 6, 3]
+    res = engine.generate(prompts, temperatures, seed=5, max_new_tokens=limits)
+    plain = Engine(target, drafter if mode != "ar" else None, dataclasses.replace(ecfg, logprobs=False))
+    assert res["tokens"] == plain.generate(prompts, temperatures, seed=5, max_new_tokens=limits)["tokens"]
+    assert [len(t) for t in res["tokens"]] == limits and res["tokens"][0] == ar_reference[0]
+    want = teacher_forced_logprobs(target, prompts, res["tokens"])
+    for b in range(len(prompts)):
+        assert len(res["logprobs"][b]) == limits[b]
+        np.testing.assert_allclose(res["logprobs"][b], want[b], rtol=1e-5, atol=1e-4, err_msg=f"stream {b}")
+    assert max(-min(lp) for lp in res["logprobs"]) > 0.1  # the sampled streams drew unlikely tokens too
+    updates = list(engine.stream(prompts, temperatures, 5, limits))
+    assert [sum(t, []) for t in zip(*(u.new_logprobs for u in updates))] == res["logprobs"]
+    assert plain.generate(prompts)["logprobs"] is None
+    assert all(u.new_logprobs is None for u in plain.stream(prompts))
+
+
 @pytest.mark.parametrize("limits,message", [
     ([4, 4], r"max_new_tokens must be one integer or a sequence of one per stream \(3\), got \[4, 4\]"),
     ([4, NEW + 1, 4], rf"stream 1's max_new_tokens must be in \[1, {NEW}\] \(EngineConfig.max_new_tokens\), "
@@ -321,26 +358,28 @@ def test_ar_counts_and_capacity_are_exact(models):
         engine.generate([[1] * capacity])  # a round needs one free slot after the prompt
 
 
-def ref_stop_and_emit(out, num_out, status, emitted, n_emit, active, eos_ids, max_new):
-    """One stream, token by token: an active stream appends this round's first n_emit tokens until it has
-    appended an EOS (status eos) or reaches max_new tokens (status max_new_tokens); others are unchanged."""
-    out = list(out)
+def ref_stop_and_emit(out, out_logprobs, num_out, status, emitted, emitted_logprobs, n_emit, active, eos_ids,
+                      max_new):
+    """One stream, token by token: an active stream appends this round's first n_emit tokens (and their
+    log-probabilities) until it has appended an EOS (status eos) or reaches max_new tokens (status
+    max_new_tokens); others are unchanged."""
+    out, out_logprobs = list(out), list(out_logprobs)
     if not active:
-        return out, num_out, status
-    for token in emitted[:n_emit]:
-        out[num_out] = token
+        return out, out_logprobs, num_out, status
+    for token, logprob in zip(emitted[:n_emit], emitted_logprobs):
+        out[num_out], out_logprobs[num_out] = token, logprob
         num_out += 1
         if token in eos_ids:
-            return out, num_out, EOS
+            return out, out_logprobs, num_out, EOS
         if num_out == max_new:
-            return out, num_out, MAX_TOKENS
-    return out, num_out, status
+            return out, out_logprobs, num_out, MAX_TOKENS
+    return out, out_logprobs, num_out, status
 
 
 def test_stop_and_emit_equals_a_token_by_token_reference():
     """The engine's vectorised truncation at EOS / each stream's token limit against ``ref_stop_and_emit`` on
     random streams: EOS early, late, past the limit or absent, inactive streams holding EOS tokens, and entries
-    past n_emit that must be ignored."""
+    past n_emit that must be ignored; each kept token's log-probability lands beside it."""
     rng = np.random.default_rng(0)
     b, width, max_new = 200, 5, 8
     for eos_ids in ((), (3,), (3, 5)):
@@ -350,22 +389,27 @@ def test_stop_and_emit_equals_a_token_by_token_reference():
         status = np.where(active, RUNNING, rng.choice([EOS, MAX_TOKENS, CACHE_FULL], b))
         n_emit = rng.integers(1, width + 1, b)
         emitted = rng.integers(0, 8, (b, width))
-        out = np.where(np.arange(max_new) < num_out[:, None], rng.integers(0, 8, (b, max_new)), PAD)
-        state = types.SimpleNamespace(out_tokens=jnp.asarray(out, jnp.int32), num_out=jnp.asarray(num_out, jnp.int32),
-                                      status=jnp.asarray(status, jnp.int32), limit=jnp.asarray(limit, jnp.int32))
-        got_out, got_num, got_status = _stop_and_emit(state, jnp.asarray(emitted, jnp.int32), jnp.asarray(n_emit),
-                                                      jnp.asarray(active), eos_ids)
-        got_out, got_num, got_status = map(np.asarray, (got_out, got_num, got_status))
+        emitted_logprobs = -rng.random((b, width), np.float32)
+        kept = np.arange(max_new) < num_out[:, None]
+        out = np.where(kept, rng.integers(0, 8, (b, max_new)), PAD)
+        out_logprobs = np.where(kept, -rng.random((b, max_new), np.float32), np.nan).astype(np.float32)
+        state = types.SimpleNamespace(out_tokens=jnp.asarray(out, jnp.int32), out_logprobs=jnp.asarray(out_logprobs),
+                                      num_out=jnp.asarray(num_out, jnp.int32), status=jnp.asarray(status, jnp.int32),
+                                      limit=jnp.asarray(limit, jnp.int32))
+        got = _stop_and_emit(state, jnp.asarray(emitted, jnp.int32), jnp.asarray(n_emit), jnp.asarray(active),
+                             eos_ids, jnp.asarray(emitted_logprobs))
+        got_out, got_logprobs, got_num, got_status = map(np.asarray, got)
         for s in range(b):
-            want = ref_stop_and_emit(out[s], num_out[s], status[s], emitted[s], n_emit[s], active[s], eos_ids,
-                                     limit[s])
-            assert (got_out[s].tolist(), int(got_num[s]), int(got_status[s])) == want, (eos_ids, s)
+            want = ref_stop_and_emit(out[s], out_logprobs[s], num_out[s], status[s], emitted[s], emitted_logprobs[s],
+                                     n_emit[s], active[s], eos_ids, limit[s])
+            assert got_out[s].tolist() == want[0] and (int(got_num[s]), int(got_status[s])) == want[2:], (eos_ids, s)
+            np.testing.assert_array_equal(got_logprobs[s], np.asarray(want[1], np.float32), err_msg=str((eos_ids, s)))
 
 
 def test_tokens_per_s_excludes_the_prefill_token():
     """The prefill samples each stream's first token (its time is prefill_s): tokens_per_s divides only the
     tokens of the rounds by decode_s, like tau; new_tokens still counts every token."""
-    state = types.SimpleNamespace(out_tokens=np.arange(12).reshape(2, 6), num_out=np.array([5, 3]),
+    state = types.SimpleNamespace(out_tokens=np.arange(12).reshape(2, 6), out_logprobs=None, num_out=np.array([5, 3]),
                                   rounds=np.array([2, 1]), tau_hist=np.zeros((2, 5), int), status=np.array([2, 2]))
     res = summarize(state, prefill_s=7.0, decode_s=2.0)
     assert res["new_tokens"] == 8
@@ -384,7 +428,7 @@ def test_tau_over_one_round_and_over_none():
     emitted 3 tokens in it: tau 3), and 0 (not a division by zero) when no stream ran a round."""
     def state(num_out, rounds):
         n = len(num_out)
-        return types.SimpleNamespace(out_tokens=np.zeros((n, 6), int), num_out=np.array(num_out),
+        return types.SimpleNamespace(out_tokens=np.zeros((n, 6), int), out_logprobs=None, num_out=np.array(num_out),
                                      rounds=np.array(rounds), tau_hist=np.zeros((n, 5), int), status=np.full(n, 2))
     one = summarize(state([4], [1]), prefill_s=1.0, decode_s=1.0)
     assert one["tau_mean"] == 3.0 and one["tau_per_stream"] == [3.0]
@@ -435,6 +479,12 @@ def test_sharded_engine_matches(models, host_devices):
     split = [leaf for leaf in jax.tree.leaves(engine.target_state) if not leaf.sharding.is_fully_replicated]
     assert len(split) > 10, len(split)
     assert "data" in engine.prefill(prompts).cache.kv.sharding.spec
+    with_logprobs = dataclasses.replace(ecfg, logprobs=True)  # and the log-probabilities over a split vocabulary
+    want = Engine(target, drafter, with_logprobs).generate(prompts)
+    got = Engine(target, drafter, with_logprobs, runtime=runtime).generate(prompts)
+    assert got["tokens"] == want["tokens"] == plain
+    for b in range(len(prompts)):
+        np.testing.assert_allclose(got["logprobs"][b], want["logprobs"][b], rtol=1e-5, atol=1e-5)
 
 
 def chi2_two_sample_pvalue(a, b, categories):

@@ -222,7 +222,9 @@ def test_engine_config_and_engine_refuse_bad_values():
     from ddtree_jax.model import KimiModel
     for kw, match in [(dict(max_new_tokens=4.5), "max_new_tokens must be an integer"),
                       (dict(capacity=0), "capacity must be >= 1"), (dict(budget=True), "budget must be an integer"),
-                      (dict(eos_ids=(3, -1)), "eos_ids"), (dict(eos_ids=5), "eos_ids")]:
+                      (dict(eos_ids=(3, -1)), "eos_ids"), (dict(eos_ids=5), "eos_ids"),
+                      (dict(logprobs=1), "logprobs must be True or False, got 1"),
+                      (dict(logprobs="raw"), "logprobs must be True or False")]:
         with pytest.raises(ValueError, match=match):
             EngineConfig(**kw)
     assert EngineConfig(eos_ids=[1, np.int64(2)]).eos_ids == (1, 2)  # a list is normalised (hashable)
