@@ -12,7 +12,7 @@ One round (``_round``) for B streams:
 
 ``_run_rounds`` wraps rounds in ``lax.while_loop``: up to ``rounds_per_dispatch`` rounds per jit
 call with the whole state donated, so there is no host round-trip between rounds. Streams stop
-independently (EOS, token limit, cache capacity) and carry their status.
+independently (EOS, a stop sequence, token limit, cache capacity) and carry their status.
 
 Shapes: B streams, P padded prompt, T tree nodes, Dp = block_size - 1 draft depth, D tree depth,
 NT tapped layers, Dm model width, W vocab, N max new tokens.
@@ -40,8 +40,9 @@ from ddtree_jax.sharding import named_sharding, shard_state
 from ddtree_jax.tree import PAD, accept_tokens, build_tree, chain_tree, check_budget, sample_target_tokens
 
 MODES = ("ar", "dflash", "ddtree")
-RUNNING, EOS, MAX_TOKENS, CACHE_FULL = 0, 1, 2, 3
-STATUS_NAMES = {RUNNING: "running", EOS: "eos", MAX_TOKENS: "max_new_tokens", CACHE_FULL: "cache_full"}
+RUNNING, EOS, MAX_TOKENS, CACHE_FULL, STOP_SEQUENCE = 0, 1, 2, 3, 4
+STATUS_NAMES = {RUNNING: "running", EOS: "eos", MAX_TOKENS: "max_new_tokens", CACHE_FULL: "cache_full",
+                STOP_SEQUENCE: "stop_sequence"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +55,7 @@ class EngineConfig:
     capacity: int = 1024  # target / draft cache slots per stream (a multiple of 8 for the Mosaic GPU attention)
     rounds_per_dispatch: int = 64
     eos_ids: tuple[int, ...] = ()
+    stop_sequences: tuple[tuple[int, ...], ...] = ()  # a stream stops after generating any of these in a row
     top_k: int = 0  # sampling keeps the top_k likeliest tokens (0: all); greedy decoding ignores it
     top_p: float = 1.0  # then the fewest likeliest whose mass reaches top_p (1: all); ``sampling.truncate``
     min_p: float = 0.0  # then those at least min_p times as likely as the likeliest (0: all)
@@ -76,6 +78,7 @@ class EngineConfig:
         if eos_ids is None or not all(_is_int(i) and i >= 0 for i in eos_ids):
             raise ValueError(f"eos_ids must be a sequence of token ids >= 0, got {self.eos_ids!r}")
         object.__setattr__(self, "eos_ids", tuple(int(i) for i in eos_ids))
+        object.__setattr__(self, "stop_sequences", check_stop_sequences(self.stop_sequences))
         object.__setattr__(self, "top_k", check_top_k(self.top_k))
         object.__setattr__(self, "top_p", check_top_p(self.top_p))
         object.__setattr__(self, "min_p", check_min_p(self.min_p))
@@ -86,6 +89,23 @@ class EngineConfig:
 
 def _is_int(value) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def check_stop_sequences(stop_sequences) -> tuple[tuple[int, ...], ...]:
+    """Stop sequences as a tuple of non-empty tuples of token ids >= 0 (e.g. ``((13, 13), (42,))``); ValueError
+    otherwise (a flat sequence of ids included: give ``((id,),)`` for one single-token stop, or use eos_ids)."""
+    example = "e.g. ((13, 13), (42,))"
+    if isinstance(stop_sequences, (str, bytes)) or not isinstance(stop_sequences, (list, tuple)):
+        raise ValueError(f"stop_sequences must be a sequence of token-id sequences ({example}), "
+                         f"got {stop_sequences!r}")
+    checked = []
+    for i, seq in enumerate(stop_sequences):
+        if isinstance(seq, (str, bytes)) or not isinstance(seq, (list, tuple)) or not seq:
+            raise ValueError(f"stop_sequences[{i}] must be a non-empty sequence of token ids ({example}), got {seq!r}")
+        if not all(_is_int(t) and t >= 0 for t in seq):
+            raise ValueError(f"stop_sequences[{i}] must hold token ids >= 0, got {seq!r}")
+        checked.append(tuple(int(t) for t in seq))
+    return tuple(checked)
 
 
 def check_temperature(temperature) -> float:
@@ -174,7 +194,7 @@ class DecodeState:
     num_out: jax.Array  # [B] int32
     limit: jax.Array  # [B] int32: the stream's token limit (at most EngineConfig.max_new_tokens, N)
     temperature: jax.Array  # [B] float32: the stream's sampling temperature (0: greedy)
-    status: jax.Array  # [B] int32 (RUNNING / EOS / MAX_TOKENS / CACHE_FULL)
+    status: jax.Array  # [B] int32 (RUNNING / EOS / MAX_TOKENS / CACHE_FULL / STOP_SEQUENCE)
     rounds: jax.Array  # [B] int32: rounds in which the stream was active
     tau_hist: jax.Array  # [B, D+2] int32: histogram of tokens emitted per round
     key: jax.Array
@@ -208,21 +228,22 @@ def tree_depth(ecfg: EngineConfig, block_size: int) -> int:
     return min(block_size - 1, ecfg.budget)
 
 
-def _stop_and_emit(state: DecodeState, emitted, n_emit, active, eos_ids, emitted_logprobs=None):
-    """Truncates each stream's emitted tokens [B, E] at EOS / its token limit, appends them (and their
-    log-probabilities [B, E], where the state keeps them) to its output and updates status. Returns
-    (out_tokens, out_logprobs, num_out, status)."""
+def _stop_and_emit(state: DecodeState, emitted, n_emit, active, eos_ids, emitted_logprobs=None, stop_sequences=()):
+    """Appends each active stream's first n_emit emitted tokens [B, E] (and their log-probabilities [B, E], where
+    the state keeps them) to its output, cut after the first that is an EOS or ends a stop sequence (its tokens
+    in a row among the stream's generated ones, earlier rounds' included) or that reaches the stream's token
+    limit, and updates status. Returns (out_tokens, out_logprobs, num_out, status)."""
     b, width = emitted.shape
     k = jnp.arange(width)[None, :]
     in_round = k < n_emit[:, None]
     room = state.limit - state.num_out
-    if eos_ids:
-        is_eos = jnp.isin(emitted, jnp.asarray(eos_ids, jnp.int32)) & in_round
-        first_eos = jnp.argmax(is_eos, axis=1)
-        hit_eos = is_eos.any(1) & (first_eos < room)  # an EOS past the token limit is never emitted
-        n_emit = jnp.where(hit_eos, first_eos + 1, n_emit)
-    else:
-        hit_eos = jnp.zeros((b,), bool)
+    is_eos = jnp.isin(emitted, jnp.asarray(eos_ids, jnp.int32)) if eos_ids else jnp.zeros((b, width), bool)
+    is_stop = _ends_stop_sequence(state.out_tokens, state.num_out, emitted, stop_sequences)
+    ends = (is_eos | is_stop) & in_round
+    first_end = jnp.argmax(ends, axis=1)
+    hit_end = ends.any(1) & (first_end < room)  # an end past the token limit is never emitted
+    n_emit = jnp.where(hit_end, first_end + 1, n_emit)
+    ended_by_eos = jnp.take_along_axis(is_eos, first_end[:, None], axis=1)[:, 0]
     hit_limit = n_emit >= room
     n_emit = jnp.where(active, jnp.minimum(n_emit, room), 0)
     slots = jnp.where(k < n_emit[:, None], state.num_out[:, None] + k, state.out_tokens.shape[1])  # else dropped
@@ -233,8 +254,29 @@ def _stop_and_emit(state: DecodeState, emitted, n_emit, active, eos_ids, emitted
         if emitted_logprobs is None:
             raise ValueError("the state keeps log-probabilities: emitted_logprobs is needed")
         out_logprobs = out_logprobs.at[rows, slots].set(emitted_logprobs, mode="drop")
-    status = jnp.where(active & hit_eos, EOS, jnp.where(active & hit_limit, MAX_TOKENS, state.status))
+    end_status = jnp.where(ended_by_eos, EOS, STOP_SEQUENCE)
+    status = jnp.where(active & hit_end, end_status, jnp.where(active & hit_limit, MAX_TOKENS, state.status))
     return out, out_logprobs, state.num_out + n_emit, status
+
+
+def _ends_stop_sequence(out_tokens, num_out, emitted, stop_sequences) -> jax.Array:
+    """[B, E] bool: emitted[:, e] ends one of ``stop_sequences`` (static) over the stream's generated tokens
+    (out_tokens[:, :num_out], then emitted). Tokens before the first generated one read as PAD, which no id equals."""
+    b, width = emitted.shape
+    if not stop_sequences:
+        return jnp.zeros((b, width), bool)
+    back = max(map(len, stop_sequences)) - 1
+    before = num_out[:, None] - back + jnp.arange(back)[None, :]  # the last ``back`` generated tokens' slots
+    tail = jnp.where(before >= 0, jnp.take_along_axis(out_tokens, jnp.maximum(before, 0), axis=1), PAD)
+    window = jnp.concatenate([tail, emitted], axis=1)  # [B, back + E]
+    ends = jnp.zeros((b, width), bool)
+    for seq in stop_sequences:
+        start = back - (len(seq) - 1)  # window column of seq[0] for the match ending at emitted[:, 0]
+        match = jnp.ones((b, width), bool)
+        for i, token in enumerate(seq):
+            match &= window[:, start + i: start + i + width] == token
+        ends |= match
+    return ends
 
 
 def token_logprobs(logits, tokens) -> jax.Array:
@@ -283,6 +325,10 @@ class Engine:
         bad_eos = [i for i in ecfg.eos_ids if i >= target.cfg.vocab_size]
         if bad_eos:
             raise ValueError(f"eos_ids {bad_eos} outside the target's vocabulary [0, {target.cfg.vocab_size})")
+        bad_stops = [seq for seq in ecfg.stop_sequences if max(seq) >= target.cfg.vocab_size]
+        if bad_stops:
+            raise ValueError(f"stop_sequences {bad_stops} hold ids outside the target's vocabulary "
+                             f"[0, {target.cfg.vocab_size})")
         if ecfg.capacity > target.cfg.max_position_embeddings:
             raise ValueError(f"capacity={ecfg.capacity} passes the target's max_position_embeddings="
                              f"{target.cfg.max_position_embeddings}: positions past it were never trained")
@@ -320,7 +366,8 @@ class Engine:
                         jnp.asarray(limits),
                         max_new_tokens=ecfg.max_new_tokens, eos_ids=ecfg.eos_ids, runtime=self.runtime,
                         taps=self.taps, depth=self.depth, greedy=not temperature.any(), top_k=ecfg.top_k,
-                        top_p=ecfg.top_p, min_p=ecfg.min_p, logprobs=ecfg.logprobs)
+                        top_p=ecfg.top_p, min_p=ecfg.min_p, logprobs=ecfg.logprobs,
+                        stop_sequences=ecfg.stop_sequences)
 
     def run(self, state: DecodeState) -> DecodeState:
         """Dispatches rounds (``rounds_per_dispatch`` per call) until every stream has stopped, each stream at the
@@ -427,11 +474,13 @@ def _static_if_greedy(temperature, greedy: bool):
 
 
 @functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "max_new_tokens", "eos_ids", "runtime",
-                                             "taps", "depth", "greedy", "top_k", "top_p", "min_p", "logprobs"),
+                                             "taps", "depth", "greedy", "top_k", "top_p", "min_p", "logprobs",
+                                             "stop_sequences"),
                    donate_argnames=("cache", "draft_cache"))
 def _prefill(target_def, target_state, drafter_def, drafter_state, cache, draft_cache, tokens, lengths, temperature,
              key, limits, *, max_new_tokens: int, eos_ids: tuple[int, ...], runtime: Runtime, taps: tuple[int, ...],
-             depth: int, greedy: bool, top_k: int, top_p: float, min_p: float, logprobs: bool) -> DecodeState:
+             depth: int, greedy: bool, top_k: int, top_p: float, min_p: float, logprobs: bool,
+             stop_sequences: tuple[tuple[int, ...], ...]) -> DecodeState:
     # Keyed on its static arguments, not on the EngineConfig: mode and budget enter only through depth
     # (= tree_depth, the shapes of ctx_taps / tau_hist), taps and drafter_def, so engines that agree on
     # those (e.g. dflash and ddtree with budget >= Dp) and on the other static arguments share one program.
@@ -463,7 +512,8 @@ def _prefill(target_def, target_state, drafter_def, drafter_state, cache, draft_
     )
     bonus_logprob = token_logprobs(last[:, None], bonus[:, None]) if logprobs else None
     out_tokens, out_logprobs, num_out, status = _stop_and_emit(state, bonus[:, None], jnp.ones((b,), jnp.int32),
-                                                               jnp.ones((b,), bool), eos_ids, bonus_logprob)
+                                                               jnp.ones((b,), bool), eos_ids, bonus_logprob,
+                                                               stop_sequences)
     return dataclasses.replace(state, out_tokens=out_tokens, out_logprobs=out_logprobs, num_out=num_out,
                                status=status)
 
@@ -511,7 +561,7 @@ def _round(target, drafter, state: DecodeState, temperature, ecfg: EngineConfig,
                                       acc.emitted) if ecfg.logprobs else None
     out_tokens, out_logprobs, num_out, status = _stop_and_emit(
         dataclasses.replace(state, status=status), acc.emitted, acc.num_accepted + 1, active,
-        ecfg.eos_ids, emitted_logprobs)
+        ecfg.eos_ids, emitted_logprobs, ecfg.stop_sequences)
     tau_hist = state.tau_hist.at[jnp.arange(b), acc.num_accepted + 1].add(active.astype(jnp.int32))
     return DecodeState(
         cache=cache, draft_cache=draft_cache, bonus=jnp.where(active, acc.next_token, state.bonus),

@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cache slots per stream: must hold the longest prompt, --max-new-tokens and the mode's "
                         "draft tree (checked before decoding)")
     p.add_argument("--seed", type=int, default=0, help=f"in [0, {SEED_LIMIT})")
+    p.add_argument("--stop-ids", action="append", default=[],
+                   help="space-separated token ids (repeatable): a stream stops once it has generated them in a row "
+                        "(kept in its output, like the EOS)")
     p.add_argument("--logprobs", action="store_true",
                    help="also keep each generated token's log-probability under the target; report each mode's "
                         "mean per token and perplexity (in --json: per token)")
@@ -128,6 +131,8 @@ def check_args(args) -> None:
     ``--drafter``, ``--num-prompts``); ValueError naming the flag otherwise. Also reads ``--prompts-file``."""
     modes = modes_of(args)
     check_mode_flags(args, modes)
+    for i, text in enumerate(args.stop_ids):
+        parse_ids(text, i, "--stop-ids")
     for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--capacity", args.capacity),
                         ("--streams", args.streams), ("--num-prompts", args.num_prompts)):
         if value is not None and value < 1:
@@ -189,7 +194,7 @@ def check_mode_flags(args, modes: Sequence[str]) -> None:
 def count_prompts(args) -> int:
     """How many prompts the flags give; checks ``--prompt`` / ``--prompt-ids`` / ``--prompts-file`` contents."""
     if args.prompt_ids:
-        return len([parse_prompt_ids(s, i) for i, s in enumerate(args.prompt_ids)])
+        return len([parse_ids(s, i) for i, s in enumerate(args.prompt_ids)])
     if args.prompts_file:
         return len(read_prompts_file(args.prompts_file))
     if args.prompt:
@@ -227,9 +232,10 @@ def load_pair(args):
     return target, drafter, tokenizer, eos_ids
 
 
-def parse_prompt_ids(text: str, index: int) -> list[int]:
-    """One ``--prompt-ids`` value: space-separated token ids >= 0; ValueError otherwise."""
-    problem = f"--prompt-ids #{index + 1} must be space-separated token ids >= 0, got {text!r}"
+def parse_ids(text: str, index: int, flag: str = "--prompt-ids") -> list[int]:
+    """One value of ``flag`` (``--prompt-ids``, ``--stop-ids``): space-separated token ids >= 0; ValueError
+    otherwise."""
+    problem = f"{flag} #{index + 1} must be space-separated token ids >= 0, got {text!r}"
     try:
         ids = [int(t) for t in text.split()]
     except ValueError:
@@ -268,7 +274,7 @@ def read_prompts(args, tokenizer) -> tuple[list[list[int]], str]:
     prompts (``--seed`` picks them): the shipped pinned cut (``data.shipped_prompts``) where it holds them, else cut
     from this machine's held-out standard-library files (a stdlib other than the pinned one is warned about)."""
     if args.prompt_ids:
-        return [parse_prompt_ids(s, i) for i, s in enumerate(args.prompt_ids)], "--prompt-ids"
+        return [parse_ids(s, i) for i, s in enumerate(args.prompt_ids)], "--prompt-ids"
     if args.prompts_file:
         texts = read_prompts_file(args.prompts_file)
         return [tokenizer.encode(t) for t in texts], f"--prompts-file {args.prompts_file}"
@@ -288,7 +294,9 @@ def read_prompts(args, tokenizer) -> tuple[list[list[int]], str]:
 def engine_config(mode: str, args, eos_ids=()) -> EngineConfig:
     budget = {"budget": args.budget} if mode == "ddtree" else {}
     return EngineConfig(mode=mode, max_new_tokens=args.max_new_tokens, capacity=args.capacity, eos_ids=eos_ids,
-                        top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, logprobs=args.logprobs, **budget)
+                        top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, logprobs=args.logprobs,
+                        stop_sequences=tuple(tuple(parse_ids(s, i, "--stop-ids")) for i, s in enumerate(args.stop_ids)),
+                        **budget)
 
 
 def check_fits(args, modes: Sequence[str], prompts, target, drafter) -> None:
@@ -300,6 +308,11 @@ def check_fits(args, modes: Sequence[str], prompts, target, drafter) -> None:
         check_top_k(args.top_k, target.cfg.vocab_size)
     except ValueError as e:
         raise ValueError(f"--top-k: {e} (the target's vocabulary)") from None
+    for i, text in enumerate(args.stop_ids):
+        outside = [t for t in parse_ids(text, i, "--stop-ids") if t >= target.cfg.vocab_size]
+        if outside:
+            raise ValueError(f"--stop-ids #{i + 1} holds {outside}, outside the target's vocabulary "
+                             f"[0, {target.cfg.vocab_size})")
     if "ddtree" in modes:
         check_budget(args.budget, block_size - 1, target.cfg.vocab_size)
     longest = max(len(p) for p in prompts)
@@ -478,7 +491,7 @@ def _main(args):
     return report
 
 
-NORMAL_STOPS = ("eos", "max_new_tokens")
+NORMAL_STOPS = ("eos", "stop_sequence", "max_new_tokens")
 
 
 def stop_report(runs: dict, capacity: int) -> list[str]:

@@ -57,6 +57,8 @@ RANDOM = ["--target", "random"]
     (["--target", "/no/such/model"], "--target '/no/such/model' is neither a directory nor 'random'"),
     (["--drafter", "/no/such/drafter"], "--drafter '/no/such/drafter' is neither a directory nor 'random'"),
     (["--json", "/no/such/dir/out.json"], "its directory does not exist"),
+    (["--stop-ids", "1 2", "--stop-ids", "3 x"], "--stop-ids #2 must be space-separated token ids >= 0, got '3 x'"),
+    (["--stop-ids", " "], "--stop-ids #1 must be space-separated token ids"),
 ])
 def test_bad_flags_are_refused_before_any_model_is_built(argv, message, capsys):
     assert message in refused(run_decode.parse_args, RANDOM + argv, capsys)
@@ -108,6 +110,17 @@ def test_top_k_is_checked_against_the_vocabulary_before_decoding():
     args.top_k = 8
     run_decode.check_fits(args, run_decode.modes_of(args), [[1]], target, drafter)
     assert run_decode.engine_config("ddtree", args).top_k == 8
+
+
+def test_stop_ids_reach_the_engine_checked_against_the_vocabulary():
+    args = run_decode.parse_args(RANDOM + ["--drafter", "random", "--prompt-ids", "1", "--stop-ids", "3 4",
+                                           "--stop-ids", "7"])
+    target, drafter = fake_pair(vocab=8)
+    run_decode.check_fits(args, run_decode.modes_of(args), [[1]], target, drafter)
+    assert run_decode.engine_config("ar", args).stop_sequences == ((3, 4), (7,))
+    args.stop_ids.append("2 8 9")
+    with pytest.raises(ValueError, match=r"--stop-ids #3 holds \[8, 9\], outside the target's vocabulary \[0, 8\)"):
+        run_decode.check_fits(args, run_decode.modes_of(args), [[1]], target, drafter)
 
 
 def test_required_capacity_is_exactly_what_the_engine_needs():

@@ -3,6 +3,7 @@ outside the engine); DDTree / DFlash greedy output == AR greedy output token for
 cleanly (EOS, token limit, cache capacity); sampling is lossless; sharded == unsharded; bad budgets;
 tokens/s counts only the decoded tokens."""
 
+import collections
 import dataclasses
 import types
 
@@ -14,8 +15,8 @@ from flax import nnx
 
 from ddtree_jax.config import QuantConfig, tiny_config
 from ddtree_jax.drafter import DFlashDrafter, tiny_drafter_config
-from ddtree_jax.engine import (CACHE_FULL, EOS, MAX_TOKENS, RUNNING, Engine, EngineConfig, _stop_and_emit,
-                               check_seed, required_capacity, summarize)
+from ddtree_jax.engine import (CACHE_FULL, EOS, MAX_TOKENS, RUNNING, STOP_SEQUENCE, Engine, EngineConfig,
+                               _stop_and_emit, check_seed, required_capacity, summarize)
 from ddtree_jax.cache import init_cache
 from ddtree_jax.model import KimiModel, causal_mask
 from ddtree_jax.sharding import DEFAULT_RULES, make_mesh
@@ -264,6 +265,33 @@ def test_logprobs_are_the_full_forwards(models, ar_reference, mode):
     assert all(u.new_logprobs is None for u in plain.stream(prompts))
 
 
+def cut_at_stop(tokens, stop_sequences):
+    """Plain reference: tokens up to and including the first one that ends a stop sequence, and the status."""
+    for n in range(1, len(tokens) + 1):
+        if any(tokens[:n][-len(seq):] == list(seq) for seq in stop_sequences if len(seq) <= n):
+            return tokens[:n], "stop_sequence"
+    return tokens, "max_new_tokens"
+
+
+@pytest.mark.parametrize("mode", ["ar", "dflash", "ddtree"])
+def test_stop_sequences_cut_ar_output(models, ar_reference, mode):
+    """``EngineConfig(stop_sequences=...)``: each stream's output is AR's cut after the first generated token that
+    ends any stop sequence (one taken from another stream's output can stop this one too; a single-token one can
+    stop a stream at the prefill's token), with status stop_sequence; streams without one run to their limit."""
+    target, drafter = models
+    prompts = PROMPTS[:8]
+    stops = (tuple(ar_reference[0][4:6]), tuple(ar_reference[1][2:5]), (ar_reference[3][0],),
+             tuple(ar_reference[5][6:10]))
+    engine = Engine(target, drafter if mode != "ar" else None,
+                    EngineConfig(mode=mode, budget=16, max_new_tokens=NEW, capacity=64, stop_sequences=stops))
+    res = engine.generate(prompts)
+    want = [cut_at_stop(ar_reference[b], stops) for b in range(len(prompts))]
+    assert list(zip(res["tokens"], res["status"])) == want
+    assert sum(status == "stop_sequence" for _, status in want) >= 4 and len(want[3][0]) == 1
+    joined = [sum(t, []) for t in zip(*(u.new_tokens for u in engine.stream(prompts)))]
+    assert joined == res["tokens"]
+
+
 @pytest.mark.parametrize("limits,message", [
     ([4, 4], r"max_new_tokens must be one integer or a sequence of one per stream \(3\), got \[4, 4\]"),
     ([4, NEW + 1, 4], rf"stream 1's max_new_tokens must be in \[1, {NEW}\] \(EngineConfig.max_new_tokens\), "
@@ -359,10 +387,11 @@ def test_ar_counts_and_capacity_are_exact(models):
 
 
 def ref_stop_and_emit(out, out_logprobs, num_out, status, emitted, emitted_logprobs, n_emit, active, eos_ids,
-                      max_new):
+                      max_new, stop_sequences=()):
     """One stream, token by token: an active stream appends this round's first n_emit tokens (and their
-    log-probabilities) until it has appended an EOS (status eos) or reaches max_new tokens (status
-    max_new_tokens); others are unchanged."""
+    log-probabilities) until it has appended an EOS (status eos), or a token with which its generated tokens
+    end in one of ``stop_sequences`` (status stop_sequence), or reaches max_new tokens (status max_new_tokens);
+    others are unchanged."""
     out, out_logprobs = list(out), list(out_logprobs)
     if not active:
         return out, out_logprobs, num_out, status
@@ -371,18 +400,24 @@ def ref_stop_and_emit(out, out_logprobs, num_out, status, emitted, emitted_logpr
         num_out += 1
         if token in eos_ids:
             return out, out_logprobs, num_out, EOS
+        if any(list(out[:num_out][-len(seq):]) == list(seq) for seq in stop_sequences if len(seq) <= num_out):
+            return out, out_logprobs, num_out, STOP_SEQUENCE
         if num_out == max_new:
             return out, out_logprobs, num_out, MAX_TOKENS
     return out, out_logprobs, num_out, status
 
 
 def test_stop_and_emit_equals_a_token_by_token_reference():
-    """The engine's vectorised truncation at EOS / each stream's token limit against ``ref_stop_and_emit`` on
-    random streams: EOS early, late, past the limit or absent, inactive streams holding EOS tokens, and entries
-    past n_emit that must be ignored; each kept token's log-probability lands beside it."""
+    """The engine's vectorised truncation at EOS / stop sequences / each stream's token limit against
+    ``ref_stop_and_emit`` on random streams over 8 token ids: EOS early, late, past the limit or absent, stop
+    sequences ending in this round after starting in earlier ones, overlapping or sharing an end with an EOS,
+    inactive streams holding EOS tokens, and entries past n_emit that must be ignored; each kept token's
+    log-probability lands beside it."""
     rng = np.random.default_rng(0)
     b, width, max_new = 200, 5, 8
-    for eos_ids in ((), (3,), (3, 5)):
+    cases = [((), ()), ((3,), ()), ((3, 5), ()), ((), ((2, 4),)), ((3,), ((1, 1, 1), (6,), (0, 3))),
+             ((), ((7, 2, 7), (2, 7)))]
+    for eos_ids, stop_sequences in cases:
         active = rng.random(b) < 0.7
         limit = rng.integers(1, max_new + 1, b)  # per stream, at most the buffer's max_new
         num_out = np.where(active, rng.integers(0, limit), rng.integers(0, limit + 1))
@@ -393,17 +428,35 @@ def test_stop_and_emit_equals_a_token_by_token_reference():
         kept = np.arange(max_new) < num_out[:, None]
         out = np.where(kept, rng.integers(0, 8, (b, max_new)), PAD)
         out_logprobs = np.where(kept, -rng.random((b, max_new), np.float32), np.nan).astype(np.float32)
+        for s in rng.choice(b, b // 3, replace=False) if stop_sequences else ():  # plant one across the boundary
+            seq = stop_sequences[rng.integers(len(stop_sequences))]
+            first = rng.integers(max(num_out[s] - len(seq) + 1, 0), num_out[s] + width - len(seq) + 1)
+            for p, token in enumerate(seq, first):
+                if p < num_out[s]:
+                    out[s, p] = token
+                else:
+                    emitted[s, p - num_out[s]] = token
         state = types.SimpleNamespace(out_tokens=jnp.asarray(out, jnp.int32), out_logprobs=jnp.asarray(out_logprobs),
                                       num_out=jnp.asarray(num_out, jnp.int32), status=jnp.asarray(status, jnp.int32),
                                       limit=jnp.asarray(limit, jnp.int32))
         got = _stop_and_emit(state, jnp.asarray(emitted, jnp.int32), jnp.asarray(n_emit), jnp.asarray(active),
-                             eos_ids, jnp.asarray(emitted_logprobs))
+                             eos_ids, jnp.asarray(emitted_logprobs), stop_sequences)
         got_out, got_logprobs, got_num, got_status = map(np.asarray, got)
+        statuses = collections.Counter()
         for s in range(b):
             want = ref_stop_and_emit(out[s], out_logprobs[s], num_out[s], status[s], emitted[s], emitted_logprobs[s],
-                                     n_emit[s], active[s], eos_ids, limit[s])
-            assert got_out[s].tolist() == want[0] and (int(got_num[s]), int(got_status[s])) == want[2:], (eos_ids, s)
-            np.testing.assert_array_equal(got_logprobs[s], np.asarray(want[1], np.float32), err_msg=str((eos_ids, s)))
+                                     n_emit[s], active[s], eos_ids, limit[s], stop_sequences)
+            case = (eos_ids, stop_sequences, s)
+            assert got_out[s].tolist() == want[0] and (int(got_num[s]), int(got_status[s])) == want[2:], case
+            np.testing.assert_array_equal(got_logprobs[s], np.asarray(want[1], np.float32), err_msg=str(case))
+            statuses[want[3]] += active[s] and want[3] != RUNNING
+        if stop_sequences:
+            assert statuses[STOP_SEQUENCE] >= 10, statuses  # the case exercised what it names
+        spanning = [s for s in range(b) if got_status[s] == STOP_SEQUENCE and active[s]
+                    and any(got_num[s] - num_out[s] < len(seq) and list(got_out[s][:got_num[s]][-len(seq):]) ==
+                            list(seq) for seq in stop_sequences)]
+        if any(len(seq) > 1 for seq in stop_sequences):
+            assert spanning, "no stop sequence began before this round"
 
 
 def test_tokens_per_s_excludes_the_prefill_token():

@@ -224,11 +224,18 @@ def test_engine_config_and_engine_refuse_bad_values():
                       (dict(capacity=0), "capacity must be >= 1"), (dict(budget=True), "budget must be an integer"),
                       (dict(eos_ids=(3, -1)), "eos_ids"), (dict(eos_ids=5), "eos_ids"),
                       (dict(logprobs=1), "logprobs must be True or False, got 1"),
-                      (dict(logprobs="raw"), "logprobs must be True or False")]:
+                      (dict(logprobs="raw"), "logprobs must be True or False"),
+                      (dict(stop_sequences=(5, 6)), r"stop_sequences\[0\] must be a non-empty sequence of token ids"),
+                      (dict(stop_sequences=((5,), ())), r"stop_sequences\[1\] must be a non-empty sequence"),
+                      (dict(stop_sequences=((5, -1),)), r"stop_sequences\[0\] must hold token ids >= 0"),
+                      (dict(stop_sequences=((5, 1.0),)), r"stop_sequences\[0\] must hold token ids >= 0"),
+                      (dict(stop_sequences="\n\n"), "stop_sequences must be a sequence of token-id sequences"),
+                      (dict(stop_sequences=(("ab",),)), "must hold token ids")]:
         with pytest.raises(ValueError, match=match):
             EngineConfig(**kw)
     assert EngineConfig(eos_ids=[1, np.int64(2)]).eos_ids == (1, 2)  # a list is normalised (hashable)
     assert EngineConfig(eos_ids=(0,)).eos_ids == (0,)  # token id 0 is a valid EOS
+    assert EngineConfig(stop_sequences=[[1, np.int64(2)], (0,)]).stop_sequences == ((1, 2), (0,))  # hashable
     cfg = tiny_config(vocab_size=64)
     target = KimiModel(cfg, nnx.Rngs(0))
     other_vocab = DFlashDrafter(tiny_drafter_config(cfg.replace(vocab_size=128), mask_token_id=100), nnx.Rngs(1))
@@ -241,6 +248,8 @@ def test_engine_config_and_engine_refuse_bad_values():
         Engine(target, one_deep, EngineConfig(mode="ddtree", budget=65, capacity=64))  # refused before any compile
     with pytest.raises(ValueError, match=r"eos_ids \[64\] outside"):
         Engine(target, None, EngineConfig(mode="ar", capacity=64, eos_ids=(64,)))
+    with pytest.raises(ValueError, match=r"stop_sequences \[\(3, 64\)\] hold ids outside the target's vocabulary"):
+        Engine(target, None, EngineConfig(mode="ar", capacity=64, stop_sequences=((1,), (3, 64))))
     with pytest.raises(ValueError, match="max_position_embeddings"):
         Engine(target, None, EngineConfig(mode="ar", capacity=cfg.max_position_embeddings + 8))
     engine = Engine(target, None, EngineConfig(mode="ar", capacity=64, max_new_tokens=2))
