@@ -36,6 +36,8 @@ from ddtree_jax.drafter import (DFlashDrafter, DraftCache, check_drafter_target,
                                 init_draft_cache)
 from ddtree_jax.model import KimiModel, Runtime, causal_mask
 from ddtree_jax.sampling import check_min_p, check_top_k, check_top_p
+from ddtree_jax.scores import (TokenScores, append_scores, empty_scores, per_stream_slices, scores_lists,
+                               token_scores)
 from ddtree_jax.sharding import named_sharding, shard_state
 from ddtree_jax.tree import PAD, accept_tokens, build_tree, chain_tree, check_budget, sample_target_tokens
 
@@ -59,7 +61,8 @@ class EngineConfig:
     top_k: int = 0  # sampling keeps the top_k likeliest tokens (0: all); greedy decoding ignores it
     top_p: float = 1.0  # then the fewest likeliest whose mass reaches top_p (1: all); ``sampling.truncate``
     min_p: float = 0.0  # then those at least min_p times as likely as the likeliest (0: all)
-    logprobs: bool = False  # also keep each emitted token's log-probability under the target (``DecodeState``)
+    logprobs: bool = False  # also keep each emitted token's log-probability under the target (``scores``)
+    top_logprobs: int = 0  # and, with logprobs, the target's top_logprobs likeliest tokens at each place
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -85,6 +88,12 @@ class EngineConfig:
         if not isinstance(self.logprobs, (bool, np.bool_)):
             raise ValueError(f"logprobs must be True or False, got {self.logprobs!r}")
         object.__setattr__(self, "logprobs", bool(self.logprobs))
+        if not _is_int(self.top_logprobs) or self.top_logprobs < 0:
+            raise ValueError(f"top_logprobs must be an integer >= 0 (0: none), got {self.top_logprobs!r}")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError(f"top_logprobs={self.top_logprobs} is kept beside the log-probabilities: "
+                             "give logprobs=True too")
+        object.__setattr__(self, "top_logprobs", int(self.top_logprobs))
 
 
 def _is_int(value) -> bool:
@@ -190,7 +199,7 @@ class DecodeState:
     ctx_counts: jax.Array  # [B]
     ctx_start: jax.Array  # [B]: position of the first pending context row
     out_tokens: jax.Array  # [B, N] int32 generated tokens
-    out_logprobs: jax.Array | None  # [B, N] float32: their log-probabilities (``token_logprobs``); None: not kept
+    out_scores: TokenScores | None  # [B, N] (and [B, N, n]): their scores (``scores``); None: not kept
     num_out: jax.Array  # [B] int32
     limit: jax.Array  # [B] int32: the stream's token limit (at most EngineConfig.max_new_tokens, N)
     temperature: jax.Array  # [B] float32: the stream's sampling temperature (0: greedy)
@@ -204,13 +213,14 @@ class DecodeState:
 class StreamUpdate:
     """What ``Engine.stream`` reports after the prefill and after each dispatch, per stream: the tokens emitted
     since the last update (empty for a stream that had stopped), its status (``STATUS_NAMES``' values) and the
-    rounds it has run so far; with ``EngineConfig(logprobs=True)`` also the new tokens' log-probabilities
-    (``token_logprobs``), else None."""
+    rounds it has run so far; with ``EngineConfig(logprobs=True)`` also the new tokens' log-probabilities, and
+    with ``top_logprobs=n`` their top [token, log-probability] pairs (``scores.scores_lists``), else None."""
 
     new_tokens: list[list[int]]
     status: list[str]
     rounds: list[int]
     new_logprobs: list[list[float]] | None = None
+    new_top_logprobs: list[list[list]] | None = None
 
 
 def required_capacity(longest_prompt: int, max_new_tokens: int, depth: int) -> int:
@@ -228,11 +238,11 @@ def tree_depth(ecfg: EngineConfig, block_size: int) -> int:
     return min(block_size - 1, ecfg.budget)
 
 
-def _stop_and_emit(state: DecodeState, emitted, n_emit, active, eos_ids, emitted_logprobs=None, stop_sequences=()):
-    """Appends each active stream's first n_emit emitted tokens [B, E] (and their log-probabilities [B, E], where
-    the state keeps them) to its output, cut after the first that is an EOS or ends a stop sequence (its tokens
-    in a row among the stream's generated ones, earlier rounds' included) or that reaches the stream's token
-    limit, and updates status. Returns (out_tokens, out_logprobs, num_out, status)."""
+def _stop_and_emit(state: DecodeState, emitted, n_emit, active, eos_ids, emitted_scores=None, stop_sequences=()):
+    """Appends each active stream's first n_emit emitted tokens [B, E] (and their TokenScores, where the state
+    keeps them) to its output, cut after the first that is an EOS or ends a stop sequence (its tokens in a row
+    among the stream's generated ones, earlier rounds' included) or that reaches the stream's token limit, and
+    updates status. Returns (out_tokens, out_scores, num_out, status)."""
     b, width = emitted.shape
     k = jnp.arange(width)[None, :]
     in_round = k < n_emit[:, None]
@@ -249,14 +259,14 @@ def _stop_and_emit(state: DecodeState, emitted, n_emit, active, eos_ids, emitted
     slots = jnp.where(k < n_emit[:, None], state.num_out[:, None] + k, state.out_tokens.shape[1])  # else dropped
     rows = jnp.arange(b)[:, None]
     out = state.out_tokens.at[rows, slots].set(emitted, mode="drop")
-    out_logprobs = state.out_logprobs
-    if out_logprobs is not None:
-        if emitted_logprobs is None:
-            raise ValueError("the state keeps log-probabilities: emitted_logprobs is needed")
-        out_logprobs = out_logprobs.at[rows, slots].set(emitted_logprobs, mode="drop")
+    out_scores = state.out_scores
+    if out_scores is not None:
+        if emitted_scores is None:
+            raise ValueError("the state keeps scores: emitted_scores is needed")
+        out_scores = append_scores(out_scores, emitted_scores, rows, slots)
     end_status = jnp.where(ended_by_eos, EOS, STOP_SEQUENCE)
     status = jnp.where(active & hit_end, end_status, jnp.where(active & hit_limit, MAX_TOKENS, state.status))
-    return out, out_logprobs, state.num_out + n_emit, status
+    return out, out_scores, state.num_out + n_emit, status
 
 
 def _ends_stop_sequence(out_tokens, num_out, emitted, stop_sequences) -> jax.Array:
@@ -277,15 +287,6 @@ def _ends_stop_sequence(out_tokens, num_out, emitted, stop_sequences) -> jax.Arr
             match &= window[:, start + i: start + i + width] == token
         ends |= match
     return ends
-
-
-def token_logprobs(logits, tokens) -> jax.Array:
-    """The target's log-probability of each token: logits [B, R, W] (any float), tokens [B, R] int -> [B, R]
-    float32, log_softmax(logits)[token] in float32: the model's own distribution (temperature 1, no top-k / top-p
-    / min-p), whatever a stream samples with. A negative token (PAD) reads token 0's."""
-    logits = logits.astype(jnp.float32)
-    picked = jnp.take_along_axis(logits, jnp.maximum(tokens, 0)[..., None], axis=-1)[..., 0]
-    return picked - jax.nn.logsumexp(logits, axis=-1)
 
 
 def place_caches(cache: LatentCache, draft_cache: DraftCache | None, runtime: Runtime):
@@ -311,8 +312,8 @@ class Engine:
     greedily), fixed by ``prefill`` in the state for every round after it. Where every stream is greedy, the
     programs compiled take no random draws; otherwise one program serves every temperature. ``max_new_tokens``:
     the config's (None), or a smaller limit for every stream or for each (``check_token_limits``); the same
-    programs serve any limits. ``EngineConfig(logprobs=True)`` also keeps each emitted token's log-probability
-    under the target (``token_logprobs``), read from the verify forward's row of the node that produced it.
+    programs serve any limits. ``EngineConfig(logprobs=True, top_logprobs=n)`` also keeps each emitted token's
+    log-probability under the target and its n likeliest tokens (``scores``), from the rows the forwards computed.
     """
 
     def __init__(self, target: KimiModel, drafter: DFlashDrafter | None, ecfg: EngineConfig, *,
@@ -322,6 +323,9 @@ class Engine:
         if drafter is not None:
             check_drafter_target(drafter.cfg, target.cfg)
         check_top_k(ecfg.top_k, target.cfg.vocab_size)
+        if ecfg.top_logprobs > target.cfg.vocab_size:
+            raise ValueError(f"top_logprobs={ecfg.top_logprobs} passes the target's vocabulary of "
+                             f"{target.cfg.vocab_size} tokens")
         bad_eos = [i for i in ecfg.eos_ids if i >= target.cfg.vocab_size]
         if bad_eos:
             raise ValueError(f"eos_ids {bad_eos} outside the target's vocabulary [0, {target.cfg.vocab_size})")
@@ -367,7 +371,7 @@ class Engine:
                         max_new_tokens=ecfg.max_new_tokens, eos_ids=ecfg.eos_ids, runtime=self.runtime,
                         taps=self.taps, depth=self.depth, greedy=not temperature.any(), top_k=ecfg.top_k,
                         top_p=ecfg.top_p, min_p=ecfg.min_p, logprobs=ecfg.logprobs,
-                        stop_sequences=ecfg.stop_sequences)
+                        top_logprobs=ecfg.top_logprobs, stop_sequences=ecfg.stop_sequences)
 
     def run(self, state: DecodeState) -> DecodeState:
         """Dispatches rounds (``rounds_per_dispatch`` per call) until every stream has stopped, each stream at the
@@ -403,11 +407,11 @@ class Engine:
 
         def update(state: DecodeState) -> StreamUpdate:  # read before the next dispatch donates the state
             num = np.asarray(state.num_out)
-            new = _per_stream_slices(state.out_tokens, sent, num)
-            new_logprobs = None if state.out_logprobs is None else _per_stream_slices(state.out_logprobs, sent, num)
+            new = per_stream_slices(state.out_tokens, sent, num)
+            scores = (None, None) if state.out_scores is None else scores_lists(state.out_scores, sent, num)
             sent[:] = num
             return StreamUpdate(new, [STATUS_NAMES[int(s)] for s in np.asarray(state.status)],
-                                np.asarray(state.rounds).tolist(), new_logprobs)
+                                np.asarray(state.rounds).tolist(), *scores)
 
         yield update(state)
         if _any_running(state):  # else the prefill's token was each stream's last
@@ -427,12 +431,6 @@ class Engine:
         return summarize(state, prefill_s=t1 - t0, decode_s=t2 - t1)
 
 
-def _per_stream_slices(values, start, stop) -> list[list]:
-    """values [B, N] (device or host) -> row b's values[start[b]:stop[b]] as a list, for each stream."""
-    values = np.asarray(values)
-    return [values[b, start[b]: stop[b]].tolist() for b in range(values.shape[0])]
-
-
 def _any_running(state: DecodeState) -> bool:
     return bool((state.status == RUNNING).any())
 
@@ -441,15 +439,17 @@ def summarize(state: DecodeState, prefill_s: float, decode_s: float) -> dict:
     """Per-stream tokens and status, and metrics: new_tokens counts every generated token (the prefill's
     first token per stream included); tau and tokens_per_s count only the tokens of the rounds (decode_s),
     not the one the prefill samples per stream (its time is in prefill_s). With ``EngineConfig(logprobs=True)``,
-    logprobs holds each token's log-probability under the target (``token_logprobs``); else None."""
+    logprobs holds each token's log-probability under the target, and with ``top_logprobs=n`` top_logprobs its
+    n likeliest [token, log-probability] pairs (``scores.scores_lists``); else None."""
     num = np.asarray(state.num_out)
     first = np.zeros_like(num)
     rounds = np.asarray(state.rounds)
     hist = np.asarray(state.tau_hist)
     emitted_in_rounds = num - 1  # the first token comes from prefill
+    scores = (None, None) if state.out_scores is None else scores_lists(state.out_scores, first, num)
     return {
-        "tokens": _per_stream_slices(state.out_tokens, first, num),
-        "logprobs": None if state.out_logprobs is None else _per_stream_slices(state.out_logprobs, first, num),
+        "tokens": per_stream_slices(state.out_tokens, first, num),
+        "logprobs": scores[0], "top_logprobs": scores[1],
         "status": [STATUS_NAMES[int(s)] for s in np.asarray(state.status)],
         "rounds": rounds.tolist(),
         "tau_mean": float(emitted_in_rounds.sum() / max(rounds.sum(), 1)),
@@ -475,11 +475,11 @@ def _static_if_greedy(temperature, greedy: bool):
 
 @functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "max_new_tokens", "eos_ids", "runtime",
                                              "taps", "depth", "greedy", "top_k", "top_p", "min_p", "logprobs",
-                                             "stop_sequences"),
+                                             "top_logprobs", "stop_sequences"),
                    donate_argnames=("cache", "draft_cache"))
 def _prefill(target_def, target_state, drafter_def, drafter_state, cache, draft_cache, tokens, lengths, temperature,
              key, limits, *, max_new_tokens: int, eos_ids: tuple[int, ...], runtime: Runtime, taps: tuple[int, ...],
-             depth: int, greedy: bool, top_k: int, top_p: float, min_p: float, logprobs: bool,
+             depth: int, greedy: bool, top_k: int, top_p: float, min_p: float, logprobs: bool, top_logprobs: int,
              stop_sequences: tuple[tuple[int, ...], ...]) -> DecodeState:
     # Keyed on its static arguments, not on the EngineConfig: mode and budget enter only through depth
     # (= tree_depth, the shapes of ctx_taps / tau_hist), taps and drafter_def, so engines that agree on
@@ -504,17 +504,17 @@ def _prefill(target_def, target_state, drafter_def, drafter_state, cache, draft_
         ctx_taps=jnp.zeros((n_taps, b, depth + 1, dm), jnp.dtype(cfg.dtype)),
         ctx_counts=jnp.zeros((b,), jnp.int32), ctx_start=lengths,
         out_tokens=jnp.full((b, max_new_tokens), PAD, jnp.int32),
-        out_logprobs=jnp.full((b, max_new_tokens), jnp.nan, jnp.float32) if logprobs else None,
+        out_scores=empty_scores(b, max_new_tokens, top_logprobs) if logprobs else None,
         num_out=jnp.zeros((b,), jnp.int32), limit=limits,
         temperature=temperatures,
         status=jnp.full((b,), RUNNING, jnp.int32), rounds=jnp.zeros((b,), jnp.int32),
         tau_hist=jnp.zeros((b, depth + 2), jnp.int32), key=key,
     )
-    bonus_logprob = token_logprobs(last[:, None], bonus[:, None]) if logprobs else None
-    out_tokens, out_logprobs, num_out, status = _stop_and_emit(state, bonus[:, None], jnp.ones((b,), jnp.int32),
-                                                               jnp.ones((b,), bool), eos_ids, bonus_logprob,
-                                                               stop_sequences)
-    return dataclasses.replace(state, out_tokens=out_tokens, out_logprobs=out_logprobs, num_out=num_out,
+    bonus_scores = token_scores(last[:, None], bonus[:, None], top_logprobs) if logprobs else None
+    out_tokens, out_scores, num_out, status = _stop_and_emit(state, bonus[:, None], jnp.ones((b,), jnp.int32),
+                                                             jnp.ones((b,), bool), eos_ids, bonus_scores,
+                                                             stop_sequences)
+    return dataclasses.replace(state, out_tokens=out_tokens, out_scores=out_scores, num_out=num_out,
                                status=status)
 
 
@@ -557,15 +557,15 @@ def _round(target, drafter, state: DecodeState, temperature, ecfg: EngineConfig,
     else:
         ctx_taps = state.ctx_taps
     # The k-th emitted token is the target's token at the path's k-th node, so its log-probability is that row's.
-    emitted_logprobs = token_logprobs(jnp.take_along_axis(out.logits, rows[:, :, None], axis=1),
-                                      acc.emitted) if ecfg.logprobs else None
-    out_tokens, out_logprobs, num_out, status = _stop_and_emit(
+    emitted_scores = token_scores(jnp.take_along_axis(out.logits, rows[:, :, None], axis=1), acc.emitted,
+                                  ecfg.top_logprobs) if ecfg.logprobs else None
+    out_tokens, out_scores, num_out, status = _stop_and_emit(
         dataclasses.replace(state, status=status), acc.emitted, acc.num_accepted + 1, active,
-        ecfg.eos_ids, emitted_logprobs, ecfg.stop_sequences)
+        ecfg.eos_ids, emitted_scores, ecfg.stop_sequences)
     tau_hist = state.tau_hist.at[jnp.arange(b), acc.num_accepted + 1].add(active.astype(jnp.int32))
     return DecodeState(
         cache=cache, draft_cache=draft_cache, bonus=jnp.where(active, acc.next_token, state.bonus),
-        ctx_taps=ctx_taps, ctx_counts=n_commit, ctx_start=start, out_tokens=out_tokens, out_logprobs=out_logprobs,
+        ctx_taps=ctx_taps, ctx_counts=n_commit, ctx_start=start, out_tokens=out_tokens, out_scores=out_scores,
         num_out=num_out,
         limit=state.limit, temperature=state.temperature, status=status,
         rounds=state.rounds + active.astype(jnp.int32), tau_hist=tau_hist, key=key,

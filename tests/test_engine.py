@@ -19,6 +19,7 @@ from ddtree_jax.engine import (CACHE_FULL, EOS, MAX_TOKENS, RUNNING, STOP_SEQUEN
                                _stop_and_emit, check_seed, required_capacity, summarize)
 from ddtree_jax.cache import init_cache
 from ddtree_jax.model import KimiModel, causal_mask
+from ddtree_jax.scores import TokenScores
 from ddtree_jax.sharding import DEFAULT_RULES, make_mesh
 from ddtree_jax.model import Runtime
 from ddtree_jax.tree import PAD
@@ -230,39 +231,50 @@ def test_per_stream_token_limits(models, ar_reference, mode):
 
 
 def teacher_forced_logprobs(target, prompts, outputs) -> list[np.ndarray]:
-    """Each output token's log-probability from the plain causal forward over prompt + output (right-padded,
-    one batch), outside the engine: log_softmax of the logits at the position before the token."""
+    """Each output token's log-probabilities [tokens, W] from the plain causal forward over prompt + output
+    (right-padded, one batch), outside the engine: log_softmax of the logits at the position before the token."""
     seqs = [list(p) + list(o) for p, o in zip(prompts, outputs)]
     tokens = np.zeros((len(seqs), max(map(len, seqs))), np.int32)
     for i, seq in enumerate(seqs):
         tokens[i, :len(seq)] = seq
     logp = np.asarray(jax.nn.log_softmax(causal_forward(target, tokens).astype(jnp.float32), axis=-1))
-    return [logp[i, len(p) - 1 + np.arange(len(o)), o] for i, (p, o) in enumerate(zip(prompts, outputs))]
+    return [logp[i, len(p) - 1 + np.arange(len(o))] for i, (p, o) in enumerate(zip(prompts, outputs))]
 
 
 @pytest.mark.parametrize("mode", ["ar", "dflash", "ddtree"])
 def test_logprobs_are_the_full_forwards(models, ar_reference, mode):
-    """``EngineConfig(logprobs=True)``: each emitted token's log-probability equals the plain causal forward's
-    over the prompt and the tokens before it, in greedy and sampled streams (the model's own distribution,
-    whatever the temperature and filters), cut with the tokens at each stream's limit; ``stream`` reports the
-    same values as they come; the tokens are those decoded without logprobs."""
+    """``EngineConfig(logprobs=True, top_logprobs=5)``: each emitted token's log-probability, and the 5 likeliest
+    tokens with theirs, equal the plain causal forward's over the prompt and the tokens before it, in greedy and
+    sampled streams (the model's own distribution, whatever the temperature and filters), cut with the tokens at
+    each stream's limit; ``stream`` reports the same values as they come; the tokens are those decoded without
+    them."""
     target, drafter = models
-    ecfg = EngineConfig(mode=mode, budget=16, max_new_tokens=NEW, capacity=64, top_k=8, logprobs=True)
+    ecfg = EngineConfig(mode=mode, budget=16, max_new_tokens=NEW, capacity=64, top_k=8, logprobs=True,
+                        top_logprobs=5)
     engine = Engine(target, drafter if mode != "ar" else None, ecfg)
     prompts, temperatures, limits = PROMPTS[:4], [0.0, 1.0, 0.0, 0.7], [NEW, NEW, 6, 3]
     res = engine.generate(prompts, temperatures, seed=5, max_new_tokens=limits)
-    plain = Engine(target, drafter if mode != "ar" else None, dataclasses.replace(ecfg, logprobs=False))
+    plain = Engine(target, drafter if mode != "ar" else None, dataclasses.replace(ecfg, logprobs=False,
+                                                                                   top_logprobs=0))
     assert res["tokens"] == plain.generate(prompts, temperatures, seed=5, max_new_tokens=limits)["tokens"]
     assert [len(t) for t in res["tokens"]] == limits and res["tokens"][0] == ar_reference[0]
     want = teacher_forced_logprobs(target, prompts, res["tokens"])
     for b in range(len(prompts)):
-        assert len(res["logprobs"][b]) == limits[b]
-        np.testing.assert_allclose(res["logprobs"][b], want[b], rtol=1e-5, atol=1e-4, err_msg=f"stream {b}")
+        assert len(res["logprobs"][b]) == len(res["top_logprobs"][b]) == limits[b]
+        tokens = res["tokens"][b]
+        np.testing.assert_allclose(res["logprobs"][b], want[b][np.arange(len(tokens)), tokens], rtol=1e-5,
+                                   atol=1e-4, err_msg=f"stream {b}")
+        for i, pairs in enumerate(res["top_logprobs"][b]):  # by value, then each id's own: robust to near-ties
+            ids, values = np.array([p[0] for p in pairs]), np.array([p[1] for p in pairs])
+            np.testing.assert_allclose(values, np.sort(want[b][i])[::-1][:5], rtol=1e-5, atol=1e-4)
+            np.testing.assert_allclose(values, want[b][i][ids], rtol=1e-5, atol=1e-4)
+            assert len(set(ids.tolist())) == 5 and (np.diff(values) <= 0).all()
     assert max(-min(lp) for lp in res["logprobs"]) > 0.1  # the sampled streams drew unlikely tokens too
     updates = list(engine.stream(prompts, temperatures, 5, limits))
     assert [sum(t, []) for t in zip(*(u.new_logprobs for u in updates))] == res["logprobs"]
-    assert plain.generate(prompts)["logprobs"] is None
-    assert all(u.new_logprobs is None for u in plain.stream(prompts))
+    assert [sum(t, []) for t in zip(*(u.new_top_logprobs for u in updates))] == res["top_logprobs"]
+    assert plain.generate(prompts)["logprobs"] is None and plain.generate(prompts)["top_logprobs"] is None
+    assert all(u.new_logprobs is None and u.new_top_logprobs is None for u in plain.stream(prompts))
 
 
 def cut_at_stop(tokens, stop_sequences):
@@ -436,12 +448,14 @@ def test_stop_and_emit_equals_a_token_by_token_reference():
                     out[s, p] = token
                 else:
                     emitted[s, p - num_out[s]] = token
-        state = types.SimpleNamespace(out_tokens=jnp.asarray(out, jnp.int32), out_logprobs=jnp.asarray(out_logprobs),
+        state = types.SimpleNamespace(out_tokens=jnp.asarray(out, jnp.int32),
+                                      out_scores=TokenScores(jnp.asarray(out_logprobs), None, None),
                                       num_out=jnp.asarray(num_out, jnp.int32), status=jnp.asarray(status, jnp.int32),
                                       limit=jnp.asarray(limit, jnp.int32))
         got = _stop_and_emit(state, jnp.asarray(emitted, jnp.int32), jnp.asarray(n_emit), jnp.asarray(active),
-                             eos_ids, jnp.asarray(emitted_logprobs), stop_sequences)
-        got_out, got_logprobs, got_num, got_status = map(np.asarray, got)
+                             eos_ids, TokenScores(jnp.asarray(emitted_logprobs), None, None), stop_sequences)
+        got_out, got_num, got_status = map(np.asarray, (got[0], got[2], got[3]))
+        got_logprobs = np.asarray(got[1].logprob)
         statuses = collections.Counter()
         for s in range(b):
             want = ref_stop_and_emit(out[s], out_logprobs[s], num_out[s], status[s], emitted[s], emitted_logprobs[s],
@@ -462,7 +476,7 @@ def test_stop_and_emit_equals_a_token_by_token_reference():
 def test_tokens_per_s_excludes_the_prefill_token():
     """The prefill samples each stream's first token (its time is prefill_s): tokens_per_s divides only the
     tokens of the rounds by decode_s, like tau; new_tokens still counts every token."""
-    state = types.SimpleNamespace(out_tokens=np.arange(12).reshape(2, 6), out_logprobs=None, num_out=np.array([5, 3]),
+    state = types.SimpleNamespace(out_tokens=np.arange(12).reshape(2, 6), out_scores=None, num_out=np.array([5, 3]),
                                   rounds=np.array([2, 1]), tau_hist=np.zeros((2, 5), int), status=np.array([2, 2]))
     res = summarize(state, prefill_s=7.0, decode_s=2.0)
     assert res["new_tokens"] == 8
@@ -481,7 +495,7 @@ def test_tau_over_one_round_and_over_none():
     emitted 3 tokens in it: tau 3), and 0 (not a division by zero) when no stream ran a round."""
     def state(num_out, rounds):
         n = len(num_out)
-        return types.SimpleNamespace(out_tokens=np.zeros((n, 6), int), out_logprobs=None, num_out=np.array(num_out),
+        return types.SimpleNamespace(out_tokens=np.zeros((n, 6), int), out_scores=None, num_out=np.array(num_out),
                                      rounds=np.array(rounds), tau_hist=np.zeros((n, 5), int), status=np.full(n, 2))
     one = summarize(state([4], [1]), prefill_s=1.0, decode_s=1.0)
     assert one["tau_mean"] == 3.0 and one["tau_per_stream"] == [3.0]

@@ -225,6 +225,9 @@ def test_engine_config_and_engine_refuse_bad_values():
                       (dict(eos_ids=(3, -1)), "eos_ids"), (dict(eos_ids=5), "eos_ids"),
                       (dict(logprobs=1), "logprobs must be True or False, got 1"),
                       (dict(logprobs="raw"), "logprobs must be True or False"),
+                      (dict(logprobs=True, top_logprobs=-1), "top_logprobs must be an integer >= 0"),
+                      (dict(logprobs=True, top_logprobs=2.0), "top_logprobs must be an integer >= 0"),
+                      (dict(top_logprobs=3), "top_logprobs=3 is kept beside the log-probabilities: give logprobs"),
                       (dict(stop_sequences=(5, 6)), r"stop_sequences\[0\] must be a non-empty sequence of token ids"),
                       (dict(stop_sequences=((5,), ())), r"stop_sequences\[1\] must be a non-empty sequence"),
                       (dict(stop_sequences=((5, -1),)), r"stop_sequences\[0\] must hold token ids >= 0"),
@@ -248,6 +251,8 @@ def test_engine_config_and_engine_refuse_bad_values():
         Engine(target, one_deep, EngineConfig(mode="ddtree", budget=65, capacity=64))  # refused before any compile
     with pytest.raises(ValueError, match=r"eos_ids \[64\] outside"):
         Engine(target, None, EngineConfig(mode="ar", capacity=64, eos_ids=(64,)))
+    with pytest.raises(ValueError, match="top_logprobs=65 passes the target's vocabulary of 64 tokens"):
+        Engine(target, None, EngineConfig(mode="ar", capacity=64, logprobs=True, top_logprobs=65))
     with pytest.raises(ValueError, match=r"stop_sequences \[\(3, 64\)\] hold ids outside the target's vocabulary"):
         Engine(target, None, EngineConfig(mode="ar", capacity=64, stop_sequences=((1,), (3, 64))))
     with pytest.raises(ValueError, match="max_position_embeddings"):
