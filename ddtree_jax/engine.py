@@ -187,6 +187,21 @@ def check_seed(seed) -> int:
     return int(seed)
 
 
+def stream_keys(seed, streams: int) -> jax.Array:
+    """Each stream's PRNG key, [streams] typed keys: ``seed`` is one seed for the batch (stream b's key is its key
+    folded with b) or a sequence of one per stream (stream b's key is its own seed's folded with 0, so its draws do
+    not depend on the batch around it, and one stream draws alike under ``s`` and ``[s]``); each in
+    [0, SEED_LIMIT) (``check_seed``); ValueError otherwise."""
+    seeds = _per_stream(seed, streams, "seed", "one integer", check_seed)
+    one = np.ndim(seed) == 0
+    return _fold_keys(np.asarray(seeds, np.uint32), np.arange(streams) if one else np.zeros(streams, np.int32))
+
+
+@jax.jit
+def _fold_keys(seeds, folds):
+    return jax.vmap(lambda seed, fold: jax.random.fold_in(jax.random.key(seed), fold))(seeds, folds)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DecodeState:
@@ -206,7 +221,7 @@ class DecodeState:
     status: jax.Array  # [B] int32 (RUNNING / EOS / MAX_TOKENS / CACHE_FULL / STOP_SEQUENCE)
     rounds: jax.Array  # [B] int32: rounds in which the stream was active
     tau_hist: jax.Array  # [B, D+2] int32: histogram of tokens emitted per round
-    key: jax.Array
+    key: jax.Array  # [B] typed keys: each stream's own (``stream_keys``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,10 +325,12 @@ class Engine:
     ``stream`` (same arguments) reports each stream's new tokens after the prefill and after every dispatch.
     ``temperature``: one for every stream, or one per stream (``check_temperatures``; 0 decodes that stream
     greedily), fixed by ``prefill`` in the state for every round after it. Where every stream is greedy, the
-    programs compiled take no random draws; otherwise one program serves every temperature. ``max_new_tokens``:
-    the config's (None), or a smaller limit for every stream or for each (``check_token_limits``); the same
-    programs serve any limits. ``EngineConfig(logprobs=True, top_logprobs=n)`` also keeps each emitted token's
-    log-probability under the target and its n likeliest tokens (``scores``), from the rows the forwards computed.
+    programs compiled take no random draws; otherwise one program serves every temperature. ``seed``: one for the
+    batch, or one per stream, whose draws then do not depend on the batch it is in (``stream_keys``).
+    ``max_new_tokens``: the config's (None), or a smaller limit for every stream or for each
+    (``check_token_limits``); the same programs serve any limits. ``EngineConfig(logprobs=True, top_logprobs=n)``
+    also keeps each emitted token's log-probability under the target and its n likeliest tokens (``scores``), from
+    the rows the forwards computed.
     """
 
     def __init__(self, target: KimiModel, drafter: DFlashDrafter | None, ecfg: EngineConfig, *,
@@ -353,10 +370,10 @@ class Engine:
         self.taps = tuple(self.dcfg.target_layer_ids) if self.dcfg and ecfg.mode != "ar" else ()
 
     # ------------------------------------------------------------------ prefill
-    def prefill(self, prompts: Sequence[Sequence[int]], temperature=0.0, seed: int = 0,
+    def prefill(self, prompts: Sequence[Sequence[int]], temperature=0.0, seed=0,
                 max_new_tokens=None) -> DecodeState:
         ecfg = self.ecfg
-        temperature, seed = check_temperatures(temperature, len(prompts)), check_seed(seed)
+        temperature, keys = check_temperatures(temperature, len(prompts)), stream_keys(seed, len(prompts))
         limits = check_token_limits(max_new_tokens, len(prompts), ecfg.max_new_tokens)
         tokens, lengths = pad_prompts(prompts, vocab_size=self.cfg.vocab_size, capacity=ecfg.capacity,
                                       reserve=self.depth + 1)
@@ -366,7 +383,7 @@ class Engine:
         draft_cache = init_draft_cache(self.dcfg, b, ecfg.capacity) if self.taps else None
         cache, draft_cache = place_caches(cache, draft_cache, self.runtime)
         return _prefill(self.target_def, self.target_state, self.drafter_def, self.drafter_state, cache, draft_cache,
-                        jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(temperature), jax.random.key(seed),
+                        jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(temperature), keys,
                         jnp.asarray(limits),
                         max_new_tokens=ecfg.max_new_tokens, eos_ids=ecfg.eos_ids, runtime=self.runtime,
                         taps=self.taps, depth=self.depth, greedy=not temperature.any(), top_k=ecfg.top_k,
@@ -392,7 +409,7 @@ class Engine:
             if not _any_running(state):
                 return
 
-    def stream(self, prompts: Sequence[Sequence[int]], temperature=0.0, seed: int = 0,
+    def stream(self, prompts: Sequence[Sequence[int]], temperature=0.0, seed=0,
                max_new_tokens=None) -> Iterator[StreamUpdate]:
         """``generate``'s decoding, reported as it goes: an iterator of StreamUpdates, one after the prefill (each
         stream's first token) and one after every dispatch of ``rounds_per_dispatch`` rounds (the config's
@@ -418,7 +435,7 @@ class Engine:
             for state in self._dispatches(state):
                 yield update(state)
 
-    def generate(self, prompts: Sequence[Sequence[int]], temperature=0.0, seed: int = 0,
+    def generate(self, prompts: Sequence[Sequence[int]], temperature=0.0, seed=0,
                  max_new_tokens=None) -> dict:
         """Returns per-stream tokens, statuses and metrics (compile time is separate from run time)."""
         t0 = time.perf_counter()
@@ -467,6 +484,12 @@ def _sample(logits, temperature, key, top_k: int, top_p: float, min_p: float):
     return sample_target_tokens(logits[:, None, :], temperature, key, top_k, top_p, min_p)[:, 0]
 
 
+def _split_per_stream(keys):
+    """[B] keys -> (the [B] keys to carry, [B] keys to draw with now), each stream's from its own key."""
+    pairs = jax.vmap(jax.random.split)(keys)  # [B, 2]
+    return pairs[:, 0], pairs[:, 1]
+
+
 def _static_if_greedy(temperature, greedy: bool):
     """The temperature a jitted step samples with: the Python 0.0 when ``greedy`` (a static flag: the argmax
     alone is compiled, no random draws), else the traced value (one program for every temperature)."""
@@ -492,7 +515,7 @@ def _prefill(target_def, target_state, drafter_def, drafter_state, cache, draft_
     out = target(tokens, positions, cache, causal_mask(b, p), tap_layers=taps, runtime=runtime)
     cache, _ = commit(cache, out.block_kv, positions, lengths)  # capacity checked on the host
     last = jnp.take_along_axis(out.logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
-    key, sub = jax.random.split(key)
+    key, sub = _split_per_stream(key)
     bonus = _sample(last, temperature, sub, top_k, top_p, min_p)
     dm = cfg.hidden_size
     if draft_cache is not None:
@@ -546,7 +569,7 @@ def _round(target, drafter, state: DecodeState, temperature, ecfg: EngineConfig,
 
     tree, draft_cache = _draft_tree(target, drafter, state, start, active, ecfg, depth)
     out = target(tree.tokens, tree.positions(start), state.cache, tree.visibility, tap_layers=taps, runtime=runtime)
-    key, sub = jax.random.split(state.key)
+    key, sub = _split_per_stream(state.key)
     acc = accept_tokens(tree, sample_target_tokens(out.logits, temperature, sub, ecfg.top_k, ecfg.top_p, ecfg.min_p))
 
     n_commit = jnp.where(active, acc.num_accepted + 1, 0)
@@ -592,7 +615,7 @@ def _run_rounds(target_def, target_state, drafter_def, drafter_state, state: Dec
     return state
 
 
-def inspect_round(engine: Engine, prompts: Sequence[Sequence[int]], temperature=0.0, seed: int = 0):
+def inspect_round(engine: Engine, prompts: Sequence[Sequence[int]], temperature=0.0, seed=0):
     """Prefill, then one round whose tree and acceptance are returned (numpy) for display."""
     state = engine.prefill(prompts, temperature, seed)
     tree, acc = _inspect(engine.target_def, engine.target_state, engine.drafter_def, engine.drafter_state, state,

@@ -466,7 +466,8 @@ def sample_target_tokens(target_logits, temperature, key, top_k: int = 0, top_p:
     host, e.g. ``engine.check_temperature``).
     ``top_k`` (0: off), ``top_p`` (1: off), ``min_p`` (0: off): Python numbers, the filters of
     ``sampling.truncate`` (the sample only; the argmax always survives them).
-    ``key``: a jax PRNG key; the B*T draws are independent (the same draws either way).
+    ``key``: a jax PRNG key, or one per stream ([B] typed keys: stream b's T draws come from keys[b] alone, so
+    they do not depend on the batch around it); the B*T draws are independent (the same draws either way).
     """
     logits = jnp.asarray(target_logits).astype(jnp.float32)
     if isinstance(temperature, (int, float)) and not isinstance(temperature, bool):
@@ -475,14 +476,23 @@ def sample_target_tokens(target_logits, temperature, key, top_k: int = 0, top_p:
         if temperature <= 0:
             return jnp.argmax(logits, axis=-1).astype(jnp.int32)
         scaled = truncate(logits / jnp.float32(temperature), top_k, top_p, min_p=min_p)
-        return jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
+        return _categorical(key, scaled).astype(jnp.int32)
     b = logits.shape[0]
     temp = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (b,))
     hot = temp > 0
     safe = jnp.where(hot, temp, 1.0)
-    sampled = jax.random.categorical(key, truncate(logits / safe[:, None, None], top_k, top_p, min_p=min_p), axis=-1)
+    sampled = _categorical(key, truncate(logits / safe[:, None, None], top_k, top_p, min_p=min_p))
     greedy = jnp.argmax(logits, axis=-1)
     return jnp.where(hot[:, None], sampled, greedy).astype(jnp.int32)
+
+
+def _categorical(key, logits) -> jax.Array:
+    """One draw per row of logits [B, T, W] -> [B, T]: from one key, or from [B] typed keys, stream by stream."""
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) and key.ndim == 1:
+        if key.shape[0] != logits.shape[0]:
+            raise ValueError(f"keys must be one per stream ({logits.shape[0]}), got {key.shape[0]}")
+        return jax.vmap(lambda k, rows: jax.random.categorical(k, rows, axis=-1))(key, logits)
+    return jax.random.categorical(key, logits, axis=-1)
 
 
 def accept_sample(tree: Tree, target_logits, temperature, key, top_k: int = 0, top_p: float = 1.0,

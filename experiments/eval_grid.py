@@ -236,7 +236,8 @@ def time_passes(engine: Engine, batches: Sequence[Sequence[Sequence[int]]], *, t
     with bench_util.counting_compiles() as compiles:
         for _ in range(repeats):
             t0 = time.perf_counter()
-            results = [engine.generate(b, temperature, seed + i) for i, b in enumerate(batches)]
+            results = [engine.generate(b, temperature, seeds)
+                       for b, seeds in zip(batches, run_decode.batch_seeds(seed, batches))]
             walls.append(time.perf_counter() - t0)
             passes.append(run_decode.merge_results(results))
     tokens, status, m = passes[0]

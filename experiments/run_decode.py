@@ -82,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--capacity", type=int, default=512,
                    help="cache slots per stream: must hold the longest prompt, --max-new-tokens and the mode's "
                         "draft tree (checked before decoding)")
-    p.add_argument("--seed", type=int, default=0, help=f"in [0, {SEED_LIMIT})")
+    p.add_argument("--seed", type=int, default=0,
+                   help=f"prompt i samples with seed + i, whatever --streams (all in [0, {SEED_LIMIT}))")
     p.add_argument("--stop-ids", action="append", default=[],
                    help="space-separated token ids (repeatable): a stream stops once it has generated them in a row "
                         "(kept in its output, like the EOS)")
@@ -160,10 +161,9 @@ def check_args(args) -> None:
     n = count_prompts(args)
     if args.streams is not None and args.streams > n:
         raise ValueError(f"--streams {args.streams} is more than the {n} prompts given")
-    batches = -(-n // (args.streams or n))
-    if not 0 <= args.seed < SEED_LIMIT - (batches - 1):
-        reason = f" (its {batches} batches of streams decode with --seed + 0..{batches - 1})" if batches > 1 else ""
-        raise ValueError(f"--seed must be in [0, {SEED_LIMIT - (batches - 1)}){reason}, got {args.seed}")
+    if not 0 <= args.seed < SEED_LIMIT - (n - 1):
+        reason = f" (its {n} prompts sample with --seed + 0..{n - 1})" if n > 1 else ""
+        raise ValueError(f"--seed must be in [0, {SEED_LIMIT - (n - 1)}){reason}, got {args.seed}")
 
 
 def check_mode_flags(args, modes: Sequence[str]) -> None:
@@ -359,6 +359,13 @@ def split_batches(prompts, streams):
     return [prompts[i:i + streams] for i in range(0, len(prompts), streams)]
 
 
+def batch_seeds(seed: int, batches) -> list[list[int]]:
+    """Each batch's per-stream seeds: prompt i of all the batches samples with seed + i (its own key, so what it
+    samples does not depend on how the prompts are split into batches)."""
+    starts = np.cumsum([0] + [len(batch) for batch in batches])
+    return [list(range(seed + start, seed + start + len(batch))) for start, batch in zip(starts, batches)]
+
+
 def merge_results(results):
     """Joins ``Engine.generate`` results of consecutive batches: (tokens, status, metrics).
 
@@ -424,13 +431,14 @@ def run_mode(target, drafter, mode, args, prompts, tokenizer, eos_ids):
     streams = args.streams if args.streams is not None else len(prompts)
     batches = split_batches(prompts, streams)
     compile_s = warm_up(engine, batches, args.temperature)
-    results = [engine.generate(batch, args.temperature, args.seed + i) for i, batch in enumerate(batches)]
+    results = [engine.generate(batch, args.temperature, seeds)
+               for batch, seeds in zip(batches, batch_seeds(args.seed, batches))]
     tokens, status, metrics = merge_results(results)
     metrics = {"mode": mode, "budget": args.budget if mode == "ddtree" else None, "streams": streams, **metrics,
                "compile_s": compile_s}
     picture = None
     if mode == "ddtree":
-        tree, acc = inspect_round(engine, prompts[:1], args.temperature, args.seed)
+        tree, acc = inspect_round(engine, prompts[:1], args.temperature, [args.seed])  # prompt 0's first round
         picture = draw_tree(tree["tokens"], tree["parents"], acc["path"], tokenizer)
     run = {"metrics": metrics, "tokens": tokens, "status": status, "tree_picture": picture}
     if args.logprobs:

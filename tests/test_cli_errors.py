@@ -48,10 +48,10 @@ RANDOM = ["--target", "random"]
     (["--top-k", "5"], "--top-k, --top-p and --min-p filter what is sampled; greedy decoding"),
     (["--top-p", "0.9"], "--top-k, --top-p and --min-p filter what is sampled"),
     (["--min-p", "0.1"], "--top-k, --top-p and --min-p filter what is sampled"),
-    (["--seed", "-1"], "--seed must be in [0, 4294967296), got -1"),
-    (["--seed", "4294967296"], "--seed must be in [0, 4294967296), got 4294967296"),
-    (["--streams", "3", "--seed", "4294967294"],
-     "--seed must be in [0, 4294967294) (its 3 batches of streams decode with --seed + 0..2), got 4294967294"),
+    (["--seed", "-1"], "--seed must be in [0, 4294967289) (its 8 prompts sample with --seed + 0..7), got -1"),
+    (["--prompt-ids", "1", "--seed", "4294967296"], "--seed must be in [0, 4294967296), got 4294967296"),
+    (["--seed", "4294967290"],
+     "--seed must be in [0, 4294967289) (its 8 prompts sample with --seed + 0..7), got 4294967290"),
     (["--mode", "ar", "--compare"], "--mode ar is AR alone"),
     (["--mode", "ar", "--drafter", "random"], "--drafter is not used"),
     (["--target", "/no/such/model"], "--target '/no/such/model' is neither a directory nor 'random'"),
@@ -70,8 +70,9 @@ def test_mode_dependent_defaults():
     assert args.drafter.endswith("drafter")
     args = run_decode.parse_args(RANDOM + ["--mode", "ar", "--prompt", "hi"])
     assert (args.budget, args.drafter, args.num_prompts) == (None, None, None)
-    args = run_decode.parse_args(RANDOM + ["--streams", "3", "--seed", "4294967293"])  # its last batch: 2**32 - 1
-    assert args.seed == 4294967293
+    args = run_decode.parse_args(RANDOM + ["--streams", "3", "--seed", "4294967288"])  # its last prompt: 2**32 - 1
+    assert args.seed == 4294967288
+    assert run_decode.batch_seeds(10, [[[1]] * 3, [[1]] * 3, [[1]] * 2]) == [[10, 11, 12], [13, 14, 15], [16, 17]]
     args = run_decode.parse_args(RANDOM + ["--mode", "dflash", "--compare", "--drafter", "random", "--streams", "8"])
     assert run_decode.modes_of(args) == ["ar", "dflash"] and args.budget is None and args.streams == 8
 

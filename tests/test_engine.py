@@ -208,6 +208,25 @@ def test_per_stream_temperatures(models, ar_reference, mode):
 
 
 @pytest.mark.parametrize("mode", ["ar", "dflash", "ddtree"])
+def test_per_stream_seeds_make_a_streams_draws_independent_of_its_batch(models, mode):
+    """``seed=[one per stream]``: a sampled stream emits the same tokens alone, in a batch of four, or in another
+    place of another batch (the others' prompts, temperatures and seeds changed), and other tokens under another
+    seed; one seed for the batch gives each stream its own draws (streams with one prompt differ)."""
+    target, drafter = models
+    engine = Engine(target, drafter if mode != "ar" else None,
+                    EngineConfig(mode=mode, budget=16, max_new_tokens=NEW, capacity=64))
+    prompts = PROMPTS[:4]
+    batch = engine.generate(prompts, 1.0, seed=[11, 12, 13, 14])["tokens"]
+    for b in range(4):
+        assert engine.generate([prompts[b]], 1.0, seed=[11 + b])["tokens"][0] == batch[b], b
+    moved = engine.generate([PROMPTS[9], prompts[2], prompts[0]], [0.0, 1.0, 1.0], seed=(5, 13, 11))["tokens"]
+    assert moved[1:] == [batch[2], batch[0]]
+    assert engine.generate([prompts[0]], 1.0, seed=[99])["tokens"][0] != batch[0]
+    same_prompt = engine.generate([prompts[0]] * 4, 1.0, seed=11)["tokens"]
+    assert len({tuple(t) for t in same_prompt}) > 1 and same_prompt[0] == batch[0]  # stream 0: s as [s]
+
+
+@pytest.mark.parametrize("mode", ["ar", "dflash", "ddtree"])
 def test_per_stream_token_limits(models, ar_reference, mode):
     """Each stream stops at its own limit (one for all, or one per stream, at most the config's): its tokens are
     AR's first ones, with status max_new_tokens, and one compiled program serves every limit."""
@@ -529,6 +548,10 @@ def test_seed_outside_32_bits_refused(models):
     for bad in (1.5, True, "3", None):
         with pytest.raises(ValueError, match="seed must be an integer"):
             engine.prefill([[1, 2]], seed=bad)
+    with pytest.raises(ValueError, match=r"stream 1's seed must be in \[0, 4294967296\) \(a 32-bit key\), got -1"):
+        engine.prefill([[1, 2], [3]], seed=[0, -1])
+    with pytest.raises(ValueError, match=r"seed must be one integer or a sequence of one per stream \(2\)"):
+        engine.prefill([[1, 2], [3]], seed=[0, 1, 2])
     for good in (0, 2**32 - 1, np.uint32(7), np.int64(2**32 - 1)):
         assert check_seed(good) == int(good) and type(check_seed(good)) is int
 
