@@ -1,6 +1,8 @@
 """DDTree's ranking steps on the device: ``ddtree_jax.topk.top_k`` by each method at the draft's vocabulary
 and at the build's beams, the log-softmax before them, ``build_tree`` whole, and the verify's target sample
-plain and truncated by top-k / top-p (``ddtree_jax.sampling``, each top-p method), by the device time per call
+plain and truncated by top-k / top-p (``ddtree_jax.sampling``, each top-p method), the sample with one key per
+stream against one for the batch, and the engine's optional token scores (``ddtree_jax.scores``), by the device
+time per call
 from a profiler trace (a chain of 8 dependent calls, ``bench_util.traced_call_time``; each call's span
 holds the chain's one-element tie, ~1 µs). The floor of a vocabulary point is its bytes read once (M x W
 f32) over PyTorch's copy bandwidth (XLA's a+1 copy, ``bench_util.measure_copy_bandwidth``, where PyTorch
@@ -28,7 +30,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from ddtree_jax import sampling, topk  # noqa: E402
-from ddtree_jax.tree import build_tree  # noqa: E402
+from ddtree_jax.scores import token_scores  # noqa: E402
+from ddtree_jax.tree import build_tree, sample_target_tokens  # noqa: E402
 from experiments import bench_util  # noqa: E402
 
 VOCAB, DEPTH, BUDGET = 163840, 7, 32
@@ -174,17 +177,53 @@ def bench_sample(rows, m_list, w, bw):
             print(row, flush=True)
 
 
+def bench_keys(rows, shapes, w, bw):
+    """The verify's plain sample (temperature 1) over [B, T, W] logits with one key for the batch against one key
+    per stream (``tree.sample_target_tokens``' [B] keys: a vmap of the draw over streams, what the engine does)."""
+    rng = np.random.default_rng(5)
+    for b, t in shapes:
+        logits = jnp.asarray(rng.standard_normal((b, t, w)) * 3, jnp.float32)
+        keys = {"one key": jax.random.key(0), "key per stream": jax.random.split(jax.random.key(0), b)}
+        for name, key in keys.items():
+            fn = jax.jit(lambda x, k=key: sample_target_tokens(x, 1.0, k))
+            row = {"part": "sample keys", "M": b * t, "B": b, "T": t, "N": w, "method": name, **timed(fn, (logits,))}
+            if bw:
+                row["floor_us"] = b * t * w * 4 / bw * 1e6
+            rows.append(row)
+            print(row, flush=True)
+
+
+def bench_scores(rows, shapes, w, bw, tops=(0, 5, 20)):
+    """What ``EngineConfig(logprobs=True, top_logprobs=n)`` adds to a round: the accepted path's R rows gathered
+    from the verify's [B, T, W] logits and ``scores.token_scores`` over them (log-probability, n likeliest)."""
+    rng = np.random.default_rng(6)
+    for b, t, r in shapes:
+        logits = jnp.asarray(rng.standard_normal((b, t, w)) * 3, jnp.float32)
+        path = jnp.asarray(np.sort(rng.integers(0, t, (b, r)), axis=1), jnp.int32)
+        tokens = jnp.asarray(rng.integers(0, w, (b, r)), jnp.int32)
+        for top in tops:
+            def fn(x, p, y, top=top):
+                return token_scores(jnp.take_along_axis(x, p[:, :, None], axis=1), y, top)
+
+            row = {"part": "scores", "M": b * r, "B": b, "T": t, "N": w, "K": top or None,
+                   "method": f"path rows, top {top}", **timed(jax.jit(fn), (logits, path, tokens))}
+            if bw:
+                row["floor_us"] = b * r * w * 4 / bw * 1e6  # the path's rows read once
+            rows.append(row)
+            print(row, flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--name", default="bench_top_k")
-    ap.add_argument("--parts", default="vocab,beams,log_softmax,build,sample")
+    ap.add_argument("--parts", default="vocab,beams,log_softmax,build,sample,keys,scores")
     ap.add_argument("--commit", default=None, help="code commit to record (the device copy has no .git)")
     ap.add_argument("--smoke", action="store_true", help="CPU: small shapes")
     ap.add_argument("--sample-rows", default="33,132,260", help="the sample part's M values (comma-separated)")
     args = ap.parse_args()
     parts = args.parts.split(",")
-    unknown = set(parts) - {"vocab", "beams", "log_softmax", "build", "sample"}
+    unknown = set(parts) - {"vocab", "beams", "log_softmax", "build", "sample", "keys", "scores"}
     if unknown:
         ap.error(f"unknown --parts {sorted(unknown)}")
     print("jax", jax.__version__, jax.devices()[0].device_kind, flush=True)
@@ -207,12 +246,16 @@ def main():
         bench_build(rows, [4] if args.smoke else [1, 4, 16], w, DEPTH, BUDGET)
     if "sample" in parts:  # the verify's rows: DDTree-32 at 1 and 4 streams, DDTree-64 at 4
         bench_sample(rows, [33] if args.smoke else [int(m) for m in args.sample_rows.split(",")], w, bw)
+    if "keys" in parts:  # DDTree-32 and -64 trees at 1, 4 and 8 streams
+        bench_keys(rows, [(4, 33)] if args.smoke else [(1, 33), (4, 33), (4, 65), (8, 33)], w, bw)
+    if "scores" in parts:  # paths of up to DEPTH + 1 rows
+        bench_scores(rows, [(4, 33, DEPTH + 1)] if args.smoke else [(b, 33, DEPTH + 1) for b in (1, 4, 16)], w, bw)
     payload = {"copy_bw_Bps": bw, "copy_bw_source": bw_source, "code_commit": args.commit,
                "hardware": bench_util.hardware(),
                "jax": jax.__version__, "seconds": round(time.time() - t0, 1), "rows": rows}
     bench_util.write_result(args.name, payload, out_dir=args.out)
-    bench_util.print_table(rows, ["part", "M", "N", "K", "top_p", "method", "min_p", "passes", "chunk", "exact",
-                                  "rows_as_sort", "kept_diff", "us", "floor_us", "launches"])
+    bench_util.print_table(rows, ["part", "M", "B", "T", "N", "K", "top_p", "method", "min_p", "passes", "chunk",
+                                  "exact", "rows_as_sort", "kept_diff", "us", "floor_us", "launches"])
 
 
 if __name__ == "__main__":
