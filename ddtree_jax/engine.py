@@ -35,7 +35,8 @@ from ddtree_jax.decode import pad_prompts
 from ddtree_jax.drafter import (DFlashDrafter, DraftCache, check_drafter_target, draft_cache_axes, draft_logits,
                                 init_draft_cache)
 from ddtree_jax.model import KimiModel, Runtime, causal_mask
-from ddtree_jax.sampling import check_min_p, check_top_k, check_top_p
+from ddtree_jax.sampling import (apply_repetition_penalty, check_min_p, check_repetition_penalty, check_top_k,
+                                 check_top_p, context_seen)
 from ddtree_jax.scores import (TokenScores, append_scores, empty_scores, per_stream_slices, scores_lists,
                                token_scores)
 from ddtree_jax.sharding import named_sharding, shard_state
@@ -61,6 +62,7 @@ class EngineConfig:
     top_k: int = 0  # sampling keeps the top_k likeliest tokens (0: all); greedy decoding ignores it
     top_p: float = 1.0  # then the fewest likeliest whose mass reaches top_p (1: all); ``sampling.truncate``
     min_p: float = 0.0  # then those at least min_p times as likely as the likeliest (0: all)
+    repetition_penalty: float = 1.0  # on the context's tokens before any of them, greedy too (1: off)
     logprobs: bool = False  # also keep each emitted token's log-probability under the target (``scores``)
     top_logprobs: int = 0  # and, with logprobs, the target's top_logprobs likeliest tokens at each place
 
@@ -85,6 +87,7 @@ class EngineConfig:
         object.__setattr__(self, "top_k", check_top_k(self.top_k))
         object.__setattr__(self, "top_p", check_top_p(self.top_p))
         object.__setattr__(self, "min_p", check_min_p(self.min_p))
+        object.__setattr__(self, "repetition_penalty", check_repetition_penalty(self.repetition_penalty))
         if not isinstance(self.logprobs, (bool, np.bool_)):
             raise ValueError(f"logprobs must be True or False, got {self.logprobs!r}")
         object.__setattr__(self, "logprobs", bool(self.logprobs))
@@ -218,6 +221,7 @@ class DecodeState:
     num_out: jax.Array  # [B] int32
     limit: jax.Array  # [B] int32: the stream's token limit (at most EngineConfig.max_new_tokens, N)
     temperature: jax.Array  # [B] float32: the stream's sampling temperature (0: greedy)
+    seen: jax.Array | None  # [B, W] bool: tokens of the prompt and the output (repetition penalty); else None
     status: jax.Array  # [B] int32 (RUNNING / EOS / MAX_TOKENS / CACHE_FULL / STOP_SEQUENCE)
     rounds: jax.Array  # [B] int32: rounds in which the stream was active
     tau_hist: jax.Array  # [B, D+2] int32: histogram of tokens emitted per round
@@ -388,7 +392,8 @@ class Engine:
                         max_new_tokens=ecfg.max_new_tokens, eos_ids=ecfg.eos_ids, runtime=self.runtime,
                         taps=self.taps, depth=self.depth, greedy=not temperature.any(), top_k=ecfg.top_k,
                         top_p=ecfg.top_p, min_p=ecfg.min_p, logprobs=ecfg.logprobs,
-                        top_logprobs=ecfg.top_logprobs, stop_sequences=ecfg.stop_sequences)
+                        top_logprobs=ecfg.top_logprobs, stop_sequences=ecfg.stop_sequences,
+                        repetition_penalty=ecfg.repetition_penalty)
 
     def run(self, state: DecodeState) -> DecodeState:
         """Dispatches rounds (``rounds_per_dispatch`` per call) until every stream has stopped, each stream at the
@@ -498,12 +503,12 @@ def _static_if_greedy(temperature, greedy: bool):
 
 @functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "max_new_tokens", "eos_ids", "runtime",
                                              "taps", "depth", "greedy", "top_k", "top_p", "min_p", "logprobs",
-                                             "top_logprobs", "stop_sequences"),
+                                             "top_logprobs", "stop_sequences", "repetition_penalty"),
                    donate_argnames=("cache", "draft_cache"))
 def _prefill(target_def, target_state, drafter_def, drafter_state, cache, draft_cache, tokens, lengths, temperature,
              key, limits, *, max_new_tokens: int, eos_ids: tuple[int, ...], runtime: Runtime, taps: tuple[int, ...],
              depth: int, greedy: bool, top_k: int, top_p: float, min_p: float, logprobs: bool, top_logprobs: int,
-             stop_sequences: tuple[tuple[int, ...], ...]) -> DecodeState:
+             stop_sequences: tuple[tuple[int, ...], ...], repetition_penalty: float) -> DecodeState:
     # Keyed on its static arguments, not on the EngineConfig: mode and budget enter only through depth
     # (= tree_depth, the shapes of ctx_taps / tau_hist), taps and drafter_def, so engines that agree on
     # those (e.g. dflash and ddtree with budget >= Dp) and on the other static arguments share one program.
@@ -516,7 +521,14 @@ def _prefill(target_def, target_state, drafter_def, drafter_state, cache, draft_
     cache, _ = commit(cache, out.block_kv, positions, lengths)  # capacity checked on the host
     last = jnp.take_along_axis(out.logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
     key, sub = _split_per_stream(key)
-    bonus = _sample(last, temperature, sub, top_k, top_p, min_p)
+    seen = None
+    if repetition_penalty != 1:
+        seen = _add_seen(jnp.zeros((b, cfg.vocab_size), bool), tokens, lengths)
+        bonus = _sample(apply_repetition_penalty(last, seen, repetition_penalty), temperature, sub, top_k, top_p,
+                        min_p)
+        seen = _add_seen(seen, bonus[:, None], jnp.ones((b,), jnp.int32))
+    else:
+        bonus = _sample(last, temperature, sub, top_k, top_p, min_p)
     dm = cfg.hidden_size
     if draft_cache is not None:
         drafter = nnx.merge(drafter_def, drafter_state)
@@ -529,7 +541,7 @@ def _prefill(target_def, target_state, drafter_def, drafter_state, cache, draft_
         out_tokens=jnp.full((b, max_new_tokens), PAD, jnp.int32),
         out_scores=empty_scores(b, max_new_tokens, top_logprobs) if logprobs else None,
         num_out=jnp.zeros((b,), jnp.int32), limit=limits,
-        temperature=temperatures,
+        temperature=temperatures, seen=seen,
         status=jnp.full((b,), RUNNING, jnp.int32), rounds=jnp.zeros((b,), jnp.int32),
         tau_hist=jnp.zeros((b, depth + 2), jnp.int32), key=key,
     )
@@ -539,6 +551,13 @@ def _prefill(target_def, target_state, drafter_def, drafter_state, cache, draft_
                                                              stop_sequences)
     return dataclasses.replace(state, out_tokens=out_tokens, out_scores=out_scores, num_out=num_out,
                                status=status)
+
+
+def _add_seen(seen, tokens, counts):
+    """seen [B, W] bool with each stream's first counts[b] of tokens [B, L] set."""
+    b, length = tokens.shape
+    ids = jnp.where(jnp.arange(length)[None, :] < counts[:, None], tokens, seen.shape[1])  # past counts: dropped
+    return seen.at[jnp.arange(b)[:, None], ids].set(True, mode="drop")
 
 
 def _draft_tree(target, drafter, state: DecodeState, start, active, ecfg: EngineConfig, depth: int):
@@ -557,6 +576,15 @@ def _draft_tree(target, drafter, state: DecodeState, start, active, ecfg: Engine
     return tree, draft_cache
 
 
+def _target_tokens(logits, tree, seen, temperature, key, ecfg: EngineConfig):
+    """The target's token at every node [B, T] from the verify's logits [B, T, W]: after the repetition penalty
+    over each node's context (where ``seen`` is kept), the argmax or a draw (``sample_target_tokens``)."""
+    if seen is not None:
+        logits = apply_repetition_penalty(logits, context_seen(seen, tree.tokens, tree.visibility),
+                                          ecfg.repetition_penalty)
+    return sample_target_tokens(logits, temperature, key, ecfg.top_k, ecfg.top_p, ecfg.min_p)
+
+
 def _round(target, drafter, state: DecodeState, temperature, ecfg: EngineConfig, runtime: Runtime,
            taps: tuple[int, ...], depth: int) -> DecodeState:
     b = state.bonus.shape[0]
@@ -570,7 +598,7 @@ def _round(target, drafter, state: DecodeState, temperature, ecfg: EngineConfig,
     tree, draft_cache = _draft_tree(target, drafter, state, start, active, ecfg, depth)
     out = target(tree.tokens, tree.positions(start), state.cache, tree.visibility, tap_layers=taps, runtime=runtime)
     key, sub = _split_per_stream(state.key)
-    acc = accept_tokens(tree, sample_target_tokens(out.logits, temperature, sub, ecfg.top_k, ecfg.top_p, ecfg.min_p))
+    acc = accept_tokens(tree, _target_tokens(out.logits, tree, state.seen, temperature, sub, ecfg))
 
     n_commit = jnp.where(active, acc.num_accepted + 1, 0)
     rows = jnp.maximum(acc.path, 0)
@@ -590,7 +618,8 @@ def _round(target, drafter, state: DecodeState, temperature, ecfg: EngineConfig,
         cache=cache, draft_cache=draft_cache, bonus=jnp.where(active, acc.next_token, state.bonus),
         ctx_taps=ctx_taps, ctx_counts=n_commit, ctx_start=start, out_tokens=out_tokens, out_scores=out_scores,
         num_out=num_out,
-        limit=state.limit, temperature=state.temperature, status=status,
+        limit=state.limit, temperature=state.temperature,
+        seen=None if state.seen is None else _add_seen(state.seen, acc.emitted, num_out - state.num_out), status=status,
         rounds=state.rounds + active.astype(jnp.int32), tau_hist=tau_hist, key=key,
     )
 
@@ -635,6 +664,6 @@ def _inspect(target_def, target_state, drafter_def, drafter_state, state, *, ecf
     active = state.status == RUNNING
     tree, _ = _draft_tree(target, drafter, state, start, active, ecfg, depth)
     out = target(tree.tokens, tree.positions(start), state.cache, tree.visibility, runtime=runtime)
-    acc = accept_tokens(tree, sample_target_tokens(out.logits, temperature, state.key, ecfg.top_k, ecfg.top_p,
-                                                     ecfg.min_p))
+    _, sub = _split_per_stream(state.key)  # the draws of the state's next round
+    acc = accept_tokens(tree, _target_tokens(out.logits, tree, state.seen, temperature, sub, ecfg))
     return tree, acc

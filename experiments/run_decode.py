@@ -42,7 +42,7 @@ from ddtree_jax.engine import (EOS, SEED_LIMIT, Engine, EngineConfig, check_temp
                                inspect_round, required_capacity, tree_depth)
 from ddtree_jax.hf_loader import load_hf_model  # noqa: E402
 from ddtree_jax.model import KimiModel  # noqa: E402
-from ddtree_jax.sampling import check_min_p, check_top_k, check_top_p  # noqa: E402
+from ddtree_jax.sampling import check_min_p, check_repetition_penalty, check_top_k, check_top_p  # noqa: E402
 from ddtree_jax.tokenizer import load_tokenizer  # noqa: E402
 from ddtree_jax.tree import check_budget  # noqa: E402
 from experiments import bench_util  # noqa: E402
@@ -84,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "draft tree (checked before decoding)")
     p.add_argument("--seed", type=int, default=0,
                    help=f"prompt i samples with seed + i, whatever --streams (all in [0, {SEED_LIMIT}))")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="transformers' repetition penalty over the prompt and output tokens, greedy too (1: off)")
     p.add_argument("--stop-ids", action="append", default=[],
                    help="space-separated token ids (repeatable): a stream stops once it has generated them in a row "
                         "(kept in its output, like the EOS)")
@@ -140,7 +142,8 @@ def check_args(args) -> None:
             raise ValueError(f"{flag} must be >= 1, got {value}")
     for flag, check, value in (("--temperature", check_temperature, args.temperature),
                                ("--top-k", check_top_k, args.top_k), ("--top-p", check_top_p, args.top_p),
-                               ("--min-p", check_min_p, args.min_p)):
+                               ("--min-p", check_min_p, args.min_p),
+                               ("--repetition-penalty", check_repetition_penalty, args.repetition_penalty)):
         try:
             check(value)
         except ValueError as e:
@@ -295,6 +298,7 @@ def engine_config(mode: str, args, eos_ids=()) -> EngineConfig:
     budget = {"budget": args.budget} if mode == "ddtree" else {}
     return EngineConfig(mode=mode, max_new_tokens=args.max_new_tokens, capacity=args.capacity, eos_ids=eos_ids,
                         top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, logprobs=args.logprobs,
+                        repetition_penalty=args.repetition_penalty,
                         stop_sequences=tuple(tuple(parse_ids(s, i, "--stop-ids")) for i, s in enumerate(args.stop_ids)),
                         **budget)
 

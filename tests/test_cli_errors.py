@@ -59,6 +59,7 @@ RANDOM = ["--target", "random"]
     (["--json", "/no/such/dir/out.json"], "its directory does not exist"),
     (["--stop-ids", "1 2", "--stop-ids", "3 x"], "--stop-ids #2 must be space-separated token ids >= 0, got '3 x'"),
     (["--stop-ids", " "], "--stop-ids #1 must be space-separated token ids"),
+    (["--repetition-penalty", "0"], "--repetition-penalty: repetition_penalty must be finite and > 0 (1: off)"),
 ])
 def test_bad_flags_are_refused_before_any_model_is_built(argv, message, capsys):
     assert message in refused(run_decode.parse_args, RANDOM + argv, capsys)

@@ -168,3 +168,50 @@ def test_bad_top_p_refused(top_p):
 def test_bad_min_p_refused(min_p):
     with pytest.raises(ValueError, match="min_p must be"):
         sampling.truncate(jnp.zeros((2, 30)), 0, 1.0, min_p=min_p)
+
+
+# ----------------------------------------------------------------------------------------- repetition penalty
+@pytest.mark.parametrize("penalty", [0.5, 1.3, 2.0])
+def test_repetition_penalty_is_transformers(penalty):
+    """``apply_repetition_penalty`` over a context's tokens (repeated ids included) equals transformers'
+    ``RepetitionPenaltyLogitsProcessor`` on the same ids, on logits of both signs."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    rng = np.random.default_rng(int(penalty * 10))
+    logits = rng.standard_normal((6, 40)).astype(np.float32) * 3
+    context = rng.integers(0, 40, (6, 12))
+    want = RepetitionPenaltyLogitsProcessor(penalty)(torch.from_numpy(context), torch.from_numpy(logits)).numpy()
+    seen = np.zeros((6, 40), bool)
+    np.put_along_axis(seen, context, True, axis=1)
+    got = np.asarray(sampling.apply_repetition_penalty(jnp.asarray(logits), jnp.asarray(seen), penalty))
+    np.testing.assert_array_max_ulp(got, want, maxulp=1)  # XLA may divide by the constant as a product
+    assert (got != logits).sum() == seen.sum()  # every seen token moved, no other
+
+
+def test_context_seen_adds_each_nodes_ancestors_and_itself():
+    """``context_seen`` against a plain walk up each node's parents: the stream's seen tokens, plus the tokens of the
+    node and of every ancestor, and no other tree token."""
+    from test_tree import random_tree
+
+    rng = np.random.default_rng(3)
+    b, t, w = 3, 12, 16
+    tree = random_tree(rng, b, t, w, max_depth=4)
+    seen = rng.random((b, w)) < 0.2
+    got = np.asarray(sampling.context_seen(jnp.asarray(seen), tree.tokens, tree.visibility))
+    tokens, parents = np.asarray(tree.tokens), np.asarray(tree.parents)
+    for s in range(b):
+        for node in range(t):
+            want = seen[s].copy()
+            n = node
+            while n >= 0:
+                want[tokens[s, n]] = True
+                n = parents[s, n]
+            assert got[s, node].tolist() == want.tolist(), (s, node)
+
+
+@pytest.mark.parametrize("bad,message", [(0.0, "must be finite and > 0"), (-1.2, "must be finite and > 0"),
+                                         (float("nan"), "must be finite and > 0"), (float("inf"), "must be finite"),
+                                         (True, "must be a number"), ("1.2", "must be a number")])
+def test_bad_repetition_penalty_refused(bad, message):
+    with pytest.raises(ValueError, match=f"repetition_penalty {message}"):
+        sampling.check_repetition_penalty(bad)
