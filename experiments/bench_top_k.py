@@ -179,14 +179,27 @@ def bench_sample(rows, m_list, w, bw):
 
 def bench_keys(rows, shapes, w, bw):
     """The verify's plain sample (temperature 1) over [B, T, W] logits with one key for the batch against one key
-    per stream (``tree.sample_target_tokens``' [B] keys: a vmap of the draw over streams, what the engine does)."""
+    per stream (``tree.sample_target_tokens``' [B] keys: a vmap of the draw over streams, what the engine does),
+    and with the repetition penalty before it (``sampling.context_seen`` over a chain of T nodes on 1 % of the
+    vocabulary seen, then ``apply_repetition_penalty``)."""
     rng = np.random.default_rng(5)
     for b, t in shapes:
         logits = jnp.asarray(rng.standard_normal((b, t, w)) * 3, jnp.float32)
-        keys = {"one key": jax.random.key(0), "key per stream": jax.random.split(jax.random.key(0), b)}
-        for name, key in keys.items():
-            fn = jax.jit(lambda x, k=key: sample_target_tokens(x, 1.0, k))
-            row = {"part": "sample keys", "M": b * t, "B": b, "T": t, "N": w, "method": name, **timed(fn, (logits,))}
+        per_stream = jax.random.split(jax.random.key(0), b)
+        seen = jnp.asarray(rng.random((b, w)) < 0.01)
+        tokens = jnp.asarray(rng.integers(0, w, (b, t)), jnp.int32)
+        chain = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+
+        def penalised(x, k=per_stream, seen=seen, tokens=tokens, chain=chain):
+            context = sampling.context_seen(seen, tokens, chain)
+            return sample_target_tokens(sampling.apply_repetition_penalty(x, context, 1.3), 1.0, k)
+
+        fns = {"one key": lambda x: sample_target_tokens(x, 1.0, jax.random.key(0)),
+               "key per stream": lambda x, k=per_stream: sample_target_tokens(x, 1.0, k),
+               "key per stream + repetition penalty": penalised}
+        for name, fn in fns.items():
+            row = {"part": "sample keys", "M": b * t, "B": b, "T": t, "N": w, "method": name,
+                   **timed(jax.jit(fn), (logits,))}
             if bw:
                 row["floor_us"] = b * t * w * 4 / bw * 1e6
             rows.append(row)
