@@ -606,10 +606,11 @@ def test_sharded_engine_matches(models, host_devices):
     split = [leaf for leaf in jax.tree.leaves(engine.target_state) if not leaf.sharding.is_fully_replicated]
     assert len(split) > 10, len(split)
     assert "data" in engine.prefill(prompts).cache.kv.sharding.spec
-    with_logprobs = dataclasses.replace(ecfg, logprobs=True)  # and the log-probabilities over a split vocabulary
-    want = Engine(target, drafter, with_logprobs).generate(prompts)
-    got = Engine(target, drafter, with_logprobs, runtime=runtime).generate(prompts)
-    assert got["tokens"] == want["tokens"] == plain
+    # and the log-probabilities and the repetition penalty over a split vocabulary, per-stream seeds sampled
+    options = dataclasses.replace(ecfg, logprobs=True, top_logprobs=3, repetition_penalty=1.6)
+    want = Engine(target, drafter, options).generate(prompts, [0.0, 1.0, 0.0, 0.7], seed=[3, 4, 5, 6])
+    got = Engine(target, drafter, options, runtime=runtime).generate(prompts, [0.0, 1.0, 0.0, 0.7], seed=[3, 4, 5, 6])
+    assert got["tokens"] == want["tokens"] and got["tokens"] != plain
     for b in range(len(prompts)):
         np.testing.assert_allclose(got["logprobs"][b], want["logprobs"][b], rtol=1e-5, atol=1e-5)
 
