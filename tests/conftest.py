@@ -44,6 +44,41 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def mapped_regions() -> int | None:
+    """Memory regions this process maps (Linux: lines of /proc/self/maps); None where that cannot be read."""
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            return sum(1 for _ in maps)
+    except OSError:
+        return None
+
+
+def map_limit() -> int | None:
+    try:
+        with open("/proc/sys/vm/max_map_count") as limit:
+            return int(limit.read())
+    except (OSError, ValueError):
+        return None
+
+
+MAP_LIMIT = map_limit()
+
+
+@pytest.fixture(autouse=True)
+def bound_compiled_programs():
+    """Drops JAX's compile caches before a test once this process maps over half of Linux's vm.max_map_count.
+
+    Every program XLA:CPU compiles keeps memory regions mapped while it is cached. A worker that has compiled a few
+    hundred engines (test_engine.py alone maps ~45 000 regions at 60 %) reaches the limit (65 530 by default), and
+    the next compile's mmap fails inside LLVM: session 59's CI died there twice, by segfault and by abort, in
+    different tests. Dropping the caches frees the regions; later tests recompile what they need."""
+    count = mapped_regions() if MAP_LIMIT else None
+    if count is not None and count > MAP_LIMIT // 2:
+        jax.clear_caches()
+        gc.collect()
+    yield
+
+
 def pytest_sessionfinish(session, exitstatus):
     """Keeps a worker's exit inside pytest-xdist's grace period.
 
