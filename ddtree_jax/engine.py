@@ -36,7 +36,7 @@ from ddtree_jax.drafter import (DFlashDrafter, DraftCache, check_drafter_target,
                                 init_draft_cache)
 from ddtree_jax.model import KimiModel, Runtime, causal_mask
 from ddtree_jax.sampling import (apply_repetition_penalty, check_min_p, check_repetition_penalty, check_top_k,
-                                 check_top_p, context_seen)
+                                 check_top_p, context_seen, is_number)
 from ddtree_jax.scores import (TokenScores, append_scores, empty_scores, per_stream_slices, scores_lists,
                                token_scores)
 from ddtree_jax.sharding import named_sharding, shard_state
@@ -122,7 +122,7 @@ def check_stop_sequences(stop_sequences) -> tuple[tuple[int, ...], ...]:
 
 def check_temperature(temperature) -> float:
     """The sampling temperature as a float: finite and >= 0 (0: greedy); ValueError otherwise."""
-    if isinstance(temperature, (bool, np.bool_)) or not isinstance(temperature, (int, float, np.integer, np.floating)):
+    if not is_number(temperature):
         raise ValueError(f"temperature must be a number, got {temperature!r}")
     if not np.isfinite(temperature) or temperature < 0:
         raise ValueError(f"temperature must be finite and >= 0 (0: greedy), got {temperature}")
@@ -521,14 +521,11 @@ def _prefill(target_def, target_state, drafter_def, drafter_state, cache, draft_
     cache, _ = commit(cache, out.block_kv, positions, lengths)  # capacity checked on the host
     last = jnp.take_along_axis(out.logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
     key, sub = _split_per_stream(key)
-    seen = None
-    if repetition_penalty != 1:
-        seen = _add_seen(jnp.zeros((b, cfg.vocab_size), bool), tokens, lengths)
-        bonus = _sample(apply_repetition_penalty(last, seen, repetition_penalty), temperature, sub, top_k, top_p,
-                        min_p)
+    seen = _add_seen(jnp.zeros((b, cfg.vocab_size), bool), tokens, lengths) if repetition_penalty != 1 else None
+    to_sample = last if seen is None else apply_repetition_penalty(last, seen, repetition_penalty)
+    bonus = _sample(to_sample, temperature, sub, top_k, top_p, min_p)
+    if seen is not None:
         seen = _add_seen(seen, bonus[:, None], jnp.ones((b,), jnp.int32))
-    else:
-        bonus = _sample(last, temperature, sub, top_k, top_p, min_p)
     dm = cfg.hidden_size
     if draft_cache is not None:
         drafter = nnx.merge(drafter_def, drafter_state)

@@ -37,6 +37,11 @@ def check_top_k(top_k, vocab_size: int | None = None) -> int:
     return int(top_k)
 
 
+def is_number(value) -> bool:
+    """A Python or numpy int or float, not a bool."""
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+
+
 def check_top_p(top_p) -> float:
     """top_p as a float in (0, 1] (1: off); ValueError otherwise (NaN included)."""
     return _check_share("top_p", top_p, zero_allowed=False, off="1: off")
@@ -49,7 +54,7 @@ def check_min_p(min_p) -> float:
 
 def _check_share(name: str, value, zero_allowed: bool, off: str) -> float:
     interval = f"{'[' if zero_allowed else '('}0, 1] ({off})"
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+    if not is_number(value):
         raise ValueError(f"{name} must be a number in {interval}, got {value!r}")
     if not (0 <= value <= 1 and (zero_allowed or value > 0)):
         raise ValueError(f"{name} must be in {interval}, got {value}")
@@ -58,7 +63,7 @@ def _check_share(name: str, value, zero_allowed: bool, off: str) -> float:
 
 def check_repetition_penalty(penalty) -> float:
     """repetition_penalty as a finite float > 0 (1: off); ValueError otherwise (NaN included)."""
-    if isinstance(penalty, (bool, np.bool_)) or not isinstance(penalty, (int, float, np.integer, np.floating)):
+    if not is_number(penalty):
         raise ValueError(f"repetition_penalty must be a number > 0 (1: off), got {penalty!r}")
     if not (np.isfinite(penalty) and penalty > 0):
         raise ValueError(f"repetition_penalty must be finite and > 0 (1: off), got {penalty}")
