@@ -35,8 +35,10 @@ from ddtree_jax.decode import pad_prompts
 from ddtree_jax.drafter import (DFlashDrafter, DraftCache, check_drafter_target, draft_cache_axes, draft_logits,
                                 init_draft_cache)
 from ddtree_jax.model import KimiModel, Runtime, causal_mask
-from ddtree_jax.sampling import (apply_repetition_penalty, check_min_p, check_repetition_penalty, check_top_k,
-                                 check_top_p, context_seen, is_number)
+from ddtree_jax.processors import (LogitProcessing, TokenHistory, check_additive_penalty, check_logit_bias,
+                                   check_min_new_tokens, check_repetition_penalty, extend_history, process_logits,
+                                   start_history)
+from ddtree_jax.sampling import check_min_p, check_top_k, check_top_p, is_number
 from ddtree_jax.scores import (TokenScores, append_scores, empty_scores, per_stream_slices, scores_lists,
                                token_scores)
 from ddtree_jax.sharding import named_sharding, shard_state
@@ -62,7 +64,12 @@ class EngineConfig:
     top_k: int = 0  # sampling keeps the top_k likeliest tokens (0: all); greedy decoding ignores it
     top_p: float = 1.0  # then the fewest likeliest whose mass reaches top_p (1: all); ``sampling.truncate``
     min_p: float = 0.0  # then those at least min_p times as likely as the likeliest (0: all)
-    repetition_penalty: float = 1.0  # on the context's tokens before any of them, greedy too (1: off)
+    # Before the temperature and the filters, greedy decoding too (``processors``):
+    logit_bias: tuple[tuple[int, float], ...] = ()  # amounts added to tokens' logits: {id: amount} or pairs
+    min_new_tokens: int = 0  # no EOS and no stop sequence ends a stream within its first min_new_tokens tokens
+    repetition_penalty: float = 1.0  # on the prompt's and the output's tokens (1: off)
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output (0: off)
+    presence_penalty: float = 0.0  # subtracted once for a token in the output (0: off)
     logprobs: bool = False  # also keep each emitted token's log-probability under the target (``scores``)
     top_logprobs: int = 0  # and, with logprobs, the target's top_logprobs likeliest tokens at each place
 
@@ -87,7 +94,16 @@ class EngineConfig:
         object.__setattr__(self, "top_k", check_top_k(self.top_k))
         object.__setattr__(self, "top_p", check_top_p(self.top_p))
         object.__setattr__(self, "min_p", check_min_p(self.min_p))
+        object.__setattr__(self, "logit_bias", check_logit_bias(self.logit_bias))
+        object.__setattr__(self, "min_new_tokens", check_min_new_tokens(self.min_new_tokens))
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(f"min_new_tokens={self.min_new_tokens} passes max_new_tokens={self.max_new_tokens}")
+        if self.min_new_tokens and not (self.eos_ids or self.stop_sequences):
+            raise ValueError(f"min_new_tokens={self.min_new_tokens} holds back EOS ids and stop sequences: "
+                             "give eos_ids or stop_sequences")
         object.__setattr__(self, "repetition_penalty", check_repetition_penalty(self.repetition_penalty))
+        for name in ("frequency_penalty", "presence_penalty"):
+            object.__setattr__(self, name, check_additive_penalty(name, getattr(self, name)))
         if not isinstance(self.logprobs, (bool, np.bool_)):
             raise ValueError(f"logprobs must be True or False, got {self.logprobs!r}")
         object.__setattr__(self, "logprobs", bool(self.logprobs))
@@ -97,6 +113,12 @@ class EngineConfig:
             raise ValueError(f"top_logprobs={self.top_logprobs} is kept beside the log-probabilities: "
                              "give logprobs=True too")
         object.__setattr__(self, "top_logprobs", int(self.top_logprobs))
+
+    @property
+    def processing(self) -> LogitProcessing:
+        return LogitProcessing(logit_bias=self.logit_bias, min_new_tokens=self.min_new_tokens, eos_ids=self.eos_ids,
+                               repetition_penalty=self.repetition_penalty, frequency_penalty=self.frequency_penalty,
+                               presence_penalty=self.presence_penalty)
 
 
 def _is_int(value) -> bool:
@@ -221,7 +243,7 @@ class DecodeState:
     num_out: jax.Array  # [B] int32
     limit: jax.Array  # [B] int32: the stream's token limit (at most EngineConfig.max_new_tokens, N)
     temperature: jax.Array  # [B] float32: the stream's sampling temperature (0: greedy)
-    seen: jax.Array | None  # [B, W] bool: tokens of the prompt and the output (repetition penalty); else None
+    history: TokenHistory | None  # what the penalties read of the prompt and the output; None: no penalty
     status: jax.Array  # [B] int32 (RUNNING / EOS / MAX_TOKENS / CACHE_FULL / STOP_SEQUENCE)
     rounds: jax.Array  # [B] int32: rounds in which the stream was active
     tau_hist: jax.Array  # [B, D+2] int32: histogram of tokens emitted per round
@@ -257,17 +279,19 @@ def tree_depth(ecfg: EngineConfig, block_size: int) -> int:
     return min(block_size - 1, ecfg.budget)
 
 
-def _stop_and_emit(state: DecodeState, emitted, n_emit, active, eos_ids, emitted_scores=None, stop_sequences=()):
+def _stop_and_emit(state: DecodeState, emitted, n_emit, active, eos_ids, emitted_scores=None, stop_sequences=(),
+                   min_new_tokens=0):
     """Appends each active stream's first n_emit emitted tokens [B, E] (and their TokenScores, where the state
     keeps them) to its output, cut after the first that is an EOS or ends a stop sequence (its tokens in a row
-    among the stream's generated ones, earlier rounds' included) or that reaches the stream's token limit, and
-    updates status. Returns (out_tokens, out_scores, num_out, status)."""
+    among the stream's generated ones, earlier rounds' included; not within the first min_new_tokens generated) or
+    that reaches the stream's token limit, and updates status. Returns (out_tokens, out_scores, num_out, status)."""
     b, width = emitted.shape
     k = jnp.arange(width)[None, :]
     in_round = k < n_emit[:, None]
     room = state.limit - state.num_out
     is_eos = jnp.isin(emitted, jnp.asarray(eos_ids, jnp.int32)) if eos_ids else jnp.zeros((b, width), bool)
     is_stop = _ends_stop_sequence(state.out_tokens, state.num_out, emitted, stop_sequences)
+    is_stop &= state.num_out[:, None] + k >= min_new_tokens
     ends = (is_eos | is_stop) & in_round
     first_end = jnp.argmax(ends, axis=1)
     hit_end = ends.any(1) & (first_end < room)  # an end past the token limit is never emitted
@@ -334,7 +358,8 @@ class Engine:
     ``max_new_tokens``: the config's (None), or a smaller limit for every stream or for each
     (``check_token_limits``); the same programs serve any limits. ``EngineConfig(logprobs=True, top_logprobs=n)``
     also keeps each emitted token's log-probability under the target and its n likeliest tokens (``scores``), from
-    the rows the forwards computed.
+    the rows the forwards computed. The config's logit bias, min_new_tokens and penalties process every place's
+    logits before the temperature and the filters (``processors``), each tree node's over its own context.
     """
 
     def __init__(self, target: KimiModel, drafter: DFlashDrafter | None, ecfg: EngineConfig, *,
@@ -350,6 +375,7 @@ class Engine:
         bad_eos = [i for i in ecfg.eos_ids if i >= target.cfg.vocab_size]
         if bad_eos:
             raise ValueError(f"eos_ids {bad_eos} outside the target's vocabulary [0, {target.cfg.vocab_size})")
+        check_logit_bias(ecfg.logit_bias, target.cfg.vocab_size)
         bad_stops = [seq for seq in ecfg.stop_sequences if max(seq) >= target.cfg.vocab_size]
         if bad_stops:
             raise ValueError(f"stop_sequences {bad_stops} hold ids outside the target's vocabulary "
@@ -393,7 +419,7 @@ class Engine:
                         taps=self.taps, depth=self.depth, greedy=not temperature.any(), top_k=ecfg.top_k,
                         top_p=ecfg.top_p, min_p=ecfg.min_p, logprobs=ecfg.logprobs,
                         top_logprobs=ecfg.top_logprobs, stop_sequences=ecfg.stop_sequences,
-                        repetition_penalty=ecfg.repetition_penalty)
+                        min_new_tokens=ecfg.min_new_tokens, processing=ecfg.processing)
 
     def run(self, state: DecodeState) -> DecodeState:
         """Dispatches rounds (``rounds_per_dispatch`` per call) until every stream has stopped, each stream at the
@@ -503,12 +529,13 @@ def _static_if_greedy(temperature, greedy: bool):
 
 @functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "max_new_tokens", "eos_ids", "runtime",
                                              "taps", "depth", "greedy", "top_k", "top_p", "min_p", "logprobs",
-                                             "top_logprobs", "stop_sequences", "repetition_penalty"),
+                                             "top_logprobs", "stop_sequences", "min_new_tokens", "processing"),
                    donate_argnames=("cache", "draft_cache"))
 def _prefill(target_def, target_state, drafter_def, drafter_state, cache, draft_cache, tokens, lengths, temperature,
              key, limits, *, max_new_tokens: int, eos_ids: tuple[int, ...], runtime: Runtime, taps: tuple[int, ...],
              depth: int, greedy: bool, top_k: int, top_p: float, min_p: float, logprobs: bool, top_logprobs: int,
-             stop_sequences: tuple[tuple[int, ...], ...], repetition_penalty: float) -> DecodeState:
+             stop_sequences: tuple[tuple[int, ...], ...], min_new_tokens: int,
+             processing: LogitProcessing) -> DecodeState:
     # Keyed on its static arguments, not on the EngineConfig: mode and budget enter only through depth
     # (= tree_depth, the shapes of ctx_taps / tau_hist), taps and drafter_def, so engines that agree on
     # those (e.g. dflash and ddtree with budget >= Dp) and on the other static arguments share one program.
@@ -521,11 +548,10 @@ def _prefill(target_def, target_state, drafter_def, drafter_state, cache, draft_
     cache, _ = commit(cache, out.block_kv, positions, lengths)  # capacity checked on the host
     last = jnp.take_along_axis(out.logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
     key, sub = _split_per_stream(key)
-    seen = _add_seen(jnp.zeros((b, cfg.vocab_size), bool), tokens, lengths) if repetition_penalty != 1 else None
-    to_sample = last if seen is None else apply_repetition_penalty(last, seen, repetition_penalty)
+    history = start_history(processing, tokens, lengths, cfg.vocab_size)
+    to_sample = process_logits(last[:, None], processing, history, jnp.zeros((b,), jnp.int32))[:, 0]
     bonus = _sample(to_sample, temperature, sub, top_k, top_p, min_p)
-    if seen is not None:
-        seen = _add_seen(seen, bonus[:, None], jnp.ones((b,), jnp.int32))
+    history = extend_history(history, bonus[:, None], jnp.ones((b,), jnp.int32))
     dm = cfg.hidden_size
     if draft_cache is not None:
         drafter = nnx.merge(drafter_def, drafter_state)
@@ -538,23 +564,16 @@ def _prefill(target_def, target_state, drafter_def, drafter_state, cache, draft_
         out_tokens=jnp.full((b, max_new_tokens), PAD, jnp.int32),
         out_scores=empty_scores(b, max_new_tokens, top_logprobs) if logprobs else None,
         num_out=jnp.zeros((b,), jnp.int32), limit=limits,
-        temperature=temperatures, seen=seen,
+        temperature=temperatures, history=history,
         status=jnp.full((b,), RUNNING, jnp.int32), rounds=jnp.zeros((b,), jnp.int32),
         tau_hist=jnp.zeros((b, depth + 2), jnp.int32), key=key,
     )
     bonus_scores = token_scores(last[:, None], bonus[:, None], top_logprobs) if logprobs else None
     out_tokens, out_scores, num_out, status = _stop_and_emit(state, bonus[:, None], jnp.ones((b,), jnp.int32),
                                                              jnp.ones((b,), bool), eos_ids, bonus_scores,
-                                                             stop_sequences)
+                                                             stop_sequences, min_new_tokens)
     return dataclasses.replace(state, out_tokens=out_tokens, out_scores=out_scores, num_out=num_out,
                                status=status)
-
-
-def _add_seen(seen, tokens, counts):
-    """seen [B, W] bool with each stream's first counts[b] of tokens [B, L] set."""
-    b, length = tokens.shape
-    ids = jnp.where(jnp.arange(length)[None, :] < counts[:, None], tokens, seen.shape[1])  # past counts: dropped
-    return seen.at[jnp.arange(b)[:, None], ids].set(True, mode="drop")
 
 
 def _draft_tree(target, drafter, state: DecodeState, start, active, ecfg: EngineConfig, depth: int):
@@ -573,12 +592,11 @@ def _draft_tree(target, drafter, state: DecodeState, start, active, ecfg: Engine
     return tree, draft_cache
 
 
-def _target_tokens(logits, tree, seen, temperature, key, ecfg: EngineConfig):
-    """The target's token at every node [B, T] from the verify's logits [B, T, W]: after the repetition penalty
-    over each node's context (where ``seen`` is kept), the argmax or a draw (``sample_target_tokens``)."""
-    if seen is not None:
-        logits = apply_repetition_penalty(logits, context_seen(seen, tree.tokens, tree.visibility),
-                                          ecfg.repetition_penalty)
+def _target_tokens(logits, tree, state: DecodeState, temperature, key, ecfg: EngineConfig):
+    """The target's token at every node [B, T] from the verify's logits [B, T, W]: after the logit processing of
+    each node's place (``processors``), the argmax or a draw (``sample_target_tokens``)."""
+    logits = process_logits(logits, ecfg.processing, state.history, state.num_out, tree.tokens, tree.visibility,
+                            tree.depths)
     return sample_target_tokens(logits, temperature, key, ecfg.top_k, ecfg.top_p, ecfg.min_p)
 
 
@@ -595,7 +613,7 @@ def _round(target, drafter, state: DecodeState, temperature, ecfg: EngineConfig,
     tree, draft_cache = _draft_tree(target, drafter, state, start, active, ecfg, depth)
     out = target(tree.tokens, tree.positions(start), state.cache, tree.visibility, tap_layers=taps, runtime=runtime)
     key, sub = _split_per_stream(state.key)
-    acc = accept_tokens(tree, _target_tokens(out.logits, tree, state.seen, temperature, sub, ecfg))
+    acc = accept_tokens(tree, _target_tokens(out.logits, tree, state, temperature, sub, ecfg))
 
     n_commit = jnp.where(active, acc.num_accepted + 1, 0)
     rows = jnp.maximum(acc.path, 0)
@@ -609,14 +627,14 @@ def _round(target, drafter, state: DecodeState, temperature, ecfg: EngineConfig,
                                   ecfg.top_logprobs) if ecfg.logprobs else None
     out_tokens, out_scores, num_out, status = _stop_and_emit(
         dataclasses.replace(state, status=status), acc.emitted, acc.num_accepted + 1, active,
-        ecfg.eos_ids, emitted_scores, ecfg.stop_sequences)
+        ecfg.eos_ids, emitted_scores, ecfg.stop_sequences, ecfg.min_new_tokens)
     tau_hist = state.tau_hist.at[jnp.arange(b), acc.num_accepted + 1].add(active.astype(jnp.int32))
     return DecodeState(
         cache=cache, draft_cache=draft_cache, bonus=jnp.where(active, acc.next_token, state.bonus),
         ctx_taps=ctx_taps, ctx_counts=n_commit, ctx_start=start, out_tokens=out_tokens, out_scores=out_scores,
         num_out=num_out,
         limit=state.limit, temperature=state.temperature,
-        seen=None if state.seen is None else _add_seen(state.seen, acc.emitted, num_out - state.num_out), status=status,
+        history=extend_history(state.history, acc.emitted, num_out - state.num_out), status=status,
         rounds=state.rounds + active.astype(jnp.int32), tau_hist=tau_hist, key=key,
     )
 
@@ -662,5 +680,5 @@ def _inspect(target_def, target_state, drafter_def, drafter_state, state, *, ecf
     tree, _ = _draft_tree(target, drafter, state, start, active, ecfg, depth)
     out = target(tree.tokens, tree.positions(start), state.cache, tree.visibility, runtime=runtime)
     _, sub = _split_per_stream(state.key)  # the draws of the state's next round
-    acc = accept_tokens(tree, _target_tokens(out.logits, tree, state.seen, temperature, sub, ecfg))
+    acc = accept_tokens(tree, _target_tokens(out.logits, tree, state, temperature, sub, ecfg))
     return tree, acc

@@ -10,9 +10,8 @@ decoding is unchanged by any filter.
 Losslessness does not depend on the filters: the acceptance walk draws one target token per tree node, from the
 same truncated distribution that plain sampling would draw from.
 
-The repetition penalty (transformers' ``RepetitionPenaltyLogitsProcessor``) comes before all of them, on the raw
-logits, greedy decoding included; in a tree, each node's context is the stream's tokens and the node's ancestors
-and itself (``context_seen``), so every node is penalised as plain decoding would penalise that position.
+The logits come here after ``processors.process_logits`` (logit bias, min_new_tokens and the penalties), which
+changes greedy decoding too.
 
 Rows must hold no NaN (as for ``topk``). Shapes: R rows, W vocabulary, K = top_k.
 """
@@ -59,36 +58,6 @@ def _check_share(name: str, value, zero_allowed: bool, off: str) -> float:
     if not (0 <= value <= 1 and (zero_allowed or value > 0)):
         raise ValueError(f"{name} must be in {interval}, got {value}")
     return float(value)
-
-
-def check_repetition_penalty(penalty) -> float:
-    """repetition_penalty as a finite float > 0 (1: off); ValueError otherwise (NaN included)."""
-    if not is_number(penalty):
-        raise ValueError(f"repetition_penalty must be a number > 0 (1: off), got {penalty!r}")
-    if not (np.isfinite(penalty) and penalty > 0):
-        raise ValueError(f"repetition_penalty must be finite and > 0 (1: off), got {penalty}")
-    return float(penalty)
-
-
-def apply_repetition_penalty(logits: jax.Array, seen: jax.Array, penalty: float) -> jax.Array:
-    """logits [..., W] -> float32 logits with every token of ``seen`` [..., W] (bool: in the context) penalised as
-    transformers' ``RepetitionPenaltyLogitsProcessor`` does: a negative logit times ``penalty``, any other over it.
-    Applied to the raw logits, before the temperature and the filters (``truncate``), in transformers' order."""
-    logits = logits.astype(jnp.float32)
-    penalised = jnp.where(logits < 0, logits * penalty, logits / penalty)
-    return jnp.where(seen, penalised, logits)
-
-
-def context_seen(seen: jax.Array, tokens: jax.Array, visibility: jax.Array) -> jax.Array:
-    """What each tree node's context holds: seen [B, W] bool (the stream's prompt and generated tokens), tokens
-    [B, T] (the tree's nodes) and visibility [B, T, T] (node j an ancestor of node i, or i itself) -> [B, T, W]
-    bool, ``seen`` with the tokens of each node's ancestors and its own set."""
-    b, t = tokens.shape
-    w = seen.shape[-1]
-    ids = jnp.where(visibility, tokens[:, None, :], w)  # [B, T(i), T(j)]; w: not in i's context, dropped
-    rows = jnp.arange(b)[:, None, None]
-    nodes = jnp.arange(t)[None, :, None]
-    return jnp.broadcast_to(seen[:, None, :], (b, t, w)).at[rows, nodes, ids].set(True, mode="drop")
 
 
 TOP_P_METHODS = ("auto", "sort", "search")

@@ -30,6 +30,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from ddtree_jax import sampling, topk  # noqa: E402
+from ddtree_jax.processors import LogitProcessing, TokenHistory, process_logits  # noqa: E402
 from ddtree_jax.scores import token_scores  # noqa: E402
 from ddtree_jax.tree import build_tree, sample_target_tokens  # noqa: E402
 from experiments import bench_util  # noqa: E402
@@ -180,23 +181,34 @@ def bench_sample(rows, m_list, w, bw):
 def bench_keys(rows, shapes, w, bw):
     """The verify's plain sample (temperature 1) over [B, T, W] logits with one key for the batch against one key
     per stream (``tree.sample_target_tokens``' [B] keys: a vmap of the draw over streams, what the engine does),
-    and with the repetition penalty before it (``sampling.context_seen`` over a chain of T nodes on 1 % of the
-    vocabulary seen, then ``apply_repetition_penalty``)."""
+    and with logit processing before it (``processors.process_logits`` over a chain of T nodes, 1 % of the
+    vocabulary in the prompt and 1 % in the output): the repetition penalty alone, then with the frequency and
+    presence penalties, a 16-token logit bias and min_new_tokens over 2 EOS ids."""
     rng = np.random.default_rng(5)
+    repetition = LogitProcessing(repetition_penalty=1.3)
+    everything = LogitProcessing(repetition_penalty=1.3, frequency_penalty=0.3, presence_penalty=0.2,
+                                 logit_bias=tuple((int(i), -1.0) for i in rng.choice(w, 16, replace=False)),
+                                 min_new_tokens=4, eos_ids=(0, 1))
     for b, t in shapes:
         logits = jnp.asarray(rng.standard_normal((b, t, w)) * 3, jnp.float32)
         per_stream = jax.random.split(jax.random.key(0), b)
-        seen = jnp.asarray(rng.random((b, w)) < 0.01)
+        history = TokenHistory(prompt_seen=jnp.asarray(rng.random((b, w)) < 0.01),
+                               out_counts=jnp.asarray((rng.random((b, w)) < 0.01) * rng.integers(1, 4, (b, w)),
+                                                      jnp.int32))
         tokens = jnp.asarray(rng.integers(0, w, (b, t)), jnp.int32)
         chain = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+        depths = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        num_out = jnp.full((b,), 2, jnp.int32)
 
-        def penalised(x, k=per_stream, seen=seen, tokens=tokens, chain=chain):
-            context = sampling.context_seen(seen, tokens, chain)
-            return sample_target_tokens(sampling.apply_repetition_penalty(x, context, 1.3), 1.0, k)
+        def processed(x, processing, k=per_stream, history=history, tokens=tokens, chain=chain, depths=depths,
+                      num_out=num_out):
+            x = process_logits(x, processing, history, num_out, tokens, chain, depths)
+            return sample_target_tokens(x, 1.0, k)
 
         fns = {"one key": lambda x: sample_target_tokens(x, 1.0, jax.random.key(0)),
                "key per stream": lambda x, k=per_stream: sample_target_tokens(x, 1.0, k),
-               "key per stream + repetition penalty": penalised}
+               "key per stream + repetition penalty": lambda x: processed(x, repetition),
+               "key per stream + all processing": lambda x: processed(x, everything)}
         for name, fn in fns.items():
             row = {"part": "sample keys", "M": b * t, "B": b, "T": t, "N": w, "method": name,
                    **timed(jax.jit(fn), (logits,))}

@@ -42,7 +42,9 @@ from ddtree_jax.engine import (EOS, SEED_LIMIT, Engine, EngineConfig, check_temp
                                inspect_round, required_capacity, tree_depth)
 from ddtree_jax.hf_loader import load_hf_model  # noqa: E402
 from ddtree_jax.model import KimiModel  # noqa: E402
-from ddtree_jax.sampling import check_min_p, check_repetition_penalty, check_top_k, check_top_p  # noqa: E402
+from ddtree_jax.processors import (check_additive_penalty, check_logit_bias, check_min_new_tokens,  # noqa: E402
+                                   check_repetition_penalty)
+from ddtree_jax.sampling import check_min_p, check_top_k, check_top_p  # noqa: E402
 from ddtree_jax.tokenizer import load_tokenizer  # noqa: E402
 from ddtree_jax.tree import check_budget  # noqa: E402
 from experiments import bench_util  # noqa: E402
@@ -86,6 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"prompt i samples with seed + i, whatever --streams (all in [0, {SEED_LIMIT}))")
     p.add_argument("--repetition-penalty", type=float, default=1.0,
                    help="transformers' repetition penalty over the prompt and output tokens, greedy too (1: off)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtracted from a token's logit per time it is in the output, greedy too (0: off)")
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="subtracted once from the logit of a token in the output, greedy too (0: off)")
+    p.add_argument("--logit-bias", action="append", default=[], metavar="ID:AMOUNT",
+                   help="added to token ID's logit before sampling, greedy too (repeatable; e.g. 13:-100 bans 13)")
+    p.add_argument("--min-new-tokens", type=int, default=0,
+                   help="no EOS and no --stop-ids sequence ends a stream within its first N tokens (0: off)")
     p.add_argument("--stop-ids", action="append", default=[],
                    help="space-separated token ids (repeatable): a stream stops once it has generated them in a row "
                         "(kept in its output, like the EOS)")
@@ -136,6 +146,7 @@ def check_args(args) -> None:
     check_mode_flags(args, modes)
     for i, text in enumerate(args.stop_ids):
         parse_ids(text, i, "--stop-ids")
+    parse_logit_bias(args.logit_bias)
     for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--capacity", args.capacity),
                         ("--streams", args.streams), ("--num-prompts", args.num_prompts)):
         if value is not None and value < 1:
@@ -143,11 +154,18 @@ def check_args(args) -> None:
     for flag, check, value in (("--temperature", check_temperature, args.temperature),
                                ("--top-k", check_top_k, args.top_k), ("--top-p", check_top_p, args.top_p),
                                ("--min-p", check_min_p, args.min_p),
-                               ("--repetition-penalty", check_repetition_penalty, args.repetition_penalty)):
+                               ("--repetition-penalty", check_repetition_penalty, args.repetition_penalty),
+                               ("--frequency-penalty", lambda v: check_additive_penalty("frequency_penalty", v),
+                                args.frequency_penalty),
+                               ("--presence-penalty", lambda v: check_additive_penalty("presence_penalty", v),
+                                args.presence_penalty),
+                               ("--min-new-tokens", check_min_new_tokens, args.min_new_tokens)):
         try:
             check(value)
         except ValueError as e:
             raise ValueError(f"{flag}: {e}") from None
+    if args.min_new_tokens > args.max_new_tokens:
+        raise ValueError(f"--min-new-tokens {args.min_new_tokens} passes --max-new-tokens {args.max_new_tokens}")
     if args.temperature == 0 and (args.top_k != 0 or args.top_p != 1 or args.min_p != 0):
         raise ValueError("--top-k, --top-p and --min-p filter what is sampled; greedy decoding (--temperature 0) "
                          "samples nothing: give --temperature > 0")
@@ -248,6 +266,24 @@ def parse_ids(text: str, index: int, flag: str = "--prompt-ids") -> list[int]:
     return ids
 
 
+def parse_logit_bias(values: Sequence[str], vocab_size: int | None = None) -> dict[int, float]:
+    """The ``--logit-bias`` values ("ID:AMOUNT", e.g. "13:-100") as {id: amount} (``processors.check_logit_bias``,
+    ids below ``vocab_size`` where given); ValueError naming the flag otherwise."""
+    pairs = []
+    for i, text in enumerate(values):
+        token, sep, amount = text.partition(":")
+        try:
+            pairs.append((int(token), float(amount)))
+        except ValueError:
+            raise ValueError(f"--logit-bias #{i + 1} must be ID:AMOUNT (e.g. 13:-100), got {text!r}") from None
+        if not sep:
+            raise ValueError(f"--logit-bias #{i + 1} must be ID:AMOUNT (e.g. 13:-100), got {text!r}")
+    try:
+        return dict(check_logit_bias(pairs, vocab_size))
+    except ValueError as e:
+        raise ValueError(f"--logit-bias: {e}") from None
+
+
 def read_prompts_file(path: str) -> list[str]:
     """The prompt texts of a JSON Lines file (``PROMPTS_FILE_HELP``), exactly as written; ValueError naming
     the line for anything else."""
@@ -298,15 +334,18 @@ def engine_config(mode: str, args, eos_ids=()) -> EngineConfig:
     budget = {"budget": args.budget} if mode == "ddtree" else {}
     return EngineConfig(mode=mode, max_new_tokens=args.max_new_tokens, capacity=args.capacity, eos_ids=eos_ids,
                         top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, logprobs=args.logprobs,
-                        repetition_penalty=args.repetition_penalty,
+                        repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
+                        presence_penalty=args.presence_penalty, logit_bias=parse_logit_bias(args.logit_bias),
+                        min_new_tokens=args.min_new_tokens,
                         stop_sequences=tuple(tuple(parse_ids(s, i, "--stop-ids")) for i, s in enumerate(args.stop_ids)),
                         **budget)
 
 
-def check_fits(args, modes: Sequence[str], prompts, target, drafter) -> None:
-    """Before anything is compiled: ``--top-k`` against the vocabulary, the DDTree budget against the drafter's depth
-    and the vocabulary, and ``--capacity`` against every mode's need (``required_capacity``); ValueError naming what
-    is needed."""
+def check_fits(args, modes: Sequence[str], prompts, target, drafter, eos_ids=()) -> None:
+    """Before anything is compiled: ``--top-k``, ``--stop-ids`` and ``--logit-bias`` against the vocabulary,
+    ``--min-new-tokens`` against the stops it holds back (``eos_ids``, ``--stop-ids``), the DDTree budget against the
+    drafter's depth and the vocabulary, and ``--capacity`` against every mode's need (``required_capacity``);
+    ValueError naming what is needed."""
     block_size = drafter.cfg.block_size if drafter is not None else 1
     try:
         check_top_k(args.top_k, target.cfg.vocab_size)
@@ -317,11 +356,15 @@ def check_fits(args, modes: Sequence[str], prompts, target, drafter) -> None:
         if outside:
             raise ValueError(f"--stop-ids #{i + 1} holds {outside}, outside the target's vocabulary "
                              f"[0, {target.cfg.vocab_size})")
+    parse_logit_bias(args.logit_bias, target.cfg.vocab_size)
+    if args.min_new_tokens and not (eos_ids or args.stop_ids):
+        raise ValueError(f"--min-new-tokens {args.min_new_tokens} holds back EOS ids and stop sequences, and this "
+                         "target has no EOS id: give --stop-ids")
     if "ddtree" in modes:
         check_budget(args.budget, block_size - 1, target.cfg.vocab_size)
     longest = max(len(p) for p in prompts)
-    need = {mode: required_capacity(longest, args.max_new_tokens, tree_depth(engine_config(mode, args), block_size))
-            for mode in modes}
+    need = {mode: required_capacity(longest, args.max_new_tokens,
+                                    tree_depth(engine_config(mode, args, eos_ids), block_size)) for mode in modes}
     worst = max(modes, key=need.get)
     if args.capacity < need[worst]:
         raise ValueError(f"--capacity {args.capacity} is too small: the longest prompt ({longest} tokens), "
@@ -460,7 +503,7 @@ def _main(args):
     target, drafter, tokenizer, eos_ids = load_pair(args)
     prompts, prompt_source = read_prompts(args, tokenizer)
     modes = modes_of(args)
-    check_fits(args, modes, prompts, target, drafter)
+    check_fits(args, modes, prompts, target, drafter, eos_ids)
     print(f"target: {args.target}  layers={target.cfg.num_layers} hidden={target.cfg.hidden_size} "
           f"experts={target.cfg.n_routed_experts} int4={target.cfg.quant is not None}  drafter: {args.drafter}  "
           f"device: {jax.devices()[0].device_kind}  jax {jax.__version__}")

@@ -13,6 +13,7 @@ from ddtree_jax.config import tiny_config
 from ddtree_jax.drafter import DFlashDrafter, tiny_drafter_config
 from ddtree_jax.engine import Engine, required_capacity
 from ddtree_jax.model import KimiModel
+from ddtree_jax.processors import LogitProcessing
 from ddtree_jax.tokenizer import ByteTokenizer, load_tokenizer
 from cli_helpers import refused
 from experiments import run_decode
@@ -60,6 +61,14 @@ RANDOM = ["--target", "random"]
     (["--stop-ids", "1 2", "--stop-ids", "3 x"], "--stop-ids #2 must be space-separated token ids >= 0, got '3 x'"),
     (["--stop-ids", " "], "--stop-ids #1 must be space-separated token ids"),
     (["--repetition-penalty", "0"], "--repetition-penalty: repetition_penalty must be finite and > 0 (1: off)"),
+    (["--frequency-penalty", "nan"], "--frequency-penalty: frequency_penalty must be a finite number (0: off)"),
+    (["--presence-penalty", "inf"], "--presence-penalty: presence_penalty must be a finite number (0: off)"),
+    (["--min-new-tokens", "-2"], "--min-new-tokens: min_new_tokens must be >= 0 (0: off), got -2"),
+    (["--min-new-tokens", "9", "--max-new-tokens", "8"], "--min-new-tokens 9 passes --max-new-tokens 8"),
+    (["--logit-bias", "13:-100", "--logit-bias", "4"], "--logit-bias #2 must be ID:AMOUNT (e.g. 13:-100), got '4'"),
+    (["--logit-bias", "x:1"], "--logit-bias #1 must be ID:AMOUNT"),
+    (["--logit-bias", "3:1", "--logit-bias", "3:2"], "--logit-bias: logit_bias gives token 3 twice"),
+    (["--logit-bias", "3:nan"], "--logit-bias: logit_bias[3] must be a finite number"),
 ])
 def test_bad_flags_are_refused_before_any_model_is_built(argv, message, capsys):
     assert message in refused(run_decode.parse_args, RANDOM + argv, capsys)
@@ -122,6 +131,28 @@ def test_stop_ids_reach_the_engine_checked_against_the_vocabulary():
     assert run_decode.engine_config("ar", args).stop_sequences == ((3, 4), (7,))
     args.stop_ids.append("2 8 9")
     with pytest.raises(ValueError, match=r"--stop-ids #3 holds \[8, 9\], outside the target's vocabulary \[0, 8\)"):
+        run_decode.check_fits(args, run_decode.modes_of(args), [[1]], target, drafter)
+
+
+def test_processing_flags_reach_the_engine_checked_against_the_target():
+    """--logit-bias, --min-new-tokens and the penalties become the EngineConfig's; a bias id past the vocabulary,
+    and --min-new-tokens with nothing to hold back (no EOS id, no --stop-ids), are refused before any compile."""
+    argv = RANDOM + ["--drafter", "random", "--prompt-ids", "1", "--logit-bias", "5:-100", "--logit-bias", "2:1.5",
+                     "--min-new-tokens", "3", "--frequency-penalty", "0.5", "--presence-penalty", "-0.25",
+                     "--repetition-penalty", "1.1"]
+    args = run_decode.parse_args(argv)
+    target, drafter = fake_pair(vocab=8)
+    run_decode.check_fits(args, run_decode.modes_of(args), [[1]], target, drafter, eos_ids=(7,))
+    ecfg = run_decode.engine_config("ddtree", args, (7,))
+    assert ecfg.processing == LogitProcessing(logit_bias=((2, 1.5), (5, -100.0)), min_new_tokens=3, eos_ids=(7,),
+                                              repetition_penalty=1.1, frequency_penalty=0.5, presence_penalty=-0.25)
+    with pytest.raises(ValueError, match="--min-new-tokens 3 holds back EOS ids and stop sequences, and this target "
+                                         "has no EOS id: give --stop-ids"):
+        run_decode.check_fits(args, run_decode.modes_of(args), [[1]], target, drafter)
+    args.stop_ids.append("4 4")
+    run_decode.check_fits(args, run_decode.modes_of(args), [[1]], target, drafter)
+    args.logit_bias.append("8:1")
+    with pytest.raises(ValueError, match=r"--logit-bias: logit_bias's token id 8 is outside the vocabulary \[0, 8\)"):
         run_decode.check_fits(args, run_decode.modes_of(args), [[1]], target, drafter)
 
 

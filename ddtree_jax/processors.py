@@ -1,0 +1,200 @@
+"""Logit processing: what the target's raw logits at a place go through before the temperature and the filters
+(``sampling.truncate``), greedy decoding included. In vLLM's order:
+
+1. ``logit_bias``: a fixed amount added to chosen tokens' logits (OpenAI's ``logit_bias``; transformers'
+   ``SequenceBiasLogitsProcessor`` for one-token sequences).
+2. ``min_new_tokens``: the EOS ids at -inf while the stream has generated fewer than min_new_tokens tokens
+   (transformers' ``MinNewTokensLengthLogitsProcessor``).
+3. ``repetition_penalty`` over the prompt and the output: a negative logit times the penalty, any other over it
+   (transformers' ``RepetitionPenaltyLogitsProcessor``).
+4. ``frequency_penalty`` and ``presence_penalty`` over the output: logit - frequency * count - presence * (count > 0)
+   (OpenAI's and vLLM's).
+
+A tree node's place is the one after its path: its context is the stream's prompt and output (whose last token is
+the tree's root, the bonus) and the tokens of the node's ancestors below the root and its own; the token drawn there
+would be output token num_out + depth. So each node is processed as plain decoding would process that place, and the
+acceptance walk stays lossless. The log-probabilities kept with ``EngineConfig(logprobs=True)`` are the raw model's.
+
+Shapes: B streams, T places (tree nodes; 1 for the place after the history), W vocabulary, L tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ddtree_jax.sampling import is_number
+
+
+@dataclasses.dataclass(frozen=True)
+class LogitProcessing:
+    """The static choices of the processing (part of a compiled program's key); the defaults change nothing."""
+
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, amount) pairs, ids ascending
+    min_new_tokens: int = 0
+    eos_ids: tuple[int, ...] = ()  # held back by min_new_tokens
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+
+    @property
+    def penalises(self) -> bool:
+        """Whether the penalties read the stream's history (``TokenHistory``)."""
+        return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
+
+    @property
+    def changes_logits(self) -> bool:
+        return bool(self.logit_bias) or (self.min_new_tokens > 0 and bool(self.eos_ids)) or self.penalises
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TokenHistory:
+    """What the penalties read of a stream's tokens."""
+
+    prompt_seen: jax.Array | None  # [B, W] bool: the prompt's tokens (repetition penalty); else None
+    out_counts: jax.Array  # [B, W] int32: how often each token is in the output
+
+
+def check_repetition_penalty(penalty) -> float:
+    """repetition_penalty as a finite float > 0 (1: off); ValueError otherwise (NaN included)."""
+    if not is_number(penalty):
+        raise ValueError(f"repetition_penalty must be a number > 0 (1: off), got {penalty!r}")
+    if not (np.isfinite(penalty) and penalty > 0):
+        raise ValueError(f"repetition_penalty must be finite and > 0 (1: off), got {penalty}")
+    return float(penalty)
+
+
+def check_additive_penalty(name: str, penalty) -> float:
+    """frequency_penalty or presence_penalty as a finite float (0: off; negative ones favour repeats)."""
+    if not is_number(penalty) or not np.isfinite(penalty):
+        raise ValueError(f"{name} must be a finite number (0: off), got {penalty!r}")
+    return float(penalty)
+
+
+def check_min_new_tokens(min_new_tokens) -> int:
+    if isinstance(min_new_tokens, (bool, np.bool_)) or not isinstance(min_new_tokens, (int, np.integer)):
+        raise ValueError(f"min_new_tokens must be an integer (0: off), got {min_new_tokens!r}")
+    if min_new_tokens < 0:
+        raise ValueError(f"min_new_tokens must be >= 0 (0: off), got {min_new_tokens}")
+    return int(min_new_tokens)
+
+
+def check_logit_bias(logit_bias, vocab_size: int | None = None) -> tuple[tuple[int, float], ...]:
+    """A mapping {token id: amount} or a sequence of (token id, amount) pairs -> the pairs, ids ascending. Ids are
+    integers >= 0 (below ``vocab_size`` where given), each at most once; amounts finite numbers (a ban is a large
+    negative amount such as -100). ValueError otherwise."""
+    example = "e.g. {13: -100.0, 42: 2.5}"
+    if isinstance(logit_bias, dict):
+        pairs = list(logit_bias.items())
+    elif isinstance(logit_bias, (list, tuple)):
+        pairs = list(logit_bias)
+    else:
+        raise ValueError(f"logit_bias must be a mapping of token id to amount ({example}), got {logit_bias!r}")
+    checked = {}
+    for pair in pairs:
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise ValueError(f"logit_bias must hold (token id, amount) pairs ({example}), got {pair!r}")
+        token, amount = pair
+        if isinstance(token, (bool, np.bool_)) or not isinstance(token, (int, np.integer)) or token < 0:
+            raise ValueError(f"logit_bias's token ids must be integers >= 0, got {token!r}")
+        if vocab_size is not None and token >= vocab_size:
+            raise ValueError(f"logit_bias's token id {token} is outside the vocabulary [0, {vocab_size})")
+        if not is_number(amount) or not np.isfinite(amount):
+            raise ValueError(f"logit_bias[{token}] must be a finite number (a ban: e.g. -100), got {amount!r}")
+        if int(token) in checked:
+            raise ValueError(f"logit_bias gives token {token} twice")
+        checked[int(token)] = float(amount)
+    return tuple(sorted(checked.items()))
+
+
+def start_history(processing: LogitProcessing, prompts: jax.Array, lengths: jax.Array,
+                  vocab_size: int) -> TokenHistory | None:
+    """The history after the prompts [B, P] (each stream's first lengths[b] tokens) and no output; None where no
+    penalty reads it."""
+    if not processing.penalises:
+        return None
+    b = prompts.shape[0]
+    prompt_seen = None
+    if processing.repetition_penalty != 1:
+        prompt_seen = _scatter(jnp.zeros((b, vocab_size), bool), prompts, lengths, True)
+    return TokenHistory(prompt_seen=prompt_seen, out_counts=jnp.zeros((b, vocab_size), jnp.int32))
+
+
+def extend_history(history: TokenHistory | None, tokens: jax.Array, counts: jax.Array) -> TokenHistory | None:
+    """The history with each stream's first counts[b] of tokens [B, L] appended to its output."""
+    if history is None:
+        return None
+    return dataclasses.replace(history, out_counts=_scatter(history.out_counts, tokens, counts, 1))
+
+
+def _scatter(table, tokens, counts, value):
+    """table [B, W] with each stream's first counts[b] of tokens [B, L] set to ``value`` (bool) or counted (int)."""
+    b, length = tokens.shape
+    ids = jnp.where(jnp.arange(length)[None, :] < counts[:, None], tokens, table.shape[1])  # past counts: dropped
+    rows = jnp.arange(b)[:, None]
+    if table.dtype == bool:
+        return table.at[rows, ids].set(value, mode="drop")
+    return table.at[rows, ids].add(value, mode="drop")
+
+
+def node_counts(out_counts: jax.Array, tokens: jax.Array, visibility: jax.Array, depths: jax.Array) -> jax.Array:
+    """Each node's output counts: out_counts [B, W] (the root, the stream's last output token, included) plus the
+    tokens of the node's ancestors below the root and its own (tokens [B, T], visibility [B, T, T]: node j an
+    ancestor of node i or i itself, depths [B, T]) -> [B, T, W] int32. Padding nodes (negative ids) add nothing."""
+    b, t = tokens.shape
+    w = out_counts.shape[-1]
+    counted = visibility & ((depths > 0) & (tokens >= 0))[:, None, :]  # [B, T(i), T(j)]
+    ids = jnp.where(counted, tokens[:, None, :], w)  # w: not in i's context, dropped
+    rows = jnp.arange(b)[:, None, None]
+    nodes = jnp.arange(t)[None, :, None]
+    return jnp.broadcast_to(out_counts[:, None, :], (b, t, w)).at[rows, nodes, ids].add(1, mode="drop")
+
+
+def apply_repetition_penalty(logits: jax.Array, seen: jax.Array, penalty: float) -> jax.Array:
+    """logits [..., W] -> float32 logits with every token of ``seen`` [..., W] (bool: in the context) penalised as
+    transformers' ``RepetitionPenaltyLogitsProcessor`` does: a negative logit times ``penalty``, any other over it."""
+    logits = logits.astype(jnp.float32)
+    penalised = jnp.where(logits < 0, logits * penalty, logits / penalty)
+    return jnp.where(seen, penalised, logits)
+
+
+def process_logits(logits: jax.Array, processing: LogitProcessing, history: TokenHistory | None,
+                   num_out: jax.Array, tokens: jax.Array | None = None, visibility: jax.Array | None = None,
+                   depths: jax.Array | None = None) -> jax.Array:
+    """logits [B, T, W] at T places -> the processed logits (float32; unchanged where ``processing`` changes
+    nothing). num_out [B]: tokens each stream has generated, the root's included. Without a tree (tokens,
+    visibility, depths: None), T = 1 and the place is the one after the history; with one, each node's (see the
+    module's docstring)."""
+    if not processing.changes_logits:
+        return logits
+    b, t, w = logits.shape
+    if tokens is None:
+        if t != 1:
+            raise ValueError(f"without a tree there is one place to process, got {t}")
+        depths = jnp.zeros((b, 1), jnp.int32)
+    logits = logits.astype(jnp.float32)
+    if processing.logit_bias:
+        ids, amounts = zip(*processing.logit_bias)
+        logits = logits.at[:, :, np.asarray(ids)].add(np.asarray(amounts, np.float32))
+    if processing.min_new_tokens and processing.eos_ids:
+        early = num_out[:, None] + depths < processing.min_new_tokens  # [B, T]: the place's output index
+        is_eos = np.zeros(w, bool)
+        is_eos[list(processing.eos_ids)] = True
+        logits = jnp.where(early[:, :, None] & is_eos, -jnp.inf, logits)
+    if processing.penalises:
+        if history is None:
+            raise ValueError("the penalties read the stream's history: a TokenHistory is needed")
+        counts = history.out_counts[:, None, :] if tokens is None else node_counts(history.out_counts, tokens,
+                                                                                   visibility, depths)
+        if processing.repetition_penalty != 1:
+            seen = (counts > 0) | history.prompt_seen[:, None, :]
+            logits = apply_repetition_penalty(logits, seen, processing.repetition_penalty)
+        if processing.frequency_penalty:
+            logits = logits - processing.frequency_penalty * counts.astype(jnp.float32)
+        if processing.presence_penalty:
+            logits = logits - jnp.where(counts > 0, jnp.float32(processing.presence_penalty), 0.0)
+    return logits

@@ -1,0 +1,126 @@
+"""The engine's logit processing (logit bias, min_new_tokens, repetition / frequency / presence penalties): greedy
+decoding in every mode equals a processed plain-forward reference token for token; sampled streams never draw a
+banned token or an early EOS; bad settings are refused."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ddtree_jax.engine import Engine, EngineConfig
+from ddtree_jax.processors import LogitProcessing
+from test_processors import reference_row
+from tests.test_engine import NEW, PROMPTS, VOCAB, build_models, causal_forward, generate_all
+
+EOS_IDS = (0, 19)
+STOPS = ((58, 4),)
+PROCESSING = LogitProcessing(logit_bias=((2, -100.0), (58, 1.5)), min_new_tokens=4, eos_ids=EOS_IDS,
+                             repetition_penalty=1.2, frequency_penalty=-0.7, presence_penalty=0.4)
+
+
+def greedy_with_processing(target, prompts, processing, steps) -> list[list[int]]:
+    """Reference outside the engine: each next token the argmax of the plain causal forward's last logits after
+    ``test_processors.reference_row`` (transformers' processors, then the frequency and presence penalties) over the
+    prompt and the tokens so far."""
+    seqs = [list(p) for p in prompts]
+    for _ in range(steps):
+        tokens = np.zeros((len(seqs), max(map(len, seqs))), np.int32)
+        for i, seq in enumerate(seqs):
+            tokens[i, :len(seq)] = seq
+        logits = np.asarray(causal_forward(target, tokens).astype(jnp.float32))
+        for i, (seq, prompt) in enumerate(zip(seqs, prompts)):
+            seq.append(int(np.argmax(reference_row(logits[i, len(seq) - 1], processing, prompt, seq[len(prompt):]))))
+    return [seq[len(p):] for seq, p in zip(seqs, prompts)]
+
+
+def cut_at_end(tokens, eos_ids, stop_sequences, min_new_tokens):
+    """Plain reference: tokens up to and including the first EOS or end of a stop sequence at index >=
+    min_new_tokens, and the status."""
+    for n, token in enumerate(tokens):
+        if n < min_new_tokens:
+            continue
+        if token in eos_ids:
+            return tokens[:n + 1], "eos"
+        if any(tokens[:n + 1][-len(seq):] == list(seq) for seq in stop_sequences if len(seq) <= n + 1):
+            return tokens[:n + 1], "stop_sequence"
+    return tokens, "max_new_tokens"
+
+
+@pytest.fixture(scope="module")
+def models():
+    return build_models()
+
+
+@pytest.fixture(scope="module")
+def ar_reference(models):
+    return generate_all(models[0], None, EngineConfig(mode="ar", max_new_tokens=NEW, capacity=64), PROMPTS[:8], 8)
+
+
+@pytest.fixture(scope="module")
+def processed_reference(models):
+    return greedy_with_processing(models[0], PROMPTS[:8], PROCESSING, NEW)
+
+
+def processing_config(mode, budget, processing=PROCESSING, **kw):
+    return EngineConfig(mode=mode, budget=budget, max_new_tokens=NEW, capacity=64, eos_ids=processing.eos_ids,
+                        stop_sequences=STOPS, logit_bias=dict(processing.logit_bias),
+                        min_new_tokens=processing.min_new_tokens, repetition_penalty=processing.repetition_penalty,
+                        frequency_penalty=processing.frequency_penalty, presence_penalty=processing.presence_penalty,
+                        **kw)
+
+
+@pytest.mark.parametrize("mode,budget", [("ar", 1), ("dflash", 1), ("ddtree", 16), ("ddtree", 64)])
+def test_processed_greedy_equals_the_processed_full_forward(models, ar_reference, processed_reference, mode, budget):
+    """Logit bias (a ban and a boost), min_new_tokens = 4 over two EOS ids and a stop sequence, and the repetition,
+    frequency (negative: it favours repeats, so a token counted once too often shows) and presence penalties:
+    greedy decoding in every mode equals the processed plain-forward reference cut at its first EOS or stop
+    sequence past the first 4 tokens, token for token, so each tree node's target token was chosen over its own
+    context (prompt, output so far and the node's path in the tree). The processing changed most outputs;
+    min_new_tokens held back a stop sequence a stream reached early."""
+    target, drafter = models
+    engine = Engine(target, drafter if mode != "ar" else None, processing_config(mode, budget))
+    res = engine.generate(PROMPTS[:8])
+    want = [cut_at_end(tokens, EOS_IDS, STOPS, 4) for tokens in processed_reference]
+    assert list(zip(res["tokens"], res["status"])) == want
+    assert sum(tokens != a for (tokens, _), a in zip(want, ar_reference[:8])) >= 6
+    statuses = [status for _, status in want]
+    assert statuses.count("eos") >= 2 and statuses.count("stop_sequence") >= 2
+    early = [cut_at_end(tokens, EOS_IDS, STOPS, 0) for tokens in processed_reference]
+    assert sum(len(e) < len(w) for (e, _), (w, _) in zip(early, want)) >= 1  # a stop sequence held back
+    assert not any(2 in tokens for tokens in processed_reference)  # banned, though AR's stream 2 is all 2s
+
+
+@pytest.mark.parametrize("mode,budget", [("ar", 1), ("dflash", 1), ("ddtree", 32)])
+def test_sampled_streams_never_draw_a_banned_token_or_an_early_eos(models, mode, budget):
+    """At temperature 1.5 over 16 prompts with half the vocabulary's ids as EOS: no stream draws an EOS within its
+    first 5 tokens or the banned token anywhere, and many streams stop on an EOS right after."""
+    target, drafter = models
+    eos_ids = tuple(range(1, VOCAB, 2))
+    processing = LogitProcessing(logit_bias=((2, -100.0),), min_new_tokens=5, eos_ids=eos_ids,
+                                 frequency_penalty=0.3)
+    engine = Engine(target, drafter if mode != "ar" else None, processing_config(mode, budget, processing))
+    res = engine.generate(PROMPTS[:16], 1.5, seed=7)
+    for tokens, status in zip(res["tokens"], res["status"]):
+        assert not set(tokens[:5]) & set(eos_ids) and 2 not in tokens
+        assert (status == "eos") == (tokens[-1] in eos_ids and len(tokens) > 5)
+    assert [status for status in res["status"]].count("eos") >= 8
+    assert any(len(tokens) == 6 for tokens in res["tokens"])
+
+
+def test_processing_settings_refused(models):
+    target, drafter = models
+    with pytest.raises(ValueError, match=rf"logit_bias's token id {VOCAB} is outside the vocabulary \[0, {VOCAB}\)"):
+        Engine(target, drafter, EngineConfig(capacity=64, logit_bias={VOCAB: 1.0}))
+    with pytest.raises(ValueError, match="min_new_tokens=5 holds back EOS ids and stop sequences: give eos_ids"):
+        EngineConfig(min_new_tokens=5)
+    with pytest.raises(ValueError, match="min_new_tokens=9 passes max_new_tokens=8"):
+        EngineConfig(min_new_tokens=9, max_new_tokens=8, eos_ids=(1,))
+    with pytest.raises(ValueError, match=r"presence_penalty must be a finite number \(0: off\), got nan"):
+        EngineConfig(presence_penalty=float("nan"))
+    with pytest.raises(ValueError, match="logit_bias gives token 3 twice"):
+        EngineConfig(logit_bias=[(3, 1.0), (3, 2.0)])
+    # the config keeps the bias as sorted pairs, so equal settings hash alike (one compiled program)
+    assert EngineConfig(logit_bias={5: 1, 3: -2.0}) == EngineConfig(logit_bias=[(3, -2), (5, 1.0)])
+    assert EngineConfig(logit_bias={5: 1}).processing == dataclasses.replace(LogitProcessing(),
+                                                                             logit_bias=((5, 1.0),))

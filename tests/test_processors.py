@@ -1,0 +1,189 @@
+"""Logit processing (``processors``) against transformers' processors and plain walks up each tree node's parents."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from transformers.generation.logits_process import (MinNewTokensLengthLogitsProcessor,
+                                                    RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor)
+
+from ddtree_jax import processors as pr
+from test_tree import random_tree
+
+W = 24
+
+
+@pytest.mark.parametrize("penalty", [0.5, 1.3, 2.0])
+def test_repetition_penalty_is_transformers(penalty):
+    """``apply_repetition_penalty`` over a context's tokens (repeated ids included) equals transformers'
+    ``RepetitionPenaltyLogitsProcessor`` on the same ids, on logits of both signs."""
+    rng = np.random.default_rng(int(penalty * 10))
+    logits = rng.standard_normal((6, 40)).astype(np.float32) * 3
+    context = rng.integers(0, 40, (6, 12))
+    want = RepetitionPenaltyLogitsProcessor(penalty)(torch.from_numpy(context), torch.from_numpy(logits)).numpy()
+    seen = np.zeros((6, 40), bool)
+    np.put_along_axis(seen, context, True, axis=1)
+    got = np.asarray(pr.apply_repetition_penalty(jnp.asarray(logits), jnp.asarray(seen), penalty))
+    np.testing.assert_array_max_ulp(got, want, maxulp=1)  # XLA may divide by the constant as a product
+    assert (got != logits).sum() == seen.sum()  # every seen token moved, no other
+
+
+def path_below_root(tokens, parents, node):
+    """The tokens of node's ancestors below the root and its own, root side first (a plain walk up the parents)."""
+    path = []
+    while node > 0:
+        path.append(int(tokens[node]))
+        node = int(parents[node])
+    return path[::-1]
+
+
+def test_node_counts_add_each_nodes_path_below_the_root():
+    """``node_counts`` against a plain walk up each node's parents: the stream's output counts plus one per token of
+    the node and of its ancestors below the root; the root (already the output's last token) and a padding node's
+    id add nothing."""
+    rng = np.random.default_rng(3)
+    b, t = 3, 12
+    tree = random_tree(rng, b, t, W, max_depth=4)
+    tokens, parents, depths = (np.asarray(x) for x in (tree.tokens, tree.parents, tree.depths))
+    leaf = [n for n in range(1, t) if n not in parents[0]][0]
+    tokens = tokens.copy()
+    tokens[0, leaf] = -1  # a padding node: its id must not wrap to the vocabulary's last token
+    out_counts = rng.integers(0, 3, (b, W)).astype(np.int32)
+    got = np.asarray(pr.node_counts(jnp.asarray(out_counts), jnp.asarray(tokens), tree.visibility,
+                                    jnp.asarray(depths)))
+    for s in range(b):
+        for node in range(t):
+            want = out_counts[s].copy()
+            for token in path_below_root(tokens[s], parents[s], node):
+                if token >= 0:
+                    want[token] += 1
+            assert got[s, node].tolist() == want.tolist(), (s, node)
+
+
+PROCESSINGS = {
+    "bias": pr.LogitProcessing(logit_bias=((2, 3.5), (5, -100.0), (W - 1, 1.25))),
+    "min_new_tokens": pr.LogitProcessing(min_new_tokens=6, eos_ids=(1, 7)),
+    "repetition": pr.LogitProcessing(repetition_penalty=1.7),
+    "frequency": pr.LogitProcessing(frequency_penalty=0.6),
+    "presence": pr.LogitProcessing(presence_penalty=-0.4),
+    "all": pr.LogitProcessing(logit_bias=((2, 3.5), (7, 2.0)), min_new_tokens=6, eos_ids=(1, 7),
+                              repetition_penalty=0.8, frequency_penalty=0.3, presence_penalty=0.5),
+}
+
+
+def reference_row(row, processing, prompt, output):
+    """One place's processed logits: transformers' processors over the context (prompt + output so far), then the
+    frequency and presence penalties over the output's counts in numpy."""
+    ids = torch.tensor([list(prompt) + list(output)])
+    scores = torch.from_numpy(row[None].copy())
+    if processing.logit_bias:
+        scores = SequenceBiasLogitsProcessor([[[i], a] for i, a in processing.logit_bias])(ids, scores)
+    if processing.min_new_tokens:
+        scores = MinNewTokensLengthLogitsProcessor(len(prompt), processing.min_new_tokens,
+                                                   list(processing.eos_ids))(ids, scores)
+    if processing.repetition_penalty != 1:
+        scores = RepetitionPenaltyLogitsProcessor(processing.repetition_penalty)(ids, scores)
+    scores = scores.numpy()[0]
+    counts = np.bincount(np.asarray(output, np.int64), minlength=row.shape[-1]).astype(np.float32)
+    return (scores - np.float32(processing.frequency_penalty) * counts
+            - np.where(counts > 0, np.float32(processing.presence_penalty), np.float32(0)))
+
+
+def random_history(rng, b, roots, processing):
+    """Per stream a prompt and an output ending in its tree's root; their TokenHistory (or None) and num_out."""
+    prompts = [rng.integers(0, W, int(rng.integers(1, 9))).tolist() for _ in range(b)]
+    outputs = [rng.integers(0, W, int(rng.integers(0, 6))).tolist() + [int(root)] for root in roots]
+    width = max(map(len, prompts))
+    padded = np.array([p + [0] * (width - len(p)) for p in prompts], np.int32)
+    history = pr.start_history(processing, jnp.asarray(padded), jnp.asarray([len(p) for p in prompts]), W)
+    out_width = max(map(len, outputs))
+    padded_out = np.array([o + [0] * (out_width - len(o)) for o in outputs], np.int32)
+    num_out = jnp.asarray([len(o) for o in outputs], jnp.int32)
+    history = pr.extend_history(history, jnp.asarray(padded_out), num_out)
+    return prompts, outputs, history, num_out
+
+
+@pytest.mark.parametrize("name", list(PROCESSINGS))
+def test_process_logits_at_each_tree_node_is_transformers_over_that_nodes_context(name):
+    """Every tree node's processed row equals the reference's over that node's own context: the prompt, the
+    output (its last token the root) and the node's path below the root, whose length sets min_new_tokens' count.
+    Each processing changes some rows; min_new_tokens releases the EOS ids deeper in the tree."""
+    processing = PROCESSINGS[name]
+    rng = np.random.default_rng(len(name))
+    b, t = 4, 14
+    tree = random_tree(rng, b, t, W, max_depth=5)
+    tokens, parents = np.asarray(tree.tokens), np.asarray(tree.parents)
+    prompts, outputs, history, num_out = random_history(rng, b, tokens[:, 0], processing)
+    logits = rng.standard_normal((b, t, W)).astype(np.float32) * 3
+    got = np.asarray(pr.process_logits(jnp.asarray(logits), processing, history, num_out, tree.tokens,
+                                       tree.visibility, tree.depths))
+    for s in range(b):
+        for node in range(t):
+            # the place after the node: its context ends in its path below the root, the node's own token last
+            context = outputs[s] + path_below_root(tokens[s], parents[s], node)
+            want = reference_row(logits[s, node], processing, prompts[s], context)
+            np.testing.assert_allclose(got[s, node], want, rtol=1e-6, atol=1e-6, err_msg=f"stream {s}, node {node}")
+    assert (got != logits).any()
+    if name == "min_new_tokens":
+        blocked = np.isneginf(got[:, :, 1])
+        assert blocked.any() and not blocked.all()
+
+
+def test_process_logits_without_a_tree_is_the_place_after_the_history():
+    """T = 1 and no tree: the row after the prompt and output, as the prefill and plain decoding process it."""
+    processing = PROCESSINGS["all"]
+    rng = np.random.default_rng(5)
+    prompts, outputs, history, num_out = random_history(rng, 3, rng.integers(0, W, 3), processing)
+    logits = rng.standard_normal((3, 1, W)).astype(np.float32) * 3
+    got = np.asarray(pr.process_logits(jnp.asarray(logits), processing, history, num_out))
+    for s in range(3):
+        want = reference_row(logits[s, 0], processing, prompts[s], outputs[s])
+        np.testing.assert_allclose(got[s, 0], want, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="without a tree there is one place to process, got 2"):
+        pr.process_logits(jnp.zeros((3, 2, W)), processing, history, num_out)
+
+
+def test_default_processing_changes_nothing_and_keeps_no_history():
+    logits = jnp.ones((2, 3, W), jnp.bfloat16)
+    processing = pr.LogitProcessing()
+    assert pr.process_logits(logits, processing, None, jnp.zeros((2,), jnp.int32)) is logits
+    assert pr.start_history(processing, jnp.zeros((2, 4), jnp.int32), jnp.ones((2,), jnp.int32), W) is None
+    # min_new_tokens without EOS ids leaves the logits alone (it holds back stop sequences only)
+    assert not pr.LogitProcessing(min_new_tokens=3).changes_logits
+
+
+@pytest.mark.parametrize("bias,want", [({3: 1.0, 1: -2}, ((1, -2.0), (3, 1.0))), ([(4, 0.5)], ((4, 0.5),)),
+                                       ((), ()), ({}, ())])
+def test_logit_bias_normalised(bias, want):
+    assert pr.check_logit_bias(bias) == want
+
+
+@pytest.mark.parametrize("bias,message", [
+    ([(1, 1.0), (1, 2.0)], "gives token 1 twice"), ({-1: 1.0}, "ids must be integers >= 0"),
+    ({True: 1.0}, "ids must be integers >= 0"), ({1.0: 1.0}, "ids must be integers >= 0"),
+    ({1: float("inf")}, r"logit_bias\[1\] must be a finite number"), ({1: "2"}, r"logit_bias\[1\] must be a finite"),
+    ([1, 2], r"\(token id, amount\) pairs"), ([(1, 2, 3)], "pairs"), (1.0, "must be a mapping"),
+    ({W: 1.0}, rf"token id {W} is outside the vocabulary \[0, {W}\)")])
+def test_bad_logit_bias_refused(bias, message):
+    with pytest.raises(ValueError, match=message):
+        pr.check_logit_bias(bias, W)
+
+
+@pytest.mark.parametrize("bad,message", [(0.0, "must be finite and > 0"), (-1.2, "must be finite and > 0"),
+                                         (float("nan"), "must be finite and > 0"), (float("inf"), "must be finite"),
+                                         (True, "must be a number"), ("1.2", "must be a number")])
+def test_bad_repetition_penalty_refused(bad, message):
+    with pytest.raises(ValueError, match=f"repetition_penalty {message}"):
+        pr.check_repetition_penalty(bad)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), True, "0.5", None])
+def test_bad_additive_penalty_refused(bad):
+    with pytest.raises(ValueError, match=r"frequency_penalty must be a finite number \(0: off\)"):
+        pr.check_additive_penalty("frequency_penalty", bad)
+
+
+@pytest.mark.parametrize("bad,message", [(-1, ">= 0"), (2.0, "an integer"), (True, "an integer")])
+def test_bad_min_new_tokens_refused(bad, message):
+    with pytest.raises(ValueError, match=f"min_new_tokens must be {message}"):
+        pr.check_min_new_tokens(bad)
