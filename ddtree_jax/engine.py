@@ -38,13 +38,14 @@ from ddtree_jax.model import KimiModel, Runtime, causal_mask
 from ddtree_jax.processors import (LogitProcessing, TokenHistory, check_additive_penalty, check_logit_bias,
                                    check_min_new_tokens, check_repetition_penalty, extend_history, process_logits,
                                    start_history)
-from ddtree_jax.sampling import check_min_p, check_top_k, check_top_p, is_number
+from ddtree_jax.sampling import check_min_p, check_top_k, check_top_p, is_number, sampled_logits
 from ddtree_jax.scores import (TokenScores, append_scores, empty_scores, per_stream_slices, scores_lists,
                                token_scores)
 from ddtree_jax.sharding import named_sharding, shard_state
 from ddtree_jax.tree import PAD, accept_tokens, build_tree, chain_tree, check_budget, sample_target_tokens
 
 MODES = ("ar", "dflash", "ddtree")
+LOGPROBS_MODES = ("raw", "processed")
 RUNNING, EOS, MAX_TOKENS, CACHE_FULL, STOP_SEQUENCE = 0, 1, 2, 3, 4
 STATUS_NAMES = {RUNNING: "running", EOS: "eos", MAX_TOKENS: "max_new_tokens", CACHE_FULL: "cache_full",
                 STOP_SEQUENCE: "stop_sequence"}
@@ -72,6 +73,7 @@ class EngineConfig:
     presence_penalty: float = 0.0  # subtracted once for a token in the output (0: off)
     logprobs: bool = False  # also keep each emitted token's log-probability under the target (``scores``)
     top_logprobs: int = 0  # and, with logprobs, the target's top_logprobs likeliest tokens at each place
+    logprobs_mode: str = "raw"  # "raw": the model's distribution; "processed": the one each token was taken from
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -113,6 +115,16 @@ class EngineConfig:
             raise ValueError(f"top_logprobs={self.top_logprobs} is kept beside the log-probabilities: "
                              "give logprobs=True too")
         object.__setattr__(self, "top_logprobs", int(self.top_logprobs))
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
+        if self.logprobs_mode != "raw" and not self.logprobs:
+            raise ValueError(f"logprobs_mode={self.logprobs_mode!r} says which log-probabilities to keep: "
+                             "give logprobs=True too")
+
+    @property
+    def kept_logprobs(self) -> str | None:
+        """The log-probabilities kept: None, or ``logprobs_mode``."""
+        return self.logprobs_mode if self.logprobs else None
 
     @property
     def processing(self) -> LogitProcessing:
@@ -417,7 +429,7 @@ class Engine:
                         jnp.asarray(limits),
                         max_new_tokens=ecfg.max_new_tokens, eos_ids=ecfg.eos_ids, runtime=self.runtime,
                         taps=self.taps, depth=self.depth, greedy=not temperature.any(), top_k=ecfg.top_k,
-                        top_p=ecfg.top_p, min_p=ecfg.min_p, logprobs=ecfg.logprobs,
+                        top_p=ecfg.top_p, min_p=ecfg.min_p, logprobs=ecfg.kept_logprobs,
                         top_logprobs=ecfg.top_logprobs, stop_sequences=ecfg.stop_sequences,
                         min_new_tokens=ecfg.min_new_tokens, processing=ecfg.processing)
 
@@ -487,7 +499,8 @@ def summarize(state: DecodeState, prefill_s: float, decode_s: float) -> dict:
     """Per-stream tokens and status, and metrics: new_tokens counts every generated token (the prefill's
     first token per stream included); tau and tokens_per_s count only the tokens of the rounds (decode_s),
     not the one the prefill samples per stream (its time is in prefill_s). With ``EngineConfig(logprobs=True)``,
-    logprobs holds each token's log-probability under the target, and with ``top_logprobs=n`` top_logprobs its
+    logprobs holds each token's log-probability (``logprobs_mode``: under the target, or under what it was taken
+    from), and with ``top_logprobs=n`` top_logprobs its
     n likeliest [token, log-probability] pairs (``scores.scores_lists``); else None."""
     num = np.asarray(state.num_out)
     first = np.zeros_like(num)
@@ -510,11 +523,6 @@ def summarize(state: DecodeState, prefill_s: float, decode_s: float) -> dict:
     }
 
 
-def _sample(logits, temperature, key, top_k: int, top_p: float, min_p: float):
-    """logits [B, W] -> [B] int32; argmax when temperature <= 0."""
-    return sample_target_tokens(logits[:, None, :], temperature, key, top_k, top_p, min_p)[:, 0]
-
-
 def _split_per_stream(keys):
     """[B] keys -> (the [B] keys to carry, [B] keys to draw with now), each stream's from its own key."""
     pairs = jax.vmap(jax.random.split)(keys)  # [B, 2]
@@ -533,9 +541,10 @@ def _static_if_greedy(temperature, greedy: bool):
                    donate_argnames=("cache", "draft_cache"))
 def _prefill(target_def, target_state, drafter_def, drafter_state, cache, draft_cache, tokens, lengths, temperature,
              key, limits, *, max_new_tokens: int, eos_ids: tuple[int, ...], runtime: Runtime, taps: tuple[int, ...],
-             depth: int, greedy: bool, top_k: int, top_p: float, min_p: float, logprobs: bool, top_logprobs: int,
+             depth: int, greedy: bool, top_k: int, top_p: float, min_p: float, logprobs: str | None, top_logprobs: int,
              stop_sequences: tuple[tuple[int, ...], ...], min_new_tokens: int,
              processing: LogitProcessing) -> DecodeState:
+    # logprobs: the scores kept (EngineConfig.kept_logprobs: None, "raw" or "processed").
     # Keyed on its static arguments, not on the EngineConfig: mode and budget enter only through depth
     # (= tree_depth, the shapes of ctx_taps / tau_hist), taps and drafter_def, so engines that agree on
     # those (e.g. dflash and ddtree with budget >= Dp) and on the other static arguments share one program.
@@ -549,8 +558,8 @@ def _prefill(target_def, target_state, drafter_def, drafter_state, cache, draft_
     last = jnp.take_along_axis(out.logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
     key, sub = _split_per_stream(key)
     history = start_history(processing, tokens, lengths, cfg.vocab_size)
-    to_sample = process_logits(last[:, None], processing, history, jnp.zeros((b,), jnp.int32))[:, 0]
-    bonus = _sample(to_sample, temperature, sub, top_k, top_p, min_p)
+    processed = process_logits(last[:, None], processing, history, jnp.zeros((b,), jnp.int32))  # [B, 1, W]
+    bonus = sample_target_tokens(processed, temperature, sub, top_k, top_p, min_p)[:, 0]
     history = extend_history(history, bonus[:, None], jnp.ones((b,), jnp.int32))
     dm = cfg.hidden_size
     if draft_cache is not None:
@@ -568,7 +577,8 @@ def _prefill(target_def, target_state, drafter_def, drafter_state, cache, draft_
         status=jnp.full((b,), RUNNING, jnp.int32), rounds=jnp.zeros((b,), jnp.int32),
         tau_hist=jnp.zeros((b, depth + 2), jnp.int32), key=key,
     )
-    bonus_scores = token_scores(last[:, None], bonus[:, None], top_logprobs) if logprobs else None
+    bonus_scores = _scores_of(last[:, None], processed, bonus[:, None], temperature, logprobs, top_logprobs, top_k,
+                              top_p, min_p)
     out_tokens, out_scores, num_out, status = _stop_and_emit(state, bonus[:, None], jnp.ones((b,), jnp.int32),
                                                              jnp.ones((b,), bool), eos_ids, bonus_scores,
                                                              stop_sequences, min_new_tokens)
@@ -594,10 +604,24 @@ def _draft_tree(target, drafter, state: DecodeState, start, active, ecfg: Engine
 
 def _target_tokens(logits, tree, state: DecodeState, temperature, key, ecfg: EngineConfig):
     """The target's token at every node [B, T] from the verify's logits [B, T, W]: after the logit processing of
-    each node's place (``processors``), the argmax or a draw (``sample_target_tokens``)."""
-    logits = process_logits(logits, ecfg.processing, state.history, state.num_out, tree.tokens, tree.visibility,
-                            tree.depths)
-    return sample_target_tokens(logits, temperature, key, ecfg.top_k, ecfg.top_p, ecfg.min_p)
+    each node's place (``processors``), the argmax or a draw (``sample_target_tokens``). Returns (tokens, the
+    processed logits)."""
+    processed = process_logits(logits, ecfg.processing, state.history, state.num_out, tree.tokens, tree.visibility,
+                               tree.depths)
+    return sample_target_tokens(processed, temperature, key, ecfg.top_k, ecfg.top_p, ecfg.min_p), processed
+
+
+def _scores_of(raw, processed, tokens, temperature, logprobs: str | None, top_logprobs: int, top_k: int,
+               top_p: float, min_p: float) -> TokenScores | None:
+    """The TokenScores of tokens [B, R] taken at R rows of logits [B, R, W]: under the model's own distribution
+    (``logprobs`` "raw": the raw rows at temperature 1), or under the one each token was taken from ("processed":
+    the processed rows, over the stream's temperature and through the filters where it samples:
+    ``sampling.sampled_logits``); None where ``logprobs`` is None."""
+    if logprobs is None:
+        return None
+    if logprobs == "processed":
+        return token_scores(sampled_logits(processed, temperature, top_k, top_p, min_p), tokens, top_logprobs)
+    return token_scores(raw, tokens, top_logprobs)
 
 
 def _round(target, drafter, state: DecodeState, temperature, ecfg: EngineConfig, runtime: Runtime,
@@ -613,7 +637,8 @@ def _round(target, drafter, state: DecodeState, temperature, ecfg: EngineConfig,
     tree, draft_cache = _draft_tree(target, drafter, state, start, active, ecfg, depth)
     out = target(tree.tokens, tree.positions(start), state.cache, tree.visibility, tap_layers=taps, runtime=runtime)
     key, sub = _split_per_stream(state.key)
-    acc = accept_tokens(tree, _target_tokens(out.logits, tree, state, temperature, sub, ecfg))
+    target_tokens, processed = _target_tokens(out.logits, tree, state, temperature, sub, ecfg)
+    acc = accept_tokens(tree, target_tokens)
 
     n_commit = jnp.where(active, acc.num_accepted + 1, 0)
     rows = jnp.maximum(acc.path, 0)
@@ -623,8 +648,9 @@ def _round(target, drafter, state: DecodeState, temperature, ecfg: EngineConfig,
     else:
         ctx_taps = state.ctx_taps
     # The k-th emitted token is the target's token at the path's k-th node, so its log-probability is that row's.
-    emitted_scores = token_scores(jnp.take_along_axis(out.logits, rows[:, :, None], axis=1), acc.emitted,
-                                  ecfg.top_logprobs) if ecfg.logprobs else None
+    path_rows = functools.partial(jnp.take_along_axis, indices=rows[:, :, None], axis=1)
+    emitted_scores = _scores_of(path_rows(out.logits), path_rows(processed), acc.emitted, temperature,
+                                ecfg.kept_logprobs, ecfg.top_logprobs, ecfg.top_k, ecfg.top_p, ecfg.min_p)
     out_tokens, out_scores, num_out, status = _stop_and_emit(
         dataclasses.replace(state, status=status), acc.emitted, acc.num_accepted + 1, active,
         ecfg.eos_ids, emitted_scores, ecfg.stop_sequences, ecfg.min_new_tokens)
@@ -680,5 +706,5 @@ def _inspect(target_def, target_state, drafter_def, drafter_state, state, *, ecf
     tree, _ = _draft_tree(target, drafter, state, start, active, ecfg, depth)
     out = target(tree.tokens, tree.positions(start), state.cache, tree.visibility, runtime=runtime)
     _, sub = _split_per_stream(state.key)  # the draws of the state's next round
-    acc = accept_tokens(tree, _target_tokens(out.logits, tree, state, temperature, sub, ecfg))
+    acc = accept_tokens(tree, _target_tokens(out.logits, tree, state, temperature, sub, ecfg)[0])
     return tree, acc

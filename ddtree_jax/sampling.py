@@ -108,6 +108,21 @@ def truncate(scaled: jax.Array, top_k: int = 0, top_p: float = 1.0, top_p_method
     return rows.reshape(shape)
 
 
+def sampled_logits(logits: jax.Array, temperature, top_k: int = 0, top_p: float = 1.0,
+                   min_p: float = 0.0) -> jax.Array:
+    """logits [B, R, W] -> the logits each row's token is taken from: ``truncate(logits / temperature)`` where the
+    stream's temperature (a Python number, or [B] and maybe traced) is > 0, the logits themselves where it is <= 0
+    (greedy: their argmax, which every filter keeps)."""
+    logits = logits.astype(jnp.float32)
+    if isinstance(temperature, (int, float)) and not isinstance(temperature, bool):
+        if temperature <= 0:
+            return logits
+        return truncate(logits / jnp.float32(temperature), top_k, top_p, min_p=min_p)
+    temp = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), logits.shape[:1])[:, None, None]
+    hot = temp > 0
+    return jnp.where(hot, truncate(logits / jnp.where(hot, temp, 1.0), top_k, top_p, min_p=min_p), logits)
+
+
 def nucleus_edge_by_sort(rows: jax.Array, top_p: float, best: jax.Array | None = None) -> jax.Array:
     """rows [R, W] -> [R, 1]: the value of the last token in the nucleus, the tokens ranked by value whose mass
     before them (over the whole row) is below top_p. ``best``: the row's largest values in order, if known (top-k's

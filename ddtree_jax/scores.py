@@ -2,8 +2,10 @@
 likeliest tokens at that place (``EngineConfig(logprobs=True, top_logprobs=n)``).
 
 Both are read from the target's logits of the row that produced the token (the prefill's last row, or the verify
-forward's row of the accepted node before it): the model's own distribution, at temperature 1 and before any
-top-k / top-p / min-p filter, whatever the stream samples with. No forward is added.
+forward's row of the accepted node before it): by default the model's own distribution, at temperature 1 and before
+any logit processing or top-k / top-p / min-p filter, whatever the stream samples with; with
+``EngineConfig(logprobs_mode="processed")`` the distribution the token was taken from (the engine passes those rows
+through ``sampling.sampled_logits`` first). No forward is added.
 
 Shapes: B streams, R rows (a round's emitted tokens, or the output's slots N), W vocabulary, n = top_logprobs.
 """

@@ -38,7 +38,7 @@ from ddtree_jax.checkpoint import (INDEX_FILE, checkpoint_config, is_drafter_che
                                    restore_drafter, restore_model)
 from ddtree_jax.config import QuantConfig, tiny_config  # noqa: E402
 from ddtree_jax.drafter import DFlashDrafter, load_hf_drafter, tiny_drafter_config  # noqa: E402
-from ddtree_jax.engine import (EOS, SEED_LIMIT, Engine, EngineConfig, check_temperature,  # noqa: E402
+from ddtree_jax.engine import (EOS, LOGPROBS_MODES, SEED_LIMIT, Engine, EngineConfig, check_temperature,  # noqa: E402
                                inspect_round, required_capacity, tree_depth)
 from ddtree_jax.hf_loader import load_hf_model  # noqa: E402
 from ddtree_jax.model import KimiModel  # noqa: E402
@@ -99,9 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop-ids", action="append", default=[],
                    help="space-separated token ids (repeatable): a stream stops once it has generated them in a row "
                         "(kept in its output, like the EOS)")
-    p.add_argument("--logprobs", action="store_true",
-                   help="also keep each generated token's log-probability under the target; report each mode's "
-                        "mean per token and perplexity (in --json: per token)")
+    p.add_argument("--logprobs", nargs="?", const="raw", choices=LOGPROBS_MODES, default=None,
+                   help="also keep each generated token's log-probability: under the target ('raw', the default) or "
+                        "under what it was taken from ('processed': logit processing, temperature, filters); report "
+                        "each mode's mean per token and perplexity (in --json: per token)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     bench_util.add_matmul_precision_arg(p, "float32")
     p.add_argument("--compare", action="store_true",
@@ -333,7 +334,8 @@ def read_prompts(args, tokenizer) -> tuple[list[list[int]], str]:
 def engine_config(mode: str, args, eos_ids=()) -> EngineConfig:
     budget = {"budget": args.budget} if mode == "ddtree" else {}
     return EngineConfig(mode=mode, max_new_tokens=args.max_new_tokens, capacity=args.capacity, eos_ids=eos_ids,
-                        top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, logprobs=args.logprobs,
+                        top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, logprobs=args.logprobs is not None,
+                        logprobs_mode=args.logprobs or "raw",
                         repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
                         presence_penalty=args.presence_penalty, logit_bias=parse_logit_bias(args.logit_bias),
                         min_new_tokens=args.min_new_tokens,

@@ -69,6 +69,7 @@ RANDOM = ["--target", "random"]
     (["--logit-bias", "x:1"], "--logit-bias #1 must be ID:AMOUNT"),
     (["--logit-bias", "3:1", "--logit-bias", "3:2"], "--logit-bias: logit_bias gives token 3 twice"),
     (["--logit-bias", "3:nan"], "--logit-bias: logit_bias[3] must be a finite number"),
+    (["--logprobs", "sampled"], "argument --logprobs: invalid choice: 'sampled'"),
 ])
 def test_bad_flags_are_refused_before_any_model_is_built(argv, message, capsys):
     assert message in refused(run_decode.parse_args, RANDOM + argv, capsys)
@@ -188,8 +189,10 @@ def test_logprobs_flag_reaches_the_engine_and_the_mean_weighs_every_token():
     """--logprobs: the engine keeps log-probabilities, and merge_results' mean is over tokens (a 1-token stream
     weighs a quarter of 4 tokens, not half), perplexity exp(-mean); without them neither is reported."""
     args = run_decode.parse_args(RANDOM + ["--mode", "ar", "--logprobs"])
-    assert run_decode.engine_config("ar", args).logprobs and not run_decode.engine_config(
+    assert run_decode.engine_config("ar", args).kept_logprobs == "raw" and not run_decode.engine_config(
         "ar", run_decode.parse_args(RANDOM + ["--mode", "ar"])).logprobs
+    args = run_decode.parse_args(RANDOM + ["--mode", "ar", "--logprobs", "processed"])
+    assert run_decode.engine_config("ar", args).kept_logprobs == "processed"
 
     def result(logprobs):
         return {"tokens": [[0] * len(lp) for lp in logprobs], "status": ["eos"] * len(logprobs), "rounds": [1],

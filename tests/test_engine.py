@@ -254,15 +254,21 @@ def test_per_stream_token_limits(models, ar_reference, mode):
     assert compiles == []
 
 
-def teacher_forced_logprobs(target, prompts, outputs) -> list[np.ndarray]:
-    """Each output token's log-probabilities [tokens, W] from the plain causal forward over prompt + output
-    (right-padded, one batch), outside the engine: log_softmax of the logits at the position before the token."""
+def teacher_forced_logits(target, prompts, outputs, log_softmax=False) -> list[np.ndarray]:
+    """Each output token's logits [tokens, W] (or their log_softmax) from the plain causal forward over prompt +
+    output (right-padded, one batch), outside the engine: the row at the position before the token."""
     seqs = [list(p) + list(o) for p, o in zip(prompts, outputs)]
     tokens = np.zeros((len(seqs), max(map(len, seqs))), np.int32)
     for i, seq in enumerate(seqs):
         tokens[i, :len(seq)] = seq
-    logp = np.asarray(jax.nn.log_softmax(causal_forward(target, tokens).astype(jnp.float32), axis=-1))
-    return [logp[i, len(p) - 1 + np.arange(len(o))] for i, (p, o) in enumerate(zip(prompts, outputs))]
+    logits = causal_forward(target, tokens).astype(jnp.float32)
+    rows = np.asarray(jax.nn.log_softmax(logits, axis=-1) if log_softmax else logits)
+    return [rows[i, len(p) - 1 + np.arange(len(o))] for i, (p, o) in enumerate(zip(prompts, outputs))]
+
+
+def teacher_forced_logprobs(target, prompts, outputs) -> list[np.ndarray]:
+    """Each output token's log-probabilities [tokens, W] under the plain causal forward (``teacher_forced_logits``)."""
+    return teacher_forced_logits(target, prompts, outputs, log_softmax=True)
 
 
 @pytest.mark.parametrize("mode", ["ar", "dflash", "ddtree"])

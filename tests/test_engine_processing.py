@@ -11,7 +11,8 @@ import pytest
 from ddtree_jax.engine import Engine, EngineConfig
 from ddtree_jax.processors import LogitProcessing
 from test_processors import reference_row
-from tests.test_engine import NEW, PROMPTS, VOCAB, build_models, causal_forward, generate_all
+from sampling_reference import truncated_probs
+from tests.test_engine import NEW, PROMPTS, VOCAB, build_models, causal_forward, generate_all, teacher_forced_logits
 
 EOS_IDS = (0, 19)
 STOPS = ((58, 4),)
@@ -108,6 +109,39 @@ def test_sampled_streams_never_draw_a_banned_token_or_an_early_eos(models, mode,
     assert any(len(tokens) == 6 for tokens in res["tokens"])
 
 
+@pytest.mark.parametrize("mode,budget", [("ar", 1), ("ddtree", 16)])
+def test_processed_logprobs_are_those_of_the_distribution_each_token_was_taken_from(models, mode, budget):
+    """``logprobs_mode="processed"``: each token's log-probability, and its 3 likeliest tokens', are those of what
+    it was taken from: the teacher-forced forward's row processed over the stream's context (``reference_row``),
+    then, where the stream samples, over its temperature and through top-k 8 and min-p 0.3 (``truncated_probs``;
+    filtered tokens -inf); greedy streams' stay at temperature 1, unfiltered. The tokens are the raw mode's."""
+    target, drafter = models
+    processing = LogitProcessing(logit_bias=((2, -100.0), (58, 1.5)), repetition_penalty=1.2,
+                                 frequency_penalty=0.4, presence_penalty=0.2)
+    ecfg = dataclasses.replace(processing_config(mode, budget, processing), stop_sequences=(), top_k=8, min_p=0.3,
+                               logprobs=True, top_logprobs=3, logprobs_mode="processed")
+    prompts, temperatures = PROMPTS[:4], [0.0, 1.0, 0.0, 0.7]
+    res = Engine(target, drafter if mode != "ar" else None, ecfg).generate(prompts, temperatures, seed=5)
+    raw = Engine(target, drafter if mode != "ar" else None, dataclasses.replace(ecfg, logprobs_mode="raw"))
+    assert res["tokens"] == raw.generate(prompts, temperatures, seed=5)["tokens"]
+    rows = teacher_forced_logits(target, prompts, res["tokens"])
+    for b, (prompt, tokens, temperature) in enumerate(zip(prompts, res["tokens"], temperatures)):
+        for k, token in enumerate(tokens):
+            row = reference_row(rows[b][k], processing, prompt, tokens[:k]).astype(np.float64)
+            if temperature:
+                with np.errstate(divide="ignore"):
+                    want = np.log(truncated_probs(row, temperature, top_k=8, min_p=0.3))
+            else:
+                want = row - np.log(np.sum(np.exp(row - row.max()))) - row.max()
+            np.testing.assert_allclose(res["logprobs"][b][k], want[token], rtol=1e-5, atol=1e-4,
+                                       err_msg=f"stream {b}, token {k}")
+            values = [value for _, value in res["top_logprobs"][b][k]]
+            np.testing.assert_allclose(values, np.sort(want)[::-1][:3], rtol=1e-5, atol=1e-4)
+    sampled = [lp for b in (1, 3) for lp in res["logprobs"][b]]
+    assert np.isfinite(sampled).all() and max(-min(sampled), 0) > 0.05  # drawn from the kept tokens, not always 1
+    assert any(np.isneginf([v for _, v in pairs]).any() for b in (1, 3) for pairs in res["top_logprobs"][b])
+
+
 def test_processing_settings_refused(models):
     target, drafter = models
     with pytest.raises(ValueError, match=rf"logit_bias's token id {VOCAB} is outside the vocabulary \[0, {VOCAB}\)"):
@@ -118,6 +152,11 @@ def test_processing_settings_refused(models):
         EngineConfig(min_new_tokens=9, max_new_tokens=8, eos_ids=(1,))
     with pytest.raises(ValueError, match=r"presence_penalty must be a finite number \(0: off\), got nan"):
         EngineConfig(presence_penalty=float("nan"))
+    with pytest.raises(ValueError, match="logprobs_mode='processed' says which log-probabilities to keep: give "
+                                         "logprobs=True too"):
+        EngineConfig(logprobs_mode="processed")
+    with pytest.raises(ValueError, match=r"logprobs_mode must be one of \('raw', 'processed'\), got 'sampled'"):
+        EngineConfig(logprobs=True, logprobs_mode="sampled")
     with pytest.raises(ValueError, match="logit_bias gives token 3 twice"):
         EngineConfig(logit_bias=[(3, 1.0), (3, 2.0)])
     # the config keeps the bias as sorted pairs, so equal settings hash alike (one compiled program)

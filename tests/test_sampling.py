@@ -168,3 +168,23 @@ def test_bad_top_p_refused(top_p):
 def test_bad_min_p_refused(min_p):
     with pytest.raises(ValueError, match="min_p must be"):
         sampling.truncate(jnp.zeros((2, 30)), 0, 1.0, min_p=min_p)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8, "per stream"])
+def test_sampled_logits_are_what_each_row_is_taken_from(temperature):
+    """``sampled_logits``: a sampled stream's rows are the truncated reference's log-probabilities up to a constant
+    (filtered tokens -inf); a greedy stream's (temperature 0) are its logits, untouched, for a Python or a [B]
+    temperature."""
+    rng = np.random.default_rng(8)
+    logits = rng.standard_normal((3, 4, 50)).astype(np.float32) * 3
+    temps = [0.0, 0.7, 1.3] if temperature == "per stream" else [temperature] * 3
+    arg = jnp.asarray(temps, jnp.float32) if temperature == "per stream" else temperature
+    got = np.asarray(jax.nn.log_softmax(sampling.sampled_logits(jnp.asarray(logits), arg, 10, 0.9, 0.05), axis=-1))
+    for b, t in enumerate(temps):
+        for r in range(4):
+            if t:
+                with np.errstate(divide="ignore"):
+                    want = np.log(truncated_probs(logits[b, r], t, 10, 0.9, 0.05))
+            else:
+                want = np.asarray(jax.nn.log_softmax(logits[b, r]))
+            np.testing.assert_allclose(got[b, r], want, rtol=1e-5, atol=1e-5)
