@@ -42,13 +42,14 @@ from ddtree_jax.sampling import check_min_p, check_top_k, check_top_p, is_number
 from ddtree_jax.scores import (TokenScores, append_scores, empty_scores, per_stream_slices, scores_lists,
                                token_scores)
 from ddtree_jax.sharding import named_sharding, shard_state
+from ddtree_jax.stop_strings import StopTables, advance, build_stop_tables, check_stop_strings, start_states
 from ddtree_jax.tree import PAD, accept_tokens, build_tree, chain_tree, check_budget, sample_target_tokens
 
 MODES = ("ar", "dflash", "ddtree")
 LOGPROBS_MODES = ("raw", "processed")
-RUNNING, EOS, MAX_TOKENS, CACHE_FULL, STOP_SEQUENCE = 0, 1, 2, 3, 4
+RUNNING, EOS, MAX_TOKENS, CACHE_FULL, STOP_SEQUENCE, STOP_STRING = 0, 1, 2, 3, 4, 5
 STATUS_NAMES = {RUNNING: "running", EOS: "eos", MAX_TOKENS: "max_new_tokens", CACHE_FULL: "cache_full",
-                STOP_SEQUENCE: "stop_sequence"}
+                STOP_SEQUENCE: "stop_sequence", STOP_STRING: "stop_string"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +63,7 @@ class EngineConfig:
     rounds_per_dispatch: int = 64
     eos_ids: tuple[int, ...] = ()
     stop_sequences: tuple[tuple[int, ...], ...] = ()  # a stream stops after generating any of these in a row
+    stop_strings: tuple[str, ...] = ()  # or once its generated text holds one (``stop_strings``; needs a tokenizer)
     top_k: int = 0  # sampling keeps the top_k likeliest tokens (0: all); greedy decoding ignores it
     top_p: float = 1.0  # then the fewest likeliest whose mass reaches top_p (1: all); ``sampling.truncate``
     min_p: float = 0.0  # then those at least min_p times as likely as the likeliest (0: all)
@@ -93,6 +95,7 @@ class EngineConfig:
             raise ValueError(f"eos_ids must be a sequence of token ids >= 0, got {self.eos_ids!r}")
         object.__setattr__(self, "eos_ids", tuple(int(i) for i in eos_ids))
         object.__setattr__(self, "stop_sequences", check_stop_sequences(self.stop_sequences))
+        object.__setattr__(self, "stop_strings", check_stop_strings(self.stop_strings))
         object.__setattr__(self, "top_k", check_top_k(self.top_k))
         object.__setattr__(self, "top_p", check_top_p(self.top_p))
         object.__setattr__(self, "min_p", check_min_p(self.min_p))
@@ -100,9 +103,9 @@ class EngineConfig:
         object.__setattr__(self, "min_new_tokens", check_min_new_tokens(self.min_new_tokens))
         if self.min_new_tokens > self.max_new_tokens:
             raise ValueError(f"min_new_tokens={self.min_new_tokens} passes max_new_tokens={self.max_new_tokens}")
-        if self.min_new_tokens and not (self.eos_ids or self.stop_sequences):
+        if self.min_new_tokens and not (self.eos_ids or self.stop_sequences or self.stop_strings):
             raise ValueError(f"min_new_tokens={self.min_new_tokens} holds back EOS ids and stop sequences: "
-                             "give eos_ids or stop_sequences")
+                             "give eos_ids, stop_sequences or stop_strings")
         object.__setattr__(self, "repetition_penalty", check_repetition_penalty(self.repetition_penalty))
         for name in ("frequency_penalty", "presence_penalty"):
             object.__setattr__(self, name, check_additive_penalty(name, getattr(self, name)))
@@ -256,6 +259,7 @@ class DecodeState:
     limit: jax.Array  # [B] int32: the stream's token limit (at most EngineConfig.max_new_tokens, N)
     temperature: jax.Array  # [B] float32: the stream's sampling temperature (0: greedy)
     history: TokenHistory | None  # what the penalties read of the prompt and the output; None: no penalty
+    stop_states: jax.Array | None  # [B, S] int32: each stop string's automaton state (``stop_strings``); else None
     status: jax.Array  # [B] int32 (RUNNING / EOS / MAX_TOKENS / CACHE_FULL / STOP_SEQUENCE)
     rounds: jax.Array  # [B] int32: rounds in which the stream was active
     tau_hist: jax.Array  # [B, D+2] int32: histogram of tokens emitted per round
@@ -292,23 +296,26 @@ def tree_depth(ecfg: EngineConfig, block_size: int) -> int:
 
 
 def _stop_and_emit(state: DecodeState, emitted, n_emit, active, eos_ids, emitted_scores=None, stop_sequences=(),
-                   min_new_tokens=0):
+                   min_new_tokens=0, string_ends=None):
     """Appends each active stream's first n_emit emitted tokens [B, E] (and their TokenScores, where the state
-    keeps them) to its output, cut after the first that is an EOS or ends a stop sequence (its tokens in a row
-    among the stream's generated ones, earlier rounds' included; not within the first min_new_tokens generated) or
-    that reaches the stream's token limit, and updates status. Returns (out_tokens, out_scores, num_out, status)."""
+    keeps them) to its output, cut after the first that is an EOS, ends a stop sequence (its tokens in a row
+    among the stream's generated ones, earlier rounds' included) or a stop string (``string_ends`` [B, E], where
+    given), the last two not within the first min_new_tokens generated, or that reaches the stream's token limit,
+    and updates status. Returns (out_tokens, out_scores, num_out, status)."""
     b, width = emitted.shape
     k = jnp.arange(width)[None, :]
     in_round = k < n_emit[:, None]
     room = state.limit - state.num_out
     is_eos = jnp.isin(emitted, jnp.asarray(eos_ids, jnp.int32)) if eos_ids else jnp.zeros((b, width), bool)
-    is_stop = _ends_stop_sequence(state.out_tokens, state.num_out, emitted, stop_sequences)
-    is_stop &= state.num_out[:, None] + k >= min_new_tokens
-    ends = (is_eos | is_stop) & in_round
+    past_min = state.num_out[:, None] + k >= min_new_tokens
+    is_stop = _ends_stop_sequence(state.out_tokens, state.num_out, emitted, stop_sequences) & past_min
+    is_string = jnp.zeros((b, width), bool) if string_ends is None else string_ends & past_min
+    ends = (is_eos | is_stop | is_string) & in_round
     first_end = jnp.argmax(ends, axis=1)
     hit_end = ends.any(1) & (first_end < room)  # an end past the token limit is never emitted
     n_emit = jnp.where(hit_end, first_end + 1, n_emit)
-    ended_by_eos = jnp.take_along_axis(is_eos, first_end[:, None], axis=1)[:, 0]
+    ended_by_eos, ended_by_sequence = (jnp.take_along_axis(x, first_end[:, None], axis=1)[:, 0]
+                                       for x in (is_eos, is_stop))
     hit_limit = n_emit >= room
     n_emit = jnp.where(active, jnp.minimum(n_emit, room), 0)
     slots = jnp.where(k < n_emit[:, None], state.num_out[:, None] + k, state.out_tokens.shape[1])  # else dropped
@@ -319,7 +326,7 @@ def _stop_and_emit(state: DecodeState, emitted, n_emit, active, eos_ids, emitted
         if emitted_scores is None:
             raise ValueError("the state keeps scores: emitted_scores is needed")
         out_scores = append_scores(out_scores, emitted_scores, rows, slots)
-    end_status = jnp.where(ended_by_eos, EOS, STOP_SEQUENCE)
+    end_status = jnp.where(ended_by_eos, EOS, jnp.where(ended_by_sequence, STOP_SEQUENCE, STOP_STRING))
     status = jnp.where(active & hit_end, end_status, jnp.where(active & hit_limit, MAX_TOKENS, state.status))
     return out, out_scores, state.num_out + n_emit, status
 
@@ -372,10 +379,11 @@ class Engine:
     also keeps each emitted token's log-probability under the target and its n likeliest tokens (``scores``), from
     the rows the forwards computed. The config's logit bias, min_new_tokens and penalties process every place's
     logits before the temperature and the filters (``processors``), each tree node's over its own context.
+    ``tokenizer``: needed for the config's ``stop_strings`` (its ``token_bytes``), whose tables are built here.
     """
 
     def __init__(self, target: KimiModel, drafter: DFlashDrafter | None, ecfg: EngineConfig, *,
-                 runtime: Runtime = Runtime()):
+                 runtime: Runtime = Runtime(), tokenizer=None):
         if ecfg.mode != "ar" and drafter is None:
             raise ValueError(f"mode {ecfg.mode!r} needs a drafter")
         if drafter is not None:
@@ -392,6 +400,12 @@ class Engine:
         if bad_stops:
             raise ValueError(f"stop_sequences {bad_stops} hold ids outside the target's vocabulary "
                              f"[0, {target.cfg.vocab_size})")
+        self.stop_tables = None
+        if ecfg.stop_strings:
+            if tokenizer is None:
+                raise ValueError(f"stop_strings {list(ecfg.stop_strings)} are matched in the decoded text: give "
+                                 "Engine(..., tokenizer=...)")
+            self.stop_tables = build_stop_tables(ecfg.stop_strings, tokenizer.token_bytes(target.cfg.vocab_size))
         if ecfg.capacity > target.cfg.max_position_embeddings:
             raise ValueError(f"capacity={ecfg.capacity} passes the target's max_position_embeddings="
                              f"{target.cfg.max_position_embeddings}: positions past it were never trained")
@@ -426,7 +440,7 @@ class Engine:
         cache, draft_cache = place_caches(cache, draft_cache, self.runtime)
         return _prefill(self.target_def, self.target_state, self.drafter_def, self.drafter_state, cache, draft_cache,
                         jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(temperature), keys,
-                        jnp.asarray(limits),
+                        jnp.asarray(limits), self.stop_tables,
                         max_new_tokens=ecfg.max_new_tokens, eos_ids=ecfg.eos_ids, runtime=self.runtime,
                         taps=self.taps, depth=self.depth, greedy=not temperature.any(), top_k=ecfg.top_k,
                         top_p=ecfg.top_p, min_p=ecfg.min_p, logprobs=ecfg.kept_logprobs,
@@ -447,7 +461,8 @@ class Engine:
         greedy = not np.asarray(state.temperature).any()
         while True:
             state = _run_rounds(self.target_def, self.target_state, self.drafter_def, self.drafter_state, state,
-                                ecfg=self.ecfg, runtime=self.runtime, taps=self.taps, depth=self.depth, greedy=greedy)
+                                self.stop_tables, ecfg=self.ecfg, runtime=self.runtime, taps=self.taps,
+                                depth=self.depth, greedy=greedy)
             yield state
             if not _any_running(state):
                 return
@@ -540,9 +555,9 @@ def _static_if_greedy(temperature, greedy: bool):
                                              "top_logprobs", "stop_sequences", "min_new_tokens", "processing"),
                    donate_argnames=("cache", "draft_cache"))
 def _prefill(target_def, target_state, drafter_def, drafter_state, cache, draft_cache, tokens, lengths, temperature,
-             key, limits, *, max_new_tokens: int, eos_ids: tuple[int, ...], runtime: Runtime, taps: tuple[int, ...],
-             depth: int, greedy: bool, top_k: int, top_p: float, min_p: float, logprobs: str | None, top_logprobs: int,
-             stop_sequences: tuple[tuple[int, ...], ...], min_new_tokens: int,
+             key, limits, stop_tables, *, max_new_tokens: int, eos_ids: tuple[int, ...], runtime: Runtime,
+             taps: tuple[int, ...], depth: int, greedy: bool, top_k: int, top_p: float, min_p: float,
+             logprobs: str | None, top_logprobs: int, stop_sequences: tuple[tuple[int, ...], ...], min_new_tokens: int,
              processing: LogitProcessing) -> DecodeState:
     # logprobs: the scores kept (EngineConfig.kept_logprobs: None, "raw" or "processed").
     # Keyed on its static arguments, not on the EngineConfig: mode and budget enter only through depth
@@ -573,17 +588,26 @@ def _prefill(target_def, target_state, drafter_def, drafter_state, cache, draft_
         out_tokens=jnp.full((b, max_new_tokens), PAD, jnp.int32),
         out_scores=empty_scores(b, max_new_tokens, top_logprobs) if logprobs else None,
         num_out=jnp.zeros((b,), jnp.int32), limit=limits,
-        temperature=temperatures, history=history,
+        temperature=temperatures, history=history, stop_states=start_states(stop_tables, b),
         status=jnp.full((b,), RUNNING, jnp.int32), rounds=jnp.zeros((b,), jnp.int32),
         tau_hist=jnp.zeros((b, depth + 2), jnp.int32), key=key,
     )
     bonus_scores = _scores_of(last[:, None], processed, bonus[:, None], temperature, logprobs, top_logprobs, top_k,
                               top_p, min_p)
+    string_ends, stop_states = _advance_stop_strings(stop_tables, state.stop_states, bonus[:, None],
+                                                     jnp.ones((b,), jnp.int32))
     out_tokens, out_scores, num_out, status = _stop_and_emit(state, bonus[:, None], jnp.ones((b,), jnp.int32),
                                                              jnp.ones((b,), bool), eos_ids, bonus_scores,
-                                                             stop_sequences, min_new_tokens)
+                                                             stop_sequences, min_new_tokens, string_ends)
     return dataclasses.replace(state, out_tokens=out_tokens, out_scores=out_scores, num_out=num_out,
-                               status=status)
+                               status=status, stop_states=stop_states)
+
+
+def _advance_stop_strings(stop_tables, stop_states, tokens, counts):
+    """``stop_strings.advance`` where the engine has stop strings: (ends [B, E] or None, the new states)."""
+    if stop_tables is None:
+        return None, stop_states
+    return advance(stop_tables, stop_states, tokens, counts)
 
 
 def _draft_tree(target, drafter, state: DecodeState, start, active, ecfg: EngineConfig, depth: int):
@@ -625,7 +649,7 @@ def _scores_of(raw, processed, tokens, temperature, logprobs: str | None, top_lo
 
 
 def _round(target, drafter, state: DecodeState, temperature, ecfg: EngineConfig, runtime: Runtime,
-           taps: tuple[int, ...], depth: int) -> DecodeState:
+           taps: tuple[int, ...], depth: int, stop_tables: StopTables | None) -> DecodeState:
     b = state.bonus.shape[0]
     start = state.cache.lengths  # position of the bonus token = committed length
     room_target = start + depth + 1 <= state.cache.capacity
@@ -651,23 +675,26 @@ def _round(target, drafter, state: DecodeState, temperature, ecfg: EngineConfig,
     path_rows = functools.partial(jnp.take_along_axis, indices=rows[:, :, None], axis=1)
     emitted_scores = _scores_of(path_rows(out.logits), path_rows(processed), acc.emitted, temperature,
                                 ecfg.kept_logprobs, ecfg.top_logprobs, ecfg.top_k, ecfg.top_p, ecfg.min_p)
+    string_ends, stop_states = _advance_stop_strings(stop_tables, state.stop_states, acc.emitted,
+                                                     jnp.where(active, acc.num_accepted + 1, 0))
     out_tokens, out_scores, num_out, status = _stop_and_emit(
         dataclasses.replace(state, status=status), acc.emitted, acc.num_accepted + 1, active,
-        ecfg.eos_ids, emitted_scores, ecfg.stop_sequences, ecfg.min_new_tokens)
+        ecfg.eos_ids, emitted_scores, ecfg.stop_sequences, ecfg.min_new_tokens, string_ends)
     tau_hist = state.tau_hist.at[jnp.arange(b), acc.num_accepted + 1].add(active.astype(jnp.int32))
     return DecodeState(
         cache=cache, draft_cache=draft_cache, bonus=jnp.where(active, acc.next_token, state.bonus),
         ctx_taps=ctx_taps, ctx_counts=n_commit, ctx_start=start, out_tokens=out_tokens, out_scores=out_scores,
         num_out=num_out,
         limit=state.limit, temperature=state.temperature,
-        history=extend_history(state.history, acc.emitted, num_out - state.num_out), status=status,
+        history=extend_history(state.history, acc.emitted, num_out - state.num_out), stop_states=stop_states,
+        status=status,
         rounds=state.rounds + active.astype(jnp.int32), tau_hist=tau_hist, key=key,
     )
 
 
 @functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "ecfg", "runtime", "taps", "depth", "greedy"),
                    donate_argnames=("state",))
-def _run_rounds(target_def, target_state, drafter_def, drafter_state, state: DecodeState, *,
+def _run_rounds(target_def, target_state, drafter_def, drafter_state, state: DecodeState, stop_tables, *,
                 ecfg: EngineConfig, runtime: Runtime, taps: tuple[int, ...], depth: int, greedy: bool) -> DecodeState:
     target = nnx.merge(target_def, target_state)
     drafter = nnx.merge(drafter_def, drafter_state) if drafter_def is not None else None
@@ -679,7 +706,7 @@ def _run_rounds(target_def, target_state, drafter_def, drafter_state, state: Dec
     def body(carry):
         i, st = carry
         return i + 1, _round(target, drafter, st, _static_if_greedy(st.temperature, greedy), ecfg, runtime, taps,
-                             depth)
+                             depth, stop_tables)
 
     _, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
     return state

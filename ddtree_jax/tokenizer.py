@@ -21,6 +21,10 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
+    def token_bytes(self, vocab_size: int) -> list[bytes]:
+        """Each id's bytes in a decoded text (``stop_strings``): its byte below 256, ``<id>`` above."""
+        return [bytes([i]) if i < 256 else f"<{i}>".encode() for i in range(vocab_size)]
+
     def decode(self, ids) -> str:
         out, run = [], bytearray()
         for i in ids:
@@ -46,6 +50,40 @@ class HFTokenizer:
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids])
+
+    def token_bytes(self, vocab_size: int) -> list[bytes]:
+        """Each id's bytes in a decoded text (``stop_strings``), for a byte-level BPE (a ByteLevel decoder): the
+        token's characters mapped back to bytes; special tokens (which ``decode`` skips) and ids past the
+        tokenizer's vocabulary: none. ValueError for another decoder, whose text is not a join of token bytes."""
+        decoder = json.loads(self._tok.to_str()).get("decoder") or {}
+        if decoder.get("type") != "ByteLevel":
+            raise ValueError(f"stop strings need each token's bytes: supported for byte-level BPE tokenizers, this "
+                             f"tokenizer.json decodes with {decoder.get('type')!r}")
+        to_byte = {char: byte for byte, char in byte_level_alphabet().items()}
+        special = {i for i, token in self._tok.get_added_tokens_decoder().items() if token.special}
+        out = []
+        for i in range(vocab_size):
+            piece = self._tok.id_to_token(i)
+            if piece is None or i in special:
+                out.append(b"")
+            elif all(c in to_byte for c in piece):
+                out.append(bytes(to_byte[c] for c in piece))
+            else:  # an added, non-special token: its text as written
+                out.append(piece.encode("utf-8"))
+        return out
+
+
+def byte_level_alphabet() -> dict[int, str]:
+    """GPT-2's byte-level BPE alphabet: each byte's character in a token's string (printable Latin-1 bytes stand
+    for themselves; the others, in order, for the characters from U+0100 on)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    alphabet = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in alphabet:
+            alphabet[b] = chr(256 + extra)
+            extra += 1
+    return alphabet
 
 
 # Pre-tokenization pattern of Kimi K2.x (``pat_str`` of its ``tokenization_kimi.py``): Han runs,
@@ -148,6 +186,12 @@ class TiktokenTokenizer:
             for piece in self._pattern.findall(chunk):
                 ids.extend(self._merge(piece.encode("utf-8")))
         return ids
+
+    def token_bytes(self, vocab_size: int) -> list[bytes]:
+        """Each id's bytes in a decoded text (``stop_strings``): its rank's bytes, a special token's text, or
+        ``<id>`` for an id with neither (as ``decode`` writes them)."""
+        return [self._bytes.get(i) or (self.special[i].encode("utf-8") if i in self.special else f"<{i}>".encode())
+                for i in range(vocab_size)]
 
     def decode(self, ids) -> str:
         out = bytearray()

@@ -45,6 +45,7 @@ from ddtree_jax.model import KimiModel  # noqa: E402
 from ddtree_jax.processors import (check_additive_penalty, check_logit_bias, check_min_new_tokens,  # noqa: E402
                                    check_repetition_penalty)
 from ddtree_jax.sampling import check_min_p, check_top_k, check_top_p  # noqa: E402
+from ddtree_jax.stop_strings import check_stop_strings  # noqa: E402
 from ddtree_jax.tokenizer import load_tokenizer  # noqa: E402
 from ddtree_jax.tree import check_budget  # noqa: E402
 from experiments import bench_util  # noqa: E402
@@ -99,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop-ids", action="append", default=[],
                    help="space-separated token ids (repeatable): a stream stops once it has generated them in a row "
                         "(kept in its output, like the EOS)")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="a stream stops once its generated text holds TEXT (repeatable; the token that completes it "
+                        "is kept; in bash, $'\\n\\n' is two newlines)")
     p.add_argument("--logprobs", nargs="?", const="raw", choices=LOGPROBS_MODES, default=None,
                    help="also keep each generated token's log-probability: under the target ('raw', the default) or "
                         "under what it was taken from ('processed': logit processing, temperature, filters); report "
@@ -148,6 +152,10 @@ def check_args(args) -> None:
     for i, text in enumerate(args.stop_ids):
         parse_ids(text, i, "--stop-ids")
     parse_logit_bias(args.logit_bias)
+    try:
+        check_stop_strings(args.stop)
+    except ValueError as e:
+        raise ValueError(f"--stop: {e}") from None
     for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--capacity", args.capacity),
                         ("--streams", args.streams), ("--num-prompts", args.num_prompts)):
         if value is not None and value < 1:
@@ -338,7 +346,7 @@ def engine_config(mode: str, args, eos_ids=()) -> EngineConfig:
                         logprobs_mode=args.logprobs or "raw",
                         repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
                         presence_penalty=args.presence_penalty, logit_bias=parse_logit_bias(args.logit_bias),
-                        min_new_tokens=args.min_new_tokens,
+                        min_new_tokens=args.min_new_tokens, stop_strings=tuple(args.stop),
                         stop_sequences=tuple(tuple(parse_ids(s, i, "--stop-ids")) for i, s in enumerate(args.stop_ids)),
                         **budget)
 
@@ -359,9 +367,9 @@ def check_fits(args, modes: Sequence[str], prompts, target, drafter, eos_ids=())
             raise ValueError(f"--stop-ids #{i + 1} holds {outside}, outside the target's vocabulary "
                              f"[0, {target.cfg.vocab_size})")
     parse_logit_bias(args.logit_bias, target.cfg.vocab_size)
-    if args.min_new_tokens and not (eos_ids or args.stop_ids):
+    if args.min_new_tokens and not (eos_ids or args.stop_ids or args.stop):
         raise ValueError(f"--min-new-tokens {args.min_new_tokens} holds back EOS ids and stop sequences, and this "
-                         "target has no EOS id: give --stop-ids")
+                         "target has no EOS id: give --stop-ids or --stop")
     if "ddtree" in modes:
         check_budget(args.budget, block_size - 1, target.cfg.vocab_size)
     longest = max(len(p) for p in prompts)
@@ -476,7 +484,7 @@ def warm_up_all(jobs: Sequence[tuple[Engine, list, float]], workers: int) -> tup
 
 
 def run_mode(target, drafter, mode, args, prompts, tokenizer, eos_ids):
-    engine = Engine(target, drafter if mode != "ar" else None, engine_config(mode, args, eos_ids))
+    engine = Engine(target, drafter if mode != "ar" else None, engine_config(mode, args, eos_ids), tokenizer=tokenizer)
     streams = args.streams if args.streams is not None else len(prompts)
     batches = split_batches(prompts, streams)
     compile_s = warm_up(engine, batches, args.temperature)
@@ -548,7 +556,7 @@ def _main(args):
     return report
 
 
-NORMAL_STOPS = ("eos", "stop_sequence", "max_new_tokens")
+NORMAL_STOPS = ("eos", "stop_sequence", "stop_string", "max_new_tokens")
 
 
 def stop_report(runs: dict, capacity: int) -> list[str]:

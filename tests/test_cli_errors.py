@@ -70,6 +70,7 @@ RANDOM = ["--target", "random"]
     (["--logit-bias", "3:1", "--logit-bias", "3:2"], "--logit-bias: logit_bias gives token 3 twice"),
     (["--logit-bias", "3:nan"], "--logit-bias: logit_bias[3] must be a finite number"),
     (["--logprobs", "sampled"], "argument --logprobs: invalid choice: 'sampled'"),
+    (["--stop", "\n", "--stop", ""], "--stop: stop_strings[1] must be a non-empty string, got ''"),
 ])
 def test_bad_flags_are_refused_before_any_model_is_built(argv, message, capsys):
     assert message in refused(run_decode.parse_args, RANDOM + argv, capsys)
@@ -148,10 +149,11 @@ def test_processing_flags_reach_the_engine_checked_against_the_target():
     assert ecfg.processing == LogitProcessing(logit_bias=((2, 1.5), (5, -100.0)), min_new_tokens=3, eos_ids=(7,),
                                               repetition_penalty=1.1, frequency_penalty=0.5, presence_penalty=-0.25)
     with pytest.raises(ValueError, match="--min-new-tokens 3 holds back EOS ids and stop sequences, and this target "
-                                         "has no EOS id: give --stop-ids"):
+                                         "has no EOS id: give --stop-ids or --stop"):
         run_decode.check_fits(args, run_decode.modes_of(args), [[1]], target, drafter)
-    args.stop_ids.append("4 4")
+    args.stop.append("\n\n")
     run_decode.check_fits(args, run_decode.modes_of(args), [[1]], target, drafter)
+    assert run_decode.engine_config("ar", args).stop_strings == ("\n\n",)
     args.logit_bias.append("8:1")
     with pytest.raises(ValueError, match=r"--logit-bias: logit_bias's token id 8 is outside the vocabulary \[0, 8\)"):
         run_decode.check_fits(args, run_decode.modes_of(args), [[1]], target, drafter)

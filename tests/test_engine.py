@@ -15,7 +15,7 @@ from flax import nnx
 
 from ddtree_jax.config import QuantConfig, tiny_config
 from ddtree_jax.drafter import DFlashDrafter, tiny_drafter_config
-from ddtree_jax.engine import (CACHE_FULL, EOS, MAX_TOKENS, RUNNING, STOP_SEQUENCE, Engine, EngineConfig,
+from ddtree_jax.engine import (CACHE_FULL, EOS, MAX_TOKENS, RUNNING, STOP_SEQUENCE, STOP_STRING, Engine, EngineConfig,
                                _stop_and_emit, check_seed, required_capacity, summarize)
 from ddtree_jax.cache import init_cache
 from ddtree_jax.model import KimiModel, causal_mask
@@ -429,21 +429,26 @@ def test_ar_counts_and_capacity_are_exact(models):
 
 
 def ref_stop_and_emit(out, out_logprobs, num_out, status, emitted, emitted_logprobs, n_emit, active, eos_ids,
-                      max_new, stop_sequences=()):
+                      max_new, stop_sequences=(), min_new_tokens=0, string_ends=None):
     """One stream, token by token: an active stream appends this round's first n_emit tokens (and their
-    log-probabilities) until it has appended an EOS (status eos), or a token with which its generated tokens
-    end in one of ``stop_sequences`` (status stop_sequence), or reaches max_new tokens (status max_new_tokens);
-    others are unchanged."""
+    log-probabilities) until it has appended an EOS (status eos), or, as its (min_new_tokens + 1)-th token or
+    later, a token with which its generated tokens end in one of ``stop_sequences`` (status stop_sequence) or that
+    ``string_ends`` marks (status stop_string), or reaches max_new tokens (status max_new_tokens); others are
+    unchanged."""
     out, out_logprobs = list(out), list(out_logprobs)
     if not active:
         return out, out_logprobs, num_out, status
-    for token, logprob in zip(emitted[:n_emit], emitted_logprobs):
+    for e, (token, logprob) in enumerate(zip(emitted[:n_emit], emitted_logprobs)):
         out[num_out], out_logprobs[num_out] = token, logprob
         num_out += 1
         if token in eos_ids:
             return out, out_logprobs, num_out, EOS
-        if any(list(out[:num_out][-len(seq):]) == list(seq) for seq in stop_sequences if len(seq) <= num_out):
+        past_min = num_out > min_new_tokens
+        if past_min and any(list(out[:num_out][-len(seq):]) == list(seq) for seq in stop_sequences
+                            if len(seq) <= num_out):
             return out, out_logprobs, num_out, STOP_SEQUENCE
+        if past_min and string_ends is not None and string_ends[e]:
+            return out, out_logprobs, num_out, STOP_STRING
         if num_out == max_new:
             return out, out_logprobs, num_out, MAX_TOKENS
     return out, out_logprobs, num_out, status
@@ -457,9 +462,10 @@ def test_stop_and_emit_equals_a_token_by_token_reference():
     log-probability lands beside it."""
     rng = np.random.default_rng(0)
     b, width, max_new = 200, 5, 8
-    cases = [((), ()), ((3,), ()), ((3, 5), ()), ((), ((2, 4),)), ((3,), ((1, 1, 1), (6,), (0, 3))),
-             ((), ((7, 2, 7), (2, 7)))]
-    for eos_ids, stop_sequences in cases:
+    cases = [((), (), 0, False), ((3,), (), 0, False), ((3, 5), (), 0, False), ((), ((2, 4),), 0, False),
+             ((3,), ((1, 1, 1), (6,), (0, 3)), 0, False), ((), ((7, 2, 7), (2, 7)), 0, False),
+             ((3,), ((2, 4),), 3, False), ((), (), 0, True), ((5,), ((6,),), 4, True)]
+    for eos_ids, stop_sequences, min_new_tokens, strings in cases:
         active = rng.random(b) < 0.7
         limit = rng.integers(1, max_new + 1, b)  # per stream, at most the buffer's max_new
         num_out = np.where(active, rng.integers(0, limit), rng.integers(0, limit + 1))
@@ -482,20 +488,25 @@ def test_stop_and_emit_equals_a_token_by_token_reference():
                                       out_scores=TokenScores(jnp.asarray(out_logprobs), None, None),
                                       num_out=jnp.asarray(num_out, jnp.int32), status=jnp.asarray(status, jnp.int32),
                                       limit=jnp.asarray(limit, jnp.int32))
+        string_ends = rng.random((b, width)) < 0.15 if strings else None
         got = _stop_and_emit(state, jnp.asarray(emitted, jnp.int32), jnp.asarray(n_emit), jnp.asarray(active),
-                             eos_ids, TokenScores(jnp.asarray(emitted_logprobs), None, None), stop_sequences)
+                             eos_ids, TokenScores(jnp.asarray(emitted_logprobs), None, None), stop_sequences,
+                             min_new_tokens, None if string_ends is None else jnp.asarray(string_ends))
         got_out, got_num, got_status = map(np.asarray, (got[0], got[2], got[3]))
         got_logprobs = np.asarray(got[1].logprob)
         statuses = collections.Counter()
         for s in range(b):
             want = ref_stop_and_emit(out[s], out_logprobs[s], num_out[s], status[s], emitted[s], emitted_logprobs[s],
-                                     n_emit[s], active[s], eos_ids, limit[s], stop_sequences)
-            case = (eos_ids, stop_sequences, s)
+                                     n_emit[s], active[s], eos_ids, limit[s], stop_sequences, min_new_tokens,
+                                     None if string_ends is None else string_ends[s])
+            case = (eos_ids, stop_sequences, min_new_tokens, strings, s)
             assert got_out[s].tolist() == want[0] and (int(got_num[s]), int(got_status[s])) == want[2:], case
             np.testing.assert_array_equal(got_logprobs[s], np.asarray(want[1], np.float32), err_msg=str(case))
             statuses[want[3]] += active[s] and want[3] != RUNNING
         if stop_sequences:
-            assert statuses[STOP_SEQUENCE] >= 10, statuses  # the case exercised what it names
+            assert statuses[STOP_SEQUENCE] >= (5 if min_new_tokens else 10), statuses  # the case exercised it
+        if strings:
+            assert statuses[STOP_STRING] >= (5 if min_new_tokens else 10), statuses
         spanning = [s for s in range(b) if got_status[s] == STOP_SEQUENCE and active[s]
                     and any(got_num[s] - num_out[s] < len(seq) and list(got_out[s][:got_num[s]][-len(seq):]) ==
                             list(seq) for seq in stop_sequences)]

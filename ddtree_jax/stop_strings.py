@@ -1,0 +1,105 @@
+"""Stop strings on the device: a stream stops once its generated text contains one of them.
+
+The text is the join of the generated tokens' bytes (``token_bytes``, as the tokenizer decodes them), so a string
+may span tokens and may end inside a token (that token is the last one kept, as with transformers'
+``StopStringCriteria``). Each string is matched by its Knuth-Morris-Pratt automaton over bytes: state q = how many
+of its leading bytes the text ends with. On the host, for every state and token, the state after the token's bytes
+and whether the string was completed inside them are tabled once (``build_stop_tables``, vectorised over the
+vocabulary); on the device each emitted token is then two gathers per string (``advance``). Only generated text is
+searched: each stream starts in state 0 after its prompt.
+
+Shapes: B streams, E emitted tokens, S stop strings, Q = longest string's bytes + 1 states, W vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StopTables:
+    """next_state [S, Q, W] int32: string s's state after a token's bytes from state q; completes [S, Q, W] bool:
+    whether string s was completed inside them. States past a string's own are never reached."""
+
+    next_state: jax.Array
+    completes: jax.Array
+
+
+def check_stop_strings(stop_strings) -> tuple[str, ...]:
+    """Stop strings as a tuple of non-empty str (e.g. ``("\\n\\n", "</s>")``); ValueError otherwise."""
+    if isinstance(stop_strings, (str, bytes)) or not isinstance(stop_strings, (list, tuple)):
+        raise ValueError(f"stop_strings must be a sequence of strings (e.g. ('\\n\\n',)), got {stop_strings!r}")
+    for i, text in enumerate(stop_strings):
+        if not isinstance(text, str) or not text:
+            raise ValueError(f"stop_strings[{i}] must be a non-empty string, got {text!r}")
+    return tuple(stop_strings)
+
+
+def kmp_automaton(pattern: bytes) -> np.ndarray:
+    """[n + 1, 256] int32 for a pattern of n bytes: the state after a byte, state = the pattern's leading bytes the
+    text ends with (n: it has just been found; the next byte continues from its longest proper border)."""
+    n = len(pattern)
+    dfa = np.zeros((n + 1, 256), np.int32)
+    dfa[0, pattern[0]] = 1
+    border = 0  # the state after the pattern's bytes 1..j-1 from state 0
+    for j in range(1, n + 1):
+        dfa[j] = dfa[border]
+        if j < n:
+            dfa[j, pattern[j]] = j + 1
+            border = dfa[border, pattern[j]]
+    return dfa
+
+
+def build_stop_tables(stop_strings: Sequence[str], token_bytes: Sequence[bytes]) -> StopTables:
+    """The tables of ``stop_strings`` over a vocabulary whose token i decodes to ``token_bytes[i]``."""
+    strings = check_stop_strings(stop_strings)
+    if not strings:
+        raise ValueError("no stop strings to table")
+    w = len(token_bytes)
+    lengths = np.array([len(b) for b in token_bytes])
+    padded = np.zeros((w, max(int(lengths.max(initial=0)), 1)), np.uint8)
+    for i, b in enumerate(token_bytes):
+        padded[i, :len(b)] = np.frombuffer(b, np.uint8)
+    q = max(len(s.encode("utf-8")) for s in strings) + 1
+    next_state = np.zeros((len(strings), q, w), np.int32)
+    completes = np.zeros((len(strings), q, w), bool)
+    for s, text in enumerate(strings):
+        pattern = text.encode("utf-8")
+        dfa = kmp_automaton(pattern)
+        state = np.broadcast_to(np.arange(len(pattern) + 1)[:, None], (len(pattern) + 1, w)).copy()
+        found = np.zeros(state.shape, bool)
+        for j in range(padded.shape[1]):  # byte j of every token at once
+            inside = lengths > j
+            after = dfa[state, padded[None, :, j]]
+            state = np.where(inside, after, state)
+            found |= inside & (after == len(pattern))
+        next_state[s, :len(pattern) + 1] = state
+        completes[s, :len(pattern) + 1] = found
+    return StopTables(next_state=jnp.asarray(next_state), completes=jnp.asarray(completes))
+
+
+def start_states(tables: StopTables | None, streams: int) -> jax.Array | None:
+    """Every string's state before any generated text: [B, S] zeros (None without tables)."""
+    return None if tables is None else jnp.zeros((streams, tables.next_state.shape[0]), jnp.int32)
+
+
+def advance(tables: StopTables, states: jax.Array, tokens: jax.Array, counts: jax.Array):
+    """Feeds each stream's first counts[b] of tokens [B, E] to the automata in states [B, S]. Returns (completes
+    [B, E] bool: token e completes a stop string, read for e < counts[b]; the states [B, S] after the first
+    counts[b] tokens)."""
+    b, width = tokens.shape
+    strings = jnp.arange(tables.next_state.shape[0])[None, :]
+    completes, after = [], [states]
+    for e in range(width):
+        token = jnp.maximum(tokens[:, e], 0)[:, None]  # PAD past the counts: read, never kept
+        completes.append(tables.completes[strings, states, token].any(-1))
+        states = tables.next_state[strings, states, token]
+        after.append(states)
+    kept = jnp.take_along_axis(jnp.stack(after, 1), counts[:, None, None], axis=1)[:, 0]  # [B, S]
+    return jnp.stack(completes, 1), kept
