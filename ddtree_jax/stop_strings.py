@@ -24,8 +24,9 @@ import numpy as np
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class StopTables:
-    """next_state [S, Q, W] int32: string s's state after a token's bytes from state q; completes [S, Q, W] bool:
-    whether string s was completed inside them. States past a string's own are never reached."""
+    """next_state [S, Q, W] int16 (int32 past 32767 states): string s's state after a token's bytes from state q;
+    completes [S, Q, W] bool: whether string s was completed inside them. States past a string's own are never
+    reached."""
 
     next_state: jax.Array
     completes: jax.Array
@@ -67,7 +68,7 @@ def build_stop_tables(stop_strings: Sequence[str], token_bytes: Sequence[bytes])
     for i, b in enumerate(token_bytes):
         padded[i, :len(b)] = np.frombuffer(b, np.uint8)
     q = max(len(s.encode("utf-8")) for s in strings) + 1
-    next_state = np.zeros((len(strings), q, w), np.int32)
+    next_state = np.zeros((len(strings), q, w), np.int16 if q <= np.iinfo(np.int16).max else np.int32)
     completes = np.zeros((len(strings), q, w), bool)
     for s, text in enumerate(strings):
         pattern = text.encode("utf-8")
@@ -99,7 +100,7 @@ def advance(tables: StopTables, states: jax.Array, tokens: jax.Array, counts: ja
     for e in range(width):
         token = jnp.maximum(tokens[:, e], 0)[:, None]  # PAD past the counts: read, never kept
         completes.append(tables.completes[strings, states, token].any(-1))
-        states = tables.next_state[strings, states, token]
+        states = tables.next_state[strings, states, token].astype(jnp.int32)
         after.append(states)
     kept = jnp.take_along_axis(jnp.stack(after, 1), counts[:, None, None], axis=1)[:, 0]  # [B, S]
     return jnp.stack(completes, 1), kept

@@ -595,8 +595,13 @@ def test_sharded_engine_matches(models, host_devices):
     options = dataclasses.replace(ecfg, logprobs=True, top_logprobs=3, repetition_penalty=1.6, frequency_penalty=-0.5,
                                   presence_penalty=0.3, logit_bias={2: -100.0, 5: 1.0}, eos_ids=(0,),
                                   min_new_tokens=3)
-    want = Engine(target, drafter, options).generate(prompts, [0.0, 1.0, 0.0, 0.7], seed=[3, 4, 5, 6])
-    got = Engine(target, drafter, options, runtime=runtime).generate(prompts, [0.0, 1.0, 0.0, 0.7], seed=[3, 4, 5, 6])
+    options = dataclasses.replace(options, stop_strings=("ba", "\n\n"))  # over a tokenizer of one or two bytes an id
+    tokenizer = types.SimpleNamespace(token_bytes=lambda w: [bytes([97 + i % 3] * (1 + i % 2)) for i in range(w)])
+    want = Engine(target, drafter, options, tokenizer=tokenizer).generate(prompts, [0.0, 1.0, 0.0, 0.7],
+                                                                          seed=[3, 4, 5, 6])
+    got = Engine(target, drafter, options, runtime=runtime, tokenizer=tokenizer).generate(
+        prompts, [0.0, 1.0, 0.0, 0.7], seed=[3, 4, 5, 6])
+    assert "stop_string" in want["status"] and got["status"] == want["status"]
     assert got["tokens"] == want["tokens"] and got["tokens"] != plain
     for b in range(len(prompts)):
         np.testing.assert_allclose(got["logprobs"][b], want["logprobs"][b], rtol=1e-5, atol=1e-5)
