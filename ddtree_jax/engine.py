@@ -405,7 +405,11 @@ class Engine:
             if tokenizer is None:
                 raise ValueError(f"stop_strings {list(ecfg.stop_strings)} are matched in the decoded text: give "
                                  "Engine(..., tokenizer=...)")
-            self.stop_tables = build_stop_tables(ecfg.stop_strings, tokenizer.token_bytes(target.cfg.vocab_size))
+            token_bytes = tokenizer.token_bytes(target.cfg.vocab_size)
+            if len(token_bytes) != target.cfg.vocab_size:
+                raise ValueError(f"the tokenizer's token_bytes gave {len(token_bytes)} tokens' bytes for the target's "
+                                 f"vocabulary of {target.cfg.vocab_size}")
+            self.stop_tables = build_stop_tables(ecfg.stop_strings, token_bytes)
         if ecfg.capacity > target.cfg.max_position_embeddings:
             raise ValueError(f"capacity={ecfg.capacity} passes the target's max_position_embeddings="
                              f"{target.cfg.max_position_embeddings}: positions past it were never trained")

@@ -63,10 +63,12 @@ def build_stop_tables(stop_strings: Sequence[str], token_bytes: Sequence[bytes])
     if not strings:
         raise ValueError("no stop strings to table")
     w = len(token_bytes)
-    lengths = np.array([len(b) for b in token_bytes])
+    lengths = np.array([len(b) for b in token_bytes], np.int64)
+    order = np.argsort(-lengths, kind="stable")  # longest first: byte j is read from the first active[j] tokens
     padded = np.zeros((w, max(int(lengths.max(initial=0)), 1)), np.uint8)
-    for i, b in enumerate(token_bytes):
-        padded[i, :len(b)] = np.frombuffer(b, np.uint8)
+    for row, i in enumerate(order):
+        padded[row, :lengths[i]] = np.frombuffer(token_bytes[i], np.uint8)
+    active = (lengths[:, None] > np.arange(padded.shape[1])[None, :]).sum(0)  # tokens with a byte j
     q = max(len(s.encode("utf-8")) for s in strings) + 1
     next_state = np.zeros((len(strings), q, w), np.int16 if q <= np.iinfo(np.int16).max else np.int32)
     completes = np.zeros((len(strings), q, w), bool)
@@ -75,13 +77,12 @@ def build_stop_tables(stop_strings: Sequence[str], token_bytes: Sequence[bytes])
         dfa = kmp_automaton(pattern)
         state = np.broadcast_to(np.arange(len(pattern) + 1)[:, None], (len(pattern) + 1, w)).copy()
         found = np.zeros(state.shape, bool)
-        for j in range(padded.shape[1]):  # byte j of every token at once
-            inside = lengths > j
-            after = dfa[state, padded[None, :, j]]
-            state = np.where(inside, after, state)
-            found |= inside & (after == len(pattern))
-        next_state[s, :len(pattern) + 1] = state
-        completes[s, :len(pattern) + 1] = found
+        for j, k in enumerate(active):  # byte j of every token that has one, from every start state at once
+            after = dfa[state[:, :k], padded[None, :k, j]]
+            state[:, :k] = after
+            found[:, :k] |= after == len(pattern)
+        next_state[s, :len(pattern) + 1, order] = state.T
+        completes[s, :len(pattern) + 1, order] = found.T
     return StopTables(next_state=jnp.asarray(next_state), completes=jnp.asarray(completes))
 
 

@@ -32,6 +32,7 @@ import jax.numpy as jnp  # noqa: E402
 from ddtree_jax import sampling, topk  # noqa: E402
 from ddtree_jax.processors import LogitProcessing, TokenHistory, process_logits  # noqa: E402
 from ddtree_jax.scores import token_scores  # noqa: E402
+from ddtree_jax.stop_strings import advance, build_stop_tables, start_states  # noqa: E402
 from ddtree_jax.tree import build_tree, sample_target_tokens  # noqa: E402
 from experiments import bench_util  # noqa: E402
 
@@ -238,17 +239,43 @@ def bench_scores(rows, shapes, w, bw, tops=(0, 5, 20)):
             print(row, flush=True)
 
 
+def bench_stops(rows, streams, w, emitted=DEPTH + 1, strings=("</s>", "\n\nUser:", "<|im_end|>", "```\n")):
+    """Stop strings (``stop_strings``): the host's tables over a made-up vocabulary of w tokens (lengths ~
+    geometric, mean 6 bytes, 50 of 128 bytes), then a round's ``advance`` over ``emitted`` tokens per stream.
+    The device part reads S * emitted gathered entries per stream: launch-bound, so no floor is quoted."""
+    rng = np.random.default_rng(7)
+    lengths = np.minimum(rng.geometric(1 / 6, w), 64)
+    lengths[:50] = 128
+    token_bytes = [bytes(rng.integers(32, 127, n).tolist()) for n in lengths]
+    t0 = time.perf_counter()
+    tables = build_stop_tables(strings, token_bytes)
+    jax.block_until_ready(tables.next_state)
+    build_s = time.perf_counter() - t0
+    row = {"part": "stop tables (host)", "N": w, "K": len(strings), "method": "build_stop_tables",
+           "us": build_s * 1e6, "table_mb": (tables.next_state.nbytes + tables.completes.nbytes) / 1e6}
+    rows.append(row)
+    print(row, flush=True)
+    for b in streams:
+        tokens = jnp.asarray(rng.integers(0, w, (b, emitted)), jnp.int32)
+        counts = jnp.asarray(rng.integers(1, emitted + 1, b), jnp.int32)
+        fn = jax.jit(lambda states, t, c: advance(tables, states, t, c))
+        row = {"part": "stop advance", "M": b * emitted, "B": b, "T": emitted, "N": w, "K": len(strings),
+               "method": "advance", **timed(fn, (start_states(tables, b), tokens, counts))}
+        rows.append(row)
+        print(row, flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--name", default="bench_top_k")
-    ap.add_argument("--parts", default="vocab,beams,log_softmax,build,sample,keys,scores")
+    ap.add_argument("--parts", default="vocab,beams,log_softmax,build,sample,keys,scores,stops")
     ap.add_argument("--commit", default=None, help="code commit to record (the device copy has no .git)")
     ap.add_argument("--smoke", action="store_true", help="CPU: small shapes")
     ap.add_argument("--sample-rows", default="33,132,260", help="the sample part's M values (comma-separated)")
     args = ap.parse_args()
     parts = args.parts.split(",")
-    unknown = set(parts) - {"vocab", "beams", "log_softmax", "build", "sample", "keys", "scores"}
+    unknown = set(parts) - {"vocab", "beams", "log_softmax", "build", "sample", "keys", "scores", "stops"}
     if unknown:
         ap.error(f"unknown --parts {sorted(unknown)}")
     print("jax", jax.__version__, jax.devices()[0].device_kind, flush=True)
@@ -275,6 +302,8 @@ def main():
         bench_keys(rows, [(4, 33)] if args.smoke else [(1, 33), (4, 33), (4, 65), (8, 33)], w, bw)
     if "scores" in parts:  # paths of up to DEPTH + 1 rows
         bench_scores(rows, [(4, 33, DEPTH + 1)] if args.smoke else [(b, 33, DEPTH + 1) for b in (1, 4, 16)], w, bw)
+    if "stops" in parts:
+        bench_stops(rows, [4] if args.smoke else [1, 4, 16], w)
     payload = {"copy_bw_Bps": bw, "copy_bw_source": bw_source, "code_commit": args.commit,
                "hardware": bench_util.hardware(),
                "jax": jax.__version__, "seconds": round(time.time() - t0, 1), "rows": rows}

@@ -2,6 +2,7 @@
 ``token_bytes`` against their own decode; the engine's output cut where its text first holds a stop string."""
 
 import os
+import types
 
 import jax.numpy as jnp
 import numpy as np
@@ -145,3 +146,7 @@ def test_engine_stops_where_the_text_first_holds_a_stop_string(models, mode):
     with pytest.raises(ValueError, match=r"stop_strings \['ab'\] are matched in the decoded text: give "
                                          r"Engine\(..., tokenizer=...\)"):
         Engine(target, drafter, EngineConfig(capacity=64, stop_strings=("ab",)))
+    short = types.SimpleNamespace(token_bytes=lambda w: token_bytes[:-1])
+    with pytest.raises(ValueError, match=f"token_bytes gave {VOCAB - 1} tokens' bytes for the target's vocabulary "
+                                         f"of {VOCAB}"):
+        Engine(target, drafter, EngineConfig(capacity=64, stop_strings=("ab",)), tokenizer=short)
