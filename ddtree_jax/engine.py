@@ -12,7 +12,8 @@ One round (``_round``) for B streams:
 
 ``_run_rounds`` wraps rounds in ``lax.while_loop``: up to ``rounds_per_dispatch`` rounds per jit
 call with the whole state donated, so there is no host round-trip between rounds. Streams stop
-independently (EOS, a stop sequence, token limit, cache capacity) and carry their status.
+independently (EOS, a stop sequence or string, token limit, cache capacity: ``stopping``) and carry their
+status.
 
 Shapes: B streams, P padded prompt, T tree nodes, Dp = block_size - 1 draft depth, D tree depth,
 NT tapped layers, Dm model width, W vocab, N max new tokens.
@@ -39,17 +40,16 @@ from ddtree_jax.processors import (LogitProcessing, TokenHistory, check_additive
                                    check_min_new_tokens, check_repetition_penalty, extend_history, process_logits,
                                    start_history)
 from ddtree_jax.sampling import check_min_p, check_top_k, check_top_p, is_number, sampled_logits
-from ddtree_jax.scores import (TokenScores, append_scores, empty_scores, per_stream_slices, scores_lists,
+from ddtree_jax.scores import (TokenScores, empty_scores, per_stream_slices, scores_lists,
                                token_scores)
 from ddtree_jax.sharding import named_sharding, shard_state
+from ddtree_jax.stopping import (CACHE_FULL, EOS, MAX_TOKENS, RUNNING, STATUS_NAMES, STOP_SEQUENCE,  # noqa: F401
+                                 STOP_STRING, check_stop_sequences, is_token_id, stop_and_emit)
 from ddtree_jax.stop_strings import StopTables, advance, build_stop_tables, check_stop_strings, start_states
 from ddtree_jax.tree import PAD, accept_tokens, build_tree, chain_tree, check_budget, sample_target_tokens
 
 MODES = ("ar", "dflash", "ddtree")
 LOGPROBS_MODES = ("raw", "processed")
-RUNNING, EOS, MAX_TOKENS, CACHE_FULL, STOP_SEQUENCE, STOP_STRING = 0, 1, 2, 3, 4, 5
-STATUS_NAMES = {RUNNING: "running", EOS: "eos", MAX_TOKENS: "max_new_tokens", CACHE_FULL: "cache_full",
-                STOP_SEQUENCE: "stop_sequence", STOP_STRING: "stop_string"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +91,7 @@ class EngineConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         eos_ids = tuple(self.eos_ids) if isinstance(self.eos_ids, (list, tuple)) else None
-        if eos_ids is None or not all(_is_int(i) and i >= 0 for i in eos_ids):
+        if eos_ids is None or not all(is_token_id(i) for i in eos_ids):
             raise ValueError(f"eos_ids must be a sequence of token ids >= 0, got {self.eos_ids!r}")
         object.__setattr__(self, "eos_ids", tuple(int(i) for i in eos_ids))
         object.__setattr__(self, "stop_sequences", check_stop_sequences(self.stop_sequences))
@@ -138,23 +138,6 @@ class EngineConfig:
 
 def _is_int(value) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
-
-
-def check_stop_sequences(stop_sequences) -> tuple[tuple[int, ...], ...]:
-    """Stop sequences as a tuple of non-empty tuples of token ids >= 0 (e.g. ``((13, 13), (42,))``); ValueError
-    otherwise (a flat sequence of ids included: give ``((id,),)`` for one single-token stop, or use eos_ids)."""
-    example = "e.g. ((13, 13), (42,))"
-    if isinstance(stop_sequences, (str, bytes)) or not isinstance(stop_sequences, (list, tuple)):
-        raise ValueError(f"stop_sequences must be a sequence of token-id sequences ({example}), "
-                         f"got {stop_sequences!r}")
-    checked = []
-    for i, seq in enumerate(stop_sequences):
-        if isinstance(seq, (str, bytes)) or not isinstance(seq, (list, tuple)) or not seq:
-            raise ValueError(f"stop_sequences[{i}] must be a non-empty sequence of token ids ({example}), got {seq!r}")
-        if not all(_is_int(t) and t >= 0 for t in seq):
-            raise ValueError(f"stop_sequences[{i}] must hold token ids >= 0, got {seq!r}")
-        checked.append(tuple(int(t) for t in seq))
-    return tuple(checked)
 
 
 def check_temperature(temperature) -> float:
@@ -293,62 +276,6 @@ def tree_depth(ecfg: EngineConfig, block_size: int) -> int:
     if ecfg.mode == "dflash":
         return block_size - 1
     return min(block_size - 1, ecfg.budget)
-
-
-def _stop_and_emit(state: DecodeState, emitted, n_emit, active, eos_ids, emitted_scores=None, stop_sequences=(),
-                   min_new_tokens=0, string_ends=None):
-    """Appends each active stream's first n_emit emitted tokens [B, E] (and their TokenScores, where the state
-    keeps them) to its output, cut after the first that is an EOS, ends a stop sequence (its tokens in a row
-    among the stream's generated ones, earlier rounds' included) or a stop string (``string_ends`` [B, E], where
-    given), the last two not within the first min_new_tokens generated, or that reaches the stream's token limit,
-    and updates status. Returns (out_tokens, out_scores, num_out, status)."""
-    b, width = emitted.shape
-    k = jnp.arange(width)[None, :]
-    in_round = k < n_emit[:, None]
-    room = state.limit - state.num_out
-    is_eos = jnp.isin(emitted, jnp.asarray(eos_ids, jnp.int32)) if eos_ids else jnp.zeros((b, width), bool)
-    past_min = state.num_out[:, None] + k >= min_new_tokens
-    is_stop = _ends_stop_sequence(state.out_tokens, state.num_out, emitted, stop_sequences) & past_min
-    is_string = jnp.zeros((b, width), bool) if string_ends is None else string_ends & past_min
-    ends = (is_eos | is_stop | is_string) & in_round
-    first_end = jnp.argmax(ends, axis=1)
-    hit_end = ends.any(1) & (first_end < room)  # an end past the token limit is never emitted
-    n_emit = jnp.where(hit_end, first_end + 1, n_emit)
-    ended_by_eos, ended_by_sequence = (jnp.take_along_axis(x, first_end[:, None], axis=1)[:, 0]
-                                       for x in (is_eos, is_stop))
-    hit_limit = n_emit >= room
-    n_emit = jnp.where(active, jnp.minimum(n_emit, room), 0)
-    slots = jnp.where(k < n_emit[:, None], state.num_out[:, None] + k, state.out_tokens.shape[1])  # else dropped
-    rows = jnp.arange(b)[:, None]
-    out = state.out_tokens.at[rows, slots].set(emitted, mode="drop")
-    out_scores = state.out_scores
-    if out_scores is not None:
-        if emitted_scores is None:
-            raise ValueError("the state keeps scores: emitted_scores is needed")
-        out_scores = append_scores(out_scores, emitted_scores, rows, slots)
-    end_status = jnp.where(ended_by_eos, EOS, jnp.where(ended_by_sequence, STOP_SEQUENCE, STOP_STRING))
-    status = jnp.where(active & hit_end, end_status, jnp.where(active & hit_limit, MAX_TOKENS, state.status))
-    return out, out_scores, state.num_out + n_emit, status
-
-
-def _ends_stop_sequence(out_tokens, num_out, emitted, stop_sequences) -> jax.Array:
-    """[B, E] bool: emitted[:, e] ends one of ``stop_sequences`` (static) over the stream's generated tokens
-    (out_tokens[:, :num_out], then emitted). Tokens before the first generated one read as PAD, which no id equals."""
-    b, width = emitted.shape
-    if not stop_sequences:
-        return jnp.zeros((b, width), bool)
-    back = max(map(len, stop_sequences)) - 1
-    before = num_out[:, None] - back + jnp.arange(back)[None, :]  # the last ``back`` generated tokens' slots
-    tail = jnp.where(before >= 0, jnp.take_along_axis(out_tokens, jnp.maximum(before, 0), axis=1), PAD)
-    window = jnp.concatenate([tail, emitted], axis=1)  # [B, back + E]
-    ends = jnp.zeros((b, width), bool)
-    for seq in stop_sequences:
-        start = back - (len(seq) - 1)  # window column of seq[0] for the match ending at emitted[:, 0]
-        match = jnp.ones((b, width), bool)
-        for i, token in enumerate(seq):
-            match &= window[:, start + i: start + i + width] == token
-        ends |= match
-    return ends
 
 
 def place_caches(cache: LatentCache, draft_cache: DraftCache | None, runtime: Runtime):
@@ -600,7 +527,7 @@ def _prefill(target_def, target_state, drafter_def, drafter_state, cache, draft_
                               top_p, min_p)
     string_ends, stop_states = _advance_stop_strings(stop_tables, state.stop_states, bonus[:, None],
                                                      jnp.ones((b,), jnp.int32))
-    out_tokens, out_scores, num_out, status = _stop_and_emit(state, bonus[:, None], jnp.ones((b,), jnp.int32),
+    out_tokens, out_scores, num_out, status = stop_and_emit(state, bonus[:, None], jnp.ones((b,), jnp.int32),
                                                              jnp.ones((b,), bool), eos_ids, bonus_scores,
                                                              stop_sequences, min_new_tokens, string_ends)
     return dataclasses.replace(state, out_tokens=out_tokens, out_scores=out_scores, num_out=num_out,
@@ -681,7 +608,7 @@ def _round(target, drafter, state: DecodeState, temperature, ecfg: EngineConfig,
                                 ecfg.kept_logprobs, ecfg.top_logprobs, ecfg.top_k, ecfg.top_p, ecfg.min_p)
     string_ends, stop_states = _advance_stop_strings(stop_tables, state.stop_states, acc.emitted,
                                                      jnp.where(active, acc.num_accepted + 1, 0))
-    out_tokens, out_scores, num_out, status = _stop_and_emit(
+    out_tokens, out_scores, num_out, status = stop_and_emit(
         dataclasses.replace(state, status=status), acc.emitted, acc.num_accepted + 1, active,
         ecfg.eos_ids, emitted_scores, ecfg.stop_sequences, ecfg.min_new_tokens, string_ends)
     tau_hist = state.tau_hist.at[jnp.arange(b), acc.num_accepted + 1].add(active.astype(jnp.int32))

@@ -16,7 +16,8 @@ from flax import nnx
 from ddtree_jax.config import QuantConfig, tiny_config
 from ddtree_jax.drafter import DFlashDrafter, tiny_drafter_config
 from ddtree_jax.engine import (CACHE_FULL, EOS, MAX_TOKENS, RUNNING, STOP_SEQUENCE, STOP_STRING, Engine, EngineConfig,
-                               _stop_and_emit, check_seed, required_capacity, summarize)
+                               check_seed, required_capacity, summarize)
+from ddtree_jax.stopping import stop_and_emit
 from ddtree_jax.cache import init_cache
 from ddtree_jax.model import KimiModel, causal_mask
 from ddtree_jax.scores import TokenScores
@@ -489,7 +490,7 @@ def test_stop_and_emit_equals_a_token_by_token_reference():
                                       num_out=jnp.asarray(num_out, jnp.int32), status=jnp.asarray(status, jnp.int32),
                                       limit=jnp.asarray(limit, jnp.int32))
         string_ends = rng.random((b, width)) < 0.15 if strings else None
-        got = _stop_and_emit(state, jnp.asarray(emitted, jnp.int32), jnp.asarray(n_emit), jnp.asarray(active),
+        got = stop_and_emit(state, jnp.asarray(emitted, jnp.int32), jnp.asarray(n_emit), jnp.asarray(active),
                              eos_ids, TokenScores(jnp.asarray(emitted_logprobs), None, None), stop_sequences,
                              min_new_tokens, None if string_ends is None else jnp.asarray(string_ends))
         got_out, got_num, got_status = map(np.asarray, (got[0], got[2], got[3]))

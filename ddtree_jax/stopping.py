@@ -1,0 +1,97 @@
+"""How a stream stops: an EOS, a stop sequence of ids, a stop string (``stop_strings``), its token limit, or a
+full cache; and the cut of a round's emitted tokens at the first of them (``stop_and_emit``).
+
+Shapes: B streams, E tokens emitted this round, N output slots (max_new_tokens).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ddtree_jax.scores import append_scores
+from ddtree_jax.tree import PAD
+
+RUNNING, EOS, MAX_TOKENS, CACHE_FULL, STOP_SEQUENCE, STOP_STRING = 0, 1, 2, 3, 4, 5
+STATUS_NAMES = {RUNNING: "running", EOS: "eos", MAX_TOKENS: "max_new_tokens", CACHE_FULL: "cache_full",
+                STOP_SEQUENCE: "stop_sequence", STOP_STRING: "stop_string"}
+
+
+def is_token_id(value) -> bool:
+    """An int (Python or numpy, not a bool) >= 0."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)) and value >= 0
+
+
+def check_stop_sequences(stop_sequences) -> tuple[tuple[int, ...], ...]:
+    """Stop sequences as a tuple of non-empty tuples of token ids >= 0 (e.g. ``((13, 13), (42,))``); ValueError
+    otherwise (a flat sequence of ids included: give ``((id,),)`` for one single-token stop, or use eos_ids)."""
+    example = "e.g. ((13, 13), (42,))"
+    if isinstance(stop_sequences, (str, bytes)) or not isinstance(stop_sequences, (list, tuple)):
+        raise ValueError(f"stop_sequences must be a sequence of token-id sequences ({example}), "
+                         f"got {stop_sequences!r}")
+    checked = []
+    for i, seq in enumerate(stop_sequences):
+        if isinstance(seq, (str, bytes)) or not isinstance(seq, (list, tuple)) or not seq:
+            raise ValueError(f"stop_sequences[{i}] must be a non-empty sequence of token ids ({example}), got {seq!r}")
+        if not all(is_token_id(t) for t in seq):
+            raise ValueError(f"stop_sequences[{i}] must hold token ids >= 0, got {seq!r}")
+        checked.append(tuple(int(t) for t in seq))
+    return tuple(checked)
+
+
+def stop_and_emit(state, emitted, n_emit, active, eos_ids, emitted_scores=None, stop_sequences=(),
+                   min_new_tokens=0, string_ends=None):
+    """``state`` holds out_tokens [B, N], out_scores (TokenScores or None), num_out, limit and status [B] (the
+    engine's DecodeState). Appends each active stream's first n_emit emitted tokens [B, E] (and their TokenScores,
+    where the state keeps them) to its output, cut after the first that is an EOS, ends a stop sequence (its tokens
+    in a row among the stream's generated ones, earlier rounds' included) or a stop string (``string_ends`` [B, E],
+    where given), the last two not within the first min_new_tokens generated, or that reaches the stream's token
+    limit, and updates status. Returns (out_tokens, out_scores, num_out, status)."""
+    b, width = emitted.shape
+    k = jnp.arange(width)[None, :]
+    in_round = k < n_emit[:, None]
+    room = state.limit - state.num_out
+    is_eos = jnp.isin(emitted, jnp.asarray(eos_ids, jnp.int32)) if eos_ids else jnp.zeros((b, width), bool)
+    past_min = state.num_out[:, None] + k >= min_new_tokens
+    is_stop = ends_stop_sequence(state.out_tokens, state.num_out, emitted, stop_sequences) & past_min
+    is_string = jnp.zeros((b, width), bool) if string_ends is None else string_ends & past_min
+    ends = (is_eos | is_stop | is_string) & in_round
+    first_end = jnp.argmax(ends, axis=1)
+    hit_end = ends.any(1) & (first_end < room)  # an end past the token limit is never emitted
+    n_emit = jnp.where(hit_end, first_end + 1, n_emit)
+    ended_by_eos, ended_by_sequence = (jnp.take_along_axis(x, first_end[:, None], axis=1)[:, 0]
+                                       for x in (is_eos, is_stop))
+    hit_limit = n_emit >= room
+    n_emit = jnp.where(active, jnp.minimum(n_emit, room), 0)
+    slots = jnp.where(k < n_emit[:, None], state.num_out[:, None] + k, state.out_tokens.shape[1])  # else dropped
+    rows = jnp.arange(b)[:, None]
+    out = state.out_tokens.at[rows, slots].set(emitted, mode="drop")
+    out_scores = state.out_scores
+    if out_scores is not None:
+        if emitted_scores is None:
+            raise ValueError("the state keeps scores: emitted_scores is needed")
+        out_scores = append_scores(out_scores, emitted_scores, rows, slots)
+    end_status = jnp.where(ended_by_eos, EOS, jnp.where(ended_by_sequence, STOP_SEQUENCE, STOP_STRING))
+    status = jnp.where(active & hit_end, end_status, jnp.where(active & hit_limit, MAX_TOKENS, state.status))
+    return out, out_scores, state.num_out + n_emit, status
+
+
+def ends_stop_sequence(out_tokens, num_out, emitted, stop_sequences) -> jax.Array:
+    """[B, E] bool: emitted[:, e] ends one of ``stop_sequences`` (static) over the stream's generated tokens
+    (out_tokens[:, :num_out], then emitted). Tokens before the first generated one read as PAD, which no id equals."""
+    b, width = emitted.shape
+    if not stop_sequences:
+        return jnp.zeros((b, width), bool)
+    back = max(map(len, stop_sequences)) - 1
+    before = num_out[:, None] - back + jnp.arange(back)[None, :]  # the last ``back`` generated tokens' slots
+    tail = jnp.where(before >= 0, jnp.take_along_axis(out_tokens, jnp.maximum(before, 0), axis=1), PAD)
+    window = jnp.concatenate([tail, emitted], axis=1)  # [B, back + E]
+    ends = jnp.zeros((b, width), bool)
+    for seq in stop_sequences:
+        start = back - (len(seq) - 1)  # window column of seq[0] for the match ending at emitted[:, 0]
+        match = jnp.ones((b, width), bool)
+        for i, token in enumerate(seq):
+            match &= window[:, start + i: start + i + width] == token
+        ends |= match
+    return ends
