@@ -36,9 +36,9 @@ from ddtree_jax.decode import pad_prompts
 from ddtree_jax.drafter import (DFlashDrafter, DraftCache, check_drafter_target, draft_cache_axes, draft_logits,
                                 init_draft_cache)
 from ddtree_jax.model import KimiModel, Runtime, causal_mask
-from ddtree_jax.processors import (LogitProcessing, TokenHistory, check_additive_penalty, check_logit_bias,
-                                   check_min_new_tokens, check_repetition_penalty, extend_history, process_logits,
-                                   start_history)
+from ddtree_jax.processors import (LogitProcessing, TokenHistory, check_additive_penalty, check_allowed_token_ids,
+                                   check_logit_bias, check_min_new_tokens, check_repetition_penalty, extend_history,
+                                   process_logits, start_history)
 from ddtree_jax.sampling import check_min_p, check_top_k, check_top_p, is_number, sampled_logits
 from ddtree_jax.scores import (TokenScores, empty_scores, per_stream_slices, scores_lists,
                                token_scores)
@@ -68,6 +68,7 @@ class EngineConfig:
     top_p: float = 1.0  # then the fewest likeliest whose mass reaches top_p (1: all); ``sampling.truncate``
     min_p: float = 0.0  # then those at least min_p times as likely as the likeliest (0: all)
     # Before the temperature and the filters, greedy decoding too (``processors``):
+    allowed_token_ids: tuple[int, ...] = ()  # only these may be generated (empty: all)
     logit_bias: tuple[tuple[int, float], ...] = ()  # amounts added to tokens' logits: {id: amount} or pairs
     min_new_tokens: int = 0  # no EOS and no stop sequence ends a stream within its first min_new_tokens tokens
     repetition_penalty: float = 1.0  # on the prompt's and the output's tokens (1: off)
@@ -99,10 +100,14 @@ class EngineConfig:
         object.__setattr__(self, "top_k", check_top_k(self.top_k))
         object.__setattr__(self, "top_p", check_top_p(self.top_p))
         object.__setattr__(self, "min_p", check_min_p(self.min_p))
+        object.__setattr__(self, "allowed_token_ids", check_allowed_token_ids(self.allowed_token_ids))
         object.__setattr__(self, "logit_bias", check_logit_bias(self.logit_bias))
         object.__setattr__(self, "min_new_tokens", check_min_new_tokens(self.min_new_tokens))
         if self.min_new_tokens > self.max_new_tokens:
             raise ValueError(f"min_new_tokens={self.min_new_tokens} passes max_new_tokens={self.max_new_tokens}")
+        if self.min_new_tokens and self.allowed_token_ids and set(self.allowed_token_ids) <= set(self.eos_ids):
+            raise ValueError(f"min_new_tokens={self.min_new_tokens} holds back every allowed token "
+                             f"{list(self.allowed_token_ids)}: they are all EOS ids")
         if self.min_new_tokens and not (self.eos_ids or self.stop_sequences or self.stop_strings):
             raise ValueError(f"min_new_tokens={self.min_new_tokens} holds back EOS ids and stop sequences: "
                              "give eos_ids, stop_sequences or stop_strings")
@@ -131,7 +136,8 @@ class EngineConfig:
 
     @property
     def processing(self) -> LogitProcessing:
-        return LogitProcessing(logit_bias=self.logit_bias, min_new_tokens=self.min_new_tokens, eos_ids=self.eos_ids,
+        return LogitProcessing(allowed_token_ids=self.allowed_token_ids, logit_bias=self.logit_bias,
+                               min_new_tokens=self.min_new_tokens, eos_ids=self.eos_ids,
                                repetition_penalty=self.repetition_penalty, frequency_penalty=self.frequency_penalty,
                                presence_penalty=self.presence_penalty)
 
@@ -323,6 +329,7 @@ class Engine:
         if bad_eos:
             raise ValueError(f"eos_ids {bad_eos} outside the target's vocabulary [0, {target.cfg.vocab_size})")
         check_logit_bias(ecfg.logit_bias, target.cfg.vocab_size)
+        check_allowed_token_ids(ecfg.allowed_token_ids, target.cfg.vocab_size)
         bad_stops = [seq for seq in ecfg.stop_sequences if max(seq) >= target.cfg.vocab_size]
         if bad_stops:
             raise ValueError(f"stop_sequences {bad_stops} hold ids outside the target's vocabulary "

@@ -1,6 +1,7 @@
 """Logit processing: what the target's raw logits at a place go through before the temperature and the filters
 (``sampling.truncate``), greedy decoding included. In vLLM's order:
 
+0. ``allowed_token_ids``: every other token at -inf (vLLM's ``allowed_token_ids``).
 1. ``logit_bias``: a fixed amount added to chosen tokens' logits (OpenAI's ``logit_bias``; transformers'
    ``SequenceBiasLogitsProcessor`` for one-token sequences).
 2. ``min_new_tokens``: the EOS ids at -inf while the stream has generated fewer than min_new_tokens tokens
@@ -33,6 +34,7 @@ from ddtree_jax.sampling import is_number
 class LogitProcessing:
     """The static choices of the processing (part of a compiled program's key); the defaults change nothing."""
 
+    allowed_token_ids: tuple[int, ...] = ()  # ascending; empty: all
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, amount) pairs, ids ascending
     min_new_tokens: int = 0
     eos_ids: tuple[int, ...] = ()  # held back by min_new_tokens
@@ -47,7 +49,8 @@ class LogitProcessing:
 
     @property
     def changes_logits(self) -> bool:
-        return bool(self.logit_bias) or (self.min_new_tokens > 0 and bool(self.eos_ids)) or self.penalises
+        holds_eos = self.min_new_tokens > 0 and bool(self.eos_ids)
+        return bool(self.allowed_token_ids) or bool(self.logit_bias) or holds_eos or self.penalises
 
 
 @jax.tree_util.register_dataclass
@@ -73,6 +76,20 @@ def check_additive_penalty(name: str, penalty) -> float:
     if not is_number(penalty) or not np.isfinite(penalty):
         raise ValueError(f"{name} must be a finite number (0: off), got {penalty!r}")
     return float(penalty)
+
+
+def check_allowed_token_ids(allowed, vocab_size: int | None = None) -> tuple[int, ...]:
+    """allowed_token_ids as ascending distinct ids >= 0 (below ``vocab_size`` where given; empty: every token);
+    ValueError otherwise."""
+    if isinstance(allowed, (str, bytes)) or not isinstance(allowed, (list, tuple, set, frozenset)):
+        raise ValueError(f"allowed_token_ids must be a sequence of token ids (empty: all), got {allowed!r}")
+    bad = [t for t in allowed if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)) or t < 0]
+    if bad:
+        raise ValueError(f"allowed_token_ids must be token ids >= 0, got {bad[0]!r}")
+    if vocab_size is not None and any(t >= vocab_size for t in allowed):
+        raise ValueError(f"allowed_token_ids {sorted(t for t in allowed if t >= vocab_size)} are outside the "
+                         f"vocabulary [0, {vocab_size})")
+    return tuple(sorted({int(t) for t in allowed}))
 
 
 def check_min_new_tokens(min_new_tokens) -> int:
@@ -177,6 +194,10 @@ def process_logits(logits: jax.Array, processing: LogitProcessing, history: Toke
             raise ValueError(f"without a tree there is one place to process, got {t}")
         depths = jnp.zeros((b, 1), jnp.int32)
     logits = logits.astype(jnp.float32)
+    if processing.allowed_token_ids:
+        allowed = np.zeros(w, bool)
+        allowed[list(processing.allowed_token_ids)] = True
+        logits = jnp.where(allowed, logits, -jnp.inf)
     if processing.logit_bias:
         ids, amounts = zip(*processing.logit_bias)
         logits = logits.at[:, :, np.asarray(ids)].add(np.asarray(amounts, np.float32))

@@ -95,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="subtracted once from the logit of a token in the output, greedy too (0: off)")
     p.add_argument("--logit-bias", action="append", default=[], metavar="ID:AMOUNT",
                    help="added to token ID's logit before sampling, greedy too (repeatable; e.g. 13:-100 bans 13)")
+    p.add_argument("--allowed-ids", default=None, metavar="IDS",
+                   help="space-separated token ids: only these may be generated, greedy too (default: all)")
     p.add_argument("--min-new-tokens", type=int, default=0,
                    help="no EOS and no --stop-ids sequence ends a stream within its first N tokens (0: off)")
     p.add_argument("--stop-ids", action="append", default=[],
@@ -152,6 +154,8 @@ def check_args(args) -> None:
     for i, text in enumerate(args.stop_ids):
         parse_ids(text, i, "--stop-ids")
     parse_logit_bias(args.logit_bias)
+    if args.allowed_ids is not None:
+        parse_ids(args.allowed_ids, 0, "--allowed-ids")
     try:
         check_stop_strings(args.stop)
     except ValueError as e:
@@ -347,6 +351,8 @@ def engine_config(mode: str, args, eos_ids=()) -> EngineConfig:
                         repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
                         presence_penalty=args.presence_penalty, logit_bias=parse_logit_bias(args.logit_bias),
                         min_new_tokens=args.min_new_tokens, stop_strings=tuple(args.stop),
+                        allowed_token_ids=() if args.allowed_ids is None else parse_ids(args.allowed_ids, 0,
+                                                                                        "--allowed-ids"),
                         stop_sequences=tuple(tuple(parse_ids(s, i, "--stop-ids")) for i, s in enumerate(args.stop_ids)),
                         **budget)
 
@@ -367,6 +373,11 @@ def check_fits(args, modes: Sequence[str], prompts, target, drafter, eos_ids=())
             raise ValueError(f"--stop-ids #{i + 1} holds {outside}, outside the target's vocabulary "
                              f"[0, {target.cfg.vocab_size})")
     parse_logit_bias(args.logit_bias, target.cfg.vocab_size)
+    if args.allowed_ids is not None:
+        outside = [t for t in parse_ids(args.allowed_ids, 0, "--allowed-ids") if t >= target.cfg.vocab_size]
+        if outside:
+            raise ValueError(f"--allowed-ids holds {outside}, outside the target's vocabulary "
+                             f"[0, {target.cfg.vocab_size})")
     if args.min_new_tokens and not (eos_ids or args.stop_ids or args.stop):
         raise ValueError(f"--min-new-tokens {args.min_new_tokens} holds back EOS ids and stop sequences, and this "
                          "target has no EOS id: give --stop-ids or --stop")

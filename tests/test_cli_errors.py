@@ -70,6 +70,7 @@ RANDOM = ["--target", "random"]
     (["--logit-bias", "3:1", "--logit-bias", "3:2"], "--logit-bias: logit_bias gives token 3 twice"),
     (["--logit-bias", "3:nan"], "--logit-bias: logit_bias[3] must be a finite number"),
     (["--logprobs", "sampled"], "argument --logprobs: invalid choice: 'sampled'"),
+    (["--allowed-ids", "1 x"], "--allowed-ids #1 must be space-separated token ids >= 0, got '1 x'"),
     (["--stop", "\n", "--stop", ""], "--stop: stop_strings[1] must be a non-empty string, got ''"),
 ])
 def test_bad_flags_are_refused_before_any_model_is_built(argv, message, capsys):
@@ -151,6 +152,13 @@ def test_processing_flags_reach_the_engine_checked_against_the_target():
     with pytest.raises(ValueError, match="--min-new-tokens 3 holds back EOS ids and stop sequences, and this target "
                                          "has no EOS id: give --stop-ids or --stop"):
         run_decode.check_fits(args, run_decode.modes_of(args), [[1]], target, drafter)
+    args.allowed_ids = "1 2 3 7"
+    run_decode.check_fits(args, run_decode.modes_of(args), [[1]], target, drafter, eos_ids=(7,))
+    assert run_decode.engine_config("ar", args, (7,)).allowed_token_ids == (1, 2, 3, 7)
+    args.allowed_ids = "1 8"
+    with pytest.raises(ValueError, match=r"--allowed-ids holds \[8\], outside the target's vocabulary \[0, 8\)"):
+        run_decode.check_fits(args, run_decode.modes_of(args), [[1]], target, drafter, eos_ids=(7,))
+    args.allowed_ids = None
     args.stop.append("\n\n")
     run_decode.check_fits(args, run_decode.modes_of(args), [[1]], target, drafter)
     assert run_decode.engine_config("ar", args).stop_strings == ("\n\n",)

@@ -92,6 +92,22 @@ def test_processed_greedy_equals_the_processed_full_forward(models, ar_reference
     assert not any(2 in tokens for tokens in processed_reference)  # banned, though AR's stream 2 is all 2s
 
 
+ALLOWED = LogitProcessing(allowed_token_ids=tuple(range(0, VOCAB, 3)), presence_penalty=0.5)
+
+
+@pytest.mark.parametrize("mode,budget", [("ar", 1), ("ddtree", 16)])
+def test_allowed_token_ids_greedy_equals_the_processed_full_forward(models, ar_reference, mode, budget):
+    """``allowed_token_ids`` (every third id) with a presence penalty: greedy decoding equals the processed
+    plain-forward reference token for token and generates allowed tokens only, where plain AR does not."""
+    target, drafter = models
+    want = greedy_with_processing(target, PROMPTS[:8], ALLOWED, NEW)
+    ecfg = EngineConfig(mode=mode, budget=budget, max_new_tokens=NEW, capacity=64,
+                        allowed_token_ids=ALLOWED.allowed_token_ids, presence_penalty=ALLOWED.presence_penalty)
+    assert Engine(target, drafter if mode != "ar" else None, ecfg).generate(PROMPTS[:8])["tokens"] == want
+    assert all(t % 3 == 0 for tokens in want for t in tokens)
+    assert sum(t % 3 != 0 for tokens in ar_reference for t in tokens) >= 20
+
+
 @pytest.mark.parametrize("mode,budget", [("ar", 1), ("dflash", 1), ("ddtree", 32)])
 def test_sampled_streams_never_draw_a_banned_token_or_an_early_eos(models, mode, budget):
     """At temperature 1.5 over 16 prompts with half the vocabulary's ids as EOS: no stream draws an EOS within its
@@ -109,7 +125,7 @@ def test_sampled_streams_never_draw_a_banned_token_or_an_early_eos(models, mode,
     assert any(len(tokens) == 6 for tokens in res["tokens"])
 
 
-@pytest.mark.parametrize("mode,budget", [("ar", 1), ("ddtree", 16)])
+@pytest.mark.parametrize("mode,budget", [("ddtree", 16)])  # the prefill's token and the rounds'
 def test_processed_logprobs_are_those_of_the_distribution_each_token_was_taken_from(models, mode, budget):
     """``logprobs_mode="processed"``: each token's log-probability, and its 3 likeliest tokens', are those of what
     it was taken from: the teacher-forced forward's row processed over the stream's context (``reference_row``),
@@ -157,6 +173,10 @@ def test_processing_settings_refused(models):
         EngineConfig(logprobs_mode="processed")
     with pytest.raises(ValueError, match=r"logprobs_mode must be one of \('raw', 'processed'\), got 'sampled'"):
         EngineConfig(logprobs=True, logprobs_mode="sampled")
+    with pytest.raises(ValueError, match=r"min_new_tokens=2 holds back every allowed token \[1, 3\]: they are all EOS"):
+        EngineConfig(min_new_tokens=2, eos_ids=(1, 3, 5), allowed_token_ids=(3, 1))
+    with pytest.raises(ValueError, match=rf"allowed_token_ids \[{VOCAB}\] are outside the vocabulary"):
+        Engine(target, drafter, EngineConfig(capacity=64, allowed_token_ids=(1, VOCAB)))
     with pytest.raises(ValueError, match="logit_bias gives token 3 twice"):
         EngineConfig(logit_bias=[(3, 1.0), (3, 2.0)])
     # the config keeps the bias as sorted pairs, so equal settings hash alike (one compiled program)

@@ -61,21 +61,25 @@ def test_node_counts_add_each_nodes_path_below_the_root():
 
 
 PROCESSINGS = {
+    "allowed": pr.LogitProcessing(allowed_token_ids=(0, 3, 4, 9, 17, W - 1)),
     "bias": pr.LogitProcessing(logit_bias=((2, 3.5), (5, -100.0), (W - 1, 1.25))),
     "min_new_tokens": pr.LogitProcessing(min_new_tokens=6, eos_ids=(1, 7)),
     "repetition": pr.LogitProcessing(repetition_penalty=1.7),
     "frequency": pr.LogitProcessing(frequency_penalty=0.6),
     "presence": pr.LogitProcessing(presence_penalty=-0.4),
-    "all": pr.LogitProcessing(logit_bias=((2, 3.5), (7, 2.0)), min_new_tokens=6, eos_ids=(1, 7),
+    "all": pr.LogitProcessing(allowed_token_ids=tuple(range(1, W, 2)) + (2,), logit_bias=((2, 3.5), (7, 2.0)),
+                              min_new_tokens=6, eos_ids=(1, 7),
                               repetition_penalty=0.8, frequency_penalty=0.3, presence_penalty=0.5),
 }
 
 
 def reference_row(row, processing, prompt, output):
-    """One place's processed logits: transformers' processors over the context (prompt + output so far), then the
-    frequency and presence penalties over the output's counts in numpy."""
+    """One place's processed logits: the tokens not allowed at -inf, then transformers' processors over the
+    context (prompt + output so far), then the frequency and presence penalties over the output's counts in numpy."""
     ids = torch.tensor([list(prompt) + list(output)])
-    scores = torch.from_numpy(row[None].copy())
+    if processing.allowed_token_ids:
+        row = np.where(np.isin(np.arange(row.shape[-1]), processing.allowed_token_ids), row, -np.inf)
+    scores = torch.from_numpy(np.asarray(row, np.float32)[None].copy())
     if processing.logit_bias:
         scores = SequenceBiasLogitsProcessor([[[i], a] for i, a in processing.logit_bias])(ids, scores)
     if processing.min_new_tokens:
@@ -181,6 +185,15 @@ def test_bad_repetition_penalty_refused(bad, message):
 def test_bad_additive_penalty_refused(bad):
     with pytest.raises(ValueError, match=r"frequency_penalty must be a finite number \(0: off\)"):
         pr.check_additive_penalty("frequency_penalty", bad)
+
+
+@pytest.mark.parametrize("allowed,message", [
+    ("13", "must be a sequence of token ids"), ([1, -2], "must be token ids >= 0, got -2"),
+    ([1, 2.0], "must be token ids >= 0, got 2.0"), ([3, W, W + 2], rf"\[{W}, {W + 2}\] are outside the vocabulary")])
+def test_bad_allowed_token_ids_refused(allowed, message):
+    with pytest.raises(ValueError, match=f"allowed_token_ids {message}"):
+        pr.check_allowed_token_ids(allowed, W)
+    assert pr.check_allowed_token_ids({5, 2, 5}) == (2, 5)
 
 
 @pytest.mark.parametrize("bad,message", [(-1, ">= 0"), (2.0, "an integer"), (True, "an integer")])
