@@ -24,10 +24,13 @@ def test_smoke_run_checks_each_part(tmp_path, monkeypatch):
     bench.main()
     rows = json.loads((tmp_path / "smoke.json").read_text())["rows"]
     assert {r["part"] for r in rows} == {"top_k vocab", "top_k beam", "log_softmax", "build_tree from logits",
-                                         "sample", "top_p edge", "sample keys", "scores"}
+                                         "sample", "top_p edge", "sample keys", "scores", "stop tables (host)",
+                                         "stop advance"}
     for r in rows:
         assert r.get("exact", True) is True and r.get("max_abs_err", 0) < 1e-5
         assert math.isfinite(r["us"]) and r["us"] > 0
+        if r["part"] == "stop tables (host)":
+            assert r["table_mb"] > 0, r
         if r["part"] in ("top_k vocab", "log_softmax", "sample", "sample keys", "scores"):
             assert r["floor_us"] > 0, r  # beside its floor, also without PyTorch (XLA's copy)
 
