@@ -44,7 +44,7 @@ from ddtree_jax.scores import (TokenScores, empty_scores, per_stream_slices, sco
                                token_scores)
 from ddtree_jax.sharding import named_sharding, shard_state
 from ddtree_jax.stopping import (CACHE_FULL, EOS, MAX_TOKENS, RUNNING, STATUS_NAMES, STOP_SEQUENCE,  # noqa: F401
-                                 STOP_STRING, check_stop_sequences, is_token_id, stop_and_emit)
+                                 STOP_STRING, check_id_sequences, check_stop_sequences, is_token_id, stop_and_emit)
 from ddtree_jax.stop_strings import StopTables, advance, build_stop_tables, check_stop_strings, start_states
 from ddtree_jax.tree import PAD, accept_tokens, build_tree, chain_tree, check_budget, sample_target_tokens
 
@@ -69,6 +69,7 @@ class EngineConfig:
     min_p: float = 0.0  # then those at least min_p times as likely as the likeliest (0: all)
     # Before the temperature and the filters, greedy decoding too (``processors``):
     allowed_token_ids: tuple[int, ...] = ()  # only these may be generated (empty: all)
+    bad_words: tuple[tuple[int, ...], ...] = ()  # a sequence's last token is never generated right after the rest
     logit_bias: tuple[tuple[int, float], ...] = ()  # amounts added to tokens' logits: {id: amount} or pairs
     min_new_tokens: int = 0  # no EOS and no stop sequence ends a stream within its first min_new_tokens tokens
     repetition_penalty: float = 1.0  # on the prompt's and the output's tokens (1: off)
@@ -101,6 +102,7 @@ class EngineConfig:
         object.__setattr__(self, "top_p", check_top_p(self.top_p))
         object.__setattr__(self, "min_p", check_min_p(self.min_p))
         object.__setattr__(self, "allowed_token_ids", check_allowed_token_ids(self.allowed_token_ids))
+        object.__setattr__(self, "bad_words", check_id_sequences(self.bad_words, "bad_words"))
         object.__setattr__(self, "logit_bias", check_logit_bias(self.logit_bias))
         object.__setattr__(self, "min_new_tokens", check_min_new_tokens(self.min_new_tokens))
         if self.min_new_tokens > self.max_new_tokens:
@@ -136,7 +138,8 @@ class EngineConfig:
 
     @property
     def processing(self) -> LogitProcessing:
-        return LogitProcessing(allowed_token_ids=self.allowed_token_ids, logit_bias=self.logit_bias,
+        return LogitProcessing(allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
+                               logit_bias=self.logit_bias,
                                min_new_tokens=self.min_new_tokens, eos_ids=self.eos_ids,
                                repetition_penalty=self.repetition_penalty, frequency_penalty=self.frequency_penalty,
                                presence_penalty=self.presence_penalty)
@@ -330,10 +333,11 @@ class Engine:
             raise ValueError(f"eos_ids {bad_eos} outside the target's vocabulary [0, {target.cfg.vocab_size})")
         check_logit_bias(ecfg.logit_bias, target.cfg.vocab_size)
         check_allowed_token_ids(ecfg.allowed_token_ids, target.cfg.vocab_size)
-        bad_stops = [seq for seq in ecfg.stop_sequences if max(seq) >= target.cfg.vocab_size]
-        if bad_stops:
-            raise ValueError(f"stop_sequences {bad_stops} hold ids outside the target's vocabulary "
-                             f"[0, {target.cfg.vocab_size})")
+        for name in ("stop_sequences", "bad_words"):
+            outside = [seq for seq in getattr(ecfg, name) if max(seq) >= target.cfg.vocab_size]
+            if outside:
+                raise ValueError(f"{name} {outside} hold ids outside the target's vocabulary "
+                                 f"[0, {target.cfg.vocab_size})")
         self.stop_tables = None
         if ecfg.stop_strings:
             if tokenizer is None:
@@ -568,8 +572,7 @@ def _target_tokens(logits, tree, state: DecodeState, temperature, key, ecfg: Eng
     """The target's token at every node [B, T] from the verify's logits [B, T, W]: after the logit processing of
     each node's place (``processors``), the argmax or a draw (``sample_target_tokens``). Returns (tokens, the
     processed logits)."""
-    processed = process_logits(logits, ecfg.processing, state.history, state.num_out, tree.tokens, tree.visibility,
-                               tree.depths)
+    processed = process_logits(logits, ecfg.processing, state.history, state.num_out, tree)
     return sample_target_tokens(processed, temperature, key, ecfg.top_k, ecfg.top_p, ecfg.min_p), processed
 
 

@@ -1,7 +1,8 @@
 """Logit processing: what the target's raw logits at a place go through before the temperature and the filters
 (``sampling.truncate``), greedy decoding included. In vLLM's order:
 
-0. ``allowed_token_ids``: every other token at -inf (vLLM's ``allowed_token_ids``).
+0. ``allowed_token_ids``: every other token at -inf (vLLM's ``allowed_token_ids``); ``bad_words``: a sequence's
+   last token at -inf where the context ends with the rest of it (transformers' ``NoBadWordsLogitsProcessor``).
 1. ``logit_bias``: a fixed amount added to chosen tokens' logits (OpenAI's ``logit_bias``; transformers'
    ``SequenceBiasLogitsProcessor`` for one-token sequences).
 2. ``min_new_tokens``: the EOS ids at -inf while the stream has generated fewer than min_new_tokens tokens
@@ -13,10 +14,13 @@
 
 A tree node's place is the one after its path: its context is the stream's prompt and output (whose last token is
 the tree's root, the bonus) and the tokens of the node's ancestors below the root and its own; the token drawn there
-would be output token num_out + depth. So each node is processed as plain decoding would process that place, and the
-acceptance walk stays lossless. The log-probabilities kept with ``EngineConfig(logprobs=True)`` are the raw model's.
+would be output token num_out + depth. Bad words read the context's last tokens: the node's path up the parents,
+then the stream's last tokens (``TokenHistory.recent``). So each node is processed as plain decoding would process
+that place, and the acceptance walk stays lossless. The log-probabilities kept with ``EngineConfig(logprobs=True)``
+are the raw model's unless ``logprobs_mode="processed"``.
 
-Shapes: B streams, T places (tree nodes; 1 for the place after the history), W vocabulary, L tokens.
+Shapes: B streams, T places (tree nodes; 1 for the place after the history), W vocabulary, L tokens, K = the
+longest bad word's length - 1.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax.sampling import is_number
+from ddtree_jax.tree import PAD, Tree
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +40,7 @@ class LogitProcessing:
     """The static choices of the processing (part of a compiled program's key); the defaults change nothing."""
 
     allowed_token_ids: tuple[int, ...] = ()  # ascending; empty: all
+    bad_words: tuple[tuple[int, ...], ...] = ()  # token-id sequences whose last token is banned after the rest
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, amount) pairs, ids ascending
     min_new_tokens: int = 0
     eos_ids: tuple[int, ...] = ()  # held back by min_new_tokens
@@ -48,9 +54,15 @@ class LogitProcessing:
         return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
 
     @property
+    def window(self) -> int:
+        """K: the context's last tokens the bad words read (0: none)."""
+        return max((len(w) - 1 for w in self.bad_words), default=0)
+
+    @property
     def changes_logits(self) -> bool:
         holds_eos = self.min_new_tokens > 0 and bool(self.eos_ids)
-        return bool(self.allowed_token_ids) or bool(self.logit_bias) or holds_eos or self.penalises
+        return (bool(self.allowed_token_ids) or bool(self.bad_words) or bool(self.logit_bias) or holds_eos
+                or self.penalises)
 
 
 @jax.tree_util.register_dataclass
@@ -59,7 +71,8 @@ class TokenHistory:
     """What the penalties read of a stream's tokens."""
 
     prompt_seen: jax.Array | None  # [B, W] bool: the prompt's tokens (repetition penalty); else None
-    out_counts: jax.Array  # [B, W] int32: how often each token is in the output
+    out_counts: jax.Array | None  # [B, W] int32: how often each token is in the output (penalties); else None
+    recent: jax.Array | None  # [B, K] int32: the prompt's and output's last K tokens, PAD before the first (bad words)
 
 
 def check_repetition_penalty(penalty) -> float:
@@ -130,22 +143,36 @@ def check_logit_bias(logit_bias, vocab_size: int | None = None) -> tuple[tuple[i
 
 def start_history(processing: LogitProcessing, prompts: jax.Array, lengths: jax.Array,
                   vocab_size: int) -> TokenHistory | None:
-    """The history after the prompts [B, P] (each stream's first lengths[b] tokens) and no output; None where no
-    penalty reads it."""
-    if not processing.penalises:
+    """The history after the prompts [B, P] (each stream's first lengths[b] tokens) and no output; None where
+    nothing reads it."""
+    k = processing.window
+    if not processing.penalises and not k:
         return None
     b = prompts.shape[0]
-    prompt_seen = None
+    prompt_seen = out_counts = recent = None
     if processing.repetition_penalty != 1:
         prompt_seen = _scatter(jnp.zeros((b, vocab_size), bool), prompts, lengths, True)
-    return TokenHistory(prompt_seen=prompt_seen, out_counts=jnp.zeros((b, vocab_size), jnp.int32))
+    if processing.penalises:
+        out_counts = jnp.zeros((b, vocab_size), jnp.int32)
+    if k:
+        recent = _last_tokens(jnp.full((b, k), PAD, jnp.int32), prompts, lengths)
+    return TokenHistory(prompt_seen=prompt_seen, out_counts=out_counts, recent=recent)
 
 
 def extend_history(history: TokenHistory | None, tokens: jax.Array, counts: jax.Array) -> TokenHistory | None:
     """The history with each stream's first counts[b] of tokens [B, L] appended to its output."""
     if history is None:
         return None
-    return dataclasses.replace(history, out_counts=_scatter(history.out_counts, tokens, counts, 1))
+    out_counts = None if history.out_counts is None else _scatter(history.out_counts, tokens, counts, 1)
+    recent = None if history.recent is None else _last_tokens(history.recent, tokens, counts)
+    return dataclasses.replace(history, out_counts=out_counts, recent=recent)
+
+
+def _last_tokens(recent, tokens, counts):
+    """recent [B, K] then each stream's first counts[b] of tokens [B, L]: the last K of them."""
+    k = recent.shape[1]
+    joined = jnp.concatenate([recent, tokens.astype(recent.dtype)], axis=1)  # [B, K + L]
+    return jnp.take_along_axis(joined, counts[:, None] + jnp.arange(k)[None, :], axis=1)
 
 
 def _scatter(table, tokens, counts, value):
@@ -171,6 +198,28 @@ def node_counts(out_counts: jax.Array, tokens: jax.Array, visibility: jax.Array,
     return jnp.broadcast_to(out_counts[:, None, :], (b, t, w)).at[rows, nodes, ids].add(1, mode="drop")
 
 
+def node_windows(recent: jax.Array, tree: Tree | None) -> jax.Array:
+    """Each place's last K context tokens, the last first: recent [B, K] (the stream's, whose last is the root) and
+    the tree's parents [B, T] -> [B, T, K]: a node itself, its ancestors up to the root, then the stream's tokens
+    before the root. Without a tree, the place after the history: [B, 1, K]."""
+    k = recent.shape[1]
+    back = recent[:, ::-1]  # [B, K], the last first
+    if tree is None:
+        return back[:, None, :]
+    b, t = tree.tokens.shape
+    rows = jnp.arange(b)[:, None]
+    node = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    above_root = jnp.zeros((b, t), jnp.int32)  # tokens taken from the stream once the walk passed the root
+    columns = []
+    for _ in range(k):
+        in_tree = node >= 0
+        from_stream = jnp.take_along_axis(back, jnp.minimum(above_root + 1, k - 1), axis=1)  # back[0]: the root
+        columns.append(jnp.where(in_tree, tree.tokens[rows, jnp.maximum(node, 0)], from_stream))
+        above_root = jnp.where(in_tree, above_root, above_root + 1)
+        node = jnp.where(in_tree, tree.parents[rows, jnp.maximum(node, 0)], -1)
+    return jnp.stack(columns, axis=-1)
+
+
 def apply_repetition_penalty(logits: jax.Array, seen: jax.Array, penalty: float) -> jax.Array:
     """logits [..., W] -> float32 logits with every token of ``seen`` [..., W] (bool: in the context) penalised as
     transformers' ``RepetitionPenaltyLogitsProcessor`` does: a negative logit times ``penalty``, any other over it."""
@@ -180,24 +229,26 @@ def apply_repetition_penalty(logits: jax.Array, seen: jax.Array, penalty: float)
 
 
 def process_logits(logits: jax.Array, processing: LogitProcessing, history: TokenHistory | None,
-                   num_out: jax.Array, tokens: jax.Array | None = None, visibility: jax.Array | None = None,
-                   depths: jax.Array | None = None) -> jax.Array:
+                   num_out: jax.Array, tree: Tree | None = None) -> jax.Array:
     """logits [B, T, W] at T places -> the processed logits (float32; unchanged where ``processing`` changes
-    nothing). num_out [B]: tokens each stream has generated, the root's included. Without a tree (tokens,
-    visibility, depths: None), T = 1 and the place is the one after the history; with one, each node's (see the
-    module's docstring)."""
+    nothing). num_out [B]: tokens each stream has generated, the root's included. Without a tree, T = 1 and the
+    place is the one after the history; with one, each node's (see the module's docstring)."""
     if not processing.changes_logits:
         return logits
     b, t, w = logits.shape
-    if tokens is None:
-        if t != 1:
-            raise ValueError(f"without a tree there is one place to process, got {t}")
-        depths = jnp.zeros((b, 1), jnp.int32)
+    if tree is None and t != 1:
+        raise ValueError(f"without a tree there is one place to process, got {t}")
+    depths = jnp.zeros((b, 1), jnp.int32) if tree is None else tree.depths
+    if (processing.penalises or processing.window) and history is None:
+        raise ValueError("the penalties and bad words read the stream's history: a TokenHistory is needed")
     logits = logits.astype(jnp.float32)
     if processing.allowed_token_ids:
         allowed = np.zeros(w, bool)
         allowed[list(processing.allowed_token_ids)] = True
         logits = jnp.where(allowed, logits, -jnp.inf)
+    if processing.bad_words:
+        logits = _ban_bad_words(logits, processing.bad_words,
+                                node_windows(history.recent, tree) if processing.window else None)
     if processing.logit_bias:
         ids, amounts = zip(*processing.logit_bias)
         logits = logits.at[:, :, np.asarray(ids)].add(np.asarray(amounts, np.float32))
@@ -207,10 +258,8 @@ def process_logits(logits: jax.Array, processing: LogitProcessing, history: Toke
         is_eos[list(processing.eos_ids)] = True
         logits = jnp.where(early[:, :, None] & is_eos, -jnp.inf, logits)
     if processing.penalises:
-        if history is None:
-            raise ValueError("the penalties read the stream's history: a TokenHistory is needed")
-        counts = history.out_counts[:, None, :] if tokens is None else node_counts(history.out_counts, tokens,
-                                                                                   visibility, depths)
+        counts = history.out_counts[:, None, :] if tree is None else node_counts(history.out_counts, tree.tokens,
+                                                                                 tree.visibility, tree.depths)
         if processing.repetition_penalty != 1:
             seen = (counts > 0) | history.prompt_seen[:, None, :]
             logits = apply_repetition_penalty(logits, seen, processing.repetition_penalty)
@@ -218,4 +267,19 @@ def process_logits(logits: jax.Array, processing: LogitProcessing, history: Toke
             logits = logits - processing.frequency_penalty * counts.astype(jnp.float32)
         if processing.presence_penalty:
             logits = logits - jnp.where(counts > 0, jnp.float32(processing.presence_penalty), 0.0)
+    return logits
+
+
+def _ban_bad_words(logits, bad_words, windows):
+    """logits [B, T, W] with each bad word's last token at -inf where the place's context ends with the rest of it
+    (windows [B, T, K]: the last K context tokens, the last first; None where every word is one token)."""
+    banned = np.zeros(logits.shape[-1], bool)
+    banned[[word[0] for word in bad_words if len(word) == 1]] = True
+    logits = jnp.where(banned, -jnp.inf, logits)
+    for word in (w for w in bad_words if len(w) > 1):
+        prefix = word[:-1]
+        ends_with_prefix = jnp.ones(windows.shape[:2], bool)
+        for back, token in enumerate(reversed(prefix)):
+            ends_with_prefix &= windows[:, :, back] == token
+        logits = logits.at[:, :, word[-1]].set(jnp.where(ends_with_prefix, -jnp.inf, logits[:, :, word[-1]]))
     return logits

@@ -26,16 +26,20 @@ def is_token_id(value) -> bool:
 def check_stop_sequences(stop_sequences) -> tuple[tuple[int, ...], ...]:
     """Stop sequences as a tuple of non-empty tuples of token ids >= 0 (e.g. ``((13, 13), (42,))``); ValueError
     otherwise (a flat sequence of ids included: give ``((id,),)`` for one single-token stop, or use eos_ids)."""
+    return check_id_sequences(stop_sequences, "stop_sequences")
+
+
+def check_id_sequences(sequences, name: str) -> tuple[tuple[int, ...], ...]:
+    """``name``'s value as a tuple of non-empty tuples of token ids >= 0; ValueError naming it otherwise."""
     example = "e.g. ((13, 13), (42,))"
-    if isinstance(stop_sequences, (str, bytes)) or not isinstance(stop_sequences, (list, tuple)):
-        raise ValueError(f"stop_sequences must be a sequence of token-id sequences ({example}), "
-                         f"got {stop_sequences!r}")
+    if isinstance(sequences, (str, bytes)) or not isinstance(sequences, (list, tuple)):
+        raise ValueError(f"{name} must be a sequence of token-id sequences ({example}), got {sequences!r}")
     checked = []
-    for i, seq in enumerate(stop_sequences):
+    for i, seq in enumerate(sequences):
         if isinstance(seq, (str, bytes)) or not isinstance(seq, (list, tuple)) or not seq:
-            raise ValueError(f"stop_sequences[{i}] must be a non-empty sequence of token ids ({example}), got {seq!r}")
+            raise ValueError(f"{name}[{i}] must be a non-empty sequence of token ids ({example}), got {seq!r}")
         if not all(is_token_id(t) for t in seq):
-            raise ValueError(f"stop_sequences[{i}] must hold token ids >= 0, got {seq!r}")
+            raise ValueError(f"{name}[{i}] must hold token ids >= 0, got {seq!r}")
         checked.append(tuple(int(t) for t in seq))
     return tuple(checked)
 

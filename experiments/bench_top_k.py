@@ -33,7 +33,7 @@ from ddtree_jax import sampling, topk  # noqa: E402
 from ddtree_jax.processors import LogitProcessing, TokenHistory, process_logits  # noqa: E402
 from ddtree_jax.scores import token_scores  # noqa: E402
 from ddtree_jax.stop_strings import advance, build_stop_tables, start_states  # noqa: E402
-from ddtree_jax.tree import build_tree, sample_target_tokens  # noqa: E402
+from ddtree_jax.tree import build_tree, chain_tree, sample_target_tokens  # noqa: E402
 from experiments import bench_util  # noqa: E402
 
 VOCAB, DEPTH, BUDGET = 163840, 7, 32
@@ -195,16 +195,13 @@ def bench_keys(rows, shapes, w, bw):
         per_stream = jax.random.split(jax.random.key(0), b)
         history = TokenHistory(prompt_seen=jnp.asarray(rng.random((b, w)) < 0.01),
                                out_counts=jnp.asarray((rng.random((b, w)) < 0.01) * rng.integers(1, 4, (b, w)),
-                                                      jnp.int32))
+                                                      jnp.int32), recent=None)
         tokens = jnp.asarray(rng.integers(0, w, (b, t)), jnp.int32)
-        chain = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
-        depths = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        chain = chain_tree(tokens[:, 1:], tokens[:, 0])
         num_out = jnp.full((b,), 2, jnp.int32)
 
-        def processed(x, processing, k=per_stream, history=history, tokens=tokens, chain=chain, depths=depths,
-                      num_out=num_out):
-            x = process_logits(x, processing, history, num_out, tokens, chain, depths)
-            return sample_target_tokens(x, 1.0, k)
+        def processed(x, processing, k=per_stream, history=history, chain=chain, num_out=num_out):
+            return sample_target_tokens(process_logits(x, processing, history, num_out, chain), 1.0, k)
 
         fns = {"one key": lambda x: sample_target_tokens(x, 1.0, jax.random.key(0)),
                "key per stream": lambda x, k=per_stream: sample_target_tokens(x, 1.0, k),

@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="added to token ID's logit before sampling, greedy too (repeatable; e.g. 13:-100 bans 13)")
     p.add_argument("--allowed-ids", default=None, metavar="IDS",
                    help="space-separated token ids: only these may be generated, greedy too (default: all)")
+    p.add_argument("--bad-ids", action="append", default=[], metavar="IDS",
+                   help="space-separated token ids (repeatable): the last is never generated right after the others "
+                        "(one id: never), greedy too")
     p.add_argument("--min-new-tokens", type=int, default=0,
                    help="no EOS and no --stop-ids sequence ends a stream within its first N tokens (0: off)")
     p.add_argument("--stop-ids", action="append", default=[],
@@ -151,8 +154,9 @@ def check_args(args) -> None:
     ``--drafter``, ``--num-prompts``); ValueError naming the flag otherwise. Also reads ``--prompts-file``."""
     modes = modes_of(args)
     check_mode_flags(args, modes)
-    for i, text in enumerate(args.stop_ids):
-        parse_ids(text, i, "--stop-ids")
+    for flag, values in (("--stop-ids", args.stop_ids), ("--bad-ids", args.bad_ids)):
+        for i, text in enumerate(values):
+            parse_ids(text, i, flag)
     parse_logit_bias(args.logit_bias)
     if args.allowed_ids is not None:
         parse_ids(args.allowed_ids, 0, "--allowed-ids")
@@ -354,6 +358,7 @@ def engine_config(mode: str, args, eos_ids=()) -> EngineConfig:
                         allowed_token_ids=() if args.allowed_ids is None else parse_ids(args.allowed_ids, 0,
                                                                                         "--allowed-ids"),
                         stop_sequences=tuple(tuple(parse_ids(s, i, "--stop-ids")) for i, s in enumerate(args.stop_ids)),
+                        bad_words=tuple(tuple(parse_ids(s, i, "--bad-ids")) for i, s in enumerate(args.bad_ids)),
                         **budget)
 
 
@@ -367,17 +372,14 @@ def check_fits(args, modes: Sequence[str], prompts, target, drafter, eos_ids=())
         check_top_k(args.top_k, target.cfg.vocab_size)
     except ValueError as e:
         raise ValueError(f"--top-k: {e} (the target's vocabulary)") from None
-    for i, text in enumerate(args.stop_ids):
-        outside = [t for t in parse_ids(text, i, "--stop-ids") if t >= target.cfg.vocab_size]
-        if outside:
-            raise ValueError(f"--stop-ids #{i + 1} holds {outside}, outside the target's vocabulary "
-                             f"[0, {target.cfg.vocab_size})")
+    allowed = [] if args.allowed_ids is None else [args.allowed_ids]
+    for flag, values in (("--stop-ids", args.stop_ids), ("--bad-ids", args.bad_ids), ("--allowed-ids", allowed)):
+        for i, text in enumerate(values):
+            outside = [t for t in parse_ids(text, i, flag) if t >= target.cfg.vocab_size]
+            if outside:
+                raise ValueError(f"{flag} #{i + 1} holds {outside}, outside the target's vocabulary "
+                                 f"[0, {target.cfg.vocab_size})")
     parse_logit_bias(args.logit_bias, target.cfg.vocab_size)
-    if args.allowed_ids is not None:
-        outside = [t for t in parse_ids(args.allowed_ids, 0, "--allowed-ids") if t >= target.cfg.vocab_size]
-        if outside:
-            raise ValueError(f"--allowed-ids holds {outside}, outside the target's vocabulary "
-                             f"[0, {target.cfg.vocab_size})")
     if args.min_new_tokens and not (eos_ids or args.stop_ids or args.stop):
         raise ValueError(f"--min-new-tokens {args.min_new_tokens} holds back EOS ids and stop sequences, and this "
                          "target has no EOS id: give --stop-ids or --stop")

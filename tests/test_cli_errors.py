@@ -70,6 +70,7 @@ RANDOM = ["--target", "random"]
     (["--logit-bias", "3:1", "--logit-bias", "3:2"], "--logit-bias: logit_bias gives token 3 twice"),
     (["--logit-bias", "3:nan"], "--logit-bias: logit_bias[3] must be a finite number"),
     (["--logprobs", "sampled"], "argument --logprobs: invalid choice: 'sampled'"),
+    (["--bad-ids", "1 2", "--bad-ids", "-3"], "--bad-ids #2 must be space-separated token ids >= 0, got '-3'"),
     (["--allowed-ids", "1 x"], "--allowed-ids #1 must be space-separated token ids >= 0, got '1 x'"),
     (["--stop", "\n", "--stop", ""], "--stop: stop_strings[1] must be a non-empty string, got ''"),
 ])
@@ -156,9 +157,14 @@ def test_processing_flags_reach_the_engine_checked_against_the_target():
     run_decode.check_fits(args, run_decode.modes_of(args), [[1]], target, drafter, eos_ids=(7,))
     assert run_decode.engine_config("ar", args, (7,)).allowed_token_ids == (1, 2, 3, 7)
     args.allowed_ids = "1 8"
-    with pytest.raises(ValueError, match=r"--allowed-ids holds \[8\], outside the target's vocabulary \[0, 8\)"):
+    with pytest.raises(ValueError, match=r"--allowed-ids #1 holds \[8\], outside the target's vocabulary \[0, 8\)"):
         run_decode.check_fits(args, run_decode.modes_of(args), [[1]], target, drafter, eos_ids=(7,))
     args.allowed_ids = None
+    args.bad_ids = ["3 4", "9"]
+    with pytest.raises(ValueError, match=r"--bad-ids #2 holds \[9\], outside the target's vocabulary \[0, 8\)"):
+        run_decode.check_fits(args, run_decode.modes_of(args), [[1]], target, drafter, eos_ids=(7,))
+    args.bad_ids = ["3 4", "6"]
+    assert run_decode.engine_config("ar", args, (7,)).bad_words == ((3, 4), (6,))
     args.stop.append("\n\n")
     run_decode.check_fits(args, run_decode.modes_of(args), [[1]], target, drafter)
     assert run_decode.engine_config("ar", args).stop_strings == ("\n\n",)

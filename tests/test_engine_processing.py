@@ -108,6 +108,24 @@ def test_allowed_token_ids_greedy_equals_the_processed_full_forward(models, ar_r
     assert sum(t % 3 != 0 for tokens in ar_reference for t in tokens) >= 20
 
 
+def holds(tokens, word) -> bool:
+    return any(tuple(tokens[i:i + len(word)]) == tuple(word) for i in range(len(tokens) - len(word) + 1))
+
+
+@pytest.mark.parametrize("mode,budget", [("ar", 1), ("dflash", 1), ("ddtree", 64)])
+def test_bad_words_greedy_equals_the_processed_full_forward(models, ar_reference, mode, budget):
+    """``bad_words`` cut from AR's own output (two and three tokens, and (2, 2) against a stream of 2s): greedy
+    decoding equals the processed plain-forward reference token for token, so each tree node read its own context's
+    last tokens, up its path and across the root into the stream's; no output holds a bad word, as AR's did."""
+    target, drafter = models
+    words = ((ar_reference[0][2], ar_reference[0][3]), tuple(ar_reference[3][:3]), (2, 2))
+    want = greedy_with_processing(target, PROMPTS[:8], LogitProcessing(bad_words=words), NEW)
+    ecfg = EngineConfig(mode=mode, budget=budget, max_new_tokens=NEW, capacity=64, bad_words=words)
+    assert Engine(target, drafter if mode != "ar" else None, ecfg).generate(PROMPTS[:8])["tokens"] == want
+    assert not any(holds(tokens, word) for tokens in want for word in words)
+    assert all(holds(ar_reference[i], word) for i, word in zip((0, 3, 2), words))
+
+
 @pytest.mark.parametrize("mode,budget", [("ar", 1), ("dflash", 1), ("ddtree", 32)])
 def test_sampled_streams_never_draw_a_banned_token_or_an_early_eos(models, mode, budget):
     """At temperature 1.5 over 16 prompts with half the vocabulary's ids as EOS: no stream draws an EOS within its
@@ -177,6 +195,10 @@ def test_processing_settings_refused(models):
         EngineConfig(min_new_tokens=2, eos_ids=(1, 3, 5), allowed_token_ids=(3, 1))
     with pytest.raises(ValueError, match=rf"allowed_token_ids \[{VOCAB}\] are outside the vocabulary"):
         Engine(target, drafter, EngineConfig(capacity=64, allowed_token_ids=(1, VOCAB)))
+    with pytest.raises(ValueError, match=rf"bad_words \[\(1, {VOCAB}\)\] hold ids outside the target's vocabulary"):
+        Engine(target, drafter, EngineConfig(capacity=64, bad_words=((1, VOCAB), (2,))))
+    with pytest.raises(ValueError, match=r"bad_words\[0\] must be a non-empty sequence of token ids"):
+        EngineConfig(bad_words=((),))
     with pytest.raises(ValueError, match="logit_bias gives token 3 twice"):
         EngineConfig(logit_bias=[(3, 1.0), (3, 2.0)])
     # the config keeps the bias as sorted pairs, so equal settings hash alike (one compiled program)

@@ -1,10 +1,12 @@
 """Logit processing (``processors``) against transformers' processors and plain walks up each tree node's parents."""
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from transformers.generation.logits_process import (MinNewTokensLengthLogitsProcessor,
+from transformers.generation.logits_process import (MinNewTokensLengthLogitsProcessor, NoBadWordsLogitsProcessor,
                                                     RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor)
 
 from ddtree_jax import processors as pr
@@ -67,7 +69,8 @@ PROCESSINGS = {
     "repetition": pr.LogitProcessing(repetition_penalty=1.7),
     "frequency": pr.LogitProcessing(frequency_penalty=0.6),
     "presence": pr.LogitProcessing(presence_penalty=-0.4),
-    "all": pr.LogitProcessing(allowed_token_ids=tuple(range(1, W, 2)) + (2,), logit_bias=((2, 3.5), (7, 2.0)),
+    "all": pr.LogitProcessing(allowed_token_ids=tuple(range(1, W, 2)) + (2,), bad_words=((3,), (5, 9), (9, 1, 11)),
+                              logit_bias=((2, 3.5), (7, 2.0)),
                               min_new_tokens=6, eos_ids=(1, 7),
                               repetition_penalty=0.8, frequency_penalty=0.3, presence_penalty=0.5),
 }
@@ -80,6 +83,8 @@ def reference_row(row, processing, prompt, output):
     if processing.allowed_token_ids:
         row = np.where(np.isin(np.arange(row.shape[-1]), processing.allowed_token_ids), row, -np.inf)
     scores = torch.from_numpy(np.asarray(row, np.float32)[None].copy())
+    if processing.bad_words:
+        scores = NoBadWordsLogitsProcessor([list(word) for word in processing.bad_words])(ids, scores)
     if processing.logit_bias:
         scores = SequenceBiasLogitsProcessor([[[i], a] for i, a in processing.logit_bias])(ids, scores)
     if processing.min_new_tokens:
@@ -119,8 +124,7 @@ def test_process_logits_at_each_tree_node_is_transformers_over_that_nodes_contex
     tokens, parents = np.asarray(tree.tokens), np.asarray(tree.parents)
     prompts, outputs, history, num_out = random_history(rng, b, tokens[:, 0], processing)
     logits = rng.standard_normal((b, t, W)).astype(np.float32) * 3
-    got = np.asarray(pr.process_logits(jnp.asarray(logits), processing, history, num_out, tree.tokens,
-                                       tree.visibility, tree.depths))
+    got = np.asarray(pr.process_logits(jnp.asarray(logits), processing, history, num_out, tree))
     for s in range(b):
         for node in range(t):
             # the place after the node: its context ends in its path below the root, the node's own token last
@@ -133,16 +137,52 @@ def test_process_logits_at_each_tree_node_is_transformers_over_that_nodes_contex
         assert blocked.any() and not blocked.all()
 
 
+def test_bad_words_ban_where_each_nodes_context_ends_with_the_rest():
+    """Bad words planted from the contexts themselves (inside the tree, spanning the root into the output, reaching
+    the prompt, and one-token ones): every node's row equals transformers' ``NoBadWordsLogitsProcessor`` over that
+    node's context, and each planted word banned its last token somewhere."""
+    rng = np.random.default_rng(21)
+    b, t = 4, 14
+    tree = random_tree(rng, b, t, W, max_depth=5)
+    tokens, parents, depths = (np.asarray(x) for x in (tree.tokens, tree.parents, tree.depths))
+    prompts = [rng.integers(0, W, 4).tolist() for _ in range(b)]
+    outputs = [[int(x) for x in rng.integers(0, W, 2)] + [int(tokens[s, 0])] for s in range(b)]
+    deep = int(np.argmax(depths[0]))  # a path inside the tree
+    below = path_below_root(tokens[0], parents[0], deep)
+    first = [n for n in range(1, t) if depths[1, n] == 1][0]  # spanning the root into the output and the prompt
+    words = ((below[-2], below[-1], 20), (prompts[1][-1], outputs[1][0], outputs[1][1], outputs[1][2],
+                                          int(tokens[1, first]), 21), (22,))
+    processing = pr.LogitProcessing(bad_words=words)
+    width = max(map(len, prompts))
+    history = pr.start_history(processing, jnp.asarray([p + [0] * (width - len(p)) for p in prompts]),
+                               jnp.asarray([len(p) for p in prompts]), W)
+    num_out = jnp.full((b,), 3, jnp.int32)
+    history = pr.extend_history(history, jnp.asarray(outputs, jnp.int32), num_out)
+    logits = rng.standard_normal((b, t, W)).astype(np.float32)
+    got = np.asarray(pr.process_logits(jnp.asarray(logits), processing, history, num_out, tree))
+    for s in range(b):
+        for node in range(t):
+            want = reference_row(logits[s, node], processing, prompts[s],
+                                 outputs[s] + path_below_root(tokens[s], parents[s], node))
+            np.testing.assert_array_equal(got[s, node], want, err_msg=f"stream {s}, node {node}")
+    assert np.isneginf(got[0, deep, 20]) and np.isneginf(got[1, first, 21]) and np.isneginf(got[:, :, 22]).all()
+    assert np.isfinite(got[:, :, 20]).sum() > 0 and np.isfinite(got[:, :, 21]).sum() > 0
+
+
 def test_process_logits_without_a_tree_is_the_place_after_the_history():
-    """T = 1 and no tree: the row after the prompt and output, as the prefill and plain decoding process it."""
-    processing = PROCESSINGS["all"]
+    """T = 1 and no tree: the row after the prompt and output, as the prefill and plain decoding process it; a bad
+    word planted from stream 0's last two context tokens bans its last token there."""
     rng = np.random.default_rng(5)
-    prompts, outputs, history, num_out = random_history(rng, 3, rng.integers(0, W, 3), processing)
+    window_of_two = dataclasses.replace(PROCESSINGS["all"], bad_words=((3,), (0, 0, 0)))  # the history keeps K = 2
+    prompts, outputs, history, num_out = random_history(rng, 3, rng.integers(0, W, 3), window_of_two)
+    context = prompts[0] + outputs[0]
+    processing = dataclasses.replace(window_of_two, bad_words=((3,), (context[-2], context[-1], 13)))
     logits = rng.standard_normal((3, 1, W)).astype(np.float32) * 3
     got = np.asarray(pr.process_logits(jnp.asarray(logits), processing, history, num_out))
     for s in range(3):
         want = reference_row(logits[s, 0], processing, prompts[s], outputs[s])
         np.testing.assert_allclose(got[s, 0], want, rtol=1e-6, atol=1e-6)
+    assert np.isneginf(got[0, 0, 13])
     with pytest.raises(ValueError, match="without a tree there is one place to process, got 2"):
         pr.process_logits(jnp.zeros((3, 2, W)), processing, history, num_out)
 
