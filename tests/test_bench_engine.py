@@ -17,8 +17,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_round_split_reports_device_breakdown(tmp_path):
+    """round_split's phases, each with its kernels and HLO; then no_host_sync's dispatch of 16 rounds on the same
+    engine, under a transfer guard (a section that raises reports an error row instead: none may)."""
     cmd = [sys.executable, os.path.join(ROOT, "experiments", "bench_engine.py"), "--size", "tiny", "--sections",
-           "round_split", "--repeats", "1", "--hlo", "--out", str(tmp_path)]
+           "round_split,no_host_sync", "--repeats", "1", "--hlo", "--out", str(tmp_path)]
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -34,6 +36,9 @@ def test_round_split_reports_device_breakdown(tmp_path):
         assert times == sorted(times, reverse=True), name
         hlo = tmp_path / f"hlo_{name.replace('+', '_')}.txt"
         assert "HloModule" in hlo.read_text(), name
+    assert not [r for r in rows if "error" in r], rows
+    no_sync = [r for r in rows if r.get("bench") == "no_host_sync"]
+    assert len(no_sync) == 1 and no_sync[0]["rounds_in_dispatch"] == 16 and no_sync[0]["ms_per_round"] > 0, no_sync
 
 
 def test_runs_are_parsed_and_bad_ones_refused():
