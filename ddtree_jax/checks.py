@@ -8,6 +8,21 @@ import jax.numpy as jnp
 import numpy as np
 
 
+def is_number(value) -> bool:
+    """A Python or numpy int or float, not a bool."""
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+
+
+def is_integer(value) -> bool:
+    """A Python or numpy int, not a bool."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def is_token_id(value) -> bool:
+    """An integer (``is_integer``) >= 0."""
+    return is_integer(value) and value >= 0
+
+
 def check_int(name: str, values, shape: tuple[int, ...] | None = None) -> None:
     """A ValueError naming ``name`` unless ``values`` has an integer dtype (a float id or position would be
     truncated without a word) and, when ``shape`` is given, that shape. Reads an array's shape and dtype

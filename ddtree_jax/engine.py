@@ -33,18 +33,19 @@ from flax import nnx
 
 from ddtree_jax.cache import CACHE_AXES, LatentCache, commit, init_cache
 from ddtree_jax.decode import pad_prompts
+from ddtree_jax.checks import is_integer, is_number, is_token_id
 from ddtree_jax.drafter import (DFlashDrafter, DraftCache, check_drafter_target, draft_cache_axes, draft_logits,
                                 init_draft_cache)
 from ddtree_jax.model import KimiModel, Runtime, causal_mask
 from ddtree_jax.processors import (LogitProcessing, TokenHistory, check_additive_penalty, check_allowed_token_ids,
                                    check_logit_bias, check_min_new_tokens, check_repetition_penalty, extend_history,
                                    process_logits, start_history)
-from ddtree_jax.sampling import check_min_p, check_top_k, check_top_p, is_number, sampled_logits
+from ddtree_jax.sampling import check_min_p, check_top_k, check_top_p, sampled_logits
 from ddtree_jax.scores import (TokenScores, empty_scores, per_stream_slices, scores_lists,
                                token_scores)
 from ddtree_jax.sharding import named_sharding, shard_state
 from ddtree_jax.stopping import (CACHE_FULL, EOS, MAX_TOKENS, RUNNING, STATUS_NAMES, STOP_SEQUENCE,  # noqa: F401
-                                 STOP_STRING, check_id_sequences, check_stop_sequences, is_token_id, stop_and_emit)
+                                 STOP_STRING, check_id_sequences, check_stop_sequences, stop_and_emit)
 from ddtree_jax.stop_strings import StopTables, advance, build_stop_tables, check_stop_strings, start_states
 from ddtree_jax.tree import PAD, accept_tokens, build_tree, chain_tree, check_budget, sample_target_tokens
 
@@ -84,7 +85,7 @@ class EngineConfig:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         for name in ("budget", "max_new_tokens", "capacity", "rounds_per_dispatch"):
             value = getattr(self, name)
-            if not _is_int(value):
+            if not is_integer(value):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
             object.__setattr__(self, name, int(value))
         if self.mode == "ddtree":
@@ -119,7 +120,7 @@ class EngineConfig:
         if not isinstance(self.logprobs, (bool, np.bool_)):
             raise ValueError(f"logprobs must be True or False, got {self.logprobs!r}")
         object.__setattr__(self, "logprobs", bool(self.logprobs))
-        if not _is_int(self.top_logprobs) or self.top_logprobs < 0:
+        if not is_integer(self.top_logprobs) or self.top_logprobs < 0:
             raise ValueError(f"top_logprobs must be an integer >= 0 (0: none), got {self.top_logprobs!r}")
         if self.top_logprobs and not self.logprobs:
             raise ValueError(f"top_logprobs={self.top_logprobs} is kept beside the log-probabilities: "
@@ -145,10 +146,6 @@ class EngineConfig:
                                presence_penalty=self.presence_penalty)
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
-
-
 def check_temperature(temperature) -> float:
     """The sampling temperature as a float: finite and >= 0 (0: greedy); ValueError otherwise."""
     if not is_number(temperature):
@@ -171,7 +168,7 @@ def check_token_limits(max_new_tokens, streams: int, most: int) -> np.ndarray:
         return np.full((streams,), most, np.int32)
 
     def check_one(value) -> int:
-        if not _is_int(value):
+        if not is_integer(value):
             raise ValueError(f"max_new_tokens must be an integer, got {value!r}")
         if not 1 <= value <= most:
             raise ValueError(f"max_new_tokens must be in [1, {most}] (EngineConfig.max_new_tokens), got {value}")
@@ -212,7 +209,7 @@ would alias 2**32 - 1."""
 
 def check_seed(seed) -> int:
     """The sampling seed as an int in [0, SEED_LIMIT); ValueError otherwise."""
-    if not _is_int(seed):
+    if not is_integer(seed):
         raise ValueError(f"seed must be an integer, got {seed!r}")
     if not 0 <= seed < SEED_LIMIT:
         raise ValueError(f"seed must be in [0, {SEED_LIMIT}) (a 32-bit key), got {seed}")

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax.sampling import is_number
+from ddtree_jax.checks import is_integer, is_number, is_token_id
 from ddtree_jax.tree import PAD, Tree
 
 
@@ -96,7 +96,7 @@ def check_allowed_token_ids(allowed, vocab_size: int | None = None) -> tuple[int
     ValueError otherwise."""
     if isinstance(allowed, (str, bytes)) or not isinstance(allowed, (list, tuple, set, frozenset)):
         raise ValueError(f"allowed_token_ids must be a sequence of token ids (empty: all), got {allowed!r}")
-    bad = [t for t in allowed if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)) or t < 0]
+    bad = [t for t in allowed if not is_token_id(t)]
     if bad:
         raise ValueError(f"allowed_token_ids must be token ids >= 0, got {bad[0]!r}")
     if vocab_size is not None and any(t >= vocab_size for t in allowed):
@@ -106,7 +106,7 @@ def check_allowed_token_ids(allowed, vocab_size: int | None = None) -> tuple[int
 
 
 def check_min_new_tokens(min_new_tokens) -> int:
-    if isinstance(min_new_tokens, (bool, np.bool_)) or not isinstance(min_new_tokens, (int, np.integer)):
+    if not is_integer(min_new_tokens):
         raise ValueError(f"min_new_tokens must be an integer (0: off), got {min_new_tokens!r}")
     if min_new_tokens < 0:
         raise ValueError(f"min_new_tokens must be >= 0 (0: off), got {min_new_tokens}")
@@ -129,7 +129,7 @@ def check_logit_bias(logit_bias, vocab_size: int | None = None) -> tuple[tuple[i
         if not isinstance(pair, (list, tuple)) or len(pair) != 2:
             raise ValueError(f"logit_bias must hold (token id, amount) pairs ({example}), got {pair!r}")
         token, amount = pair
-        if isinstance(token, (bool, np.bool_)) or not isinstance(token, (int, np.integer)) or token < 0:
+        if not is_token_id(token):
             raise ValueError(f"logit_bias's token ids must be integers >= 0, got {token!r}")
         if vocab_size is not None and token >= vocab_size:
             raise ValueError(f"logit_bias's token id {token} is outside the vocabulary [0, {vocab_size})")

@@ -20,25 +20,20 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from ddtree_jax import topk
+from ddtree_jax.checks import is_integer, is_number
 
 
 def check_top_k(top_k, vocab_size: int | None = None) -> int:
     """top_k as an int: 0 (off) or in [1, vocab_size]; ValueError otherwise."""
-    if isinstance(top_k, (bool, np.bool_)) or not isinstance(top_k, (int, np.integer)):
+    if not is_integer(top_k):
         raise ValueError(f"top_k must be an integer (0: off), got {top_k!r}")
     if top_k < 0:
         raise ValueError(f"top_k must be >= 0 (0: off), got {top_k}")
     if vocab_size is not None and top_k > vocab_size:
         raise ValueError(f"top_k must be at most the vocabulary's {vocab_size} tokens (0: off), got {top_k}")
     return int(top_k)
-
-
-def is_number(value) -> bool:
-    """A Python or numpy int or float, not a bool."""
-    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
 
 
 def check_top_p(top_p) -> float:

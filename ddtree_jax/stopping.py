@@ -8,19 +8,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from ddtree_jax.checks import is_token_id
 from ddtree_jax.scores import append_scores
 from ddtree_jax.tree import PAD
 
 RUNNING, EOS, MAX_TOKENS, CACHE_FULL, STOP_SEQUENCE, STOP_STRING = 0, 1, 2, 3, 4, 5
 STATUS_NAMES = {RUNNING: "running", EOS: "eos", MAX_TOKENS: "max_new_tokens", CACHE_FULL: "cache_full",
                 STOP_SEQUENCE: "stop_sequence", STOP_STRING: "stop_string"}
-
-
-def is_token_id(value) -> bool:
-    """An int (Python or numpy, not a bool) >= 0."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)) and value >= 0
 
 
 def check_stop_sequences(stop_sequences) -> tuple[tuple[int, ...], ...]:
