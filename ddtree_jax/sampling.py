@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ddtree_jax import topk
 from ddtree_jax.checks import is_integer, is_number
@@ -62,11 +63,17 @@ SEARCH_FANOUT = 16
 """Thresholds per pass of top-p's "search": 16 cuts the 2^32 float keys to one in 8 passes."""
 
 
-def truncate(scaled: jax.Array, top_k: int = 0, top_p: float = 1.0, top_p_method: str = "auto",
-             min_p: float = 0.0) -> jax.Array:
-    """scaled [..., W] float (logits over the temperature) -> the same with the tokens that top-k, then top-p, then
-    min-p drop set to -inf. ``top_k`` (0: off), ``top_p`` (1: off) and ``min_p`` (0: off) are Python numbers: they
-    pick what is compiled.
+def truncate(scaled: jax.Array, top_k=0, top_p=1.0, top_p_method: str = "auto", min_p=0.0, *,
+             top_k_ceiling: int = 0, top_k_in_every_row: bool = False) -> jax.Array:
+    """scaled [B, ..., W] float (logits over the temperature) -> the same with the tokens that top-k, then top-p,
+    then min-p drop set to -inf. ``top_k`` (0: off), ``top_p`` (1: off) and ``min_p`` (0: off) are each a Python
+    number, which picks what is compiled, or a [B] array (per stream: one value for every row of scaled[b]; may be
+    traced), whose filter is always compiled and keeps every token of a row whose value is the off one.
+
+    A [B] top_k takes ``top_k_ceiling``, a Python int >= every stream's k: the one top-k taken is of that many
+    values. ``top_k_in_every_row``: no stream's k is 0, so top-p's "auto" may rank the K best alone, as it does
+    for a Python top_k. A traced array cannot be checked here: the caller checks its values on the host
+    (``check_top_k``, ``check_top_p``, ``check_min_p``); a concrete one is checked here.
 
     Top-p finds the nucleus's last value ("the edge") by ``top_p_method``: "sort" ranks the row (after top-k: its K
     values, already ranked) and sums the masses in order; "search" needs no sort (``nucleus_edge_by_search``);
@@ -75,53 +82,116 @@ def truncate(scaled: jax.Array, top_k: int = 0, top_p: float = 1.0, top_p_method
 
     Min-p keeps a token where exp(its logit - the row's largest) >= min_p: its probability over the likeliest's,
     which no earlier filter changes."""
-    top_k = check_top_k(top_k, scaled.shape[-1])
-    top_p = check_top_p(top_p)
-    min_p = check_min_p(min_p)
+    shape = scaled.shape
+    vocab = shape[-1]
+    per_stream = {name: isinstance(value, (jax.Array, np.ndarray)) for name, value in
+                  (("top_k", top_k), ("top_p", top_p), ("min_p", min_p))}
+    if any(per_stream.values()) and len(shape) < 2:
+        raise ValueError(f"per-stream filters need logits [B, ..., W], got shape {shape}")
+    if per_stream["top_k"]:
+        top_k_ceiling = check_top_k(top_k_ceiling, vocab)
+        if top_k_ceiling == 0:
+            raise ValueError("a per-stream top_k needs top_k_ceiling >= 1: the most any stream keeps")
+        _check_concrete(top_k, lambda k: _check_under_ceiling(check_top_k(k), top_k_ceiling), "top_k")
+    else:
+        top_k = check_top_k(top_k, vocab)
+        if top_k_ceiling:
+            raise ValueError(f"top_k_ceiling={top_k_ceiling} is for a per-stream top_k; top_k is {top_k}")
+    if per_stream["top_p"]:
+        _check_concrete(top_p, check_top_p, "top_p")
+    else:
+        top_p = check_top_p(top_p)
+    if per_stream["min_p"]:
+        _check_concrete(min_p, check_min_p, "min_p")
+    else:
+        min_p = check_min_p(min_p)
     if top_p_method not in TOP_P_METHODS:
         raise ValueError(f"top_p_method must be one of {TOP_P_METHODS}, got {top_p_method!r}")
-    if top_k == 0 and top_p == 1 and min_p == 0:
+    filters_top_k, filters_top_p = per_stream["top_k"] or top_k > 0, per_stream["top_p"] or top_p < 1
+    if not (filters_top_k or filters_top_p or per_stream["min_p"] or min_p > 0):
         return scaled
-    shape = scaled.shape
-    rows = scaled.reshape(-1, shape[-1])  # [R, W]
+    rows = scaled.reshape(-1, vocab)  # [R, W]
     neg_inf = jnp.array(-jnp.inf, rows.dtype)
-    best = None
-    if top_k:
+
+    def row_values(values, dtype):  # [B] -> [R, 1]: each row its stream's value
+        values = jnp.asarray(values, dtype)
+        if values.shape != shape[:1]:
+            raise ValueError(f"a per-stream filter has one value per stream ({shape[0]}), got shape {values.shape}")
+        return jnp.broadcast_to(values.reshape(shape[:1] + (1,) * (len(shape) - 2)), shape[:-1]).reshape(-1, 1)
+
+    best = None  # the row's K largest values, largest first, -inf past the row's own top-k
+    if per_stream["top_k"]:
+        k = row_values(top_k, jnp.int32)
+        best, _ = topk.top_k(rows, top_k_ceiling)  # [R, K]
+        kth = jnp.take_along_axis(best, jnp.maximum(k, 1) - 1, axis=-1)
+        edge = jnp.where(k > 0, kth, neg_inf)
+        rows = jnp.where(rows >= edge, rows, neg_inf)
+        best = jnp.where(best >= edge, best, neg_inf) if top_k_in_every_row else None
+    elif top_k:
         best, _ = topk.top_k(rows, top_k)  # [R, K], largest first
         rows = jnp.where(rows >= best[:, -1:], rows, neg_inf)
-    if top_p < 1:
+    if filters_top_p:
+        p = row_values(top_p, jnp.float32) if per_stream["top_p"] else top_p
         if top_p_method == "auto":
-            top_p_method = "sort" if top_k or rows.shape[-1] <= SORT_MAX_VALUES else "search"
+            top_p_method = "sort" if best is not None or rows.shape[-1] <= SORT_MAX_VALUES else "search"
         if top_p_method == "sort":
-            edge = nucleus_edge_by_sort(rows, top_p, best)
+            edge = nucleus_edge_by_sort(rows, p, best)
         else:
-            edge = nucleus_edge_by_search(rows, top_p)
+            edge = nucleus_edge_by_search(rows, p)
+        if per_stream["top_p"]:
+            edge = jnp.where(p < 1, edge, neg_inf)  # top_p = 1 keeps every token, whatever the sums' rounding
         rows = jnp.where(rows >= edge, rows, neg_inf)
-    if min_p > 0:
+    if per_stream["min_p"] or min_p > 0:
+        m = row_values(min_p, jnp.float32) if per_stream["min_p"] else min_p
         largest = jnp.max(rows, axis=-1, keepdims=True)
-        rows = jnp.where(jnp.exp(rows - largest) >= min_p, rows, neg_inf)
+        rows = jnp.where(jnp.exp(rows - largest) >= m, rows, neg_inf)
     return rows.reshape(shape)
 
 
-def sampled_logits(logits: jax.Array, temperature, top_k: int = 0, top_p: float = 1.0,
-                   min_p: float = 0.0) -> jax.Array:
+def _is_python_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_under_ceiling(top_k: int, ceiling: int) -> int:
+    if top_k > ceiling:
+        raise ValueError(f"top_k={top_k} passes top_k_ceiling={ceiling}")
+    return top_k
+
+
+def _check_concrete(values, check_one, name: str) -> None:
+    """Checks each of a per-stream filter's values with ``check_one`` where they are known (not traced)."""
+    try:
+        known = np.asarray(values)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return
+    for value in known.reshape(-1).tolist():
+        try:
+            check_one(value)
+        except ValueError as e:
+            raise ValueError(f"per-stream {name}: {e}") from None
+
+
+def sampled_logits(logits: jax.Array, temperature, top_k=0, top_p=1.0, min_p=0.0, **per_stream_top_k) -> jax.Array:
     """logits [B, R, W] -> the logits each row's token is taken from: ``truncate(logits / temperature)`` where the
     stream's temperature (a Python number, or [B] and maybe traced) is > 0, the logits themselves where it is <= 0
-    (greedy: their argmax, which every filter keeps)."""
+    (greedy: their argmax, which every filter keeps). The filters are ``truncate``'s, with its ``top_k_ceiling``
+    and ``top_k_in_every_row`` for a per-stream top_k."""
     logits = logits.astype(jnp.float32)
-    if isinstance(temperature, (int, float)) and not isinstance(temperature, bool):
+    if _is_python_number(temperature):
         if temperature <= 0:
             return logits
-        return truncate(logits / jnp.float32(temperature), top_k, top_p, min_p=min_p)
+        return truncate(logits / jnp.float32(temperature), top_k, top_p, min_p=min_p, **per_stream_top_k)
     temp = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), logits.shape[:1])[:, None, None]
     hot = temp > 0
-    return jnp.where(hot, truncate(logits / jnp.where(hot, temp, 1.0), top_k, top_p, min_p=min_p), logits)
+    return jnp.where(hot, truncate(logits / jnp.where(hot, temp, 1.0), top_k, top_p, min_p=min_p,
+                                   **per_stream_top_k), logits)
 
 
-def nucleus_edge_by_sort(rows: jax.Array, top_p: float, best: jax.Array | None = None) -> jax.Array:
+def nucleus_edge_by_sort(rows: jax.Array, top_p, best: jax.Array | None = None) -> jax.Array:
     """rows [R, W] -> [R, 1]: the value of the last token in the nucleus, the tokens ranked by value whose mass
-    before them (over the whole row) is below top_p. ``best``: the row's largest values in order, if known (top-k's
-    K: the tokens past them, ties of the K-th included, are never before a kept one); else the row is sorted."""
+    before them (over the whole row) is below top_p (a float, or [R, 1]: each row's). ``best``: the row's largest
+    values in order, if known (top-k's K: the tokens past them, ties of the K-th included, are never before a kept
+    one); else the row is sorted."""
     if best is None:
         best = -jnp.sort(-rows, axis=-1)  # [R, W], largest first
     probs = jnp.exp(best - jax.nn.logsumexp(rows, axis=-1, keepdims=True))
@@ -130,7 +200,7 @@ def nucleus_edge_by_sort(rows: jax.Array, top_p: float, best: jax.Array | None =
     return jnp.take_along_axis(best, n_kept - 1, axis=-1)
 
 
-def nucleus_edge_by_search(rows: jax.Array, top_p: float, fanout: int = SEARCH_FANOUT) -> jax.Array:
+def nucleus_edge_by_search(rows: jax.Array, top_p, fanout: int = SEARCH_FANOUT) -> jax.Array:
     """``nucleus_edge_by_sort`` without a sort: rows [R, W] -> [R, 1], in ``search_passes(fanout)`` passes over
     the row, unrolled (a device loop would cost a host round trip a pass on a GPU).
 

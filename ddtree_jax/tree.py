@@ -454,8 +454,8 @@ def accept_greedy(tree: Tree, target_logits) -> Acceptance:
     return accept_tokens(tree, jnp.argmax(logits, axis=-1).astype(jnp.int32))
 
 
-def sample_target_tokens(target_logits, temperature, key, top_k: int = 0, top_p: float = 1.0,
-                         min_p: float = 0.0) -> jax.Array:
+def sample_target_tokens(target_logits, temperature, key, top_k=0, top_p=1.0, min_p=0.0,
+                         **per_stream_top_k) -> jax.Array:
     """One independent target token per node: [B, T, W] logits -> [B, T] int32.
 
     ``temperature``: scalar or [B] (per stream), may be traced. Where it is > 0 the token is a
@@ -464,8 +464,9 @@ def sample_target_tokens(target_logits, temperature, key, top_k: int = 0, top_p:
     computes both, and the sample's B*T*W random draws cost far more than the argmax. A traced value
     cannot be checked under jit: NaN acts as greedy and +inf samples uniformly (callers validate on the
     host, e.g. ``engine.check_temperature``).
-    ``top_k`` (0: off), ``top_p`` (1: off), ``min_p`` (0: off): Python numbers, the filters of
-    ``sampling.truncate`` (the sample only; the argmax always survives them).
+    ``top_k`` (0: off), ``top_p`` (1: off), ``min_p`` (0: off): the filters of ``sampling.truncate`` (the sample
+    only; the argmax always survives them), each a Python number or one per stream ([B], with truncate's
+    ``top_k_ceiling`` and ``top_k_in_every_row`` for top_k).
     ``key``: a jax PRNG key, or one per stream ([B] typed keys: stream b's T draws come from keys[b] alone, so
     they do not depend on the batch around it); the B*T draws are independent (the same draws either way).
     """
@@ -475,13 +476,14 @@ def sample_target_tokens(target_logits, temperature, key, top_k: int = 0, top_p:
             raise ValueError(f"temperature must be finite (<= 0: greedy), got {temperature}")
         if temperature <= 0:
             return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        scaled = truncate(logits / jnp.float32(temperature), top_k, top_p, min_p=min_p)
+        scaled = truncate(logits / jnp.float32(temperature), top_k, top_p, min_p=min_p, **per_stream_top_k)
         return _categorical(key, scaled).astype(jnp.int32)
     b = logits.shape[0]
     temp = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (b,))
     hot = temp > 0
     safe = jnp.where(hot, temp, 1.0)
-    sampled = _categorical(key, truncate(logits / safe[:, None, None], top_k, top_p, min_p=min_p))
+    sampled = _categorical(key, truncate(logits / safe[:, None, None], top_k, top_p, min_p=min_p,
+                                         **per_stream_top_k))
     greedy = jnp.argmax(logits, axis=-1)
     return jnp.where(hot[:, None], sampled, greedy).astype(jnp.int32)
 

@@ -188,3 +188,71 @@ def test_sampled_logits_are_what_each_row_is_taken_from(temperature):
             else:
                 want = np.asarray(jax.nn.log_softmax(logits[b, r]))
             np.testing.assert_allclose(got[b, r], want, rtol=1e-5, atol=1e-5)
+
+
+STREAM_FILTERS = [(0, 1.0, 0.0), (3, 1.0, 0.0), (0, 0.6, 0.0), (0, 1.0, 0.2), (7, 0.8, 0.05), (1, 0.5, 0.0)]
+
+
+@pytest.mark.parametrize("vocab", [96, 9000])
+@pytest.mark.parametrize("method", ["auto", "sort", "search"])
+@pytest.mark.parametrize("streams", [[0, 1, 2, 3, 4, 5], [1, 4, 5], [2, 3]])
+def test_per_stream_filters_equal_each_streams_own(streams, method, vocab):
+    """[B] top_k / top_p / min_p (traced under jit) give every stream's rows exactly what that stream's Python
+    numbers give them, off values included; at 9000 tokens "auto" searches the nucleus unless every stream has a
+    top_k (then it ranks the K best)."""
+    settings = [STREAM_FILTERS[s] for s in streams]
+    rng = np.random.default_rng([vocab, len(streams)])
+    logits = jnp.asarray(rng.normal(size=(len(streams), 3, vocab)) * rng.uniform(0.5, 3, size=(len(streams), 1, 1)),
+                         jnp.float32)
+    top_k, top_p, min_p = (np.asarray(column) for column in zip(*settings))
+    every_row = bool((top_k > 0).all())
+
+    @jax.jit
+    def per_stream(logits, top_k, top_p, min_p):
+        return sampling.truncate(logits, top_k, top_p, method, min_p, top_k_ceiling=8, top_k_in_every_row=every_row)
+
+    got = np.asarray(per_stream(logits, jnp.asarray(top_k, jnp.int32), jnp.asarray(top_p, jnp.float32),
+                                jnp.asarray(min_p, jnp.float32)))
+    for b, (k, p, m) in enumerate(settings):
+        want = np.asarray(sampling.truncate(logits[b], k, p, method, m))
+        np.testing.assert_array_equal(got[b], want, err_msg=f"stream {b}: top_k={k}, top_p={p}, min_p={m}")
+
+
+def test_per_stream_sampling_follows_each_streams_filters():
+    """sample_target_tokens and sampled_logits with [B] filters and temperatures: each stream's draws and rows are
+    its own settings'."""
+    rng = np.random.default_rng(11)
+    logits = jnp.asarray(rng.normal(size=(3, 2, 10)) * 2, jnp.float32)
+    temps, top_k, top_p, min_p = [0.9, 0.0, 1.2], [3, 0, 0], [1.0, 0.5, 0.7], [0.0, 0.0, 0.1]
+    filters = dict(top_k=jnp.asarray(top_k), top_p=jnp.asarray(top_p), min_p=jnp.asarray(min_p), top_k_ceiling=4)
+    n = 20_000
+    keys = jax.random.split(jax.random.key(3), n)
+    draw = jax.jit(jax.vmap(lambda key: tr.sample_target_tokens(logits, jnp.asarray(temps), key, **filters)))
+    samples = np.asarray(draw(keys))  # [n, B, T]
+    rows = np.asarray(jax.nn.log_softmax(sampling.sampled_logits(logits, jnp.asarray(temps), **filters), axis=-1))
+    for b in range(3):
+        for t in range(2):
+            if temps[b] == 0:
+                assert (samples[:, b, t] == int(np.argmax(logits[b, t]))).all()
+                continue
+            want = truncated_probs(np.asarray(logits[b, t]), temps[b], top_k[b], top_p[b], min_p[b])
+            freq = np.bincount(samples[:, b, t], minlength=10) / n
+            assert (freq[want == 0] == 0).all(), (b, t)
+            assert (np.abs(freq - want) <= 5 * np.sqrt(want * (1 - want) / n) + 1e-12).all(), (b, t, freq, want)
+            np.testing.assert_allclose(np.exp(rows[b, t]), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(top_k=np.array([2, 0])), "a per-stream top_k needs top_k_ceiling >= 1"),
+    (dict(top_k=np.array([2, 5]), top_k_ceiling=4), r"per-stream top_k: top_k=5 passes top_k_ceiling=4"),
+    (dict(top_k=np.array([2, -1]), top_k_ceiling=4), r"per-stream top_k: top_k must be >= 0"),
+    (dict(top_k=3, top_k_ceiling=4), "top_k_ceiling=4 is for a per-stream top_k"),
+    (dict(top_p=np.array([0.5, 0.0])), "per-stream top_p: top_p must be in"),
+    (dict(min_p=np.array([0.5, np.nan])), "per-stream min_p: min_p must be in"),
+    (dict(top_p=np.array([0.5, 0.9, 1.0])), r"one value per stream \(2\), got shape \(3,\)"),
+])
+def test_bad_per_stream_filters_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        sampling.truncate(jnp.zeros((2, 3, 30)), **kwargs)
+    with pytest.raises(ValueError, match="per-stream filters need logits"):
+        sampling.truncate(jnp.zeros((30,)), top_p=np.array([0.5]))
