@@ -33,14 +33,17 @@ from flax import nnx
 
 from ddtree_jax.cache import CACHE_AXES, LatentCache, commit, init_cache
 from ddtree_jax.decode import pad_prompts
-from ddtree_jax.checks import is_integer, is_number, is_token_id
+from ddtree_jax.checks import is_integer, is_token_id
 from ddtree_jax.drafter import (DFlashDrafter, DraftCache, check_drafter_target, draft_cache_axes, draft_logits,
                                 init_draft_cache)
 from ddtree_jax.model import KimiModel, Runtime, causal_mask
 from ddtree_jax.processors import (LogitProcessing, TokenHistory, check_additive_penalty, check_allowed_token_ids,
                                    check_logit_bias, check_min_new_tokens, check_repetition_penalty, extend_history,
-                                   process_logits, start_history)
+                                   process_logits, processing_for, start_history)
 from ddtree_jax.sampling import check_min_p, check_top_k, check_top_p, sampled_logits
+from ddtree_jax.stream_settings import (NUMBERS, SEED_LIMIT, StreamSettings, Switches, check_seed,  # noqa: F401
+                                        check_settings, check_temperature, check_temperatures, check_token_limits,
+                                        stream_keys, switches_of, uniform_settings)
 from ddtree_jax.scores import (TokenScores, empty_scores, per_stream_slices, scores_lists,
                                token_scores)
 from ddtree_jax.sharding import named_sharding, shard_state
@@ -65,6 +68,8 @@ class EngineConfig:
     eos_ids: tuple[int, ...] = ()
     stop_sequences: tuple[tuple[int, ...], ...] = ()  # a stream stops after generating any of these in a row
     stop_strings: tuple[str, ...] = ()  # or once its generated text holds one (``stop_strings``; needs a tokenizer)
+    # top_k, top_p, min_p, min_new_tokens and the three penalties are every stream's unless ``prefill`` (``stream``,
+    # ``generate``) gives its own: one for every stream, or one per stream (``stream_settings``).
     top_k: int = 0  # sampling keeps the top_k likeliest tokens (0: all); greedy decoding ignores it
     top_p: float = 1.0  # then the fewest likeliest whose mass reaches top_p (1: all); ``sampling.truncate``
     min_p: float = 0.0  # then those at least min_p times as likely as the likeliest (0: all)
@@ -106,14 +111,7 @@ class EngineConfig:
         object.__setattr__(self, "bad_words", check_id_sequences(self.bad_words, "bad_words"))
         object.__setattr__(self, "logit_bias", check_logit_bias(self.logit_bias))
         object.__setattr__(self, "min_new_tokens", check_min_new_tokens(self.min_new_tokens))
-        if self.min_new_tokens > self.max_new_tokens:
-            raise ValueError(f"min_new_tokens={self.min_new_tokens} passes max_new_tokens={self.max_new_tokens}")
-        if self.min_new_tokens and self.allowed_token_ids and set(self.allowed_token_ids) <= set(self.eos_ids):
-            raise ValueError(f"min_new_tokens={self.min_new_tokens} holds back every allowed token "
-                             f"{list(self.allowed_token_ids)}: they are all EOS ids")
-        if self.min_new_tokens and not (self.eos_ids or self.stop_sequences or self.stop_strings):
-            raise ValueError(f"min_new_tokens={self.min_new_tokens} holds back EOS ids and stop sequences: "
-                             "give eos_ids, stop_sequences or stop_strings")
+        self.check_min_new_tokens(self.min_new_tokens, self.max_new_tokens)
         object.__setattr__(self, "repetition_penalty", check_repetition_penalty(self.repetition_penalty))
         for name in ("frequency_penalty", "presence_penalty"):
             object.__setattr__(self, name, check_additive_penalty(name, getattr(self, name)))
@@ -137,98 +135,32 @@ class EngineConfig:
         """The log-probabilities kept: None, or ``logprobs_mode``."""
         return self.logprobs_mode if self.logprobs else None
 
+    def check_min_new_tokens(self, min_new_tokens: int, limit: int) -> None:
+        """ValueError where a stream's min_new_tokens cannot hold: past its token limit, with nothing it holds back,
+        or holding back every allowed token."""
+        if min_new_tokens > limit:
+            raise ValueError(f"min_new_tokens={min_new_tokens} passes max_new_tokens={limit}")
+        if min_new_tokens and self.allowed_token_ids and set(self.allowed_token_ids) <= set(self.eos_ids):
+            raise ValueError(f"min_new_tokens={min_new_tokens} holds back every allowed token "
+                             f"{list(self.allowed_token_ids)}: they are all EOS ids")
+        if min_new_tokens and not (self.eos_ids or self.stop_sequences or self.stop_strings):
+            raise ValueError(f"min_new_tokens={min_new_tokens} holds back EOS ids and stop sequences: "
+                             "give eos_ids, stop_sequences or stop_strings")
+
+    @property
+    def settings(self) -> dict:
+        """The config's numbers for the streams not given their own (``stream_settings.NUMBERS``)."""
+        return {name: getattr(self, name) for name in NUMBERS}
+
+    def processing_of(self, settings: StreamSettings) -> LogitProcessing:
+        """The LogitProcessing of a batch with these host settings (numpy)."""
+        return processing_for(settings, allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
+                              logit_bias=self.logit_bias, eos_ids=self.eos_ids)
+
     @property
     def processing(self) -> LogitProcessing:
-        return LogitProcessing(allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
-                               logit_bias=self.logit_bias,
-                               min_new_tokens=self.min_new_tokens, eos_ids=self.eos_ids,
-                               repetition_penalty=self.repetition_penalty, frequency_penalty=self.frequency_penalty,
-                               presence_penalty=self.presence_penalty)
-
-
-def check_temperature(temperature) -> float:
-    """The sampling temperature as a float: finite and >= 0 (0: greedy); ValueError otherwise."""
-    if not is_number(temperature):
-        raise ValueError(f"temperature must be a number, got {temperature!r}")
-    if not np.isfinite(temperature) or temperature < 0:
-        raise ValueError(f"temperature must be finite and >= 0 (0: greedy), got {temperature}")
-    return float(temperature)
-
-
-def check_temperatures(temperature, streams: int) -> np.ndarray:
-    """Each stream's sampling temperature, float32 [streams]: ``temperature`` is one number for every stream or a
-    sequence of one per stream, each finite and >= 0 (0: that stream decodes greedily); ValueError otherwise."""
-    return np.asarray(_per_stream(temperature, streams, "temperature", "one number", check_temperature), np.float32)
-
-
-def check_token_limits(max_new_tokens, streams: int, most: int) -> np.ndarray:
-    """Each stream's token limit, int32 [streams]: ``max_new_tokens`` is None (``most``, the config's), one
-    integer for every stream or a sequence of one per stream, each in [1, most]; ValueError otherwise."""
-    if max_new_tokens is None:
-        return np.full((streams,), most, np.int32)
-
-    def check_one(value) -> int:
-        if not is_integer(value):
-            raise ValueError(f"max_new_tokens must be an integer, got {value!r}")
-        if not 1 <= value <= most:
-            raise ValueError(f"max_new_tokens must be in [1, {most}] (EngineConfig.max_new_tokens), got {value}")
-        return int(value)
-
-    return np.asarray(_per_stream(max_new_tokens, streams, "max_new_tokens", "one integer", check_one), np.int32)
-
-
-def _per_stream(value, streams: int, name: str, one: str, check_one) -> list:
-    """``value`` (one for every stream, or a sequence of one per stream) as a list of ``streams`` values, each
-    passed through ``check_one``; a ValueError names the stream whose value it refuses."""
-    try:
-        ndim = np.ndim(value)
-    except ValueError:  # a ragged nesting
-        ndim = -1
-    if ndim == 0:
-        return [check_one(_as_python(value))] * streams
-    if ndim != 1 or len(value) != streams:
-        raise ValueError(f"{name} must be {one} or a sequence of one per stream ({streams}), got {value!r}")
-    checked = []
-    for i, item in enumerate(np.asarray(value) if hasattr(value, "__array__") else value):
-        try:
-            checked.append(check_one(_as_python(item)))
-        except ValueError as e:
-            raise ValueError(f"stream {i}'s {e}") from None
-    return checked
-
-
-def _as_python(value):
-    """A numpy or JAX scalar as the Python number it holds (its type checked as that); anything else as given."""
-    return np.asarray(value).item() if isinstance(value, (np.generic, jax.Array)) else value
-
-
-SEED_LIMIT = 2**32
-"""Seeds are ints in [0, SEED_LIMIT): ``jax.random.key`` keeps 32 bits without x64, so 2**32 would alias 0 and -1
-would alias 2**32 - 1."""
-
-
-def check_seed(seed) -> int:
-    """The sampling seed as an int in [0, SEED_LIMIT); ValueError otherwise."""
-    if not is_integer(seed):
-        raise ValueError(f"seed must be an integer, got {seed!r}")
-    if not 0 <= seed < SEED_LIMIT:
-        raise ValueError(f"seed must be in [0, {SEED_LIMIT}) (a 32-bit key), got {seed}")
-    return int(seed)
-
-
-def stream_keys(seed, streams: int) -> jax.Array:
-    """Each stream's PRNG key, [streams] typed keys: ``seed`` is one seed for the batch (stream b's key is its key
-    folded with b) or a sequence of one per stream (stream b's key is its own seed's folded with 0, so its draws do
-    not depend on the batch around it, and one stream draws alike under ``s`` and ``[s]``); each in
-    [0, SEED_LIMIT) (``check_seed``); ValueError otherwise."""
-    seeds = _per_stream(seed, streams, "seed", "one integer", check_seed)
-    one = np.ndim(seed) == 0
-    return _fold_keys(np.asarray(seeds, np.uint32), np.arange(streams) if one else np.zeros(streams, np.int32))
-
-
-@jax.jit
-def _fold_keys(seeds, folds):
-    return jax.vmap(lambda seed, fold: jax.random.fold_in(jax.random.key(seed), fold))(seeds, folds)
+        """The LogitProcessing of a batch with the config's own numbers."""
+        return self.processing_of(uniform_settings(1, **self.settings))
 
 
 @jax.tree_util.register_dataclass
@@ -247,12 +179,16 @@ class DecodeState:
     num_out: jax.Array  # [B] int32
     limit: jax.Array  # [B] int32: the stream's token limit (at most EngineConfig.max_new_tokens, N)
     temperature: jax.Array  # [B] float32: the stream's sampling temperature (0: greedy)
+    settings: StreamSettings  # [B] each: the stream's filters, penalties and min_new_tokens
     history: TokenHistory | None  # what the penalties read of the prompt and the output; None: no penalty
     stop_states: jax.Array | None  # [B, S] int32: each stop string's automaton state (``stop_strings``); else None
     status: jax.Array  # [B] int32 (RUNNING / EOS / MAX_TOKENS / CACHE_FULL / STOP_SEQUENCE)
     rounds: jax.Array  # [B] int32: rounds in which the stream was active
     tau_hist: jax.Array  # [B, D+2] int32: histogram of tokens emitted per round
     key: jax.Array  # [B] typed keys: each stream's own (``stream_keys``)
+    # Static (part of the programs' key), read from the batch's settings by the prefill:
+    switches: Switches = dataclasses.field(default=Switches(), metadata=dict(static=True))
+    processing: LogitProcessing = dataclasses.field(default=LogitProcessing(), metadata=dict(static=True))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -308,10 +244,13 @@ class Engine:
     programs compiled take no random draws; otherwise one program serves every temperature. ``seed``: one for the
     batch, or one per stream, whose draws then do not depend on the batch it is in (``stream_keys``).
     ``max_new_tokens``: the config's (None), or a smaller limit for every stream or for each
-    (``check_token_limits``); the same programs serve any limits. ``EngineConfig(logprobs=True, top_logprobs=n)``
-    also keeps each emitted token's log-probability under the target and its n likeliest tokens (``scores``), from
-    the rows the forwards computed. The config's logit bias, min_new_tokens and penalties process every place's
-    logits before the temperature and the filters (``processors``), each tree node's over its own context.
+    (``check_token_limits``); the same programs serve any limits. ``top_k``, ``top_p``, ``min_p``, the three
+    penalties and ``min_new_tokens`` (keywords): the config's (None), or one for every stream or one per stream
+    (``stream_settings``); one program serves any values, and a filter or penalty no stream uses is not compiled.
+    ``EngineConfig(logprobs=True, top_logprobs=n)`` also keeps each emitted token's log-probability under the target
+    and its n likeliest tokens (``scores``), from the rows the forwards computed. The token sets (allowed ids, bad
+    words, logit bias), min_new_tokens and the penalties process every place's logits before the temperature and
+    the filters (``processors``), each tree node's over its own context.
     ``tokenizer``: needed for the config's ``stop_strings`` (its ``token_bytes``), whose tables are built here.
     """
 
@@ -365,11 +304,24 @@ class Engine:
         self.taps = tuple(self.dcfg.target_layer_ids) if self.dcfg and ecfg.mode != "ar" else ()
 
     # ------------------------------------------------------------------ prefill
-    def prefill(self, prompts: Sequence[Sequence[int]], temperature=0.0, seed=0,
-                max_new_tokens=None) -> DecodeState:
+    def prefill(self, prompts: Sequence[Sequence[int]], temperature=0.0, seed=0, max_new_tokens=None, *,
+                top_k=None, top_p=None, min_p=None, repetition_penalty=None, frequency_penalty=None,
+                presence_penalty=None, min_new_tokens=None) -> DecodeState:
+        """The prompts' prefill and each stream's first token. From ``top_k`` on: one value for every stream or a
+        sequence of one per stream (None: the config's), fixed in the state for every round after it."""
         ecfg = self.ecfg
         temperature, keys = check_temperatures(temperature, len(prompts)), stream_keys(seed, len(prompts))
         limits = check_token_limits(max_new_tokens, len(prompts), ecfg.max_new_tokens)
+        given = dict(top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
+                     frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
+                     min_new_tokens=min_new_tokens)
+        settings = check_settings(len(prompts), given, ecfg.settings, self._setting_checks)
+        for i, (least, limit) in enumerate(zip(settings.min_new_tokens.tolist(), limits.tolist())):
+            try:
+                ecfg.check_min_new_tokens(least, limit)
+            except ValueError as e:
+                raise ValueError(f"stream {i}'s {e}") from None
+        switches = switches_of(temperature, settings, self.cfg.vocab_size)
         tokens, lengths = pad_prompts(prompts, vocab_size=self.cfg.vocab_size, capacity=ecfg.capacity,
                                       reserve=self.depth + 1)
         b = len(prompts)
@@ -379,12 +331,19 @@ class Engine:
         cache, draft_cache = place_caches(cache, draft_cache, self.runtime)
         return _prefill(self.target_def, self.target_state, self.drafter_def, self.drafter_state, cache, draft_cache,
                         jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(temperature), keys,
-                        jnp.asarray(limits), self.stop_tables,
+                        jnp.asarray(limits), jax.tree.map(jnp.asarray, settings), self.stop_tables,
                         max_new_tokens=ecfg.max_new_tokens, eos_ids=ecfg.eos_ids, runtime=self.runtime,
-                        taps=self.taps, depth=self.depth, greedy=not temperature.any(), top_k=ecfg.top_k,
-                        top_p=ecfg.top_p, min_p=ecfg.min_p, logprobs=ecfg.kept_logprobs,
+                        taps=self.taps, depth=self.depth, switches=switches, logprobs=ecfg.kept_logprobs,
                         top_logprobs=ecfg.top_logprobs, stop_sequences=ecfg.stop_sequences,
-                        min_new_tokens=ecfg.min_new_tokens, processing=ecfg.processing)
+                        processing=ecfg.processing_of(settings))
+
+    @functools.cached_property
+    def _setting_checks(self) -> dict:
+        return {"top_k": functools.partial(check_top_k, vocab_size=self.cfg.vocab_size), "top_p": check_top_p,
+                "min_p": check_min_p, "repetition_penalty": check_repetition_penalty,
+                "frequency_penalty": functools.partial(check_additive_penalty, "frequency_penalty"),
+                "presence_penalty": functools.partial(check_additive_penalty, "presence_penalty"),
+                "min_new_tokens": check_min_new_tokens}
 
     def run(self, state: DecodeState) -> DecodeState:
         """Dispatches rounds (``rounds_per_dispatch`` per call) until every stream has stopped, each stream at the
@@ -397,23 +356,22 @@ class Engine:
         """Yields the state after each dispatch (each one donates the state before it): the first whatever the
         streams' status (a round loop whose streams have all stopped runs no round; ``run_decode.warm_up`` compiles
         it so), the next ones while any stream runs."""
-        greedy = not np.asarray(state.temperature).any()
         while True:
             state = _run_rounds(self.target_def, self.target_state, self.drafter_def, self.drafter_state, state,
                                 self.stop_tables, ecfg=self.ecfg, runtime=self.runtime, taps=self.taps,
-                                depth=self.depth, greedy=greedy)
+                                depth=self.depth)
             yield state
             if not _any_running(state):
                 return
 
-    def stream(self, prompts: Sequence[Sequence[int]], temperature=0.0, seed=0,
-               max_new_tokens=None) -> Iterator[StreamUpdate]:
+    def stream(self, prompts: Sequence[Sequence[int]], temperature=0.0, seed=0, max_new_tokens=None,
+               **settings) -> Iterator[StreamUpdate]:
         """``generate``'s decoding, reported as it goes: an iterator of StreamUpdates, one after the prefill (each
         stream's first token) and one after every dispatch of ``rounds_per_dispatch`` rounds (the config's
         granularity: 1 reports every round), until every stream has stopped. Joined over the updates, each
         stream's ``new_tokens`` are ``generate``'s tokens for the same prompts, temperature and seed. The inputs
         are checked and the prompts prefilled in this call, not at the first ``next``."""
-        state = self.prefill(prompts, temperature, seed, max_new_tokens)
+        state = self.prefill(prompts, temperature, seed, max_new_tokens, **settings)
         return self._updates(state)
 
     def _updates(self, state: DecodeState) -> Iterator[StreamUpdate]:
@@ -432,11 +390,12 @@ class Engine:
             for state in self._dispatches(state):
                 yield update(state)
 
-    def generate(self, prompts: Sequence[Sequence[int]], temperature=0.0, seed=0,
-                 max_new_tokens=None) -> dict:
-        """Returns per-stream tokens, statuses and metrics (compile time is separate from run time)."""
+    def generate(self, prompts: Sequence[Sequence[int]], temperature=0.0, seed=0, max_new_tokens=None,
+                 **settings) -> dict:
+        """Returns per-stream tokens, statuses and metrics (compile time is separate from run time). ``settings``:
+        ``prefill``'s per-stream numbers (top_k, top_p, min_p, the penalties, min_new_tokens)."""
         t0 = time.perf_counter()
-        state = self.prefill(prompts, temperature, seed, max_new_tokens)
+        state = self.prefill(prompts, temperature, seed, max_new_tokens, **settings)
         jax.block_until_ready(state.bonus)
         t1 = time.perf_counter()
         state = self.run(state)
@@ -490,19 +449,19 @@ def _static_if_greedy(temperature, greedy: bool):
 
 
 @functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "max_new_tokens", "eos_ids", "runtime",
-                                             "taps", "depth", "greedy", "top_k", "top_p", "min_p", "logprobs",
-                                             "top_logprobs", "stop_sequences", "min_new_tokens", "processing"),
+                                             "taps", "depth", "switches", "logprobs", "top_logprobs", "stop_sequences",
+                                             "processing"),
                    donate_argnames=("cache", "draft_cache"))
 def _prefill(target_def, target_state, drafter_def, drafter_state, cache, draft_cache, tokens, lengths, temperature,
-             key, limits, stop_tables, *, max_new_tokens: int, eos_ids: tuple[int, ...], runtime: Runtime,
-             taps: tuple[int, ...], depth: int, greedy: bool, top_k: int, top_p: float, min_p: float,
-             logprobs: str | None, top_logprobs: int, stop_sequences: tuple[tuple[int, ...], ...], min_new_tokens: int,
-             processing: LogitProcessing) -> DecodeState:
+             key, limits, settings, stop_tables, *, max_new_tokens: int, eos_ids: tuple[int, ...], runtime: Runtime,
+             taps: tuple[int, ...], depth: int, switches: Switches, logprobs: str | None, top_logprobs: int,
+             stop_sequences: tuple[tuple[int, ...], ...], processing: LogitProcessing) -> DecodeState:
     # logprobs: the scores kept (EngineConfig.kept_logprobs: None, "raw" or "processed").
     # Keyed on its static arguments, not on the EngineConfig: mode and budget enter only through depth
     # (= tree_depth, the shapes of ctx_taps / tau_hist), taps and drafter_def, so engines that agree on
     # those (e.g. dflash and ddtree with budget >= Dp) and on the other static arguments share one program.
-    temperatures, temperature = temperature, _static_if_greedy(temperature, greedy)
+    temperatures, temperature = temperature, _static_if_greedy(temperature, switches.greedy)
+    filters = switches.filters(settings)
     target = nnx.merge(target_def, target_state)
     cfg = target.cfg
     b, p = tokens.shape
@@ -512,8 +471,8 @@ def _prefill(target_def, target_state, drafter_def, drafter_state, cache, draft_
     last = jnp.take_along_axis(out.logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
     key, sub = _split_per_stream(key)
     history = start_history(processing, tokens, lengths, cfg.vocab_size)
-    processed = process_logits(last[:, None], processing, history, jnp.zeros((b,), jnp.int32))  # [B, 1, W]
-    bonus = sample_target_tokens(processed, temperature, sub, top_k, top_p, min_p)[:, 0]
+    processed = process_logits(last[:, None], processing, settings, history, jnp.zeros((b,), jnp.int32))  # [B, 1, W]
+    bonus = sample_target_tokens(processed, temperature, sub, **filters)[:, 0]
     history = extend_history(history, bonus[:, None], jnp.ones((b,), jnp.int32))
     dm = cfg.hidden_size
     if draft_cache is not None:
@@ -527,17 +486,16 @@ def _prefill(target_def, target_state, drafter_def, drafter_state, cache, draft_
         out_tokens=jnp.full((b, max_new_tokens), PAD, jnp.int32),
         out_scores=empty_scores(b, max_new_tokens, top_logprobs) if logprobs else None,
         num_out=jnp.zeros((b,), jnp.int32), limit=limits,
-        temperature=temperatures, history=history, stop_states=start_states(stop_tables, b),
+        temperature=temperatures, settings=settings, history=history, stop_states=start_states(stop_tables, b),
         status=jnp.full((b,), RUNNING, jnp.int32), rounds=jnp.zeros((b,), jnp.int32),
-        tau_hist=jnp.zeros((b, depth + 2), jnp.int32), key=key,
+        tau_hist=jnp.zeros((b, depth + 2), jnp.int32), key=key, switches=switches, processing=processing,
     )
-    bonus_scores = _scores_of(last[:, None], processed, bonus[:, None], temperature, logprobs, top_logprobs, top_k,
-                              top_p, min_p)
+    bonus_scores = _scores_of(last[:, None], processed, bonus[:, None], temperature, logprobs, top_logprobs, filters)
     string_ends, stop_states = _advance_stop_strings(stop_tables, state.stop_states, bonus[:, None],
                                                      jnp.ones((b,), jnp.int32))
     out_tokens, out_scores, num_out, status = stop_and_emit(state, bonus[:, None], jnp.ones((b,), jnp.int32),
                                                              jnp.ones((b,), bool), eos_ids, bonus_scores,
-                                                             stop_sequences, min_new_tokens, string_ends)
+                                                             stop_sequences, settings.min_new_tokens, string_ends)
     return dataclasses.replace(state, out_tokens=out_tokens, out_scores=out_scores, num_out=num_out,
                                status=status, stop_states=stop_states)
 
@@ -569,12 +527,12 @@ def _target_tokens(logits, tree, state: DecodeState, temperature, key, ecfg: Eng
     """The target's token at every node [B, T] from the verify's logits [B, T, W]: after the logit processing of
     each node's place (``processors``), the argmax or a draw (``sample_target_tokens``). Returns (tokens, the
     processed logits)."""
-    processed = process_logits(logits, ecfg.processing, state.history, state.num_out, tree)
-    return sample_target_tokens(processed, temperature, key, ecfg.top_k, ecfg.top_p, ecfg.min_p), processed
+    processed = process_logits(logits, state.processing, state.settings, state.history, state.num_out, tree)
+    return sample_target_tokens(processed, temperature, key, **state.switches.filters(state.settings)), processed
 
 
-def _scores_of(raw, processed, tokens, temperature, logprobs: str | None, top_logprobs: int, top_k: int,
-               top_p: float, min_p: float) -> TokenScores | None:
+def _scores_of(raw, processed, tokens, temperature, logprobs: str | None, top_logprobs: int,
+               filters: dict) -> TokenScores | None:
     """The TokenScores of tokens [B, R] taken at R rows of logits [B, R, W]: under the model's own distribution
     (``logprobs`` "raw": the raw rows at temperature 1), or under the one each token was taken from ("processed":
     the processed rows, over the stream's temperature and through the filters where it samples:
@@ -582,7 +540,7 @@ def _scores_of(raw, processed, tokens, temperature, logprobs: str | None, top_lo
     if logprobs is None:
         return None
     if logprobs == "processed":
-        return token_scores(sampled_logits(processed, temperature, top_k, top_p, min_p), tokens, top_logprobs)
+        return token_scores(sampled_logits(processed, temperature, **filters), tokens, top_logprobs)
     return token_scores(raw, tokens, top_logprobs)
 
 
@@ -612,28 +570,26 @@ def _round(target, drafter, state: DecodeState, temperature, ecfg: EngineConfig,
     # The k-th emitted token is the target's token at the path's k-th node, so its log-probability is that row's.
     path_rows = functools.partial(jnp.take_along_axis, indices=rows[:, :, None], axis=1)
     emitted_scores = _scores_of(path_rows(out.logits), path_rows(processed), acc.emitted, temperature,
-                                ecfg.kept_logprobs, ecfg.top_logprobs, ecfg.top_k, ecfg.top_p, ecfg.min_p)
+                                ecfg.kept_logprobs, ecfg.top_logprobs, state.switches.filters(state.settings))
     string_ends, stop_states = _advance_stop_strings(stop_tables, state.stop_states, acc.emitted,
                                                      jnp.where(active, acc.num_accepted + 1, 0))
     out_tokens, out_scores, num_out, status = stop_and_emit(
         dataclasses.replace(state, status=status), acc.emitted, acc.num_accepted + 1, active,
-        ecfg.eos_ids, emitted_scores, ecfg.stop_sequences, ecfg.min_new_tokens, string_ends)
+        ecfg.eos_ids, emitted_scores, ecfg.stop_sequences, state.settings.min_new_tokens, string_ends)
     tau_hist = state.tau_hist.at[jnp.arange(b), acc.num_accepted + 1].add(active.astype(jnp.int32))
-    return DecodeState(
-        cache=cache, draft_cache=draft_cache, bonus=jnp.where(active, acc.next_token, state.bonus),
+    return dataclasses.replace(
+        state, cache=cache, draft_cache=draft_cache, bonus=jnp.where(active, acc.next_token, state.bonus),
         ctx_taps=ctx_taps, ctx_counts=n_commit, ctx_start=start, out_tokens=out_tokens, out_scores=out_scores,
-        num_out=num_out,
-        limit=state.limit, temperature=state.temperature,
-        history=extend_history(state.history, acc.emitted, num_out - state.num_out), stop_states=stop_states,
-        status=status,
-        rounds=state.rounds + active.astype(jnp.int32), tau_hist=tau_hist, key=key,
+        num_out=num_out, history=extend_history(state.history, acc.emitted, num_out - state.num_out),
+        stop_states=stop_states, status=status, rounds=state.rounds + active.astype(jnp.int32), tau_hist=tau_hist,
+        key=key,
     )
 
 
-@functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "ecfg", "runtime", "taps", "depth", "greedy"),
+@functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "ecfg", "runtime", "taps", "depth"),
                    donate_argnames=("state",))
 def _run_rounds(target_def, target_state, drafter_def, drafter_state, state: DecodeState, stop_tables, *,
-                ecfg: EngineConfig, runtime: Runtime, taps: tuple[int, ...], depth: int, greedy: bool) -> DecodeState:
+                ecfg: EngineConfig, runtime: Runtime, taps: tuple[int, ...], depth: int) -> DecodeState:
     target = nnx.merge(target_def, target_state)
     drafter = nnx.merge(drafter_def, drafter_state) if drafter_def is not None else None
 
@@ -643,8 +599,8 @@ def _run_rounds(target_def, target_state, drafter_def, drafter_state, state: Dec
 
     def body(carry):
         i, st = carry
-        return i + 1, _round(target, drafter, st, _static_if_greedy(st.temperature, greedy), ecfg, runtime, taps,
-                             depth, stop_tables)
+        return i + 1, _round(target, drafter, st, _static_if_greedy(st.temperature, st.switches.greedy), ecfg,
+                             runtime, taps, depth, stop_tables)
 
     _, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
     return state
@@ -654,16 +610,15 @@ def inspect_round(engine: Engine, prompts: Sequence[Sequence[int]], temperature=
     """Prefill, then one round whose tree and acceptance are returned (numpy) for display."""
     state = engine.prefill(prompts, temperature, seed)
     tree, acc = _inspect(engine.target_def, engine.target_state, engine.drafter_def, engine.drafter_state, state,
-                         ecfg=engine.ecfg, runtime=engine.runtime, taps=engine.taps, depth=engine.depth,
-                         greedy=not np.asarray(state.temperature).any())
+                         ecfg=engine.ecfg, runtime=engine.runtime, taps=engine.taps, depth=engine.depth)
     tree = {"tokens": np.asarray(tree.tokens[0]), "parents": np.asarray(tree.parents[0]),
             "depths": np.asarray(tree.depths[0])}
     return tree, {"path": np.asarray(acc.path[0]), "num_accepted": int(acc.num_accepted[0])}
 
 
-@functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "ecfg", "runtime", "taps", "depth", "greedy"))
-def _inspect(target_def, target_state, drafter_def, drafter_state, state, *, ecfg, runtime, taps, depth, greedy):
-    temperature = _static_if_greedy(state.temperature, greedy)
+@functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "ecfg", "runtime", "taps", "depth"))
+def _inspect(target_def, target_state, drafter_def, drafter_state, state, *, ecfg, runtime, taps, depth):
+    temperature = _static_if_greedy(state.temperature, state.switches.greedy)
     target = nnx.merge(target_def, target_state)
     drafter = nnx.merge(drafter_def, drafter_state) if drafter_def is not None else None
     start = state.cache.lengths

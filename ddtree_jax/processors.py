@@ -26,32 +26,36 @@ longest bad word's length - 1.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax.checks import is_integer, is_number, is_token_id
+from ddtree_jax.stream_settings import StreamSettings
 from ddtree_jax.tree import PAD, Tree
 
 
 @dataclasses.dataclass(frozen=True)
 class LogitProcessing:
-    """The static choices of the processing (part of a compiled program's key); the defaults change nothing."""
+    """The static part of the processing (part of a compiled program's key): the token sets, and which of the
+    per-stream numbers (``StreamSettings``: the penalties and min_new_tokens) some stream uses. The defaults change
+    nothing."""
 
     allowed_token_ids: tuple[int, ...] = ()  # ascending; empty: all
     bad_words: tuple[tuple[int, ...], ...] = ()  # token-id sequences whose last token is banned after the rest
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, amount) pairs, ids ascending
-    min_new_tokens: int = 0
     eos_ids: tuple[int, ...] = ()  # held back by min_new_tokens
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
+    repetition_penalty: bool = False  # some stream's is not 1
+    frequency_penalty: bool = False  # some stream's is not 0
+    presence_penalty: bool = False  # some stream's is not 0
+    min_new_tokens: bool = False  # some stream's is > 0
 
     @property
     def penalises(self) -> bool:
         """Whether the penalties read the stream's history (``TokenHistory``)."""
-        return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
+        return self.repetition_penalty or self.frequency_penalty or self.presence_penalty
 
     @property
     def window(self) -> int:
@@ -59,10 +63,26 @@ class LogitProcessing:
         return max((len(w) - 1 for w in self.bad_words), default=0)
 
     @property
+    def holds_eos(self) -> bool:
+        """Whether min_new_tokens holds EOS ids back (it also holds back stop sequences: ``stopping``)."""
+        return self.min_new_tokens and bool(self.eos_ids)
+
+    @property
     def changes_logits(self) -> bool:
-        holds_eos = self.min_new_tokens > 0 and bool(self.eos_ids)
-        return (bool(self.allowed_token_ids) or bool(self.bad_words) or bool(self.logit_bias) or holds_eos
+        return (bool(self.allowed_token_ids) or bool(self.bad_words) or bool(self.logit_bias) or self.holds_eos
                 or self.penalises)
+
+
+def processing_for(settings: StreamSettings, *, allowed_token_ids=(), bad_words=(), logit_bias=(),
+                   eos_ids=()) -> LogitProcessing:
+    """The LogitProcessing of a batch: the token sets (checked) and the numbers its host settings (numpy) use."""
+    return LogitProcessing(
+        allowed_token_ids=check_allowed_token_ids(allowed_token_ids), bad_words=tuple(map(tuple, bad_words)),
+        logit_bias=check_logit_bias(logit_bias), eos_ids=tuple(eos_ids),
+        repetition_penalty=bool((np.asarray(settings.repetition_penalty) != 1).any()),
+        frequency_penalty=bool((np.asarray(settings.frequency_penalty) != 0).any()),
+        presence_penalty=bool((np.asarray(settings.presence_penalty) != 0).any()),
+        min_new_tokens=bool((np.asarray(settings.min_new_tokens) > 0).any()))
 
 
 @jax.tree_util.register_dataclass
@@ -150,7 +170,7 @@ def start_history(processing: LogitProcessing, prompts: jax.Array, lengths: jax.
         return None
     b = prompts.shape[0]
     prompt_seen = out_counts = recent = None
-    if processing.repetition_penalty != 1:
+    if processing.repetition_penalty:
         prompt_seen = _scatter(jnp.zeros((b, vocab_size), bool), prompts, lengths, True)
     if processing.penalises:
         out_counts = jnp.zeros((b, vocab_size), jnp.int32)
@@ -220,19 +240,21 @@ def node_windows(recent: jax.Array, tree: Tree | None) -> jax.Array:
     return jnp.stack(columns, axis=-1)
 
 
-def apply_repetition_penalty(logits: jax.Array, seen: jax.Array, penalty: float) -> jax.Array:
+def apply_repetition_penalty(logits: jax.Array, seen: jax.Array, penalty) -> jax.Array:
     """logits [..., W] -> float32 logits with every token of ``seen`` [..., W] (bool: in the context) penalised as
-    transformers' ``RepetitionPenaltyLogitsProcessor`` does: a negative logit times ``penalty``, any other over it."""
+    transformers' ``RepetitionPenaltyLogitsProcessor`` does: a negative logit times ``penalty``, any other over it
+    (``penalty``: a number, or an array that broadcasts against the logits)."""
     logits = logits.astype(jnp.float32)
     penalised = jnp.where(logits < 0, logits * penalty, logits / penalty)
     return jnp.where(seen, penalised, logits)
 
 
-def process_logits(logits: jax.Array, processing: LogitProcessing, history: TokenHistory | None,
-                   num_out: jax.Array, tree: Tree | None = None) -> jax.Array:
+def process_logits(logits: jax.Array, processing: LogitProcessing, settings: StreamSettings,
+                   history: TokenHistory | None, num_out: jax.Array, tree: Tree | None = None) -> jax.Array:
     """logits [B, T, W] at T places -> the processed logits (float32; unchanged where ``processing`` changes
-    nothing). num_out [B]: tokens each stream has generated, the root's included. Without a tree, T = 1 and the
-    place is the one after the history; with one, each node's (see the module's docstring)."""
+    nothing). ``settings``: each stream's penalties and min_new_tokens ([B]; read where ``processing`` says some
+    stream uses them). num_out [B]: tokens each stream has generated, the root's included. Without a tree, T = 1
+    and the place is the one after the history; with one, each node's (see the module's docstring)."""
     if not processing.changes_logits:
         return logits
     b, t, w = logits.shape
@@ -241,6 +263,7 @@ def process_logits(logits: jax.Array, processing: LogitProcessing, history: Toke
     depths = jnp.zeros((b, 1), jnp.int32) if tree is None else tree.depths
     if (processing.penalises or processing.window) and history is None:
         raise ValueError("the penalties and bad words read the stream's history: a TokenHistory is needed")
+    per_stream = functools.partial(jnp.reshape, shape=(b, 1, 1))
     logits = logits.astype(jnp.float32)
     if processing.allowed_token_ids:
         allowed = np.zeros(w, bool)
@@ -252,21 +275,21 @@ def process_logits(logits: jax.Array, processing: LogitProcessing, history: Toke
     if processing.logit_bias:
         ids, amounts = zip(*processing.logit_bias)
         logits = logits.at[:, :, np.asarray(ids)].add(np.asarray(amounts, np.float32))
-    if processing.min_new_tokens and processing.eos_ids:
-        early = num_out[:, None] + depths < processing.min_new_tokens  # [B, T]: the place's output index
+    if processing.holds_eos:
+        early = num_out[:, None] + depths < settings.min_new_tokens[:, None]  # [B, T]: the place's output index
         is_eos = np.zeros(w, bool)
         is_eos[list(processing.eos_ids)] = True
         logits = jnp.where(early[:, :, None] & is_eos, -jnp.inf, logits)
     if processing.penalises:
         counts = history.out_counts[:, None, :] if tree is None else node_counts(history.out_counts, tree.tokens,
                                                                                  tree.visibility, tree.depths)
-        if processing.repetition_penalty != 1:
+        if processing.repetition_penalty:
             seen = (counts > 0) | history.prompt_seen[:, None, :]
-            logits = apply_repetition_penalty(logits, seen, processing.repetition_penalty)
+            logits = apply_repetition_penalty(logits, seen, per_stream(settings.repetition_penalty))
         if processing.frequency_penalty:
-            logits = logits - processing.frequency_penalty * counts.astype(jnp.float32)
+            logits = logits - per_stream(settings.frequency_penalty) * counts.astype(jnp.float32)
         if processing.presence_penalty:
-            logits = logits - jnp.where(counts > 0, jnp.float32(processing.presence_penalty), 0.0)
+            logits = logits - jnp.where(counts > 0, per_stream(settings.presence_penalty), 0.0)
     return logits
 
 

@@ -45,14 +45,15 @@ def stop_and_emit(state, emitted, n_emit, active, eos_ids, emitted_scores=None, 
     engine's DecodeState). Appends each active stream's first n_emit emitted tokens [B, E] (and their TokenScores,
     where the state keeps them) to its output, cut after the first that is an EOS, ends a stop sequence (its tokens
     in a row among the stream's generated ones, earlier rounds' included) or a stop string (``string_ends`` [B, E],
-    where given), the last two not within the first min_new_tokens generated, or that reaches the stream's token
-    limit, and updates status. Returns (out_tokens, out_scores, num_out, status)."""
+    where given), the last two not within the first min_new_tokens generated (one number, or [B]: each stream's),
+    or that reaches the stream's token limit, and updates status. Returns (out_tokens, out_scores, num_out, status)."""
     b, width = emitted.shape
     k = jnp.arange(width)[None, :]
     in_round = k < n_emit[:, None]
     room = state.limit - state.num_out
     is_eos = jnp.isin(emitted, jnp.asarray(eos_ids, jnp.int32)) if eos_ids else jnp.zeros((b, width), bool)
-    past_min = state.num_out[:, None] + k >= min_new_tokens
+    least = jnp.asarray(min_new_tokens)
+    past_min = state.num_out[:, None] + k >= (least[:, None] if least.ndim else least)
     is_stop = ends_stop_sequence(state.out_tokens, state.num_out, emitted, stop_sequences) & past_min
     is_string = jnp.zeros((b, width), bool) if string_ends is None else string_ends & past_min
     ends = (is_eos | is_stop | is_string) & in_round

@@ -262,7 +262,7 @@ def bench_no_host_sync(engine, args, rows):
     state = engine16.prefill(prompts)
     run = lambda st: _run_rounds(engine16.target_def, engine16.target_state, engine16.drafter_def,  # noqa: E731
                                  engine16.drafter_state, st, engine16.stop_tables, ecfg=ecfg, runtime=engine16.runtime,
-                                 taps=engine16.taps, depth=engine16.depth, greedy=True)
+                                 taps=engine16.taps, depth=engine16.depth)
     state = run(state)  # compile
     jax.block_until_ready(state.bonus)
     with jax.transfer_guard("disallow"):

@@ -30,7 +30,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from ddtree_jax import sampling, topk  # noqa: E402
-from ddtree_jax.processors import LogitProcessing, TokenHistory, process_logits  # noqa: E402
+from ddtree_jax.processors import TokenHistory, process_logits, processing_for  # noqa: E402
+from ddtree_jax.stream_settings import uniform_settings  # noqa: E402
 from ddtree_jax.scores import token_scores  # noqa: E402
 from ddtree_jax.stop_strings import advance, build_stop_tables, start_states  # noqa: E402
 from ddtree_jax.tree import build_tree, chain_tree, sample_target_tokens  # noqa: E402
@@ -184,13 +185,16 @@ def bench_keys(rows, shapes, w, bw):
     per stream (``tree.sample_target_tokens``' [B] keys: a vmap of the draw over streams, what the engine does),
     and with logit processing before it (``processors.process_logits`` over a chain of T nodes, 1 % of the
     vocabulary in the prompt and 1 % in the output): the repetition penalty alone, then with the frequency and
-    presence penalties, a 16-token logit bias and min_new_tokens over 2 EOS ids."""
+    presence penalties, a 16-token logit bias and min_new_tokens over 2 EOS ids. Then top-k 50 and top-p 0.9, as
+    Python numbers (one program per value) and as one per stream ([B] arrays: one program for any values)."""
     rng = np.random.default_rng(5)
-    repetition = LogitProcessing(repetition_penalty=1.3)
-    everything = LogitProcessing(repetition_penalty=1.3, frequency_penalty=0.3, presence_penalty=0.2,
-                                 logit_bias=tuple((int(i), -1.0) for i in rng.choice(w, 16, replace=False)),
-                                 min_new_tokens=4, eos_ids=(0, 1))
+    bias = tuple((int(i), -1.0) for i in rng.choice(w, 16, replace=False))
     for b, t in shapes:
+        repetition = (processing_for(uniform_settings(b, repetition_penalty=1.3)),
+                      jax.tree.map(jnp.asarray, uniform_settings(b, repetition_penalty=1.3)))
+        numbers = dict(repetition_penalty=1.3, frequency_penalty=0.3, presence_penalty=0.2, min_new_tokens=4)
+        everything = (processing_for(uniform_settings(b, **numbers), logit_bias=bias, eos_ids=(0, 1)),
+                      jax.tree.map(jnp.asarray, uniform_settings(b, **numbers)))
         logits = jnp.asarray(rng.standard_normal((b, t, w)) * 3, jnp.float32)
         per_stream = jax.random.split(jax.random.key(0), b)
         history = TokenHistory(prompt_seen=jnp.asarray(rng.random((b, w)) < 0.01),
@@ -201,12 +205,19 @@ def bench_keys(rows, shapes, w, bw):
         num_out = jnp.full((b,), 2, jnp.int32)
 
         def processed(x, processing, k=per_stream, history=history, chain=chain, num_out=num_out):
-            return sample_target_tokens(process_logits(x, processing, history, num_out, chain), 1.0, k)
+            processing, settings = processing
+            return sample_target_tokens(process_logits(x, processing, settings, history, num_out, chain), 1.0, k)
+
+        top_k, top_p = jnp.full((b,), 50, jnp.int32), jnp.full((b,), 0.9, jnp.float32)
 
         fns = {"one key": lambda x: sample_target_tokens(x, 1.0, jax.random.key(0)),
                "key per stream": lambda x, k=per_stream: sample_target_tokens(x, 1.0, k),
                "key per stream + repetition penalty": lambda x: processed(x, repetition),
-               "key per stream + all processing": lambda x: processed(x, everything)}
+               "key per stream + all processing": lambda x: processed(x, everything),
+               "key per stream + top-k 50, top-p 0.9": lambda x, k=per_stream: sample_target_tokens(x, 1.0, k, 50, 0.9),
+               "key per stream + top-k 50, top-p 0.9 per stream": (
+                   lambda x, k=per_stream, top_k=top_k, top_p=top_p: sample_target_tokens(
+                       x, 1.0, k, top_k, top_p, top_k_ceiling=64, top_k_in_every_row=True))}
         for name, fn in fns.items():
             row = {"part": "sample keys", "M": b * t, "B": b, "T": t, "N": w, "method": name,
                    **timed(jax.jit(fn), (logits,))}

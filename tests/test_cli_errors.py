@@ -148,8 +148,10 @@ def test_processing_flags_reach_the_engine_checked_against_the_target():
     target, drafter = fake_pair(vocab=8)
     run_decode.check_fits(args, run_decode.modes_of(args), [[1]], target, drafter, eos_ids=(7,))
     ecfg = run_decode.engine_config("ddtree", args, (7,))
-    assert ecfg.processing == LogitProcessing(logit_bias=((2, 1.5), (5, -100.0)), min_new_tokens=3, eos_ids=(7,),
-                                              repetition_penalty=1.1, frequency_penalty=0.5, presence_penalty=-0.25)
+    assert ecfg.processing == LogitProcessing(logit_bias=((2, 1.5), (5, -100.0)), min_new_tokens=True, eos_ids=(7,),
+                                              repetition_penalty=True, frequency_penalty=True, presence_penalty=True)
+    assert ecfg.settings == dict(top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.1, frequency_penalty=0.5,
+                                 presence_penalty=-0.25, min_new_tokens=3)
     with pytest.raises(ValueError, match="--min-new-tokens 3 holds back EOS ids and stop sequences, and this target "
                                          "has no EOS id: give --stop-ids or --stop"):
         run_decode.check_fits(args, run_decode.modes_of(args), [[1]], target, drafter)

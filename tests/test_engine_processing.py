@@ -10,20 +10,23 @@ import pytest
 
 from ddtree_jax.engine import Engine, EngineConfig
 from ddtree_jax.processors import LogitProcessing
-from test_processors import reference_row
+from test_processors import reference_row, stream_numbers
 from sampling_reference import truncated_probs
 from tests.test_engine import NEW, PROMPTS, VOCAB, build_models, causal_forward, generate_all, teacher_forced_logits
 
 EOS_IDS = (0, 19)
 STOPS = ((58, 4),)
-PROCESSING = LogitProcessing(logit_bias=((2, -100.0), (58, 1.5)), min_new_tokens=4, eos_ids=EOS_IDS,
-                             repetition_penalty=1.2, frequency_penalty=-0.7, presence_penalty=0.4)
+SETS = dict(logit_bias=((2, -100.0), (58, 1.5)), eos_ids=EOS_IDS)
+NUMBERS = dict(min_new_tokens=4, repetition_penalty=1.2, frequency_penalty=-0.7, presence_penalty=0.4)
 
 
-def greedy_with_processing(target, prompts, processing, steps) -> list[list[int]]:
+def greedy_with_processing(target, prompts, sets, numbers, steps) -> list[list[int]]:
     """Reference outside the engine: each next token the argmax of the plain causal forward's last logits after
     ``test_processors.reference_row`` (transformers' processors, then the frequency and presence penalties) over the
-    prompt and the tokens so far."""
+    prompt and the tokens so far. ``sets``: LogitProcessing's token sets; ``numbers``: the penalties and
+    min_new_tokens, each one for every stream or a list of one per stream."""
+    processing = LogitProcessing(**sets)
+    numbers = stream_numbers(len(prompts), numbers)
     seqs = [list(p) for p in prompts]
     for _ in range(steps):
         tokens = np.zeros((len(seqs), max(map(len, seqs))), np.int32)
@@ -31,7 +34,8 @@ def greedy_with_processing(target, prompts, processing, steps) -> list[list[int]
             tokens[i, :len(seq)] = seq
         logits = np.asarray(causal_forward(target, tokens).astype(jnp.float32))
         for i, (seq, prompt) in enumerate(zip(seqs, prompts)):
-            seq.append(int(np.argmax(reference_row(logits[i, len(seq) - 1], processing, prompt, seq[len(prompt):]))))
+            row = reference_row(logits[i, len(seq) - 1], processing, numbers[i], prompt, seq[len(prompt):])
+            seq.append(int(np.argmax(row)))
     return [seq[len(p):] for seq, p in zip(seqs, prompts)]
 
 
@@ -60,15 +64,12 @@ def ar_reference(models):
 
 @pytest.fixture(scope="module")
 def processed_reference(models):
-    return greedy_with_processing(models[0], PROMPTS[:8], PROCESSING, NEW)
+    return greedy_with_processing(models[0], PROMPTS[:8], SETS, NUMBERS, NEW)
 
 
-def processing_config(mode, budget, processing=PROCESSING, **kw):
-    return EngineConfig(mode=mode, budget=budget, max_new_tokens=NEW, capacity=64, eos_ids=processing.eos_ids,
-                        stop_sequences=STOPS, logit_bias=dict(processing.logit_bias),
-                        min_new_tokens=processing.min_new_tokens, repetition_penalty=processing.repetition_penalty,
-                        frequency_penalty=processing.frequency_penalty, presence_penalty=processing.presence_penalty,
-                        **kw)
+def processing_config(mode, budget, sets=SETS, numbers=NUMBERS, **kw):
+    return EngineConfig(mode=mode, budget=budget, max_new_tokens=NEW, capacity=64, stop_sequences=STOPS,
+                        **sets, **numbers, **kw)
 
 
 @pytest.mark.parametrize("mode,budget", [("ar", 1), ("dflash", 1), ("ddtree", 16), ("ddtree", 64)])
@@ -92,7 +93,7 @@ def test_processed_greedy_equals_the_processed_full_forward(models, ar_reference
     assert not any(2 in tokens for tokens in processed_reference)  # banned, though AR's stream 2 is all 2s
 
 
-ALLOWED = LogitProcessing(allowed_token_ids=tuple(range(0, VOCAB, 3)), presence_penalty=0.5)
+ALLOWED = dict(allowed_token_ids=tuple(range(0, VOCAB, 3)))
 
 
 @pytest.mark.parametrize("mode,budget", [("ar", 1), ("ddtree", 16)])
@@ -100,9 +101,8 @@ def test_allowed_token_ids_greedy_equals_the_processed_full_forward(models, ar_r
     """``allowed_token_ids`` (every third id) with a presence penalty: greedy decoding equals the processed
     plain-forward reference token for token and generates allowed tokens only, where plain AR does not."""
     target, drafter = models
-    want = greedy_with_processing(target, PROMPTS[:8], ALLOWED, NEW)
-    ecfg = EngineConfig(mode=mode, budget=budget, max_new_tokens=NEW, capacity=64,
-                        allowed_token_ids=ALLOWED.allowed_token_ids, presence_penalty=ALLOWED.presence_penalty)
+    want = greedy_with_processing(target, PROMPTS[:8], ALLOWED, dict(presence_penalty=0.5), NEW)
+    ecfg = EngineConfig(mode=mode, budget=budget, max_new_tokens=NEW, capacity=64, presence_penalty=0.5, **ALLOWED)
     assert Engine(target, drafter if mode != "ar" else None, ecfg).generate(PROMPTS[:8])["tokens"] == want
     assert all(t % 3 == 0 for tokens in want for t in tokens)
     assert sum(t % 3 != 0 for tokens in ar_reference for t in tokens) >= 20
@@ -119,7 +119,7 @@ def test_bad_words_greedy_equals_the_processed_full_forward(models, ar_reference
     last tokens, up its path and across the root into the stream's; no output holds a bad word, as AR's did."""
     target, drafter = models
     words = ((ar_reference[0][2], ar_reference[0][3]), tuple(ar_reference[3][:3]), (2, 2))
-    want = greedy_with_processing(target, PROMPTS[:8], LogitProcessing(bad_words=words), NEW)
+    want = greedy_with_processing(target, PROMPTS[:8], dict(bad_words=words), {}, NEW)
     ecfg = EngineConfig(mode=mode, budget=budget, max_new_tokens=NEW, capacity=64, bad_words=words)
     assert Engine(target, drafter if mode != "ar" else None, ecfg).generate(PROMPTS[:8])["tokens"] == want
     assert not any(holds(tokens, word) for tokens in want for word in words)
@@ -132,9 +132,9 @@ def test_sampled_streams_never_draw_a_banned_token_or_an_early_eos(models, mode,
     first 5 tokens or the banned token anywhere, and many streams stop on an EOS right after."""
     target, drafter = models
     eos_ids = tuple(range(1, VOCAB, 2))
-    processing = LogitProcessing(logit_bias=((2, -100.0),), min_new_tokens=5, eos_ids=eos_ids,
-                                 frequency_penalty=0.3)
-    engine = Engine(target, drafter if mode != "ar" else None, processing_config(mode, budget, processing))
+    ecfg = processing_config(mode, budget, dict(logit_bias=((2, -100.0),), eos_ids=eos_ids),
+                             dict(min_new_tokens=5, frequency_penalty=0.3))
+    engine = Engine(target, drafter if mode != "ar" else None, ecfg)
     res = engine.generate(PROMPTS[:16], 1.5, seed=7)
     for tokens, status in zip(res["tokens"], res["status"]):
         assert not set(tokens[:5]) & set(eos_ids) and 2 not in tokens
@@ -150,10 +150,11 @@ def test_processed_logprobs_are_those_of_the_distribution_each_token_was_taken_f
     then, where the stream samples, over its temperature and through top-k 8 and min-p 0.3 (``truncated_probs``;
     filtered tokens -inf); greedy streams' stay at temperature 1, unfiltered. The tokens are the raw mode's."""
     target, drafter = models
-    processing = LogitProcessing(logit_bias=((2, -100.0), (58, 1.5)), repetition_penalty=1.2,
-                                 frequency_penalty=0.4, presence_penalty=0.2)
-    ecfg = dataclasses.replace(processing_config(mode, budget, processing), stop_sequences=(), top_k=8, min_p=0.3,
-                               logprobs=True, top_logprobs=3, logprobs_mode="processed")
+    sets = dict(logit_bias=((2, -100.0), (58, 1.5)))
+    numbers = dict(repetition_penalty=1.2, frequency_penalty=0.4, presence_penalty=0.2)
+    processing, (stream_number,) = LogitProcessing(**sets), stream_numbers(1, numbers)
+    ecfg = dataclasses.replace(processing_config(mode, budget, sets, numbers), stop_sequences=(), top_k=8,
+                               min_p=0.3, logprobs=True, top_logprobs=3, logprobs_mode="processed")
     prompts, temperatures = PROMPTS[:4], [0.0, 1.0, 0.0, 0.7]
     res = Engine(target, drafter if mode != "ar" else None, ecfg).generate(prompts, temperatures, seed=5)
     raw = Engine(target, drafter if mode != "ar" else None, dataclasses.replace(ecfg, logprobs_mode="raw"))
@@ -161,7 +162,7 @@ def test_processed_logprobs_are_those_of_the_distribution_each_token_was_taken_f
     rows = teacher_forced_logits(target, prompts, res["tokens"])
     for b, (prompt, tokens, temperature) in enumerate(zip(prompts, res["tokens"], temperatures)):
         for k, token in enumerate(tokens):
-            row = reference_row(rows[b][k], processing, prompt, tokens[:k]).astype(np.float64)
+            row = reference_row(rows[b][k], processing, stream_number, prompt, tokens[:k]).astype(np.float64)
             if temperature:
                 with np.errstate(divide="ignore"):
                     want = np.log(truncated_probs(row, temperature, top_k=8, min_p=0.3))
@@ -203,5 +204,5 @@ def test_processing_settings_refused(models):
         EngineConfig(logit_bias=[(3, 1.0), (3, 2.0)])
     # the config keeps the bias as sorted pairs, so equal settings hash alike (one compiled program)
     assert EngineConfig(logit_bias={5: 1, 3: -2.0}) == EngineConfig(logit_bias=[(3, -2), (5, 1.0)])
-    assert EngineConfig(logit_bias={5: 1}).processing == dataclasses.replace(LogitProcessing(),
-                                                                             logit_bias=((5, 1.0),))
+    assert EngineConfig(logit_bias={5: 1}).processing == LogitProcessing(logit_bias=((5, 1.0),))
+    assert EngineConfig(presence_penalty=0.5).processing == LogitProcessing(presence_penalty=True)

@@ -10,6 +10,7 @@ from transformers.generation.logits_process import (MinNewTokensLengthLogitsProc
                                                     RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor)
 
 from ddtree_jax import processors as pr
+from ddtree_jax.stream_settings import NUMBERS, OFF, StreamSettings
 from test_tree import random_tree
 
 W = 24
@@ -62,23 +63,45 @@ def test_node_counts_add_each_nodes_path_below_the_root():
             assert got[s, node].tolist() == want.tolist(), (s, node)
 
 
+# name: (the token sets, the numbers: one for every stream or a list of one per stream)
 PROCESSINGS = {
-    "allowed": pr.LogitProcessing(allowed_token_ids=(0, 3, 4, 9, 17, W - 1)),
-    "bias": pr.LogitProcessing(logit_bias=((2, 3.5), (5, -100.0), (W - 1, 1.25))),
-    "min_new_tokens": pr.LogitProcessing(min_new_tokens=6, eos_ids=(1, 7)),
-    "repetition": pr.LogitProcessing(repetition_penalty=1.7),
-    "frequency": pr.LogitProcessing(frequency_penalty=0.6),
-    "presence": pr.LogitProcessing(presence_penalty=-0.4),
-    "all": pr.LogitProcessing(allowed_token_ids=tuple(range(1, W, 2)) + (2,), bad_words=((3,), (5, 9), (9, 1, 11)),
-                              logit_bias=((2, 3.5), (7, 2.0)),
-                              min_new_tokens=6, eos_ids=(1, 7),
-                              repetition_penalty=0.8, frequency_penalty=0.3, presence_penalty=0.5),
+    "allowed": (dict(allowed_token_ids=(0, 3, 4, 9, 17, W - 1)), {}),
+    "bias": (dict(logit_bias=((2, 3.5), (5, -100.0), (W - 1, 1.25))), {}),
+    "min_new_tokens": (dict(eos_ids=(1, 7)), dict(min_new_tokens=6)),
+    "repetition": ({}, dict(repetition_penalty=1.7)),
+    "frequency": ({}, dict(frequency_penalty=0.6)),
+    "presence": ({}, dict(presence_penalty=-0.4)),
+    "all": (dict(allowed_token_ids=tuple(range(1, W, 2)) + (2,), bad_words=((3,), (5, 9), (9, 1, 11)),
+                 logit_bias=((2, 3.5), (7, 2.0)), eos_ids=(1, 7)),
+            dict(min_new_tokens=6, repetition_penalty=0.8, frequency_penalty=0.3, presence_penalty=0.5)),
+    "per stream": (dict(eos_ids=(1, 7)), dict(min_new_tokens=[6, 0, 3, 9], repetition_penalty=[0.8, 1.0, 1.4, 0.8],
+                                              frequency_penalty=[0.3, 0.0, -0.2, 0.3],
+                                              presence_penalty=[0.5, 0.5, 0.0, -1.0])),
 }
 
 
-def reference_row(row, processing, prompt, output):
+def stream_numbers(b, numbers):
+    """Each stream's numbers (a dict per stream, every setting's off value where not given)."""
+    return [{name: (value[s] if isinstance(value, list) else value) for name, value in {**OFF, **numbers}.items()}
+            for s in range(b)]
+
+
+def processing_and_settings(b, name, **changes):
+    """PROCESSINGS[name] for b streams, its token sets changed by ``changes``: (LogitProcessing, settings [B] on
+    the device, each stream's numbers)."""
+    sets, numbers = PROCESSINGS[name]
+    per_stream = stream_numbers(b, numbers)
+    host = StreamSettings(**{n: np.asarray([stream[n] for stream in per_stream],
+                                           np.int32 if n in ("top_k", "min_new_tokens") else np.float32)
+                             for n in NUMBERS})
+    processing = pr.processing_for(host, **{**sets, **changes})
+    return processing, StreamSettings(**{n: jnp.asarray(getattr(host, n)) for n in NUMBERS}), per_stream
+
+
+def reference_row(row, processing, numbers, prompt, output):
     """One place's processed logits: the tokens not allowed at -inf, then transformers' processors over the
-    context (prompt + output so far), then the frequency and presence penalties over the output's counts in numpy."""
+    context (prompt + output so far), then the frequency and presence penalties over the output's counts in numpy;
+    ``numbers``: the stream's (penalties and min_new_tokens)."""
     ids = torch.tensor([list(prompt) + list(output)])
     if processing.allowed_token_ids:
         row = np.where(np.isin(np.arange(row.shape[-1]), processing.allowed_token_ids), row, -np.inf)
@@ -87,15 +110,15 @@ def reference_row(row, processing, prompt, output):
         scores = NoBadWordsLogitsProcessor([list(word) for word in processing.bad_words])(ids, scores)
     if processing.logit_bias:
         scores = SequenceBiasLogitsProcessor([[[i], a] for i, a in processing.logit_bias])(ids, scores)
-    if processing.min_new_tokens:
-        scores = MinNewTokensLengthLogitsProcessor(len(prompt), processing.min_new_tokens,
+    if numbers["min_new_tokens"] and processing.eos_ids:
+        scores = MinNewTokensLengthLogitsProcessor(len(prompt), numbers["min_new_tokens"],
                                                    list(processing.eos_ids))(ids, scores)
-    if processing.repetition_penalty != 1:
-        scores = RepetitionPenaltyLogitsProcessor(processing.repetition_penalty)(ids, scores)
+    if numbers["repetition_penalty"] != 1:
+        scores = RepetitionPenaltyLogitsProcessor(numbers["repetition_penalty"])(ids, scores)
     scores = scores.numpy()[0]
     counts = np.bincount(np.asarray(output, np.int64), minlength=row.shape[-1]).astype(np.float32)
-    return (scores - np.float32(processing.frequency_penalty) * counts
-            - np.where(counts > 0, np.float32(processing.presence_penalty), np.float32(0)))
+    return (scores - np.float32(numbers["frequency_penalty"]) * counts
+            - np.where(counts > 0, np.float32(numbers["presence_penalty"]), np.float32(0)))
 
 
 def random_history(rng, b, roots, processing):
@@ -116,20 +139,21 @@ def random_history(rng, b, roots, processing):
 def test_process_logits_at_each_tree_node_is_transformers_over_that_nodes_context(name):
     """Every tree node's processed row equals the reference's over that node's own context: the prompt, the
     output (its last token the root) and the node's path below the root, whose length sets min_new_tokens' count.
-    Each processing changes some rows; min_new_tokens releases the EOS ids deeper in the tree."""
-    processing = PROCESSINGS[name]
+    Each processing changes some rows; min_new_tokens releases the EOS ids deeper in the tree. "per stream": each
+    stream its own penalties and min_new_tokens, some of them off."""
     rng = np.random.default_rng(len(name))
     b, t = 4, 14
+    processing, settings, numbers = processing_and_settings(b, name)
     tree = random_tree(rng, b, t, W, max_depth=5)
     tokens, parents = np.asarray(tree.tokens), np.asarray(tree.parents)
     prompts, outputs, history, num_out = random_history(rng, b, tokens[:, 0], processing)
     logits = rng.standard_normal((b, t, W)).astype(np.float32) * 3
-    got = np.asarray(pr.process_logits(jnp.asarray(logits), processing, history, num_out, tree))
+    got = np.asarray(pr.process_logits(jnp.asarray(logits), processing, settings, history, num_out, tree))
     for s in range(b):
         for node in range(t):
             # the place after the node: its context ends in its path below the root, the node's own token last
             context = outputs[s] + path_below_root(tokens[s], parents[s], node)
-            want = reference_row(logits[s, node], processing, prompts[s], context)
+            want = reference_row(logits[s, node], processing, numbers[s], prompts[s], context)
             np.testing.assert_allclose(got[s, node], want, rtol=1e-6, atol=1e-6, err_msg=f"stream {s}, node {node}")
     assert (got != logits).any()
     if name == "min_new_tokens":
@@ -153,16 +177,17 @@ def test_bad_words_ban_where_each_nodes_context_ends_with_the_rest():
     words = ((below[-2], below[-1], 20), (prompts[1][-1], outputs[1][0], outputs[1][1], outputs[1][2],
                                           int(tokens[1, first]), 21), (22,))
     processing = pr.LogitProcessing(bad_words=words)
+    settings, numbers = processing_and_settings(b, "allowed")[1:]  # every number off
     width = max(map(len, prompts))
     history = pr.start_history(processing, jnp.asarray([p + [0] * (width - len(p)) for p in prompts]),
                                jnp.asarray([len(p) for p in prompts]), W)
     num_out = jnp.full((b,), 3, jnp.int32)
     history = pr.extend_history(history, jnp.asarray(outputs, jnp.int32), num_out)
     logits = rng.standard_normal((b, t, W)).astype(np.float32)
-    got = np.asarray(pr.process_logits(jnp.asarray(logits), processing, history, num_out, tree))
+    got = np.asarray(pr.process_logits(jnp.asarray(logits), processing, settings, history, num_out, tree))
     for s in range(b):
         for node in range(t):
-            want = reference_row(logits[s, node], processing, prompts[s],
+            want = reference_row(logits[s, node], processing, numbers[s], prompts[s],
                                  outputs[s] + path_below_root(tokens[s], parents[s], node))
             np.testing.assert_array_equal(got[s, node], want, err_msg=f"stream {s}, node {node}")
     assert np.isneginf(got[0, deep, 20]) and np.isneginf(got[1, first, 21]) and np.isneginf(got[:, :, 22]).all()
@@ -173,27 +198,27 @@ def test_process_logits_without_a_tree_is_the_place_after_the_history():
     """T = 1 and no tree: the row after the prompt and output, as the prefill and plain decoding process it; a bad
     word planted from stream 0's last two context tokens bans its last token there."""
     rng = np.random.default_rng(5)
-    window_of_two = dataclasses.replace(PROCESSINGS["all"], bad_words=((3,), (0, 0, 0)))  # the history keeps K = 2
+    window_of_two, settings, numbers = processing_and_settings(3, "all", bad_words=((3,), (0, 0, 0)))  # K = 2
     prompts, outputs, history, num_out = random_history(rng, 3, rng.integers(0, W, 3), window_of_two)
     context = prompts[0] + outputs[0]
     processing = dataclasses.replace(window_of_two, bad_words=((3,), (context[-2], context[-1], 13)))
     logits = rng.standard_normal((3, 1, W)).astype(np.float32) * 3
-    got = np.asarray(pr.process_logits(jnp.asarray(logits), processing, history, num_out))
+    got = np.asarray(pr.process_logits(jnp.asarray(logits), processing, settings, history, num_out))
     for s in range(3):
-        want = reference_row(logits[s, 0], processing, prompts[s], outputs[s])
+        want = reference_row(logits[s, 0], processing, numbers[s], prompts[s], outputs[s])
         np.testing.assert_allclose(got[s, 0], want, rtol=1e-6, atol=1e-6)
     assert np.isneginf(got[0, 0, 13])
     with pytest.raises(ValueError, match="without a tree there is one place to process, got 2"):
-        pr.process_logits(jnp.zeros((3, 2, W)), processing, history, num_out)
+        pr.process_logits(jnp.zeros((3, 2, W)), processing, settings, history, num_out)
 
 
 def test_default_processing_changes_nothing_and_keeps_no_history():
     logits = jnp.ones((2, 3, W), jnp.bfloat16)
     processing = pr.LogitProcessing()
-    assert pr.process_logits(logits, processing, None, jnp.zeros((2,), jnp.int32)) is logits
+    assert pr.process_logits(logits, processing, None, None, jnp.zeros((2,), jnp.int32)) is logits
     assert pr.start_history(processing, jnp.zeros((2, 4), jnp.int32), jnp.ones((2,), jnp.int32), W) is None
     # min_new_tokens without EOS ids leaves the logits alone (it holds back stop sequences only)
-    assert not pr.LogitProcessing(min_new_tokens=3).changes_logits
+    assert not pr.LogitProcessing(min_new_tokens=True).changes_logits
 
 
 @pytest.mark.parametrize("bias,want", [({3: 1.0, 1: -2}, ((1, -2.0), (3, 1.0))), ([(4, 0.5)], ((4, 0.5),)),

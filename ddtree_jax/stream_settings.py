@@ -1,0 +1,191 @@
+"""Each stream's own numbers: its temperature, seed and token limit, and beside them its filters (top_k, top_p,
+min_p), penalties (repetition, frequency, presence) and min_new_tokens. They are given to ``Engine.prefill`` as one
+value for every stream or a sequence of one per stream, checked here on the host, and carried in the decode state
+as [B] arrays, so one compiled program serves any values.
+
+What a program compiles is read from the values once, at the prefill (``Switches`` and
+``processors.processing_for``, static parts of the state): a filter or penalty that no stream of the batch uses
+costs nothing, and a batch of greedy streams takes no random draws. A per-stream top_k takes one top-k of
+``Switches.top_k_ceiling`` values, the batch's largest k rounded up to a power of two (so batches of different k
+share few programs).
+
+Shapes: B streams.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from ddtree_jax.checks import is_integer, is_number
+
+PENALTIES = ("repetition_penalty", "frequency_penalty", "presence_penalty")
+NUMBERS = ("top_k", "top_p", "min_p") + PENALTIES + ("min_new_tokens",)
+"""The numbers of ``StreamSettings``, each also an ``EngineConfig`` field: the value for streams not given one."""
+OFF = {"top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0, "frequency_penalty": 0.0,
+       "presence_penalty": 0.0, "min_new_tokens": 0}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StreamSettings:
+    """Each stream's filters, penalties and min_new_tokens: [B] arrays (numpy on the host, traced on the device)."""
+
+    top_k: jax.Array  # [B] int32: keep the top_k likeliest tokens (0: all)
+    top_p: jax.Array  # [B] float32: then the fewest likeliest whose mass reaches top_p (1: all)
+    min_p: jax.Array  # [B] float32: then those at least min_p times as likely as the likeliest (0: all)
+    repetition_penalty: jax.Array  # [B] float32 (1: off)
+    frequency_penalty: jax.Array  # [B] float32 (0: off)
+    presence_penalty: jax.Array  # [B] float32 (0: off)
+    min_new_tokens: jax.Array  # [B] int32 (0: off)
+
+
+def uniform_settings(streams: int, **numbers) -> StreamSettings:
+    """Every stream with the same numbers (``NUMBERS``; the others off): numpy [streams] arrays, unchecked."""
+    unknown = sorted(set(numbers) - set(NUMBERS))
+    if unknown:
+        raise ValueError(f"unknown stream settings {unknown}; they are {list(NUMBERS)}")
+    values = {**OFF, **numbers}
+    return StreamSettings(**{name: np.full((streams,), values[name], _dtype(name)) for name in NUMBERS})
+
+
+def _dtype(name: str):
+    return np.int32 if name in ("top_k", "min_new_tokens") else np.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class Switches:
+    """What a decoding program's sampling compiles, read from the batch's settings (static: part of the program's
+    key; the penalties' part is ``processors.processing_for``'s)."""
+
+    greedy: bool = True  # every stream decodes greedily: no random draws, no filters
+    top_k_ceiling: int = 0  # a power of two >= every stream's top_k (0: no stream has one)
+    top_k_in_every_row: bool = False  # every stream has a top_k
+    top_p: bool = False  # some stream has top_p < 1
+    min_p: bool = False  # some stream has min_p > 0
+
+    def filters(self, settings: StreamSettings) -> dict:
+        """``sampling.truncate``'s filter arguments for the batch: each filter's [B] values where some stream uses
+        it, its off value otherwise (then it is not compiled)."""
+        if not self.top_k_ceiling:
+            top_k = {"top_k": 0}
+        else:
+            top_k = {"top_k": settings.top_k, "top_k_ceiling": self.top_k_ceiling,
+                     "top_k_in_every_row": self.top_k_in_every_row}
+        return {**top_k, "top_p": settings.top_p if self.top_p else 1.0,
+                "min_p": settings.min_p if self.min_p else 0.0}
+
+
+def switches_of(temperature: np.ndarray, settings: StreamSettings, vocab_size: int) -> Switches:
+    """The Switches of a batch from its host values: temperature [B] and numpy settings. A filter is compiled only
+    where a stream that samples uses it (greedy decoding ignores them)."""
+    hot = np.asarray(temperature) > 0
+    top_k = np.asarray(settings.top_k)
+    sampled_top_k = top_k[hot].max(initial=0) > 0  # the ceiling also covers greedy streams' k: an index to read
+    most = int(top_k.max(initial=0)) if sampled_top_k else 0
+    return Switches(
+        greedy=not hot.any(),
+        top_k_ceiling=min(1 << (most - 1).bit_length(), vocab_size) if most else 0,
+        top_k_in_every_row=bool(most) and bool((top_k[hot] > 0).all()),
+        top_p=bool((np.asarray(settings.top_p)[hot] < 1).any()),
+        min_p=bool((np.asarray(settings.min_p)[hot] > 0).any()),
+    )
+
+
+def check_settings(streams: int, given: dict, defaults: dict, checks: dict) -> StreamSettings:
+    """The batch's StreamSettings (numpy): ``given[name]`` (None: ``defaults[name]``, the config's) is one value for
+    every stream or a sequence of one per stream, each passed through ``checks[name]``; ValueError naming the
+    setting and the stream otherwise."""
+    values = {}
+    for name in NUMBERS:
+        value = given.get(name)
+        value = defaults[name] if value is None else value
+        values[name] = np.asarray(per_stream(value, streams, name, "one number", checks[name]), _dtype(name))
+    return StreamSettings(**values)
+
+
+def per_stream(value, streams: int, name: str, one: str, check_one) -> list:
+    """``value`` (one for every stream, or a sequence of one per stream) as a list of ``streams`` values, each
+    passed through ``check_one``; a ValueError names the stream whose value it refuses."""
+    try:
+        ndim = np.ndim(value)
+    except ValueError:  # a ragged nesting
+        ndim = -1
+    if ndim == 0:
+        return [check_one(_as_python(value))] * streams
+    if ndim != 1 or len(value) != streams:
+        raise ValueError(f"{name} must be {one} or a sequence of one per stream ({streams}), got {value!r}")
+    checked = []
+    for i, item in enumerate(np.asarray(value) if hasattr(value, "__array__") else value):
+        try:
+            checked.append(check_one(_as_python(item)))
+        except ValueError as e:
+            raise ValueError(f"stream {i}'s {e}") from None
+    return checked
+
+
+def _as_python(value):
+    """A numpy or JAX scalar as the Python number it holds (its type checked as that); anything else as given."""
+    return np.asarray(value).item() if isinstance(value, (np.generic, jax.Array)) else value
+
+
+def check_temperature(temperature) -> float:
+    """The sampling temperature as a float: finite and >= 0 (0: greedy); ValueError otherwise."""
+    if not is_number(temperature):
+        raise ValueError(f"temperature must be a number, got {temperature!r}")
+    if not np.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be finite and >= 0 (0: greedy), got {temperature}")
+    return float(temperature)
+
+
+def check_temperatures(temperature, streams: int) -> np.ndarray:
+    """Each stream's sampling temperature, float32 [streams]: ``temperature`` is one number for every stream or a
+    sequence of one per stream, each finite and >= 0 (0: that stream decodes greedily); ValueError otherwise."""
+    return np.asarray(per_stream(temperature, streams, "temperature", "one number", check_temperature), np.float32)
+
+
+def check_token_limits(max_new_tokens, streams: int, most: int) -> np.ndarray:
+    """Each stream's token limit, int32 [streams]: ``max_new_tokens`` is None (``most``, the config's), one
+    integer for every stream or a sequence of one per stream, each in [1, most]; ValueError otherwise."""
+    if max_new_tokens is None:
+        return np.full((streams,), most, np.int32)
+
+    def check_one(value) -> int:
+        if not is_integer(value):
+            raise ValueError(f"max_new_tokens must be an integer, got {value!r}")
+        if not 1 <= value <= most:
+            raise ValueError(f"max_new_tokens must be in [1, {most}] (EngineConfig.max_new_tokens), got {value}")
+        return int(value)
+
+    return np.asarray(per_stream(max_new_tokens, streams, "max_new_tokens", "one integer", check_one), np.int32)
+
+
+SEED_LIMIT = 2**32
+"""Seeds are ints in [0, SEED_LIMIT): ``jax.random.key`` keeps 32 bits without x64, so 2**32 would alias 0 and -1
+would alias 2**32 - 1."""
+
+
+def check_seed(seed) -> int:
+    """The sampling seed as an int in [0, SEED_LIMIT); ValueError otherwise."""
+    if not is_integer(seed):
+        raise ValueError(f"seed must be an integer, got {seed!r}")
+    if not 0 <= seed < SEED_LIMIT:
+        raise ValueError(f"seed must be in [0, {SEED_LIMIT}) (a 32-bit key), got {seed}")
+    return int(seed)
+
+
+def stream_keys(seed, streams: int) -> jax.Array:
+    """Each stream's PRNG key, [streams] typed keys: ``seed`` is one seed for the batch (stream b's key is its key
+    folded with b) or a sequence of one per stream (stream b's key is its own seed's folded with 0, so its draws do
+    not depend on the batch around it, and one stream draws alike under ``s`` and ``[s]``); each in
+    [0, SEED_LIMIT) (``check_seed``); ValueError otherwise."""
+    seeds = per_stream(seed, streams, "seed", "one integer", check_seed)
+    one = np.ndim(seed) == 0
+    return _fold_keys(np.asarray(seeds, np.uint32), np.arange(streams) if one else np.zeros(streams, np.int32))
+
+
+@jax.jit
+def _fold_keys(seeds, folds):
+    return jax.vmap(lambda seed, fold: jax.random.fold_in(jax.random.key(seed), fold))(seeds, folds)

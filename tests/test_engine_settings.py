@@ -1,0 +1,130 @@
+"""Per-stream settings (``stream_settings``): top_k, top_p, min_p, the penalties and min_new_tokens given to
+``generate`` one per stream reach their own stream and no other. Greedy decoding with per-stream penalties equals
+the processed plain-forward reference with each stream's numbers; a sampled stream emits the same tokens in a mixed
+batch as alone under a config holding its numbers; one compiled program serves any values; bad values name their
+stream."""
+
+import numpy as np
+import pytest
+
+from ddtree_jax.engine import Engine, EngineConfig
+from ddtree_jax.stream_settings import Switches, switches_of, uniform_settings
+from test_engine_processing import EOS_IDS, STOPS, cut_at_end, greedy_with_processing
+from tests.test_engine import NEW, PROMPTS, build_models
+
+SETS = dict(logit_bias=((2, -100.0), (58, 1.5)), eos_ids=EOS_IDS)
+PER_STREAM = dict(min_new_tokens=[4, 0, 6, 2, 0, 5, 1, 3], repetition_penalty=[1.2, 1.0, 0.7, 1.5, 1.0, 1.2, 2.0, 1.0],
+                  frequency_penalty=[-0.7, 0.0, 0.3, 0.0, 0.5, -0.2, 0.0, 0.0],
+                  presence_penalty=[0.4, 0.0, 0.0, -0.5, 0.3, 0.0, 0.0, 0.0])
+
+
+@pytest.fixture(scope="module")
+def models():
+    return build_models()
+
+
+def config(mode, budget, **kw):
+    return EngineConfig(mode=mode, budget=budget, max_new_tokens=NEW, capacity=64, stop_sequences=STOPS, **SETS, **kw)
+
+
+@pytest.mark.parametrize("mode,budget", [("ar", 1), ("dflash", 1), ("ddtree", 64)])
+def test_per_stream_processing_greedy_equals_the_processed_full_forward(models, mode, budget):
+    """Eight streams, each its own penalties and min_new_tokens (some off; stream 7 none at all): greedy decoding
+    equals the processed plain-forward reference with each stream's numbers, cut at its first EOS or stop sequence
+    past its own min_new_tokens, token for token."""
+    target, drafter = models
+    engine = Engine(target, drafter if mode != "ar" else None, config(mode, budget))
+    res = engine.generate(PROMPTS[:8], **PER_STREAM)
+    reference = greedy_with_processing(target, PROMPTS[:8], SETS, PER_STREAM, NEW)
+    want = [cut_at_end(tokens, EOS_IDS, STOPS, least) for tokens, least in zip(reference, PER_STREAM["min_new_tokens"])]
+    assert list(zip(res["tokens"], res["status"])) == want
+    uniform = greedy_with_processing(target, PROMPTS[:8], SETS, dict(repetition_penalty=1.2), NEW)
+    assert sum(r != u for r, u in zip(reference, uniform)) >= 4  # the streams' numbers changed their tokens
+
+
+SAMPLED = [  # each stream's temperature, seed and numbers
+    dict(temperature=1.0, seed=11, top_k=5, top_p=1.0, min_p=0.0, repetition_penalty=1.3),
+    dict(temperature=0.0, seed=12, top_k=0, top_p=0.5, min_p=0.0, frequency_penalty=0.4),
+    dict(temperature=0.8, seed=13, top_k=0, top_p=0.8, min_p=0.05, presence_penalty=-0.3, min_new_tokens=3),
+    dict(temperature=1.2, seed=14, top_k=40, top_p=0.9, min_p=0.0),
+    dict(temperature=1.0, seed=15, top_k=0, top_p=1.0, min_p=0.2, min_new_tokens=6),
+]
+
+
+@pytest.mark.parametrize("mode", ["ar", "dflash", "ddtree"])
+def test_a_streams_settings_give_it_the_tokens_it_has_alone(models, mode):
+    """Five streams of different temperatures, seeds, filters and penalties in one batch: each emits the tokens it
+    emits alone under a config holding its numbers (its seed its own: its draws do not depend on the batch), with
+    the same status; the batch compiles top-k, top-p and min-p once for all (top_k's ceiling 64)."""
+    target, drafter = models
+    drafter = drafter if mode != "ar" else None
+    names = ("top_k", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty",
+             "min_new_tokens")
+    per_stream = {name: [s.get(name, uniform_settings(1).__dict__[name][0].item()) for s in SAMPLED] for name in names}
+    batch = Engine(target, drafter, config(mode, 16)).generate(
+        PROMPTS[:5], [s["temperature"] for s in SAMPLED], [s["seed"] for s in SAMPLED], **per_stream)
+    for b, settings in enumerate(SAMPLED):
+        numbers = {name: per_stream[name][b] for name in names}
+        alone = Engine(target, drafter, config(mode, 16, **numbers)).generate(
+            [PROMPTS[b]], settings["temperature"], [settings["seed"]])
+        assert (alone["tokens"][0], alone["status"][0]) == (batch["tokens"][b], batch["status"][b]), b
+    assert len({tuple(t) for t in batch["tokens"]}) == 5
+
+
+def test_one_program_serves_any_values(models):
+    """After one batch compiles, batches of other per-stream values under the same switches compile nothing; a
+    batch that turns on a filter no stream used before compiles anew."""
+    from experiments import bench_util
+
+    target, drafter = models
+    engine = Engine(target, drafter, config("ddtree", 16))
+    prompts = PROMPTS[:4]
+    engine.generate(prompts, 1.0, seed=1, top_p=[0.9, 1.0, 0.5, 0.7], repetition_penalty=[1.1, 1.0, 1.0, 1.3])
+    with bench_util.counting_compiles() as compiles:
+        engine.generate(prompts, [1.0, 0.5, 1.0, 2.0], seed=2, top_p=0.3, repetition_penalty=[0.9, 1.2, 1.0, 1.0])
+        engine.generate(prompts, 0.7, seed=3, top_p=[0.95, 0.9, 0.2, 0.6], repetition_penalty=2.0)
+    assert compiles == []
+    with bench_util.counting_compiles() as compiles:
+        engine.generate(prompts, 1.0, seed=4, top_p=0.9, min_p=[0.0, 0.1, 0.0, 0.0], repetition_penalty=1.1)
+    assert compiles != []
+
+
+def test_switches_read_what_the_sampled_streams_use():
+    settings = uniform_settings(4, top_k=0, top_p=0.9)
+    settings.top_k[:] = [3, 0, 100, 17]
+    hot = np.array([1.0, 0.5, 0.0, 1.0])
+    assert switches_of(hot, settings, 64) == Switches(greedy=False, top_k_ceiling=64, top_k_in_every_row=False,
+                                                      top_p=True, min_p=False)
+    assert switches_of(np.array([1.0, 0.0, 0.0, 1.0]), settings, 1000).top_k_ceiling == 128  # greedy stream 2's k
+    assert switches_of(np.array([1.0, 0.0, 0.0, 1.0]), settings, 1000).top_k_in_every_row
+    assert switches_of(np.array([0.0, 1.0, 0.0, 0.0]), settings, 1000) == Switches(greedy=False, top_p=True)
+    assert switches_of(np.zeros(4), settings, 1000) == Switches()
+
+
+@pytest.mark.parametrize("settings,message", [
+    (dict(top_p=[0.9, 0.0, 1.0, 1.0]), r"stream 1's top_p must be in \(0, 1\]"),
+    (dict(top_k=[1, 2, -3, 0]), r"stream 2's top_k must be >= 0"),
+    (dict(top_k=[1, 2, 3, 10_000]), r"stream 3's top_k must be at most the vocabulary's"),
+    (dict(min_p=[0.1, 0.2]), r"min_p must be one number or a sequence of one per stream \(4\)"),
+    (dict(repetition_penalty=[1.0, 1.0, 0.0, 1.0]), r"stream 2's repetition_penalty must be finite and > 0"),
+    (dict(frequency_penalty=float("inf")), r"frequency_penalty must be a finite number"),
+    (dict(presence_penalty=[0, 0, "x", 0]), r"stream 2's presence_penalty must be a finite number"),
+    (dict(min_new_tokens=[0, NEW + 1, 0, 0]), rf"stream 1's min_new_tokens={NEW + 1} passes max_new_tokens={NEW}"),
+    (dict(min_new_tokens=[0, 3, 0, 0], max_new_tokens=[4, 2, 4, 4]), r"stream 1's min_new_tokens=3 passes "
+                                                                    r"max_new_tokens=2"),
+    (dict(min_new_tokens=[0, 1.5, 0, 0]), r"stream 1's min_new_tokens must be an integer"),
+])
+def test_bad_per_stream_settings_refused(models, settings, message):
+    target, drafter = models
+    engine = Engine(target, drafter, config("ddtree", 16))
+    with pytest.raises(ValueError, match=message):
+        engine.generate(PROMPTS[:4], 1.0, **settings)
+
+
+def test_min_new_tokens_per_stream_needs_something_to_hold_back(models):
+    target, drafter = models
+    engine = Engine(target, drafter, EngineConfig(max_new_tokens=NEW, capacity=64))
+    with pytest.raises(ValueError, match="stream 0's min_new_tokens=2 holds back EOS ids and stop sequences"):
+        engine.prefill(PROMPTS[:2], min_new_tokens=[2, 0])
+    with pytest.raises(TypeError, match="top_n"):
+        engine.generate(PROMPTS[:2], top_n=3)
