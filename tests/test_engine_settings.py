@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ddtree_jax.engine import Engine, EngineConfig
-from ddtree_jax.stream_settings import Switches, switches_of, uniform_settings
+from ddtree_jax.stream_settings import NUMBERS, OFF, Switches, switches_of, uniform_settings
 from test_engine_processing import EOS_IDS, STOPS, cut_at_end, greedy_with_processing
 from tests.test_engine import NEW, PROMPTS, build_models
 
@@ -58,13 +58,11 @@ def test_a_streams_settings_give_it_the_tokens_it_has_alone(models, mode):
     the same status; the batch compiles top-k, top-p and min-p once for all (top_k's ceiling 64)."""
     target, drafter = models
     drafter = drafter if mode != "ar" else None
-    names = ("top_k", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty",
-             "min_new_tokens")
-    per_stream = {name: [s.get(name, uniform_settings(1).__dict__[name][0].item()) for s in SAMPLED] for name in names}
+    per_stream = {name: [s.get(name, OFF[name]) for s in SAMPLED] for name in NUMBERS}
     batch = Engine(target, drafter, config(mode, 16)).generate(
         PROMPTS[:5], [s["temperature"] for s in SAMPLED], [s["seed"] for s in SAMPLED], **per_stream)
     for b, settings in enumerate(SAMPLED):
-        numbers = {name: per_stream[name][b] for name in names}
+        numbers = {name: per_stream[name][b] for name in NUMBERS}
         alone = Engine(target, drafter, config(mode, 16, **numbers)).generate(
             [PROMPTS[b]], settings["temperature"], [settings["seed"]])
         assert (alone["tokens"][0], alone["status"][0]) == (batch["tokens"][b], batch["status"][b]), b
