@@ -49,7 +49,8 @@ from ddtree_jax.scores import (TokenScores, empty_scores, per_stream_slices, sco
 from ddtree_jax.sharding import named_sharding, shard_state
 from ddtree_jax.stopping import (CACHE_FULL, EOS, MAX_TOKENS, RUNNING, STATUS_NAMES, STOP_SEQUENCE,  # noqa: F401
                                  STOP_STRING, check_id_sequences, check_stop_sequences, stop_and_emit)
-from ddtree_jax.stop_strings import StopTables, advance, build_stop_tables, check_stop_strings, start_states
+from ddtree_jax.stop_strings import (StopStringTabler, StopTables, advance, check_stop_strings,
+                                     check_stream_stop_strings)
 from ddtree_jax.tree import PAD, accept_tokens, build_tree, chain_tree, check_budget, sample_target_tokens
 
 MODES = ("ar", "dflash", "ddtree")
@@ -135,15 +136,16 @@ class EngineConfig:
         """The log-probabilities kept: None, or ``logprobs_mode``."""
         return self.logprobs_mode if self.logprobs else None
 
-    def check_min_new_tokens(self, min_new_tokens: int, limit: int) -> None:
+    def check_min_new_tokens(self, min_new_tokens: int, limit: int, stop_strings: tuple[str, ...] | None = None):
         """ValueError where a stream's min_new_tokens cannot hold: past its token limit, with nothing it holds back,
-        or holding back every allowed token."""
+        or holding back every allowed token. ``stop_strings``: the stream's (None: the config's)."""
+        stop_strings = self.stop_strings if stop_strings is None else stop_strings
         if min_new_tokens > limit:
             raise ValueError(f"min_new_tokens={min_new_tokens} passes max_new_tokens={limit}")
         if min_new_tokens and self.allowed_token_ids and set(self.allowed_token_ids) <= set(self.eos_ids):
             raise ValueError(f"min_new_tokens={min_new_tokens} holds back every allowed token "
                              f"{list(self.allowed_token_ids)}: they are all EOS ids")
-        if min_new_tokens and not (self.eos_ids or self.stop_sequences or self.stop_strings):
+        if min_new_tokens and not (self.eos_ids or self.stop_sequences or stop_strings):
             raise ValueError(f"min_new_tokens={min_new_tokens} holds back EOS ids and stop sequences: "
                              "give eos_ids, stop_sequences or stop_strings")
 
@@ -181,7 +183,9 @@ class DecodeState:
     temperature: jax.Array  # [B] float32: the stream's sampling temperature (0: greedy)
     settings: StreamSettings  # [B] each: the stream's filters, penalties and min_new_tokens
     history: TokenHistory | None  # what the penalties read of the prompt and the output; None: no penalty
-    stop_states: jax.Array | None  # [B, S] int32: each stop string's automaton state (``stop_strings``); else None
+    stop_tables: StopTables | None  # every stop string of the batch (``stop_strings``); None: no stream has one
+    stop_applies: jax.Array | None  # [B, S] bool: the strings each stream stops on
+    stop_states: jax.Array | None  # [B, S] int32: each stop string's automaton state
     status: jax.Array  # [B] int32 (RUNNING / EOS / MAX_TOKENS / CACHE_FULL / STOP_SEQUENCE)
     rounds: jax.Array  # [B] int32: rounds in which the stream was active
     tau_hist: jax.Array  # [B, D+2] int32: histogram of tokens emitted per round
@@ -251,7 +255,8 @@ class Engine:
     and its n likeliest tokens (``scores``), from the rows the forwards computed. The token sets (allowed ids, bad
     words, logit bias), min_new_tokens and the penalties process every place's logits before the temperature and
     the filters (``processors``), each tree node's over its own context.
-    ``tokenizer``: needed for the config's ``stop_strings`` (its ``token_bytes``), whose tables are built here.
+    ``tokenizer``: needed for stop strings, the config's (tabled here) or a batch's (``prefill``'s ``stop_strings``:
+    each string tabled at its first use and kept; its ``token_bytes``).
     """
 
     def __init__(self, target: KimiModel, drafter: DFlashDrafter | None, ecfg: EngineConfig, *,
@@ -274,16 +279,9 @@ class Engine:
             if outside:
                 raise ValueError(f"{name} {outside} hold ids outside the target's vocabulary "
                                  f"[0, {target.cfg.vocab_size})")
-        self.stop_tables = None
+        self.tokenizer, self._tabler = tokenizer, None
         if ecfg.stop_strings:
-            if tokenizer is None:
-                raise ValueError(f"stop_strings {list(ecfg.stop_strings)} are matched in the decoded text: give "
-                                 "Engine(..., tokenizer=...)")
-            token_bytes = tokenizer.token_bytes(target.cfg.vocab_size)
-            if len(token_bytes) != target.cfg.vocab_size:
-                raise ValueError(f"the tokenizer's token_bytes gave {len(token_bytes)} tokens' bytes for the target's "
-                                 f"vocabulary of {target.cfg.vocab_size}")
-            self.stop_tables = build_stop_tables(ecfg.stop_strings, token_bytes)
+            self._stop_tabler(ecfg.stop_strings, target.cfg.vocab_size).tables(ecfg.stop_strings)  # built once here
         if ecfg.capacity > target.cfg.max_position_embeddings:
             raise ValueError(f"capacity={ecfg.capacity} passes the target's max_position_embeddings="
                              f"{target.cfg.max_position_embeddings}: positions past it were never trained")
@@ -303,12 +301,39 @@ class Engine:
             check_budget(ecfg.budget, self.block_size - 1, self.cfg.vocab_size)
         self.taps = tuple(self.dcfg.target_layer_ids) if self.dcfg and ecfg.mode != "ar" else ()
 
+    def _stop_tabler(self, strings, vocab_size: int) -> StopStringTabler:
+        """The tabler of stop strings over the tokenizer's bytes (made at the first use)."""
+        if self._tabler is None:
+            if self.tokenizer is None:
+                raise ValueError(f"stop_strings {list(strings)} are matched in the decoded text: give "
+                                 "Engine(..., tokenizer=...)")
+            token_bytes = self.tokenizer.token_bytes(vocab_size)
+            if len(token_bytes) != vocab_size:
+                raise ValueError(f"the tokenizer's token_bytes gave {len(token_bytes)} tokens' bytes for the target's "
+                                 f"vocabulary of {vocab_size}")
+            self._tabler = StopStringTabler(token_bytes)
+        return self._tabler
+
+    def _batch_stop_strings(self, per_stream: list[tuple[str, ...]]):
+        """(StopTables of every string some stream stops on, S and Q rounded up to powers of two; applies [B, S]
+        bool: the strings each stream stops on), or (None, None) where no stream has one."""
+        union = sorted(set().union(*per_stream))
+        if not union:
+            return None, None
+        tables = self._stop_tabler(union, self.cfg.vocab_size).tables(union, round_up=True)
+        applies = np.zeros((len(per_stream), tables.next_state.shape[0]), bool)
+        for b, strings in enumerate(per_stream):
+            applies[b, [union.index(text) for text in strings]] = True
+        return tables, jnp.asarray(applies)
+
     # ------------------------------------------------------------------ prefill
     def prefill(self, prompts: Sequence[Sequence[int]], temperature=0.0, seed=0, max_new_tokens=None, *,
                 top_k=None, top_p=None, min_p=None, repetition_penalty=None, frequency_penalty=None,
-                presence_penalty=None, min_new_tokens=None) -> DecodeState:
+                presence_penalty=None, min_new_tokens=None, stop_strings=None) -> DecodeState:
         """The prompts' prefill and each stream's first token. From ``top_k`` on: one value for every stream or a
-        sequence of one per stream (None: the config's), fixed in the state for every round after it."""
+        sequence of one per stream (None: the config's), fixed in the state for every round after it;
+        ``stop_strings`` one sequence of strings for every stream or one per stream (``check_stream_stop_strings``;
+        they need the engine's tokenizer)."""
         ecfg = self.ecfg
         temperature, keys = check_temperatures(temperature, len(prompts)), stream_keys(seed, len(prompts))
         limits = check_token_limits(max_new_tokens, len(prompts), ecfg.max_new_tokens)
@@ -316,11 +341,13 @@ class Engine:
                      frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
                      min_new_tokens=min_new_tokens)
         settings = check_settings(len(prompts), given, ecfg.settings, self._setting_checks)
+        strings = check_stream_stop_strings(ecfg.stop_strings if stop_strings is None else stop_strings, len(prompts))
         for i, (least, limit) in enumerate(zip(settings.min_new_tokens.tolist(), limits.tolist())):
             try:
-                ecfg.check_min_new_tokens(least, limit)
+                ecfg.check_min_new_tokens(least, limit, strings[i])
             except ValueError as e:
                 raise ValueError(f"stream {i}'s {e}") from None
+        stop_tables, stop_applies = self._batch_stop_strings(strings)
         switches = switches_of(temperature, settings, self.cfg.vocab_size)
         tokens, lengths = pad_prompts(prompts, vocab_size=self.cfg.vocab_size, capacity=ecfg.capacity,
                                       reserve=self.depth + 1)
@@ -331,7 +358,7 @@ class Engine:
         cache, draft_cache = place_caches(cache, draft_cache, self.runtime)
         return _prefill(self.target_def, self.target_state, self.drafter_def, self.drafter_state, cache, draft_cache,
                         jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(temperature), keys,
-                        jnp.asarray(limits), jax.tree.map(jnp.asarray, settings), self.stop_tables,
+                        jnp.asarray(limits), jax.tree.map(jnp.asarray, settings), stop_tables, stop_applies,
                         max_new_tokens=ecfg.max_new_tokens, eos_ids=ecfg.eos_ids, runtime=self.runtime,
                         taps=self.taps, depth=self.depth, switches=switches, logprobs=ecfg.kept_logprobs,
                         top_logprobs=ecfg.top_logprobs, stop_sequences=ecfg.stop_sequences,
@@ -358,8 +385,7 @@ class Engine:
         it so), the next ones while any stream runs."""
         while True:
             state = _run_rounds(self.target_def, self.target_state, self.drafter_def, self.drafter_state, state,
-                                self.stop_tables, ecfg=self.ecfg, runtime=self.runtime, taps=self.taps,
-                                depth=self.depth)
+                                ecfg=self.ecfg, runtime=self.runtime, taps=self.taps, depth=self.depth)
             yield state
             if not _any_running(state):
                 return
@@ -453,9 +479,10 @@ def _static_if_greedy(temperature, greedy: bool):
                                              "processing"),
                    donate_argnames=("cache", "draft_cache"))
 def _prefill(target_def, target_state, drafter_def, drafter_state, cache, draft_cache, tokens, lengths, temperature,
-             key, limits, settings, stop_tables, *, max_new_tokens: int, eos_ids: tuple[int, ...], runtime: Runtime,
-             taps: tuple[int, ...], depth: int, switches: Switches, logprobs: str | None, top_logprobs: int,
-             stop_sequences: tuple[tuple[int, ...], ...], processing: LogitProcessing) -> DecodeState:
+             key, limits, settings, stop_tables, stop_applies, *, max_new_tokens: int, eos_ids: tuple[int, ...],
+             runtime: Runtime, taps: tuple[int, ...], depth: int, switches: Switches, logprobs: str | None,
+             top_logprobs: int, stop_sequences: tuple[tuple[int, ...], ...],
+             processing: LogitProcessing) -> DecodeState:
     # logprobs: the scores kept (EngineConfig.kept_logprobs: None, "raw" or "processed").
     # Keyed on its static arguments, not on the EngineConfig: mode and budget enter only through depth
     # (= tree_depth, the shapes of ctx_taps / tau_hist), taps and drafter_def, so engines that agree on
@@ -486,13 +513,14 @@ def _prefill(target_def, target_state, drafter_def, drafter_state, cache, draft_
         out_tokens=jnp.full((b, max_new_tokens), PAD, jnp.int32),
         out_scores=empty_scores(b, max_new_tokens, top_logprobs) if logprobs else None,
         num_out=jnp.zeros((b,), jnp.int32), limit=limits,
-        temperature=temperatures, settings=settings, history=history, stop_states=start_states(stop_tables, b),
+        temperature=temperatures, settings=settings, history=history, stop_tables=stop_tables,
+        stop_applies=stop_applies,
+        stop_states=None if stop_tables is None else jnp.zeros(stop_applies.shape, jnp.int32),
         status=jnp.full((b,), RUNNING, jnp.int32), rounds=jnp.zeros((b,), jnp.int32),
         tau_hist=jnp.zeros((b, depth + 2), jnp.int32), key=key, switches=switches, processing=processing,
     )
     bonus_scores = _scores_of(last[:, None], processed, bonus[:, None], temperature, logprobs, top_logprobs, filters)
-    string_ends, stop_states = _advance_stop_strings(stop_tables, state.stop_states, bonus[:, None],
-                                                     jnp.ones((b,), jnp.int32))
+    string_ends, stop_states = _advance_stop_strings(state, bonus[:, None], jnp.ones((b,), jnp.int32))
     out_tokens, out_scores, num_out, status = stop_and_emit(state, bonus[:, None], jnp.ones((b,), jnp.int32),
                                                              jnp.ones((b,), bool), eos_ids, bonus_scores,
                                                              stop_sequences, settings.min_new_tokens, string_ends)
@@ -500,11 +528,11 @@ def _prefill(target_def, target_state, drafter_def, drafter_state, cache, draft_
                                status=status, stop_states=stop_states)
 
 
-def _advance_stop_strings(stop_tables, stop_states, tokens, counts):
-    """``stop_strings.advance`` where the engine has stop strings: (ends [B, E] or None, the new states)."""
-    if stop_tables is None:
-        return None, stop_states
-    return advance(stop_tables, stop_states, tokens, counts)
+def _advance_stop_strings(state: DecodeState, tokens, counts):
+    """``stop_strings.advance`` where some stream has stop strings: (ends [B, E] or None, the new states)."""
+    if state.stop_tables is None:
+        return None, state.stop_states
+    return advance(state.stop_tables, state.stop_states, tokens, counts, state.stop_applies)
 
 
 def _draft_tree(target, drafter, state: DecodeState, start, active, ecfg: EngineConfig, depth: int):
@@ -545,7 +573,7 @@ def _scores_of(raw, processed, tokens, temperature, logprobs: str | None, top_lo
 
 
 def _round(target, drafter, state: DecodeState, temperature, ecfg: EngineConfig, runtime: Runtime,
-           taps: tuple[int, ...], depth: int, stop_tables: StopTables | None) -> DecodeState:
+           taps: tuple[int, ...], depth: int) -> DecodeState:
     b = state.bonus.shape[0]
     start = state.cache.lengths  # position of the bonus token = committed length
     room_target = start + depth + 1 <= state.cache.capacity
@@ -571,8 +599,7 @@ def _round(target, drafter, state: DecodeState, temperature, ecfg: EngineConfig,
     path_rows = functools.partial(jnp.take_along_axis, indices=rows[:, :, None], axis=1)
     emitted_scores = _scores_of(path_rows(out.logits), path_rows(processed), acc.emitted, temperature,
                                 ecfg.kept_logprobs, ecfg.top_logprobs, state.switches.filters(state.settings))
-    string_ends, stop_states = _advance_stop_strings(stop_tables, state.stop_states, acc.emitted,
-                                                     jnp.where(active, acc.num_accepted + 1, 0))
+    string_ends, stop_states = _advance_stop_strings(state, acc.emitted, jnp.where(active, acc.num_accepted + 1, 0))
     out_tokens, out_scores, num_out, status = stop_and_emit(
         dataclasses.replace(state, status=status), acc.emitted, acc.num_accepted + 1, active,
         ecfg.eos_ids, emitted_scores, ecfg.stop_sequences, state.settings.min_new_tokens, string_ends)
@@ -588,7 +615,7 @@ def _round(target, drafter, state: DecodeState, temperature, ecfg: EngineConfig,
 
 @functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "ecfg", "runtime", "taps", "depth"),
                    donate_argnames=("state",))
-def _run_rounds(target_def, target_state, drafter_def, drafter_state, state: DecodeState, stop_tables, *,
+def _run_rounds(target_def, target_state, drafter_def, drafter_state, state: DecodeState, *,
                 ecfg: EngineConfig, runtime: Runtime, taps: tuple[int, ...], depth: int) -> DecodeState:
     target = nnx.merge(target_def, target_state)
     drafter = nnx.merge(drafter_def, drafter_state) if drafter_def is not None else None
@@ -600,7 +627,7 @@ def _run_rounds(target_def, target_state, drafter_def, drafter_state, state: Dec
     def body(carry):
         i, st = carry
         return i + 1, _round(target, drafter, st, _static_if_greedy(st.temperature, st.switches.greedy), ecfg,
-                             runtime, taps, depth, stop_tables)
+                             runtime, taps, depth)
 
     _, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
     return state

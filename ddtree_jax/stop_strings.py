@@ -42,6 +42,25 @@ def check_stop_strings(stop_strings) -> tuple[str, ...]:
     return tuple(stop_strings)
 
 
+def check_stream_stop_strings(stop_strings, streams: int) -> list[tuple[str, ...]]:
+    """Each stream's stop strings: ``stop_strings`` is one sequence of strings for every stream (e.g.
+    ``("\\n\\n",)``) or a sequence of one such per stream (e.g. ``[("\\n",), (), ("</s>", "User:")]``);
+    ValueError otherwise."""
+    if isinstance(stop_strings, (list, tuple)) and stop_strings and all(
+            isinstance(item, (list, tuple)) for item in stop_strings):
+        if len(stop_strings) != streams:
+            raise ValueError(f"stop_strings must be one sequence of strings or one per stream ({streams}), got "
+                             f"{len(stop_strings)} sequences")
+        checked = []
+        for i, strings in enumerate(stop_strings):
+            try:
+                checked.append(check_stop_strings(strings))
+            except ValueError as e:
+                raise ValueError(f"stream {i}'s {e}") from None
+        return checked
+    return [check_stop_strings(stop_strings)] * streams
+
+
 def kmp_automaton(pattern: bytes) -> np.ndarray:
     """[n + 1, 256] int32 for a pattern of n bytes: the state after a byte, state = the pattern's leading bytes the
     text ends with (n: it has just been found; the next byte continues from its longest proper border)."""
@@ -57,33 +76,62 @@ def kmp_automaton(pattern: bytes) -> np.ndarray:
     return dfa
 
 
+class StopStringTabler:
+    """Tables stop strings over one vocabulary, whose token i decodes to ``token_bytes[i]``: each string's tables
+    are built once and kept (host numpy), and a batch's strings are stacked into one StopTables (``tables``)."""
+
+    def __init__(self, token_bytes: Sequence[bytes]):
+        self.vocab_size = w = len(token_bytes)
+        lengths = np.array([len(b) for b in token_bytes], np.int64)
+        self._order = np.argsort(-lengths, kind="stable")  # longest first: byte j is read from the first active[j]
+        self._padded = np.zeros((w, max(int(lengths.max(initial=0)), 1)), np.uint8)
+        for row, i in enumerate(self._order):
+            self._padded[row, :lengths[i]] = np.frombuffer(token_bytes[i], np.uint8)
+        self._active = (lengths[:, None] > np.arange(self._padded.shape[1])[None, :]).sum(0)  # tokens with byte j
+        self._kept: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+
+    def string_tables(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """One string's (next_state [n + 1, W] int32, completes [n + 1, W] bool) for its n bytes."""
+        if text not in self._kept:
+            pattern = text.encode("utf-8")
+            dfa = kmp_automaton(pattern)
+            w = self.vocab_size
+            state = np.broadcast_to(np.arange(len(pattern) + 1)[:, None], (len(pattern) + 1, w)).copy()
+            found = np.zeros(state.shape, bool)
+            for j, k in enumerate(self._active):  # byte j of every token that has one, from every state at once
+                after = dfa[state[:, :k], self._padded[None, :k, j]]
+                state[:, :k] = after
+                found[:, :k] |= after == len(pattern)
+            next_state, completes = np.empty_like(state), np.empty_like(found)
+            next_state[:, self._order], completes[:, self._order] = state, found
+            self._kept[text] = (next_state, completes)
+        return self._kept[text]
+
+    def tables(self, stop_strings: Sequence[str], round_up: bool = False) -> StopTables:
+        """The StopTables of ``stop_strings`` (S of them, Q = the longest's bytes + 1 states). ``round_up``: S and Q
+        rounded up to powers of two (padding strings are never completed), so that batches of other strings share
+        compiled programs."""
+        strings = check_stop_strings(stop_strings)
+        if not strings:
+            raise ValueError("no stop strings to table")
+        count, q = len(strings), max(len(s.encode("utf-8")) for s in strings) + 1
+        if round_up:
+            count, q = _power_of_two(count), _power_of_two(q)
+        next_state = np.zeros((count, q, self.vocab_size), np.int16 if q <= np.iinfo(np.int16).max else np.int32)
+        completes = np.zeros((count, q, self.vocab_size), bool)
+        for s, text in enumerate(strings):
+            states, found = self.string_tables(text)
+            next_state[s, :len(states)], completes[s, :len(found)] = states, found
+        return StopTables(next_state=jnp.asarray(next_state), completes=jnp.asarray(completes))
+
+
+def _power_of_two(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def build_stop_tables(stop_strings: Sequence[str], token_bytes: Sequence[bytes]) -> StopTables:
     """The tables of ``stop_strings`` over a vocabulary whose token i decodes to ``token_bytes[i]``."""
-    strings = check_stop_strings(stop_strings)
-    if not strings:
-        raise ValueError("no stop strings to table")
-    w = len(token_bytes)
-    lengths = np.array([len(b) for b in token_bytes], np.int64)
-    order = np.argsort(-lengths, kind="stable")  # longest first: byte j is read from the first active[j] tokens
-    padded = np.zeros((w, max(int(lengths.max(initial=0)), 1)), np.uint8)
-    for row, i in enumerate(order):
-        padded[row, :lengths[i]] = np.frombuffer(token_bytes[i], np.uint8)
-    active = (lengths[:, None] > np.arange(padded.shape[1])[None, :]).sum(0)  # tokens with a byte j
-    q = max(len(s.encode("utf-8")) for s in strings) + 1
-    next_state = np.zeros((len(strings), q, w), np.int16 if q <= np.iinfo(np.int16).max else np.int32)
-    completes = np.zeros((len(strings), q, w), bool)
-    for s, text in enumerate(strings):
-        pattern = text.encode("utf-8")
-        dfa = kmp_automaton(pattern)
-        state = np.broadcast_to(np.arange(len(pattern) + 1)[:, None], (len(pattern) + 1, w)).copy()
-        found = np.zeros(state.shape, bool)
-        for j, k in enumerate(active):  # byte j of every token that has one, from every start state at once
-            after = dfa[state[:, :k], padded[None, :k, j]]
-            state[:, :k] = after
-            found[:, :k] |= after == len(pattern)
-        next_state[s, :len(pattern) + 1, order] = state.T
-        completes[s, :len(pattern) + 1, order] = found.T
-    return StopTables(next_state=jnp.asarray(next_state), completes=jnp.asarray(completes))
+    return StopStringTabler(token_bytes).tables(stop_strings)
 
 
 def start_states(tables: StopTables | None, streams: int) -> jax.Array | None:
@@ -91,16 +139,18 @@ def start_states(tables: StopTables | None, streams: int) -> jax.Array | None:
     return None if tables is None else jnp.zeros((streams, tables.next_state.shape[0]), jnp.int32)
 
 
-def advance(tables: StopTables, states: jax.Array, tokens: jax.Array, counts: jax.Array):
+def advance(tables: StopTables, states: jax.Array, tokens: jax.Array, counts: jax.Array,
+            applies: jax.Array | None = None):
     """Feeds each stream's first counts[b] of tokens [B, E] to the automata in states [B, S]. Returns (completes
-    [B, E] bool: token e completes a stop string, read for e < counts[b]; the states [B, S] after the first
-    counts[b] tokens)."""
+    [B, E] bool: token e completes a stop string that applies to the stream (``applies`` [B, S] bool; None: every
+    string), read for e < counts[b]; the states [B, S] after the first counts[b] tokens)."""
     b, width = tokens.shape
     strings = jnp.arange(tables.next_state.shape[0])[None, :]
     completes, after = [], [states]
     for e in range(width):
         token = jnp.maximum(tokens[:, e], 0)[:, None]  # PAD past the counts: read, never kept
-        completes.append(tables.completes[strings, states, token].any(-1))
+        found = tables.completes[strings, states, token]  # [B, S]
+        completes.append((found if applies is None else found & applies).any(-1))
         states = tables.next_state[strings, states, token].astype(jnp.int32)
         after.append(states)
     kept = jnp.take_along_axis(jnp.stack(after, 1), counts[:, None, None], axis=1)[:, 0]  # [B, S]

@@ -261,7 +261,7 @@ def bench_no_host_sync(engine, args, rows):
     engine16.__dict__.update(engine.__dict__, ecfg=ecfg)
     state = engine16.prefill(prompts)
     run = lambda st: _run_rounds(engine16.target_def, engine16.target_state, engine16.drafter_def,  # noqa: E731
-                                 engine16.drafter_state, st, engine16.stop_tables, ecfg=ecfg, runtime=engine16.runtime,
+                                 engine16.drafter_state, st, ecfg=ecfg, runtime=engine16.runtime,
                                  taps=engine16.taps, depth=engine16.depth)
     state = run(state)  # compile
     jax.block_until_ready(state.bonus)

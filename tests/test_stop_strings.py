@@ -150,3 +150,62 @@ def test_engine_stops_where_the_text_first_holds_a_stop_string(models, mode):
     with pytest.raises(ValueError, match=f"token_bytes gave {VOCAB - 1} tokens' bytes for the target's vocabulary "
                                          f"of {VOCAB}"):
         Engine(target, drafter, EngineConfig(capacity=64, stop_strings=("ab",)), tokenizer=short)
+
+
+@pytest.mark.parametrize("mode", ["ar", "ddtree"])
+def test_each_stream_stops_on_its_own_strings(models, mode):
+    """``generate(..., stop_strings=[one sequence per stream])``: each stream's output is AR's cut where its text
+    first holds one of its own strings (none: never; another stream's string does not stop it); one sequence stops
+    every stream; None keeps the config's; a batch of other strings at the same rounded sizes compiles nothing."""
+    from experiments import bench_util
+
+    target, drafter = models
+    rng = np.random.default_rng(12)
+    token_bytes = random_token_bytes(rng, VOCAB, alphabet=b"abc\n", longest=3)
+    prompts = PROMPTS[:6]
+    ar = generate_all(target, None, EngineConfig(mode="ar", max_new_tokens=NEW, capacity=64), prompts, 6)
+    texts = [b"".join(token_bytes[t] for t in tokens) for tokens in ar]
+    own = [texts[b][2:5].decode() for b in range(6)]  # stream 2's text is empty: it never stops
+    per_stream = [(own[0],), (), (own[0], own[1]), (own[1],), (own[4],), ("zzz", own[5])]
+    ecfg = EngineConfig(mode=mode, budget=16, max_new_tokens=NEW, capacity=64, stop_strings=(own[5],))
+    engine = Engine(target, drafter if mode != "ar" else None, ecfg, tokenizer=FakeTokenizer(token_bytes))
+
+    def cut(tokens, strings):
+        ends = ends_in_token(token_bytes, tokens, strings) if strings else [False] * len(tokens)
+        first = next((k for k, end in enumerate(ends) if end), None)
+        return (tokens, "max_new_tokens") if first is None else (tokens[:first + 1], "stop_string")
+
+    res = engine.generate(prompts, stop_strings=per_stream)
+    want = [cut(tokens, strings) for tokens, strings in zip(ar, per_stream)]
+    assert list(zip(res["tokens"], res["status"])) == want
+    assert [status for _, status in want].count("stop_string") >= 3 and want[1][1] == "max_new_tokens"
+    res = engine.generate(prompts, stop_strings=(own[3],))
+    assert list(zip(res["tokens"], res["status"])) == [cut(tokens, (own[3],)) for tokens in ar]
+    res = engine.generate(prompts)  # the config's string
+    assert list(zip(res["tokens"], res["status"])) == [cut(tokens, (own[5],)) for tokens in ar]
+    other = [(own[1],), (own[0],), (), (own[3], "ab"), (own[4],), ("c",)]  # 6 strings, 5 above: S 8, Q 4 both
+    with bench_util.counting_compiles() as compiles:
+        res = engine.generate(prompts, stop_strings=other)
+    assert compiles == []
+    assert list(zip(res["tokens"], res["status"])) == [cut(tokens, strings) for tokens, strings in zip(ar, other)]
+
+
+def test_bad_per_stream_stop_strings_refused(models):
+    target, drafter = models
+    engine = Engine(target, drafter, EngineConfig(capacity=64, max_new_tokens=NEW),
+                    tokenizer=FakeTokenizer([b"a"] * VOCAB))
+    with pytest.raises(ValueError, match=r"stop_strings must be one sequence of strings or one per stream \(3\), "
+                                         "got 2 sequences"):
+        engine.prefill(PROMPTS[:3], stop_strings=[("a",), ("b",)])
+    with pytest.raises(ValueError, match=r"stream 1's stop_strings\[0\] must be a non-empty string"):
+        engine.prefill(PROMPTS[:2], stop_strings=[("a",), ("",)])
+    with pytest.raises(ValueError, match="stop_strings must be a sequence of strings"):
+        engine.prefill(PROMPTS[:2], stop_strings="a")
+    with pytest.raises(ValueError, match="stream 0's min_new_tokens=2 holds back EOS ids and stop sequences"):
+        engine.prefill(PROMPTS[:2], stop_strings=[(), ("a",)], min_new_tokens=2)
+    engine.prefill(PROMPTS[:2], stop_strings=[("b",), ("a",)], min_new_tokens=2)
+    bare = Engine(target, drafter, EngineConfig(capacity=64, max_new_tokens=NEW))
+    with pytest.raises(ValueError, match=r"stop_strings \['ab'\] are matched in the decoded text: give "
+                                         r"Engine\(..., tokenizer=...\)"):
+        bare.prefill(PROMPTS[:2], stop_strings=("ab",))
+    assert bare.generate(PROMPTS[:2], stop_strings=())["status"] == ["max_new_tokens"] * 2
