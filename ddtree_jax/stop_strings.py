@@ -13,6 +13,7 @@ Shapes: B streams, E emitted tokens, S stop strings, Q = longest string's bytes 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Sequence
 
@@ -89,6 +90,7 @@ class StopStringTabler:
             self._padded[row, :lengths[i]] = np.frombuffer(token_bytes[i], np.uint8)
         self._active = (lengths[:, None] > np.arange(self._padded.shape[1])[None, :]).sum(0)  # tokens with byte j
         self._kept: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self._stacked: collections.OrderedDict = collections.OrderedDict()  # the last STACKS_KEPT batches' tables
 
     def string_tables(self, text: str) -> tuple[np.ndarray, np.ndarray]:
         """One string's (next_state [n + 1, W] int32, completes [n + 1, W] bool) for its n bytes."""
@@ -114,15 +116,26 @@ class StopStringTabler:
         strings = check_stop_strings(stop_strings)
         if not strings:
             raise ValueError("no stop strings to table")
-        count, q = len(strings), max(len(s.encode("utf-8")) for s in strings) + 1
-        if round_up:
-            count, q = _power_of_two(count), _power_of_two(q)
-        next_state = np.zeros((count, q, self.vocab_size), np.int16 if q <= np.iinfo(np.int16).max else np.int32)
-        completes = np.zeros((count, q, self.vocab_size), bool)
-        for s, text in enumerate(strings):
-            states, found = self.string_tables(text)
-            next_state[s, :len(states)], completes[s, :len(found)] = states, found
+        key = (strings, round_up)
+        if key not in self._stacked:
+            count, q = len(strings), max(len(s.encode("utf-8")) for s in strings) + 1
+            if round_up:
+                count, q = _power_of_two(count), _power_of_two(q)
+            next_state = np.zeros((count, q, self.vocab_size), np.int16 if q <= np.iinfo(np.int16).max else np.int32)
+            completes = np.zeros((count, q, self.vocab_size), bool)
+            for s, text in enumerate(strings):
+                states, found = self.string_tables(text)
+                next_state[s, :len(states)], completes[s, :len(found)] = states, found
+            self._stacked[key] = (next_state, completes)
+            if len(self._stacked) > STACKS_KEPT:
+                self._stacked.popitem(last=False)
+        self._stacked.move_to_end(key)
+        next_state, completes = self._stacked[key]
         return StopTables(next_state=jnp.asarray(next_state), completes=jnp.asarray(completes))
+
+
+STACKS_KEPT = 4
+"""A tabler keeps the stacked tables of the last 4 batches' strings (host numpy), for batches that repeat them."""
 
 
 def _power_of_two(n: int) -> int:

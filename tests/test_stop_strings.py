@@ -209,3 +209,28 @@ def test_bad_per_stream_stop_strings_refused(models):
                                          r"Engine\(..., tokenizer=...\)"):
         bare.prefill(PROMPTS[:2], stop_strings=("ab",))
     assert bare.generate(PROMPTS[:2], stop_strings=())["status"] == ["max_new_tokens"] * 2
+
+
+def test_a_tablers_batch_tables_are_each_strings_own_padded():
+    """``StopStringTabler.tables(round_up=True)``: each string's rows are its own tables' (``build_stop_tables``
+    of it alone), padding strings and states never complete; the last STACKS_KEPT batches' stacks are kept, and a
+    kept batch gives the same tables again."""
+    rng = np.random.default_rng(4)
+    token_bytes = random_token_bytes(rng, 50)
+    tabler = st.StopStringTabler(token_bytes)
+    strings = ("ab", "a\nb\na", "b")
+    tables = tabler.tables(strings, round_up=True)
+    assert tables.next_state.shape == (4, 8, 50)
+    for s, text in enumerate(strings):
+        alone = st.build_stop_tables((text,), token_bytes)
+        q = len(text) + 1
+        np.testing.assert_array_equal(tables.next_state[s, :q], alone.next_state[0])
+        np.testing.assert_array_equal(tables.completes[s, :q], alone.completes[0])
+        assert not np.asarray(tables.completes[s, q:]).any()
+    assert not np.asarray(tables.completes[3]).any()
+    for extra in ("c", "d", "e", "f"):
+        tabler.tables(strings + (extra,), round_up=True)
+    assert len(tabler._stacked) == st.STACKS_KEPT
+    again = tabler.tables(strings, round_up=True)
+    np.testing.assert_array_equal(again.next_state, tables.next_state)
+    np.testing.assert_array_equal(again.completes, tables.completes)
