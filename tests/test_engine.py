@@ -604,6 +604,16 @@ def test_sharded_engine_matches(models, host_devices):
         prompts, [0.0, 1.0, 0.0, 0.7], seed=[3, 4, 5, 6])
     assert "stop_string" in want["status"] and got["status"] == want["status"]
     assert got["tokens"] == want["tokens"] and got["tokens"] != plain
+    # and per-stream filters, penalties and stop strings
+    per_stream = dict(top_k=[0, 5, 0, 12], top_p=[1.0, 0.9, 1.0, 0.8], min_p=[0.0, 0.0, 0.0, 0.05],
+                      repetition_penalty=[1.6, 1.0, 1.3, 1.6], frequency_penalty=[-0.5, 0.0, 0.2, 0.0],
+                      stop_strings=[("ba",), ("\n\n",), (), ("ba", "\n\n")])
+    plain_per_stream = Engine(target, drafter, options, tokenizer=tokenizer).generate(
+        prompts, [0.0, 1.0, 0.0, 0.7], seed=[3, 4, 5, 6], **per_stream)
+    sharded_per_stream = Engine(target, drafter, options, runtime=runtime, tokenizer=tokenizer).generate(
+        prompts, [0.0, 1.0, 0.0, 0.7], seed=[3, 4, 5, 6], **per_stream)
+    assert sharded_per_stream["tokens"] == plain_per_stream["tokens"] != want["tokens"]
+    assert sharded_per_stream["status"] == plain_per_stream["status"]
     for b in range(len(prompts)):
         np.testing.assert_allclose(got["logprobs"][b], want["logprobs"][b], rtol=1e-5, atol=1e-5)
 
