@@ -50,7 +50,7 @@ from ddtree_jax.sharding import named_sharding, shard_state
 from ddtree_jax.stopping import (CACHE_FULL, EOS, MAX_TOKENS, RUNNING, STATUS_NAMES, STOP_SEQUENCE,  # noqa: F401
                                  STOP_STRING, check_id_sequences, check_stop_sequences, stop_and_emit)
 from ddtree_jax.stop_strings import (StopStringTabler, StopTables, advance, check_stop_strings,
-                                     check_stream_stop_strings)
+                                     check_stream_stop_strings, start_states)
 from ddtree_jax.tree import PAD, accept_tokens, build_tree, chain_tree, check_budget, sample_target_tokens
 
 MODES = ("ar", "dflash", "ddtree")
@@ -419,7 +419,7 @@ class Engine:
     def generate(self, prompts: Sequence[Sequence[int]], temperature=0.0, seed=0, max_new_tokens=None,
                  **settings) -> dict:
         """Returns per-stream tokens, statuses and metrics (compile time is separate from run time). ``settings``:
-        ``prefill``'s per-stream numbers (top_k, top_p, min_p, the penalties, min_new_tokens)."""
+        ``prefill``'s per-stream ones (top_k, top_p, min_p, the penalties, min_new_tokens, stop_strings)."""
         t0 = time.perf_counter()
         state = self.prefill(prompts, temperature, seed, max_new_tokens, **settings)
         jax.block_until_ready(state.bonus)
@@ -514,8 +514,7 @@ def _prefill(target_def, target_state, drafter_def, drafter_state, cache, draft_
         out_scores=empty_scores(b, max_new_tokens, top_logprobs) if logprobs else None,
         num_out=jnp.zeros((b,), jnp.int32), limit=limits,
         temperature=temperatures, settings=settings, history=history, stop_tables=stop_tables,
-        stop_applies=stop_applies,
-        stop_states=None if stop_tables is None else jnp.zeros(stop_applies.shape, jnp.int32),
+        stop_applies=stop_applies, stop_states=start_states(stop_tables, b),
         status=jnp.full((b,), RUNNING, jnp.int32), rounds=jnp.zeros((b,), jnp.int32),
         tau_hist=jnp.zeros((b, depth + 2), jnp.int32), key=key, switches=switches, processing=processing,
     )
@@ -551,10 +550,10 @@ def _draft_tree(target, drafter, state: DecodeState, start, active, ecfg: Engine
     return tree, draft_cache
 
 
-def _target_tokens(logits, tree, state: DecodeState, temperature, key, ecfg: EngineConfig):
+def _target_tokens(logits, tree, state: DecodeState, temperature, key):
     """The target's token at every node [B, T] from the verify's logits [B, T, W]: after the logit processing of
-    each node's place (``processors``), the argmax or a draw (``sample_target_tokens``). Returns (tokens, the
-    processed logits)."""
+    each node's place (``processors``), the argmax or a draw (``sample_target_tokens``) at ``temperature``
+    (``_static_if_greedy``'s). Returns (tokens, the processed logits)."""
     processed = process_logits(logits, state.processing, state.settings, state.history, state.num_out, tree)
     return sample_target_tokens(processed, temperature, key, **state.switches.filters(state.settings)), processed
 
@@ -572,9 +571,10 @@ def _scores_of(raw, processed, tokens, temperature, logprobs: str | None, top_lo
     return token_scores(raw, tokens, top_logprobs)
 
 
-def _round(target, drafter, state: DecodeState, temperature, ecfg: EngineConfig, runtime: Runtime,
-           taps: tuple[int, ...], depth: int) -> DecodeState:
+def _round(target, drafter, state: DecodeState, ecfg: EngineConfig, runtime: Runtime, taps: tuple[int, ...],
+           depth: int) -> DecodeState:
     b = state.bonus.shape[0]
+    temperature = _static_if_greedy(state.temperature, state.switches.greedy)
     start = state.cache.lengths  # position of the bonus token = committed length
     room_target = start + depth + 1 <= state.cache.capacity
     room_draft = True if state.draft_cache is None else (
@@ -585,7 +585,7 @@ def _round(target, drafter, state: DecodeState, temperature, ecfg: EngineConfig,
     tree, draft_cache = _draft_tree(target, drafter, state, start, active, ecfg, depth)
     out = target(tree.tokens, tree.positions(start), state.cache, tree.visibility, tap_layers=taps, runtime=runtime)
     key, sub = _split_per_stream(state.key)
-    target_tokens, processed = _target_tokens(out.logits, tree, state, temperature, sub, ecfg)
+    target_tokens, processed = _target_tokens(out.logits, tree, state, temperature, sub)
     acc = accept_tokens(tree, target_tokens)
 
     n_commit = jnp.where(active, acc.num_accepted + 1, 0)
@@ -626,8 +626,7 @@ def _run_rounds(target_def, target_state, drafter_def, drafter_state, state: Dec
 
     def body(carry):
         i, st = carry
-        return i + 1, _round(target, drafter, st, _static_if_greedy(st.temperature, st.switches.greedy), ecfg,
-                             runtime, taps, depth)
+        return i + 1, _round(target, drafter, st, ecfg, runtime, taps, depth)
 
     _, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
     return state
@@ -653,5 +652,5 @@ def _inspect(target_def, target_state, drafter_def, drafter_state, state, *, ecf
     tree, _ = _draft_tree(target, drafter, state, start, active, ecfg, depth)
     out = target(tree.tokens, tree.positions(start), state.cache, tree.visibility, runtime=runtime)
     _, sub = _split_per_stream(state.key)  # the draws of the state's next round
-    acc = accept_tokens(tree, _target_tokens(out.logits, tree, state, temperature, sub, ecfg)[0])
+    acc = accept_tokens(tree, _target_tokens(out.logits, tree, state, temperature, sub)[0])
     return tree, acc
