@@ -46,6 +46,7 @@ from ddtree_jax.stream_settings import (NUMBERS, SEED_LIMIT, StreamSettings, Swi
                                         stream_keys, switches_of, uniform_settings)
 from ddtree_jax.scores import (TokenScores, empty_scores, per_stream_slices, scores_lists,
                                token_scores)
+from ddtree_jax.serving import Finished, serve
 from ddtree_jax.sharding import named_sharding, shard_state
 from ddtree_jax.stopping import (CACHE_FULL, EOS, MAX_TOKENS, RUNNING, STATUS_NAMES, STOP_SEQUENCE,  # noqa: F401
                                  STOP_STRING, check_id_sequences, check_stop_sequences, stop_and_emit)
@@ -196,6 +197,35 @@ class DecodeState:
 
 
 @dataclasses.dataclass(frozen=True)
+class Requests:
+    """N requests checked on the host (``Engine.check_requests``): each one's prompt and numbers, and what the
+    programs of any batch of them compile, read from all N (so a batch of some of them, ``rows``, runs the same
+    programs as all of them together)."""
+
+    prompts: list[np.ndarray]  # N prompts of token ids
+    temperature: np.ndarray  # [N] float32
+    keys: jax.Array  # [N] typed keys (``stream_keys``)
+    limits: np.ndarray  # [N] int32 token limits
+    settings: StreamSettings  # [N] numpy
+    stop_tables: StopTables | None  # every stop string of the N requests
+    stop_applies: np.ndarray | None  # [N, S] bool
+    switches: Switches
+    processing: LogitProcessing
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def rows(self, index: Sequence[int]) -> Requests:
+        """The requests at ``index`` (repeats allowed), compiled for as all N are."""
+        index = np.asarray(index, np.int64)
+        return dataclasses.replace(
+            self, prompts=[self.prompts[i] for i in index], temperature=self.temperature[index],
+            keys=self.keys[index], limits=self.limits[index],
+            settings=jax.tree.map(lambda x: x[index], self.settings),
+            stop_applies=None if self.stop_applies is None else self.stop_applies[index])
+
+
+@dataclasses.dataclass(frozen=True)
 class StreamUpdate:
     """What ``Engine.stream`` reports after the prefill and after each dispatch, per stream: the tokens emitted
     since the last update (empty for a stream that had stopped), its status (``STATUS_NAMES``' values) and the
@@ -257,6 +287,8 @@ class Engine:
     the filters (``processors``), each tree node's over its own context.
     ``tokenizer``: needed for stop strings, the config's (tabled here) or a batch's (``prefill``'s ``stop_strings``:
     each string tabled at its first use and kept; its ``token_bytes``).
+    ``serve(prompts, ..., slots=B)`` (and ``generate(..., slots=B)``): continuous batching, more prompts than
+    streams (``serving``).
     """
 
     def __init__(self, target: KimiModel, drafter: DFlashDrafter | None, ecfg: EngineConfig, *,
@@ -324,7 +356,7 @@ class Engine:
         applies = np.zeros((len(per_stream), tables.next_state.shape[0]), bool)
         for b, strings in enumerate(per_stream):
             applies[b, [union.index(text) for text in strings]] = True
-        return tables, jnp.asarray(applies)
+        return tables, applies
 
     # ------------------------------------------------------------------ prefill
     def prefill(self, prompts: Sequence[Sequence[int]], temperature=0.0, seed=0, max_new_tokens=None, *,
@@ -334,35 +366,56 @@ class Engine:
         sequence of one per stream (None: the config's), fixed in the state for every round after it;
         ``stop_strings`` one sequence of strings for every stream or one per stream (``check_stream_stop_strings``;
         they need the engine's tokenizer)."""
+        return self.prefill_requests(self.check_requests(
+            prompts, temperature, seed, max_new_tokens, top_k=top_k, top_p=top_p, min_p=min_p,
+            repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
+            presence_penalty=presence_penalty, min_new_tokens=min_new_tokens, stop_strings=stop_strings))
+
+    def check_requests(self, prompts: Sequence[Sequence[int]], temperature=0.0, seed=0, max_new_tokens=None, *,
+                       top_k=None, top_p=None, min_p=None, repetition_penalty=None, frequency_penalty=None,
+                       presence_penalty=None, min_new_tokens=None, stop_strings=None) -> Requests:
+        """``prefill``'s arguments checked on the host, with what the programs compile for them (``Requests``)."""
         ecfg = self.ecfg
-        temperature, keys = check_temperatures(temperature, len(prompts)), stream_keys(seed, len(prompts))
-        limits = check_token_limits(max_new_tokens, len(prompts), ecfg.max_new_tokens)
+        n = len(prompts)
+        temperature, keys = check_temperatures(temperature, n), stream_keys(seed, n)
+        limits = check_token_limits(max_new_tokens, n, ecfg.max_new_tokens)
         given = dict(top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
                      frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
                      min_new_tokens=min_new_tokens)
-        settings = check_settings(len(prompts), given, ecfg.settings, self._setting_checks)
-        strings = check_stream_stop_strings(ecfg.stop_strings if stop_strings is None else stop_strings, len(prompts))
+        settings = check_settings(n, given, ecfg.settings, self._setting_checks)
+        strings = check_stream_stop_strings(ecfg.stop_strings if stop_strings is None else stop_strings, n)
         for i, (least, limit) in enumerate(zip(settings.min_new_tokens.tolist(), limits.tolist())):
             try:
                 ecfg.check_min_new_tokens(least, limit, strings[i])
             except ValueError as e:
                 raise ValueError(f"stream {i}'s {e}") from None
         stop_tables, stop_applies = self._batch_stop_strings(strings)
-        switches = switches_of(temperature, settings, self.cfg.vocab_size)
         tokens, lengths = pad_prompts(prompts, vocab_size=self.cfg.vocab_size, capacity=ecfg.capacity,
+                                      reserve=self.depth + 1)  # checks every prompt here, before any is prefilled
+        return Requests(prompts=[row[:length] for row, length in zip(tokens, lengths)], temperature=temperature,
+                        keys=keys, limits=limits, settings=settings, stop_tables=stop_tables,
+                        stop_applies=stop_applies, switches=switches_of(temperature, settings, self.cfg.vocab_size),
+                        processing=ecfg.processing_of(settings))
+
+    def prefill_requests(self, requests: Requests) -> DecodeState:
+        """The prefill of checked requests (``check_requests``; or some of them: ``Requests.rows``), one stream
+        each, compiled for ``requests.switches`` and ``requests.processing``."""
+        ecfg = self.ecfg
+        tokens, lengths = pad_prompts(requests.prompts, vocab_size=self.cfg.vocab_size, capacity=ecfg.capacity,
                                       reserve=self.depth + 1)
-        b = len(prompts)
+        b = len(requests.prompts)
         # Caches are made outside jit: zeros built inside would be constant-folded through attention.
         cache = init_cache(self.cfg, b, ecfg.capacity)
         draft_cache = init_draft_cache(self.dcfg, b, ecfg.capacity) if self.taps else None
         cache, draft_cache = place_caches(cache, draft_cache, self.runtime)
+        stop_applies = None if requests.stop_applies is None else jnp.asarray(requests.stop_applies)
         return _prefill(self.target_def, self.target_state, self.drafter_def, self.drafter_state, cache, draft_cache,
-                        jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(temperature), keys,
-                        jnp.asarray(limits), jax.tree.map(jnp.asarray, settings), stop_tables, stop_applies,
-                        max_new_tokens=ecfg.max_new_tokens, eos_ids=ecfg.eos_ids, runtime=self.runtime,
-                        taps=self.taps, depth=self.depth, switches=switches, logprobs=ecfg.kept_logprobs,
-                        top_logprobs=ecfg.top_logprobs, stop_sequences=ecfg.stop_sequences,
-                        processing=ecfg.processing_of(settings))
+                        jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(requests.temperature), requests.keys,
+                        jnp.asarray(requests.limits), jax.tree.map(jnp.asarray, requests.settings),
+                        requests.stop_tables, stop_applies, max_new_tokens=ecfg.max_new_tokens, eos_ids=ecfg.eos_ids,
+                        runtime=self.runtime, taps=self.taps, depth=self.depth, switches=requests.switches,
+                        logprobs=ecfg.kept_logprobs, top_logprobs=ecfg.top_logprobs,
+                        stop_sequences=ecfg.stop_sequences, processing=requests.processing)
 
     @functools.cached_property
     def _setting_checks(self) -> dict:
@@ -379,13 +432,18 @@ class Engine:
             pass
         return state
 
+    def dispatch(self, state: DecodeState, running_floor: int = 0) -> DecodeState:
+        """One dispatch of rounds (``_run_rounds``; the state is donated)."""
+        return _run_rounds(self.target_def, self.target_state, self.drafter_def, self.drafter_state, state,
+                           np.int32(running_floor), ecfg=self.ecfg, runtime=self.runtime, taps=self.taps,
+                           depth=self.depth)
+
     def _dispatches(self, state: DecodeState):
         """Yields the state after each dispatch (each one donates the state before it): the first whatever the
         streams' status (a round loop whose streams have all stopped runs no round; ``run_decode.warm_up`` compiles
         it so), the next ones while any stream runs."""
         while True:
-            state = _run_rounds(self.target_def, self.target_state, self.drafter_def, self.drafter_state, state,
-                                ecfg=self.ecfg, runtime=self.runtime, taps=self.taps, depth=self.depth)
+            state = self.dispatch(state)
             yield state
             if not _any_running(state):
                 return
@@ -416,10 +474,30 @@ class Engine:
             for state in self._dispatches(state):
                 yield update(state)
 
-    def generate(self, prompts: Sequence[Sequence[int]], temperature=0.0, seed=0, max_new_tokens=None,
-                 **settings) -> dict:
+    def serve(self, prompts: Sequence[Sequence[int]], temperature=0.0, seed=0, max_new_tokens=None, *, slots: int,
+              timing: dict | None = None, **settings) -> Iterator[Finished]:
+        """Continuous batching (``serving``): the prompts decoded in ``slots`` streams, each stream taking the next
+        prompt as soon as it stops; yields each prompt's ``serving.Finished`` as its stream stops. Arguments as
+        ``generate``'s, one per prompt where per stream; each prompt's tokens are the ones ``generate`` gives it
+        (for every prompt at once). Everything is checked before the first prefill."""
+        return serve(self, self.check_requests(prompts, temperature, seed, max_new_tokens, **settings), slots, timing)
+
+    def generate(self, prompts: Sequence[Sequence[int]], temperature=0.0, seed=0, max_new_tokens=None, *,
+                 slots: int | None = None, **settings) -> dict:
         """Returns per-stream tokens, statuses and metrics (compile time is separate from run time). ``settings``:
-        ``prefill``'s per-stream ones (top_k, top_p, min_p, the penalties, min_new_tokens, stop_strings)."""
+        ``prefill``'s per-stream ones (top_k, top_p, min_p, the penalties, min_new_tokens, stop_strings).
+        ``slots``: None decodes every prompt at once; a number decodes them in that many streams (``serve``), with
+        the same tokens, in the prompts' order (prefill_s: every admission's time; decode_s: the dispatches')."""
+        if slots is not None:
+            timing = {}
+            done = sorted(self.serve(prompts, temperature, seed, max_new_tokens, slots=slots, timing=timing,
+                                     **settings), key=lambda f: f.index)
+            kept = self.ecfg.logprobs
+            return summary([f.tokens for f in done], [f.status for f in done], np.array([f.rounds for f in done]),
+                           np.array([f.tau_hist for f in done]), timing["prefill_s"], timing["decode_s"],
+                           batch_rounds=timing["batch_rounds"],
+                           logprobs=[f.logprobs for f in done] if kept else None,
+                           top_logprobs=[f.top_logprobs for f in done] if self.ecfg.top_logprobs else None)
         t0 = time.perf_counter()
         state = self.prefill(prompts, temperature, seed, max_new_tokens, **settings)
         jax.block_until_ready(state.bonus)
@@ -435,26 +513,36 @@ def _any_running(state: DecodeState) -> bool:
 
 
 def summarize(state: DecodeState, prefill_s: float, decode_s: float) -> dict:
-    """Per-stream tokens and status, and metrics: new_tokens counts every generated token (the prefill's
-    first token per stream included); tau and tokens_per_s count only the tokens of the rounds (decode_s),
-    not the one the prefill samples per stream (its time is in prefill_s). With ``EngineConfig(logprobs=True)``,
-    logprobs holds each token's log-probability (``logprobs_mode``: under the target, or under what it was taken
-    from), and with ``top_logprobs=n`` top_logprobs its
-    n likeliest [token, log-probability] pairs (``scores.scores_lists``); else None."""
+    """Per-stream tokens and status, and metrics (``summary``) of a state whose streams have stopped."""
     num = np.asarray(state.num_out)
     first = np.zeros_like(num)
-    rounds = np.asarray(state.rounds)
-    hist = np.asarray(state.tau_hist)
-    emitted_in_rounds = num - 1  # the first token comes from prefill
     scores = (None, None) if state.out_scores is None else scores_lists(state.out_scores, first, num)
+    return summary(per_stream_slices(state.out_tokens, first, num),
+                   [STATUS_NAMES[int(s)] for s in np.asarray(state.status)], np.asarray(state.rounds),
+                   np.asarray(state.tau_hist), prefill_s, decode_s, *scores)
+
+
+def summary(tokens: list[list[int]], status: list[str], rounds: np.ndarray, tau_hist: np.ndarray, prefill_s: float,
+            decode_s: float, logprobs=None, top_logprobs=None, batch_rounds: int | None = None) -> dict:
+    """Per-stream tokens and status, and metrics: new_tokens counts every generated token (the prefill's
+    first token per stream included); tau and tokens_per_s count only the tokens of the rounds (decode_s),
+    not the one the prefill samples per stream (its time is in prefill_s). rounds [B], tau_hist [B, D+2];
+    batch_rounds: the rounds the batch ran (None: the most any stream ran, as in a batch whose streams start
+    together). With
+    ``EngineConfig(logprobs=True)``, logprobs holds each token's log-probability (``logprobs_mode``: under the
+    target, or under what it was taken from), and with ``top_logprobs=n`` top_logprobs its n likeliest
+    [token, log-probability] pairs (``scores.scores_lists``); else None."""
+    num = np.array([len(t) for t in tokens])
+    emitted_in_rounds = num - 1  # the first token comes from prefill
     return {
-        "tokens": per_stream_slices(state.out_tokens, first, num),
-        "logprobs": scores[0], "top_logprobs": scores[1],
-        "status": [STATUS_NAMES[int(s)] for s in np.asarray(state.status)],
+        "tokens": tokens,
+        "logprobs": logprobs, "top_logprobs": top_logprobs,
+        "status": status,
         "rounds": rounds.tolist(),
+        "batch_rounds": int(rounds.max(initial=0)) if batch_rounds is None else batch_rounds,
         "tau_mean": float(emitted_in_rounds.sum() / max(rounds.sum(), 1)),
         "tau_per_stream": (emitted_in_rounds / np.maximum(rounds, 1)).tolist(),
-        "tau_hist": hist.sum(0).tolist(),
+        "tau_hist": tau_hist.sum(0).tolist(),
         "new_tokens": int(num.sum()),
         "prefill_s": prefill_s,
         "decode_s": decode_s,
@@ -615,14 +703,18 @@ def _round(target, drafter, state: DecodeState, ecfg: EngineConfig, runtime: Run
 
 @functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "ecfg", "runtime", "taps", "depth"),
                    donate_argnames=("state",))
-def _run_rounds(target_def, target_state, drafter_def, drafter_state, state: DecodeState, *,
+def _run_rounds(target_def, target_state, drafter_def, drafter_state, state: DecodeState, running_floor, *,
                 ecfg: EngineConfig, runtime: Runtime, taps: tuple[int, ...], depth: int) -> DecodeState:
+    """Up to ``rounds_per_dispatch`` rounds, while some stream runs and at least ``running_floor`` (an int32
+    scalar; 0: no floor) do: a server with requests waiting passes the count running now, so that the dispatch
+    ends at the round in which a stream stops and its slot can take the next request."""
     target = nnx.merge(target_def, target_state)
     drafter = nnx.merge(drafter_def, drafter_state) if drafter_def is not None else None
 
     def cond(carry):
         i, st = carry
-        return (i < ecfg.rounds_per_dispatch) & (st.status == RUNNING).any()
+        running = (st.status == RUNNING).sum()
+        return (i < ecfg.rounds_per_dispatch) & (running > 0) & (running >= running_floor)
 
     def body(carry):
         i, st = carry

@@ -260,8 +260,9 @@ def bench_no_host_sync(engine, args, rows):
     engine16 = Engine.__new__(Engine)
     engine16.__dict__.update(engine.__dict__, ecfg=ecfg)
     state = engine16.prefill(prompts)
+    no_floor = jnp.int32(0)  # on the device before the transfer guard below
     run = lambda st: _run_rounds(engine16.target_def, engine16.target_state, engine16.drafter_def,  # noqa: E731
-                                 engine16.drafter_state, st, ecfg=ecfg, runtime=engine16.runtime,
+                                 engine16.drafter_state, st, no_floor, ecfg=ecfg, runtime=engine16.runtime,
                                  taps=engine16.taps, depth=engine16.depth)
     state = run(state)  # compile
     jax.block_until_ready(state.bonus)

@@ -41,6 +41,7 @@ from ddtree_jax.drafter import DFlashDrafter, load_hf_drafter, tiny_drafter_conf
 from ddtree_jax.engine import (EOS, LOGPROBS_MODES, SEED_LIMIT, Engine, EngineConfig, check_temperature,  # noqa: E402
                                inspect_round, required_capacity, tree_depth)
 from ddtree_jax.hf_loader import load_hf_model  # noqa: E402
+from ddtree_jax import serving  # noqa: E402
 from ddtree_jax.model import KimiModel  # noqa: E402
 from ddtree_jax.processors import (check_additive_penalty, check_logit_bias, check_min_new_tokens,  # noqa: E402
                                    check_repetition_penalty)
@@ -79,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=int, default=None,
                    help=f"DDTree node budget (default {DEFAULT_BUDGET}; only for --mode ddtree or all)")
     p.add_argument("--streams", type=int, default=None, help="streams decoded together (default: #prompts)")
+    p.add_argument("--continuous", action="store_true",
+                   help="continuous batching: the prompts in --streams slots, each slot taking the next prompt as "
+                        "soon as its stream stops (default: consecutive batches of --streams prompts)")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     add_truncation_args(p, "with --temperature > 0")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -199,6 +203,9 @@ def check_args(args) -> None:
     n = count_prompts(args)
     if args.streams is not None and args.streams > n:
         raise ValueError(f"--streams {args.streams} is more than the {n} prompts given")
+    if args.continuous and (args.streams is None or args.streams == n):
+        raise ValueError(f"--continuous refills --streams slots from the prompts waiting: give --streams fewer than "
+                         f"the {n} prompts")
     if not 0 <= args.seed < SEED_LIMIT - (n - 1):
         reason = f" (its {n} prompts sample with --seed + 0..{n - 1})" if n > 1 else ""
         raise ValueError(f"--seed must be in [0, {SEED_LIMIT - (n - 1)}){reason}, got {args.seed}")
@@ -454,7 +461,7 @@ def merge_results(results):
     new_tokens = sum(r["new_tokens"] for r in results)
     metrics = {
         "tau": emitted / max(rounds, 1), "rounds": rounds,
-        "tokens_per_round_batch": new_tokens / max(sum(max(r["rounds"]) for r in results), 1),
+        "tokens_per_round_batch": new_tokens / max(sum(r["batch_rounds"] for r in results), 1),
         "tokens_per_s": emitted / decode_s if decode_s else float("nan"),
         "new_tokens": new_tokens, "round_tokens": emitted, "decode_s": decode_s,
         "prefill_s": sum(r["prefill_s"] for r in results),
@@ -499,13 +506,20 @@ def warm_up_all(jobs: Sequence[tuple[Engine, list, float]], workers: int) -> tup
 def run_mode(target, drafter, mode, args, prompts, tokenizer, eos_ids):
     engine = Engine(target, drafter if mode != "ar" else None, engine_config(mode, args, eos_ids), tokenizer=tokenizer)
     streams = args.streams if args.streams is not None else len(prompts)
-    batches = split_batches(prompts, streams)
-    compile_s = warm_up(engine, batches, args.temperature)
-    results = [engine.generate(batch, args.temperature, seeds)
-               for batch, seeds in zip(batches, batch_seeds(args.seed, batches))]
+    if args.continuous:
+        seeds = list(range(args.seed, args.seed + len(prompts)))  # prompt i's own (batch_seeds')
+        t0 = time.perf_counter()
+        serving.warm_up(engine, engine.check_requests(prompts, args.temperature, seeds), streams)
+        compile_s = time.perf_counter() - t0
+        results = [engine.generate(prompts, args.temperature, seeds, slots=streams)]
+    else:
+        batches = split_batches(prompts, streams)
+        compile_s = warm_up(engine, batches, args.temperature)
+        results = [engine.generate(batch, args.temperature, batch_seed)
+                   for batch, batch_seed in zip(batches, batch_seeds(args.seed, batches))]
     tokens, status, metrics = merge_results(results)
-    metrics = {"mode": mode, "budget": args.budget if mode == "ddtree" else None, "streams": streams, **metrics,
-               "compile_s": compile_s}
+    metrics = {"mode": mode, "budget": args.budget if mode == "ddtree" else None, "streams": streams,
+               "continuous": args.continuous, **metrics, "compile_s": compile_s}
     picture = None
     if mode == "ddtree":
         tree, acc = inspect_round(engine, prompts[:1], args.temperature, [args.seed])  # prompt 0's first round

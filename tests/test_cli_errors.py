@@ -30,6 +30,8 @@ RANDOM = ["--target", "random"]
     (["--streams", "0"], "--streams must be >= 1, got 0"),
     (["--streams", "-1"], "--streams must be >= 1, got -1"),
     (["--streams", "9"], "--streams 9 is more than the 8 prompts given"),
+    (["--continuous"], "--continuous refills --streams slots from the prompts waiting: give --streams fewer than the 8"),
+    (["--continuous", "--streams", "8"], "--continuous refills --streams slots"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["--commit", "abc1234"], "--commit is recorded in the --json report; give --json too"),
     (["--commit", " ", "--json", "report.json"], "--commit must name a commit, got an empty string"),
@@ -214,6 +216,7 @@ def test_logprobs_flag_reaches_the_engine_and_the_mean_weighs_every_token():
 
     def result(logprobs):
         return {"tokens": [[0] * len(lp) for lp in logprobs], "status": ["eos"] * len(logprobs), "rounds": [1],
+                "batch_rounds": 1,
                 "new_tokens": sum(map(len, logprobs)), "decode_s": 1.0, "prefill_s": 0.0, "tau_hist": [0, 1],
                 "logprobs": logprobs}
 

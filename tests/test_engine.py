@@ -526,10 +526,12 @@ def test_tokens_per_s_excludes_the_prefill_token():
     assert res["tau_mean"] == (4 + 2) / 3
     from experiments.run_decode import merge_results  # run_decode's tok/s (and speedup_vs_ar) over batches
 
-    other = dict(res, tokens=[[1]], new_tokens=1, rounds=[0], decode_s=1.0, prefill_s=1.0, tau_hist=[0] * 5)
+    other = dict(res, tokens=[[1]], new_tokens=1, rounds=[0], batch_rounds=0, decode_s=1.0, prefill_s=1.0,
+                 tau_hist=[0] * 5)
     _, _, metrics = merge_results([res, other])  # a stream that stopped after its prefill token adds none
     assert metrics["new_tokens"] == 9 and metrics["decode_s"] == 3.0
     assert metrics["tokens_per_s"] == 6 / 3.0 and metrics["tau"] == 6 / 3 and metrics["round_tokens"] == 6
+    assert res["batch_rounds"] == 2 and metrics["tokens_per_round_batch"] == 9 / 2
 
 
 def test_tau_over_one_round_and_over_none():
