@@ -30,7 +30,7 @@ RANDOM = ["--target", "random"]
     (["--streams", "0"], "--streams must be >= 1, got 0"),
     (["--streams", "-1"], "--streams must be >= 1, got -1"),
     (["--streams", "9"], "--streams 9 is more than the 8 prompts given"),
-    (["--continuous"], "--continuous refills --streams slots from the prompts waiting: give --streams fewer than the 8"),
+    (["--continuous"], "--continuous refills --streams slots from the prompts waiting: give --streams fewer than"),
     (["--continuous", "--streams", "8"], "--continuous refills --streams slots"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["--commit", "abc1234"], "--commit is recorded in the --json report; give --json too"),
