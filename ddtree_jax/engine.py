@@ -43,10 +43,10 @@ from ddtree_jax.processors import (LogitProcessing, TokenHistory, check_additive
 from ddtree_jax.sampling import check_min_p, check_top_k, check_top_p, sampled_logits
 from ddtree_jax.stream_settings import (NUMBERS, SEED_LIMIT, StreamSettings, Switches, check_seed,  # noqa: F401
                                         check_settings, check_temperature, check_temperatures, check_token_limits,
-                                        stream_keys, switches_of, uniform_settings)
+                                        stream_keys, stream_logit_bias, switches_of, uniform_settings)
 from ddtree_jax.scores import (TokenScores, empty_scores, per_stream_slices, scores_lists,
                                token_scores)
-from ddtree_jax.serving import Finished, serve
+from ddtree_jax.serving import Finished, ServeUpdate, serve, serve_updates
 from ddtree_jax.sharding import named_sharding, shard_state
 from ddtree_jax.stopping import (CACHE_FULL, EOS, MAX_TOKENS, RUNNING, STATUS_NAMES, STOP_SEQUENCE,  # noqa: F401
                                  STOP_STRING, check_id_sequences, check_stop_sequences, stop_and_emit)
@@ -281,6 +281,7 @@ class Engine:
     (``check_token_limits``); the same programs serve any limits. ``top_k``, ``top_p``, ``min_p``, the three
     penalties and ``min_new_tokens`` (keywords): the config's (None), or one for every stream or one per stream
     (``stream_settings``); one program serves any values, and a filter or penalty no stream uses is not compiled.
+    ``logit_bias`` (keyword): the config's (None), or one mapping for every stream or one per stream.
     ``EngineConfig(logprobs=True, top_logprobs=n)`` also keeps each emitted token's log-probability under the target
     and its n likeliest tokens (``scores``), from the rows the forwards computed. The token sets (allowed ids, bad
     words, logit bias), min_new_tokens and the penalties process every place's logits before the temperature and
@@ -361,19 +362,21 @@ class Engine:
     # ------------------------------------------------------------------ prefill
     def prefill(self, prompts: Sequence[Sequence[int]], temperature=0.0, seed=0, max_new_tokens=None, *,
                 top_k=None, top_p=None, min_p=None, repetition_penalty=None, frequency_penalty=None,
-                presence_penalty=None, min_new_tokens=None, stop_strings=None) -> DecodeState:
+                presence_penalty=None, min_new_tokens=None, logit_bias=None, stop_strings=None) -> DecodeState:
         """The prompts' prefill and each stream's first token. From ``top_k`` on: one value for every stream or a
         sequence of one per stream (None: the config's), fixed in the state for every round after it;
-        ``stop_strings`` one sequence of strings for every stream or one per stream (``check_stream_stop_strings``;
-        they need the engine's tokenizer)."""
+        ``logit_bias`` one mapping {token id: amount} for every stream or a sequence of one (or None: the config's)
+        per stream (``stream_settings.stream_logit_bias``); ``stop_strings`` one sequence of strings for every
+        stream or one per stream (``check_stream_stop_strings``; they need the engine's tokenizer)."""
         return self.prefill_requests(self.check_requests(
             prompts, temperature, seed, max_new_tokens, top_k=top_k, top_p=top_p, min_p=min_p,
             repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
-            presence_penalty=presence_penalty, min_new_tokens=min_new_tokens, stop_strings=stop_strings))
+            presence_penalty=presence_penalty, min_new_tokens=min_new_tokens, logit_bias=logit_bias,
+            stop_strings=stop_strings))
 
     def check_requests(self, prompts: Sequence[Sequence[int]], temperature=0.0, seed=0, max_new_tokens=None, *,
                        top_k=None, top_p=None, min_p=None, repetition_penalty=None, frequency_penalty=None,
-                       presence_penalty=None, min_new_tokens=None, stop_strings=None) -> Requests:
+                       presence_penalty=None, min_new_tokens=None, logit_bias=None, stop_strings=None) -> Requests:
         """``prefill``'s arguments checked on the host, with what the programs compile for them (``Requests``)."""
         ecfg = self.ecfg
         n = len(prompts)
@@ -382,7 +385,9 @@ class Engine:
         given = dict(top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
                      frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
                      min_new_tokens=min_new_tokens)
-        settings = check_settings(n, given, ecfg.settings, self._setting_checks)
+        settings = dataclasses.replace(
+            check_settings(n, given, ecfg.settings, self._setting_checks),
+            logit_bias=stream_logit_bias(logit_bias, n, self.cfg.vocab_size, ecfg.logit_bias, check_logit_bias))
         strings = check_stream_stop_strings(ecfg.stop_strings if stop_strings is None else stop_strings, n)
         for i, (least, limit) in enumerate(zip(settings.min_new_tokens.tolist(), limits.tolist())):
             try:
@@ -481,6 +486,13 @@ class Engine:
         ``generate``'s, one per prompt where per stream; each prompt's tokens are the ones ``generate`` gives it
         (for every prompt at once). Everything is checked before the first prefill."""
         return serve(self, self.check_requests(prompts, temperature, seed, max_new_tokens, **settings), slots, timing)
+
+    def serve_updates(self, prompts: Sequence[Sequence[int]], temperature=0.0, seed=0, max_new_tokens=None, *,
+                      slots: int, timing: dict | None = None, **settings) -> Iterator[ServeUpdate]:
+        """``serve``'s decoding, reported as it goes (``serving.serve_updates``): each prompt's new tokens after
+        each admission and dispatch, and the prompts finished since."""
+        requests = self.check_requests(prompts, temperature, seed, max_new_tokens, **settings)
+        return serve_updates(self, requests, slots, timing)
 
     def generate(self, prompts: Sequence[Sequence[int]], temperature=0.0, seed=0, max_new_tokens=None, *,
                  slots: int | None = None, **settings) -> dict:

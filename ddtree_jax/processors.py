@@ -46,6 +46,7 @@ class LogitProcessing:
     allowed_token_ids: tuple[int, ...] = ()  # ascending; empty: all
     bad_words: tuple[tuple[int, ...], ...] = ()  # token-id sequences whose last token is banned after the rest
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, amount) pairs, ids ascending
+    stream_logit_bias: bool = False  # each stream's own pairs (``StreamSettings.logit_bias``) hold some token
     eos_ids: tuple[int, ...] = ()  # held back by min_new_tokens
     repetition_penalty: bool = False  # some stream's is not 1
     frequency_penalty: bool = False  # some stream's is not 0
@@ -70,15 +71,19 @@ class LogitProcessing:
     @property
     def changes_logits(self) -> bool:
         return (bool(self.allowed_token_ids) or bool(self.bad_words) or bool(self.logit_bias) or self.holds_eos
-                or self.penalises)
+                or self.penalises or self.stream_logit_bias)
 
 
 def processing_for(settings: StreamSettings, *, allowed_token_ids=(), bad_words=(), logit_bias=(),
                    eos_ids=()) -> LogitProcessing:
-    """The LogitProcessing of a batch: the token sets (checked) and the numbers its host settings (numpy) use."""
+    """The LogitProcessing of a batch: the token sets (checked) and the numbers its host settings (numpy) use.
+    ``logit_bias`` (every stream's, compiled in) is left out where the streams have their own
+    (``settings.logit_bias``)."""
+    own = settings.logit_bias
     return LogitProcessing(
         allowed_token_ids=check_allowed_token_ids(allowed_token_ids), bad_words=tuple(map(tuple, bad_words)),
-        logit_bias=check_logit_bias(logit_bias), eos_ids=tuple(eos_ids),
+        logit_bias=check_logit_bias(logit_bias) if own is None else (), eos_ids=tuple(eos_ids),
+        stream_logit_bias=own is not None and bool((np.asarray(own.amounts) != 0).any()),
         repetition_penalty=bool((np.asarray(settings.repetition_penalty) != 1).any()),
         frequency_penalty=bool((np.asarray(settings.frequency_penalty) != 0).any()),
         presence_penalty=bool((np.asarray(settings.presence_penalty) != 0).any()),
@@ -275,6 +280,10 @@ def process_logits(logits: jax.Array, processing: LogitProcessing, settings: Str
     if processing.logit_bias:
         ids, amounts = zip(*processing.logit_bias)
         logits = logits.at[:, :, np.asarray(ids)].add(np.asarray(amounts, np.float32))
+    if processing.stream_logit_bias:  # a stream's unused pairs name no token: dropped
+        own = settings.logit_bias
+        logits = jax.vmap(lambda row, ids, amounts: row.at[:, ids].add(amounts, mode="drop"))(
+            logits, own.ids, own.amounts.astype(jnp.float32))
     if processing.holds_eos:
         early = num_out[:, None] + depths < settings.min_new_tokens[:, None]  # [B, T]: the place's output index
         is_eos = np.zeros(w, bool)

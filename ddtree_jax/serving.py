@@ -74,11 +74,27 @@ def admission_size(waiting: int, free: int, data_shards: int) -> int:
     return min(size, -(-free // data_shards) * data_shards)
 
 
+@dataclasses.dataclass(frozen=True)
+class ServeUpdate:
+    """What ``serve_updates`` reports after each admission and each dispatch: ``new_tokens`` maps each request that
+    emitted tokens since the last update (its index among the requests) to those tokens; ``finished`` holds the
+    requests whose streams stopped since (their tokens whole, the last ones also in ``new_tokens``)."""
+
+    new_tokens: dict[int, list[int]]
+    finished: list[Finished]
+
+
 def serve(engine: Engine, requests: Requests, slots: int, timing: dict | None = None) -> Iterator[Finished]:
     """Decodes ``requests`` in ``slots`` streams, yielding each request's ``Finished`` as its stream stops (in the
     order they stop). ``slots`` is checked here, the decoding starts at the first ``next``. ``timing``, where
     given, gains the seconds spent in admissions ("prefill_s") and in dispatches ("decode_s"), and the rounds the
     batch ran ("batch_rounds")."""
+    return (done for update in serve_updates(engine, requests, slots, timing) for done in update.finished)
+
+
+def serve_updates(engine: Engine, requests: Requests, slots: int, timing: dict | None = None) -> Iterator[ServeUpdate]:
+    """``serve``'s decoding, reported as it goes: a ServeUpdate after each admission and each dispatch that emitted
+    a token or stopped a stream. Joined over the updates, each request's ``new_tokens`` are its ``Finished.tokens``."""
     data_shards = stream_shards(engine.runtime)
     slots = check_slots(slots, data_shards)
     timing = {} if timing is None else timing
@@ -86,9 +102,10 @@ def serve(engine: Engine, requests: Requests, slots: int, timing: dict | None = 
     return _serve(engine, requests, slots, data_shards, timing)
 
 
-def _serve(engine: Engine, requests: Requests, slots: int, data_shards: int, timing: dict) -> Iterator[Finished]:
+def _serve(engine: Engine, requests: Requests, slots: int, data_shards: int, timing: dict) -> Iterator[ServeUpdate]:
     n = len(requests)
     holder = np.full(slots, -1)  # the request in each slot (-1: none)
+    sent = np.zeros(slots, np.int64)  # the tokens of each slot's request reported so far
     waiting = 0  # the next request to admit
     state = None
     while True:
@@ -105,14 +122,20 @@ def _serve(engine: Engine, requests: Requests, slots: int, data_shards: int, tim
             else:
                 state = admit(state, fresh, jnp.asarray(np.concatenate([free[:count], np.full(size - count, slots)])))
             holder[free[:count]] = index
+            sent[free[:count]] = 0
             waiting += count
             jax.block_until_ready(state.status)
             timing["prefill_s"] += time.perf_counter() - t0
-        status = np.asarray(state.status)
-        stopped = np.flatnonzero((holder >= 0) & (status != RUNNING))
+        status, num = np.asarray(state.status), np.asarray(state.num_out)
+        held = np.flatnonzero(holder >= 0)
+        stopped = held[status[held] != RUNNING]
+        grew = held[num[held] > sent[held]]
+        if grew.size or stopped.size:  # (a stream can stop without a token: a full cache)
+            new = per_stream_slices(np.asarray(state.out_tokens)[grew], sent[grew], num[grew])
+            sent[grew] = num[grew]
+            yield ServeUpdate(dict(zip(holder[grew].tolist(), new)), list(_finished(state, holder, stopped, status)))
+        holder[stopped] = -1
         if stopped.size:
-            yield from _finished(state, holder, stopped, status)
-            holder[stopped] = -1
             continue  # their slots take the next requests before the next dispatch
         running = int((status == RUNNING).sum())
         if running == 0:
@@ -127,6 +150,8 @@ def _serve(engine: Engine, requests: Requests, slots: int, data_shards: int, tim
 
 def _finished(state: DecodeState, holder: np.ndarray, slots: np.ndarray, status: np.ndarray) -> Iterator[Finished]:
     """The Finished of the requests in ``slots`` (their streams have stopped), read to the host."""
+    if not slots.size:
+        return
     num = np.asarray(state.num_out)[slots]
     first = np.zeros_like(num)
     tokens = per_stream_slices(np.asarray(state.out_tokens)[slots], first, num)

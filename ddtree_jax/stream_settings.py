@@ -1,7 +1,8 @@
 """Each stream's own numbers: its temperature, seed and token limit, and beside them its filters (top_k, top_p,
 min_p), penalties (repetition, frequency, presence) and min_new_tokens. They are given to ``Engine.prefill`` as one
 value for every stream or a sequence of one per stream, checked here on the host, and carried in the decode state
-as [B] arrays, so one compiled program serves any values.
+as [B] arrays, so one compiled program serves any values. So is a stream's own logit bias (``StreamBias``: its
+(token id, amount) pairs, [B, M]).
 
 What a program compiles is read from the values once, at the prefill (``Switches`` and
 ``processors.processing_for``, static parts of the state): a filter or penalty that no stream of the batch uses
@@ -40,6 +41,45 @@ class StreamSettings:
     frequency_penalty: jax.Array  # [B] float32 (0: off)
     presence_penalty: jax.Array  # [B] float32 (0: off)
     min_new_tokens: jax.Array  # [B] int32 (0: off)
+    logit_bias: StreamBias | None = None  # each stream's own logit bias (``stream_logit_bias``); None: the config's
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StreamBias:
+    """Each stream's logit bias: M (token id, amount) pairs a stream, M a power of two >= the batch's most pairs;
+    a stream's unused pairs hold an id past the vocabulary (their amounts are dropped) and amount 0."""
+
+    ids: jax.Array  # [B, M] int32
+    amounts: jax.Array  # [B, M] float32
+
+
+def stream_logit_bias(logit_bias, streams: int, vocab_size: int, default, check_one) -> StreamBias | None:
+    """Each stream's logit bias as a StreamBias (numpy), or None where ``logit_bias`` is None (every stream takes
+    the config's, compiled in as constants). ``logit_bias``: one mapping {token id: amount} (or a sequence of
+    (id, amount) pairs) for every stream, or a sequence of one mapping or None per stream (None: ``default``, the
+    config's); each checked by ``check_one`` (``processors.check_logit_bias``), its ids below ``vocab_size``."""
+    if logit_bias is None:
+        return None
+    one = "one mapping {token id: amount} (e.g. {13: -100.0})"
+    per = (isinstance(logit_bias, (list, tuple)) and len(logit_bias) > 0
+           and all(item is None or isinstance(item, dict) for item in logit_bias))
+    if per and len(logit_bias) != streams:
+        raise ValueError(f"logit_bias must be {one} or a sequence of one per stream ({streams}), got "
+                         f"{len(logit_bias)} of them")
+    pairs = []
+    for i, item in enumerate(logit_bias if per else [logit_bias] * streams):
+        try:
+            pairs.append(check_one(default if item is None else item, vocab_size))
+        except ValueError as e:
+            raise ValueError(f"stream {i}'s {e}" if per else str(e)) from None
+    width = 1 << max(max(map(len, pairs)) - 1, 0).bit_length()
+    ids = np.full((streams, width), vocab_size, np.int32)
+    amounts = np.zeros((streams, width), np.float32)
+    for b, stream_pairs in enumerate(pairs):
+        if stream_pairs:
+            ids[b, :len(stream_pairs)], amounts[b, :len(stream_pairs)] = zip(*stream_pairs)
+    return StreamBias(ids=ids, amounts=amounts)
 
 
 def uniform_settings(streams: int, **numbers) -> StreamSettings:

@@ -18,6 +18,7 @@ build before it is timed. On a CPU (``--smoke``) the shapes shrink.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -30,8 +31,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from ddtree_jax import sampling, topk  # noqa: E402
-from ddtree_jax.processors import TokenHistory, process_logits, processing_for  # noqa: E402
-from ddtree_jax.stream_settings import uniform_settings  # noqa: E402
+from ddtree_jax.processors import TokenHistory, check_logit_bias, process_logits, processing_for  # noqa: E402
+from ddtree_jax.stream_settings import stream_logit_bias, uniform_settings  # noqa: E402
 from ddtree_jax.scores import token_scores  # noqa: E402
 from ddtree_jax.stop_strings import StopStringTabler, advance, start_states  # noqa: E402
 from ddtree_jax.tree import build_tree, chain_tree, sample_target_tokens  # noqa: E402
@@ -185,7 +186,8 @@ def bench_keys(rows, shapes, w, bw):
     per stream (``tree.sample_target_tokens``' [B] keys: a vmap of the draw over streams, what the engine does),
     and with logit processing before it (``processors.process_logits`` over a chain of T nodes, 1 % of the
     vocabulary in the prompt and 1 % in the output): the repetition penalty alone, then with the frequency and
-    presence penalties, a 16-token logit bias and min_new_tokens over 2 EOS ids. Then top-k 50 and top-p 0.9, as
+    presence penalties, a 16-token logit bias and min_new_tokens over 2 EOS ids; a 16-token logit bias alone, the
+    same for every stream (constants) and each stream's own ([B, 16] pairs). Then top-k 50 and top-p 0.9, as
     Python numbers (one program per value) and as one per stream ([B] arrays: one program for any values)."""
     rng = np.random.default_rng(5)
     bias = tuple((int(i), -1.0) for i in rng.choice(w, 16, replace=False))
@@ -209,11 +211,18 @@ def bench_keys(rows, shapes, w, bw):
             return sample_target_tokens(process_logits(x, processing, settings, history, num_out, chain), 1.0, k)
 
         top_k, top_p = jnp.full((b,), 50, jnp.int32), jnp.full((b,), 0.9, jnp.float32)
+        fixed_bias = (processing_for(uniform_settings(b), logit_bias=bias), jax.tree.map(jnp.asarray,
+                                                                                        uniform_settings(b)))
+        own = dataclasses.replace(uniform_settings(b), logit_bias=stream_logit_bias(
+            [{int(i): -1.0 for i in rng.choice(w, 16, replace=False)} for _ in range(b)], b, w, (), check_logit_bias))
+        own_bias = (processing_for(own), jax.tree.map(jnp.asarray, own))
 
         fns = {"one key": lambda x: sample_target_tokens(x, 1.0, jax.random.key(0)),
                "key per stream": lambda x, k=per_stream: sample_target_tokens(x, 1.0, k),
                "key per stream + repetition penalty": lambda x: processed(x, repetition),
                "key per stream + all processing": lambda x: processed(x, everything),
+               "key per stream + 16-token logit bias": lambda x: processed(x, fixed_bias),
+               "key per stream + 16-token logit bias per stream": lambda x: processed(x, own_bias),
                "key per stream + top-k 50, top-p 0.9": lambda x, k=per_stream: sample_target_tokens(x, 1.0, k, 50, 0.9),
                "key per stream + top-k 50, top-p 0.9 per stream": (
                    lambda x, k=per_stream, top_k=top_k, top_p=top_p: sample_target_tokens(

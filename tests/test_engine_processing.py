@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ddtree_jax.engine import Engine, EngineConfig
-from ddtree_jax.processors import LogitProcessing
+from ddtree_jax.processors import LogitProcessing, check_logit_bias
 from test_processors import reference_row, stream_numbers
 from sampling_reference import truncated_probs
 from tests.test_engine import NEW, PROMPTS, VOCAB, build_models, causal_forward, generate_all, teacher_forced_logits
@@ -23,10 +23,14 @@ NUMBERS = dict(min_new_tokens=4, repetition_penalty=1.2, frequency_penalty=-0.7,
 def greedy_with_processing(target, prompts, sets, numbers, steps) -> list[list[int]]:
     """Reference outside the engine: each next token the argmax of the plain causal forward's last logits after
     ``test_processors.reference_row`` (transformers' processors, then the frequency and presence penalties) over the
-    prompt and the tokens so far. ``sets``: LogitProcessing's token sets; ``numbers``: the penalties and
-    min_new_tokens, each one for every stream or a list of one per stream."""
+    prompt and the tokens so far. ``sets``: LogitProcessing's token sets; ``numbers``: the penalties,
+    min_new_tokens and a logit bias of the stream's own, each one for every stream or a list of one per stream."""
     processing = LogitProcessing(**sets)
     numbers = stream_numbers(len(prompts), numbers)
+    for stream in numbers:  # a stream's own logit bias (None: the sets')
+        if "logit_bias" in stream:
+            own = stream["logit_bias"]
+            stream["logit_bias"] = check_logit_bias(sets.get("logit_bias", ()) if own is None else own)
     seqs = [list(p) for p in prompts]
     for _ in range(steps):
         tokens = np.zeros((len(seqs), max(map(len, seqs))), np.int32)

@@ -15,7 +15,8 @@ from tests.test_engine import NEW, PROMPTS, build_models
 SETS = dict(logit_bias=((2, -100.0), (58, 1.5)), eos_ids=EOS_IDS)
 PER_STREAM = dict(min_new_tokens=[4, 0, 6, 2, 0, 5, 1, 3], repetition_penalty=[1.2, 1.0, 0.7, 1.5, 1.0, 1.2, 2.0, 1.0],
                   frequency_penalty=[-0.7, 0.0, 0.3, 0.0, 0.5, -0.2, 0.0, 0.0],
-                  presence_penalty=[0.4, 0.0, 0.0, -0.5, 0.3, 0.0, 0.0, 0.0])
+                  presence_penalty=[0.4, 0.0, 0.0, -0.5, 0.3, 0.0, 0.0, 0.0],
+                  logit_bias=[None, {2: -100.0, 7: 3.0}, {}, None, {58: 4.0, 0: 2.5}, {11: -1.5}, None, {}])
 
 
 @pytest.fixture(scope="module")
@@ -29,9 +30,9 @@ def config(mode, budget, **kw):
 
 @pytest.mark.parametrize("mode,budget", [("ar", 1), ("dflash", 1), ("ddtree", 64)])
 def test_per_stream_processing_greedy_equals_the_processed_full_forward(models, mode, budget):
-    """Eight streams, each its own penalties and min_new_tokens (some off; stream 7 none at all): greedy decoding
-    equals the processed plain-forward reference with each stream's numbers, cut at its first EOS or stop sequence
-    past its own min_new_tokens, token for token."""
+    """Eight streams, each its own penalties, min_new_tokens and logit bias (some off, some the config's; stream 7
+    none at all): greedy decoding equals the processed plain-forward reference with each stream's numbers, cut at
+    its first EOS or stop sequence past its own min_new_tokens, token for token."""
     target, drafter = models
     engine = Engine(target, drafter if mode != "ar" else None, config(mode, budget))
     res = engine.generate(PROMPTS[:8], **PER_STREAM)
@@ -40,6 +41,10 @@ def test_per_stream_processing_greedy_equals_the_processed_full_forward(models, 
     assert list(zip(res["tokens"], res["status"])) == want
     uniform = greedy_with_processing(target, PROMPTS[:8], SETS, dict(repetition_penalty=1.2), NEW)
     assert sum(r != u for r, u in zip(reference, uniform)) >= 4  # the streams' numbers changed their tokens
+    if mode == "ar":  # and their own logit biases did (against the config's for every stream)
+        configs_bias = greedy_with_processing(target, PROMPTS[:8], SETS,
+                                              {k: v for k, v in PER_STREAM.items() if k != "logit_bias"}, NEW)
+        assert sum(r != c for r, c in zip(reference, configs_bias)) >= 2
 
 
 SAMPLED = [  # each stream's temperature, seed and numbers
@@ -111,6 +116,13 @@ def test_switches_read_what_the_sampled_streams_use():
     (dict(min_new_tokens=[0, 3, 0, 0], max_new_tokens=[4, 2, 4, 4]), r"stream 1's min_new_tokens=3 passes "
                                                                     r"max_new_tokens=2"),
     (dict(min_new_tokens=[0, 1.5, 0, 0]), r"stream 1's min_new_tokens must be an integer"),
+    (dict(logit_bias=[{1: 2.0}, None]), r"logit_bias must be one mapping \{token id: amount\} .* one per stream "
+                                        r"\(4\), got 2 of them"),
+    (dict(logit_bias=[None, {1: 2.0}, {64: 1.0}, {}]), r"stream 2's logit_bias's token id 64 is outside the "
+                                                       r"vocabulary \[0, 64\)"),
+    (dict(logit_bias=[None, None, None, {3: float("nan")}]), r"stream 3's logit_bias\[3\] must be a finite number"),
+    (dict(logit_bias={-1: 2.0}), r"logit_bias's token ids must be integers >= 0, got -1"),
+    (dict(logit_bias=[(1, 2.0), 3]), r"logit_bias must hold \(token id, amount\) pairs"),
 ])
 def test_bad_per_stream_settings_refused(models, settings, message):
     target, drafter = models

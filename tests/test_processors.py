@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -10,7 +11,7 @@ from transformers.generation.logits_process import (MinNewTokensLengthLogitsProc
                                                     RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor)
 
 from ddtree_jax import processors as pr
-from ddtree_jax.stream_settings import NUMBERS, OFF, StreamSettings
+from ddtree_jax.stream_settings import NUMBERS, OFF, StreamSettings, stream_logit_bias
 from test_tree import random_tree
 
 W = 24
@@ -77,6 +78,10 @@ PROCESSINGS = {
     "per stream": (dict(eos_ids=(1, 7)), dict(min_new_tokens=[6, 0, 3, 9], repetition_penalty=[0.8, 1.0, 1.4, 0.8],
                                               frequency_penalty=[0.3, 0.0, -0.2, 0.3],
                                               presence_penalty=[0.5, 0.5, 0.0, -1.0])),
+    # each stream its own logit bias (stream 1 None: the config's; stream 2 none), the config's compiled out
+    "bias per stream": (dict(logit_bias=((2, 1.0), (9, -3.0)), eos_ids=(1, 7)),
+                        dict(logit_bias=[{2: 3.5, 5: -100.0}, None, {}, {W - 1: 1.25, 0: -2.0, 7: 0.5}],
+                             min_new_tokens=[0, 4, 0, 2])),
 }
 
 
@@ -91,25 +96,32 @@ def processing_and_settings(b, name, **changes):
     the device, each stream's numbers)."""
     sets, numbers = PROCESSINGS[name]
     per_stream = stream_numbers(b, numbers)
+    own_bias = None
+    if "logit_bias" in numbers:  # each stream's pairs, None the config's
+        own_bias = stream_logit_bias(numbers["logit_bias"], b, W, sets["logit_bias"], pr.check_logit_bias)
+        for stream in per_stream:
+            stream["logit_bias"] = pr.check_logit_bias(sets["logit_bias"] if stream["logit_bias"] is None
+                                                       else stream["logit_bias"])
     host = StreamSettings(**{n: np.asarray([stream[n] for stream in per_stream],
                                            np.int32 if n in ("top_k", "min_new_tokens") else np.float32)
-                             for n in NUMBERS})
+                             for n in NUMBERS}, logit_bias=own_bias)
     processing = pr.processing_for(host, **{**sets, **changes})
-    return processing, StreamSettings(**{n: jnp.asarray(getattr(host, n)) for n in NUMBERS}), per_stream
+    return processing, jax.tree.map(jnp.asarray, host), per_stream
 
 
 def reference_row(row, processing, numbers, prompt, output):
     """One place's processed logits: the tokens not allowed at -inf, then transformers' processors over the
     context (prompt + output so far), then the frequency and presence penalties over the output's counts in numpy;
-    ``numbers``: the stream's (penalties and min_new_tokens)."""
+    ``numbers``: the stream's (penalties and min_new_tokens, and its logit bias where it has its own)."""
     ids = torch.tensor([list(prompt) + list(output)])
     if processing.allowed_token_ids:
         row = np.where(np.isin(np.arange(row.shape[-1]), processing.allowed_token_ids), row, -np.inf)
     scores = torch.from_numpy(np.asarray(row, np.float32)[None].copy())
     if processing.bad_words:
         scores = NoBadWordsLogitsProcessor([list(word) for word in processing.bad_words])(ids, scores)
-    if processing.logit_bias:
-        scores = SequenceBiasLogitsProcessor([[[i], a] for i, a in processing.logit_bias])(ids, scores)
+    bias = numbers.get("logit_bias", processing.logit_bias)  # the stream's own pairs, where it has them
+    if bias:
+        scores = SequenceBiasLogitsProcessor([[[i], a] for i, a in bias])(ids, scores)
     if numbers["min_new_tokens"] and processing.eos_ids:
         scores = MinNewTokensLengthLogitsProcessor(len(prompt), numbers["min_new_tokens"],
                                                    list(processing.eos_ids))(ids, scores)

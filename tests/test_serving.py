@@ -21,7 +21,8 @@ TEMPERATURES = [1.0, 0.0, 0.7, 1.0, 0.0, 1.3, 1.0]
 LIMITS = [10, 3, 7, 1, 10, 5, 2]  # 1: the prefill's token is the stream's last
 PER_STREAM = dict(top_k=[0, 0, 5, 0, 0, 12, 0], repetition_penalty=[1.3, 1.0, 1.0, 1.0, 1.6, 1.0, 1.0],
                   frequency_penalty=[0.0, 0.4, 0.0, 0.0, 0.0, 0.0, -0.3],
-                  stop_strings=[("ba",), (), ("ca", "bb"), (), ("ab",), ("ba",), ()])
+                  stop_strings=[("ba",), (), ("ca", "bb"), (), ("ab",), ("ba",), ()],
+                  logit_bias=[{5: 2.0}, None, {}, {8: -100.0, 9: 1.0, 10: 0.5}, None, {3: -2.0}, {}])
 TOKENIZER = types.SimpleNamespace(token_bytes=lambda w: [bytes([97 + i % 3] * (1 + i % 2)) for i in range(w)])
 
 
@@ -71,6 +72,28 @@ def test_a_stopped_streams_slot_takes_the_next_request_in_that_round(models):
     got = engine.generate(PROMPTS[:3], 0.0, max_new_tokens=[2, 10, 2], slots=4)
     assert (got["tokens"], got["status"], got["rounds"]) == (want["tokens"], want["status"], want["rounds"])
     assert got["batch_rounds"] == want["batch_rounds"] == 9
+
+
+def test_serve_updates_report_each_requests_tokens_as_they_come(models):
+    """``serve_updates``: each admission's update holds its requests' first tokens; joined, a request's new tokens
+    are its Finished tokens, each request finishes once, and a stream stopped by a full cache (in a round that emits
+    nothing) is reported too."""
+    target, _ = models
+    engine = Engine(target, None, config("ar", capacity=24, max_new_tokens=40, eos_ids=(), rounds_per_dispatch=1))
+    prompts = [PROMPTS[0][:4], PROMPTS[1][:12], PROMPTS[2][:6]]
+    updates = list(engine.serve_updates(prompts, 0.0, max_new_tokens=[40, 3, 40], slots=2))
+    joined, finished = {}, []
+    for update in updates:
+        for index, tokens in update.new_tokens.items():
+            joined.setdefault(index, []).extend(tokens)
+        finished += update.finished
+    want = engine.generate(prompts, 0.0, max_new_tokens=[40, 3, 40])
+    assert sorted(f.index for f in finished) == [0, 1, 2] and updates[0].finished == []
+    assert [len(t) for t in updates[0].new_tokens.values()] == [1, 1]  # the prefill's token of requests 0 and 1
+    for f in finished:
+        assert joined[f.index] == f.tokens == want["tokens"][f.index] and f.status == want["status"][f.index]
+    assert sorted(want["status"]) == ["cache_full", "cache_full", "max_new_tokens"]
+    assert any(u.finished and not u.new_tokens for u in updates)  # the full cache's round: a stop, no token
 
 
 def test_warm_up_compiles_every_program_a_serve_runs(models):
