@@ -36,7 +36,7 @@ def config(mode, **kw):
                                   top_logprobs=2), **kw})
 
 
-@pytest.mark.parametrize("mode,slots", [("dflash", 2), ("ddtree", 3)])  # AR: the tests below
+@pytest.mark.parametrize("mode,slots", [("ddtree", 3)])  # AR: the tests below; DFlash: the sharded one
 def test_served_requests_get_what_generate_gives_them(models, mode, slots):
     """Seven requests (greedy and sampled, each its own seed, limit and numbers) in 2 or 3 slots: each gets the
     tokens, status, rounds, tau histogram and log-probabilities that ``generate`` gives it among all seven."""
