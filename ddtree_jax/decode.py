@@ -51,6 +51,13 @@ def pad_prompts(prompts: Sequence[Sequence[int]], *, vocab_size: int, capacity: 
                          f"the cache capacity {capacity}")
     for p in prompts:
         check_tokens(p.astype(np.int64), vocab_size)
+    return pad_checked(prompts, capacity=capacity, pad_id=pad_id)
+
+
+def pad_checked(prompts: Sequence[np.ndarray], *, capacity: int, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """``pad_prompts``' padding alone, of prompts it has checked (1-D id arrays that fit): tokens [B, P] int32
+    (P the longest's bucket, at most ``capacity``) and lengths [B] int32."""
+    lengths = np.array([len(p) for p in prompts], np.int32)
     width = min(bucket_length(int(lengths.max())), capacity)
     tokens = np.full((len(prompts), width), pad_id, np.int32)
     for i, p in enumerate(prompts):

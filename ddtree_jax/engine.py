@@ -32,7 +32,7 @@ import numpy as np
 from flax import nnx
 
 from ddtree_jax.cache import CACHE_AXES, LatentCache, commit, init_cache
-from ddtree_jax.decode import pad_prompts
+from ddtree_jax.decode import pad_checked, pad_prompts
 from ddtree_jax.checks import is_integer, is_token_id
 from ddtree_jax.drafter import (DFlashDrafter, DraftCache, check_drafter_target, draft_cache_axes, draft_logits,
                                 init_draft_cache)
@@ -406,8 +406,7 @@ class Engine:
         """The prefill of checked requests (``check_requests``; or some of them: ``Requests.rows``), one stream
         each, compiled for ``requests.switches`` and ``requests.processing``."""
         ecfg = self.ecfg
-        tokens, lengths = pad_prompts(requests.prompts, vocab_size=self.cfg.vocab_size, capacity=ecfg.capacity,
-                                      reserve=self.depth + 1)
+        tokens, lengths = pad_checked(requests.prompts, capacity=ecfg.capacity)  # checked by check_requests
         b = len(requests.prompts)
         # Caches are made outside jit: zeros built inside would be constant-folded through attention.
         cache = init_cache(self.cfg, b, ecfg.capacity)
