@@ -277,13 +277,18 @@ def process_logits(logits: jax.Array, processing: LogitProcessing, settings: Str
     if processing.bad_words:
         logits = _ban_bad_words(logits, processing.bad_words,
                                 node_windows(history.recent, tree) if processing.window else None)
+    # The biases are added as dense rows, which fuse into the logits' next reader; a scatter into the [B, T, W]
+    # logits would write them anew.
     if processing.logit_bias:
         ids, amounts = zip(*processing.logit_bias)
-        logits = logits.at[:, :, np.asarray(ids)].add(np.asarray(amounts, np.float32))
+        row = np.zeros(w, np.float32)
+        row[list(ids)] = amounts
+        logits = logits + row
     if processing.stream_logit_bias:  # a stream's unused pairs name no token: dropped
         own = settings.logit_bias
-        logits = jax.vmap(lambda row, ids, amounts: row.at[:, ids].add(amounts, mode="drop"))(
-            logits, own.ids, own.amounts.astype(jnp.float32))
+        rows = jnp.zeros((b, w), jnp.float32).at[jnp.arange(b)[:, None], own.ids].add(
+            own.amounts.astype(jnp.float32), mode="drop")
+        logits = logits + rows[:, None, :]
     if processing.holds_eos:
         early = num_out[:, None] + depths < settings.min_new_tokens[:, None]  # [B, T]: the place's output index
         is_eos = np.zeros(w, bool)

@@ -187,7 +187,8 @@ def bench_keys(rows, shapes, w, bw):
     and with logit processing before it (``processors.process_logits`` over a chain of T nodes, 1 % of the
     vocabulary in the prompt and 1 % in the output): the repetition penalty alone, then with the frequency and
     presence penalties, a 16-token logit bias and min_new_tokens over 2 EOS ids; a 16-token logit bias alone, the
-    same for every stream (constants) and each stream's own ([B, 16] pairs). Then top-k 50 and top-p 0.9, as
+    same for every stream (constants) and each stream's own ([B, 16] pairs), the latter also as the scatter into
+    the logits that the engine did before session 63 (it now adds dense rows). Then top-k 50 and top-p 0.9, as
     Python numbers (one program per value) and as one per stream ([B] arrays: one program for any values)."""
     rng = np.random.default_rng(5)
     bias = tuple((int(i), -1.0) for i in rng.choice(w, 16, replace=False))
@@ -205,31 +206,38 @@ def bench_keys(rows, shapes, w, bw):
         tokens = jnp.asarray(rng.integers(0, w, (b, t)), jnp.int32)
         chain = chain_tree(tokens[:, 1:], tokens[:, 0])
         num_out = jnp.full((b,), 2, jnp.int32)
-
-        def processed(x, processing, k=per_stream, history=history, chain=chain, num_out=num_out):
-            processing, settings = processing
-            return sample_target_tokens(process_logits(x, processing, settings, history, num_out, chain), 1.0, k)
-
         top_k, top_p = jnp.full((b,), 50, jnp.int32), jnp.full((b,), 0.9, jnp.float32)
-        fixed_bias = (processing_for(uniform_settings(b), logit_bias=bias), jax.tree.map(jnp.asarray,
-                                                                                        uniform_settings(b)))
         own = dataclasses.replace(uniform_settings(b), logit_bias=stream_logit_bias(
             [{int(i): -1.0 for i in rng.choice(w, 16, replace=False)} for _ in range(b)], b, w, (), check_logit_bias))
-        own_bias = (processing_for(own), jax.tree.map(jnp.asarray, own))
+        # Every array rides as an argument: closed over, XLA would fold the processing of constant trees.
+        context = {"keys": per_stream, "history": history, "chain": chain, "num_out": num_out, "top_k": top_k,
+                   "top_p": top_p, "plain": jax.tree.map(jnp.asarray, uniform_settings(b)),
+                   "repetition": repetition[1], "everything": everything[1], "own": jax.tree.map(jnp.asarray, own)}
 
-        fns = {"one key": lambda x: sample_target_tokens(x, 1.0, jax.random.key(0)),
-               "key per stream": lambda x, k=per_stream: sample_target_tokens(x, 1.0, k),
-               "key per stream + repetition penalty": lambda x: processed(x, repetition),
-               "key per stream + all processing": lambda x: processed(x, everything),
-               "key per stream + 16-token logit bias": lambda x: processed(x, fixed_bias),
-               "key per stream + 16-token logit bias per stream": lambda x: processed(x, own_bias),
-               "key per stream + top-k 50, top-p 0.9": lambda x, k=per_stream: sample_target_tokens(x, 1.0, k, 50, 0.9),
-               "key per stream + top-k 50, top-p 0.9 per stream": (
-                   lambda x, k=per_stream, top_k=top_k, top_p=top_p: sample_target_tokens(
-                       x, 1.0, k, top_k, top_p, top_k_ceiling=64, top_k_in_every_row=True))}
+        def processed(x, c, processing, settings):
+            return sample_target_tokens(process_logits(x, processing, c[settings], c["history"], c["num_out"],
+                                                       c["chain"]), 1.0, c["keys"])
+
+        def scattered_bias(x, c):  # the per-stream bias as a scatter into the logits (the engine's before s63)
+            x = jax.vmap(lambda row, ids, amounts: row.at[:, ids].add(amounts, mode="drop"))(
+                x, c["own"].logit_bias.ids, c["own"].logit_bias.amounts)
+            return sample_target_tokens(x, 1.0, c["keys"])
+
+        fns = {"one key": lambda x, c: sample_target_tokens(x, 1.0, jax.random.key(0)),
+               "key per stream": lambda x, c: sample_target_tokens(x, 1.0, c["keys"]),
+               "key per stream + repetition penalty": lambda x, c: processed(x, c, repetition[0], "repetition"),
+               "key per stream + all processing": lambda x, c: processed(x, c, everything[0], "everything"),
+               "key per stream + 16-token logit bias": lambda x, c: processed(
+                   x, c, processing_for(uniform_settings(b), logit_bias=bias), "plain"),
+               "key per stream + 16-token logit bias per stream": lambda x, c: processed(
+                   x, c, processing_for(own), "own"),
+               "key per stream + 16-token logit bias per stream, scattered": scattered_bias,
+               "key per stream + top-k 50, top-p 0.9": lambda x, c: sample_target_tokens(x, 1.0, c["keys"], 50, 0.9),
+               "key per stream + top-k 50, top-p 0.9 per stream": lambda x, c: sample_target_tokens(
+                   x, 1.0, c["keys"], c["top_k"], c["top_p"], top_k_ceiling=64, top_k_in_every_row=True)}
         for name, fn in fns.items():
             row = {"part": "sample keys", "M": b * t, "B": b, "T": t, "N": w, "method": name,
-                   **timed(jax.jit(fn), (logits,))}
+                   **timed(jax.jit(fn), (logits, context))}
             if bw:
                 row["floor_us"] = b * t * w * 4 / bw * 1e6
             rows.append(row)
