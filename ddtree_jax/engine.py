@@ -43,13 +43,14 @@ from ddtree_jax.processors import (LogitProcessing, TokenHistory, check_additive
 from ddtree_jax.sampling import check_min_p, check_top_k, check_top_p, sampled_logits
 from ddtree_jax.stream_settings import (NUMBERS, SEED_LIMIT, StreamSettings, Switches, check_seed,  # noqa: F401
                                         check_settings, check_temperature, check_temperatures, check_token_limits,
-                                        stream_keys, stream_logit_bias, switches_of, uniform_settings)
+                                        stream_keys, stream_logit_bias, stream_stop_ids, switches_of,
+                                        uniform_settings)
 from ddtree_jax.scores import (TokenScores, empty_scores, per_stream_slices, scores_lists,
                                token_scores)
 from ddtree_jax.serving import Finished, ServeUpdate, serve, serve_updates
 from ddtree_jax.sharding import named_sharding, shard_state
 from ddtree_jax.stopping import (CACHE_FULL, EOS, MAX_TOKENS, RUNNING, STATUS_NAMES, STOP_SEQUENCE,  # noqa: F401
-                                 STOP_STRING, check_id_sequences, check_stop_sequences, stop_and_emit)
+                                 STOP_STRING, STOP_TOKEN, check_id_sequences, check_stop_sequences, stop_and_emit)
 from ddtree_jax.stop_strings import (StopStringTabler, StopTables, advance, check_stop_strings,
                                      check_stream_stop_strings, start_states)
 from ddtree_jax.tree import PAD, accept_tokens, build_tree, chain_tree, check_budget, sample_target_tokens
@@ -137,18 +138,21 @@ class EngineConfig:
         """The log-probabilities kept: None, or ``logprobs_mode``."""
         return self.logprobs_mode if self.logprobs else None
 
-    def check_min_new_tokens(self, min_new_tokens: int, limit: int, stop_strings: tuple[str, ...] | None = None):
+    def check_min_new_tokens(self, min_new_tokens: int, limit: int, stop_strings: tuple[str, ...] | None = None,
+                             stop_ids: Sequence[int] = ()):
         """ValueError where a stream's min_new_tokens cannot hold: past its token limit, with nothing it holds back,
-        or holding back every allowed token. ``stop_strings``: the stream's (None: the config's)."""
+        or holding back every allowed token. ``stop_strings``: the stream's (None: the config's); ``stop_ids``: its
+        own stop token ids."""
         stop_strings = self.stop_strings if stop_strings is None else stop_strings
         if min_new_tokens > limit:
             raise ValueError(f"min_new_tokens={min_new_tokens} passes max_new_tokens={limit}")
-        if min_new_tokens and self.allowed_token_ids and set(self.allowed_token_ids) <= set(self.eos_ids):
+        held = set(self.eos_ids) | set(stop_ids)
+        if min_new_tokens and self.allowed_token_ids and set(self.allowed_token_ids) <= held:
             raise ValueError(f"min_new_tokens={min_new_tokens} holds back every allowed token "
-                             f"{list(self.allowed_token_ids)}: they are all EOS ids")
-        if min_new_tokens and not (self.eos_ids or self.stop_sequences or stop_strings):
-            raise ValueError(f"min_new_tokens={min_new_tokens} holds back EOS ids and stop sequences: "
-                             "give eos_ids, stop_sequences or stop_strings")
+                             f"{list(self.allowed_token_ids)}: they are all EOS ids or stop token ids")
+        if min_new_tokens and not (held or self.stop_sequences or stop_strings):
+            raise ValueError(f"min_new_tokens={min_new_tokens} holds back EOS ids, stop token ids and stop sequences: "
+                             "give eos_ids, stop_token_ids, stop_sequences or stop_strings")
 
     @property
     def settings(self) -> dict:
@@ -187,7 +191,7 @@ class DecodeState:
     stop_tables: StopTables | None  # every stop string of the batch (``stop_strings``); None: no stream has one
     stop_applies: jax.Array | None  # [B, S] bool: the strings each stream stops on
     stop_states: jax.Array | None  # [B, S] int32: each stop string's automaton state
-    status: jax.Array  # [B] int32 (RUNNING / EOS / MAX_TOKENS / CACHE_FULL / STOP_SEQUENCE)
+    status: jax.Array  # [B] int32 (``stopping.STATUS_NAMES``' keys)
     rounds: jax.Array  # [B] int32: rounds in which the stream was active
     tau_hist: jax.Array  # [B, D+2] int32: histogram of tokens emitted per round
     key: jax.Array  # [B] typed keys: each stream's own (``stream_keys``)
@@ -282,6 +286,8 @@ class Engine:
     penalties and ``min_new_tokens`` (keywords): the config's (None), or one for every stream or one per stream
     (``stream_settings``); one program serves any values, and a filter or penalty no stream uses is not compiled.
     ``logit_bias`` (keyword): the config's (None), or one mapping for every stream or one per stream.
+    ``stop_token_ids`` (keyword): token ids that end a stream beside the EOS ids (status "stop_token"), one
+    sequence for every stream or one per stream.
     ``EngineConfig(logprobs=True, top_logprobs=n)`` also keeps each emitted token's log-probability under the target
     and its n likeliest tokens (``scores``), from the rows the forwards computed. The token sets (allowed ids, bad
     words, logit bias), min_new_tokens and the penalties process every place's logits before the temperature and
@@ -362,21 +368,26 @@ class Engine:
     # ------------------------------------------------------------------ prefill
     def prefill(self, prompts: Sequence[Sequence[int]], temperature=0.0, seed=0, max_new_tokens=None, *,
                 top_k=None, top_p=None, min_p=None, repetition_penalty=None, frequency_penalty=None,
-                presence_penalty=None, min_new_tokens=None, logit_bias=None, stop_strings=None) -> DecodeState:
+                presence_penalty=None, min_new_tokens=None, logit_bias=None, stop_strings=None,
+                stop_token_ids=None) -> DecodeState:
         """The prompts' prefill and each stream's first token. From ``top_k`` on: one value for every stream or a
         sequence of one per stream (None: the config's), fixed in the state for every round after it;
         ``logit_bias`` one mapping {token id: amount} for every stream or a sequence of one (or None: the config's)
         per stream (``stream_settings.stream_logit_bias``); ``stop_strings`` one sequence of strings for every
-        stream or one per stream (``check_stream_stop_strings``; they need the engine's tokenizer)."""
+        stream or one per stream (``check_stream_stop_strings``; they need the engine's tokenizer);
+        ``stop_token_ids`` one sequence of token ids for every stream or one (or None) per stream, each a token that
+        ends its stream (status "stop_token") beside the config's EOS ids and, like them, is held back by
+        min_new_tokens (``stream_settings.stream_stop_ids``)."""
         return self.prefill_requests(self.check_requests(
             prompts, temperature, seed, max_new_tokens, top_k=top_k, top_p=top_p, min_p=min_p,
             repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
             presence_penalty=presence_penalty, min_new_tokens=min_new_tokens, logit_bias=logit_bias,
-            stop_strings=stop_strings))
+            stop_strings=stop_strings, stop_token_ids=stop_token_ids))
 
     def check_requests(self, prompts: Sequence[Sequence[int]], temperature=0.0, seed=0, max_new_tokens=None, *,
                        top_k=None, top_p=None, min_p=None, repetition_penalty=None, frequency_penalty=None,
-                       presence_penalty=None, min_new_tokens=None, logit_bias=None, stop_strings=None) -> Requests:
+                       presence_penalty=None, min_new_tokens=None, logit_bias=None, stop_strings=None,
+                       stop_token_ids=None) -> Requests:
         """``prefill``'s arguments checked on the host, with what the programs compile for them (``Requests``)."""
         ecfg = self.ecfg
         n = len(prompts)
@@ -387,11 +398,13 @@ class Engine:
                      min_new_tokens=min_new_tokens)
         settings = dataclasses.replace(
             check_settings(n, given, ecfg.settings, self._setting_checks),
-            logit_bias=stream_logit_bias(logit_bias, n, self.cfg.vocab_size, ecfg.logit_bias, check_logit_bias))
+            logit_bias=stream_logit_bias(logit_bias, n, self.cfg.vocab_size, ecfg.logit_bias, check_logit_bias),
+            stop_ids=stream_stop_ids(stop_token_ids, n, self.cfg.vocab_size))
         strings = check_stream_stop_strings(ecfg.stop_strings if stop_strings is None else stop_strings, n)
         for i, (least, limit) in enumerate(zip(settings.min_new_tokens.tolist(), limits.tolist())):
             try:
-                ecfg.check_min_new_tokens(least, limit, strings[i])
+                own = () if settings.stop_ids is None else settings.stop_ids[i]
+                ecfg.check_min_new_tokens(least, limit, strings[i], [t for t in own if t < self.cfg.vocab_size])
             except ValueError as e:
                 raise ValueError(f"stream {i}'s {e}") from None
         stop_tables, stop_applies = self._batch_stop_strings(strings)
@@ -496,7 +509,8 @@ class Engine:
     def generate(self, prompts: Sequence[Sequence[int]], temperature=0.0, seed=0, max_new_tokens=None, *,
                  slots: int | None = None, **settings) -> dict:
         """Returns per-stream tokens, statuses and metrics (compile time is separate from run time). ``settings``:
-        ``prefill``'s per-stream ones (top_k, top_p, min_p, the penalties, min_new_tokens, stop_strings).
+        ``prefill``'s per-stream ones (top_k, top_p, min_p, the penalties, min_new_tokens, logit_bias, stop_strings,
+        stop_token_ids).
         ``slots``: None decodes every prompt at once; a number decodes them in that many streams (``serve``), with
         the same tokens, in the prompts' order (prefill_s: every admission's time; decode_s: the dispatches')."""
         if slots is not None:
@@ -621,7 +635,8 @@ def _prefill(target_def, target_state, drafter_def, drafter_state, cache, draft_
     string_ends, stop_states = _advance_stop_strings(state, bonus[:, None], jnp.ones((b,), jnp.int32))
     out_tokens, out_scores, num_out, status = stop_and_emit(state, bonus[:, None], jnp.ones((b,), jnp.int32),
                                                              jnp.ones((b,), bool), eos_ids, bonus_scores,
-                                                             stop_sequences, settings.min_new_tokens, string_ends)
+                                                             stop_sequences, settings.min_new_tokens, string_ends,
+                                                             settings.stop_ids)
     return dataclasses.replace(state, out_tokens=out_tokens, out_scores=out_scores, num_out=num_out,
                                status=status, stop_states=stop_states)
 
@@ -701,7 +716,8 @@ def _round(target, drafter, state: DecodeState, ecfg: EngineConfig, runtime: Run
     string_ends, stop_states = _advance_stop_strings(state, acc.emitted, jnp.where(active, acc.num_accepted + 1, 0))
     out_tokens, out_scores, num_out, status = stop_and_emit(
         dataclasses.replace(state, status=status), acc.emitted, acc.num_accepted + 1, active,
-        ecfg.eos_ids, emitted_scores, ecfg.stop_sequences, state.settings.min_new_tokens, string_ends)
+        ecfg.eos_ids, emitted_scores, ecfg.stop_sequences, state.settings.min_new_tokens, string_ends,
+        state.settings.stop_ids)
     tau_hist = state.tau_hist.at[jnp.arange(b), acc.num_accepted + 1].add(active.astype(jnp.int32))
     return dataclasses.replace(
         state, cache=cache, draft_cache=draft_cache, bonus=jnp.where(active, acc.next_token, state.bonus),

@@ -5,8 +5,8 @@
    last token at -inf where the context ends with the rest of it (transformers' ``NoBadWordsLogitsProcessor``).
 1. ``logit_bias``: a fixed amount added to chosen tokens' logits (OpenAI's ``logit_bias``; transformers'
    ``SequenceBiasLogitsProcessor`` for one-token sequences).
-2. ``min_new_tokens``: the EOS ids at -inf while the stream has generated fewer than min_new_tokens tokens
-   (transformers' ``MinNewTokensLengthLogitsProcessor``).
+2. ``min_new_tokens``: the EOS ids and the stream's own stop token ids at -inf while the stream has generated fewer
+   than min_new_tokens tokens (transformers' ``MinNewTokensLengthLogitsProcessor``; vLLM's ``min_tokens``).
 3. ``repetition_penalty`` over the prompt and the output: a negative logit times the penalty, any other over it
    (transformers' ``RepetitionPenaltyLogitsProcessor``).
 4. ``frequency_penalty`` and ``presence_penalty`` over the output: logit - frequency * count - presence * (count > 0)
@@ -48,6 +48,7 @@ class LogitProcessing:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, amount) pairs, ids ascending
     stream_logit_bias: bool = False  # each stream's own pairs (``StreamSettings.logit_bias``) hold some token
     eos_ids: tuple[int, ...] = ()  # held back by min_new_tokens
+    stream_stop_ids: bool = False  # some stream has its own stop token ids (``StreamSettings.stop_ids``), held back too
     repetition_penalty: bool = False  # some stream's is not 1
     frequency_penalty: bool = False  # some stream's is not 0
     presence_penalty: bool = False  # some stream's is not 0
@@ -65,8 +66,9 @@ class LogitProcessing:
 
     @property
     def holds_eos(self) -> bool:
-        """Whether min_new_tokens holds EOS ids back (it also holds back stop sequences: ``stopping``)."""
-        return self.min_new_tokens and bool(self.eos_ids)
+        """Whether min_new_tokens holds EOS ids or streams' stop token ids back (it also holds back stop sequences:
+        ``stopping``)."""
+        return self.min_new_tokens and (bool(self.eos_ids) or self.stream_stop_ids)
 
     @property
     def changes_logits(self) -> bool:
@@ -83,6 +85,7 @@ def processing_for(settings: StreamSettings, *, allowed_token_ids=(), bad_words=
     return LogitProcessing(
         allowed_token_ids=check_allowed_token_ids(allowed_token_ids), bad_words=tuple(map(tuple, bad_words)),
         logit_bias=check_logit_bias(logit_bias) if own is None else (), eos_ids=tuple(eos_ids),
+        stream_stop_ids=settings.stop_ids is not None,
         stream_logit_bias=own is not None and bool((np.asarray(own.amounts) != 0).any()),
         repetition_penalty=bool((np.asarray(settings.repetition_penalty) != 1).any()),
         frequency_penalty=bool((np.asarray(settings.frequency_penalty) != 0).any()),
@@ -291,9 +294,11 @@ def process_logits(logits: jax.Array, processing: LogitProcessing, settings: Str
         logits = logits + rows[:, None, :]
     if processing.holds_eos:
         early = num_out[:, None] + depths < settings.min_new_tokens[:, None]  # [B, T]: the place's output index
-        is_eos = np.zeros(w, bool)
-        is_eos[list(processing.eos_ids)] = True
-        logits = jnp.where(early[:, :, None] & is_eos, -jnp.inf, logits)
+        held = np.zeros((1, w), bool)
+        held[0, list(processing.eos_ids)] = True
+        if processing.stream_stop_ids:  # a row's padding (the vocabulary's size) names no token: dropped
+            held = jnp.asarray(held).repeat(b, 0).at[jnp.arange(b)[:, None], settings.stop_ids].set(True, mode="drop")
+        logits = jnp.where(early[:, :, None] & held[:, None, :], -jnp.inf, logits)
     if processing.penalises:
         counts = history.out_counts[:, None, :] if tree is None else node_counts(history.out_counts, tree.tokens,
                                                                                  tree.visibility, tree.depths)

@@ -1,7 +1,8 @@
-"""How a stream stops: an EOS, a stop sequence of ids, a stop string (``stop_strings``), its token limit, or a
-full cache; and the cut of a round's emitted tokens at the first of them (``stop_and_emit``).
+"""How a stream stops: an EOS, one of its own stop token ids, a stop sequence of ids, a stop string
+(``stop_strings``), its token limit, or a full cache; and the cut of a round's emitted tokens at the first of them
+(``stop_and_emit``).
 
-Shapes: B streams, E tokens emitted this round, N output slots (max_new_tokens).
+Shapes: B streams, E tokens emitted this round, N output slots (max_new_tokens), M stop token ids a stream.
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ from ddtree_jax.checks import is_token_id
 from ddtree_jax.scores import append_scores
 from ddtree_jax.tree import PAD
 
-RUNNING, EOS, MAX_TOKENS, CACHE_FULL, STOP_SEQUENCE, STOP_STRING = 0, 1, 2, 3, 4, 5
+RUNNING, EOS, MAX_TOKENS, CACHE_FULL, STOP_SEQUENCE, STOP_STRING, STOP_TOKEN = 0, 1, 2, 3, 4, 5, 6
 STATUS_NAMES = {RUNNING: "running", EOS: "eos", MAX_TOKENS: "max_new_tokens", CACHE_FULL: "cache_full",
-                STOP_SEQUENCE: "stop_sequence", STOP_STRING: "stop_string"}
+                STOP_SEQUENCE: "stop_sequence", STOP_STRING: "stop_string", STOP_TOKEN: "stop_token"}
 
 
 def check_stop_sequences(stop_sequences) -> tuple[tuple[int, ...], ...]:
@@ -40,10 +41,11 @@ def check_id_sequences(sequences, name: str) -> tuple[tuple[int, ...], ...]:
 
 
 def stop_and_emit(state, emitted, n_emit, active, eos_ids, emitted_scores=None, stop_sequences=(),
-                   min_new_tokens=0, string_ends=None):
+                   min_new_tokens=0, string_ends=None, stop_ids=None):
     """``state`` holds out_tokens [B, N], out_scores (TokenScores or None), num_out, limit and status [B] (the
     engine's DecodeState). Appends each active stream's first n_emit emitted tokens [B, E] (and their TokenScores,
-    where the state keeps them) to its output, cut after the first that is an EOS, ends a stop sequence (its tokens
+    where the state keeps them) to its output, cut after the first that is an EOS, one of the stream's own stop
+    token ids (``stop_ids`` [B, M], where given; an id no token has pads a row), ends a stop sequence (its tokens
     in a row among the stream's generated ones, earlier rounds' included) or a stop string (``string_ends`` [B, E],
     where given), the last two not within the first min_new_tokens generated (one number, or [B]: each stream's),
     or that reaches the stream's token limit, and updates status. Returns (out_tokens, out_scores, num_out, status)."""
@@ -52,16 +54,18 @@ def stop_and_emit(state, emitted, n_emit, active, eos_ids, emitted_scores=None, 
     in_round = k < n_emit[:, None]
     room = state.limit - state.num_out
     is_eos = jnp.isin(emitted, jnp.asarray(eos_ids, jnp.int32)) if eos_ids else jnp.zeros((b, width), bool)
+    is_stop_token = (jnp.zeros((b, width), bool) if stop_ids is None
+                     else (emitted[:, :, None] == stop_ids[:, None, :]).any(-1))
     least = jnp.asarray(min_new_tokens)
     past_min = state.num_out[:, None] + k >= (least[:, None] if least.ndim else least)
     is_stop = ends_stop_sequence(state.out_tokens, state.num_out, emitted, stop_sequences) & past_min
     is_string = jnp.zeros((b, width), bool) if string_ends is None else string_ends & past_min
-    ends = (is_eos | is_stop | is_string) & in_round
+    ends = (is_eos | is_stop_token | is_stop | is_string) & in_round
     first_end = jnp.argmax(ends, axis=1)
     hit_end = ends.any(1) & (first_end < room)  # an end past the token limit is never emitted
     n_emit = jnp.where(hit_end, first_end + 1, n_emit)
-    ended_by_eos, ended_by_sequence = (jnp.take_along_axis(x, first_end[:, None], axis=1)[:, 0]
-                                       for x in (is_eos, is_stop))
+    ended_by_eos, ended_by_token, ended_by_sequence = (jnp.take_along_axis(x, first_end[:, None], axis=1)[:, 0]
+                                                       for x in (is_eos, is_stop_token, is_stop))
     hit_limit = n_emit >= room
     n_emit = jnp.where(active, jnp.minimum(n_emit, room), 0)
     slots = jnp.where(k < n_emit[:, None], state.num_out[:, None] + k, state.out_tokens.shape[1])  # else dropped
@@ -72,7 +76,8 @@ def stop_and_emit(state, emitted, n_emit, active, eos_ids, emitted_scores=None, 
         if emitted_scores is None:
             raise ValueError("the state keeps scores: emitted_scores is needed")
         out_scores = append_scores(out_scores, emitted_scores, rows, slots)
-    end_status = jnp.where(ended_by_eos, EOS, jnp.where(ended_by_sequence, STOP_SEQUENCE, STOP_STRING))
+    end_status = jnp.select([ended_by_eos, ended_by_token, ended_by_sequence], [EOS, STOP_TOKEN, STOP_SEQUENCE],
+                            STOP_STRING)
     status = jnp.where(active & hit_end, end_status, jnp.where(active & hit_limit, MAX_TOKENS, state.status))
     return out, out_scores, state.num_out + n_emit, status
 

@@ -1,8 +1,8 @@
 """Each stream's own numbers: its temperature, seed and token limit, and beside them its filters (top_k, top_p,
 min_p), penalties (repetition, frequency, presence) and min_new_tokens. They are given to ``Engine.prefill`` as one
 value for every stream or a sequence of one per stream, checked here on the host, and carried in the decode state
-as [B] arrays, so one compiled program serves any values. So is a stream's own logit bias (``StreamBias``: its
-(token id, amount) pairs, [B, M]).
+as [B] arrays, so one compiled program serves any values. So are a stream's own logit bias (``StreamBias``: its
+(token id, amount) pairs, [B, M]) and its own stop token ids ([B, M]).
 
 What a program compiles is read from the values once, at the prefill (``Switches`` and
 ``processors.processing_for``, static parts of the state): a filter or penalty that no stream of the batch uses
@@ -42,6 +42,7 @@ class StreamSettings:
     presence_penalty: jax.Array  # [B] float32 (0: off)
     min_new_tokens: jax.Array  # [B] int32 (0: off)
     logit_bias: StreamBias | None = None  # each stream's own logit bias (``stream_logit_bias``); None: the config's
+    stop_ids: jax.Array | None = None  # [B, M] int32: each stream's own stop token ids (``stream_stop_ids``)
 
 
 @jax.tree_util.register_dataclass
@@ -80,6 +81,38 @@ def stream_logit_bias(logit_bias, streams: int, vocab_size: int, default, check_
         if stream_pairs:
             ids[b, :len(stream_pairs)], amounts[b, :len(stream_pairs)] = zip(*stream_pairs)
     return StreamBias(ids=ids, amounts=amounts)
+
+
+def stream_stop_ids(stop_token_ids, streams: int, vocab_size: int) -> np.ndarray | None:
+    """Each stream's own stop token ids, int32 [streams, M] (M a power of two >= the most ids a stream has; a row's
+    unused places hold ``vocab_size``, which no token is), or None where no stream has any. ``stop_token_ids``:
+    None, one sequence of token ids for every stream, or a sequence of one sequence (or None: none) per stream;
+    every id in [0, vocab_size). ValueError naming the stream otherwise."""
+    if stop_token_ids is None:
+        return None
+    one = "one sequence of token ids (e.g. [13, 42])"
+    if isinstance(stop_token_ids, (str, bytes)) or not isinstance(stop_token_ids, (list, tuple)):
+        raise ValueError(f"stop_token_ids must be {one} or a sequence of one per stream, got {stop_token_ids!r}")
+    per = len(stop_token_ids) > 0 and all(item is None or isinstance(item, (list, tuple)) for item in stop_token_ids)
+    if per and len(stop_token_ids) != streams:
+        raise ValueError(f"stop_token_ids must be {one} or a sequence of one per stream ({streams}), got "
+                         f"{len(stop_token_ids)} of them")
+    rows = []
+    for i, item in enumerate(stop_token_ids if per else [stop_token_ids] * streams):
+        item = () if item is None else item
+        bad = [t for t in item if not (is_integer(t) and 0 <= t < vocab_size)]
+        if bad or isinstance(item, (str, bytes)):
+            where = f"stream {i}'s " if per else ""
+            raise ValueError(f"{where}stop_token_ids must be token ids in [0, {vocab_size}), got {bad[0]!r}"
+                             if bad else f"{where}stop_token_ids must be {one}, got {item!r}")
+        rows.append(sorted({int(t) for t in item}))
+    most = max(map(len, rows))
+    if not most:
+        return None
+    ids = np.full((streams, 1 << (most - 1).bit_length()), vocab_size, np.int32)
+    for b, row in enumerate(rows):
+        ids[b, :len(row)] = row
+    return ids
 
 
 def uniform_settings(streams: int, **numbers) -> StreamSettings:

@@ -583,7 +583,7 @@ def _main(args):
     return report
 
 
-NORMAL_STOPS = ("eos", "stop_sequence", "stop_string", "max_new_tokens")
+NORMAL_STOPS = ("eos", "stop_token", "stop_sequence", "stop_string", "max_new_tokens")
 
 
 def stop_report(runs: dict, capacity: int) -> list[str]:

@@ -15,8 +15,8 @@ from flax import nnx
 
 from ddtree_jax.config import QuantConfig, tiny_config
 from ddtree_jax.drafter import DFlashDrafter, tiny_drafter_config
-from ddtree_jax.engine import (CACHE_FULL, EOS, MAX_TOKENS, RUNNING, STOP_SEQUENCE, STOP_STRING, Engine, EngineConfig,
-                               check_seed, required_capacity, summarize)
+from ddtree_jax.engine import (CACHE_FULL, EOS, MAX_TOKENS, RUNNING, STOP_SEQUENCE, STOP_STRING, STOP_TOKEN, Engine,
+                               EngineConfig, check_seed, required_capacity, summarize)
 from ddtree_jax.stopping import stop_and_emit
 from ddtree_jax.cache import init_cache
 from ddtree_jax.model import KimiModel, causal_mask
@@ -430,9 +430,10 @@ def test_ar_counts_and_capacity_are_exact(models):
 
 
 def ref_stop_and_emit(out, out_logprobs, num_out, status, emitted, emitted_logprobs, n_emit, active, eos_ids,
-                      max_new, stop_sequences=(), min_new_tokens=0, string_ends=None):
+                      max_new, stop_sequences=(), min_new_tokens=0, string_ends=None, stop_ids=()):
     """One stream, token by token: an active stream appends this round's first n_emit tokens (and their
-    log-probabilities) until it has appended an EOS (status eos), or, as its (min_new_tokens + 1)-th token or
+    log-probabilities) until it has appended an EOS (status eos) or one of its ``stop_ids`` (status stop_token), or,
+    as its (min_new_tokens + 1)-th token or
     later, a token with which its generated tokens end in one of ``stop_sequences`` (status stop_sequence) or that
     ``string_ends`` marks (status stop_string), or reaches max_new tokens (status max_new_tokens); others are
     unchanged."""
@@ -444,6 +445,8 @@ def ref_stop_and_emit(out, out_logprobs, num_out, status, emitted, emitted_logpr
         num_out += 1
         if token in eos_ids:
             return out, out_logprobs, num_out, EOS
+        if token in stop_ids:
+            return out, out_logprobs, num_out, STOP_TOKEN
         past_min = num_out > min_new_tokens
         if past_min and any(list(out[:num_out][-len(seq):]) == list(seq) for seq in stop_sequences
                             if len(seq) <= num_out):
@@ -459,14 +462,15 @@ def test_stop_and_emit_equals_a_token_by_token_reference():
     """The engine's vectorised truncation at EOS / stop sequences / each stream's token limit against
     ``ref_stop_and_emit`` on random streams over 8 token ids: EOS early, late, past the limit or absent, stop
     sequences ending in this round after starting in earlier ones, overlapping or sharing an end with an EOS,
-    inactive streams holding EOS tokens, and entries past n_emit that must be ignored; each kept token's
-    log-probability lands beside it."""
+    inactive streams holding EOS tokens, each stream's own stop token ids (0-3 of them, some also EOS ids), and
+    entries past n_emit that must be ignored; each kept token's log-probability lands beside it."""
     rng = np.random.default_rng(0)
     b, width, max_new = 200, 5, 8
     cases = [((), (), 0, False), ((3,), (), 0, False), ((3, 5), (), 0, False), ((), ((2, 4),), 0, False),
              ((3,), ((1, 1, 1), (6,), (0, 3)), 0, False), ((), ((7, 2, 7), (2, 7)), 0, False),
              ((3,), ((2, 4),), 3, False), ((), (), 0, True), ((5,), ((6,),), 4, True)]
-    for eos_ids, stop_sequences, min_new_tokens, strings in cases:
+    cases += [((), (), 0, False, True), ((3,), ((2, 4),), 2, True, True)]  # with each stream's own stop ids
+    for eos_ids, stop_sequences, min_new_tokens, strings, *own in cases:
         active = rng.random(b) < 0.7
         limit = rng.integers(1, max_new + 1, b)  # per stream, at most the buffer's max_new
         num_out = np.where(active, rng.integers(0, limit), rng.integers(0, limit + 1))
@@ -490,16 +494,20 @@ def test_stop_and_emit_equals_a_token_by_token_reference():
                                       num_out=jnp.asarray(num_out, jnp.int32), status=jnp.asarray(status, jnp.int32),
                                       limit=jnp.asarray(limit, jnp.int32))
         string_ends = rng.random((b, width)) < 0.15 if strings else None
+        stop_ids = np.full((b, 4), 8)  # 8: past the 8 ids, padding
+        for row, count in zip(stop_ids, rng.integers(0, 4, b)) if own else ():
+            row[:count] = rng.choice(8, count, replace=False)
         got = stop_and_emit(state, jnp.asarray(emitted, jnp.int32), jnp.asarray(n_emit), jnp.asarray(active),
                              eos_ids, TokenScores(jnp.asarray(emitted_logprobs), None, None), stop_sequences,
-                             min_new_tokens, None if string_ends is None else jnp.asarray(string_ends))
+                             min_new_tokens, None if string_ends is None else jnp.asarray(string_ends),
+                             jnp.asarray(stop_ids, jnp.int32) if own else None)
         got_out, got_num, got_status = map(np.asarray, (got[0], got[2], got[3]))
         got_logprobs = np.asarray(got[1].logprob)
         statuses = collections.Counter()
         for s in range(b):
             want = ref_stop_and_emit(out[s], out_logprobs[s], num_out[s], status[s], emitted[s], emitted_logprobs[s],
                                      n_emit[s], active[s], eos_ids, limit[s], stop_sequences, min_new_tokens,
-                                     None if string_ends is None else string_ends[s])
+                                     None if string_ends is None else string_ends[s], stop_ids[s].tolist())
             case = (eos_ids, stop_sequences, min_new_tokens, strings, s)
             assert got_out[s].tolist() == want[0] and (int(got_num[s]), int(got_status[s])) == want[2:], case
             np.testing.assert_array_equal(got_logprobs[s], np.asarray(want[1], np.float32), err_msg=str(case))
@@ -508,6 +516,8 @@ def test_stop_and_emit_equals_a_token_by_token_reference():
             assert statuses[STOP_SEQUENCE] >= (5 if min_new_tokens else 10), statuses  # the case exercised it
         if strings:
             assert statuses[STOP_STRING] >= (5 if min_new_tokens else 10), statuses
+        if own:
+            assert statuses[STOP_TOKEN] >= 10, statuses
         spanning = [s for s in range(b) if got_status[s] == STOP_SEQUENCE and active[s]
                     and any(got_num[s] - num_out[s] < len(seq) and list(got_out[s][:got_num[s]][-len(seq):]) ==
                             list(seq) for seq in stop_sequences)]

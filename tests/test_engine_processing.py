@@ -43,14 +43,16 @@ def greedy_with_processing(target, prompts, sets, numbers, steps) -> list[list[i
     return [seq[len(p):] for seq, p in zip(seqs, prompts)]
 
 
-def cut_at_end(tokens, eos_ids, stop_sequences, min_new_tokens):
-    """Plain reference: tokens up to and including the first EOS or end of a stop sequence at index >=
+def cut_at_end(tokens, eos_ids, stop_sequences, min_new_tokens, stop_ids=()):
+    """Plain reference: tokens up to and including the first EOS, stop id or end of a stop sequence at index >=
     min_new_tokens, and the status."""
     for n, token in enumerate(tokens):
         if n < min_new_tokens:
             continue
         if token in eos_ids:
             return tokens[:n + 1], "eos"
+        if token in stop_ids:
+            return tokens[:n + 1], "stop_token"
         if any(tokens[:n + 1][-len(seq):] == list(seq) for seq in stop_sequences if len(seq) <= n + 1):
             return tokens[:n + 1], "stop_sequence"
     return tokens, "max_new_tokens"
@@ -185,7 +187,8 @@ def test_processing_settings_refused(models):
     target, drafter = models
     with pytest.raises(ValueError, match=rf"logit_bias's token id {VOCAB} is outside the vocabulary \[0, {VOCAB}\)"):
         Engine(target, drafter, EngineConfig(capacity=64, logit_bias={VOCAB: 1.0}))
-    with pytest.raises(ValueError, match="min_new_tokens=5 holds back EOS ids and stop sequences: give eos_ids"):
+    with pytest.raises(ValueError, match="min_new_tokens=5 holds back EOS ids, stop token ids and stop sequences: "
+                                         "give eos_ids"):
         EngineConfig(min_new_tokens=5)
     with pytest.raises(ValueError, match="min_new_tokens=9 passes max_new_tokens=8"):
         EngineConfig(min_new_tokens=9, max_new_tokens=8, eos_ids=(1,))

@@ -16,7 +16,7 @@ SETS = dict(logit_bias=((2, -100.0), (58, 1.5)), eos_ids=EOS_IDS)
 PER_STREAM = dict(min_new_tokens=[4, 0, 6, 2, 0, 5, 1, 3], repetition_penalty=[1.2, 1.0, 0.7, 1.5, 1.0, 1.2, 2.0, 1.0],
                   frequency_penalty=[-0.7, 0.0, 0.3, 0.0, 0.5, -0.2, 0.0, 0.0],
                   presence_penalty=[0.4, 0.0, 0.0, -0.5, 0.3, 0.0, 0.0, 0.0],
-                  logit_bias=[None, {2: -100.0, 7: 3.0}, {}, None, {58: 4.0, 0: 2.5}, {11: -1.5}, None, {}])
+                  logit_bias=[None, {2: -100.0, 7: 3.0}, {}, None, {58: 4.0, 19: 2.5}, {11: -1.5}, None, {}])
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +45,26 @@ def test_per_stream_processing_greedy_equals_the_processed_full_forward(models, 
         configs_bias = greedy_with_processing(target, PROMPTS[:8], SETS,
                                               {k: v for k, v in PER_STREAM.items() if k != "logit_bias"}, NEW)
         assert sum(r != c for r, c in zip(reference, configs_bias)) >= 2
+
+
+@pytest.mark.parametrize("mode,budget", [("ar", 1), ("ddtree", 64)])
+def test_per_stream_stop_token_ids_greedy_equals_the_processed_full_forward(models, mode, budget):
+    """Four streams, each its own stop token ids (one none; one's held back by its min_new_tokens, so its tokens
+    change before they may end it; one's is the prefill's token): greedy decoding equals the processed plain-forward
+    reference cut at the first EOS, own stop id or stop sequence, token for token, and the streams report
+    "stop_token"."""
+    target, drafter = models
+    plain = greedy_with_processing(target, PROMPTS[:4], SETS, {}, NEW)
+    own = [[plain[0][0]], None, [plain[2][1], 63], [plain[3][0], plain[3][1]]]  # stream 0: its prefill's token
+    numbers = dict(min_new_tokens=[0, 0, 0, 3], stop_token_ids=own)
+    engine = Engine(target, drafter if mode != "ar" else None, config(mode, budget))
+    res = engine.generate(PROMPTS[:4], **numbers)
+    reference = greedy_with_processing(target, PROMPTS[:4], SETS, numbers, NEW)
+    want = [cut_at_end(tokens, EOS_IDS, STOPS, least, stop_ids or ())
+            for tokens, least, stop_ids in zip(reference, numbers["min_new_tokens"], own)]
+    assert list(zip(res["tokens"], res["status"])) == want
+    assert res["status"].count("stop_token") >= 2, res["status"]
+    assert reference[3][:3] != plain[3][:3]  # stream 3's ids were held back
 
 
 SAMPLED = [  # each stream's temperature, seed and numbers
@@ -123,6 +143,11 @@ def test_switches_read_what_the_sampled_streams_use():
     (dict(logit_bias=[None, None, None, {3: float("nan")}]), r"stream 3's logit_bias\[3\] must be a finite number"),
     (dict(logit_bias={-1: 2.0}), r"logit_bias's token ids must be integers >= 0, got -1"),
     (dict(logit_bias=[(1, 2.0), 3]), r"logit_bias must hold \(token id, amount\) pairs"),
+    (dict(stop_token_ids=[[1], None]), r"stop_token_ids must be one sequence of token ids .* one per stream \(4\), "
+                                       r"got 2 of them"),
+    (dict(stop_token_ids=[None, [2], [64], []]), r"stream 2's stop_token_ids must be token ids in \[0, 64\), got 64"),
+    (dict(stop_token_ids=[1, -2]), r"stop_token_ids must be token ids in \[0, 64\), got -2"),
+    (dict(stop_token_ids=7), r"stop_token_ids must be one sequence of token ids"),
 ])
 def test_bad_per_stream_settings_refused(models, settings, message):
     target, drafter = models
@@ -134,7 +159,14 @@ def test_bad_per_stream_settings_refused(models, settings, message):
 def test_min_new_tokens_per_stream_needs_something_to_hold_back(models):
     target, drafter = models
     engine = Engine(target, drafter, EngineConfig(max_new_tokens=NEW, capacity=64))
-    with pytest.raises(ValueError, match="stream 0's min_new_tokens=2 holds back EOS ids and stop sequences"):
+    with pytest.raises(ValueError, match="stream 0's min_new_tokens=2 holds back EOS ids, stop token ids and stop "
+                                         "sequences"):
         engine.prefill(PROMPTS[:2], min_new_tokens=[2, 0])
+    engine.prefill(PROMPTS[:2], min_new_tokens=[2, 0], stop_token_ids=[[5], None])  # its own stop id to hold back
+    with pytest.raises(ValueError, match="stream 1's min_new_tokens=1 holds back EOS ids"):
+        engine.prefill(PROMPTS[:2], min_new_tokens=[2, 1], stop_token_ids=[[5], None])
+    only_stops = Engine(target, drafter, EngineConfig(max_new_tokens=NEW, capacity=64, allowed_token_ids=(5, 6)))
+    with pytest.raises(ValueError, match="stream 0's min_new_tokens=2 holds back every allowed token"):
+        only_stops.prefill(PROMPTS[:2], min_new_tokens=[2, 0], stop_token_ids=[6, 5])
     with pytest.raises(TypeError, match="top_n"):
         engine.generate(PROMPTS[:2], top_n=3)

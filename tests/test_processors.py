@@ -11,7 +11,7 @@ from transformers.generation.logits_process import (MinNewTokensLengthLogitsProc
                                                     RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor)
 
 from ddtree_jax import processors as pr
-from ddtree_jax.stream_settings import NUMBERS, OFF, StreamSettings, stream_logit_bias
+from ddtree_jax.stream_settings import NUMBERS, OFF, StreamSettings, stream_logit_bias, stream_stop_ids
 from test_tree import random_tree
 
 W = 24
@@ -78,10 +78,15 @@ PROCESSINGS = {
     "per stream": (dict(eos_ids=(1, 7)), dict(min_new_tokens=[6, 0, 3, 9], repetition_penalty=[0.8, 1.0, 1.4, 0.8],
                                               frequency_penalty=[0.3, 0.0, -0.2, 0.3],
                                               presence_penalty=[0.5, 0.5, 0.0, -1.0])),
-    # each stream its own logit bias (stream 1 None: the config's; stream 2 none), the config's compiled out
+    # each stream its own logit bias (stream 1 None: the config's; stream 2 none), the config's compiled out (no id
+    # 0 in a bias: the reference, transformers' SequenceBiasLogitsProcessor, refuses it in the GPU image's version)
     "bias per stream": (dict(logit_bias=((2, 1.0), (9, -3.0)), eos_ids=(1, 7)),
-                        dict(logit_bias=[{2: 3.5, 5: -100.0}, None, {}, {W - 1: 1.25, 0: -2.0, 7: 0.5}],
+                        dict(logit_bias=[{2: 3.5, 5: -100.0}, None, {}, {W - 1: 1.25, 13: -2.0, 7: 0.5}],
                              min_new_tokens=[0, 4, 0, 2])),
+    # each stream its own stop token ids, held back with the EOS ids by its own min_new_tokens (stream 2: none;
+    # stream 3's reach its first place only: min_new_tokens 1)
+    "stop ids per stream": (dict(eos_ids=(1,)), dict(stop_token_ids=[[4, 9], [W - 1, 1, 7], None, [0, 11, 12]],
+                                                     min_new_tokens=[6, 0, 5, 1])),
 }
 
 
@@ -102,9 +107,10 @@ def processing_and_settings(b, name, **changes):
         for stream in per_stream:
             stream["logit_bias"] = pr.check_logit_bias(sets["logit_bias"] if stream["logit_bias"] is None
                                                        else stream["logit_bias"])
+    stop_ids = stream_stop_ids(numbers.get("stop_token_ids"), b, W)
     host = StreamSettings(**{n: np.asarray([stream[n] for stream in per_stream],
                                            np.int32 if n in ("top_k", "min_new_tokens") else np.float32)
-                             for n in NUMBERS}, logit_bias=own_bias)
+                             for n in NUMBERS}, logit_bias=own_bias, stop_ids=stop_ids)
     processing = pr.processing_for(host, **{**sets, **changes})
     return processing, jax.tree.map(jnp.asarray, host), per_stream
 
@@ -112,7 +118,8 @@ def processing_and_settings(b, name, **changes):
 def reference_row(row, processing, numbers, prompt, output):
     """One place's processed logits: the tokens not allowed at -inf, then transformers' processors over the
     context (prompt + output so far), then the frequency and presence penalties over the output's counts in numpy;
-    ``numbers``: the stream's (penalties and min_new_tokens, and its logit bias where it has its own)."""
+    ``numbers``: the stream's (penalties and min_new_tokens, and its logit bias and stop token ids where it has its
+    own)."""
     ids = torch.tensor([list(prompt) + list(output)])
     if processing.allowed_token_ids:
         row = np.where(np.isin(np.arange(row.shape[-1]), processing.allowed_token_ids), row, -np.inf)
@@ -122,9 +129,9 @@ def reference_row(row, processing, numbers, prompt, output):
     bias = numbers.get("logit_bias", processing.logit_bias)  # the stream's own pairs, where it has them
     if bias:
         scores = SequenceBiasLogitsProcessor([[[i], a] for i, a in bias])(ids, scores)
-    if numbers["min_new_tokens"] and processing.eos_ids:
-        scores = MinNewTokensLengthLogitsProcessor(len(prompt), numbers["min_new_tokens"],
-                                                   list(processing.eos_ids))(ids, scores)
+    held = list(processing.eos_ids) + list(numbers.get("stop_token_ids") or ())  # and the stream's stop ids
+    if numbers["min_new_tokens"] and held:
+        scores = MinNewTokensLengthLogitsProcessor(len(prompt), numbers["min_new_tokens"], held)(ids, scores)
     if numbers["repetition_penalty"] != 1:
         scores = RepetitionPenaltyLogitsProcessor(numbers["repetition_penalty"])(ids, scores)
     scores = scores.numpy()[0]
@@ -171,6 +178,8 @@ def test_process_logits_at_each_tree_node_is_transformers_over_that_nodes_contex
     if name == "min_new_tokens":
         blocked = np.isneginf(got[:, :, 1])
         assert blocked.any() and not blocked.all()
+    if name == "stop ids per stream":  # a stream's own stop ids are held back in its rows alone
+        assert np.isneginf(got[0, :, 4]).any() and not np.isneginf(got[1:3, :, 4]).any()
 
 
 def test_bad_words_ban_where_each_nodes_context_ends_with_the_rest():

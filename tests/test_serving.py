@@ -22,7 +22,8 @@ LIMITS = [10, 3, 7, 1, 10, 5, 2]  # 1: the prefill's token is the stream's last
 PER_STREAM = dict(top_k=[0, 0, 5, 0, 0, 12, 0], repetition_penalty=[1.3, 1.0, 1.0, 1.0, 1.6, 1.0, 1.0],
                   frequency_penalty=[0.0, 0.4, 0.0, 0.0, 0.0, 0.0, -0.3],
                   stop_strings=[("ba",), (), ("ca", "bb"), (), ("ab",), ("ba",), ()],
-                  logit_bias=[{5: 2.0}, None, {}, {8: -100.0, 9: 1.0, 10: 0.5}, None, {3: -2.0}, {}])
+                  logit_bias=[{5: 2.0}, None, {}, {8: -100.0, 9: 1.0, 10: 0.5}, None, {3: -2.0}, {}],
+                  stop_token_ids=[[7], None, [], [2, 6], None, [4, 11, 12], [1]])
 TOKENIZER = types.SimpleNamespace(token_bytes=lambda w: [bytes([97 + i % 3] * (1 + i % 2)) for i in range(w)])
 
 
@@ -39,7 +40,8 @@ def config(mode, **kw):
 @pytest.mark.parametrize("mode,slots", [("ddtree", 3)])  # AR: the tests below; DFlash: the sharded one
 def test_served_requests_get_what_generate_gives_them(models, mode, slots):
     """Seven requests (greedy and sampled, each its own seed, limit and numbers) in 2 or 3 slots: each gets the
-    tokens, status, rounds, tau histogram and log-probabilities that ``generate`` gives it among all seven."""
+    tokens, status, rounds, tau histogram and log-probabilities that ``generate`` gives it among all seven (some
+    stopped by their own stop strings and stop token ids)."""
     target, drafter = models
     engine = Engine(target, drafter if mode != "ar" else None, config(mode), tokenizer=TOKENIZER)
     args = (PROMPTS[:7], TEMPERATURES, [21, 22, 23, 24, 25, 26, 27], LIMITS)
@@ -47,7 +49,7 @@ def test_served_requests_get_what_generate_gives_them(models, mode, slots):
     got = engine.generate(*args, slots=slots, **PER_STREAM)
     for name in ("tokens", "status", "rounds", "tau_hist"):
         assert got[name] == want[name], name
-    assert {"max_new_tokens", "stop_string"} <= set(want["status"]), want["status"]
+    assert {"max_new_tokens", "stop_string", "stop_token"} <= set(want["status"]), want["status"]
     for a, b in zip(got["logprobs"], want["logprobs"]):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
     for a, b in zip(got["top_logprobs"], want["top_logprobs"]):  # per token its [id, log-probability] pairs

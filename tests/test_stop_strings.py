@@ -201,7 +201,8 @@ def test_bad_per_stream_stop_strings_refused(models):
         engine.prefill(PROMPTS[:2], stop_strings=[("a",), ("",)])
     with pytest.raises(ValueError, match="stop_strings must be a sequence of strings"):
         engine.prefill(PROMPTS[:2], stop_strings="a")
-    with pytest.raises(ValueError, match="stream 0's min_new_tokens=2 holds back EOS ids and stop sequences"):
+    with pytest.raises(ValueError, match="stream 0's min_new_tokens=2 holds back EOS ids, stop token ids and stop "
+                                         "sequences"):
         engine.prefill(PROMPTS[:2], stop_strings=[(), ("a",)], min_new_tokens=2)
     engine.prefill(PROMPTS[:2], stop_strings=[("b",), ("a",)], min_new_tokens=2)
     bare = Engine(target, drafter, EngineConfig(capacity=64, max_new_tokens=NEW))
