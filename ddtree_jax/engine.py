@@ -43,8 +43,8 @@ from ddtree_jax.processors import (LogitProcessing, TokenHistory, check_additive
 from ddtree_jax.sampling import check_min_p, check_top_k, check_top_p, sampled_logits
 from ddtree_jax.stream_settings import (NUMBERS, SEED_LIMIT, StreamSettings, Switches, check_seed,  # noqa: F401
                                         check_settings, check_temperature, check_temperatures, check_token_limits,
-                                        stream_keys, stream_logit_bias, stream_stop_ids, switches_of,
-                                        uniform_settings)
+                                        stream_allowed_ids, stream_keys, stream_logit_bias, stream_stop_ids,
+                                        switches_of, uniform_settings)
 from ddtree_jax.scores import (TokenScores, empty_scores, per_stream_slices, scores_lists,
                                token_scores)
 from ddtree_jax.serving import Finished, ServeUpdate, serve, serve_updates
@@ -139,17 +139,18 @@ class EngineConfig:
         return self.logprobs_mode if self.logprobs else None
 
     def check_min_new_tokens(self, min_new_tokens: int, limit: int, stop_strings: tuple[str, ...] | None = None,
-                             stop_ids: Sequence[int] = ()):
+                             stop_ids: Sequence[int] = (), allowed: Sequence[int] | None = None):
         """ValueError where a stream's min_new_tokens cannot hold: past its token limit, with nothing it holds back,
         or holding back every allowed token. ``stop_strings``: the stream's (None: the config's); ``stop_ids``: its
-        own stop token ids."""
+        own stop token ids; ``allowed``: its allowed token ids (None: the config's; empty: all)."""
         stop_strings = self.stop_strings if stop_strings is None else stop_strings
+        allowed = self.allowed_token_ids if allowed is None else allowed
         if min_new_tokens > limit:
             raise ValueError(f"min_new_tokens={min_new_tokens} passes max_new_tokens={limit}")
         held = set(self.eos_ids) | set(stop_ids)
-        if min_new_tokens and self.allowed_token_ids and set(self.allowed_token_ids) <= held:
+        if min_new_tokens and allowed and set(allowed) <= held:
             raise ValueError(f"min_new_tokens={min_new_tokens} holds back every allowed token "
-                             f"{list(self.allowed_token_ids)}: they are all EOS ids or stop token ids")
+                             f"{list(allowed)}: they are all EOS ids or stop token ids")
         if min_new_tokens and not (held or self.stop_sequences or stop_strings):
             raise ValueError(f"min_new_tokens={min_new_tokens} holds back EOS ids, stop token ids and stop sequences: "
                              "give eos_ids, stop_token_ids, stop_sequences or stop_strings")
@@ -287,7 +288,8 @@ class Engine:
     (``stream_settings``); one program serves any values, and a filter or penalty no stream uses is not compiled.
     ``logit_bias`` (keyword): the config's (None), or one mapping for every stream or one per stream.
     ``stop_token_ids`` (keyword): token ids that end a stream beside the EOS ids (status "stop_token"), one
-    sequence for every stream or one per stream.
+    sequence for every stream or one per stream. ``allowed_token_ids`` (keyword): the config's (None), or the only
+    tokens to emit, one sequence for every stream or one per stream.
     ``EngineConfig(logprobs=True, top_logprobs=n)`` also keeps each emitted token's log-probability under the target
     and its n likeliest tokens (``scores``), from the rows the forwards computed. The token sets (allowed ids, bad
     words, logit bias), min_new_tokens and the penalties process every place's logits before the temperature and
@@ -369,7 +371,7 @@ class Engine:
     def prefill(self, prompts: Sequence[Sequence[int]], temperature=0.0, seed=0, max_new_tokens=None, *,
                 top_k=None, top_p=None, min_p=None, repetition_penalty=None, frequency_penalty=None,
                 presence_penalty=None, min_new_tokens=None, logit_bias=None, stop_strings=None,
-                stop_token_ids=None) -> DecodeState:
+                stop_token_ids=None, allowed_token_ids=None) -> DecodeState:
         """The prompts' prefill and each stream's first token. From ``top_k`` on: one value for every stream or a
         sequence of one per stream (None: the config's), fixed in the state for every round after it;
         ``logit_bias`` one mapping {token id: amount} for every stream or a sequence of one (or None: the config's)
@@ -377,17 +379,19 @@ class Engine:
         stream or one per stream (``check_stream_stop_strings``; they need the engine's tokenizer);
         ``stop_token_ids`` one sequence of token ids for every stream or one (or None) per stream, each a token that
         ends its stream (status "stop_token") beside the config's EOS ids and, like them, is held back by
-        min_new_tokens (``stream_settings.stream_stop_ids``)."""
+        min_new_tokens (``stream_settings.stream_stop_ids``); ``allowed_token_ids`` one sequence of token ids for
+        every stream or one (or None: the config's) per stream, the only tokens the stream may emit (empty: all;
+        ``stream_settings.stream_allowed_ids``)."""
         return self.prefill_requests(self.check_requests(
             prompts, temperature, seed, max_new_tokens, top_k=top_k, top_p=top_p, min_p=min_p,
             repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
             presence_penalty=presence_penalty, min_new_tokens=min_new_tokens, logit_bias=logit_bias,
-            stop_strings=stop_strings, stop_token_ids=stop_token_ids))
+            stop_strings=stop_strings, stop_token_ids=stop_token_ids, allowed_token_ids=allowed_token_ids))
 
     def check_requests(self, prompts: Sequence[Sequence[int]], temperature=0.0, seed=0, max_new_tokens=None, *,
                        top_k=None, top_p=None, min_p=None, repetition_penalty=None, frequency_penalty=None,
                        presence_penalty=None, min_new_tokens=None, logit_bias=None, stop_strings=None,
-                       stop_token_ids=None) -> Requests:
+                       stop_token_ids=None, allowed_token_ids=None) -> Requests:
         """``prefill``'s arguments checked on the host, with what the programs compile for them (``Requests``)."""
         ecfg = self.ecfg
         n = len(prompts)
@@ -399,12 +403,12 @@ class Engine:
         settings = dataclasses.replace(
             check_settings(n, given, ecfg.settings, self._setting_checks),
             logit_bias=stream_logit_bias(logit_bias, n, self.cfg.vocab_size, ecfg.logit_bias, check_logit_bias),
-            stop_ids=stream_stop_ids(stop_token_ids, n, self.cfg.vocab_size))
+            stop_ids=stream_stop_ids(stop_token_ids, n, self.cfg.vocab_size),
+            allowed=stream_allowed_ids(allowed_token_ids, n, self.cfg.vocab_size, ecfg.allowed_token_ids))
         strings = check_stream_stop_strings(ecfg.stop_strings if stop_strings is None else stop_strings, n)
         for i, (least, limit) in enumerate(zip(settings.min_new_tokens.tolist(), limits.tolist())):
             try:
-                own = () if settings.stop_ids is None else settings.stop_ids[i]
-                ecfg.check_min_new_tokens(least, limit, strings[i], [t for t in own if t < self.cfg.vocab_size])
+                ecfg.check_min_new_tokens(least, limit, strings[i], *self._own_ids(settings, i))
             except ValueError as e:
                 raise ValueError(f"stream {i}'s {e}") from None
         stop_tables, stop_applies = self._batch_stop_strings(strings)
@@ -433,6 +437,15 @@ class Engine:
                         runtime=self.runtime, taps=self.taps, depth=self.depth, switches=requests.switches,
                         logprobs=ecfg.kept_logprobs, top_logprobs=ecfg.top_logprobs,
                         stop_sequences=ecfg.stop_sequences, processing=requests.processing)
+
+    def _own_ids(self, settings: StreamSettings, i: int) -> tuple[list[int], list[int] | None]:
+        """Stream i's own stop token ids and allowed token ids (None: the config's; empty: all), from host settings."""
+        def real(ids):
+            return [int(t) for t in ids if t < self.cfg.vocab_size]
+        stop = [] if settings.stop_ids is None else real(settings.stop_ids[i])
+        own = settings.allowed
+        allowed = None if own is None else real(own.ids[i]) if own.restricted[i] else []
+        return stop, allowed
 
     @functools.cached_property
     def _setting_checks(self) -> dict:
@@ -510,7 +523,7 @@ class Engine:
                  slots: int | None = None, **settings) -> dict:
         """Returns per-stream tokens, statuses and metrics (compile time is separate from run time). ``settings``:
         ``prefill``'s per-stream ones (top_k, top_p, min_p, the penalties, min_new_tokens, logit_bias, stop_strings,
-        stop_token_ids).
+        stop_token_ids, allowed_token_ids).
         ``slots``: None decodes every prompt at once; a number decodes them in that many streams (``serve``), with
         the same tokens, in the prompts' order (prefill_s: every admission's time; decode_s: the dispatches')."""
         if slots is not None:

@@ -1,7 +1,8 @@
 """Logit processing: what the target's raw logits at a place go through before the temperature and the filters
 (``sampling.truncate``), greedy decoding included. In vLLM's order:
 
-0. ``allowed_token_ids``: every other token at -inf (vLLM's ``allowed_token_ids``); ``bad_words``: a sequence's
+0. ``allowed_token_ids``: every other token at -inf (vLLM's ``allowed_token_ids``; the config's for every stream, or
+   each stream's own); ``bad_words``: a sequence's
    last token at -inf where the context ends with the rest of it (transformers' ``NoBadWordsLogitsProcessor``).
 1. ``logit_bias``: a fixed amount added to chosen tokens' logits (OpenAI's ``logit_bias``; transformers'
    ``SequenceBiasLogitsProcessor`` for one-token sequences).
@@ -44,6 +45,7 @@ class LogitProcessing:
     nothing."""
 
     allowed_token_ids: tuple[int, ...] = ()  # ascending; empty: all
+    stream_allowed: bool = False  # some stream is restricted to its own allowed ids (``StreamSettings.allowed``)
     bad_words: tuple[tuple[int, ...], ...] = ()  # token-id sequences whose last token is banned after the rest
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, amount) pairs, ids ascending
     stream_logit_bias: bool = False  # each stream's own pairs (``StreamSettings.logit_bias``) hold some token
@@ -73,17 +75,19 @@ class LogitProcessing:
     @property
     def changes_logits(self) -> bool:
         return (bool(self.allowed_token_ids) or bool(self.bad_words) or bool(self.logit_bias) or self.holds_eos
-                or self.penalises or self.stream_logit_bias)
+                or self.penalises or self.stream_logit_bias or self.stream_allowed)
 
 
 def processing_for(settings: StreamSettings, *, allowed_token_ids=(), bad_words=(), logit_bias=(),
                    eos_ids=()) -> LogitProcessing:
     """The LogitProcessing of a batch: the token sets (checked) and the numbers its host settings (numpy) use.
-    ``logit_bias`` (every stream's, compiled in) is left out where the streams have their own
-    (``settings.logit_bias``)."""
-    own = settings.logit_bias
+    ``logit_bias`` and ``allowed_token_ids`` (every stream's, compiled in) are left out where the streams have their
+    own (``settings.logit_bias``, ``settings.allowed``)."""
+    own, own_allowed = settings.logit_bias, settings.allowed
     return LogitProcessing(
-        allowed_token_ids=check_allowed_token_ids(allowed_token_ids), bad_words=tuple(map(tuple, bad_words)),
+        allowed_token_ids=check_allowed_token_ids(allowed_token_ids) if own_allowed is None else (),
+        stream_allowed=own_allowed is not None and bool(np.asarray(own_allowed.restricted).any()),
+        bad_words=tuple(map(tuple, bad_words)),
         logit_bias=check_logit_bias(logit_bias) if own is None else (), eos_ids=tuple(eos_ids),
         stream_stop_ids=settings.stop_ids is not None,
         stream_logit_bias=own is not None and bool((np.asarray(own.amounts) != 0).any()),
@@ -277,6 +281,10 @@ def process_logits(logits: jax.Array, processing: LogitProcessing, settings: Str
         allowed = np.zeros(w, bool)
         allowed[list(processing.allowed_token_ids)] = True
         logits = jnp.where(allowed, logits, -jnp.inf)
+    if processing.stream_allowed:  # a row's padding names no token: dropped
+        own = settings.allowed
+        allowed = jnp.zeros((b, w), bool).at[jnp.arange(b)[:, None], own.ids].set(True, mode="drop")
+        logits = jnp.where((allowed | ~own.restricted[:, None])[:, None, :], logits, -jnp.inf)
     if processing.bad_words:
         logits = _ban_bad_words(logits, processing.bad_words,
                                 node_windows(history.recent, tree) if processing.window else None)

@@ -43,6 +43,8 @@ class StreamSettings:
     min_new_tokens: jax.Array  # [B] int32 (0: off)
     logit_bias: StreamBias | None = None  # each stream's own logit bias (``stream_logit_bias``); None: the config's
     stop_ids: jax.Array | None = None  # [B, M] int32: each stream's own stop token ids (``stream_stop_ids``)
+    allowed: StreamAllowed | None = None  # each stream's own allowed token ids (``stream_allowed_ids``); None: the
+    # config's
 
 
 @jax.tree_util.register_dataclass
@@ -83,33 +85,63 @@ def stream_logit_bias(logit_bias, streams: int, vocab_size: int, default, check_
     return StreamBias(ids=ids, amounts=amounts)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StreamAllowed:
+    """Each stream's own allowed token ids: M ids a stream (M a power of two; unused places hold an id past the
+    vocabulary), and whether the stream is restricted to them at all (False: every token)."""
+
+    ids: jax.Array  # [B, M] int32
+    restricted: jax.Array  # [B] bool
+
+
 def stream_stop_ids(stop_token_ids, streams: int, vocab_size: int) -> np.ndarray | None:
-    """Each stream's own stop token ids, int32 [streams, M] (M a power of two >= the most ids a stream has; a row's
-    unused places hold ``vocab_size``, which no token is), or None where no stream has any. ``stop_token_ids``:
-    None, one sequence of token ids for every stream, or a sequence of one sequence (or None: none) per stream;
-    every id in [0, vocab_size). ValueError naming the stream otherwise."""
+    """Each stream's own stop token ids, int32 [streams, M] (``padded_ids``), or None where no stream has any.
+    ``stop_token_ids``: None, one sequence of token ids for every stream, or a sequence of one sequence (or None:
+    none) per stream; every id in [0, vocab_size). ValueError naming the stream otherwise."""
     if stop_token_ids is None:
         return None
-    one = "one sequence of token ids (e.g. [13, 42])"
-    if isinstance(stop_token_ids, (str, bytes)) or not isinstance(stop_token_ids, (list, tuple)):
-        raise ValueError(f"stop_token_ids must be {one} or a sequence of one per stream, got {stop_token_ids!r}")
-    per = len(stop_token_ids) > 0 and all(item is None or isinstance(item, (list, tuple)) for item in stop_token_ids)
-    if per and len(stop_token_ids) != streams:
-        raise ValueError(f"stop_token_ids must be {one} or a sequence of one per stream ({streams}), got "
-                         f"{len(stop_token_ids)} of them")
-    rows = []
-    for i, item in enumerate(stop_token_ids if per else [stop_token_ids] * streams):
-        item = () if item is None else item
-        bad = [t for t in item if not (is_integer(t) and 0 <= t < vocab_size)]
-        if bad or isinstance(item, (str, bytes)):
-            where = f"stream {i}'s " if per else ""
-            raise ValueError(f"{where}stop_token_ids must be token ids in [0, {vocab_size}), got {bad[0]!r}"
-                             if bad else f"{where}stop_token_ids must be {one}, got {item!r}")
-        rows.append(sorted({int(t) for t in item}))
-    most = max(map(len, rows))
-    if not most:
+    rows = stream_id_lists(stop_token_ids, streams, vocab_size, "stop_token_ids", ())
+    return padded_ids(rows, vocab_size) if any(rows) else None
+
+
+def stream_allowed_ids(allowed_token_ids, streams: int, vocab_size: int, default) -> StreamAllowed | None:
+    """Each stream's own allowed token ids (a StreamAllowed of numpy arrays), or None where ``allowed_token_ids``
+    is None (every stream takes the config's, compiled in). ``allowed_token_ids``: one sequence of token ids for
+    every stream, or a sequence of one sequence (or None: ``default``, the config's) per stream; an empty one allows
+    every token. ValueError naming the stream otherwise."""
+    if allowed_token_ids is None:
         return None
-    ids = np.full((streams, 1 << (most - 1).bit_length()), vocab_size, np.int32)
+    rows = stream_id_lists(allowed_token_ids, streams, vocab_size, "allowed_token_ids", default)
+    return StreamAllowed(ids=padded_ids(rows, vocab_size), restricted=np.array([bool(row) for row in rows]))
+
+
+def stream_id_lists(value, streams: int, vocab_size: int, name: str, default) -> list[list[int]]:
+    """Each stream's token ids (ascending, distinct) from ``value``: one sequence of ids for every stream, or a
+    sequence of one sequence (or None: ``default``) per stream; every id in [0, vocab_size). ValueError naming
+    ``name`` and the stream otherwise."""
+    one = "one sequence of token ids (e.g. [13, 42])"
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+        raise ValueError(f"{name} must be {one} or a sequence of one per stream, got {value!r}")
+    per = len(value) > 0 and all(item is None or isinstance(item, (list, tuple)) for item in value)
+    if per and len(value) != streams:
+        raise ValueError(f"{name} must be {one} or a sequence of one per stream ({streams}), got {len(value)} of them")
+    rows = []
+    for i, item in enumerate(value if per else [value] * streams):
+        item = default if item is None else item
+        bad = [t for t in item if not (is_integer(t) and 0 <= t < vocab_size)]
+        if bad:
+            where = f"stream {i}'s " if per else ""
+            raise ValueError(f"{where}{name} must be token ids in [0, {vocab_size}), got {bad[0]!r}")
+        rows.append(sorted({int(t) for t in item}))
+    return rows
+
+
+def padded_ids(rows: list[list[int]], vocab_size: int) -> np.ndarray:
+    """int32 [len(rows), M]: each row's ids, then ``vocab_size`` (no token) up to M, the longest row's length
+    rounded up to a power of two (at least 1)."""
+    most = max(max(map(len, rows)), 1)
+    ids = np.full((len(rows), 1 << (most - 1).bit_length()), vocab_size, np.int32)
     for b, row in enumerate(rows):
         ids[b, :len(row)] = row
     return ids

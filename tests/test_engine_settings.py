@@ -16,7 +16,8 @@ SETS = dict(logit_bias=((2, -100.0), (58, 1.5)), eos_ids=EOS_IDS)
 PER_STREAM = dict(min_new_tokens=[4, 0, 6, 2, 0, 5, 1, 3], repetition_penalty=[1.2, 1.0, 0.7, 1.5, 1.0, 1.2, 2.0, 1.0],
                   frequency_penalty=[-0.7, 0.0, 0.3, 0.0, 0.5, -0.2, 0.0, 0.0],
                   presence_penalty=[0.4, 0.0, 0.0, -0.5, 0.3, 0.0, 0.0, 0.0],
-                  logit_bias=[None, {2: -100.0, 7: 3.0}, {}, None, {58: 4.0, 19: 2.5}, {11: -1.5}, None, {}])
+                  logit_bias=[None, {2: -100.0, 7: 3.0}, {}, None, {58: 4.0, 19: 2.5}, {11: -1.5}, None, {}],
+                  allowed_token_ids=[None, [], list(range(0, 64, 2)), None, None, None, [5, 19, 0, 58, 8], None])
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +31,8 @@ def config(mode, budget, **kw):
 
 @pytest.mark.parametrize("mode,budget", [("ar", 1), ("dflash", 1), ("ddtree", 64)])
 def test_per_stream_processing_greedy_equals_the_processed_full_forward(models, mode, budget):
-    """Eight streams, each its own penalties, min_new_tokens and logit bias (some off, some the config's; stream 7
-    none at all): greedy decoding equals the processed plain-forward reference with each stream's numbers, cut at
+    """Eight streams, each its own penalties, min_new_tokens, logit bias and allowed ids (some off, some the config's;
+    stream 7 none at all): greedy decoding equals the processed plain-forward reference with each stream's numbers, cut at
     its first EOS or stop sequence past its own min_new_tokens, token for token."""
     target, drafter = models
     engine = Engine(target, drafter if mode != "ar" else None, config(mode, budget))
@@ -148,6 +149,10 @@ def test_switches_read_what_the_sampled_streams_use():
     (dict(stop_token_ids=[None, [2], [64], []]), r"stream 2's stop_token_ids must be token ids in \[0, 64\), got 64"),
     (dict(stop_token_ids=[1, -2]), r"stop_token_ids must be token ids in \[0, 64\), got -2"),
     (dict(stop_token_ids=7), r"stop_token_ids must be one sequence of token ids"),
+    (dict(allowed_token_ids=[None, [3, 2], [1, 64], None]), r"stream 2's allowed_token_ids must be token ids in "
+                                                            r"\[0, 64\), got 64"),
+    (dict(allowed_token_ids=[[0, 19], None, None, None], min_new_tokens=[1, 0, 0, 0]),
+     r"stream 0's min_new_tokens=1 holds back every allowed token \[0, 19\]"),
 ])
 def test_bad_per_stream_settings_refused(models, settings, message):
     target, drafter = models

@@ -11,7 +11,8 @@ from transformers.generation.logits_process import (MinNewTokensLengthLogitsProc
                                                     RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor)
 
 from ddtree_jax import processors as pr
-from ddtree_jax.stream_settings import NUMBERS, OFF, StreamSettings, stream_logit_bias, stream_stop_ids
+from ddtree_jax.stream_settings import (NUMBERS, OFF, StreamSettings, stream_allowed_ids, stream_logit_bias,
+                                       stream_stop_ids)
 from test_tree import random_tree
 
 W = 24
@@ -87,6 +88,10 @@ PROCESSINGS = {
     # stream 3's reach its first place only: min_new_tokens 1)
     "stop ids per stream": (dict(eos_ids=(1,)), dict(stop_token_ids=[[4, 9], [W - 1, 1, 7], None, [0, 11, 12]],
                                                      min_new_tokens=[6, 0, 5, 1])),
+    # each stream its own allowed ids (stream 1 None: the config's; stream 2 all), the config's compiled out
+    "allowed per stream": (dict(allowed_token_ids=(0, 3, 4, 9, 17, W - 1), eos_ids=(1, 7)),
+                           dict(allowed_token_ids=[[2, 5, 8], None, [], [W - 1, 1, 7, 3]],
+                                min_new_tokens=[0, 0, 0, 2])),
 }
 
 
@@ -108,9 +113,15 @@ def processing_and_settings(b, name, **changes):
             stream["logit_bias"] = pr.check_logit_bias(sets["logit_bias"] if stream["logit_bias"] is None
                                                        else stream["logit_bias"])
     stop_ids = stream_stop_ids(numbers.get("stop_token_ids"), b, W)
+    own_allowed = None
+    if "allowed_token_ids" in numbers:  # each stream's ids, None the config's
+        own_allowed = stream_allowed_ids(numbers["allowed_token_ids"], b, W, sets["allowed_token_ids"])
+        for stream in per_stream:
+            if stream["allowed_token_ids"] is None:
+                stream["allowed_token_ids"] = sets["allowed_token_ids"]
     host = StreamSettings(**{n: np.asarray([stream[n] for stream in per_stream],
                                            np.int32 if n in ("top_k", "min_new_tokens") else np.float32)
-                             for n in NUMBERS}, logit_bias=own_bias, stop_ids=stop_ids)
+                             for n in NUMBERS}, logit_bias=own_bias, stop_ids=stop_ids, allowed=own_allowed)
     processing = pr.processing_for(host, **{**sets, **changes})
     return processing, jax.tree.map(jnp.asarray, host), per_stream
 
@@ -118,11 +129,12 @@ def processing_and_settings(b, name, **changes):
 def reference_row(row, processing, numbers, prompt, output):
     """One place's processed logits: the tokens not allowed at -inf, then transformers' processors over the
     context (prompt + output so far), then the frequency and presence penalties over the output's counts in numpy;
-    ``numbers``: the stream's (penalties and min_new_tokens, and its logit bias and stop token ids where it has its
-    own)."""
+    ``numbers``: the stream's (penalties and min_new_tokens, and its logit bias, stop token ids and allowed token
+    ids where it has its own)."""
     ids = torch.tensor([list(prompt) + list(output)])
-    if processing.allowed_token_ids:
-        row = np.where(np.isin(np.arange(row.shape[-1]), processing.allowed_token_ids), row, -np.inf)
+    allowed = numbers.get("allowed_token_ids", processing.allowed_token_ids)  # the stream's own, where it has them
+    if allowed:
+        row = np.where(np.isin(np.arange(row.shape[-1]), allowed), row, -np.inf)
     scores = torch.from_numpy(np.asarray(row, np.float32)[None].copy())
     if processing.bad_words:
         scores = NoBadWordsLogitsProcessor([list(word) for word in processing.bad_words])(ids, scores)
@@ -178,6 +190,8 @@ def test_process_logits_at_each_tree_node_is_transformers_over_that_nodes_contex
     if name == "min_new_tokens":
         blocked = np.isneginf(got[:, :, 1])
         assert blocked.any() and not blocked.all()
+    if name == "allowed per stream":  # stream 2 allows every token, stream 0 three
+        assert not np.isneginf(got[2]).any() and (np.isfinite(got[0]).sum(-1) == 3).all()
     if name == "stop ids per stream":  # a stream's own stop ids are held back in its rows alone
         assert np.isneginf(got[0, :, 4]).any() and not np.isneginf(got[1:3, :, 4]).any()
 
