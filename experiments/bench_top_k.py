@@ -32,7 +32,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from ddtree_jax import sampling, topk  # noqa: E402
 from ddtree_jax.processors import TokenHistory, check_logit_bias, process_logits, processing_for  # noqa: E402
-from ddtree_jax.stream_settings import stream_logit_bias, uniform_settings  # noqa: E402
+from ddtree_jax.stream_settings import stream_allowed_ids, stream_logit_bias, uniform_settings  # noqa: E402
 from ddtree_jax.scores import token_scores  # noqa: E402
 from ddtree_jax.stop_strings import StopStringTabler, advance, start_states  # noqa: E402
 from ddtree_jax.tree import build_tree, chain_tree, sample_target_tokens  # noqa: E402
@@ -188,7 +188,8 @@ def bench_keys(rows, shapes, w, bw):
     vocabulary in the prompt and 1 % in the output): the repetition penalty alone, then with the frequency and
     presence penalties, a 16-token logit bias and min_new_tokens over 2 EOS ids; a 16-token logit bias alone, the
     same for every stream (constants) and each stream's own ([B, 16] pairs), the latter also as the scatter into
-    the logits that the engine did before session 63 (it now adds dense rows). Then top-k 50 and top-p 0.9, as
+    the logits that the engine did before session 63 (it now adds dense rows); 1024 allowed ids per stream (a dense
+    mask row). Then top-k 50 and top-p 0.9, as
     Python numbers (one program per value) and as one per stream ([B] arrays: one program for any values)."""
     rng = np.random.default_rng(5)
     bias = tuple((int(i), -1.0) for i in rng.choice(w, 16, replace=False))
@@ -209,10 +210,13 @@ def bench_keys(rows, shapes, w, bw):
         top_k, top_p = jnp.full((b,), 50, jnp.int32), jnp.full((b,), 0.9, jnp.float32)
         own = dataclasses.replace(uniform_settings(b), logit_bias=stream_logit_bias(
             [{int(i): -1.0 for i in rng.choice(w, 16, replace=False)} for _ in range(b)], b, w, (), check_logit_bias))
+        allowed = dataclasses.replace(uniform_settings(b), allowed=stream_allowed_ids(
+            [rng.choice(w, 1024, replace=False).tolist() for _ in range(b)], b, w, ()))
         # Every array rides as an argument: closed over, XLA would fold the processing of constant trees.
         context = {"keys": per_stream, "history": history, "chain": chain, "num_out": num_out, "top_k": top_k,
                    "top_p": top_p, "plain": jax.tree.map(jnp.asarray, uniform_settings(b)),
-                   "repetition": repetition[1], "everything": everything[1], "own": jax.tree.map(jnp.asarray, own)}
+                   "repetition": repetition[1], "everything": everything[1], "own": jax.tree.map(jnp.asarray, own),
+                   "allowed": jax.tree.map(jnp.asarray, allowed)}
 
         def processed(x, c, processing, settings):
             return sample_target_tokens(process_logits(x, processing, c[settings], c["history"], c["num_out"],
@@ -232,6 +236,8 @@ def bench_keys(rows, shapes, w, bw):
                "key per stream + 16-token logit bias per stream": lambda x, c: processed(
                    x, c, processing_for(own), "own"),
                "key per stream + 16-token logit bias per stream, scattered": scattered_bias,
+               "key per stream + 1024 allowed ids per stream": lambda x, c: processed(
+                   x, c, processing_for(allowed), "allowed"),
                "key per stream + top-k 50, top-p 0.9": lambda x, c: sample_target_tokens(x, 1.0, c["keys"], 50, 0.9),
                "key per stream + top-k 50, top-p 0.9 per stream": lambda x, c: sample_target_tokens(
                    x, 1.0, c["keys"], c["top_k"], c["top_p"], top_k_ceiling=64, top_k_in_every_row=True)}

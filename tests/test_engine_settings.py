@@ -32,8 +32,8 @@ def config(mode, budget, **kw):
 @pytest.mark.parametrize("mode,budget", [("ar", 1), ("dflash", 1), ("ddtree", 64)])
 def test_per_stream_processing_greedy_equals_the_processed_full_forward(models, mode, budget):
     """Eight streams, each its own penalties, min_new_tokens, logit bias and allowed ids (some off, some the config's;
-    stream 7 none at all): greedy decoding equals the processed plain-forward reference with each stream's numbers, cut at
-    its first EOS or stop sequence past its own min_new_tokens, token for token."""
+    stream 7 none at all): greedy decoding equals the processed plain-forward reference with each stream's numbers,
+    cut at its first EOS or stop sequence past its own min_new_tokens, token for token."""
     target, drafter = models
     engine = Engine(target, drafter if mode != "ar" else None, config(mode, budget))
     res = engine.generate(PROMPTS[:8], **PER_STREAM)
