@@ -43,8 +43,8 @@ from ddtree_jax.processors import (LogitProcessing, TokenHistory, check_additive
 from ddtree_jax.sampling import check_min_p, check_top_k, check_top_p, sampled_logits
 from ddtree_jax.stream_settings import (NUMBERS, SEED_LIMIT, StreamSettings, Switches, check_seed,  # noqa: F401
                                         check_settings, check_temperature, check_temperatures, check_token_limits,
-                                        stream_allowed_ids, stream_keys, stream_logit_bias, stream_stop_ids,
-                                        switches_of, uniform_settings)
+                                        stream_allowed_ids, stream_bad_words, stream_keys, stream_logit_bias,
+                                        stream_stop_ids, switches_of, uniform_settings)
 from ddtree_jax.scores import (TokenScores, empty_scores, per_stream_slices, scores_lists,
                                token_scores)
 from ddtree_jax.serving import Finished, ServeUpdate, serve, serve_updates
@@ -288,8 +288,8 @@ class Engine:
     (``stream_settings``); one program serves any values, and a filter or penalty no stream uses is not compiled.
     ``logit_bias`` (keyword): the config's (None), or one mapping for every stream or one per stream.
     ``stop_token_ids`` (keyword): token ids that end a stream beside the EOS ids (status "stop_token"), one
-    sequence for every stream or one per stream. ``allowed_token_ids`` (keyword): the config's (None), or the only
-    tokens to emit, one sequence for every stream or one per stream.
+    sequence for every stream or one per stream. ``allowed_token_ids`` and ``bad_words`` (keywords): the config's
+    (None), or one set for every stream or one per stream.
     ``EngineConfig(logprobs=True, top_logprobs=n)`` also keeps each emitted token's log-probability under the target
     and its n likeliest tokens (``scores``), from the rows the forwards computed. The token sets (allowed ids, bad
     words, logit bias), min_new_tokens and the penalties process every place's logits before the temperature and
@@ -371,7 +371,7 @@ class Engine:
     def prefill(self, prompts: Sequence[Sequence[int]], temperature=0.0, seed=0, max_new_tokens=None, *,
                 top_k=None, top_p=None, min_p=None, repetition_penalty=None, frequency_penalty=None,
                 presence_penalty=None, min_new_tokens=None, logit_bias=None, stop_strings=None,
-                stop_token_ids=None, allowed_token_ids=None) -> DecodeState:
+                stop_token_ids=None, allowed_token_ids=None, bad_words=None) -> DecodeState:
         """The prompts' prefill and each stream's first token. From ``top_k`` on: one value for every stream or a
         sequence of one per stream (None: the config's), fixed in the state for every round after it;
         ``logit_bias`` one mapping {token id: amount} for every stream or a sequence of one (or None: the config's)
@@ -381,17 +381,19 @@ class Engine:
         ends its stream (status "stop_token") beside the config's EOS ids and, like them, is held back by
         min_new_tokens (``stream_settings.stream_stop_ids``); ``allowed_token_ids`` one sequence of token ids for
         every stream or one (or None: the config's) per stream, the only tokens the stream may emit (empty: all;
-        ``stream_settings.stream_allowed_ids``)."""
+        ``stream_settings.stream_allowed_ids``); ``bad_words`` one sequence of token-id sequences for every stream or
+        one (or None: the config's) per stream (``stream_settings.stream_bad_words``)."""
         return self.prefill_requests(self.check_requests(
             prompts, temperature, seed, max_new_tokens, top_k=top_k, top_p=top_p, min_p=min_p,
             repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
             presence_penalty=presence_penalty, min_new_tokens=min_new_tokens, logit_bias=logit_bias,
-            stop_strings=stop_strings, stop_token_ids=stop_token_ids, allowed_token_ids=allowed_token_ids))
+            stop_strings=stop_strings, stop_token_ids=stop_token_ids, allowed_token_ids=allowed_token_ids,
+            bad_words=bad_words))
 
     def check_requests(self, prompts: Sequence[Sequence[int]], temperature=0.0, seed=0, max_new_tokens=None, *,
                        top_k=None, top_p=None, min_p=None, repetition_penalty=None, frequency_penalty=None,
                        presence_penalty=None, min_new_tokens=None, logit_bias=None, stop_strings=None,
-                       stop_token_ids=None, allowed_token_ids=None) -> Requests:
+                       stop_token_ids=None, allowed_token_ids=None, bad_words=None) -> Requests:
         """``prefill``'s arguments checked on the host, with what the programs compile for them (``Requests``)."""
         ecfg = self.ecfg
         n = len(prompts)
@@ -404,7 +406,8 @@ class Engine:
             check_settings(n, given, ecfg.settings, self._setting_checks),
             logit_bias=stream_logit_bias(logit_bias, n, self.cfg.vocab_size, ecfg.logit_bias, check_logit_bias),
             stop_ids=stream_stop_ids(stop_token_ids, n, self.cfg.vocab_size),
-            allowed=stream_allowed_ids(allowed_token_ids, n, self.cfg.vocab_size, ecfg.allowed_token_ids))
+            allowed=stream_allowed_ids(allowed_token_ids, n, self.cfg.vocab_size, ecfg.allowed_token_ids),
+            bad_words=stream_bad_words(bad_words, n, self.cfg.vocab_size, ecfg.bad_words, check_id_sequences))
         strings = check_stream_stop_strings(ecfg.stop_strings if stop_strings is None else stop_strings, n)
         for i, (least, limit) in enumerate(zip(settings.min_new_tokens.tolist(), limits.tolist())):
             try:
@@ -523,7 +526,7 @@ class Engine:
                  slots: int | None = None, **settings) -> dict:
         """Returns per-stream tokens, statuses and metrics (compile time is separate from run time). ``settings``:
         ``prefill``'s per-stream ones (top_k, top_p, min_p, the penalties, min_new_tokens, logit_bias, stop_strings,
-        stop_token_ids, allowed_token_ids).
+        stop_token_ids, allowed_token_ids, bad_words).
         ``slots``: None decodes every prompt at once; a number decodes them in that many streams (``serve``), with
         the same tokens, in the prompts' order (prefill_s: every admission's time; decode_s: the dispatches')."""
         if slots is not None:

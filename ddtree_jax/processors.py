@@ -2,8 +2,8 @@
 (``sampling.truncate``), greedy decoding included. In vLLM's order:
 
 0. ``allowed_token_ids``: every other token at -inf (vLLM's ``allowed_token_ids``; the config's for every stream, or
-   each stream's own); ``bad_words``: a sequence's
-   last token at -inf where the context ends with the rest of it (transformers' ``NoBadWordsLogitsProcessor``).
+   each stream's own); ``bad_words``: a sequence's last token at -inf where the context ends with the rest of it
+   (transformers' ``NoBadWordsLogitsProcessor``; the config's, or each stream's own).
 1. ``logit_bias``: a fixed amount added to chosen tokens' logits (OpenAI's ``logit_bias``; transformers'
    ``SequenceBiasLogitsProcessor`` for one-token sequences).
 2. ``min_new_tokens``: the EOS ids and the stream's own stop token ids at -inf while the stream has generated fewer
@@ -47,6 +47,7 @@ class LogitProcessing:
     allowed_token_ids: tuple[int, ...] = ()  # ascending; empty: all
     stream_allowed: bool = False  # some stream is restricted to its own allowed ids (``StreamSettings.allowed``)
     bad_words: tuple[tuple[int, ...], ...] = ()  # token-id sequences whose last token is banned after the rest
+    stream_bad_words: int = 0  # L of each stream's own bad words (``StreamSettings.bad_words``), where some has one
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, amount) pairs, ids ascending
     stream_logit_bias: bool = False  # each stream's own pairs (``StreamSettings.logit_bias``) hold some token
     eos_ids: tuple[int, ...] = ()  # held back by min_new_tokens
@@ -64,7 +65,7 @@ class LogitProcessing:
     @property
     def window(self) -> int:
         """K: the context's last tokens the bad words read (0: none)."""
-        return max((len(w) - 1 for w in self.bad_words), default=0)
+        return max(max((len(w) - 1 for w in self.bad_words), default=0), self.stream_bad_words - 1)
 
     @property
     def holds_eos(self) -> bool:
@@ -75,19 +76,21 @@ class LogitProcessing:
     @property
     def changes_logits(self) -> bool:
         return (bool(self.allowed_token_ids) or bool(self.bad_words) or bool(self.logit_bias) or self.holds_eos
-                or self.penalises or self.stream_logit_bias or self.stream_allowed)
+                or self.penalises or self.stream_logit_bias or self.stream_allowed or bool(self.stream_bad_words))
 
 
 def processing_for(settings: StreamSettings, *, allowed_token_ids=(), bad_words=(), logit_bias=(),
                    eos_ids=()) -> LogitProcessing:
     """The LogitProcessing of a batch: the token sets (checked) and the numbers its host settings (numpy) use.
-    ``logit_bias`` and ``allowed_token_ids`` (every stream's, compiled in) are left out where the streams have their
-    own (``settings.logit_bias``, ``settings.allowed``)."""
-    own, own_allowed = settings.logit_bias, settings.allowed
+    ``logit_bias``, ``allowed_token_ids`` and ``bad_words`` (every stream's, compiled in) are left out where the
+    streams have their own (``settings.logit_bias``, ``settings.allowed``, ``settings.bad_words``)."""
+    own, own_allowed, own_words = settings.logit_bias, settings.allowed, settings.bad_words
     return LogitProcessing(
         allowed_token_ids=check_allowed_token_ids(allowed_token_ids) if own_allowed is None else (),
         stream_allowed=own_allowed is not None and bool(np.asarray(own_allowed.restricted).any()),
-        bad_words=tuple(map(tuple, bad_words)),
+        bad_words=tuple(map(tuple, bad_words)) if own_words is None else (),
+        stream_bad_words=(np.shape(own_words.tokens)[2] if own_words is not None
+                          and bool((np.asarray(own_words.lengths) > 0).any()) else 0),
         logit_bias=check_logit_bias(logit_bias) if own is None else (), eos_ids=tuple(eos_ids),
         stream_stop_ids=settings.stop_ids is not None,
         stream_logit_bias=own is not None and bool((np.asarray(own.amounts) != 0).any()),
@@ -285,9 +288,11 @@ def process_logits(logits: jax.Array, processing: LogitProcessing, settings: Str
         own = settings.allowed
         allowed = jnp.zeros((b, w), bool).at[jnp.arange(b)[:, None], own.ids].set(True, mode="drop")
         logits = jnp.where((allowed | ~own.restricted[:, None])[:, None, :], logits, -jnp.inf)
+    windows = node_windows(history.recent, tree) if processing.window else None
     if processing.bad_words:
-        logits = _ban_bad_words(logits, processing.bad_words,
-                                node_windows(history.recent, tree) if processing.window else None)
+        logits = _ban_bad_words(logits, processing.bad_words, windows)
+    if processing.stream_bad_words:
+        logits = _ban_stream_bad_words(logits, settings.bad_words, windows)
     # The biases are added as dense rows, which fuse into the logits' next reader; a scatter into the [B, T, W]
     # logits would write them anew.
     if processing.logit_bias:
@@ -323,13 +328,30 @@ def process_logits(logits: jax.Array, processing: LogitProcessing, settings: Str
 def _ban_bad_words(logits, bad_words, windows):
     """logits [B, T, W] with each bad word's last token at -inf where the place's context ends with the rest of it
     (windows [B, T, K]: the last K context tokens, the last first; None where every word is one token)."""
-    banned = np.zeros(logits.shape[-1], bool)
-    banned[[word[0] for word in bad_words if len(word) == 1]] = True
-    logits = jnp.where(banned, -jnp.inf, logits)
+    vocab = np.arange(logits.shape[-1])
+    single = [word[0] for word in bad_words if len(word) == 1]
+    if single:
+        logits = jnp.where(np.isin(vocab, single), -jnp.inf, logits)
     for word in (w for w in bad_words if len(w) > 1):
-        prefix = word[:-1]
         ends_with_prefix = jnp.ones(windows.shape[:2], bool)
-        for back, token in enumerate(reversed(prefix)):
+        for back, token in enumerate(reversed(word[:-1])):
             ends_with_prefix &= windows[:, :, back] == token
-        logits = logits.at[:, :, word[-1]].set(jnp.where(ends_with_prefix, -jnp.inf, logits[:, :, word[-1]]))
+        logits = jnp.where(ends_with_prefix[:, :, None] & (vocab == word[-1]), -jnp.inf, logits)
+    return logits
+
+
+def _ban_stream_bad_words(logits, words, windows):
+    """``_ban_bad_words`` for each stream's own words (a StreamWords: [B, NW, L] right-aligned, their lengths
+    [B, NW]); windows [B, T, K >= L - 1] (None where L = 1). The bans are elementwise, so they fuse into the logits'
+    next reader."""
+    b, t, w = logits.shape
+    count, length = words.tokens.shape[1:]
+    ends_with_prefix = jnp.broadcast_to((words.lengths > 0)[:, None, :], (b, t, count))  # [B, T, NW]
+    for back in range(length - 1):  # the context's back-th last token against the word's token before that
+        reaches = (words.lengths > back + 1)[:, None, :]
+        ends_with_prefix &= ~reaches | (windows[:, :, back, None] == words.tokens[:, None, :, length - 2 - back])
+    banned = jnp.where(ends_with_prefix, words.tokens[:, None, :, -1], w)  # [B, T, NW]; w: no token
+    vocab = jnp.arange(w)
+    for j in range(count):
+        logits = jnp.where(vocab == banned[:, :, j, None], -jnp.inf, logits)
     return logits

@@ -45,6 +45,7 @@ class StreamSettings:
     stop_ids: jax.Array | None = None  # [B, M] int32: each stream's own stop token ids (``stream_stop_ids``)
     allowed: StreamAllowed | None = None  # each stream's own allowed token ids (``stream_allowed_ids``); None: the
     # config's
+    bad_words: StreamWords | None = None  # each stream's own bad words (``stream_bad_words``); None: the config's
 
 
 @jax.tree_util.register_dataclass
@@ -95,6 +96,16 @@ class StreamAllowed:
     restricted: jax.Array  # [B] bool
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StreamWords:
+    """Each stream's own token-id sequences (bad words): NW of them a stream, each right-aligned in L places (its last
+    token at L - 1, PAD before its first), NW and L powers of two; a stream's unused ones have length 0."""
+
+    tokens: jax.Array  # [B, NW, L] int32
+    lengths: jax.Array  # [B, NW] int32
+
+
 def stream_stop_ids(stop_token_ids, streams: int, vocab_size: int) -> np.ndarray | None:
     """Each stream's own stop token ids, int32 [streams, M] (``padded_ids``), or None where no stream has any.
     ``stop_token_ids``: None, one sequence of token ids for every stream, or a sequence of one sequence (or None:
@@ -114,6 +125,41 @@ def stream_allowed_ids(allowed_token_ids, streams: int, vocab_size: int, default
         return None
     rows = stream_id_lists(allowed_token_ids, streams, vocab_size, "allowed_token_ids", default)
     return StreamAllowed(ids=padded_ids(rows, vocab_size), restricted=np.array([bool(row) for row in rows]))
+
+
+def stream_bad_words(bad_words, streams: int, vocab_size: int, default, check_one) -> StreamWords | None:
+    """Each stream's own bad words (a StreamWords of numpy arrays), or None where ``bad_words`` is None (every stream
+    takes the config's, compiled in). ``bad_words``: one sequence of token-id sequences for every stream (e.g.
+    ``[[13, 13], [42]]``), or a sequence of one such sequence (or None: ``default``, the config's) per stream; each
+    checked by ``check_one`` (``stopping.check_id_sequences``), its ids below ``vocab_size``."""
+    if bad_words is None:
+        return None
+    per = (isinstance(bad_words, (list, tuple)) and len(bad_words) > 0
+           and all(item is None or (isinstance(item, (list, tuple)) and all(isinstance(word, (list, tuple))
+                                                                           for word in item)) for item in bad_words))
+    if per and len(bad_words) != streams:
+        raise ValueError(f"bad_words must be one sequence of token-id sequences (e.g. [[13, 13], [42]]) or a sequence "
+                         f"of one per stream ({streams}), got {len(bad_words)} of them")
+    rows = []
+    for i, item in enumerate(bad_words if per else [bad_words] * streams):
+        where = f"stream {i}'s " if per else ""
+        try:
+            words = check_one(default if item is None else item, "bad_words")
+        except ValueError as e:
+            raise ValueError(f"{where}{e}") from None
+        outside = [word for word in words if max(word) >= vocab_size]
+        if outside:
+            raise ValueError(f"{where}bad_words {outside} hold ids outside the vocabulary [0, {vocab_size})")
+        rows.append(sorted(set(words)))
+    count = max(max(map(len, rows)), 1)
+    longest = max((len(word) for words in rows for word in words), default=1)
+    tokens = np.full((streams, 1 << (count - 1).bit_length(), 1 << (longest - 1).bit_length()), -1, np.int32)
+    lengths = np.zeros(tokens.shape[:2], np.int32)
+    for b, words in enumerate(rows):
+        for j, word in enumerate(words):
+            tokens[b, j, tokens.shape[2] - len(word):] = word
+            lengths[b, j] = len(word)
+    return StreamWords(tokens=tokens, lengths=lengths)
 
 
 def stream_id_lists(value, streams: int, vocab_size: int, name: str, default) -> list[list[int]]:

@@ -613,12 +613,12 @@ def test_sharded_engine_matches(models, host_devices):
     assert "data" in engine.prefill(prompts).cache.kv.sharding.spec
     assert "stop_string" in want["status"] and got["status"] == want["status"]
     assert got["tokens"] == want["tokens"] and got["tokens"] != plain
-    # and per-stream filters, penalties, stop strings, logit biases, stop token ids and allowed ids
+    # and per-stream filters, penalties, stop strings, logit biases, stop token ids, allowed ids and bad words
     per_stream = dict(top_k=[0, 5, 0, 12], top_p=[1.0, 0.9, 1.0, 0.8], min_p=[0.0, 0.0, 0.0, 0.05],
                       repetition_penalty=[1.6, 1.0, 1.3, 1.6], frequency_penalty=[-0.5, 0.0, 0.2, 0.0],
                       stop_strings=[("ba",), ("\n\n",), (), ("ba", "\n\n")],
                       logit_bias=[{3: 2.0}, None, {}, {7: -1.0, 40: 3.0}], stop_token_ids=[[9], None, [4, 5], []],
-                      allowed_token_ids=[None, list(range(1, 40)), [], None])
+                      allowed_token_ids=[None, list(range(1, 40)), [], None], bad_words=[[[2]], None, [[5, 6, 7]], []])
     plain_per_stream = Engine(target, drafter, options, tokenizer=tokenizer).generate(
         prompts, [0.0, 1.0, 0.0, 0.7], seed=[3, 4, 5, 6], **per_stream)
     sharded_per_stream = Engine(target, drafter, options, runtime=runtime, tokenizer=tokenizer).generate(

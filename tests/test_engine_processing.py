@@ -27,12 +27,13 @@ def greedy_with_processing(target, prompts, sets, numbers, steps) -> list[list[i
     min_new_tokens and a logit bias of the stream's own, each one for every stream or a list of one per stream."""
     processing = LogitProcessing(**sets)
     numbers = stream_numbers(len(prompts), numbers)
-    for stream in numbers:  # a stream's own logit bias and allowed ids (None: the sets')
+    for stream in numbers:  # a stream's own logit bias, allowed ids and bad words (None: the sets')
         if "logit_bias" in stream:
             own = stream["logit_bias"]
             stream["logit_bias"] = check_logit_bias(sets.get("logit_bias", ()) if own is None else own)
-        if stream.get("allowed_token_ids", ()) is None:
-            stream["allowed_token_ids"] = sets.get("allowed_token_ids", ())
+        for name in ("allowed_token_ids", "bad_words"):
+            if stream.get(name, ()) is None:
+                stream[name] = sets.get(name, ())
     seqs = [list(p) for p in prompts]
     for _ in range(steps):
         tokens = np.zeros((len(seqs), max(map(len, seqs))), np.int32)

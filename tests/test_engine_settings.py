@@ -17,7 +17,8 @@ PER_STREAM = dict(min_new_tokens=[4, 0, 6, 2, 0, 5, 1, 3], repetition_penalty=[1
                   frequency_penalty=[-0.7, 0.0, 0.3, 0.0, 0.5, -0.2, 0.0, 0.0],
                   presence_penalty=[0.4, 0.0, 0.0, -0.5, 0.3, 0.0, 0.0, 0.0],
                   logit_bias=[None, {2: -100.0, 7: 3.0}, {}, None, {58: 4.0, 19: 2.5}, {11: -1.5}, None, {}],
-                  allowed_token_ids=[None, [], list(range(0, 64, 2)), None, None, None, [5, 19, 0, 58, 8], None])
+                  allowed_token_ids=[None, [], list(range(0, 64, 2)), None, None, None, [5, 19, 0, 58, 8], None],
+                  bad_words=[None, [[58]], None, [[5, 18], [49, 19]], [], None, [[58, 58], [8, 5, 5]], None])
 
 
 @pytest.fixture(scope="module")
@@ -31,9 +32,9 @@ def config(mode, budget, **kw):
 
 @pytest.mark.parametrize("mode,budget", [("ar", 1), ("dflash", 1), ("ddtree", 64)])
 def test_per_stream_processing_greedy_equals_the_processed_full_forward(models, mode, budget):
-    """Eight streams, each its own penalties, min_new_tokens, logit bias and allowed ids (some off, some the config's;
-    stream 7 none at all): greedy decoding equals the processed plain-forward reference with each stream's numbers,
-    cut at its first EOS or stop sequence past its own min_new_tokens, token for token."""
+    """Eight streams, each its own penalties, min_new_tokens, logit bias, allowed ids and bad words (some off, some the
+    config's; stream 7 none at all): greedy decoding equals the processed plain-forward reference with each stream's
+    numbers, cut at its first EOS or stop sequence past its own min_new_tokens, token for token."""
     target, drafter = models
     engine = Engine(target, drafter if mode != "ar" else None, config(mode, budget))
     res = engine.generate(PROMPTS[:8], **PER_STREAM)
@@ -42,10 +43,11 @@ def test_per_stream_processing_greedy_equals_the_processed_full_forward(models, 
     assert list(zip(res["tokens"], res["status"])) == want
     uniform = greedy_with_processing(target, PROMPTS[:8], SETS, dict(repetition_penalty=1.2), NEW)
     assert sum(r != u for r, u in zip(reference, uniform)) >= 4  # the streams' numbers changed their tokens
-    if mode == "ar":  # and their own logit biases did (against the config's for every stream)
-        configs_bias = greedy_with_processing(target, PROMPTS[:8], SETS,
-                                              {k: v for k, v in PER_STREAM.items() if k != "logit_bias"}, NEW)
-        assert sum(r != c for r, c in zip(reference, configs_bias)) >= 2
+    if mode == "ar":  # and their own logit biases and bad words did (against the config's for every stream)
+        for name in ("logit_bias", "bad_words"):
+            configs = greedy_with_processing(target, PROMPTS[:8], SETS,
+                                             {k: v for k, v in PER_STREAM.items() if k != name}, NEW)
+            assert sum(r != c for r, c in zip(reference, configs)) >= 2, name
 
 
 @pytest.mark.parametrize("mode,budget", [("ar", 1), ("ddtree", 64)])
@@ -153,10 +155,20 @@ def test_switches_read_what_the_sampled_streams_use():
                                                             r"\[0, 64\), got 64"),
     (dict(allowed_token_ids=[[0, 19], None, None, None], min_new_tokens=[1, 0, 0, 0]),
      r"stream 0's min_new_tokens=1 holds back every allowed token \[0, 19\]"),
+    (dict(bad_words=[None, [[3, 2]], [[1, 64]], None]), r"stream 2's bad_words \[\(1, 64\)\] hold ids outside the "
+                                                         r"vocabulary \[0, 64\)"),
+    (dict(bad_words=[None, [[3, 2]]]), r"bad_words must be one sequence of token-id sequences .* one per stream \(4\), "
+                                       r"got 2 of them"),
+    (dict(bad_words=[[], None, None, None]), None),  # stream 0: none (not an empty word), the others the config's
+    (dict(bad_words=[[3, 2], []]), r"bad_words\[1\] must be a non-empty sequence of token ids"),
+    (dict(bad_words=[None, [[3, -2]], None, None]), r"stream 1's bad_words\[0\] must hold token ids >= 0"),
 ])
 def test_bad_per_stream_settings_refused(models, settings, message):
     target, drafter = models
     engine = Engine(target, drafter, config("ddtree", 16))
+    if message is None:  # accepted
+        engine.check_requests(PROMPTS[:4], 1.0, **settings)
+        return
     with pytest.raises(ValueError, match=message):
         engine.generate(PROMPTS[:4], 1.0, **settings)
 

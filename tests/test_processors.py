@@ -11,8 +11,9 @@ from transformers.generation.logits_process import (MinNewTokensLengthLogitsProc
                                                     RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor)
 
 from ddtree_jax import processors as pr
-from ddtree_jax.stream_settings import (NUMBERS, OFF, StreamSettings, stream_allowed_ids, stream_logit_bias,
-                                       stream_stop_ids)
+from ddtree_jax.stopping import check_id_sequences
+from ddtree_jax.stream_settings import (NUMBERS, OFF, StreamSettings, stream_allowed_ids, stream_bad_words,
+                                       stream_logit_bias, stream_stop_ids)
 from test_tree import random_tree
 
 W = 24
@@ -136,8 +137,9 @@ def reference_row(row, processing, numbers, prompt, output):
     if allowed:
         row = np.where(np.isin(np.arange(row.shape[-1]), allowed), row, -np.inf)
     scores = torch.from_numpy(np.asarray(row, np.float32)[None].copy())
-    if processing.bad_words:
-        scores = NoBadWordsLogitsProcessor([list(word) for word in processing.bad_words])(ids, scores)
+    bad_words = numbers.get("bad_words", processing.bad_words)  # the stream's own, where it has them
+    if bad_words:
+        scores = NoBadWordsLogitsProcessor([list(word) for word in bad_words])(ids, scores)
     bias = numbers.get("logit_bias", processing.logit_bias)  # the stream's own pairs, where it has them
     if bias:
         scores = SequenceBiasLogitsProcessor([[[i], a] for i, a in bias])(ids, scores)
@@ -196,10 +198,13 @@ def test_process_logits_at_each_tree_node_is_transformers_over_that_nodes_contex
         assert np.isneginf(got[0, :, 4]).any() and not np.isneginf(got[1:3, :, 4]).any()
 
 
-def test_bad_words_ban_where_each_nodes_context_ends_with_the_rest():
+@pytest.mark.parametrize("per_stream", [False, True])
+def test_bad_words_ban_where_each_nodes_context_ends_with_the_rest(per_stream):
     """Bad words planted from the contexts themselves (inside the tree, spanning the root into the output, reaching
     the prompt, and one-token ones): every node's row equals transformers' ``NoBadWordsLogitsProcessor`` over that
-    node's context, and each planted word banned its last token somewhere."""
+    node's context, and each planted word banned its last token somewhere. ``per_stream``: each stream its own words
+    (stream 0 the first and the one-token one, stream 1 the second, stream 2 None: the config's, all three; stream
+    3 none), the config's compiled out."""
     rng = np.random.default_rng(21)
     b, t = 4, 14
     tree = random_tree(rng, b, t, W, max_depth=5)
@@ -213,6 +218,14 @@ def test_bad_words_ban_where_each_nodes_context_ends_with_the_rest():
                                           int(tokens[1, first]), 21), (22,))
     processing = pr.LogitProcessing(bad_words=words)
     settings, numbers = processing_and_settings(b, "allowed")[1:]  # every number off
+    if per_stream:
+        own = [[words[0], words[2]], [words[1]], None, []]
+        settings = dataclasses.replace(settings, bad_words=jax.tree.map(
+            jnp.asarray, stream_bad_words(own, b, W, words, check_id_sequences)))
+        processing = pr.processing_for(jax.tree.map(np.asarray, settings), bad_words=words)
+        assert processing.bad_words == () and processing.window == 7  # L = 8 > the longest word's 6
+        for stream, word_set in zip(numbers, own):
+            stream["bad_words"] = words if word_set is None else word_set
     width = max(map(len, prompts))
     history = pr.start_history(processing, jnp.asarray([p + [0] * (width - len(p)) for p in prompts]),
                                jnp.asarray([len(p) for p in prompts]), W)
@@ -225,8 +238,11 @@ def test_bad_words_ban_where_each_nodes_context_ends_with_the_rest():
             want = reference_row(logits[s, node], processing, numbers[s], prompts[s],
                                  outputs[s] + path_below_root(tokens[s], parents[s], node))
             np.testing.assert_array_equal(got[s, node], want, err_msg=f"stream {s}, node {node}")
-    assert np.isneginf(got[0, deep, 20]) and np.isneginf(got[1, first, 21]) and np.isneginf(got[:, :, 22]).all()
+    assert np.isneginf(got[0, deep, 20]) and np.isneginf(got[1, first, 21])
     assert np.isfinite(got[:, :, 20]).sum() > 0 and np.isfinite(got[:, :, 21]).sum() > 0
+    one_token_banned = [True, False, True, False] if per_stream else [True] * b
+    assert [bool(np.isneginf(got[s, :, 22]).all()) for s in range(b)] == one_token_banned
+    assert not np.isneginf(got[:, :, 22]).any(1)[~np.asarray(one_token_banned)].any()
 
 
 def test_process_logits_without_a_tree_is_the_place_after_the_history():
