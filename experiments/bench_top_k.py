@@ -32,7 +32,9 @@ import jax.numpy as jnp  # noqa: E402
 
 from ddtree_jax import sampling, topk  # noqa: E402
 from ddtree_jax.processors import TokenHistory, check_logit_bias, process_logits, processing_for  # noqa: E402
-from ddtree_jax.stream_settings import stream_allowed_ids, stream_logit_bias, uniform_settings  # noqa: E402
+from ddtree_jax.stopping import check_id_sequences  # noqa: E402
+from ddtree_jax.stream_settings import (stream_allowed_ids, stream_bad_words, stream_logit_bias,  # noqa: E402
+                                        uniform_settings)
 from ddtree_jax.scores import token_scores  # noqa: E402
 from ddtree_jax.stop_strings import StopStringTabler, advance, start_states  # noqa: E402
 from ddtree_jax.tree import build_tree, chain_tree, sample_target_tokens  # noqa: E402
@@ -189,7 +191,7 @@ def bench_keys(rows, shapes, w, bw):
     presence penalties, a 16-token logit bias and min_new_tokens over 2 EOS ids; a 16-token logit bias alone, the
     same for every stream (constants) and each stream's own ([B, 16] pairs), the latter also as the scatter into
     the logits that the engine did before session 63 (it now adds dense rows); 1024 allowed ids per stream (a dense
-    mask row). Then top-k 50 and top-p 0.9, as
+    mask row); 8 two-token bad words, the same for every stream and each stream's own. Then top-k 50 and top-p 0.9, as
     Python numbers (one program per value) and as one per stream ([B] arrays: one program for any values)."""
     rng = np.random.default_rng(5)
     bias = tuple((int(i), -1.0) for i in rng.choice(w, 16, replace=False))
@@ -203,7 +205,8 @@ def bench_keys(rows, shapes, w, bw):
         per_stream = jax.random.split(jax.random.key(0), b)
         history = TokenHistory(prompt_seen=jnp.asarray(rng.random((b, w)) < 0.01),
                                out_counts=jnp.asarray((rng.random((b, w)) < 0.01) * rng.integers(1, 4, (b, w)),
-                                                      jnp.int32), recent=None)
+                                                      jnp.int32),
+                               recent=jnp.asarray(rng.integers(0, w, (b, 1)), jnp.int32))  # K = 1: two-token words
         tokens = jnp.asarray(rng.integers(0, w, (b, t)), jnp.int32)
         chain = chain_tree(tokens[:, 1:], tokens[:, 0])
         num_out = jnp.full((b,), 2, jnp.int32)
@@ -212,11 +215,15 @@ def bench_keys(rows, shapes, w, bw):
             [{int(i): -1.0 for i in rng.choice(w, 16, replace=False)} for _ in range(b)], b, w, (), check_logit_bias))
         allowed = dataclasses.replace(uniform_settings(b), allowed=stream_allowed_ids(
             [rng.choice(w, 1024, replace=False).tolist() for _ in range(b)], b, w, ()))
+        words = [tuple(int(x) for x in rng.integers(0, w, 2)) for _ in range(8)]
+        own_words = dataclasses.replace(uniform_settings(b), bad_words=stream_bad_words(
+            [[tuple(int(x) for x in rng.integers(0, w, 2)) for _ in range(8)] for _ in range(b)], b, w, (),
+            check_id_sequences))
         # Every array rides as an argument: closed over, XLA would fold the processing of constant trees.
         context = {"keys": per_stream, "history": history, "chain": chain, "num_out": num_out, "top_k": top_k,
                    "top_p": top_p, "plain": jax.tree.map(jnp.asarray, uniform_settings(b)),
                    "repetition": repetition[1], "everything": everything[1], "own": jax.tree.map(jnp.asarray, own),
-                   "allowed": jax.tree.map(jnp.asarray, allowed)}
+                   "allowed": jax.tree.map(jnp.asarray, allowed), "own_words": jax.tree.map(jnp.asarray, own_words)}
 
         def processed(x, c, processing, settings):
             return sample_target_tokens(process_logits(x, processing, c[settings], c["history"], c["num_out"],
@@ -238,6 +245,10 @@ def bench_keys(rows, shapes, w, bw):
                "key per stream + 16-token logit bias per stream, scattered": scattered_bias,
                "key per stream + 1024 allowed ids per stream": lambda x, c: processed(
                    x, c, processing_for(allowed), "allowed"),
+               "key per stream + 8 two-token bad words": lambda x, c: processed(
+                   x, c, processing_for(uniform_settings(b), bad_words=words), "plain"),
+               "key per stream + 8 two-token bad words per stream": lambda x, c: processed(
+                   x, c, processing_for(own_words), "own_words"),
                "key per stream + top-k 50, top-p 0.9": lambda x, c: sample_target_tokens(x, 1.0, c["keys"], 50, 0.9),
                "key per stream + top-k 50, top-p 0.9 per stream": lambda x, c: sample_target_tokens(
                    x, 1.0, c["keys"], c["top_k"], c["top_p"], top_k_ceiling=64, top_k_in_every_row=True)}
