@@ -41,14 +41,16 @@ def check_id_sequences(sequences, name: str) -> tuple[tuple[int, ...], ...]:
 
 
 def stop_and_emit(state, emitted, n_emit, active, eos_ids, emitted_scores=None, stop_sequences=(),
-                   min_new_tokens=0, string_ends=None, stop_ids=None):
+                   min_new_tokens=0, string_ends=None, stop_ids=None, stream_stop_sequences=None):
     """``state`` holds out_tokens [B, N], out_scores (TokenScores or None), num_out, limit and status [B] (the
     engine's DecodeState). Appends each active stream's first n_emit emitted tokens [B, E] (and their TokenScores,
     where the state keeps them) to its output, cut after the first that is an EOS, one of the stream's own stop
-    token ids (``stop_ids`` [B, M], where given; an id no token has pads a row), ends a stop sequence (its tokens
-    in a row among the stream's generated ones, earlier rounds' included) or a stop string (``string_ends`` [B, E],
-    where given), the last two not within the first min_new_tokens generated (one number, or [B]: each stream's),
-    or that reaches the stream's token limit, and updates status. Returns (out_tokens, out_scores, num_out, status)."""
+    token ids (``stop_ids`` [B, M], where given; an id no token has pads a row), ends a stop sequence (its tokens in
+    a row among the stream's generated ones, earlier rounds' included; the static ``stop_sequences``, and each
+    stream's own ``stream_stop_sequences``, a ``stream_settings.StreamWords``, where given) or a stop string
+    (``string_ends`` [B, E], where given), the last two not within the first min_new_tokens generated (one number,
+    or [B]: each stream's), or that reaches the stream's token limit, and updates status. Returns (out_tokens,
+    out_scores, num_out, status)."""
     b, width = emitted.shape
     k = jnp.arange(width)[None, :]
     in_round = k < n_emit[:, None]
@@ -58,7 +60,10 @@ def stop_and_emit(state, emitted, n_emit, active, eos_ids, emitted_scores=None, 
                      else (emitted[:, :, None] == stop_ids[:, None, :]).any(-1))
     least = jnp.asarray(min_new_tokens)
     past_min = state.num_out[:, None] + k >= (least[:, None] if least.ndim else least)
-    is_stop = ends_stop_sequence(state.out_tokens, state.num_out, emitted, stop_sequences) & past_min
+    is_stop = ends_stop_sequence(state.out_tokens, state.num_out, emitted, stop_sequences)
+    if stream_stop_sequences is not None:
+        is_stop |= ends_stream_stop_sequence(state.out_tokens, state.num_out, emitted, stream_stop_sequences)
+    is_stop &= past_min
     is_string = jnp.zeros((b, width), bool) if string_ends is None else string_ends & past_min
     ends = (is_eos | is_stop_token | is_stop | is_string) & in_round
     first_end = jnp.argmax(ends, axis=1)
@@ -89,9 +94,7 @@ def ends_stop_sequence(out_tokens, num_out, emitted, stop_sequences) -> jax.Arra
     if not stop_sequences:
         return jnp.zeros((b, width), bool)
     back = max(map(len, stop_sequences)) - 1
-    before = num_out[:, None] - back + jnp.arange(back)[None, :]  # the last ``back`` generated tokens' slots
-    tail = jnp.where(before >= 0, jnp.take_along_axis(out_tokens, jnp.maximum(before, 0), axis=1), PAD)
-    window = jnp.concatenate([tail, emitted], axis=1)  # [B, back + E]
+    window = _generated_window(out_tokens, num_out, emitted, back)
     ends = jnp.zeros((b, width), bool)
     for seq in stop_sequences:
         start = back - (len(seq) - 1)  # window column of seq[0] for the match ending at emitted[:, 0]
@@ -100,3 +103,24 @@ def ends_stop_sequence(out_tokens, num_out, emitted, stop_sequences) -> jax.Arra
             match &= window[:, start + i: start + i + width] == token
         ends |= match
     return ends
+
+
+def ends_stream_stop_sequence(out_tokens, num_out, emitted, sequences) -> jax.Array:
+    """``ends_stop_sequence`` for each stream's own sequences (a StreamWords: [B, NS, L] right-aligned, their lengths
+    [B, NS], 0 for none)."""
+    width = emitted.shape[1]
+    length = sequences.tokens.shape[2]
+    window = _generated_window(out_tokens, num_out, emitted, length - 1)  # [B, L - 1 + E]
+    ends = (sequences.lengths > 0)[:, None, :]  # [B, 1 -> E, NS]
+    for k in range(length):  # the sequence's k-th last token against the k-th last generated one at each e
+        reaches = (sequences.lengths > k)[:, None, :]
+        generated = window[:, length - 1 - k: length - 1 - k + width, None]  # [B, E, 1]
+        ends = ends & (~reaches | (generated == sequences.tokens[:, None, :, length - 1 - k]))
+    return ends.any(-1)
+
+
+def _generated_window(out_tokens, num_out, emitted, back: int) -> jax.Array:
+    """[B, back + E]: each stream's last ``back`` generated tokens (PAD before its first), then ``emitted``."""
+    before = num_out[:, None] - back + jnp.arange(back)[None, :]  # the last ``back`` generated tokens' slots
+    tail = jnp.where(before >= 0, jnp.take_along_axis(out_tokens, jnp.maximum(before, 0), axis=1), PAD)
+    return jnp.concatenate([tail, emitted], axis=1)

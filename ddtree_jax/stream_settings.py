@@ -45,7 +45,9 @@ class StreamSettings:
     stop_ids: jax.Array | None = None  # [B, M] int32: each stream's own stop token ids (``stream_stop_ids``)
     allowed: StreamAllowed | None = None  # each stream's own allowed token ids (``stream_allowed_ids``); None: the
     # config's
-    bad_words: StreamWords | None = None  # each stream's own bad words (``stream_bad_words``); None: the config's
+    bad_words: StreamWords | None = None  # each stream's own bad words (``stream_sequences``); None: the config's
+    stop_sequences: StreamWords | None = None  # each stream's own stop sequences (``stream_sequences``); None: the
+    # config's
 
 
 @jax.tree_util.register_dataclass
@@ -99,8 +101,9 @@ class StreamAllowed:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class StreamWords:
-    """Each stream's own token-id sequences (bad words): NW of them a stream, each right-aligned in L places (its last
-    token at L - 1, PAD before its first), NW and L powers of two; a stream's unused ones have length 0."""
+    """Each stream's own token-id sequences (bad words or stop sequences): NW of them a stream, each right-aligned in
+    L places (its last token at L - 1, PAD before its first), NW and L powers of two; a stream's unused ones have
+    length 0."""
 
     tokens: jax.Array  # [B, NW, L] int32
     lengths: jax.Array  # [B, NW] int32
@@ -127,38 +130,39 @@ def stream_allowed_ids(allowed_token_ids, streams: int, vocab_size: int, default
     return StreamAllowed(ids=padded_ids(rows, vocab_size), restricted=np.array([bool(row) for row in rows]))
 
 
-def stream_bad_words(bad_words, streams: int, vocab_size: int, default, check_one) -> StreamWords | None:
-    """Each stream's own bad words (a StreamWords of numpy arrays), or None where ``bad_words`` is None (every stream
-    takes the config's, compiled in). ``bad_words``: one sequence of token-id sequences for every stream (e.g.
-    ``[[13, 13], [42]]``), or a sequence of one such sequence (or None: ``default``, the config's) per stream; each
-    checked by ``check_one`` (``stopping.check_id_sequences``), its ids below ``vocab_size``."""
-    if bad_words is None:
+def stream_sequences(value, streams: int, vocab_size: int, default, check_one, name: str) -> StreamWords | None:
+    """Each stream's own token-id sequences (bad words, stop sequences) as a StreamWords of numpy arrays, or None
+    where ``value`` is None (every stream takes the config's, ``default``, compiled in). ``value``: one sequence of
+    token-id sequences for every stream (e.g. ``[[13, 13], [42]]``), or a sequence of one such sequence (or None:
+    ``default``) per stream; each checked by ``check_one`` (``stopping.check_id_sequences``) under ``name``, its ids
+    below ``vocab_size``."""
+    if value is None:
         return None
-    per = (isinstance(bad_words, (list, tuple)) and len(bad_words) > 0
-           and all(item is None or (isinstance(item, (list, tuple)) and all(isinstance(word, (list, tuple))
-                                                                           for word in item)) for item in bad_words))
-    if per and len(bad_words) != streams:
-        raise ValueError(f"bad_words must be one sequence of token-id sequences (e.g. [[13, 13], [42]]) or a sequence "
-                         f"of one per stream ({streams}), got {len(bad_words)} of them")
+    per = (isinstance(value, (list, tuple)) and len(value) > 0
+           and all(item is None or (isinstance(item, (list, tuple)) and all(isinstance(seq, (list, tuple))
+                                                                           for seq in item)) for item in value))
+    if per and len(value) != streams:
+        raise ValueError(f"{name} must be one sequence of token-id sequences (e.g. [[13, 13], [42]]) or a sequence "
+                         f"of one per stream ({streams}), got {len(value)} of them")
     rows = []
-    for i, item in enumerate(bad_words if per else [bad_words] * streams):
+    for i, item in enumerate(value if per else [value] * streams):
         where = f"stream {i}'s " if per else ""
         try:
-            words = check_one(default if item is None else item, "bad_words")
+            sequences = check_one(default if item is None else item, name)
         except ValueError as e:
             raise ValueError(f"{where}{e}") from None
-        outside = [word for word in words if max(word) >= vocab_size]
+        outside = [seq for seq in sequences if max(seq) >= vocab_size]
         if outside:
-            raise ValueError(f"{where}bad_words {outside} hold ids outside the vocabulary [0, {vocab_size})")
-        rows.append(sorted(set(words)))
+            raise ValueError(f"{where}{name} {outside} hold ids outside the vocabulary [0, {vocab_size})")
+        rows.append(sorted(set(sequences)))
     count = max(max(map(len, rows)), 1)
-    longest = max((len(word) for words in rows for word in words), default=1)
+    longest = max((len(seq) for sequences in rows for seq in sequences), default=1)
     tokens = np.full((streams, 1 << (count - 1).bit_length(), 1 << (longest - 1).bit_length()), -1, np.int32)
     lengths = np.zeros(tokens.shape[:2], np.int32)
-    for b, words in enumerate(rows):
-        for j, word in enumerate(words):
-            tokens[b, j, tokens.shape[2] - len(word):] = word
-            lengths[b, j] = len(word)
+    for b, sequences in enumerate(rows):
+        for j, seq in enumerate(sequences):
+            tokens[b, j, tokens.shape[2] - len(seq):] = seq
+            lengths[b, j] = len(seq)
     return StreamWords(tokens=tokens, lengths=lengths)
 
 

@@ -33,7 +33,7 @@ import jax.numpy as jnp  # noqa: E402
 from ddtree_jax import sampling, topk  # noqa: E402
 from ddtree_jax.processors import TokenHistory, check_logit_bias, process_logits, processing_for  # noqa: E402
 from ddtree_jax.stopping import check_id_sequences  # noqa: E402
-from ddtree_jax.stream_settings import (stream_allowed_ids, stream_bad_words, stream_logit_bias,  # noqa: E402
+from ddtree_jax.stream_settings import (stream_allowed_ids, stream_sequences, stream_logit_bias,  # noqa: E402
                                         uniform_settings)
 from ddtree_jax.scores import token_scores  # noqa: E402
 from ddtree_jax.stop_strings import StopStringTabler, advance, start_states  # noqa: E402
@@ -216,9 +216,9 @@ def bench_keys(rows, shapes, w, bw):
         allowed = dataclasses.replace(uniform_settings(b), allowed=stream_allowed_ids(
             [rng.choice(w, 1024, replace=False).tolist() for _ in range(b)], b, w, ()))
         words = [tuple(int(x) for x in rng.integers(0, w, 2)) for _ in range(8)]
-        own_words = dataclasses.replace(uniform_settings(b), bad_words=stream_bad_words(
+        own_words = dataclasses.replace(uniform_settings(b), bad_words=stream_sequences(
             [[tuple(int(x) for x in rng.integers(0, w, 2)) for _ in range(8)] for _ in range(b)], b, w, (),
-            check_id_sequences))
+            check_id_sequences, "bad_words"))
         # Every array rides as an argument: closed over, XLA would fold the processing of constant trees.
         context = {"keys": per_stream, "history": history, "chain": chain, "num_out": num_out, "top_k": top_k,
                    "top_p": top_p, "plain": jax.tree.map(jnp.asarray, uniform_settings(b)),

@@ -17,7 +17,8 @@ from ddtree_jax.config import QuantConfig, tiny_config
 from ddtree_jax.drafter import DFlashDrafter, tiny_drafter_config
 from ddtree_jax.engine import (CACHE_FULL, EOS, MAX_TOKENS, RUNNING, STOP_SEQUENCE, STOP_STRING, STOP_TOKEN, Engine,
                                EngineConfig, check_seed, required_capacity, summarize)
-from ddtree_jax.stopping import stop_and_emit
+from ddtree_jax.stopping import check_id_sequences, stop_and_emit
+from ddtree_jax.stream_settings import stream_sequences
 from ddtree_jax.cache import init_cache
 from ddtree_jax.model import KimiModel, causal_mask
 from ddtree_jax.scores import TokenScores
@@ -462,15 +463,24 @@ def test_stop_and_emit_equals_a_token_by_token_reference():
     """The engine's vectorised truncation at EOS / stop sequences / each stream's token limit against
     ``ref_stop_and_emit`` on random streams over 8 token ids: EOS early, late, past the limit or absent, stop
     sequences ending in this round after starting in earlier ones, overlapping or sharing an end with an EOS,
-    inactive streams holding EOS tokens, each stream's own stop token ids (0-3 of them, some also EOS ids), and
-    entries past n_emit that must be ignored; each kept token's log-probability lands beside it."""
+    inactive streams holding EOS tokens, each stream's own stop token ids (0-3 of them, some also EOS ids) and own
+    stop sequences (0-3 of a case's), and entries past n_emit that must be ignored; each kept token's
+    log-probability lands beside it."""
     rng = np.random.default_rng(0)
     b, width, max_new = 200, 5, 8
     cases = [((), (), 0, False), ((3,), (), 0, False), ((3, 5), (), 0, False), ((), ((2, 4),), 0, False),
              ((3,), ((1, 1, 1), (6,), (0, 3)), 0, False), ((), ((7, 2, 7), (2, 7)), 0, False),
              ((3,), ((2, 4),), 3, False), ((), (), 0, True), ((5,), ((6,),), 4, True)]
     cases += [((), (), 0, False, True), ((3,), ((2, 4),), 2, True, True)]  # with each stream's own stop ids
-    for eos_ids, stop_sequences, min_new_tokens, strings, *own in cases:
+    # with each stream's own stop sequences (the case's compiled out)
+    cases += [((3,), ((1, 1, 1), (6,), (0, 3), (7, 2, 7), (2, 4)), 0, False, False, True),
+              ((), ((2, 4, 6, 1), (5,), (6, 6)), 2, True, True, True)]
+    for eos_ids, stop_sequences, min_new_tokens, strings, *flags in cases:
+        own, own_sequences = (flags + [False, False])[:2]
+        per_stream = [stop_sequences] * b
+        if own_sequences:
+            per_stream = [tuple(stop_sequences[j] for j in rng.choice(len(stop_sequences), n, replace=False))
+                          for n in rng.integers(0, 4, b)]
         active = rng.random(b) < 0.7
         limit = rng.integers(1, max_new + 1, b)  # per stream, at most the buffer's max_new
         num_out = np.where(active, rng.integers(0, limit), rng.integers(0, limit + 1))
@@ -482,7 +492,9 @@ def test_stop_and_emit_equals_a_token_by_token_reference():
         out = np.where(kept, rng.integers(0, 8, (b, max_new)), PAD)
         out_logprobs = np.where(kept, -rng.random((b, max_new), np.float32), np.nan).astype(np.float32)
         for s in rng.choice(b, b // 3, replace=False) if stop_sequences else ():  # plant one across the boundary
-            seq = stop_sequences[rng.integers(len(stop_sequences))]
+            if not per_stream[s]:
+                continue
+            seq = per_stream[s][rng.integers(len(per_stream[s]))]
             first = rng.integers(max(num_out[s] - len(seq) + 1, 0), num_out[s] + width - len(seq) + 1)
             for p, token in enumerate(seq, first):
                 if p < num_out[s]:
@@ -497,16 +509,20 @@ def test_stop_and_emit_equals_a_token_by_token_reference():
         stop_ids = np.full((b, 4), 8)  # 8: past the 8 ids, padding
         for row, count in zip(stop_ids, rng.integers(0, 4, b)) if own else ():
             row[:count] = rng.choice(8, count, replace=False)
+        own_table = (jax.tree.map(jnp.asarray, stream_sequences([list(map(list, p)) for p in per_stream], b, 8, (),
+                                                                check_id_sequences, "stop_sequences"))
+                     if own_sequences else None)
         got = stop_and_emit(state, jnp.asarray(emitted, jnp.int32), jnp.asarray(n_emit), jnp.asarray(active),
-                             eos_ids, TokenScores(jnp.asarray(emitted_logprobs), None, None), stop_sequences,
-                             min_new_tokens, None if string_ends is None else jnp.asarray(string_ends),
-                             jnp.asarray(stop_ids, jnp.int32) if own else None)
+                             eos_ids, TokenScores(jnp.asarray(emitted_logprobs), None, None),
+                             () if own_sequences else stop_sequences, min_new_tokens,
+                             None if string_ends is None else jnp.asarray(string_ends),
+                             jnp.asarray(stop_ids, jnp.int32) if own else None, own_table)
         got_out, got_num, got_status = map(np.asarray, (got[0], got[2], got[3]))
         got_logprobs = np.asarray(got[1].logprob)
         statuses = collections.Counter()
         for s in range(b):
             want = ref_stop_and_emit(out[s], out_logprobs[s], num_out[s], status[s], emitted[s], emitted_logprobs[s],
-                                     n_emit[s], active[s], eos_ids, limit[s], stop_sequences, min_new_tokens,
+                                     n_emit[s], active[s], eos_ids, limit[s], per_stream[s], min_new_tokens,
                                      None if string_ends is None else string_ends[s], stop_ids[s].tolist())
             case = (eos_ids, stop_sequences, min_new_tokens, strings, s)
             assert got_out[s].tolist() == want[0] and (int(got_num[s]), int(got_status[s])) == want[2:], case
@@ -520,7 +536,7 @@ def test_stop_and_emit_equals_a_token_by_token_reference():
             assert statuses[STOP_TOKEN] >= 10, statuses
         spanning = [s for s in range(b) if got_status[s] == STOP_SEQUENCE and active[s]
                     and any(got_num[s] - num_out[s] < len(seq) and list(got_out[s][:got_num[s]][-len(seq):]) ==
-                            list(seq) for seq in stop_sequences)]
+                            list(seq) for seq in per_stream[s])]
         if any(len(seq) > 1 for seq in stop_sequences):
             assert spanning, "no stop sequence began before this round"
 
@@ -613,12 +629,14 @@ def test_sharded_engine_matches(models, host_devices):
     assert "data" in engine.prefill(prompts).cache.kv.sharding.spec
     assert "stop_string" in want["status"] and got["status"] == want["status"]
     assert got["tokens"] == want["tokens"] and got["tokens"] != plain
-    # and per-stream filters, penalties, stop strings, logit biases, stop token ids, allowed ids and bad words
+    # and per-stream filters, penalties, stop strings and sequences, logit biases, stop token ids, allowed ids and
+    # bad words
     per_stream = dict(top_k=[0, 5, 0, 12], top_p=[1.0, 0.9, 1.0, 0.8], min_p=[0.0, 0.0, 0.0, 0.05],
                       repetition_penalty=[1.6, 1.0, 1.3, 1.6], frequency_penalty=[-0.5, 0.0, 0.2, 0.0],
                       stop_strings=[("ba",), ("\n\n",), (), ("ba", "\n\n")],
                       logit_bias=[{3: 2.0}, None, {}, {7: -1.0, 40: 3.0}], stop_token_ids=[[9], None, [4, 5], []],
-                      allowed_token_ids=[None, list(range(1, 40)), [], None], bad_words=[[[2]], None, [[5, 6, 7]], []])
+                      allowed_token_ids=[None, list(range(1, 40)), [], None], bad_words=[[[2]], None, [[5, 6, 7]], []],
+                      stop_sequences=[[[9, 9]], None, [[1, 2, 3], [4]], []])
     plain_per_stream = Engine(target, drafter, options, tokenizer=tokenizer).generate(
         prompts, [0.0, 1.0, 0.0, 0.7], seed=[3, 4, 5, 6], **per_stream)
     sharded_per_stream = Engine(target, drafter, options, runtime=runtime, tokenizer=tokenizer).generate(

@@ -51,22 +51,23 @@ def test_per_stream_processing_greedy_equals_the_processed_full_forward(models, 
 
 
 @pytest.mark.parametrize("mode,budget", [("ar", 1), ("ddtree", 64)])
-def test_per_stream_stop_token_ids_greedy_equals_the_processed_full_forward(models, mode, budget):
+def test_per_stream_stops_greedy_equal_the_processed_full_forward(models, mode, budget):
     """Four streams, each its own stop token ids (one none; one's held back by its min_new_tokens, so its tokens
-    change before they may end it; one's is the prefill's token): greedy decoding equals the processed plain-forward
-    reference cut at the first EOS, own stop id or stop sequence, token for token, and the streams report
-    "stop_token"."""
+    change before they may end it; one's is the prefill's token) and stop sequences (stream 0 none, stream 1 its
+    own, the others the config's): greedy decoding equals the processed plain-forward reference cut at the first
+    EOS, own stop id or stop sequence, token for token, and the streams report "stop_token" and "stop_sequence"."""
     target, drafter = models
     plain = greedy_with_processing(target, PROMPTS[:4], SETS, {}, NEW)
     own = [[plain[0][0]], None, [plain[2][1], 63], [plain[3][0], plain[3][1]]]  # stream 0: its prefill's token
+    sequences = [[], [plain[1][:2], [7, 7, 7]], None, None]
     numbers = dict(min_new_tokens=[0, 0, 0, 3], stop_token_ids=own)
     engine = Engine(target, drafter if mode != "ar" else None, config(mode, budget))
-    res = engine.generate(PROMPTS[:4], **numbers)
+    res = engine.generate(PROMPTS[:4], **numbers, stop_sequences=sequences)
     reference = greedy_with_processing(target, PROMPTS[:4], SETS, numbers, NEW)
-    want = [cut_at_end(tokens, EOS_IDS, STOPS, least, stop_ids or ())
-            for tokens, least, stop_ids in zip(reference, numbers["min_new_tokens"], own)]
+    want = [cut_at_end(tokens, EOS_IDS, STOPS if seqs is None else seqs, least, stop_ids or ())
+            for tokens, least, stop_ids, seqs in zip(reference, numbers["min_new_tokens"], own, sequences)]
     assert list(zip(res["tokens"], res["status"])) == want
-    assert res["status"].count("stop_token") >= 2, res["status"]
+    assert res["status"].count("stop_token") >= 2 and res["status"][1] == "stop_sequence", res["status"]
     assert reference[3][:3] != plain[3][:3]  # stream 3's ids were held back
 
 
@@ -162,6 +163,8 @@ def test_switches_read_what_the_sampled_streams_use():
     (dict(bad_words=[[], None, None, None]), None),  # stream 0: none (not an empty word), the others the config's
     (dict(bad_words=[[3, 2], []]), r"bad_words\[1\] must be a non-empty sequence of token ids"),
     (dict(bad_words=[None, [[3, -2]], None, None]), r"stream 1's bad_words\[0\] must hold token ids >= 0"),
+    (dict(stop_sequences=[None, None, [[70]], None]), r"stream 2's stop_sequences \[\(70,\)\] hold ids outside"),
+    (dict(stop_sequences=[[[1]], [[2]]]), r"stop_sequences must be one sequence of token-id sequences .* \(4\), got 2"),
 ])
 def test_bad_per_stream_settings_refused(models, settings, message):
     target, drafter = models
@@ -180,6 +183,9 @@ def test_min_new_tokens_per_stream_needs_something_to_hold_back(models):
                                          "sequences"):
         engine.prefill(PROMPTS[:2], min_new_tokens=[2, 0])
     engine.prefill(PROMPTS[:2], min_new_tokens=[2, 0], stop_token_ids=[[5], None])  # its own stop id to hold back
+    engine.prefill(PROMPTS[:2], min_new_tokens=[2, 0], stop_sequences=[[[5, 5]], None])  # or its own stop sequence
+    with pytest.raises(ValueError, match="stream 1's min_new_tokens=2 holds back EOS ids"):
+        engine.prefill(PROMPTS[:2], min_new_tokens=[2, 2], stop_sequences=[[[5, 5]], []])
     with pytest.raises(ValueError, match="stream 1's min_new_tokens=1 holds back EOS ids"):
         engine.prefill(PROMPTS[:2], min_new_tokens=[2, 1], stop_token_ids=[[5], None])
     only_stops = Engine(target, drafter, EngineConfig(max_new_tokens=NEW, capacity=64, allowed_token_ids=(5, 6)))

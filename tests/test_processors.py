@@ -12,7 +12,7 @@ from transformers.generation.logits_process import (MinNewTokensLengthLogitsProc
 
 from ddtree_jax import processors as pr
 from ddtree_jax.stopping import check_id_sequences
-from ddtree_jax.stream_settings import (NUMBERS, OFF, StreamSettings, stream_allowed_ids, stream_bad_words,
+from ddtree_jax.stream_settings import (NUMBERS, OFF, StreamSettings, stream_allowed_ids, stream_sequences,
                                        stream_logit_bias, stream_stop_ids)
 from test_tree import random_tree
 
@@ -221,7 +221,7 @@ def test_bad_words_ban_where_each_nodes_context_ends_with_the_rest(per_stream):
     if per_stream:
         own = [[words[0], words[2]], [words[1]], None, []]
         settings = dataclasses.replace(settings, bad_words=jax.tree.map(
-            jnp.asarray, stream_bad_words(own, b, W, words, check_id_sequences)))
+            jnp.asarray, stream_sequences(own, b, W, words, check_id_sequences, "bad_words")))
         processing = pr.processing_for(jax.tree.map(np.asarray, settings), bad_words=words)
         assert processing.bad_words == () and processing.window == 7  # L = 8 > the longest word's 6
         for stream, word_set in zip(numbers, own):
