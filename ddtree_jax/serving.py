@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 class Finished:
     """One request's result, as ``Engine.serve`` reports it when its stream stops: ``index`` is its place among the
     requests; ``rounds`` the rounds its stream ran and ``tau_hist`` their histogram of tokens emitted per round;
-    ``logprobs`` / ``top_logprobs`` as ``engine.summarize``'s (None unless the config keeps them)."""
+    ``logprobs`` / ``top_logprobs`` as ``summary.summarize``'s (None unless the config keeps them)."""
 
     index: int
     tokens: list[int]
