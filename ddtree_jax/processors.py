@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax.checks import is_integer, is_number, is_token_id
-from ddtree_jax.stream_settings import StreamSettings
+from ddtree_jax.stream_settings import StreamSettings, sequence_table
 from ddtree_jax.tree import PAD, Tree
 
 
@@ -327,25 +327,24 @@ def process_logits(logits: jax.Array, processing: LogitProcessing, settings: Str
 
 def _ban_bad_words(logits, bad_words, windows):
     """logits [B, T, W] with each bad word's last token at -inf where the place's context ends with the rest of it
-    (windows [B, T, K]: the last K context tokens, the last first; None where every word is one token)."""
-    vocab = np.arange(logits.shape[-1])
+    (windows [B, T, K]: the last K context tokens, the last first; None where every word is one token): the
+    one-token words as one constant mask, the others as every stream's own (``_ban_stream_bad_words``)."""
     single = [word[0] for word in bad_words if len(word) == 1]
     if single:
-        logits = jnp.where(np.isin(vocab, single), -jnp.inf, logits)
-    for word in (w for w in bad_words if len(w) > 1):
-        ends_with_prefix = jnp.ones(windows.shape[:2], bool)
-        for back, token in enumerate(reversed(word[:-1])):
-            ends_with_prefix &= windows[:, :, back] == token
-        logits = jnp.where(ends_with_prefix[:, :, None] & (vocab == word[-1]), -jnp.inf, logits)
-    return logits
+        logits = jnp.where(np.isin(np.arange(logits.shape[-1]), single), -jnp.inf, logits)
+    longer = [word for word in bad_words if len(word) > 1]
+    return _ban_stream_bad_words(logits, sequence_table([longer], round_up=False), windows) if longer else logits
 
 
 def _ban_stream_bad_words(logits, words, windows):
-    """``_ban_bad_words`` for each stream's own words (a StreamWords: [B, NW, L] right-aligned, their lengths
-    [B, NW]); windows [B, T, K >= L - 1] (None where L = 1). The bans are elementwise, so they fuse into the logits'
-    next reader."""
+    """``_ban_bad_words`` for each stream's own words (a StreamWords: [B or 1, NW, L] right-aligned, their lengths
+    [B or 1, NW]); windows [B, T, K >= L - 1] (None where L = 1). The bans are elementwise, so they fuse into the
+    logits' next reader."""
     b, t, w = logits.shape
     count, length = words.tokens.shape[1:]
+    if length - 1 > (0 if windows is None else windows.shape[2]):
+        raise ValueError(f"words of {length} tokens need the context's last {length - 1} tokens, the windows hold "
+                         f"{0 if windows is None else windows.shape[2]}")
     ends_with_prefix = jnp.broadcast_to((words.lengths > 0)[:, None, :], (b, t, count))  # [B, T, NW]
     for back in range(length - 1):  # the context's back-th last token against the word's token before that
         reaches = (words.lengths > back + 1)[:, None, :]

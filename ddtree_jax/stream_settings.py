@@ -155,9 +155,17 @@ def stream_sequences(value, streams: int, vocab_size: int, default, check_one, n
         if outside:
             raise ValueError(f"{where}{name} {outside} hold ids outside the vocabulary [0, {vocab_size})")
         rows.append(sorted(set(sequences)))
+    return sequence_table(rows)
+
+
+def sequence_table(rows: list[list[tuple[int, ...]]], round_up: bool = True) -> StreamWords:
+    """A StreamWords (numpy) of each row's token-id sequences; ``round_up``: NW and L rounded up to powers of two
+    (else NW the most sequences a row has, L the longest's length)."""
     count = max(max(map(len, rows)), 1)
     longest = max((len(seq) for sequences in rows for seq in sequences), default=1)
-    tokens = np.full((streams, 1 << (count - 1).bit_length(), 1 << (longest - 1).bit_length()), -1, np.int32)
+    if round_up:
+        count, longest = 1 << (count - 1).bit_length(), 1 << (longest - 1).bit_length()
+    tokens = np.full((len(rows), count, longest), -1, np.int32)
     lengths = np.zeros(tokens.shape[:2], np.int32)
     for b, sequences in enumerate(rows):
         for j, seq in enumerate(sequences):
