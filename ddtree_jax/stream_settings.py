@@ -1,8 +1,9 @@
 """Each stream's own numbers: its temperature, seed and token limit, and beside them its filters (top_k, top_p,
 min_p), penalties (repetition, frequency, presence) and min_new_tokens. They are given to ``Engine.prefill`` as one
 value for every stream or a sequence of one per stream, checked here on the host, and carried in the decode state
-as [B] arrays, so one compiled program serves any values. So are a stream's own logit bias (``StreamBias``: its
-(token id, amount) pairs, [B, M]) and its own stop token ids ([B, M]).
+as [B] arrays, so one compiled program serves any values. So are a stream's own token sets, given the same ways:
+its logit bias (``StreamBias``: (token id, amount) pairs, [B, M]), stop token ids ([B, M]), allowed token ids
+(``StreamAllowed``), and bad words and stop sequences (``StreamWords``: [B, NW, L] right-aligned ids).
 
 What a program compiles is read from the values once, at the prefill (``Switches`` and
 ``processors.processing_for``, static parts of the state): a filter or penalty that no stream of the batch uses
@@ -67,18 +68,14 @@ def stream_logit_bias(logit_bias, streams: int, vocab_size: int, default, check_
     config's); each checked by ``check_one`` (``processors.check_logit_bias``), its ids below ``vocab_size``."""
     if logit_bias is None:
         return None
-    one = "one mapping {token id: amount} (e.g. {13: -100.0})"
-    per = (isinstance(logit_bias, (list, tuple)) and len(logit_bias) > 0
-           and all(item is None or isinstance(item, dict) for item in logit_bias))
-    if per and len(logit_bias) != streams:
-        raise ValueError(f"logit_bias must be {one} or a sequence of one per stream ({streams}), got "
-                         f"{len(logit_bias)} of them")
     pairs = []
-    for i, item in enumerate(logit_bias if per else [logit_bias] * streams):
+    for where, item in stream_items(logit_bias, streams, "logit_bias",
+                                    "one mapping {token id: amount} (e.g. {13: -100.0})",
+                                    lambda item: isinstance(item, dict)):
         try:
             pairs.append(check_one(default if item is None else item, vocab_size))
         except ValueError as e:
-            raise ValueError(f"stream {i}'s {e}" if per else str(e)) from None
+            raise ValueError(f"{where}{e}") from None
     width = 1 << max(max(map(len, pairs)) - 1, 0).bit_length()
     ids = np.full((streams, width), vocab_size, np.int32)
     amounts = np.zeros((streams, width), np.float32)
@@ -138,15 +135,10 @@ def stream_sequences(value, streams: int, vocab_size: int, default, check_one, n
     below ``vocab_size``."""
     if value is None:
         return None
-    per = (isinstance(value, (list, tuple)) and len(value) > 0
-           and all(item is None or (isinstance(item, (list, tuple)) and all(isinstance(seq, (list, tuple))
-                                                                           for seq in item)) for item in value))
-    if per and len(value) != streams:
-        raise ValueError(f"{name} must be one sequence of token-id sequences (e.g. [[13, 13], [42]]) or a sequence "
-                         f"of one per stream ({streams}), got {len(value)} of them")
     rows = []
-    for i, item in enumerate(value if per else [value] * streams):
-        where = f"stream {i}'s " if per else ""
+    for where, item in stream_items(value, streams, name, "one sequence of token-id sequences (e.g. [[13, 13], [42]])",
+                                    lambda item: isinstance(item, (list, tuple))
+                                    and all(isinstance(seq, (list, tuple)) for seq in item)):
         try:
             sequences = check_one(default if item is None else item, name)
         except ValueError as e:
@@ -181,18 +173,25 @@ def stream_id_lists(value, streams: int, vocab_size: int, name: str, default) ->
     one = "one sequence of token ids (e.g. [13, 42])"
     if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
         raise ValueError(f"{name} must be {one} or a sequence of one per stream, got {value!r}")
-    per = len(value) > 0 and all(item is None or isinstance(item, (list, tuple)) for item in value)
-    if per and len(value) != streams:
-        raise ValueError(f"{name} must be {one} or a sequence of one per stream ({streams}), got {len(value)} of them")
     rows = []
-    for i, item in enumerate(value if per else [value] * streams):
+    for where, item in stream_items(value, streams, name, one, lambda item: isinstance(item, (list, tuple))):
         item = default if item is None else item
         bad = [t for t in item if not (is_integer(t) and 0 <= t < vocab_size)]
         if bad:
-            where = f"stream {i}'s " if per else ""
             raise ValueError(f"{where}{name} must be token ids in [0, {vocab_size}), got {bad[0]!r}")
         rows.append(sorted({int(t) for t in item}))
     return rows
+
+
+def stream_items(value, streams: int, name: str, one: str, is_item) -> list[tuple[str, object]]:
+    """``value`` as one item per stream: the sequence itself where it holds one item (``is_item``) or None per
+    stream, else ``value`` for every stream; each with the prefix its errors take ("stream i's ", or none).
+    ValueError where a sequence of items does not hold one per stream (``one`` describes an item)."""
+    per = (isinstance(value, (list, tuple)) and len(value) > 0
+           and all(item is None or is_item(item) for item in value))
+    if per and len(value) != streams:
+        raise ValueError(f"{name} must be {one} or a sequence of one per stream ({streams}), got {len(value)} of them")
+    return [(f"stream {i}'s " if per else "", item) for i, item in enumerate(value if per else [value] * streams)]
 
 
 def padded_ids(rows: list[list[int]], vocab_size: int) -> np.ndarray:
