@@ -43,8 +43,8 @@ from ddtree_jax.processors import (LogitProcessing, TokenHistory, check_additive
 from ddtree_jax.sampling import check_min_p, check_top_k, check_top_p, sampled_logits
 from ddtree_jax.stream_settings import (NUMBERS, SEED_LIMIT, StreamSettings, Switches, check_seed,  # noqa: F401
                                         check_settings, check_temperature, check_temperatures, check_token_limits,
-                                        stream_allowed_ids, stream_sequences, stream_keys, stream_logit_bias,
-                                        stream_stop_ids, switches_of, uniform_settings)
+                                        stream_allowed_ids, stream_eos_ids, stream_keys, stream_logit_bias,
+                                        stream_sequences, stream_stop_ids, switches_of, uniform_settings)
 from ddtree_jax.scores import (TokenScores, empty_scores, per_stream_slices, scores_lists,
                                token_scores)
 from ddtree_jax.serving import Finished, ServeUpdate, serve, serve_updates
@@ -141,16 +141,18 @@ class EngineConfig:
 
     def check_min_new_tokens(self, min_new_tokens: int, limit: int, stop_strings: tuple[str, ...] | None = None,
                              stop_ids: Sequence[int] = (), allowed: Sequence[int] | None = None,
-                             stop_sequences: Sequence[Sequence[int]] | None = None):
+                             stop_sequences: Sequence[Sequence[int]] | None = None,
+                             eos_ids: Sequence[int] | None = None):
         """ValueError where a stream's min_new_tokens cannot hold: past its token limit, with nothing it holds back,
         or holding back every allowed token. ``stop_strings``, ``stop_sequences``: the stream's (None: the config's);
-        ``stop_ids``: its own stop token ids; ``allowed``: its allowed token ids (None: the config's; empty: all)."""
+        ``stop_ids``: its own stop token ids; ``allowed``: its allowed token ids (None: the config's; empty: all);
+        ``eos_ids``: its EOS ids (None: the config's)."""
         stop_strings = self.stop_strings if stop_strings is None else stop_strings
         stop_sequences = self.stop_sequences if stop_sequences is None else stop_sequences
         allowed = self.allowed_token_ids if allowed is None else allowed
         if min_new_tokens > limit:
             raise ValueError(f"min_new_tokens={min_new_tokens} passes max_new_tokens={limit}")
-        held = set(self.eos_ids) | set(stop_ids)
+        held = set(self.eos_ids if eos_ids is None else eos_ids) | set(stop_ids)
         if min_new_tokens and allowed and set(allowed) <= held:
             raise ValueError(f"min_new_tokens={min_new_tokens} holds back every allowed token "
                              f"{list(allowed)}: they are all EOS ids or stop token ids")
@@ -292,7 +294,7 @@ class Engine:
     ``logit_bias`` (keyword): the config's (None), or one mapping for every stream or one per stream.
     ``stop_token_ids`` (keyword): token ids that end a stream beside the EOS ids (status "stop_token"), one
     sequence for every stream or one per stream. ``allowed_token_ids`` and ``bad_words`` (keywords): the config's
-    (None), or one set for every stream or one per stream; so are ``stop_sequences``.
+    (None), or one set for every stream or one per stream; so are ``stop_sequences`` and ``eos_ids``.
     ``EngineConfig(logprobs=True, top_logprobs=n)`` also keeps each emitted token's log-probability under the target
     and its n likeliest tokens (``scores``), from the rows the forwards computed. The token sets (allowed ids, bad
     words, logit bias), min_new_tokens and the penalties process every place's logits before the temperature and
@@ -374,7 +376,8 @@ class Engine:
     def prefill(self, prompts: Sequence[Sequence[int]], temperature=0.0, seed=0, max_new_tokens=None, *,
                 top_k=None, top_p=None, min_p=None, repetition_penalty=None, frequency_penalty=None,
                 presence_penalty=None, min_new_tokens=None, logit_bias=None, stop_strings=None,
-                stop_token_ids=None, allowed_token_ids=None, bad_words=None, stop_sequences=None) -> DecodeState:
+                stop_token_ids=None, allowed_token_ids=None, bad_words=None, stop_sequences=None,
+                eos_ids=None) -> DecodeState:
         """The prompts' prefill and each stream's first token. From ``top_k`` on: one value for every stream or a
         sequence of one per stream (None: the config's), fixed in the state for every round after it;
         ``logit_bias`` one mapping {token id: amount} for every stream or a sequence of one (or None: the config's)
@@ -385,18 +388,21 @@ class Engine:
         min_new_tokens (``stream_settings.stream_stop_ids``); ``allowed_token_ids`` one sequence of token ids for
         every stream or one (or None: the config's) per stream, the only tokens the stream may emit (empty: all;
         ``stream_settings.stream_allowed_ids``); ``bad_words`` one sequence of token-id sequences for every stream or
-        one (or None: the config's) per stream (``stream_settings.stream_sequences``); so are ``stop_sequences``."""
+        one (or None: the config's) per stream (``stream_settings.stream_sequences``); so are ``stop_sequences``;
+        ``eos_ids`` one sequence of ids for every stream or one (or None: the config's) per stream, the stream's EOS
+        ids in place of the config's (empty: none, vLLM's ``ignore_eos``)."""
         return self.prefill_requests(self.check_requests(
             prompts, temperature, seed, max_new_tokens, top_k=top_k, top_p=top_p, min_p=min_p,
             repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
             presence_penalty=presence_penalty, min_new_tokens=min_new_tokens, logit_bias=logit_bias,
             stop_strings=stop_strings, stop_token_ids=stop_token_ids, allowed_token_ids=allowed_token_ids,
-            bad_words=bad_words, stop_sequences=stop_sequences))
+            bad_words=bad_words, stop_sequences=stop_sequences, eos_ids=eos_ids))
 
     def check_requests(self, prompts: Sequence[Sequence[int]], temperature=0.0, seed=0, max_new_tokens=None, *,
                        top_k=None, top_p=None, min_p=None, repetition_penalty=None, frequency_penalty=None,
                        presence_penalty=None, min_new_tokens=None, logit_bias=None, stop_strings=None,
-                       stop_token_ids=None, allowed_token_ids=None, bad_words=None, stop_sequences=None) -> Requests:
+                       stop_token_ids=None, allowed_token_ids=None, bad_words=None, stop_sequences=None,
+                       eos_ids=None) -> Requests:
         """``prefill``'s arguments checked on the host, with what the programs compile for them (``Requests``)."""
         ecfg = self.ecfg
         n = len(prompts)
@@ -409,6 +415,7 @@ class Engine:
             check_settings(n, given, ecfg.settings, self._setting_checks),
             logit_bias=stream_logit_bias(logit_bias, n, self.cfg.vocab_size, ecfg.logit_bias, check_logit_bias),
             stop_ids=stream_stop_ids(stop_token_ids, n, self.cfg.vocab_size),
+            eos_ids=stream_eos_ids(eos_ids, n, self.cfg.vocab_size, ecfg.eos_ids),
             allowed=stream_allowed_ids(allowed_token_ids, n, self.cfg.vocab_size, ecfg.allowed_token_ids),
             bad_words=stream_sequences(bad_words, n, self.cfg.vocab_size, ecfg.bad_words, check_id_sequences,
                                        "bad_words"),
@@ -442,22 +449,24 @@ class Engine:
         return _prefill(self.target_def, self.target_state, self.drafter_def, self.drafter_state, cache, draft_cache,
                         jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(requests.temperature), requests.keys,
                         jnp.asarray(requests.limits), jax.tree.map(jnp.asarray, requests.settings),
-                        requests.stop_tables, stop_applies, max_new_tokens=ecfg.max_new_tokens, eos_ids=ecfg.eos_ids,
+                        requests.stop_tables, stop_applies, max_new_tokens=ecfg.max_new_tokens,
+                        eos_ids=_static_eos_ids(ecfg, requests.settings),
                         runtime=self.runtime, taps=self.taps, depth=self.depth, switches=requests.switches,
                         logprobs=ecfg.kept_logprobs, top_logprobs=ecfg.top_logprobs,
                         stop_sequences=_static_stop_sequences(ecfg, requests.settings), processing=requests.processing)
 
     def _own_sets(self, settings: StreamSettings, i: int) -> dict:
-        """Stream i's own stop token ids, allowed token ids (None: the config's; empty: all) and stop sequences (None:
-        the config's), from host settings, as ``EngineConfig.check_min_new_tokens`` takes them."""
+        """Stream i's own stop token ids, allowed token ids (None: the config's; empty: all), stop sequences and EOS
+        ids (None: the config's), from host settings, as ``EngineConfig.check_min_new_tokens`` takes them."""
         def real(ids):
             return [int(t) for t in ids if t < self.cfg.vocab_size]
         stop = [] if settings.stop_ids is None else real(settings.stop_ids[i])
+        eos = None if settings.eos_ids is None else real(settings.eos_ids[i])
         own, sequences = settings.allowed, settings.stop_sequences
         allowed = None if own is None else real(own.ids[i]) if own.restricted[i] else []
         if sequences is not None:
             sequences = [tuple(real(seq[seq >= 0])) for seq, n in zip(sequences.tokens[i], sequences.lengths[i]) if n]
-        return dict(stop_ids=stop, allowed=allowed, stop_sequences=sequences)
+        return dict(stop_ids=stop, allowed=allowed, stop_sequences=sequences, eos_ids=eos)
 
     @functools.cached_property
     def _setting_checks(self) -> dict:
@@ -535,7 +544,7 @@ class Engine:
                  slots: int | None = None, **settings) -> dict:
         """Returns per-stream tokens, statuses and metrics (compile time is separate from run time). ``settings``:
         ``prefill``'s per-stream ones (top_k, top_p, min_p, the penalties, min_new_tokens, logit_bias, stop_strings,
-        stop_token_ids, allowed_token_ids, bad_words, stop_sequences).
+        stop_token_ids, allowed_token_ids, bad_words, stop_sequences, eos_ids).
         ``slots``: None decodes every prompt at once; a number decodes them in that many streams (``serve``), with
         the same tokens, in the prompts' order (prefill_s: every admission's time; decode_s: the dispatches')."""
         if slots is not None:
@@ -565,6 +574,11 @@ def _any_running(state: DecodeState) -> bool:
 def _static_stop_sequences(ecfg: EngineConfig, settings: StreamSettings) -> tuple[tuple[int, ...], ...]:
     """The config's stop sequences, compiled in, unless the streams have their own (``settings.stop_sequences``)."""
     return ecfg.stop_sequences if settings.stop_sequences is None else ()
+
+
+def _static_eos_ids(ecfg: EngineConfig, settings: StreamSettings) -> tuple[int, ...]:
+    """The config's EOS ids, compiled in, unless the streams have their own (``settings.eos_ids``)."""
+    return ecfg.eos_ids if settings.eos_ids is None else ()
 
 
 def _split_per_stream(keys):
@@ -628,7 +642,8 @@ def _prefill(target_def, target_state, drafter_def, drafter_state, cache, draft_
     out_tokens, out_scores, num_out, status = stop_and_emit(state, bonus[:, None], jnp.ones((b,), jnp.int32),
                                                              jnp.ones((b,), bool), eos_ids, bonus_scores,
                                                              stop_sequences, settings.min_new_tokens, string_ends,
-                                                             settings.stop_ids, settings.stop_sequences)
+                                                             settings.stop_ids, settings.stop_sequences,
+                                                             settings.eos_ids)
     return dataclasses.replace(state, out_tokens=out_tokens, out_scores=out_scores, num_out=num_out,
                                status=status, stop_states=stop_states)
 
@@ -708,8 +723,9 @@ def _round(target, drafter, state: DecodeState, ecfg: EngineConfig, runtime: Run
     string_ends, stop_states = _advance_stop_strings(state, acc.emitted, jnp.where(active, acc.num_accepted + 1, 0))
     out_tokens, out_scores, num_out, status = stop_and_emit(
         dataclasses.replace(state, status=status), acc.emitted, acc.num_accepted + 1, active,
-        ecfg.eos_ids, emitted_scores, _static_stop_sequences(ecfg, state.settings), state.settings.min_new_tokens,
-        string_ends, state.settings.stop_ids, state.settings.stop_sequences)
+        _static_eos_ids(ecfg, state.settings), emitted_scores, _static_stop_sequences(ecfg, state.settings),
+        state.settings.min_new_tokens, string_ends, state.settings.stop_ids, state.settings.stop_sequences,
+        state.settings.eos_ids)
     tau_hist = state.tau_hist.at[jnp.arange(b), acc.num_accepted + 1].add(active.astype(jnp.int32))
     return dataclasses.replace(
         state, cache=cache, draft_cache=draft_cache, bonus=jnp.where(active, acc.next_token, state.bonus),

@@ -6,8 +6,9 @@
    (transformers' ``NoBadWordsLogitsProcessor``; the config's, or each stream's own).
 1. ``logit_bias``: a fixed amount added to chosen tokens' logits (OpenAI's ``logit_bias``; transformers'
    ``SequenceBiasLogitsProcessor`` for one-token sequences).
-2. ``min_new_tokens``: the EOS ids and the stream's own stop token ids at -inf while the stream has generated fewer
-   than min_new_tokens tokens (transformers' ``MinNewTokensLengthLogitsProcessor``; vLLM's ``min_tokens``).
+2. ``min_new_tokens``: the EOS ids (the config's or the stream's own) and the stream's own stop token ids at -inf
+   while the stream has generated fewer than min_new_tokens tokens (transformers' ``MinNewTokensLengthLogitsProcessor``;
+   vLLM's ``min_tokens``).
 3. ``repetition_penalty`` over the prompt and the output: a negative logit times the penalty, any other over it
    (transformers' ``RepetitionPenaltyLogitsProcessor``).
 4. ``frequency_penalty`` and ``presence_penalty`` over the output: logit - frequency * count - presence * (count > 0)
@@ -52,6 +53,7 @@ class LogitProcessing:
     stream_logit_bias: bool = False  # each stream's own pairs (``StreamSettings.logit_bias``) hold some token
     eos_ids: tuple[int, ...] = ()  # held back by min_new_tokens
     stream_stop_ids: bool = False  # some stream has its own stop token ids (``StreamSettings.stop_ids``), held back too
+    stream_eos: bool = False  # the streams have their own EOS ids (``StreamSettings.eos_ids``; ``eos_ids`` then empty)
     repetition_penalty: bool = False  # some stream's is not 1
     frequency_penalty: bool = False  # some stream's is not 0
     presence_penalty: bool = False  # some stream's is not 0
@@ -71,7 +73,7 @@ class LogitProcessing:
     def holds_eos(self) -> bool:
         """Whether min_new_tokens holds EOS ids or streams' stop token ids back (it also holds back stop sequences:
         ``stopping``)."""
-        return self.min_new_tokens and (bool(self.eos_ids) or self.stream_stop_ids)
+        return self.min_new_tokens and (bool(self.eos_ids) or self.stream_stop_ids or self.stream_eos)
 
     @property
     def changes_logits(self) -> bool:
@@ -91,7 +93,8 @@ def processing_for(settings: StreamSettings, *, allowed_token_ids=(), bad_words=
         bad_words=tuple(map(tuple, bad_words)) if own_words is None else (),
         stream_bad_words=(np.shape(own_words.tokens)[2] if own_words is not None
                           and bool((np.asarray(own_words.lengths) > 0).any()) else 0),
-        logit_bias=check_logit_bias(logit_bias) if own is None else (), eos_ids=tuple(eos_ids),
+        logit_bias=check_logit_bias(logit_bias) if own is None else (),
+        eos_ids=tuple(eos_ids) if settings.eos_ids is None else (), stream_eos=settings.eos_ids is not None,
         stream_stop_ids=settings.stop_ids is not None,
         stream_logit_bias=own is not None and bool((np.asarray(own.amounts) != 0).any()),
         repetition_penalty=bool((np.asarray(settings.repetition_penalty) != 1).any()),
@@ -309,8 +312,11 @@ def process_logits(logits: jax.Array, processing: LogitProcessing, settings: Str
         early = num_out[:, None] + depths < settings.min_new_tokens[:, None]  # [B, T]: the place's output index
         held = np.zeros((1, w), bool)
         held[0, list(processing.eos_ids)] = True
-        if processing.stream_stop_ids:  # a row's padding (the vocabulary's size) names no token: dropped
-            held = jnp.asarray(held).repeat(b, 0).at[jnp.arange(b)[:, None], settings.stop_ids].set(True, mode="drop")
+        own = [ids for ids, has in ((settings.stop_ids, processing.stream_stop_ids),
+                                    (settings.eos_ids, processing.stream_eos)) if has]
+        if own:  # a row's padding (the vocabulary's size) names no token: dropped
+            held = jnp.asarray(held).repeat(b, 0).at[jnp.arange(b)[:, None], jnp.concatenate(own, axis=1)].set(
+                True, mode="drop")
         logits = jnp.where(early[:, :, None] & held[:, None, :], -jnp.inf, logits)
     if processing.penalises:
         counts = history.out_counts[:, None, :] if tree is None else node_counts(history.out_counts, tree.tokens,

@@ -41,10 +41,11 @@ def check_id_sequences(sequences, name: str) -> tuple[tuple[int, ...], ...]:
 
 
 def stop_and_emit(state, emitted, n_emit, active, eos_ids, emitted_scores=None, stop_sequences=(),
-                   min_new_tokens=0, string_ends=None, stop_ids=None, stream_stop_sequences=None):
+                   min_new_tokens=0, string_ends=None, stop_ids=None, stream_stop_sequences=None, stream_eos_ids=None):
     """``state`` holds out_tokens [B, N], out_scores (TokenScores or None), num_out, limit and status [B] (the
     engine's DecodeState). Appends each active stream's first n_emit emitted tokens [B, E] (and their TokenScores,
-    where the state keeps them) to its output, cut after the first that is an EOS, one of the stream's own stop
+    where the state keeps them) to its output, cut after the first that is an EOS (of the static ``eos_ids``, and of
+    each stream's own ``stream_eos_ids`` [B, M], where given), one of the stream's own stop
     token ids (``stop_ids`` [B, M], where given; an id no token has pads a row), ends a stop sequence (its tokens in
     a row among the stream's generated ones, earlier rounds' included; the static ``stop_sequences``, and each
     stream's own ``stream_stop_sequences``, a ``stream_settings.StreamWords``, where given) or a stop string
@@ -56,8 +57,8 @@ def stop_and_emit(state, emitted, n_emit, active, eos_ids, emitted_scores=None, 
     in_round = k < n_emit[:, None]
     room = state.limit - state.num_out
     is_eos = jnp.isin(emitted, jnp.asarray(eos_ids, jnp.int32)) if eos_ids else jnp.zeros((b, width), bool)
-    is_stop_token = (jnp.zeros((b, width), bool) if stop_ids is None
-                     else (emitted[:, :, None] == stop_ids[:, None, :]).any(-1))
+    is_stop_token = _is_one_of(emitted, stop_ids)
+    is_eos |= _is_one_of(emitted, stream_eos_ids)
     least = jnp.asarray(min_new_tokens)
     past_min = state.num_out[:, None] + k >= (least[:, None] if least.ndim else least)
     is_stop = ends_stop_sequence(state.out_tokens, state.num_out, emitted, stop_sequences)
@@ -85,6 +86,13 @@ def stop_and_emit(state, emitted, n_emit, active, eos_ids, emitted_scores=None, 
                             STOP_STRING)
     status = jnp.where(active & hit_end, end_status, jnp.where(active & hit_limit, MAX_TOKENS, state.status))
     return out, out_scores, state.num_out + n_emit, status
+
+
+def _is_one_of(emitted, ids) -> jax.Array:
+    """[B, E] bool: emitted[:, e] is one of its stream's ``ids`` [B, M] (all False where ids is None)."""
+    if ids is None:
+        return jnp.zeros(emitted.shape, bool)
+    return (emitted[:, :, None] == ids[:, None, :]).any(-1)
 
 
 def ends_stop_sequence(out_tokens, num_out, emitted, stop_sequences) -> jax.Array:

@@ -2,7 +2,7 @@
 min_p), penalties (repetition, frequency, presence) and min_new_tokens. They are given to ``Engine.prefill`` as one
 value for every stream or a sequence of one per stream, checked here on the host, and carried in the decode state
 as [B] arrays, so one compiled program serves any values. So are a stream's own token sets, given the same ways:
-its logit bias (``StreamBias``: (token id, amount) pairs, [B, M]), stop token ids ([B, M]), allowed token ids
+its logit bias (``StreamBias``: (token id, amount) pairs, [B, M]), EOS and stop token ids ([B, M]), allowed token ids
 (``StreamAllowed``), and bad words and stop sequences (``StreamWords``: [B, NW, L] right-aligned ids).
 
 What a program compiles is read from the values once, at the prefill (``Switches`` and
@@ -44,6 +44,7 @@ class StreamSettings:
     min_new_tokens: jax.Array  # [B] int32 (0: off)
     logit_bias: StreamBias | None = None  # each stream's own logit bias (``stream_logit_bias``); None: the config's
     stop_ids: jax.Array | None = None  # [B, M] int32: each stream's own stop token ids (``stream_stop_ids``)
+    eos_ids: jax.Array | None = None  # [B, M] int32: each stream's own EOS ids (``stream_eos_ids``); None: the config's
     allowed: StreamAllowed | None = None  # each stream's own allowed token ids (``stream_allowed_ids``); None: the
     # config's
     bad_words: StreamWords | None = None  # each stream's own bad words (``stream_sequences``); None: the config's
@@ -114,6 +115,16 @@ def stream_stop_ids(stop_token_ids, streams: int, vocab_size: int) -> np.ndarray
         return None
     rows = stream_id_lists(stop_token_ids, streams, vocab_size, "stop_token_ids", ())
     return padded_ids(rows, vocab_size) if any(rows) else None
+
+
+def stream_eos_ids(eos_ids, streams: int, vocab_size: int, default) -> np.ndarray | None:
+    """Each stream's own EOS ids, int32 [streams, M] (``padded_ids``; a row of padding alone: no EOS, vLLM's
+    ``ignore_eos``), or None where ``eos_ids`` is None (every stream takes the config's, compiled in). ``eos_ids``:
+    one sequence of token ids for every stream, or a sequence of one sequence (or None: ``default``, the config's)
+    per stream; every id in [0, vocab_size). ValueError naming the stream otherwise."""
+    if eos_ids is None:
+        return None
+    return padded_ids(stream_id_lists(eos_ids, streams, vocab_size, "eos_ids", default), vocab_size)
 
 
 def stream_allowed_ids(allowed_token_ids, streams: int, vocab_size: int, default) -> StreamAllowed | None:

@@ -463,9 +463,9 @@ def test_stop_and_emit_equals_a_token_by_token_reference():
     """The engine's vectorised truncation at EOS / stop sequences / each stream's token limit against
     ``ref_stop_and_emit`` on random streams over 8 token ids: EOS early, late, past the limit or absent, stop
     sequences ending in this round after starting in earlier ones, overlapping or sharing an end with an EOS,
-    inactive streams holding EOS tokens, each stream's own stop token ids (0-3 of them, some also EOS ids) and own
-    stop sequences (0-3 of a case's), and entries past n_emit that must be ignored; each kept token's
-    log-probability lands beside it."""
+    inactive streams holding EOS tokens, each stream's own stop token ids (0-3 of them, some also EOS ids), own
+    stop sequences (0-3 of a case's) and own EOS ids (0-2), and entries past n_emit that must be ignored; each kept
+    token's log-probability lands beside it."""
     rng = np.random.default_rng(0)
     b, width, max_new = 200, 5, 8
     cases = [((), (), 0, False), ((3,), (), 0, False), ((3, 5), (), 0, False), ((), ((2, 4),), 0, False),
@@ -475,8 +475,9 @@ def test_stop_and_emit_equals_a_token_by_token_reference():
     # with each stream's own stop sequences (the case's compiled out)
     cases += [((3,), ((1, 1, 1), (6,), (0, 3), (7, 2, 7), (2, 4)), 0, False, False, True),
               ((), ((2, 4, 6, 1), (5,), (6, 6)), 2, True, True, True)]
+    cases += [((), ((2, 4),), 0, False, False, False, True)]  # with each stream's own EOS ids (the case's compiled out)
     for eos_ids, stop_sequences, min_new_tokens, strings, *flags in cases:
-        own, own_sequences = (flags + [False, False])[:2]
+        own, own_sequences, own_eos = (flags + [False] * 3)[:3]
         per_stream = [stop_sequences] * b
         if own_sequences:
             per_stream = [tuple(stop_sequences[j] for j in rng.choice(len(stop_sequences), n, replace=False))
@@ -509,6 +510,9 @@ def test_stop_and_emit_equals_a_token_by_token_reference():
         stop_ids = np.full((b, 4), 8)  # 8: past the 8 ids, padding
         for row, count in zip(stop_ids, rng.integers(0, 4, b)) if own else ():
             row[:count] = rng.choice(8, count, replace=False)
+        stream_eos = np.full((b, 2), 8)
+        for row, count in zip(stream_eos, rng.integers(0, 3, b)) if own_eos else ():
+            row[:count] = rng.choice(8, count, replace=False)
         own_table = (jax.tree.map(jnp.asarray, stream_sequences([list(map(list, p)) for p in per_stream], b, 8, (),
                                                                 check_id_sequences, "stop_sequences"))
                      if own_sequences else None)
@@ -516,13 +520,15 @@ def test_stop_and_emit_equals_a_token_by_token_reference():
                              eos_ids, TokenScores(jnp.asarray(emitted_logprobs), None, None),
                              () if own_sequences else stop_sequences, min_new_tokens,
                              None if string_ends is None else jnp.asarray(string_ends),
-                             jnp.asarray(stop_ids, jnp.int32) if own else None, own_table)
+                             jnp.asarray(stop_ids, jnp.int32) if own else None, own_table,
+                             jnp.asarray(stream_eos, jnp.int32) if own_eos else None)
         got_out, got_num, got_status = map(np.asarray, (got[0], got[2], got[3]))
         got_logprobs = np.asarray(got[1].logprob)
         statuses = collections.Counter()
         for s in range(b):
+            stream_eos_ids = stream_eos[s][stream_eos[s] < 8].tolist() if own_eos else eos_ids
             want = ref_stop_and_emit(out[s], out_logprobs[s], num_out[s], status[s], emitted[s], emitted_logprobs[s],
-                                     n_emit[s], active[s], eos_ids, limit[s], per_stream[s], min_new_tokens,
+                                     n_emit[s], active[s], stream_eos_ids, limit[s], per_stream[s], min_new_tokens,
                                      None if string_ends is None else string_ends[s], stop_ids[s].tolist())
             case = (eos_ids, stop_sequences, min_new_tokens, strings, s)
             assert got_out[s].tolist() == want[0] and (int(got_num[s]), int(got_status[s])) == want[2:], case
@@ -534,6 +540,8 @@ def test_stop_and_emit_equals_a_token_by_token_reference():
             assert statuses[STOP_STRING] >= (5 if min_new_tokens else 10), statuses
         if own:
             assert statuses[STOP_TOKEN] >= 10, statuses
+        if own_eos or eos_ids:
+            assert statuses[EOS] >= 10, statuses
         spanning = [s for s in range(b) if got_status[s] == STOP_SEQUENCE and active[s]
                     and any(got_num[s] - num_out[s] < len(seq) and list(got_out[s][:got_num[s]][-len(seq):]) ==
                             list(seq) for seq in per_stream[s])]
@@ -629,14 +637,14 @@ def test_sharded_engine_matches(models, host_devices):
     assert "data" in engine.prefill(prompts).cache.kv.sharding.spec
     assert "stop_string" in want["status"] and got["status"] == want["status"]
     assert got["tokens"] == want["tokens"] and got["tokens"] != plain
-    # and per-stream filters, penalties, stop strings and sequences, logit biases, stop token ids, allowed ids and
-    # bad words
+    # and per-stream filters, penalties, stop strings and sequences, logit biases, EOS and stop token ids, allowed
+    # ids and bad words
     per_stream = dict(top_k=[0, 5, 0, 12], top_p=[1.0, 0.9, 1.0, 0.8], min_p=[0.0, 0.0, 0.0, 0.05],
                       repetition_penalty=[1.6, 1.0, 1.3, 1.6], frequency_penalty=[-0.5, 0.0, 0.2, 0.0],
                       stop_strings=[("ba",), ("\n\n",), (), ("ba", "\n\n")],
                       logit_bias=[{3: 2.0}, None, {}, {7: -1.0, 40: 3.0}], stop_token_ids=[[9], None, [4, 5], []],
                       allowed_token_ids=[None, list(range(1, 40)), [], None], bad_words=[[[2]], None, [[5, 6, 7]], []],
-                      stop_sequences=[[[9, 9]], None, [[1, 2, 3], [4]], []])
+                      stop_sequences=[[[9, 9]], None, [[1, 2, 3], [4]], []], eos_ids=[None, [], [11], [0, 12]])
     plain_per_stream = Engine(target, drafter, options, tokenizer=tokenizer).generate(
         prompts, [0.0, 1.0, 0.0, 0.7], seed=[3, 4, 5, 6], **per_stream)
     sharded_per_stream = Engine(target, drafter, options, runtime=runtime, tokenizer=tokenizer).generate(

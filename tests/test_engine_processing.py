@@ -27,11 +27,11 @@ def greedy_with_processing(target, prompts, sets, numbers, steps) -> list[list[i
     min_new_tokens and a logit bias of the stream's own, each one for every stream or a list of one per stream."""
     processing = LogitProcessing(**sets)
     numbers = stream_numbers(len(prompts), numbers)
-    for stream in numbers:  # a stream's own logit bias, allowed ids and bad words (None: the sets')
+    for stream in numbers:  # a stream's own logit bias, allowed ids, bad words and EOS ids (None: the sets')
         if "logit_bias" in stream:
             own = stream["logit_bias"]
             stream["logit_bias"] = check_logit_bias(sets.get("logit_bias", ()) if own is None else own)
-        for name in ("allowed_token_ids", "bad_words"):
+        for name in ("allowed_token_ids", "bad_words", "eos_ids"):
             if stream.get(name, ()) is None:
                 stream[name] = sets.get(name, ())
     seqs = [list(p) for p in prompts]

@@ -52,23 +52,29 @@ def test_per_stream_processing_greedy_equals_the_processed_full_forward(models, 
 
 @pytest.mark.parametrize("mode,budget", [("ar", 1), ("ddtree", 64)])
 def test_per_stream_stops_greedy_equal_the_processed_full_forward(models, mode, budget):
-    """Four streams, each its own stop token ids (one none; one's held back by its min_new_tokens, so its tokens
-    change before they may end it; one's is the prefill's token) and stop sequences (stream 0 none, stream 1 its
-    own, the others the config's): greedy decoding equals the processed plain-forward reference cut at the first
-    EOS, own stop id or stop sequence, token for token, and the streams report "stop_token" and "stop_sequence"."""
+    """Five streams, each its own stop token ids (one's held back by its min_new_tokens, so its tokens change before
+    they may end it; one's is the prefill's token), stop sequences (stream 0 none, stream 1 its own, the others
+    the config's) and EOS ids (stream 2 none, so it runs past the config's; stream 4 its own, held back): greedy
+    decoding equals the processed plain-forward reference cut at the first EOS, own stop id or stop sequence, token
+    for token, and the streams report "stop_token", "stop_sequence" and "eos"."""
     target, drafter = models
-    plain = greedy_with_processing(target, PROMPTS[:4], SETS, {}, NEW)
-    own = [[plain[0][0]], None, [plain[2][1], 63], [plain[3][0], plain[3][1]]]  # stream 0: its prefill's token
-    sequences = [[], [plain[1][:2], [7, 7, 7]], None, None]
-    numbers = dict(min_new_tokens=[0, 0, 0, 3], stop_token_ids=own)
+    plain = greedy_with_processing(target, PROMPTS[:5], SETS, {}, NEW)
+    own = [[plain[0][0]], None, None, [plain[3][0], plain[3][1]], None]  # stream 0: its prefill's token
+    sequences = [[], [plain[1][:2], [7, 7, 7]], None, None, None]
+    eos = [None, None, [], None, [plain[4][1], plain[4][4]]]
+    numbers = dict(min_new_tokens=[0, 0, 0, 3, 2], stop_token_ids=own, eos_ids=eos)
     engine = Engine(target, drafter if mode != "ar" else None, config(mode, budget))
-    res = engine.generate(PROMPTS[:4], **numbers, stop_sequences=sequences)
-    reference = greedy_with_processing(target, PROMPTS[:4], SETS, numbers, NEW)
-    want = [cut_at_end(tokens, EOS_IDS, STOPS if seqs is None else seqs, least, stop_ids or ())
-            for tokens, least, stop_ids, seqs in zip(reference, numbers["min_new_tokens"], own, sequences)]
+    res = engine.generate(PROMPTS[:5], **numbers, stop_sequences=sequences)
+    reference = greedy_with_processing(target, PROMPTS[:5], SETS, numbers, NEW)
+    want = [cut_at_end(tokens, EOS_IDS if eos_ids is None else eos_ids, STOPS if seqs is None else seqs, least,
+                       stop_ids or ())
+            for tokens, least, stop_ids, seqs, eos_ids in zip(reference, numbers["min_new_tokens"], own, sequences,
+                                                             eos)]
     assert list(zip(res["tokens"], res["status"])) == want
-    assert res["status"].count("stop_token") >= 2 and res["status"][1] == "stop_sequence", res["status"]
+    assert res["status"][:2] == ["stop_token", "stop_sequence"] and res["status"][4] == "eos", res["status"]
     assert reference[3][:3] != plain[3][:3]  # stream 3's ids were held back
+    assert cut_at_end(plain[2], EOS_IDS, STOPS, 0)[1] == "eos" and len(res["tokens"][2]) > len(
+        cut_at_end(plain[2], EOS_IDS, STOPS, 0)[0])  # stream 2 ran past the config's EOS
 
 
 SAMPLED = [  # each stream's temperature, seed and numbers
@@ -163,6 +169,9 @@ def test_switches_read_what_the_sampled_streams_use():
     (dict(bad_words=[[], None, None, None]), None),  # stream 0: none (not an empty word), the others the config's
     (dict(bad_words=[[3, 2], []]), r"bad_words\[1\] must be a non-empty sequence of token ids"),
     (dict(bad_words=[None, [[3, -2]], None, None]), r"stream 1's bad_words\[0\] must hold token ids >= 0"),
+    (dict(eos_ids=[None, [64], None, None]), r"stream 1's eos_ids must be token ids in \[0, 64\), got 64"),
+    (dict(eos_ids=[[], None, None, None], min_new_tokens=[2, 0, 0, 0], stop_sequences=[[], None, None, None]),
+     r"stream 0's min_new_tokens=2 holds back EOS ids, stop token ids and stop sequences"),
     (dict(stop_sequences=[None, None, [[70]], None]), r"stream 2's stop_sequences \[\(70,\)\] hold ids outside"),
     (dict(stop_sequences=[[[1]], [[2]]]), r"stop_sequences must be one sequence of token-id sequences .* \(4\), got 2"),
 ])

@@ -12,7 +12,8 @@ from transformers.generation.logits_process import (MinNewTokensLengthLogitsProc
 
 from ddtree_jax import processors as pr
 from ddtree_jax.stopping import check_id_sequences
-from ddtree_jax.stream_settings import (NUMBERS, OFF, StreamSettings, stream_allowed_ids, stream_sequences,
+from ddtree_jax.stream_settings import (NUMBERS, OFF, StreamSettings, stream_allowed_ids, stream_eos_ids,
+                                       stream_sequences,
                                        stream_logit_bias, stream_stop_ids)
 from test_tree import random_tree
 
@@ -89,6 +90,8 @@ PROCESSINGS = {
     # stream 3's reach its first place only: min_new_tokens 1)
     "stop ids per stream": (dict(eos_ids=(1,)), dict(stop_token_ids=[[4, 9], [W - 1, 1, 7], None, [0, 11, 12]],
                                                      min_new_tokens=[6, 0, 5, 1])),
+    # each stream its own EOS ids (stream 0 None: the config's; stream 1 none), the config's compiled out
+    "eos per stream": (dict(eos_ids=(1, 7)), dict(eos_ids=[None, [], [4], [9, 1]], min_new_tokens=[9, 9, 12, 3])),
     # each stream its own allowed ids (stream 1 None: the config's; stream 2 all), the config's compiled out
     "allowed per stream": (dict(allowed_token_ids=(0, 3, 4, 9, 17, W - 1), eos_ids=(1, 7)),
                            dict(allowed_token_ids=[[2, 5, 8], None, [], [W - 1, 1, 7, 3]],
@@ -114,6 +117,10 @@ def processing_and_settings(b, name, **changes):
             stream["logit_bias"] = pr.check_logit_bias(sets["logit_bias"] if stream["logit_bias"] is None
                                                        else stream["logit_bias"])
     stop_ids = stream_stop_ids(numbers.get("stop_token_ids"), b, W)
+    eos_ids = stream_eos_ids(numbers.get("eos_ids"), b, W, sets.get("eos_ids", ()))
+    for stream in per_stream if eos_ids is not None else ():
+        if stream["eos_ids"] is None:
+            stream["eos_ids"] = sets["eos_ids"]
     own_allowed = None
     if "allowed_token_ids" in numbers:  # each stream's ids, None the config's
         own_allowed = stream_allowed_ids(numbers["allowed_token_ids"], b, W, sets["allowed_token_ids"])
@@ -122,7 +129,8 @@ def processing_and_settings(b, name, **changes):
                 stream["allowed_token_ids"] = sets["allowed_token_ids"]
     host = StreamSettings(**{n: np.asarray([stream[n] for stream in per_stream],
                                            np.int32 if n in ("top_k", "min_new_tokens") else np.float32)
-                             for n in NUMBERS}, logit_bias=own_bias, stop_ids=stop_ids, allowed=own_allowed)
+                             for n in NUMBERS}, logit_bias=own_bias, stop_ids=stop_ids, allowed=own_allowed,
+                          eos_ids=eos_ids)
     processing = pr.processing_for(host, **{**sets, **changes})
     return processing, jax.tree.map(jnp.asarray, host), per_stream
 
@@ -143,7 +151,8 @@ def reference_row(row, processing, numbers, prompt, output):
     bias = numbers.get("logit_bias", processing.logit_bias)  # the stream's own pairs, where it has them
     if bias:
         scores = SequenceBiasLogitsProcessor([[[i], a] for i, a in bias])(ids, scores)
-    held = list(processing.eos_ids) + list(numbers.get("stop_token_ids") or ())  # and the stream's stop ids
+    # the stream's EOS ids (its own, where it has them) and its stop ids
+    held = list(numbers.get("eos_ids", processing.eos_ids)) + list(numbers.get("stop_token_ids") or ())
     if numbers["min_new_tokens"] and held:
         scores = MinNewTokensLengthLogitsProcessor(len(prompt), numbers["min_new_tokens"], held)(ids, scores)
     if numbers["repetition_penalty"] != 1:
@@ -194,6 +203,9 @@ def test_process_logits_at_each_tree_node_is_transformers_over_that_nodes_contex
         assert blocked.any() and not blocked.all()
     if name == "allowed per stream":  # stream 2 allows every token, stream 0 three
         assert not np.isneginf(got[2]).any() and (np.isfinite(got[0]).sum(-1) == 3).all()
+    if name == "eos per stream":  # stream 1 holds back no EOS; stream 2 its own 4, not the config's 1
+        assert not np.isneginf(got[1]).any() and np.isneginf(got[2, :, 4]).any()
+        assert not np.isneginf(got[2, :, 1]).any() and np.isneginf(got[0, :, 1]).any()
     if name == "stop ids per stream":  # a stream's own stop ids are held back in its rows alone
         assert np.isneginf(got[0, :, 4]).any() and not np.isneginf(got[1:3, :, 4]).any()
 

@@ -26,7 +26,8 @@ PER_STREAM = dict(top_k=[0, 0, 5, 0, 0, 12, 0], repetition_penalty=[1.3, 1.0, 1.
                   stop_token_ids=[[7], None, [], [2, 6], None, [4, 11, 12], [1]],
                   allowed_token_ids=[None, list(range(40, 64)), None, [], None, None, [14, 44, 2, 3]],
                   bad_words=[[[32, 36]], None, [[2, 2, 2]], None, [], None, [[14, 3]]],
-                  stop_sequences=[None, [[49, 19]], [], None, [[54, 49]], None, None])
+                  stop_sequences=[None, [[49, 19]], [], None, [[54, 49]], None, None],
+                  eos_ids=[None, [], None, [16], None, None, [44, 1]])
 TOKENIZER = types.SimpleNamespace(token_bytes=lambda w: [bytes([97 + i % 3] * (1 + i % 2)) for i in range(w)])
 
 
