@@ -146,6 +146,7 @@ def stream_sequences(value, streams: int, vocab_size: int, default, check_one, n
     below ``vocab_size``."""
     if value is None:
         return None
+    value = _numpy_as_lists(value)
     rows = []
     for where, item in stream_items(value, streams, name, "one sequence of token-id sequences (e.g. [[13, 13], [42]])",
                                     lambda item: isinstance(item, (list, tuple))
@@ -182,6 +183,7 @@ def stream_id_lists(value, streams: int, vocab_size: int, name: str, default) ->
     sequence of one sequence (or None: ``default``) per stream; every id in [0, vocab_size). ValueError naming
     ``name`` and the stream otherwise."""
     one = "one sequence of token ids (e.g. [13, 42])"
+    value = _numpy_as_lists(value)
     if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
         raise ValueError(f"{name} must be {one} or a sequence of one per stream, got {value!r}")
     rows = []
@@ -192,6 +194,15 @@ def stream_id_lists(value, streams: int, vocab_size: int, name: str, default) ->
             raise ValueError(f"{where}{name} must be token ids in [0, {vocab_size}), got {bad[0]!r}")
         rows.append(sorted({int(t) for t in item}))
     return rows
+
+
+def _numpy_as_lists(value):
+    """``value`` with numpy arrays (it, or its items) as nested lists of Python ints, the forms the parsers read."""
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, (list, tuple)):
+        return [item.tolist() if isinstance(item, np.ndarray) else item for item in value]
+    return value
 
 
 def stream_items(value, streams: int, name: str, one: str, is_item) -> list[tuple[str, object]]:

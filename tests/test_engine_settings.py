@@ -185,6 +185,19 @@ def test_bad_per_stream_settings_refused(models, settings, message):
         engine.generate(PROMPTS[:4], 1.0, **settings)
 
 
+def test_token_sets_read_numpy_arrays_as_lists():
+    """The per-stream token sets take numpy arrays where they take lists: one array for every stream, or one per
+    stream (None beside them), with the same tables."""
+    from ddtree_jax.stream_settings import stream_allowed_ids, stream_sequences, stream_stop_ids
+    from ddtree_jax.stopping import check_id_sequences
+    assert np.array_equal(stream_stop_ids(np.array([5, 3]), 2, 64), stream_stop_ids([5, 3], 2, 64))
+    as_arrays = stream_allowed_ids([np.array([1, 2, 3]), None], 2, 64, (4,))
+    as_lists = stream_allowed_ids([[1, 2, 3], None], 2, 64, (4,))
+    assert all(np.array_equal(a, b) for a, b in zip(as_arrays.__dict__.values(), as_lists.__dict__.values()))
+    words = stream_sequences(np.array([[5, 6], [7, 8]]), 3, 64, (), check_id_sequences, "bad_words")
+    assert words.lengths.tolist() == [[2, 2]] * 3 and words.tokens[0].tolist() == [[5, 6], [7, 8]]
+
+
 def test_min_new_tokens_per_stream_needs_something_to_hold_back(models):
     target, drafter = models
     engine = Engine(target, drafter, EngineConfig(max_new_tokens=NEW, capacity=64))
