@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ddtree_jax.checks import is_token_id
 from ddtree_jax.scores import append_scores
+from ddtree_jax.stream_settings import sequence_table
 from ddtree_jax.tree import PAD
 
 RUNNING, EOS, MAX_TOKENS, CACHE_FULL, STOP_SEQUENCE, STOP_STRING, STOP_TOKEN = 0, 1, 2, 3, 4, 5, 6
@@ -56,9 +58,9 @@ def stop_and_emit(state, emitted, n_emit, active, eos_ids, emitted_scores=None, 
     k = jnp.arange(width)[None, :]
     in_round = k < n_emit[:, None]
     room = state.limit - state.num_out
-    is_eos = jnp.isin(emitted, jnp.asarray(eos_ids, jnp.int32)) if eos_ids else jnp.zeros((b, width), bool)
-    is_stop_token = _is_one_of(emitted, stop_ids)
+    is_eos = _is_one_of(emitted, np.asarray([eos_ids], np.int32) if eos_ids else None)
     is_eos |= _is_one_of(emitted, stream_eos_ids)
+    is_stop_token = _is_one_of(emitted, stop_ids)
     least = jnp.asarray(min_new_tokens)
     past_min = state.num_out[:, None] + k >= (least[:, None] if least.ndim else least)
     is_stop = ends_stop_sequence(state.out_tokens, state.num_out, emitted, stop_sequences)
@@ -89,7 +91,7 @@ def stop_and_emit(state, emitted, n_emit, active, eos_ids, emitted_scores=None, 
 
 
 def _is_one_of(emitted, ids) -> jax.Array:
-    """[B, E] bool: emitted[:, e] is one of its stream's ``ids`` [B, M] (all False where ids is None)."""
+    """[B, E] bool: emitted[:, e] is one of its stream's ``ids`` [B or 1, M] (all False where ids is None)."""
     if ids is None:
         return jnp.zeros(emitted.shape, bool)
     return (emitted[:, :, None] == ids[:, None, :]).any(-1)
@@ -97,25 +99,17 @@ def _is_one_of(emitted, ids) -> jax.Array:
 
 def ends_stop_sequence(out_tokens, num_out, emitted, stop_sequences) -> jax.Array:
     """[B, E] bool: emitted[:, e] ends one of ``stop_sequences`` (static) over the stream's generated tokens
-    (out_tokens[:, :num_out], then emitted). Tokens before the first generated one read as PAD, which no id equals."""
-    b, width = emitted.shape
+    (out_tokens[:, :num_out], then emitted): every stream's as its own (``ends_stream_stop_sequence``)."""
     if not stop_sequences:
-        return jnp.zeros((b, width), bool)
-    back = max(map(len, stop_sequences)) - 1
-    window = _generated_window(out_tokens, num_out, emitted, back)
-    ends = jnp.zeros((b, width), bool)
-    for seq in stop_sequences:
-        start = back - (len(seq) - 1)  # window column of seq[0] for the match ending at emitted[:, 0]
-        match = jnp.ones((b, width), bool)
-        for i, token in enumerate(seq):
-            match &= window[:, start + i: start + i + width] == token
-        ends |= match
-    return ends
+        return jnp.zeros(emitted.shape, bool)
+    return ends_stream_stop_sequence(out_tokens, num_out, emitted,
+                                     sequence_table([list(stop_sequences)], round_up=False))
 
 
 def ends_stream_stop_sequence(out_tokens, num_out, emitted, sequences) -> jax.Array:
-    """``ends_stop_sequence`` for each stream's own sequences (a StreamWords: [B, NS, L] right-aligned, their lengths
-    [B, NS], 0 for none)."""
+    """[B, E] bool: emitted[:, e] ends one of its stream's own sequences (a StreamWords: [B or 1, NS, L]
+    right-aligned, their lengths [B or 1, NS], 0 for none) over the stream's generated tokens (out_tokens[:, :num_out],
+    then emitted). Tokens before the first generated one read as PAD, which no id equals."""
     width = emitted.shape[1]
     length = sequences.tokens.shape[2]
     window = _generated_window(out_tokens, num_out, emitted, length - 1)  # [B, L - 1 + E]
