@@ -2,13 +2,16 @@
 
 These are the jit boundaries of the plain target model: the model crosses as ``nnx.split`` state
 (a pytree of arrays), the graph definition and runtime are static, and the cache is donated.
-Shapes: B streams, P padded prompt length, W vocab.
+``prefill_blocks`` is the prompt's forward both they and the engine run: the prompt in blocks of at most
+``chunk`` tokens, so that what a prefill holds at once (the attention's scores, the MoE's activations) is bounded
+by the chunk, not by the prompt.
+Shapes: B streams, P padded prompt length, Pc chunk, W vocab, D model, n taps.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +20,7 @@ from flax import nnx
 
 from ddtree_jax.cache import LatentCache, commit
 from ddtree_jax.checks import as_int32, check_int
-from ddtree_jax.model import Runtime, causal_mask, check_tokens
+from ddtree_jax.model import KimiModel, Runtime, causal_mask, check_tokens
 
 PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
 
@@ -79,9 +82,66 @@ def _token_ids(prompt, index: int) -> np.ndarray:
     return ids
 
 
+def check_prefill_chunk(chunk) -> int | None:
+    """A prefill's block size: an integer >= 1, or None for the whole prompt in one block."""
+    if chunk is None:
+        return None
+    if isinstance(chunk, (bool, np.bool_)) or not isinstance(chunk, (int, np.integer)):
+        raise ValueError(f"prefill_chunk must be an integer (tokens a block) or None (the whole prompt), got {chunk!r}")
+    if chunk < 1:
+        raise ValueError(f"prefill_chunk must be >= 1 (tokens a block) or None (the whole prompt), got {chunk}")
+    return int(chunk)
+
+
+def prefill_blocks(model: KimiModel, cache: LatentCache, tokens: jax.Array, lengths: jax.Array, *,
+                   chunk: int | None, runtime: Runtime, tap_layers: tuple[int, ...] = (),
+                   on_taps: Callable[[Any, jax.Array, jax.Array, jax.Array, jax.Array], Any] | None = None,
+                   taps_carry: Any = None):
+    """The forward of padded prompts [B, P] on top of each stream's cache, ``chunk`` tokens a block (None: one
+    block), in a ``fori_loop``; commits the first lengths[b] rows of each stream.
+
+    Each block's queries see the stream's cache (its earlier blocks included) and the block's own causal past,
+    so the result is the one-block forward's up to float rounding. Only each prompt's last row reaches the head.
+    A stream whose length lies outside [1, P] is flagged in ``overflow``, not written, and gets NaN logits. The
+    last block is padded with id 0 where P is not a multiple of ``chunk``. ``on_taps(carry, taps [n, B, Pc, D],
+    positions [B, Pc], counts [B], offset)`` folds each block's tapped outputs (rows counts[b].. are padding) into
+    ``taps_carry``, e.g. the drafter's context.
+    Returns (last_logits [B, W] f32 at each prompt's last token, cache, overflow [B] bool, taps_carry).
+    """
+    b, p = tokens.shape
+    size = p if chunk is None else min(check_prefill_chunk(chunk), p)
+    blocks = -(-p // size)
+    tokens = jnp.pad(tokens, ((0, 0), (0, blocks * size - p)))
+    start = cache.lengths
+    bad_length = (lengths < 1) | (lengths > p)
+    last_row = jnp.clip(lengths - 1, 0, p - 1)
+    rows = jnp.broadcast_to(jnp.arange(size, dtype=jnp.int32), (b, size))
+
+    def block(k, carry):
+        cache, last, overflow, taps_carry = carry
+        offset = k * size
+        block_tokens = jax.lax.dynamic_slice_in_dim(tokens, offset, size, axis=1)
+        positions = start[:, None] + offset + rows
+        here = last_row - offset  # the prompt's last row within this block, where 0 <= here < size
+        out = model(block_tokens, positions, cache, causal_mask(b, size), tap_layers=tap_layers, runtime=runtime,
+                    logit_rows=jnp.clip(here, 0, size - 1)[:, None])
+        counts = jnp.clip(lengths - offset, 0, size)
+        cache, refused = commit(cache, out.block_kv, rows, jnp.where(bad_length, -1, counts))  # -1: refused
+        last = jnp.where(((here >= 0) & (here < size))[:, None], out.logits[:, 0], last)
+        if on_taps is not None:
+            taps_carry = on_taps(taps_carry, out.taps, positions, jnp.where(bad_length, 0, counts), offset)
+        return cache, last, overflow | refused, taps_carry
+
+    carry = (cache, jnp.zeros((b, model.cfg.vocab_size), jnp.float32), jnp.zeros((b,), bool), taps_carry)
+    carry = block(0, carry) if blocks == 1 else jax.lax.fori_loop(0, blocks, block, carry)
+    cache, last, overflow, taps_carry = carry
+    return jnp.where(bad_length[:, None], jnp.nan, last), cache, overflow, taps_carry
+
+
 def prefill(graphdef: nnx.GraphDef, state: nnx.State, cache: LatentCache, tokens: jax.Array, lengths: jax.Array,
-            *, runtime: Runtime = Runtime(), tap_layers: tuple[int, ...] = ()):
-    """Runs padded prompts [B, P] on top of ``cache`` and commits the first lengths[b] rows per stream.
+            *, runtime: Runtime = Runtime(), tap_layers: tuple[int, ...] = (), chunk: int | None = None):
+    """Runs padded prompts [B, P] on top of ``cache`` and commits the first lengths[b] rows per stream, ``chunk``
+    tokens a block (``prefill_blocks``; None: one block).
 
     Returns (last_logits [B, W] f32 at each prompt's last token, cache, overflow [B] bool,
     taps [n_taps, B, P, D] or None). ``pad_prompts`` makes valid inputs. Every id of ``tokens``, padding
@@ -95,7 +155,8 @@ def prefill(graphdef: nnx.GraphDef, state: nnx.State, cache: LatentCache, tokens
     check_int("tokens", tokens)
     lengths = as_int32("lengths", lengths, (cache.batch,))
     _check_concrete_tokens(tokens, state)
-    return _prefill(graphdef, state, cache, tokens, lengths, runtime=runtime, tap_layers=tap_layers)
+    return _prefill(graphdef, state, cache, tokens, lengths, runtime=runtime, tap_layers=tap_layers,
+                    chunk=check_prefill_chunk(chunk))
 
 
 def decode_step(graphdef: nnx.GraphDef, state: nnx.State, cache: LatentCache, tokens: jax.Array,
@@ -124,19 +185,23 @@ def _nan_if_outside_vocab(tokens: jax.Array, vocab_size: int) -> jax.Array:
     return jnp.where((tokens >= 0) & (tokens < vocab_size), tokens, vocab_size)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "runtime", "tap_layers"), donate_argnames=("cache",))
-def _prefill(graphdef, state, cache, tokens, lengths, *, runtime, tap_layers):
+@functools.partial(jax.jit, static_argnames=("graphdef", "runtime", "tap_layers", "chunk"), donate_argnames=("cache",))
+def _prefill(graphdef, state, cache, tokens, lengths, *, runtime, tap_layers, chunk):
     model = nnx.merge(graphdef, state)
     b, p = tokens.shape
     tokens = _nan_if_outside_vocab(tokens, model.cfg.vocab_size)
-    positions = cache.lengths[:, None] + jnp.arange(p)[None, :]
-    out = model(tokens, positions, cache, causal_mask(b, p), tap_layers=tap_layers, runtime=runtime)
-    rows = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    bad_length = (lengths < 1) | (lengths > p)
-    cache, overflow = commit(cache, out.block_kv, rows, jnp.where(bad_length, -1, lengths))  # -1: refused
-    last = jnp.take_along_axis(out.logits, jnp.clip(lengths - 1, 0, p - 1)[:, None, None], axis=1)[:, 0]
-    last = jnp.where(bad_length[:, None], jnp.nan, last)
-    return last, cache, overflow, out.taps
+    taps = None
+    if tap_layers:  # every row's taps, [n, B, P, D]: the last block's padding rows cut off at the end
+        size = p if chunk is None else min(chunk, p)
+        taps = jnp.zeros((len(tap_layers), b, -(-p // size) * size, model.cfg.hidden_size), jnp.dtype(model.cfg.dtype))
+
+    def keep_taps(taps, block_taps, positions, counts, offset):
+        return jax.lax.dynamic_update_slice_in_dim(taps, block_taps.astype(taps.dtype), offset, axis=2)
+
+    last, cache, overflow, taps = prefill_blocks(model, cache, tokens, lengths, chunk=chunk, runtime=runtime,
+                                                 tap_layers=tap_layers, on_taps=keep_taps if tap_layers else None,
+                                                 taps_carry=taps)
+    return last, cache, overflow, None if taps is None else taps[:, :, :p]
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "runtime"), donate_argnames=("cache",))

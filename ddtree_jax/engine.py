@@ -32,11 +32,11 @@ import numpy as np
 from flax import nnx
 
 from ddtree_jax.cache import CACHE_AXES, LatentCache, commit, init_cache
-from ddtree_jax.decode import pad_checked, pad_prompts
+from ddtree_jax.decode import check_prefill_chunk, pad_checked, pad_prompts, prefill_blocks
 from ddtree_jax.checks import is_integer, is_token_id
 from ddtree_jax.drafter import (DFlashDrafter, DraftCache, check_drafter_target, draft_cache_axes, draft_logits,
                                 init_draft_cache)
-from ddtree_jax.model import KimiModel, Runtime, causal_mask
+from ddtree_jax.model import KimiModel, Runtime
 from ddtree_jax.processors import (LogitProcessing, TokenHistory, check_additive_penalty, check_allowed_token_ids,
                                    check_logit_bias, check_min_new_tokens, check_repetition_penalty, extend_history,
                                    process_logits, processing_for, start_history)
@@ -69,6 +69,7 @@ class EngineConfig:
     max_new_tokens: int = 64
     capacity: int = 1024  # target / draft cache slots per stream (a multiple of 8 for the Mosaic GPU attention)
     rounds_per_dispatch: int = 64
+    prefill_chunk: int | None = 512  # a prompt's prefill runs in blocks of this many tokens (None: one block)
     eos_ids: tuple[int, ...] = ()
     stop_sequences: tuple[tuple[int, ...], ...] = ()  # a stream stops after generating any of these in a row
     stop_strings: tuple[str, ...] = ()  # or once its generated text holds one (``stop_strings``; needs a tokenizer)
@@ -106,6 +107,7 @@ class EngineConfig:
         if eos_ids is None or not all(is_token_id(i) for i in eos_ids):
             raise ValueError(f"eos_ids must be a sequence of token ids >= 0, got {self.eos_ids!r}")
         object.__setattr__(self, "eos_ids", tuple(int(i) for i in eos_ids))
+        object.__setattr__(self, "prefill_chunk", check_prefill_chunk(self.prefill_chunk))
         object.__setattr__(self, "stop_sequences", check_stop_sequences(self.stop_sequences))
         object.__setattr__(self, "stop_strings", check_stop_strings(self.stop_strings))
         object.__setattr__(self, "top_k", check_top_k(self.top_k))
@@ -453,7 +455,8 @@ class Engine:
                         eos_ids=_static_eos_ids(ecfg, requests.settings),
                         runtime=self.runtime, taps=self.taps, depth=self.depth, switches=requests.switches,
                         logprobs=ecfg.kept_logprobs, top_logprobs=ecfg.top_logprobs,
-                        stop_sequences=_static_stop_sequences(ecfg, requests.settings), processing=requests.processing)
+                        stop_sequences=_static_stop_sequences(ecfg, requests.settings), processing=requests.processing,
+                        prefill_chunk=ecfg.prefill_chunk)
 
     def _own_sets(self, settings: StreamSettings, i: int) -> dict:
         """Stream i's own stop token ids, allowed token ids (None: the config's; empty: all), stop sequences and EOS
@@ -595,13 +598,13 @@ def _static_if_greedy(temperature, greedy: bool):
 
 @functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "max_new_tokens", "eos_ids", "runtime",
                                              "taps", "depth", "switches", "logprobs", "top_logprobs", "stop_sequences",
-                                             "processing"),
+                                             "processing", "prefill_chunk"),
                    donate_argnames=("cache", "draft_cache"))
 def _prefill(target_def, target_state, drafter_def, drafter_state, cache, draft_cache, tokens, lengths, temperature,
              key, limits, settings, stop_tables, stop_applies, *, max_new_tokens: int, eos_ids: tuple[int, ...],
              runtime: Runtime, taps: tuple[int, ...], depth: int, switches: Switches, logprobs: str | None,
              top_logprobs: int, stop_sequences: tuple[tuple[int, ...], ...],
-             processing: LogitProcessing) -> DecodeState:
+             processing: LogitProcessing, prefill_chunk: int | None) -> DecodeState:
     # logprobs: the scores kept (EngineConfig.kept_logprobs: None, "raw" or "processed").
     # Keyed on its static arguments, not on the EngineConfig: mode and budget enter only through depth
     # (= tree_depth, the shapes of ctx_taps / tau_hist), taps and drafter_def, so engines that agree on
@@ -610,20 +613,21 @@ def _prefill(target_def, target_state, drafter_def, drafter_state, cache, draft_
     filters = switches.filters(settings)
     target = nnx.merge(target_def, target_state)
     cfg = target.cfg
-    b, p = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    out = target(tokens, positions, cache, causal_mask(b, p), tap_layers=taps, runtime=runtime)
-    cache, _ = commit(cache, out.block_kv, positions, lengths)  # capacity checked on the host
-    last = jnp.take_along_axis(out.logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    b = tokens.shape[0]
+    drafter = None if draft_cache is None else nnx.merge(drafter_def, drafter_state)
+
+    def to_drafter(draft_cache, block_taps, positions, counts, offset):  # the prompt's context, block by block
+        return drafter.append_context(draft_cache, block_taps, positions, counts)[0]
+
+    last, cache, _, draft_cache = prefill_blocks(  # lengths and capacity checked on the host
+        target, cache, tokens, lengths, chunk=prefill_chunk, runtime=runtime, tap_layers=taps if drafter else (),
+        on_taps=to_drafter if drafter else None, taps_carry=draft_cache)
     key, sub = _split_per_stream(key)
     history = start_history(processing, tokens, lengths, cfg.vocab_size)
     processed = process_logits(last[:, None], processing, settings, history, jnp.zeros((b,), jnp.int32))  # [B, 1, W]
     bonus = sample_target_tokens(processed, temperature, sub, **filters)[:, 0]
     history = extend_history(history, bonus[:, None], jnp.ones((b,), jnp.int32))
     dm = cfg.hidden_size
-    if draft_cache is not None:
-        drafter = nnx.merge(drafter_def, drafter_state)
-        draft_cache, _ = drafter.append_context(draft_cache, out.taps, positions, lengths)
     n_taps = max(len(taps), 1)
     state = DecodeState(
         cache=cache, draft_cache=draft_cache, bonus=bonus,

@@ -175,7 +175,7 @@ class DecoderLayer(nnx.Module):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class ForwardOutput:
-    logits: jax.Array  # [B, T, W] f32
+    logits: jax.Array  # [B, T, W] f32 ([B, R, W] at the forward's logit_rows)
     block_kv: jax.Array  # [NL, B, T, C]: latents of the block tokens, to commit
     taps: jax.Array | None  # [n_taps, B, T, D]: outputs of the requested layers (pre final norm)
 
@@ -192,22 +192,30 @@ class KimiModel(nnx.Module):
         self.cfg = cfg
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, cache: LatentCache, tree_mask: jax.Array,
-                 *, tap_layers: Sequence[int] = (), runtime: Runtime = Runtime()) -> ForwardOutput:
+                 *, tap_layers: Sequence[int] = (), runtime: Runtime = Runtime(),
+                 logit_rows: jax.Array | None = None) -> ForwardOutput:
         """A block of T tokens per stream on top of each stream's committed cache.
 
         tokens, positions [B, T] int32; cache: committed latents (lengths = visible prefix);
         tree_mask [B, T, T] bool (causal for prefill/chains, ancestor-or-self for trees).
         tap_layers: 0-based layer indices whose outputs are returned in ``taps``.
+        logit_rows [B, R] int32 in [0, T): the logits only at these rows of each stream ([B, R, W]; a prefill needs
+        its last row alone), or None: at every row ([B, T, W]).
         Token ids must lie in [0, W): callers validate on the host (``check_tokens``).
         """
         if runtime.matmul_precision is None or jnp.dtype(self.cfg.dtype) != jnp.float32:
-            return self._forward(tokens, positions, cache, tree_mask, tap_layers, runtime)
+            return self._forward(tokens, positions, cache, tree_mask, tap_layers, runtime, logit_rows)
         with jax.default_matmul_precision(runtime.matmul_precision):
-            return self._forward(tokens, positions, cache, tree_mask, tap_layers, runtime)
+            return self._forward(tokens, positions, cache, tree_mask, tap_layers, runtime, logit_rows)
 
-    def _forward(self, tokens, positions, cache, tree_mask, tap_layers, runtime) -> ForwardOutput:
+    def _forward(self, tokens, positions, cache, tree_mask, tap_layers, runtime, logit_rows) -> ForwardOutput:
         cfg = self.cfg
         check_block(cfg, tokens, positions, cache, tree_mask)
+        if logit_rows is not None:
+            check_int("logit_rows", logit_rows)
+            if np.ndim(logit_rows) != 2 or np.shape(logit_rows)[0] != np.shape(tokens)[0]:
+                raise ValueError(f"logit_rows must be [B, R] with B = {np.shape(tokens)[0]}, got "
+                                 f"{np.shape(logit_rows)}")
         for layer in tap_layers:
             if not 0 <= layer < cfg.num_layers:
                 raise ValueError(f"tap layer {layer} outside [0, {cfg.num_layers})")
@@ -225,6 +233,8 @@ class KimiModel(nnx.Module):
             taps = jnp.stack([taps[sorted(tap_layers).index(i)] for i in tap_layers])
         else:
             taps = None
+        if logit_rows is not None:
+            x = jnp.take_along_axis(x, logit_rows[:, :, None], axis=1)  # [B, R, D]
         logits = jnp.einsum("btd,dw->btw", self.norm(x), self.lm_head.get_value().astype(x.dtype),
                             preferred_element_type=jnp.float32)
         return ForwardOutput(logits=logits, block_kv=jnp.stack(block_kv), taps=taps)

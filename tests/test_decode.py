@@ -79,3 +79,52 @@ def test_prompts_are_padded_to_the_smallest_bucket_that_holds_them():
         tokens, lengths = pad_prompts([[1] * longest, [2, 3]], vocab_size=8, capacity=capacity)
         assert tokens.shape == (2, min(min(b for b in PROMPT_BUCKETS if b >= longest), capacity)), (longest, capacity)
         assert lengths.tolist() == [longest, 2] and tokens[1, :3].tolist() == [2, 3, 0]
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 5, 8, 16, 64])
+def test_a_chunked_prefill_equals_the_one_block_prefill(split_model, chunk):
+    """Prompts prefilled ``chunk`` tokens a block (the last block padded where 16 is not a multiple of it) give the
+    one-block prefill's last logits, cache rows, lengths and taps, on a fresh cache and on top of a filled one; a
+    stream whose length lies outside [1, P] is refused alike (flagged, unwritten, NaN logits)."""
+    cfg, graphdef, state = split_model
+    rng = np.random.default_rng(chunk)
+    ids = rng.integers(0, cfg.vocab_size, (5, 16)).astype(np.int32)
+    lengths = jnp.array([1, 7, 13, 16, 0])  # the last: refused
+    taps = (1, 0)
+
+    def host(result):  # the cache is donated to the next prefill: keep what is compared
+        last, cache, overflow, block_taps = result
+        return dict(last=np.asarray(last), kv=np.asarray(cache.kv), lengths=np.asarray(cache.lengths),
+                    overflow=np.asarray(overflow), taps=None if block_taps is None else np.asarray(block_taps))
+
+    whole = prefill(graphdef, state, init_cache(cfg, 5, 40), ids, lengths, tap_layers=taps)
+    got = prefill(graphdef, state, init_cache(cfg, 5, 40), ids, lengths, tap_layers=taps, chunk=chunk)
+    pairs = [(host(got), host(whole))]
+    # on top of each one's cache: positions start at each stream's length
+    whole_on_top = prefill(graphdef, state, whole[1], ids[::-1], lengths[::-1])
+    got_on_top = prefill(graphdef, state, got[1], ids[::-1], lengths[::-1], chunk=chunk)
+    pairs.append((host(got_on_top), host(whole_on_top)))
+    for got_here, want in pairs:
+        np.testing.assert_array_equal(got_here["overflow"], want["overflow"])
+        np.testing.assert_array_equal(got_here["lengths"], want["lengths"])
+        np.testing.assert_array_equal(np.isnan(got_here["last"]), np.isnan(want["last"]))
+        for name in ("last", "kv"):
+            np.testing.assert_allclose(got_here[name], want[name], rtol=1e-5, atol=1e-5, err_msg=name)
+    (got_taps, want_taps), n = (pairs[0][0]["taps"], pairs[0][1]["taps"]), np.asarray(lengths)
+    assert got_taps.shape == want_taps.shape == (2, 5, 16, cfg.hidden_size)
+    for b in range(4):  # the prompts' own rows (padding rows see other padding in one block than in several)
+        np.testing.assert_allclose(got_taps[:, b, :n[b]], want_taps[:, b, :n[b]], rtol=1e-5, atol=1e-5)
+    assert pairs[0][0]["overflow"].tolist() == [False] * 4 + [True] and np.isnan(pairs[0][0]["last"][4]).all()
+    assert pairs[1][0]["overflow"].tolist() == [True] + [False] * 4 and np.isnan(pairs[1][0]["last"][0]).all()
+
+
+@pytest.mark.parametrize("chunk,message", [(0, ">= 1"), (-4, ">= 1"), (2.5, "an integer"), (True, "an integer"),
+                                           ("8", "an integer")])
+def test_bad_prefill_chunks_refused(split_model, chunk, message):
+    from ddtree_jax.engine import EngineConfig
+
+    cfg, graphdef, state = split_model
+    with pytest.raises(ValueError, match=f"prefill_chunk must be {message}"):
+        prefill(graphdef, state, init_cache(cfg, 1, 8), np.array([[1, 2]], np.int32), jnp.array([2]), chunk=chunk)
+    with pytest.raises(ValueError, match=f"prefill_chunk must be {message}"):
+        EngineConfig(prefill_chunk=chunk)
