@@ -33,6 +33,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from ddtree_jax import decode as decode_lib  # noqa: E402
 from ddtree_jax.cache import commit, init_cache  # noqa: E402
 from ddtree_jax.config import QuantConfig, k26_config, tiny_config  # noqa: E402
 from ddtree_jax.drafter import DFlashDrafter, k26_drafter_config, tiny_drafter_config  # noqa: E402
@@ -155,6 +156,47 @@ def bench_engine(target, drafter, args, deadline, rows):
                      "ms_per_round": 1e3 * res["decode_s"] / max(rounds, 1),
                      "compile_s": compile_s, **rounds_breakdown(engine, prompts)})
         print({k: v[:8] if k == "kernels" else v for k, v in rows[-1].items()}, flush=True)
+
+
+def bench_prefill(target, args, deadline, rows, bandwidth):
+    """One stream's prompt of P tokens prefilled in blocks of C tokens (``decode.prefill``, C = 0: one block):
+    ms (median), tokens/s, the program's scratch memory (XLA's ``temp_size_in_bytes``: what a prefill holds at
+    once beside weights and cache) and the floor of reading every weight once (bytes / the copy bandwidth)."""
+    graphdef, state = nnx.split(target)
+    cfg = target.cfg
+    floor_ms = 1e3 * bytes_of(state) / bandwidth  # a prompt of >= 384 tokens touches every expert
+    rng = np.random.default_rng(0)
+    for length in args.prefill_lens:
+        tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, length)), jnp.int32)
+        lengths = jnp.array([length], jnp.int32)
+        for chunk in args.prefill_chunks:
+            if time.time() > deadline:
+                print(f"skipping prefill P={length} C={chunk}: time budget")
+                continue
+            row = {"bench": "prefill", "P": length, "chunk": chunk or length}
+            try:
+                compiled = decode_lib._prefill.lower(graphdef, state, init_cache(cfg, 1, length), tokens, lengths,
+                                                     runtime=Runtime(), tap_layers=(), chunk=chunk or None).compile()
+                memory = compiled.memory_analysis()
+                timing = time_fn(lambda: decode_lib.prefill(graphdef, state, init_cache(cfg, 1, length), tokens,
+                                                            lengths, chunk=chunk or None), repeats=args.repeats)
+                row.update(ms=1e3 * timing["median_s"], tok_per_s=length / timing["median_s"], floor_ms=floor_ms,
+                           temp_MB=None if memory is None else memory.temp_size_in_bytes / 1e6)
+            except Exception as e:  # e.g. out of memory at one block: the row says so, the others still run
+                row["error"] = f"{type(e).__name__}: {e}"[:300]
+            rows.append(row)
+            print(row, flush=True)
+
+
+def check_lengths(text: str, flag: str, least: int) -> list[int]:
+    """A comma list of integers >= ``least`` (``flag`` names it in the ValueError)."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{flag} {text!r} must be comma-separated integers") from None
+    if any(v < least for v in values):
+        raise ValueError(f"{flag} {text!r}: each must be at least {least}")
+    return values
 
 
 def parse_runs(text: str, budget: int) -> list[tuple[str, int, int]]:
@@ -418,7 +460,7 @@ def bench_kernel_path(target, args, deadline, rows, bandwidth):
         print(row, flush=True)
 
 
-SECTIONS = ("layer", "round_split", "no_host_sync", "engine", "kernel")
+SECTIONS = ("layer", "round_split", "no_host_sync", "engine", "kernel", "prefill")
 
 
 def check_sections(text: str) -> list[str]:
@@ -465,6 +507,8 @@ def main(argv=None):
     p.add_argument("--runs", default="ar:1,dflash:1,ddtree:1,ddtree:4,ar:4",
                    help="section engine: MODE:STREAMS,... (ddtree at --budget)")
     p.add_argument("--kernel-ms", default="1,9,33,65,264,528", help="tokens per step M of section kernel")
+    p.add_argument("--prefill-lens", default="1024,4096", help="section prefill: prompt lengths P")
+    p.add_argument("--prefill-chunks", default="0,512,2048", help="section prefill: block sizes (0: one block)")
     p.add_argument("--prepare-kernels", action="store_true",
                    help="run every section on the target after prepare_for_kernels (the INT4 kernel's layout), "
                         "as a user on a GPU would; not with section kernel, which compares both paths itself")
@@ -476,6 +520,8 @@ def main(argv=None):
         args.runs = parse_runs(args.runs, args.budget)
         check_sections(args.sections)
         check_kernel_ms(args.kernel_ms)
+        args.prefill_lens = check_lengths(args.prefill_lens, "--prefill-lens", 1)
+        args.prefill_chunks = check_lengths(args.prefill_chunks, "--prefill-chunks", 0)
     except ValueError as e:
         p.error(str(e))
     if args.repeats < 1:
@@ -504,6 +550,7 @@ def main(argv=None):
         "no_host_sync": lambda: bench_no_host_sync(engines["ddtree"], args, rows),
         "engine": lambda: bench_engine(target, drafter, args, deadline, rows),
         "kernel": lambda: bench_kernel_path(target, args, deadline, rows, bandwidth),
+        "prefill": lambda: bench_prefill(target, args, deadline, rows, bandwidth),
     }
     for name in args.sections.split(","):
         if time.time() > deadline:
@@ -519,7 +566,7 @@ def main(argv=None):
     if args.commit:
         payload["code_commit"] = args.commit  # write_result records it as the commit (the device has no git)
     path = write_result(f"bench_engine_{args.size}", payload, args.out)
-    for bench in ("layer", "round_split", "engine", "no_host_sync", "kernel_layer", "kernel_verify"):
+    for bench in ("layer", "round_split", "engine", "no_host_sync", "kernel_layer", "kernel_verify", "prefill"):
         sel = [r for r in rows if r.get("bench") == bench]
         if sel:
             print(f"\n== {bench}")

@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--capacity", type=int, default=512,
                    help="cache slots per stream: must hold the longest prompt, --max-new-tokens and the mode's "
                         "draft tree (checked before decoding)")
+    p.add_argument("--prefill-chunk", type=int, default=EngineConfig.prefill_chunk,
+                   help="a prompt's prefill runs in blocks of this many tokens, bounding its memory by the block, "
+                        "not the prompt (0: the whole prompt in one block; default %(default)s)")
     p.add_argument("--seed", type=int, default=0,
                    help=f"prompt i samples with seed + i, whatever --streams (all in [0, {SEED_LIMIT}))")
     p.add_argument("--repetition-penalty", type=float, default=1.0,
@@ -172,6 +175,9 @@ def check_args(args) -> None:
                         ("--streams", args.streams), ("--num-prompts", args.num_prompts)):
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
+    if args.prefill_chunk < 0:
+        raise ValueError(f"--prefill-chunk must be >= 1, or 0 for the whole prompt in one block, "
+                         f"got {args.prefill_chunk}")
     for flag, check, value in (("--temperature", check_temperature, args.temperature),
                                ("--top-k", check_top_k, args.top_k), ("--top-p", check_top_p, args.top_p),
                                ("--min-p", check_min_p, args.min_p),
@@ -357,6 +363,7 @@ def read_prompts(args, tokenizer) -> tuple[list[list[int]], str]:
 def engine_config(mode: str, args, eos_ids=()) -> EngineConfig:
     budget = {"budget": args.budget} if mode == "ddtree" else {}
     return EngineConfig(mode=mode, max_new_tokens=args.max_new_tokens, capacity=args.capacity, eos_ids=eos_ids,
+                        prefill_chunk=args.prefill_chunk or None,
                         top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, logprobs=args.logprobs is not None,
                         logprobs_mode=args.logprobs or "raw",
                         repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,

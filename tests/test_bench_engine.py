@@ -102,3 +102,19 @@ def test_a_failed_section_fails_the_run_after_writing_the_json(tmp_path, monkeyp
     saved = json.load(open(tmp_path / "bench_engine_tiny.json"))
     assert saved["rows"] == [{"bench": "layer", "error": "RuntimeError: boom"}]
     assert saved["commit"] == "abc1234"  # --commit is the recorded commit, as in the other benchmarks
+
+
+def test_prefill_section_reports_each_block_size(tmp_path, monkeypatch):
+    """Section prefill: a row per prompt length and block size, timed, with the program's scratch memory, which a
+    smaller block bounds; bad lengths or block sizes are refused before anything is built."""
+    monkeypatch.setattr(bench_engine, "measure_copy_bandwidth", lambda *a, **k: 1e11)
+    monkeypatch.setattr(bench_engine, "measure_torch_copy_bandwidth", lambda *a, **k: None)
+    bench_engine.main(["--sections", "prefill", "--prefill-lens", "128", "--prefill-chunks", "0,16", "--repeats", "1",
+                       "--out", str(tmp_path)])
+    rows = [r for r in json.load(open(tmp_path / "bench_engine_tiny.json"))["rows"] if r["bench"] == "prefill"]
+    assert [(r["P"], r["chunk"]) for r in rows] == [(128, 128), (128, 16)], rows
+    assert all("error" not in r and r["ms"] > 0 and r["floor_ms"] > 0 and r["temp_MB"] > 0 for r in rows), rows
+    assert rows[1]["temp_MB"] < rows[0]["temp_MB"], rows
+    for flag, bad in (("--prefill-lens", "0"), ("--prefill-chunks", "-1"), ("--prefill-chunks", "x")):
+        with pytest.raises(SystemExit):
+            bench_engine.main(["--sections", "prefill", flag, bad])

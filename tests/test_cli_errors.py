@@ -36,6 +36,7 @@ RANDOM = ["--target", "random"]
     (["--commit", "abc1234"], "--commit is recorded in the --json report; give --json too"),
     (["--commit", " ", "--json", "report.json"], "--commit must name a commit, got an empty string"),
     (["--capacity", "0"], "--capacity must be >= 1"),
+    (["--prefill-chunk", "-1"], "--prefill-chunk must be >= 1, or 0"),
     (["--num-prompts", "0"], "--num-prompts must be >= 1"),
     (["--num-prompts", "3", "--prompt", "x"], "--num-prompts picks held-out prompts"),
     (["--prompt", ""], "--prompt #1 is empty"),

@@ -615,6 +615,28 @@ def test_seed_outside_32_bits_refused(models):
         assert check_seed(good) == int(good) and type(check_seed(good)) is int
 
 
+@pytest.mark.parametrize("mode", ["ar", "ddtree"])
+def test_a_chunked_prefill_gives_the_one_block_prefills_caches_and_tokens(models, ar_reference, mode):
+    """Prompts of 2-19 tokens (padded to 16 or 32) prefilled 5 tokens a block, the last block padded: the target's
+    and the drafter's caches, the first tokens and the greedy outputs equal the one-block prefill's (and AR's)."""
+    target, drafter = models
+    ecfg = EngineConfig(mode=mode, budget=16, max_new_tokens=NEW, capacity=64, prefill_chunk=5)
+    drafter = drafter if mode != "ar" else None
+    chunked = Engine(target, drafter, ecfg)
+    whole = Engine(target, drafter, dataclasses.replace(ecfg, prefill_chunk=None))
+    prompts = PROMPTS[:8]
+    assert max(map(len, prompts)) > 16
+    got, want = chunked.prefill(prompts), whole.prefill(prompts)
+    np.testing.assert_array_equal(np.asarray(got.bonus), np.asarray(want.bonus))
+    caches = [(got.cache, want.cache)] + ([(got.draft_cache, want.draft_cache)] if drafter else [])
+    for got_cache, want_cache in caches:
+        np.testing.assert_array_equal(np.asarray(got_cache.lengths), [len(p) for p in prompts])
+        np.testing.assert_array_equal(np.asarray(got_cache.lengths), np.asarray(want_cache.lengths))
+        for got_rows, want_rows in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache)):
+            np.testing.assert_allclose(np.asarray(got_rows), np.asarray(want_rows), rtol=1e-5, atol=1e-5)
+    assert chunked.generate(prompts)["tokens"] == ar_reference[:8]
+
+
 def test_sharded_engine_matches(models, host_devices):
     target, drafter = models
     mesh = make_mesh(data=4, model=2, devices=host_devices)  # the tiny drafter has 2 kv heads
