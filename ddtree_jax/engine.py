@@ -69,7 +69,7 @@ class EngineConfig:
     max_new_tokens: int = 64
     capacity: int = 1024  # target / draft cache slots per stream (a multiple of 8 for the Mosaic GPU attention)
     rounds_per_dispatch: int = 64
-    prefill_chunk: int | None = 512  # a prompt's prefill runs in blocks of this many tokens (None: one block)
+    prefill_chunk: int | None = 2048  # a prompt's prefill runs in blocks of this many tokens (None: one block)
     eos_ids: tuple[int, ...] = ()
     stop_sequences: tuple[tuple[int, ...], ...] = ()  # a stream stops after generating any of these in a row
     stop_strings: tuple[str, ...] = ()  # or once its generated text holds one (``stop_strings``; needs a tokenizer)

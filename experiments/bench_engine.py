@@ -173,7 +173,8 @@ def bench_prefill(target, args, deadline, rows, bandwidth):
             if time.time() > deadline:
                 print(f"skipping prefill P={length} C={chunk}: time budget")
                 continue
-            row = {"bench": "prefill", "P": length, "chunk": chunk or length}
+            size = min(chunk, length) if chunk else length
+            row = {"bench": "prefill", "P": length, "chunk": chunk or "one block", "blocks": -(-length // size)}
             try:
                 compiled = decode_lib._prefill.lower(graphdef, state, init_cache(cfg, 1, length), tokens, lengths,
                                                      runtime=Runtime(), tap_layers=(), chunk=chunk or None).compile()

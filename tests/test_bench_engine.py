@@ -112,7 +112,7 @@ def test_prefill_section_reports_each_block_size(tmp_path, monkeypatch):
     bench_engine.main(["--sections", "prefill", "--prefill-lens", "128", "--prefill-chunks", "0,16", "--repeats", "1",
                        "--out", str(tmp_path)])
     rows = [r for r in json.load(open(tmp_path / "bench_engine_tiny.json"))["rows"] if r["bench"] == "prefill"]
-    assert [(r["P"], r["chunk"]) for r in rows] == [(128, 128), (128, 16)], rows
+    assert [(r["P"], r["chunk"], r["blocks"]) for r in rows] == [(128, "one block", 1), (128, 16, 8)], rows
     assert all("error" not in r and r["ms"] > 0 and r["floor_ms"] > 0 and r["temp_MB"] > 0 for r in rows), rows
     assert rows[1]["temp_MB"] < rows[0]["temp_MB"], rows
     for flag, bad in (("--prefill-lens", "0"), ("--prefill-chunks", "-1"), ("--prefill-chunks", "x")):
