@@ -647,7 +647,7 @@ def test_sharded_engine_matches(models, host_devices):
     # the log-probabilities and the logit processing over a split vocabulary, per-stream seeds sampled
     options = dataclasses.replace(ecfg, logprobs=True, top_logprobs=3, repetition_penalty=1.6, frequency_penalty=-0.5,
                                   presence_penalty=0.3, logit_bias={2: -100.0, 5: 1.0}, eos_ids=(0,),
-                                  min_new_tokens=3)
+                                  min_new_tokens=3, prefill_chunk=5)  # 5-17 tokens padded to 32: 7 blocks
     options = dataclasses.replace(options, stop_strings=("ba", "\n\n"))  # over a tokenizer of one or two bytes an id
     tokenizer = types.SimpleNamespace(token_bytes=lambda w: [bytes([97 + i % 3] * (1 + i % 2)) for i in range(w)])
     want = Engine(target, drafter, options, tokenizer=tokenizer).generate(prompts, [0.0, 1.0, 0.0, 0.7],
