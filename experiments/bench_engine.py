@@ -12,6 +12,12 @@ M in --kernel-ms: one full MoE decoder layer (MLA over a 1K prefix + MoE) at M t
 the target's verify forward over B streams x T block tokens (M = B*T, random trees on a
 --prompt-len prefix). Prints ms of both paths, the speedup and the relative difference of the outputs.
 
+Section ``prefill``: one stream's prompt of P tokens (--prefill-lens) prefilled in blocks of each size of
+--prefill-chunks (0: one block; ``decode.prefill``): ms, tokens/s and XLA's scratch bytes of the program.
+
+    PYTHONPATH=. python experiments/bench_engine.py --size full --layers 4 --prepare-kernels --sections prefill \
+        --prefill-lens 512,8192 --prefill-chunks 0,512,2048,4096 --out DIR
+
 Weights are random and generated on the device (INT4 experts as random nibbles + scales), so the
 acceptance length here means nothing (a random drafter); the timings do.
 """
