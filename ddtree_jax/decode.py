@@ -93,6 +93,12 @@ def check_prefill_chunk(chunk) -> int | None:
     return int(chunk)
 
 
+def prefill_block_shape(p: int, chunk: int | None) -> tuple[int, int]:
+    """(tokens a block, blocks) of a prefill of P padded tokens in blocks of ``chunk`` (None: one block)."""
+    size = p if chunk is None else min(check_prefill_chunk(chunk), p)
+    return size, -(-p // size)
+
+
 def prefill_blocks(model: KimiModel, cache: LatentCache, tokens: jax.Array, lengths: jax.Array, *,
                    chunk: int | None, runtime: Runtime, tap_layers: tuple[int, ...] = (),
                    on_taps: Callable[[Any, jax.Array, jax.Array, jax.Array, jax.Array], Any] | None = None,
@@ -109,8 +115,7 @@ def prefill_blocks(model: KimiModel, cache: LatentCache, tokens: jax.Array, leng
     Returns (last_logits [B, W] f32 at each prompt's last token, cache, overflow [B] bool, taps_carry).
     """
     b, p = tokens.shape
-    size = p if chunk is None else min(check_prefill_chunk(chunk), p)
-    blocks = -(-p // size)
+    size, blocks = prefill_block_shape(p, chunk)
     tokens = jnp.pad(tokens, ((0, 0), (0, blocks * size - p)))
     start = cache.lengths
     bad_length = (lengths < 1) | (lengths > p)
@@ -192,8 +197,8 @@ def _prefill(graphdef, state, cache, tokens, lengths, *, runtime, tap_layers, ch
     tokens = _nan_if_outside_vocab(tokens, model.cfg.vocab_size)
     taps = None
     if tap_layers:  # every row's taps, [n, B, P, D]: the last block's padding rows cut off at the end
-        size = p if chunk is None else min(chunk, p)
-        taps = jnp.zeros((len(tap_layers), b, -(-p // size) * size, model.cfg.hidden_size), jnp.dtype(model.cfg.dtype))
+        size, blocks = prefill_block_shape(p, chunk)
+        taps = jnp.zeros((len(tap_layers), b, blocks * size, model.cfg.hidden_size), jnp.dtype(model.cfg.dtype))
 
     def keep_taps(taps, block_taps, positions, counts, offset):
         return jax.lax.dynamic_update_slice_in_dim(taps, block_taps.astype(taps.dtype), offset, axis=2)

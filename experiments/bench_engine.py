@@ -179,8 +179,8 @@ def bench_prefill(target, args, deadline, rows, bandwidth):
             if time.time() > deadline:
                 print(f"skipping prefill P={length} C={chunk}: time budget")
                 continue
-            size = min(chunk, length) if chunk else length
-            row = {"bench": "prefill", "P": length, "chunk": chunk or "one block", "blocks": -(-length // size)}
+            row = {"bench": "prefill", "P": length, "chunk": chunk or "one block",
+                   "blocks": decode_lib.prefill_block_shape(length, chunk or None)[1]}
             try:
                 compiled = decode_lib._prefill.lower(graphdef, state, init_cache(cfg, 1, length), tokens, lengths,
                                                      runtime=Runtime(), tap_layers=(), chunk=chunk or None).compile()
