@@ -3,8 +3,9 @@ and at the build's beams, the log-softmax before them, ``build_tree`` whole, and
 plain and truncated by top-k / top-p (``ddtree_jax.sampling``, each top-p method), the sample with one key per
 stream against one for the batch, and the engine's optional token scores (``ddtree_jax.scores``), by the device
 time per call
-from a profiler trace (a chain of 8 dependent calls, ``bench_util.traced_call_time``; each call's span
-holds the chain's one-element tie, ~1 µs). The floor of a vocabulary point is its bytes read once (M x W
+from a profiler trace (a chain of ``--calls`` dependent calls, 8 by default, traced ``--trace-repeats`` times, 3 by
+default, the median quoted; ``bench_util.traced_call_time``; each call's span holds the chain's one-element tie,
+~1 µs). The floor of a vocabulary point is its bytes read once (M x W
 f32) over PyTorch's copy bandwidth (XLA's a+1 copy, ``bench_util.measure_copy_bandwidth``, where PyTorch
 or CUDA is missing, and on a CPU).
 
@@ -12,13 +13,14 @@ or CUDA is missing, and on a CPU).
 
 Rows M are streams x the draft depth (7 for a block of 8): 7, 28 and 112 for 1, 4 and 16 streams. Every
 method's result is checked against ``lax.top_k`` (values and indices) and every build against the "sort"
-build before it is timed. On a CPU (``--smoke``) the shapes shrink.
+build before it is timed. On a CPU (``--smoke``) the shapes shrink, and each chain is 2 calls traced once.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import sys
 import time
@@ -66,14 +68,15 @@ def as_one(out) -> jax.Array:
     return jnp.concatenate([x.astype(jnp.float32).ravel() for x in leaves])
 
 
-def timed(fn, args) -> dict:
-    t = bench_util.traced_call_time(lambda *a: as_one(fn(*a)), args, calls=8)
+def timed(fn, args, calls: int = 8, repeats: int = 3) -> dict:
+    """``fn(*args)``'s device time per call: a chain of ``calls`` dependent calls traced ``repeats`` times."""
+    t = bench_util.traced_call_time(lambda *a: as_one(fn(*a)), args, calls=calls, repeats=repeats)
     return {"us": t["span_s"] * 1e6, "us_repeats": [round(x * 1e6, 2) for x in t["span_repeats_s"]],
             "launches": sum(k[1] for k in t["kernels"]),
             "kernels": [[n[:60], k, round(s * 1e6, 2)] for n, k, s in t["kernels"][:6]]}
 
 
-def bench_vocab(rows, m_list, w, k, chunks, bw):
+def bench_vocab(rows, timer, m_list, w, k, chunks, bw):
     rng = np.random.default_rng(0)
     for m in m_list:
         values = jnp.asarray(np.asarray(jax.nn.log_softmax(jnp.asarray(rng.standard_normal((m, w)) * 3, jnp.float32))))
@@ -84,14 +87,14 @@ def bench_vocab(rows, m_list, w, k, chunks, bw):
             got = fn(values)
             same = all_equal(got, want)
             row = {"part": "top_k vocab", "M": m, "N": w, "K": k, "method": method, "chunk": kw.get("chunk"),
-                   "exact": same, **timed(fn, (values,))}
+                   "exact": same, **timer(fn, (values,))}
             if bw:
                 row["floor_us"] = m * w * 4 / bw * 1e6
             rows.append(row)
             print(row, flush=True)
 
 
-def bench_beams(rows, shapes):
+def bench_beams(rows, timer, shapes):
     rng = np.random.default_rng(1)
     for m, n, k in shapes:
         values = jnp.asarray(rng.standard_normal((m, n)), jnp.float32)
@@ -99,12 +102,12 @@ def bench_beams(rows, shapes):
             fn = jax.jit(lambda v, method=method: topk.top_k(v, k, method))
             same = all_equal(fn(values), jax.lax.top_k(values, k))
             row = {"part": "top_k beam", "M": m, "N": n, "K": k, "method": method, "exact": same,
-                   **timed(fn, (values,))}
+                   **timer(fn, (values,))}
             rows.append(row)
             print(row, flush=True)
 
 
-def bench_log_softmax(rows, m_list, w, chunks, bw):
+def bench_log_softmax(rows, timer, m_list, w, chunks, bw):
     rng = np.random.default_rng(2)
     for m in m_list:
         logits = jnp.asarray(rng.standard_normal((m, w)) * 3, jnp.float32)
@@ -114,14 +117,14 @@ def bench_log_softmax(rows, m_list, w, chunks, bw):
             fn = jax.jit(lambda x, c=c: jax.nn.log_softmax(x, axis=-1) if c is None else chunked_log_softmax(x, c))
             err = float(jnp.max(jnp.abs(fn(logits) - want)))
             row = {"part": "log_softmax", "M": m, "N": w, "method": name, "chunk": c, "max_abs_err": err,
-                   **timed(fn, (logits,))}
+                   **timer(fn, (logits,))}
             if bw:
                 row["floor_us"] = 2 * m * w * 4 / bw * 1e6  # read the logits, write the log-probs
             rows.append(row)
             print(row, flush=True)
 
 
-def bench_build(rows, streams, w, depth, budget):
+def bench_build(rows, timer, streams, w, depth, budget):
     rng = np.random.default_rng(3)
     for b in streams:
         logits = jnp.asarray(rng.standard_normal((b, depth, w)) * 3, jnp.float32)
@@ -134,7 +137,7 @@ def bench_build(rows, streams, w, depth, budget):
             fields = ("tokens", "parents", "depths", "logprob")
             same = all_equal([getattr(tree, f) for f in fields], [getattr(trees["sort"], f) for f in fields])
             row = {"part": "build_tree from logits", "M": b * depth, "N": w, "K": budget, "method": method,
-                   "exact": same, **timed(fn, (logits, roots))}
+                   "exact": same, **timer(fn, (logits, roots))}
             rows.append(row)
             print(row, flush=True)
 
@@ -145,7 +148,7 @@ SAMPLE_SETTINGS = [("categorical", 0, 1.0, 0.0, "auto"), ("top_k", 50, 1.0, 0.0,
 SEARCH_FANOUTS = (2, 4, 16, 64)
 
 
-def bench_sample(rows, m_list, w, bw):
+def bench_sample(rows, timer, m_list, w, bw):
     """The verify's target sample (temperature 1) over [M, W] logits, plain and truncated: ``sampling.truncate``
     then one categorical draw, top-p alone by each method; then the search's nucleus edge alone at each of
     SEARCH_FANOUTS. The two methods' masses are sums in another order, so on these flat rows (~14K tokens in the
@@ -164,7 +167,7 @@ def bench_sample(rows, m_list, w, bw):
             fn = jax.jit(lambda x, f=truncated: jax.random.categorical(key, f(x), axis=-1))
             row = {"part": "sample", "M": m, "N": w, "K": k or None, "top_p": p, "min_p": min_p or None,
                    "method": f"{name} {method}",
-                   "kept_mean": float(kept[name, method].sum(-1).mean()), **timed(fn, (logits,))}
+                   "kept_mean": float(kept[name, method].sum(-1).mean()), **timer(fn, (logits,))}
             if name == "top_p":
                 same_rows = (kept[name, method] == kept["top_p", "sort"]).all(-1)
                 row["rows_as_sort"] = f"{int(same_rows.sum())}/{m}"
@@ -178,12 +181,12 @@ def bench_sample(rows, m_list, w, bw):
             fn = jax.jit(lambda x, f=fanout: sampling.nucleus_edge_by_search(x, 0.95, f))
             same_rows = int((np.asarray(fn(logits)) == edge_by_sort).sum())
             row = {"part": "top_p edge", "M": m, "N": w, "top_p": 0.95, "method": f"search x{fanout}",
-                   "passes": sampling.search_passes(fanout), "rows_as_sort": f"{same_rows}/{m}", **timed(fn, (logits,))}
+                   "passes": sampling.search_passes(fanout), "rows_as_sort": f"{same_rows}/{m}", **timer(fn, (logits,))}
             rows.append(row)
             print(row, flush=True)
 
 
-def bench_keys(rows, shapes, w, bw):
+def bench_keys(rows, timer, shapes, w, bw):
     """The verify's plain sample (temperature 1) over [B, T, W] logits with one key for the batch against one key
     per stream (``tree.sample_target_tokens``' [B] keys: a vmap of the draw over streams, what the engine does),
     and with logit processing before it (``processors.process_logits`` over a chain of T nodes, 1 % of the
@@ -254,14 +257,14 @@ def bench_keys(rows, shapes, w, bw):
                    x, 1.0, c["keys"], c["top_k"], c["top_p"], top_k_ceiling=64, top_k_in_every_row=True)}
         for name, fn in fns.items():
             row = {"part": "sample keys", "M": b * t, "B": b, "T": t, "N": w, "method": name,
-                   **timed(jax.jit(fn), (logits, context))}
+                   **timer(jax.jit(fn), (logits, context))}
             if bw:
                 row["floor_us"] = b * t * w * 4 / bw * 1e6
             rows.append(row)
             print(row, flush=True)
 
 
-def bench_scores(rows, shapes, w, bw, tops=(0, 5, 20)):
+def bench_scores(rows, timer, shapes, w, bw, tops=(0, 5, 20)):
     """What ``EngineConfig(logprobs=True, top_logprobs=n)`` adds to a round: the accepted path's R rows gathered
     from the verify's [B, T, W] logits and ``scores.token_scores`` over them (log-probability, n likeliest)."""
     rng = np.random.default_rng(6)
@@ -274,14 +277,14 @@ def bench_scores(rows, shapes, w, bw, tops=(0, 5, 20)):
                 return token_scores(jnp.take_along_axis(x, p[:, :, None], axis=1), y, top)
 
             row = {"part": "scores", "M": b * r, "B": b, "T": t, "N": w, "K": top or None,
-                   "method": f"path rows, top {top}", **timed(jax.jit(fn), (logits, path, tokens))}
+                   "method": f"path rows, top {top}", **timer(jax.jit(fn), (logits, path, tokens))}
             if bw:
                 row["floor_us"] = b * r * w * 4 / bw * 1e6  # the path's rows read once
             rows.append(row)
             print(row, flush=True)
 
 
-def bench_stops(rows, streams, w, emitted=DEPTH + 1, strings=("</s>", "\n\nUser:", "<|im_end|>", "```\n")):
+def bench_stops(rows, timer, streams, w, emitted=DEPTH + 1, strings=("</s>", "\n\nUser:", "<|im_end|>", "```\n")):
     """Stop strings (``stop_strings``): the host's tables over a made-up vocabulary of w tokens (lengths ~
     geometric, mean 6 bytes, 50 of 128 bytes), then a round's ``advance`` over ``emitted`` tokens per stream.
     The device part reads S * emitted gathered entries per stream: launch-bound, so no floor is quoted. Then what
@@ -315,7 +318,7 @@ def bench_stops(rows, streams, w, emitted=DEPTH + 1, strings=("</s>", "\n\nUser:
         counts = jnp.asarray(rng.integers(1, emitted + 1, b), jnp.int32)
         fn = jax.jit(lambda states, t, c: advance(tables, states, t, c))
         row = {"part": "stop advance", "M": b * emitted, "B": b, "T": emitted, "N": w, "K": len(strings),
-               "method": "advance", **timed(fn, (start_states(tables, b), tokens, counts))}
+               "method": "advance", **timer(fn, (start_states(tables, b), tokens, counts))}
         rows.append(row)
         print(row, flush=True)
 
@@ -328,11 +331,21 @@ def main():
     ap.add_argument("--commit", default=None, help="code commit to record (the device copy has no .git)")
     ap.add_argument("--smoke", action="store_true", help="CPU: small shapes")
     ap.add_argument("--sample-rows", default="33,132,260", help="the sample part's M values (comma-separated)")
+    ap.add_argument("--calls", type=int, default=None,
+                    help="dependent calls in each traced chain (default 8; 2 with --smoke)")
+    ap.add_argument("--trace-repeats", type=int, default=None,
+                    help="traces of each chain, the median quoted (default 3; 1 with --smoke)")
     args = ap.parse_args()
     parts = args.parts.split(",")
     unknown = set(parts) - {"vocab", "beams", "log_softmax", "build", "sample", "keys", "scores", "stops"}
     if unknown:
         ap.error(f"unknown --parts {sorted(unknown)}")
+    # A smoke run checks every part's plumbing and results; two calls traced once time them well enough for that.
+    calls = args.calls if args.calls is not None else (2 if args.smoke else 8)
+    repeats = args.trace_repeats if args.trace_repeats is not None else (1 if args.smoke else 3)
+    if calls < 1 or repeats < 1:
+        ap.error(f"--calls {calls} and --trace-repeats {repeats} must be at least 1")
+    timer = functools.partial(timed, calls=calls, repeats=repeats)
     print("jax", jax.__version__, jax.devices()[0].device_kind, flush=True)
     w = 4096 if args.smoke else VOCAB
     m_list = [7] if args.smoke else [7, 28, 112]
@@ -343,23 +356,25 @@ def main():
     bw_source = "torch copy" if tbw else "XLA a+1 copy"
     rows, t0 = [], time.time()
     if "vocab" in parts:
-        bench_vocab(rows, m_list, w, BUDGET, chunks, bw)
+        bench_vocab(rows, timer, m_list, w, BUDGET, chunks, bw)
     if "beams" in parts:
         beams = [(4, 130, 32), (1, 224, 32)] if args.smoke else [(m, n, 32) for n in (130, 224) for m in (1, 4, 16)]
-        bench_beams(rows, beams)
+        bench_beams(rows, timer, beams)
     if "log_softmax" in parts:
-        bench_log_softmax(rows, m_list, w, chunks, bw)
+        bench_log_softmax(rows, timer, m_list, w, chunks, bw)
     if "build" in parts:
-        bench_build(rows, [4] if args.smoke else [1, 4, 16], w, DEPTH, BUDGET)
+        bench_build(rows, timer, [4] if args.smoke else [1, 4, 16], w, DEPTH, BUDGET)
     if "sample" in parts:  # the verify's rows: DDTree-32 at 1 and 4 streams, DDTree-64 at 4
-        bench_sample(rows, [33] if args.smoke else [int(m) for m in args.sample_rows.split(",")], w, bw)
+        bench_sample(rows, timer, [33] if args.smoke else [int(m) for m in args.sample_rows.split(",")], w, bw)
     if "keys" in parts:  # DDTree-32 and -64 trees at 1, 4 and 8 streams
-        bench_keys(rows, [(4, 33)] if args.smoke else [(1, 33), (4, 33), (4, 65), (8, 33)], w, bw)
+        bench_keys(rows, timer, [(4, 33)] if args.smoke else [(1, 33), (4, 33), (4, 65), (8, 33)], w, bw)
     if "scores" in parts:  # paths of up to DEPTH + 1 rows
-        bench_scores(rows, [(4, 33, DEPTH + 1)] if args.smoke else [(b, 33, DEPTH + 1) for b in (1, 4, 16)], w, bw)
+        paths = [(4, 33, DEPTH + 1)] if args.smoke else [(b, 33, DEPTH + 1) for b in (1, 4, 16)]
+        bench_scores(rows, timer, paths, w, bw)
     if "stops" in parts:
-        bench_stops(rows, [4] if args.smoke else [1, 4, 16], w)
-    payload = {"copy_bw_Bps": bw, "copy_bw_source": bw_source, "code_commit": args.commit,
+        bench_stops(rows, timer, [4] if args.smoke else [1, 4, 16], w)
+    payload = {"copy_bw_Bps": bw, "copy_bw_source": bw_source, "code_commit": args.commit, "calls": calls,
+               "trace_repeats": repeats,
                "hardware": bench_util.hardware(),
                "jax": jax.__version__, "seconds": round(time.time() - t0, 1), "rows": rows}
     bench_util.write_result(args.name, payload, out_dir=args.out)

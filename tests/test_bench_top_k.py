@@ -22,7 +22,9 @@ def test_chunked_log_softmax_is_log_softmax():
 def test_smoke_run_checks_each_part(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["bench_top_k.py", "--smoke", "--out", str(tmp_path), "--name", "smoke"])
     bench.main()
-    rows = json.loads((tmp_path / "smoke.json").read_text())["rows"]
+    payload = json.loads((tmp_path / "smoke.json").read_text())
+    rows = payload["rows"]
+    assert (payload["calls"], payload["trace_repeats"]) == (2, 1)
     assert {r["part"] for r in rows} == {"top_k vocab", "top_k beam", "log_softmax", "build_tree from logits",
                                          "sample", "top_p edge", "sample keys", "scores", "stop tables (host)",
                                          "stop advance"}
@@ -33,6 +35,14 @@ def test_smoke_run_checks_each_part(tmp_path, monkeypatch):
             assert r["table_mb"] > 0, r
         if r["part"] in ("top_k vocab", "log_softmax", "sample", "sample keys", "scores"):
             assert r["floor_us"] > 0, r  # beside its floor, also without PyTorch (XLA's copy)
+
+
+@pytest.mark.parametrize("flag", ["--calls", "--trace-repeats"])
+def test_a_chain_of_no_calls_or_no_trace_is_refused(monkeypatch, capsys, flag):
+    monkeypatch.setattr(sys, "argv", ["bench_top_k.py", "--smoke", flag, "0"])
+    with pytest.raises(SystemExit):
+        bench.main()
+    assert "must be at least 1" in capsys.readouterr().err
 
 
 def test_unknown_part_is_refused(monkeypatch):
