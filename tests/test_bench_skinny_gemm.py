@@ -42,7 +42,9 @@ def test_each_variant_of_a_batched_product(variant):
 
 def test_smoke_run_writes_every_point(tmp_path):
     bench.main(["--smoke", "--ms", "1,9", "--variants", "kn,split2,hmajor", "--out", str(tmp_path)])
-    rows = json.loads((tmp_path / "bench_skinny_gemm_smoke.json").read_text())["rows"]
+    payload = json.loads((tmp_path / "bench_skinny_gemm_smoke.json").read_text())
+    rows = payload["rows"]
+    assert payload["config"]["trace_repeats"] == 1 and all(len(r["us_repeats"]) == 1 for r in rows)
     dense = [s for s, (spec, _, _) in bench.SMOKE_SHAPES.items() if spec == bench.DENSE]
     assert {(r["shape"], r["M"], r["variant"]) for r in rows} == {
         (s, m, v) for m in (1, 9) for s, vs in [*[(d, ("kn", "split2")) for d in dense], ("w_uk", ("kn", "hmajor"))]
@@ -56,7 +58,9 @@ def test_unknown_variants_and_shapes_are_refused_up_front(capsys):
     --shapes is refused under --smoke (it was ignored there)."""
     for bad, message in ((["--variants", "kn,knn"], "unknown ['knn']"), (["--variants", "kn,pad"], "unknown ['pad']"),
                          (["--variants", "split0"], "unknown ['split0']"), (["--shapes", "q_b,qb"], "unknown ['qb']"),
-                         (["--smoke", "--shapes", "q_b"], "leave out --shapes")):
+                         (["--smoke", "--shapes", "q_b"], "leave out --shapes"),
+                         (["--smoke", "--calls", "0"], "at least 1"),
+                         (["--smoke", "--trace-repeats", "0"], "at least 1")):
         with pytest.raises(SystemExit) as exit_:
             bench.main(bad)
         assert exit_.value.code == 2 and message in capsys.readouterr().err, bad
@@ -67,6 +71,8 @@ def test_a_variant_that_does_not_apply_is_skipped_with_a_note(tmp_path, capsys):
     bench.main(["--smoke", "--ms", "1", "--variants", "kn,nk,split3", "--out", str(tmp_path), "--calls", "2"])
     out = capsys.readouterr().out
     assert "w_uk: variant nk does not apply" in out and "q_b: split3 does not divide K = 64" in out
-    rows = json.loads((tmp_path / "bench_skinny_gemm_smoke.json").read_text())["rows"]
+    payload = json.loads((tmp_path / "bench_skinny_gemm_smoke.json").read_text())
+    rows = payload["rows"]
+    assert payload["config"]["trace_repeats"] == 1 and all(len(r["us_repeats"]) == 1 for r in rows)
     assert {(r["shape"], r["variant"]) for r in rows} == {("q_b", "kn"), ("q_b", "nk"), ("shared_down", "kn"),
                                                           ("shared_down", "nk"), ("w_uk", "kn")}
