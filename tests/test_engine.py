@@ -260,7 +260,8 @@ def teacher_forced_logits(target, prompts, outputs, log_softmax=False) -> list[n
     """Each output token's logits [tokens, W] (or their log_softmax) from the plain causal forward over prompt +
     output (right-padded, one batch), outside the engine: the row at the position before the token."""
     seqs = [list(p) + list(o) for p, o in zip(prompts, outputs)]
-    tokens = np.zeros((len(seqs), max(map(len, seqs))), np.int32)
+    width = -(-max(map(len, seqs)) // 32) * 32  # rounded up: calls of nearby lengths share one compile
+    tokens = np.zeros((len(seqs), width), np.int32)
     for i, seq in enumerate(seqs):
         tokens[i, :len(seq)] = seq
     logits = causal_forward(target, tokens).astype(jnp.float32)

@@ -35,8 +35,9 @@ def greedy_with_processing(target, prompts, sets, numbers, steps) -> list[list[i
             if stream.get(name, ()) is None:
                 stream[name] = sets.get(name, ())
     seqs = [list(p) for p in prompts]
+    width = max(map(len, seqs)) + steps  # one shape for every step: one compile (causal, so the padding is unseen)
     for _ in range(steps):
-        tokens = np.zeros((len(seqs), max(map(len, seqs))), np.int32)
+        tokens = np.zeros((len(seqs), width), np.int32)
         for i, seq in enumerate(seqs):
             tokens[i, :len(seq)] = seq
         logits = np.asarray(causal_forward(target, tokens).astype(jnp.float32))
