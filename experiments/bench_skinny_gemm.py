@@ -18,11 +18,11 @@ applies):
   one-row dot as a matrix-vector product, tiled apart from M >= 2);
 * ``hmajor`` (batched products): the weight stored with the head axis first.
 
-Timing: device time per call from profiler traces of a chain of ``--calls`` dependent calls, the median of
-``--trace-repeats`` traces (3; one with ``--smoke``; ``bench_util.traced_call_time``), each call on the next of
-``copies`` weight copies whose bytes together exceed 4x the 50 MB L2 (one layer's weights are never in L2 when the
-next layer runs). Floor: the weight's bytes over PyTorch's device copy measured in the same run. XLA_FLAGS as set
-for the process is recorded.
+Timing: device time per call from profiler traces of a chain of ``--calls`` dependent calls (8; 2 with
+``--smoke``), the median of ``--trace-repeats`` traces (3; one with ``--smoke``; ``bench_util.traced_call_time``),
+each call on the next of ``copies`` weight copies whose bytes together exceed 4x the 50 MB L2 (one layer's weights
+are never in L2 when the next layer runs). Floor: the weight's bytes over PyTorch's device copy measured in the same
+run. XLA_FLAGS as set for the process is recorded.
 """
 
 from __future__ import annotations
@@ -109,9 +109,7 @@ def main(argv=None):
                    "--smoke, which runs its own tiny shapes)")
     p.add_argument("--variants", default="kn,nk,split2,split4,split8",
                    help="kn, nk, split{S}, pad{P}, hmajor (each where it applies to a product)")
-    p.add_argument("--calls", type=int, default=8)
-    p.add_argument("--trace-repeats", type=int, default=None,
-                   help="traces of each chain, the median quoted (default 3; 1 with --smoke)")
+    bench_util.add_trace_args(p)
     p.add_argument("--commit", default=None)
     p.add_argument("--out", default=None)
     p.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, each variant checked, timings meaningless")
@@ -122,11 +120,7 @@ def main(argv=None):
         p.error(f"--variants: unknown {unknown}; known: kn, nk, split{{S}}, pad{{P}}, hmajor (S, P positive)")
     if args.smoke and args.shapes is not None:
         p.error("--smoke runs its own tiny shapes: leave out --shapes")
-    # A smoke run checks each variant; one trace of each chain times it well enough for that, and each trace costs
-    # a test process that has compiled much before it ~0.3 s more than a fresh one.
-    trace_repeats = args.trace_repeats if args.trace_repeats is not None else (1 if args.smoke else 3)
-    if args.calls < 1 or trace_repeats < 1:
-        p.error(f"--calls {args.calls} and --trace-repeats {trace_repeats} must be at least 1")
+    calls, trace_repeats = bench_util.trace_args(p, args)
     names = (args.shapes or ",".join(SHAPES)).split(",")
     if any(n not in SHAPES for n in names):
         p.error(f"--shapes: unknown {[n for n in names if n not in SHAPES]}; known: {', '.join(SHAPES)}")
@@ -136,7 +130,8 @@ def main(argv=None):
     rows = []
 
     def save(rows):
-        config = {**vars(args), "trace_repeats": trace_repeats, "xla_flags": os.environ.get("XLA_FLAGS", "")}
+        config = {**vars(args), "calls": calls, "trace_repeats": trace_repeats,
+                  "xla_flags": os.environ.get("XLA_FLAGS", "")}
         payload = {"config": config,
                    "copy_bandwidth_Bps": bandwidth, "rows": rows}
         if args.commit:
@@ -166,7 +161,7 @@ def main(argv=None):
                 ws = [layout(w) for w in base]
                 got = np.asarray(jax.jit(fn)(x, ws[0]).astype(jnp.float32))
                 err = float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-30))
-                t = bench_util.traced_call_time(fn, (x, *ws), args.calls, repeats=trace_repeats,
+                t = bench_util.traced_call_time(fn, (x, *ws), calls, repeats=trace_repeats,
                                                 chain=lambda f, n: bench_util.dependent_chain(f, n, rotate=True))
                 floor_us = 1e6 * (nbytes + (x.size + want.size) * 2) / bandwidth
                 us = 1e6 * t["span_s"]

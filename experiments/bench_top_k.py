@@ -331,20 +331,13 @@ def main():
     ap.add_argument("--commit", default=None, help="code commit to record (the device copy has no .git)")
     ap.add_argument("--smoke", action="store_true", help="CPU: small shapes")
     ap.add_argument("--sample-rows", default="33,132,260", help="the sample part's M values (comma-separated)")
-    ap.add_argument("--calls", type=int, default=None,
-                    help="dependent calls in each traced chain (default 8; 2 with --smoke)")
-    ap.add_argument("--trace-repeats", type=int, default=None,
-                    help="traces of each chain, the median quoted (default 3; 1 with --smoke)")
+    bench_util.add_trace_args(ap)
     args = ap.parse_args()
     parts = args.parts.split(",")
     unknown = set(parts) - {"vocab", "beams", "log_softmax", "build", "sample", "keys", "scores", "stops"}
     if unknown:
         ap.error(f"unknown --parts {sorted(unknown)}")
-    # A smoke run checks every part's plumbing and results; two calls traced once time them well enough for that.
-    calls = args.calls if args.calls is not None else (2 if args.smoke else 8)
-    repeats = args.trace_repeats if args.trace_repeats is not None else (1 if args.smoke else 3)
-    if calls < 1 or repeats < 1:
-        ap.error(f"--calls {calls} and --trace-repeats {repeats} must be at least 1")
+    calls, repeats = bench_util.trace_args(ap, args)
     timer = functools.partial(timed, calls=calls, repeats=repeats)
     print("jax", jax.__version__, jax.devices()[0].device_kind, flush=True)
     w = 4096 if args.smoke else VOCAB

@@ -83,6 +83,26 @@ def add_matmul_precision_arg(parser, default: str, help: str = DECODE_PRECISION_
     parser.add_argument("--matmul-precision", choices=MATMUL_PRECISIONS, default=default, help=help)
 
 
+def add_trace_args(parser) -> None:
+    """``--calls`` and ``--trace-repeats`` for a benchmark timed by ``traced_call_time``; read them back with
+    ``trace_args``."""
+    parser.add_argument("--calls", type=int, default=None,
+                        help="dependent calls in each traced chain (default 8; 2 with --smoke)")
+    parser.add_argument("--trace-repeats", type=int, default=None,
+                        help="traces of each chain, the median quoted (default 3; 1 with --smoke)")
+
+
+def trace_args(parser, args) -> tuple[int, int]:
+    """(calls, repeats) from ``add_trace_args``' flags; a parser error where either is below 1. A smoke run checks
+    its points' plumbing and results, so 2 calls traced once do: each trace costs a test process that has compiled
+    much ~0.3 s more than a fresh one (session 65)."""
+    calls = args.calls if args.calls is not None else (2 if args.smoke else 8)
+    repeats = args.trace_repeats if args.trace_repeats is not None else (1 if args.smoke else 3)
+    if calls < 1 or repeats < 1:
+        parser.error(f"--calls {calls} and --trace-repeats {repeats} must be at least 1")
+    return calls, repeats
+
+
 def block(x):
     return jax.tree.map(lambda a: a.block_until_ready() if hasattr(a, "block_until_ready") else a, x)
 

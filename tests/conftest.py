@@ -41,6 +41,18 @@ import pytest  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
+def user_environment(root: str, compile_flags: bool) -> dict:
+    """This process's environment for a child process that runs as a user's would: one host device (without the
+    8 fake ones set above), ``root`` first on PYTHONPATH, and the suite's -O0 ``CPU_COMPILE_FLAGS`` kept only where
+    ``compile_flags``."""
+    dropped = ("--xla_force_host_platform_device_count",) + (
+        () if compile_flags else tuple(f.split("=")[0] for f in CPU_COMPILE_FLAGS))
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(dropped))
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    return env
+
+
 def has_gpu() -> bool:
     try:
         return any(d.platform == "gpu" for d in jax.devices())

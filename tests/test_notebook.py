@@ -14,6 +14,8 @@ import time
 import nbformat
 from nbclient import NotebookClient
 
+from conftest import user_environment
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOK = os.path.join(ROOT, "notebooks", "eval.ipynb")
 
@@ -61,11 +63,9 @@ def test_eval_notebook_executes(tmp_path):
     names = {line.split("=")[0].strip() for line in params[0].source.splitlines() if "=" in line}
     assert names == {line.split("=")[0].strip() for line in TEST_GRID.splitlines()}, names
     params[0].source = TEST_GRID
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    # one CPU device as a user has (tests/conftest.py forces 8 fake ones for the sharding tests)
-    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
-                                if not f.startswith("--xla_force_host_platform_device_count"))
+    # one CPU device as a user has; the suite's -O0 flags kept (the notebook's grid is compile-bound: 36 s at -O0,
+    # 39 s at -O3 in session 65)
+    env = user_environment(ROOT, compile_flags=True)
     env["MPLBACKEND"] = "module://matplotlib_inline.backend_inline"
     client = NotebookClient(nb, kernel_name="python3", timeout=600, resources={"metadata": {"path": str(tmp_path)}})
     t0 = time.perf_counter()

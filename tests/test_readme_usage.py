@@ -7,12 +7,12 @@ tokens' decode 2.5x slower: 82 s against 30 on a 2-core CPU)."""
 
 import json
 import math
-import os
 import pathlib
 import re
 import subprocess
 import sys
 
+from conftest import user_environment
 from hf_reference import tiny_hf_model
 from dflash_reference import export, random_reference, ref_tensors
 
@@ -37,17 +37,6 @@ def readme_usage_snippet() -> str:
     return block.group(1)
 
 
-def user_environment() -> dict:
-    """This process's environment without the suite's own XLA flags (8 host devices, -O0 compiles)."""
-    from conftest import CPU_COMPILE_FLAGS
-
-    test_flags = ("--xla_force_host_platform_device_count", *(f.split("=")[0] for f in CPU_COMPILE_FLAGS))
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(test_flags))
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    return env
-
-
 def test_readme_usage_snippet_runs(tmp_path):
     snippet = readme_usage_snippet()
     assert snippet.count(f'"{TARGET_PATH}"') == 1 and snippet.count(f'"{DRAFTER_PATH}"') == 1, snippet
@@ -58,8 +47,8 @@ def test_readme_usage_snippet_runs(tmp_path):
                                                                               repr(str(target_dir)))
     script, report = tmp_path / "readme_usage.py", tmp_path / "report.json"
     script.write_text(code + REPORT.format(path=str(report)))
-    done = subprocess.run([sys.executable, str(script)], env=user_environment(), cwd=tmp_path, capture_output=True,
-                          text=True, timeout=900)
+    done = subprocess.run([sys.executable, str(script)], env=user_environment(str(ROOT), compile_flags=False),
+                          cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     got = json.loads(report.read_text())
 
