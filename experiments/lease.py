@@ -8,7 +8,7 @@ last line) goes to OUT/lease.json after every step and is printed as a table at 
 
 A step is NAME:SECONDS:COMMAND (a shell command, run from the current directory). --budget-s caps the
 total: a step that would start with less time left than its own limit gets the time left, or is
-skipped if under 10 s. --pack FILE.tar.gz moves everything the steps left under OUT (logs, results,
+skipped if under 10 s. --pack FILE.tar.gz (or OUT/FILE.tar.gz) moves everything the steps left under OUT (logs, results,
 subfolders) into that one archive at the end, beside lease.json: for a transport that brings back only
 a few files. Without --pack, where the steps left more than --max-files files under OUT (default 8, what
 the device transport brings back), they are packed into lease_pack.tar.gz all the same, so that none is lost.
@@ -100,12 +100,24 @@ def pack(out_dir: str, archive: str) -> list[str]:
     return names
 
 
+def archive_name(pack: str, out_dir: str) -> str:
+    """--pack's archive as a name inside ``out_dir``: NAME.tar.gz, or a path to it whose folder is ``out_dir``
+    itself (``$OUT/NAME.tar.gz``); ValueError for anything else."""
+    folder, name = os.path.split(pack)
+    if folder and os.path.realpath(folder) != os.path.realpath(out_dir):
+        raise ValueError(f"--pack {pack!r} must be NAME.tar.gz or a path to it directly inside --out {out_dir!r}")
+    if not NAME.match(name) or not name.endswith(".tar.gz"):
+        raise ValueError(f"--pack {pack!r} must name a file NAME.tar.gz (letters, digits, '_', '.', '-')")
+    return name
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--step", action="append", default=[], help="NAME:SECONDS:COMMAND (repeatable)")
     ap.add_argument("--budget-s", type=float, default=None, help="total seconds for all steps")
-    ap.add_argument("--pack", default=None, help="archive name (NAME.tar.gz): move OUT's other files into it")
+    ap.add_argument("--pack", default=None,
+                    help="archive NAME.tar.gz (or OUT/NAME.tar.gz): move OUT's other files into it")
     ap.add_argument("--max-files", type=int, default=8,
                     help="without --pack: more files than this under OUT are packed into lease_pack.tar.gz (0: never)")
     args = ap.parse_args(argv)
@@ -113,8 +125,11 @@ def main(argv=None) -> int:
         ap.error(f"--max-files must be 0 (no limit) or positive, got {args.max_files}")
     if not args.step:
         ap.error("give at least one --step")
-    if args.pack is not None and (not NAME.match(args.pack) or not args.pack.endswith(".tar.gz")):
-        ap.error(f"--pack {args.pack!r} must be a plain file name ending in .tar.gz")
+    if args.pack is not None:
+        try:
+            args.pack = archive_name(args.pack, args.out)
+        except ValueError as e:
+            ap.error(str(e))
     try:
         steps = [parse_step(s) for s in args.step]
     except ValueError as e:

@@ -194,8 +194,16 @@ def test_lease_packs_what_the_steps_left_into_one_archive(tmp_path):
     with tarfile.open(out / "all.tar.gz") as tar:
         assert sorted(tar.getnames()) == ["a.txt", "sub", "sub/r.json"]
         assert tar.extractfile("a.txt").read() == b"done\n"
-    with pytest.raises(SystemExit):
-        lease.main(["--out", str(out), "--pack", "../x.tar.gz", "--step", "a:5:true"])
+    for bad in ("../x.tar.gz", str(tmp_path / "x.tar.gz"), "x.tgz", str(out / "sub" / "x.tar.gz"),
+                str(out / "x y.tar.gz")):
+        with pytest.raises(SystemExit):
+            lease.main(["--out", str(out), "--pack", bad, "--step", "a:5:true"])
+    assert not (tmp_path / "x.tar.gz").exists() and not (out / "a.txt").exists()  # refused before any step ran
+    # a path to the archive directly inside OUT is that name (session 66's lease wrote --pack $OUT/NAME.tar.gz)
+    again = tmp_path / "again"
+    assert lease.main(["--out", str(again), "--pack", str(again / "p.tar.gz"), "--step", "b:20:echo b"]) == 0
+    assert sorted(p.name for p in again.iterdir()) == ["lease.json", "p.tar.gz"]
+    assert lease.archive_name(f"{out}/./q.tar.gz", str(out)) == "q.tar.gz"
 
 
 def test_lease_packs_on_its_own_when_the_steps_leave_more_files_than_come_back(tmp_path):
