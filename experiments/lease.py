@@ -8,10 +8,11 @@ last line) goes to OUT/lease.json after every step and is printed as a table at 
 
 A step is NAME:SECONDS:COMMAND (a shell command, run from the current directory). --budget-s caps the
 total: a step that would start with less time left than its own limit gets the time left, or is
-skipped if under 10 s. --pack FILE.tar.gz (or OUT/FILE.tar.gz) moves everything the steps left under OUT (logs, results,
-subfolders) into that one archive at the end, beside lease.json: for a transport that brings back only
-a few files. Without --pack, where the steps left more than --max-files files under OUT (default 8, what
-the device transport brings back), they are packed into lease_pack.tar.gz all the same, so that none is lost.
+skipped if under 10 s. --pack FILE.tar.gz (or OUT/FILE.tar.gz) moves everything the steps left under
+OUT (logs, results, subfolders) into that one archive at the end, beside lease.json: for a transport that
+brings back only a few files. Without --pack, where the steps left more than --max-files files under OUT
+(default 8, what the device transport brings back), they are packed into lease_pack.tar.gz all the same, so
+that none is lost.
 """
 
 from __future__ import annotations
