@@ -49,7 +49,7 @@ from ddtree_jax.scores import (TokenScores, empty_scores, per_stream_slices, sco
                                token_scores)
 from ddtree_jax.serving import Finished, ServeUpdate, serve, serve_updates
 from ddtree_jax.summary import summarize, summary
-from ddtree_jax.sharding import named_sharding, shard_state
+from ddtree_jax.sharding import named_sharding, place, shard_state
 from ddtree_jax.stopping import (CACHE_FULL, EOS, MAX_TOKENS, RUNNING, STATUS_NAMES, STOP_SEQUENCE,  # noqa: F401
                                  STOP_STRING, STOP_TOKEN, check_id_sequences, check_stop_sequences, stop_and_emit)
 from ddtree_jax.stop_strings import (StopStringTabler, StopTables, advance, check_stop_strings,
@@ -269,13 +269,13 @@ def tree_depth(ecfg: EngineConfig, block_size: int) -> int:
 def place_caches(cache: LatentCache, draft_cache: DraftCache | None, runtime: Runtime):
     """The latent cache's kv and the drafter's K/V laid out on the runtime's mesh by their logical axes
     (``CACHE_AXES``, ``draft_cache_axes``: streams over "data", the drafter's kv heads over "model"), as
-    ``memory_plan`` counts them; unchanged without a mesh."""
+    ``memory_plan`` counts them; unchanged without a mesh. Abstract caches get the shardings attached."""
     if runtime.mesh is None:
         return cache, draft_cache
     rules = runtime.rules  # set whenever a mesh is (Runtime's default: DEFAULT_RULES)
-    cache = dataclasses.replace(cache, kv=jax.device_put(cache.kv, named_sharding(runtime.mesh, rules, CACHE_AXES)))
+    cache = dataclasses.replace(cache, kv=place(cache.kv, named_sharding(runtime.mesh, rules, CACHE_AXES)))
     if draft_cache is not None:
-        draft_cache = jax.tree.map(lambda x, axes: jax.device_put(x, named_sharding(runtime.mesh, rules, axes)),
+        draft_cache = jax.tree.map(lambda x, axes: place(x, named_sharding(runtime.mesh, rules, axes)),
                                    draft_cache, draft_cache_axes(), is_leaf=lambda x: isinstance(x, tuple))
     return cache, draft_cache
 
@@ -440,15 +440,33 @@ class Engine:
     def prefill_requests(self, requests: Requests) -> DecodeState:
         """The prefill of checked requests (``check_requests``; or some of them: ``Requests.rows``), one stream
         each, compiled for ``requests.switches`` and ``requests.processing``."""
+        # Caches are made outside jit: zeros built inside would be constant-folded through attention.
+        return self._prefill_program(_prefill, requests, *place_caches(*self._empty_caches(len(requests)),
+                                                                        self.runtime))
+
+    def lower_prefill(self, requests: Requests) -> jax.stages.Lowered:
+        """``prefill_requests``' program lowered, not run (its caches abstract), for compiling ahead of time:
+        ``.compile()``, then its ``memory_analysis()`` or ``abstract_outputs``. It also lowers where the engine
+        holds abstract weights (ShapeDtypeStruct leaves, e.g. ``nnx.eval_shape``'s model) on a mesh of devices this
+        process cannot address, so a program's compile time and bytes per device can be had without them."""
+        caches = jax.eval_shape(lambda: self._empty_caches(len(requests)))
+        return self._prefill_program(_prefill.lower, requests, *place_caches(*caches, self.runtime))
+
+    def lower_dispatch(self, state: DecodeState) -> jax.stages.Lowered:
+        """``dispatch``'s program lowered for ``state`` (arrays, or ShapeDtypeStructs with their shardings:
+        ``abstract_outputs(engine.lower_prefill(requests).compile())``), not run."""
+        return self._dispatch_program(_run_rounds.lower, state, 0)
+
+    def _empty_caches(self, b: int) -> tuple[LatentCache, DraftCache | None]:
+        cache = init_cache(self.cfg, b, self.ecfg.capacity)
+        return cache, init_draft_cache(self.dcfg, b, self.ecfg.capacity) if self.taps else None
+
+    def _prefill_program(self, program, requests: Requests, cache: LatentCache, draft_cache: DraftCache | None):
+        """``program`` (``_prefill``, or its ``.lower``) called on the requests and the placed caches."""
         ecfg = self.ecfg
         tokens, lengths = pad_checked(requests.prompts, capacity=ecfg.capacity)  # checked by check_requests
-        b = len(requests.prompts)
-        # Caches are made outside jit: zeros built inside would be constant-folded through attention.
-        cache = init_cache(self.cfg, b, ecfg.capacity)
-        draft_cache = init_draft_cache(self.dcfg, b, ecfg.capacity) if self.taps else None
-        cache, draft_cache = place_caches(cache, draft_cache, self.runtime)
         stop_applies = None if requests.stop_applies is None else jnp.asarray(requests.stop_applies)
-        return _prefill(self.target_def, self.target_state, self.drafter_def, self.drafter_state, cache, draft_cache,
+        return program(self.target_def, self.target_state, self.drafter_def, self.drafter_state, cache, draft_cache,
                         jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(requests.temperature), requests.keys,
                         jnp.asarray(requests.limits), jax.tree.map(jnp.asarray, requests.settings),
                         requests.stop_tables, stop_applies, max_new_tokens=ecfg.max_new_tokens,
@@ -488,9 +506,12 @@ class Engine:
 
     def dispatch(self, state: DecodeState, running_floor: int = 0) -> DecodeState:
         """One dispatch of rounds (``_run_rounds``; the state is donated)."""
-        return _run_rounds(self.target_def, self.target_state, self.drafter_def, self.drafter_state, state,
-                           np.int32(running_floor), ecfg=self.ecfg, runtime=self.runtime, taps=self.taps,
-                           depth=self.depth)
+        return self._dispatch_program(_run_rounds, state, running_floor)
+
+    def _dispatch_program(self, program, state: DecodeState, running_floor: int):
+        """``program`` (``_run_rounds``, or its ``.lower``) called on the state."""
+        return program(self.target_def, self.target_state, self.drafter_def, self.drafter_state, state,
+                       np.int32(running_floor), ecfg=self.ecfg, runtime=self.runtime, taps=self.taps, depth=self.depth)
 
     def _dispatches(self, state: DecodeState):
         """Yields the state after each dispatch (each one donates the state before it): the first whatever the
@@ -568,6 +589,13 @@ class Engine:
         jax.block_until_ready(state.out_tokens)
         t2 = time.perf_counter()
         return summarize(state, prefill_s=t1 - t0, decode_s=t2 - t1)
+
+
+def abstract_outputs(compiled: jax.stages.Compiled):
+    """A compiled program's outputs as ShapeDtypeStructs with the shardings it gives them: the abstract state that
+    ``Engine.lower_dispatch`` takes from ``Engine.lower_prefill(...).compile()``."""
+    return jax.tree.map(lambda out, sharding: jax.ShapeDtypeStruct(out.shape, out.dtype, sharding=sharding),
+                        compiled.out_info, compiled.output_shardings)
 
 
 def _any_running(state: DecodeState) -> bool:

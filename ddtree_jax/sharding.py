@@ -117,8 +117,17 @@ def param_shardings(state: nnx.State, mesh: Mesh, rules: ShardingRules):
     return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+def place(x, sharding):
+    """``x`` on ``sharding``: an array is put there (``jax.device_put``); an abstract one (``jax.ShapeDtypeStruct``,
+    for lowering ahead of time without the arrays) gets the sharding attached."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+    return jax.device_put(x, sharding)
+
+
 def shard_state(state: nnx.State, mesh: Mesh | None, rules: ShardingRules | None) -> nnx.State:
-    """Places a state on the mesh by its logical axes (no-op without a mesh)."""
+    """Places a state on the mesh by its logical axes (no-op without a mesh); an abstract state (ShapeDtypeStruct
+    leaves, e.g. ``nnx.eval_shape``'s) gets its shardings attached (``place``)."""
     if mesh is None:
         return state
-    return jax.device_put(state, param_shardings(state, mesh, rules or DEFAULT_RULES))
+    return jax.tree.map(place, state, param_shardings(state, mesh, rules or DEFAULT_RULES))
