@@ -26,10 +26,11 @@ Sections (``--sections``):
 
 JSON (hardware, JAX version, commit, config, every row) via ``bench_util.write_result``; a table per section.
 
-Compile time at full size is not measured yet: the target's layers are unrolled in each program, and at 4
-layers a verify program compiled in ~10 s on the H200 (``bench_engine_kernel_h200.json``), so expect minutes
-per program at 61. Within one device call, split the sections over lease steps (``experiments/lease.py``)
-with ``JAX_COMPILATION_CACHE_DIR`` set, and trim ``--ms`` / ``--streams`` to the device time left.
+Compile time at full size: the target's layers are unrolled in each program. ``compile_mesh.py --mock-gpus``
+compiled the engine's programs for this mesh on one H100 (session 67): 26-28 s each at 4 layers, and the prefill
+had not compiled after 330 s at 61. Expect minutes per M and per stream count: within one device call, split the
+sections over lease steps (``experiments/lease.py``) with ``JAX_COMPILATION_CACHE_DIR`` set, and trim ``--ms`` /
+``--streams`` (or ``--layers``) to the device time left.
 """
 
 from __future__ import annotations

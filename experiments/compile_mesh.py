@@ -17,7 +17,10 @@ planner's bytes per device of the weights and caches they hold (``memory_plan.pl
 
 ``--mock-gpus`` sets JAX's ``mock_num_gpu_processes`` to the mesh's size before the backend starts: XLA's GPU client
 then presents that many processes of one local GPU each (mock NCCL), so an 8-GPU program compiles on one GPU. It
-cannot run there, and nothing here runs: this measures what issue #7's machine will pay before its first step.
+cannot run there, and nothing here runs: this measures what issue #7's machine will pay before its first step. It
+also turns XLA's autotuning shared across processes off (``--xla_gpu_shard_autotuning=false``), which otherwise
+waits for the mock processes. XLA's scheduler and rematerialisation take the one real GPU's memory as each
+device's, so on an H100 the full model's 79 GB of arguments per device pass their limit (a logged error).
 """
 
 from __future__ import annotations
@@ -136,6 +139,9 @@ def main(argv=None):
     devices_needed = mesh_shape["data"] * mesh_shape["model"]
     if args.mock_gpus:  # before anything starts the backend
         jax.config.update("mock_num_gpu_processes", devices_needed)
+        # XLA shares GPU autotuning among a program's processes; mock ones never answer, and the first compile
+        # waited for them (session 67, H100: no output in 170 s at 4 layers; 26 s with this flag).
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_shard_autotuning=false").strip()
     if devices_needed > len(jax.devices()):
         p.error(f"--mesh {args.mesh} needs {devices_needed} devices; this process sees {len(jax.devices())} "
                 "(GPU: --mock-gpus; CPU: XLA_FLAGS=--xla_force_host_platform_device_count=8)")
