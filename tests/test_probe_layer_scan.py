@@ -55,8 +55,10 @@ def test_a_tiny_run_reports_both_variants(tmp_path):
     if len(jax.devices()) < 8:
         pytest.skip("needs 8 devices (tests/conftest.py forces 8 CPU devices)")
     rows = probe_layer_scan.main(["--size", "tiny", "--layers", "3", "--prefix", "16", "--streams", "2",
-                                  "--out", str(tmp_path)])
+                                  "--hlo-dir", str(tmp_path / "hlo"), "--out", str(tmp_path)])
     assert [(r["layers"], r["variant"]) for r in rows] == [(3, "unrolled"), (3, "scan")]
     assert rows[0]["argument_GB"] == rows[1]["argument_GB"] > 0  # the same weights and inputs, stacked or not
     assert all(r["compile_s"] > 0 for r in rows)
     assert (tmp_path / "probe_layer_scan_tiny_1x8.json").exists()
+    for variant in ("unrolled", "scan"):
+        assert (tmp_path / "hlo" / f"3_{variant}.hlo.txt").read_text().startswith("HloModule")
