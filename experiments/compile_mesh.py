@@ -57,6 +57,15 @@ def abstract_models(cfg, dcfg):
             nnx.eval_shape(lambda: DFlashDrafter(dcfg, ShapeOnlyRngs())))
 
 
+def mock_gpus(count: int) -> None:
+    """XLA's mock GPU client with ``count`` processes of one local GPU each (``count`` devices, one addressable):
+    programs for that many GPUs compile here and cannot run. Call before anything starts the backend."""
+    jax.config.update("mock_num_gpu_processes", count)
+    # XLA shares GPU autotuning among a program's processes; mock ones never answer, and the first compile waited
+    # for them (session 67, H100: no output in 170 s at 4 layers; 26 s with this flag).
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_shard_autotuning=false").strip()
+
+
 def memory_row(compiled) -> dict:
     """XLA's bytes of one device for a compiled program, in GB (None where the backend reports none)."""
     stats = compiled.memory_analysis()
@@ -137,11 +146,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     mesh_shape, layer_counts, programs = check_args(p, args)
     devices_needed = mesh_shape["data"] * mesh_shape["model"]
-    if args.mock_gpus:  # before anything starts the backend
-        jax.config.update("mock_num_gpu_processes", devices_needed)
-        # XLA shares GPU autotuning among a program's processes; mock ones never answer, and the first compile
-        # waited for them (session 67, H100: no output in 170 s at 4 layers; 26 s with this flag).
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_shard_autotuning=false").strip()
+    if args.mock_gpus:
+        mock_gpus(devices_needed)
     if devices_needed > len(jax.devices()):
         p.error(f"--mesh {args.mesh} needs {devices_needed} devices; this process sees {len(jax.devices())} "
                 "(GPU: --mock-gpus; CPU: XLA_FLAGS=--xla_force_host_platform_device_count=8)")

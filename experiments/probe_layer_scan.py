@@ -44,7 +44,7 @@ from ddtree_jax.rope import rope_cos_sin  # noqa: E402
 from ddtree_jax.sharding import DEFAULT_RULES, make_mesh, shard_state  # noqa: E402
 from experiments.bench_mesh import model_configs  # noqa: E402
 from experiments.bench_util import print_table, write_result  # noqa: E402
-from experiments.compile_mesh import abstract_models, memory_row  # noqa: E402
+from experiments.compile_mesh import abstract_models, memory_row, mock_gpus  # noqa: E402
 
 VARIANTS = ("unrolled", "scan")
 
@@ -158,8 +158,7 @@ def main(argv=None):
         p.error("--layers need at least 2 (a dense layer and a MoE one); --streams, --tree, --prefix at least 1")
     needed = mesh_shape["data"] * mesh_shape["model"]
     if args.mock_gpus:
-        jax.config.update("mock_num_gpu_processes", needed)
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_shard_autotuning=false").strip()
+        mock_gpus(needed)
     if needed > len(jax.devices()):
         p.error(f"--mesh {args.mesh} needs {needed} devices; this process sees {len(jax.devices())}")
     runtime = Runtime(mesh=make_mesh(**mesh_shape), rules=DEFAULT_RULES)
