@@ -467,14 +467,14 @@ class Engine:
         tokens, lengths = pad_checked(requests.prompts, capacity=ecfg.capacity)  # checked by check_requests
         stop_applies = None if requests.stop_applies is None else jnp.asarray(requests.stop_applies)
         return program(self.target_def, self.target_state, self.drafter_def, self.drafter_state, cache, draft_cache,
-                        jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(requests.temperature), requests.keys,
-                        jnp.asarray(requests.limits), jax.tree.map(jnp.asarray, requests.settings),
-                        requests.stop_tables, stop_applies, max_new_tokens=ecfg.max_new_tokens,
-                        eos_ids=_static_eos_ids(ecfg, requests.settings),
-                        runtime=self.runtime, taps=self.taps, depth=self.depth, switches=requests.switches,
-                        logprobs=ecfg.kept_logprobs, top_logprobs=ecfg.top_logprobs,
-                        stop_sequences=_static_stop_sequences(ecfg, requests.settings), processing=requests.processing,
-                        prefill_chunk=ecfg.prefill_chunk)
+                       jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(requests.temperature), requests.keys,
+                       jnp.asarray(requests.limits), jax.tree.map(jnp.asarray, requests.settings),
+                       requests.stop_tables, stop_applies, max_new_tokens=ecfg.max_new_tokens,
+                       eos_ids=_static_eos_ids(ecfg, requests.settings),
+                       runtime=self.runtime, taps=self.taps, depth=self.depth, switches=requests.switches,
+                       logprobs=ecfg.kept_logprobs, top_logprobs=ecfg.top_logprobs,
+                       stop_sequences=_static_stop_sequences(ecfg, requests.settings), processing=requests.processing,
+                       prefill_chunk=ecfg.prefill_chunk)
 
     def _own_sets(self, settings: StreamSettings, i: int) -> dict:
         """Stream i's own stop token ids, allowed token ids (None: the config's; empty: all), stop sequences and EOS
