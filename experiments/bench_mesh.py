@@ -28,9 +28,9 @@ JSON (hardware, JAX version, commit, config, every row) via ``bench_util.write_r
 
 Compile time at full size: the target's layers are unrolled in each program. ``compile_mesh.py --mock-gpus``
 compiled the engine's programs for this mesh on one H100 (session 67): 26-28 s each at 4 layers, and the prefill
-had not compiled after 330 s at 61. Expect minutes per M and per stream count: within one device call, split the
-sections over lease steps (``experiments/lease.py``) with ``JAX_COMPILATION_CACHE_DIR`` set, and trim ``--ms`` /
-``--streams`` (or ``--layers``) to the device time left.
+was still compiling 330 s into its step at 61. Expect minutes per M and per stream count: within one device call,
+split the sections over lease steps (``experiments/lease.py``) with ``JAX_COMPILATION_CACHE_DIR`` set, and trim
+``--ms`` / ``--streams`` (or ``--layers``) to the device time left.
 """
 
 from __future__ import annotations
