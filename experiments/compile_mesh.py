@@ -66,6 +66,15 @@ def mock_gpus(count: int) -> None:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_shard_autotuning=false").strip()
 
 
+def report(name: str, payload: dict, out: str | None) -> str:
+    """Writes the JSON (``bench_util.write_result``) and prints ``payload["rows"]`` as one table of all their keys."""
+    path = write_result(name, payload, out)
+    rows = payload["rows"]
+    print_table(rows, list(dict.fromkeys(k for r in rows for k in r)))
+    print(f"wrote {path}")
+    return path
+
+
 def memory_row(compiled) -> dict:
     """XLA's bytes of one device for a compiled program, in GB (None where the backend reports none)."""
     stats = compiled.memory_analysis()
@@ -170,9 +179,7 @@ def main(argv=None):
     payload = {"config": vars(args), "mesh_shape": mesh_shape, "platform": platform,
                "devices": len(jax.devices()), "addressable_devices": jax.local_device_count(), "rows": rows,
                "code_commit": args.commit}
-    path = write_result(f"compile_mesh_{args.size}_{args.mesh}", payload, args.out)
-    print_table(rows, list(dict.fromkeys(k for r in rows for k in r)))
-    print(f"wrote {path}")
+    report(f"compile_mesh_{args.size}_{args.mesh}", payload, args.out)
     return rows
 
 

@@ -43,8 +43,7 @@ from ddtree_jax.model import ForwardOutput, KimiModel, Runtime  # noqa: E402
 from ddtree_jax.rope import rope_cos_sin  # noqa: E402
 from ddtree_jax.sharding import DEFAULT_RULES, make_mesh, shard_state  # noqa: E402
 from experiments.bench_mesh import model_configs  # noqa: E402
-from experiments.bench_util import print_table, write_result  # noqa: E402
-from experiments.compile_mesh import abstract_models, memory_row, mock_gpus  # noqa: E402
+from experiments.compile_mesh import abstract_models, memory_row, mock_gpus, report  # noqa: E402
 
 VARIANTS = ("unrolled", "scan")
 
@@ -176,9 +175,7 @@ def main(argv=None):
             print(rows[-1], flush=True)
     payload = {"config": vars(args), "mesh_shape": mesh_shape, "platform": jax.devices()[0].platform, "rows": rows,
                "code_commit": args.commit}
-    path = write_result(f"probe_layer_scan_{args.size}_{args.mesh}", payload, args.out)
-    print_table(rows, list(dict.fromkeys(k for r in rows for k in r)))
-    print(f"wrote {path}")
+    report(f"probe_layer_scan_{args.size}_{args.mesh}", payload, args.out)
     return rows
 
 
