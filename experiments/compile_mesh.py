@@ -67,10 +67,11 @@ def mock_gpus(count: int) -> None:
 
 
 def report(name: str, payload: dict, out: str | None) -> str:
-    """Writes the JSON (``bench_util.write_result``) and prints ``payload["rows"]`` as one table of all their keys."""
+    """Writes the JSON (``bench_util.write_result``) and prints ``payload["rows"]`` as one table of all their keys
+    (but those of lists and dicts: those stay in the JSON)."""
     path = write_result(name, payload, out)
     rows = payload["rows"]
-    print_table(rows, list(dict.fromkeys(k for r in rows for k in r)))
+    print_table(rows, list(dict.fromkeys(k for r in rows for k, v in r.items() if not isinstance(v, (list, dict)))))
     print(f"wrote {path}")
     return path
 

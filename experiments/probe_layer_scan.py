@@ -25,6 +25,7 @@ take, and this probe measures whether it would pay first.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -33,16 +34,22 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from ddtree_jax.cache import LatentCache, init_cache  # noqa: E402
+from ddtree_jax.hf_loader import ShapeOnlyRngs  # noqa: E402
 from ddtree_jax.engine import place_caches  # noqa: E402
 from ddtree_jax.memory_plan import parse_mesh  # noqa: E402
 from ddtree_jax.model import ForwardOutput, KimiModel, Runtime  # noqa: E402
+from ddtree_jax.moe import prepare_for_kernels  # noqa: E402
+from pallas_kernels.int4_tiles import TiledInt4  # noqa: E402
 from ddtree_jax.rope import rope_cos_sin  # noqa: E402
 from ddtree_jax.sharding import DEFAULT_RULES, make_mesh, shard_state  # noqa: E402
+from experiments.bench_engine import random_state, random_trees  # noqa: E402
 from experiments.bench_mesh import model_configs  # noqa: E402
+from experiments.bench_util import measure_copy_bandwidth, time_fn, traced_call_time  # noqa: E402
 from experiments.compile_mesh import abstract_models, memory_row, mock_gpus, report  # noqa: E402
 
 VARIANTS = ("unrolled", "scan")
@@ -84,11 +91,15 @@ def scanned_forward(head: KimiModel, layer_def, stacked, tokens, positions, cach
         x, kv = layer(x, cos, sin, cache.kv[i], cache.lengths, tree_mask, runtime)
         block_kv.append(kv)
 
-    def body(x, layer_in):
-        state, cache_kv = layer_in
-        return nnx.merge(layer_def, state)(x, cos, sin, cache_kv, cache.lengths, tree_mask, runtime)
+    first = len(block_kv)
 
-    x, moe_kv = jax.lax.scan(body, x, (stacked, cache.kv[len(block_kv):]))
+    def body(x, layer_in):  # the cache indexed in the loop, not sliced before it (a GPU kernel reads it in place)
+        state, index = layer_in
+        kv_layer = jax.lax.dynamic_index_in_dim(cache.kv, index, keepdims=False)
+        return nnx.merge(layer_def, state)(x, cos, sin, kv_layer, cache.lengths, tree_mask, runtime)
+
+    moe_layers = cache.kv.shape[0] - first
+    x, moe_kv = jax.lax.scan(body, x, (stacked, first + jnp.arange(moe_layers, dtype=jnp.int32)))
     block_kv = jnp.concatenate([jnp.stack(block_kv), moe_kv]) if block_kv else moe_kv
     return ForwardOutput(logits=head.head(head.norm(x)), block_kv=block_kv, taps=None)
 
@@ -131,16 +142,80 @@ def compile_variant(variant: str, target: KimiModel, inputs, runtime: Runtime, h
     return {"variant": variant, "lower_s": t1 - t0, "compile_s": compile_s, **memory_row(compiled)}
 
 
+def random_target(cfg, seed: int = 0) -> KimiModel:
+    """The target with random weights made on the (one) device, its experts repacked for the kernels."""
+    gdef, abstract = nnx.split(nnx.eval_shape(lambda: KimiModel(cfg, ShapeOnlyRngs())))
+    return prepare_for_kernels(nnx.merge(gdef, random_state(abstract, seed)))
+
+
+def random_inputs(cfg, streams: int, tree: int, prefix: int, seed: int = 0):
+    """A verify step's inputs: random tokens in random trees over ``prefix`` committed rows of a random cache."""
+    rng = np.random.default_rng(seed)
+    depth, visible = random_trees(rng, streams, tree)
+    cache = init_cache(cfg, streams, prefix + tree)
+    kv = jax.random.normal(jax.random.key(seed), cache.kv.shape, cache.kv.dtype)
+    cache = dataclasses.replace(cache, kv=kv, lengths=jnp.full((streams,), prefix, jnp.int32))
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (streams, tree)), jnp.int32)
+    return tokens, jnp.asarray(prefix + depth, jnp.int32), cache, jnp.asarray(visible)
+
+
+def dense_bytes(layer_state) -> int:
+    """Bytes of one layer's weights other than its routed experts (what a scan's loop slices for XLA's ops)."""
+    leaves = jax.tree.leaves(layer_state, is_leaf=lambda v: isinstance(v, TiledInt4))
+    return sum(leaf.nbytes for leaf in leaves if not isinstance(leaf, TiledInt4))
+
+
+def time_variants(cfg, streams: int, tree: int, prefix: int, calls: int) -> list[dict]:
+    """Both variants' verify forward run on the one device over the same random weights and inputs: device time
+    per forward from profiler traces of ``calls`` dependent forwards (wall time off GPU), and the kernels whose
+    names say they slice (the scan's copies of a layer's weights out of the stack)."""
+    vocab = cfg.vocab_size
+
+    def next_tokens(out):  # an int output the next forward's tokens can take
+        return (jnp.argmax(out.logits, -1) % vocab).astype(jnp.int32)
+
+    def unrolled(tokens, model, positions, cache, mask):
+        return next_tokens(model(tokens, positions, cache, mask))
+
+    target = random_target(cfg)
+    tokens, *rest = random_inputs(cfg, streams, tree, prefix)
+    rows = [time_forward("unrolled", unrolled, (tokens, target, *rest), calls)]
+    head, layer_def, stacked = split_for_scan(target)
+    del target  # the per-layer weights go once stacked (the stack is a copy)
+
+    def scanned(tokens, head, stacked, positions, cache, mask):
+        return next_tokens(scanned_forward(head, layer_def, stacked, tokens, positions, cache, mask))
+
+    rows.append(time_forward("scan", scanned, (tokens, head, stacked, *rest), calls))
+    one_layer = jax.tree.map(lambda a: a[0], stacked)
+    for row in rows:
+        row.update(streams=streams, tree=tree, dense_MB_per_layer=dense_bytes(one_layer) / 1e6)
+    return rows
+
+
+def time_forward(variant: str, fn, args, calls: int) -> dict:
+    if jax.devices()[0].platform != "gpu":
+        return {"variant": variant, "ms": 1e3 * time_fn(jax.jit(fn), *args, repeats=3, warmup=1)["median_s"]}
+    trace = traced_call_time(fn, args, calls)
+    slices = [k for k in trace["kernels"] if "slice" in k[0]]
+    return {"variant": variant, "ms": 1e3 * trace["span_s"], "busy_ms": 1e3 * trace["busy_s"],
+            "slice_ms": 1e3 * sum(k[2] for k in slices), "slice_kernels": len(slices),
+            "kernels": [[k, n, round(1e6 * sec, 2)] for k, n, sec in trace["kernels"][:30]]}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mesh", default="1x8", help="DATAxMODEL, e.g. 1x8")
+    p.add_argument("--mesh", default="1x8", help="DATAxMODEL, e.g. 1x8 (1x1 with --run)")
     p.add_argument("--mock-gpus", action="store_true", help="as compile_mesh.py's: one GPU stands in for the mesh")
+    p.add_argument("--run", action="store_true",
+                   help="run both variants on one device with random weights and time them (no mesh)")
     p.add_argument("--size", choices=["full", "tiny"], default="full")
     p.add_argument("--layers", default="4,61", help="comma-separated target layer counts")
-    p.add_argument("--variants", default=",".join(VARIANTS))
-    p.add_argument("--streams", type=int, default=8)
+    p.add_argument("--variants", default=",".join(VARIANTS), help="compiled variants (--run times both)")
+    p.add_argument("--streams", default="8", help="comma-separated stream counts")
     p.add_argument("--tree", type=int, default=9, help="tree nodes per stream (budget + 1)")
     p.add_argument("--prefix", type=int, default=4096)
+    p.add_argument("--calls", type=int, default=4, help="--run: dependent forwards per trace")
     p.add_argument("--hlo-dir", default=None, help="write each compiled program's HLO here (layers_variant.hlo.txt)")
     p.add_argument("--commit", default=None, help="commit to record (the device copy has no .git)")
     p.add_argument("--out", default=None)
@@ -148,34 +223,54 @@ def main(argv=None):
     try:
         mesh_shape = parse_mesh(args.mesh)
         layer_counts = [int(v) for v in args.layers.split(",")]
+        stream_counts = [int(v) for v in args.streams.split(",")]
     except ValueError as e:
         p.error(str(e))
     variants = args.variants.split(",")
     if set(variants) - set(VARIANTS):
         p.error(f"--variants: choose from {', '.join(VARIANTS)}")
-    if min(layer_counts) < 2 or min(args.streams, args.tree, args.prefix) < 1:
-        p.error("--layers need at least 2 (a dense layer and a MoE one); --streams, --tree, --prefix at least 1")
+    if min(layer_counts) < 2 or min(*stream_counts, args.tree, args.prefix, args.calls) < 1:
+        p.error("--layers need at least 2 (a dense layer and a MoE one); --streams, --tree, --prefix, --calls at "
+                "least 1")
     needed = mesh_shape["data"] * mesh_shape["model"]
+    if args.run and (args.mock_gpus or needed != 1 or args.hlo_dir):
+        p.error("--run times one device's forwards: --mesh 1x1, and neither --mock-gpus nor --hlo-dir")
     if args.mock_gpus:
         mock_gpus(needed)
     if needed > len(jax.devices()):
         p.error(f"--mesh {args.mesh} needs {needed} devices; this process sees {len(jax.devices())}")
+    payload = {"config": vars(args), "mesh_shape": mesh_shape, "platform": jax.devices()[0].platform,
+               "code_commit": args.commit}
+    rows = []
+    if args.run:
+        bandwidth = measure_copy_bandwidth()
+        for layers, streams in ((ly, st) for ly in layer_counts for st in stream_counts):
+            cfg, _ = model_configs(args.size, layers)
+            moe_layers = cfg.num_layers - cfg.first_k_dense_replace
+            for row in time_variants(cfg, streams, args.tree, args.prefix, args.calls):
+                # the floor of copying every MoE layer's dense weights out of the stack (a read and a write)
+                row = {"layers": layers, **row, "copy_floor_ms": 2e3 * moe_layers * row["dense_MB_per_layer"] * 1e6
+                       / bandwidth}
+                rows.append(row)
+                print({k: v for k, v in row.items() if k != "kernels"}, flush=True)
+        payload["copy_bandwidth_GBps"] = bandwidth / 1e9
+        report(f"probe_layer_scan_run_{args.size}", {**payload, "rows": rows}, args.out)
+        return rows
     runtime = Runtime(mesh=make_mesh(**mesh_shape), rules=DEFAULT_RULES)
     if args.hlo_dir:
         os.makedirs(args.hlo_dir, exist_ok=True)
-    rows = []
-    for layers in layer_counts:
+    for layers, streams in ((ly, st) for ly in layer_counts for st in stream_counts):
         cfg, dcfg = model_configs(args.size, layers)
         target, _ = abstract_models(cfg, dcfg)
         target = nnx.merge(nnx.graphdef(target), shard_state(nnx.state(target), runtime.mesh, runtime.rules))
-        inputs = abstract_inputs(cfg, args.streams, args.tree, args.prefix, runtime)
+        inputs = abstract_inputs(cfg, streams, args.tree, args.prefix, runtime)
         for variant in variants:
-            hlo = os.path.join(args.hlo_dir, f"{layers}_{variant}.hlo.txt") if args.hlo_dir else None
-            rows.append({"layers": layers, **compile_variant(variant, target, inputs, runtime, hlo)})
+            name = f"{layers}_{variant}" + (f"_{streams}" if len(stream_counts) > 1 else "")
+            hlo = os.path.join(args.hlo_dir, f"{name}.hlo.txt") if args.hlo_dir else None
+            rows.append({"layers": layers, "streams": streams,
+                         **compile_variant(variant, target, inputs, runtime, hlo)})
             print(rows[-1], flush=True)
-    payload = {"config": vars(args), "mesh_shape": mesh_shape, "platform": jax.devices()[0].platform, "rows": rows,
-               "code_commit": args.commit}
-    report(f"probe_layer_scan_{args.size}_{args.mesh}", payload, args.out)
+    report(f"probe_layer_scan_{args.size}_{args.mesh}", {**payload, "rows": rows}, args.out)
     return rows
 
 

@@ -62,3 +62,22 @@ def test_a_tiny_run_reports_both_variants(tmp_path):
     assert (tmp_path / "probe_layer_scan_tiny_1x8.json").exists()
     for variant in ("unrolled", "scan"):
         assert (tmp_path / "hlo" / f"3_{variant}.hlo.txt").read_text().startswith("HloModule")
+
+
+def test_a_tiny_timed_run_reports_both_variants_over_the_same_weights(tmp_path):
+    rows = probe_layer_scan.main(["--run", "--mesh", "1x1", "--size", "tiny", "--layers", "3", "--prefix", "8",
+                                  "--streams", "1", "--out", str(tmp_path)])
+    assert [(r["variant"], r["streams"]) for r in rows] == [("unrolled", 1), ("scan", 1)]
+    assert all(r["ms"] > 0 for r in rows)
+    # the tiny MoE layer's weights other than its experts: attention, router, shared expert, norms (f32)
+    assert rows[0]["dense_MB_per_layer"] == rows[1]["dense_MB_per_layer"] > 0.1
+    assert rows[0]["copy_floor_ms"] > 0
+    assert (tmp_path / "probe_layer_scan_run_tiny.json").exists()
+
+
+@pytest.mark.parametrize("flags", [["--mock-gpus"], ["--mesh", "1x8"], ["--hlo-dir", "x"]])
+def test_a_timed_run_refuses_what_it_cannot_do(flags, capsys):
+    argv = ["--run", "--size", "tiny", "--layers", "3"] + (["--mesh", "1x1"] if "--mesh" not in flags else []) + flags
+    with pytest.raises(SystemExit):
+        probe_layer_scan.main(argv)
+    assert "--run times one device's forwards" in capsys.readouterr().err
