@@ -162,7 +162,7 @@ def random_inputs(cfg, streams: int, tree: int, prefix: int, seed: int = 0):
 def dense_bytes(layer_state) -> int:
     """Bytes of one layer's weights other than its routed experts (what a scan's loop slices for XLA's ops)."""
     leaves = jax.tree.leaves(layer_state, is_leaf=lambda v: isinstance(v, TiledInt4))
-    return sum(leaf.nbytes for leaf in leaves if not isinstance(leaf, TiledInt4))
+    return sum(leaf.size * leaf.dtype.itemsize for leaf in leaves if not isinstance(leaf, TiledInt4))
 
 
 def time_variants(cfg, streams: int, tree: int, prefix: int, calls: int) -> list[dict]:
