@@ -26,9 +26,11 @@ Sections (``--sections``):
 
 JSON (hardware, JAX version, commit, config, every row) via ``bench_util.write_result``; a table per section.
 
-Compile time at full size: the target's layers are unrolled in each program. ``compile_mesh.py --mock-gpus``
-compiled the engine's programs for this mesh on one H100 (session 67): 26-28 s each at 4 layers, and the prefill
-was still compiling 330 s into its step at 61. Expect minutes per M and per stream count: within one device call,
+Compile time at full size: the target's layers are unrolled in each program (one lowered body per layer
+structure, ``model.apply_layer``). ``compile_mesh.py --mock-gpus`` compiled the engine's programs for this mesh on one
+H100: at 61 layers the prefill in 6.2 + 73.4 s (lower + compile) and the dispatch in 7.5 + 68.1 s (session 68; the
+prefill was still compiling 330 s into its step before ``apply_layer``). Expect over a minute per M and per stream
+count: within one device call,
 split the sections over lease steps (``experiments/lease.py``) with ``JAX_COMPILATION_CACHE_DIR`` set, and trim
 ``--ms`` / ``--streams`` (or ``--layers``) to the device time left.
 """
