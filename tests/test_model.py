@@ -145,6 +145,23 @@ def test_taps_come_in_the_order_asked():
     np.testing.assert_array_equal(np.asarray(swapped), np.asarray(in_order)[::-1])
 
 
+def test_a_forward_lowers_one_body_per_layer_structure():
+    """Each decoder layer is called through the jitted ``apply_layer``: the lowered forward holds one function per
+    layer structure (dense, MoE) whatever the layer count, so lowering does not grow with the layers (issue #7)."""
+    def lowered_functions(num_layers):
+        cfg = tiny_config(num_layers=num_layers, first_k_dense_replace=1)
+        graphdef, abstract = nnx.split(nnx.eval_shape(lambda: KimiModel(cfg, nnx.Rngs(0))))
+        ints = jax.ShapeDtypeStruct((1, 3), jnp.int32)
+        cache = jax.eval_shape(lambda: init_cache(cfg, 1, 8))
+        mask = jax.ShapeDtypeStruct((1, 3, 3), jnp.bool_)
+        text = jax.jit(lambda st, *a: nnx.merge(graphdef, st)(*a).logits).lower(abstract, ints, ints, cache,
+                                                                              mask).as_text()
+        return sorted(re.findall(r"func\.func (?:private|public) @(\w+)", text))
+
+    assert lowered_functions(2) == lowered_functions(6)
+    assert sum(name.startswith("apply_layer") for name in lowered_functions(6)) == 2  # dense, MoE
+
+
 def test_model_without_q_lora_matches_torch(tmp_path_factory):
     """q_lora_rank None (DeepSeek-V2-Lite style, q projected straight from the hidden state)."""
     hf, model = _load_pair(tmp_path_factory, q_lora_rank=None, num_hidden_layers=1)  # one dense layer
