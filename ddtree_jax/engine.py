@@ -457,8 +457,7 @@ class Engine:
 def abstract_outputs(compiled: jax.stages.Compiled):
     """A compiled program's outputs as ShapeDtypeStructs with the shardings it gives them: the abstract state that
     ``Engine.lower_dispatch`` takes from ``Engine.lower_prefill(...).compile()``."""
-    return jax.tree.map(lambda out, sharding: jax.ShapeDtypeStruct(out.shape, out.dtype, sharding=sharding),
-                        compiled.out_info, compiled.output_shardings)
+    return jax.tree.map(place, compiled.out_info, compiled.output_shardings)
 
 
 def _any_running(state: DecodeState) -> bool:

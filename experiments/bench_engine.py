@@ -43,7 +43,7 @@ from ddtree_jax import decode as decode_lib  # noqa: E402
 from ddtree_jax.cache import commit, init_cache  # noqa: E402
 from ddtree_jax.config import QuantConfig, k26_config, tiny_config  # noqa: E402
 from ddtree_jax.drafter import DFlashDrafter, k26_drafter_config, tiny_drafter_config  # noqa: E402
-from ddtree_jax.engine import MODES, Engine, EngineConfig, RUNNING, _run_rounds  # noqa: E402
+from ddtree_jax.engine import MODES, Engine, EngineConfig, RUNNING, _run_rounds, place_caches  # noqa: E402
 from ddtree_jax.model import KimiModel, Runtime, causal_mask  # noqa: E402
 from ddtree_jax.moe import prepare_for_kernels  # noqa: E402
 from ddtree_jax.rope import rope_cos_sin  # noqa: E402
@@ -363,6 +363,17 @@ def verify_shape(m: int) -> tuple[int, int]:
     return m // 66, 66
 
 
+def random_verify_inputs(rng, cfg, b: int, t: int, prefix: int, runtime: Runtime = Runtime()):
+    """A verify step's inputs: ``b`` random trees (``random_trees``) of ``t`` random tokens over ``prefix`` committed
+    rows of an empty latent cache, placed on the runtime's mesh (``place_caches``): tokens [B, T], positions [B, T],
+    cache, visibility [B, T, T]."""
+    depth, vis = random_trees(rng, b, t)
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, t)), jnp.int32)
+    cache = dataclasses.replace(init_cache(cfg, b, prefix + t), lengths=jnp.full((b,), prefix, jnp.int32))
+    cache, _ = place_caches(cache, None, runtime)
+    return tokens, jnp.asarray(prefix + depth, jnp.int32), cache, jnp.asarray(vis)
+
+
 def random_trees(rng, b: int, t: int):
     """[B, T] parents-first random trees: depths [B, T] and ancestor-or-self visibility [B, T, T]."""
     depth = np.zeros((b, t), np.int32)
@@ -436,11 +447,7 @@ def bench_kernel_path(target, args, deadline, rows, bandwidth):
             print(f"kernel_verify: skipping M={m} and up (time budget)")
             break
         b, t = verify_shape(m)
-        depth, vis = random_trees(rng, b, t)
-        tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, t)), jnp.int32)
-        positions = jnp.asarray(p + depth)
-        cache = init_cache(cfg, b, p + t)
-        cache = dataclasses.replace(cache, lengths=jnp.full((b,), p, jnp.int32))
+        tokens, positions, cache, vis = random_verify_inputs(rng, cfg, b, t, p)
         row = {"bench": "kernel_verify", "M": m, "streams": b, "tree_tokens": t, "prefix": p}
         # floor: the weights M tokens read (``step_weight_bytes``) and the streams' latent caches of the prefix
         floor_s = (step_weight_bytes(target_state, cfg, m)
@@ -451,9 +458,9 @@ def bench_kernel_path(target, args, deadline, rows, bandwidth):
             fwd = jax.jit(lambda st, tok, pos, c, v, gdef=gdef: nnx.merge(gdef, st)(tok, pos, c, v).logits)
             try:
                 t1 = time.perf_counter()
-                outs[path] = jax.block_until_ready(fwd(gstate, tokens, positions, cache, jnp.asarray(vis)))
+                outs[path] = jax.block_until_ready(fwd(gstate, tokens, positions, cache, vis))
                 row[f"{path}_compile_s"] = time.perf_counter() - t1
-                row[f"{path}_ms"] = 1e3 * time_fn(fwd, gstate, tokens, positions, cache, jnp.asarray(vis),
+                row[f"{path}_ms"] = 1e3 * time_fn(fwd, gstate, tokens, positions, cache, vis,
                                                   repeats=args.repeats)["median_s"]
             except Exception as e:
                 row[f"{path}_error"] = f"{type(e).__name__}: {e}"[:300]

@@ -51,16 +51,15 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from ddtree_jax.cache import init_cache  # noqa: E402
 from ddtree_jax.config import QuantConfig, k26_config, tiny_config  # noqa: E402
 from ddtree_jax.drafter import DFlashDrafter, k26_drafter_config, tiny_drafter_config  # noqa: E402
-from ddtree_jax.engine import Engine, EngineConfig, place_caches  # noqa: E402
+from ddtree_jax.engine import Engine, EngineConfig  # noqa: E402
 from ddtree_jax.hf_loader import ShapeOnlyRngs  # noqa: E402
 from ddtree_jax.memory_plan import held_bytes_per_device, parse_mesh, plan_memory  # noqa: E402
 from ddtree_jax.model import KimiModel, Runtime  # noqa: E402
 from ddtree_jax.moe import prepare_for_kernels  # noqa: E402
 from ddtree_jax.sharding import DEFAULT_RULES, make_mesh  # noqa: E402
-from experiments.bench_engine import random_state, random_trees, verify_shape, weight_share  # noqa: E402
+from experiments.bench_engine import random_state, random_verify_inputs, verify_shape, weight_share  # noqa: E402
 from experiments.bench_util import (measure_copy_bandwidth, measure_torch_copy_bandwidth, print_table,  # noqa: E402
                                     time_fn, write_result)
 from experiments.project_k26 import taus  # noqa: E402
@@ -85,13 +84,18 @@ def model_configs(size: str, layers: int | None):
     return cfg, tiny_drafter_config(cfg, block_size=8, num_heads=8, num_kv_heads=8)
 
 
+def random_target(cfg, mesh=None, seed: int = 0) -> KimiModel:
+    """The target with random weights, its experts repacked for the kernels, made in its shards on ``mesh`` (or on
+    the default device)."""
+    target_def, target_abs = nnx.split(nnx.eval_shape(lambda: KimiModel(cfg, ShapeOnlyRngs())))
+    return prepare_for_kernels(nnx.merge(target_def, random_state(target_abs, seed, mesh, DEFAULT_RULES)))
+
+
 def build(cfg, dcfg, mesh):
     """Random target (experts repacked for the kernels) and drafter, made in their shards on ``mesh``."""
-    target_def, target_abs = nnx.split(nnx.eval_shape(lambda: KimiModel(cfg, ShapeOnlyRngs())))
     drafter_def, drafter_abs = nnx.split(nnx.eval_shape(lambda: DFlashDrafter(dcfg, ShapeOnlyRngs())))
-    target = prepare_for_kernels(nnx.merge(target_def, random_state(target_abs, 0, mesh, DEFAULT_RULES)))
     drafter = nnx.merge(drafter_def, random_state(drafter_abs, 1, mesh, DEFAULT_RULES))
-    return target, drafter
+    return random_target(cfg, mesh), drafter
 
 
 def bench_memory(target, drafter, cfg, dcfg, mesh, mesh_shape, args, rows):
@@ -148,12 +152,7 @@ def bench_step(target, cfg, mesh, mesh_shape, args, bandwidth, deadline, rows):
             print(f"step: skipping M={m} and up (time budget)", flush=True)
             break
         b, t = verify_shape(m)
-        depth, vis = random_trees(rng, b, t)
-        cache = init_cache(cfg, b, args.prefix + t)
-        cache, _ = place_caches(dataclasses.replace(cache, lengths=jnp.full((b,), args.prefix, jnp.int32)), None,
-                                runtime)
-        tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, t)), jnp.int32)
-        inputs = (gstate, tokens, jnp.asarray(args.prefix + depth), cache, jnp.asarray(vis))
+        inputs = (gstate, *random_verify_inputs(rng, cfg, b, t, args.prefix, runtime))
         t0 = time.perf_counter()
         jax.block_until_ready(fwd(*inputs))
         compile_s = time.perf_counter() - t0

@@ -31,7 +31,6 @@ s after), so the model keeps one module per layer and no scan.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 import time
@@ -45,16 +44,14 @@ from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from ddtree_jax.cache import LatentCache, init_cache  # noqa: E402
-from ddtree_jax.hf_loader import ShapeOnlyRngs  # noqa: E402
 from ddtree_jax.engine import place_caches  # noqa: E402
 from ddtree_jax.memory_plan import parse_mesh  # noqa: E402
 from ddtree_jax.model import ForwardOutput, KimiModel, Runtime  # noqa: E402
-from ddtree_jax.moe import prepare_for_kernels  # noqa: E402
 from pallas_kernels.int4_tiles import TiledInt4  # noqa: E402
 from ddtree_jax.rope import rope_cos_sin  # noqa: E402
 from ddtree_jax.sharding import DEFAULT_RULES, make_mesh, shard_state  # noqa: E402
-from experiments.bench_engine import random_state, random_trees  # noqa: E402
-from experiments.bench_mesh import model_configs  # noqa: E402
+from experiments.bench_engine import random_verify_inputs  # noqa: E402
+from experiments.bench_mesh import model_configs, random_target  # noqa: E402
 from experiments.bench_util import measure_copy_bandwidth, time_fn, traced_call_time  # noqa: E402
 from experiments.compile_mesh import abstract_models, memory_row, mock_gpus, report  # noqa: E402
 
@@ -148,23 +145,6 @@ def compile_variant(variant: str, target: KimiModel, inputs, runtime: Runtime, h
     return {"variant": variant, "lower_s": t1 - t0, "compile_s": compile_s, **memory_row(compiled)}
 
 
-def random_target(cfg, seed: int = 0) -> KimiModel:
-    """The target with random weights made on the (one) device, its experts repacked for the kernels."""
-    gdef, abstract = nnx.split(nnx.eval_shape(lambda: KimiModel(cfg, ShapeOnlyRngs())))
-    return prepare_for_kernels(nnx.merge(gdef, random_state(abstract, seed)))
-
-
-def random_inputs(cfg, streams: int, tree: int, prefix: int, seed: int = 0):
-    """A verify step's inputs: random tokens in random trees over ``prefix`` committed rows of a random cache."""
-    rng = np.random.default_rng(seed)
-    depth, visible = random_trees(rng, streams, tree)
-    cache = init_cache(cfg, streams, prefix + tree)
-    kv = jax.random.normal(jax.random.key(seed), cache.kv.shape, cache.kv.dtype)
-    cache = dataclasses.replace(cache, kv=kv, lengths=jnp.full((streams,), prefix, jnp.int32))
-    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (streams, tree)), jnp.int32)
-    return tokens, jnp.asarray(prefix + depth, jnp.int32), cache, jnp.asarray(visible)
-
-
 def dense_bytes(layer_state) -> int:
     """Bytes of one layer's weights other than its routed experts (what a scan's loop slices for XLA's ops)."""
     leaves = jax.tree.leaves(layer_state, is_leaf=lambda v: isinstance(v, TiledInt4))
@@ -184,7 +164,7 @@ def time_variants(cfg, streams: int, tree: int, prefix: int, calls: int) -> list
         return next_tokens(model(tokens, positions, cache, mask))
 
     target = random_target(cfg)
-    tokens, *rest = random_inputs(cfg, streams, tree, prefix)
+    tokens, *rest = random_verify_inputs(np.random.default_rng(0), cfg, streams, tree, prefix)
     rows = [time_forward("unrolled", unrolled, (tokens, target, *rest), calls)]
     head, layer_def, stacked = split_for_scan(target)
     del target  # the per-layer weights go once stacked (the stack is a copy)
