@@ -45,7 +45,7 @@ from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from ddtree_jax.cache import LatentCache, init_cache  # noqa: E402
 from ddtree_jax.engine import place_caches  # noqa: E402
-from ddtree_jax.memory_plan import parse_mesh  # noqa: E402
+from ddtree_jax.memory_plan import array_bytes, parse_mesh  # noqa: E402
 from ddtree_jax.model import ForwardOutput, KimiModel, Runtime  # noqa: E402
 from pallas_kernels.int4_tiles import TiledInt4  # noqa: E402
 from ddtree_jax.rope import rope_cos_sin  # noqa: E402
@@ -148,7 +148,7 @@ def compile_variant(variant: str, target: KimiModel, inputs, runtime: Runtime, h
 def dense_bytes(layer_state) -> int:
     """Bytes of one layer's weights other than its routed experts (what a scan's loop slices for XLA's ops)."""
     leaves = jax.tree.leaves(layer_state, is_leaf=lambda v: isinstance(v, TiledInt4))
-    return sum(leaf.size * leaf.dtype.itemsize for leaf in leaves if not isinstance(leaf, TiledInt4))
+    return sum(array_bytes(leaf.shape, leaf.dtype) for leaf in leaves if not isinstance(leaf, TiledInt4))
 
 
 def time_variants(cfg, streams: int, tree: int, prefix: int, calls: int) -> list[dict]:
