@@ -41,12 +41,25 @@ def parse_mesh(text: str) -> dict[str, int]:
     return dict(zip(MESH_AXES, sizes))
 
 
+def shard_shape(shape: Sequence[int], logical_axes: Sequence[str | None], mesh_shape: dict[str, int],
+                rules: ShardingRules, *, exact: bool = False) -> tuple[int, ...]:
+    """The shape of the largest shard of an array [shape] with ``logical_axes`` on a mesh of ``mesh_shape``; with
+    ``exact`` a ValueError where a mesh axis does not divide its dimension (no uneven shards)."""
+    spec = tuple(rules.spec(logical_axes)) + (None,) * len(shape)
+    local = []
+    for d, axis in zip(shape, spec):
+        n = 1 if axis is None else mesh_shape[axis]
+        if exact and d % n:
+            raise ValueError(f"mesh axis {axis!r} of size {n} does not divide dimension {d} of shape {tuple(shape)} "
+                             f"(logical axes {tuple(logical_axes)})")
+        local.append(math.ceil(d / n))
+    return tuple(local)
+
+
 def bytes_per_device(shape: Sequence[int], dtype, logical_axes: Sequence[str | None], mesh_shape: dict[str, int],
                      rules: ShardingRules) -> int:
     """Bytes of the largest shard of an array [shape] with ``logical_axes`` on a mesh of ``mesh_shape``."""
-    spec = rules.spec(logical_axes)
-    local = [math.ceil(d / mesh_shape[a]) if a is not None else d for d, a in zip(shape, tuple(spec) + (None,) * 8)]
-    return array_bytes(local, dtype)
+    return array_bytes(shard_shape(shape, logical_axes, mesh_shape, rules), dtype)
 
 
 def array_bytes(shape: Sequence[int], dtype) -> int:

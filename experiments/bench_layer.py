@@ -25,6 +25,7 @@ the memory planner's prediction (``memory_plan.param_bytes``), and the floors ar
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -34,31 +35,94 @@ sys.path.insert(0, ROOT)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from ddtree_jax.config import QuantConfig, k26_config, tiny_config  # noqa: E402
 from ddtree_jax.hf_loader import ShapeOnlyRngs  # noqa: E402
-from ddtree_jax.memory_plan import held_bytes_per_device, param_bytes, parse_mesh  # noqa: E402
+from ddtree_jax.memory_plan import held_bytes_per_device, param_bytes, parse_mesh, shard_shape  # noqa: E402
 from ddtree_jax.model import DecoderLayer, Runtime, causal_mask  # noqa: E402
 from ddtree_jax.sharding import DEFAULT_RULES, make_mesh, shard_state  # noqa: E402
-from ddtree_jax.moe import prepare_for_kernels, route, routed_experts  # noqa: E402
+from ddtree_jax.moe import default_routed_fn, prepare_for_kernels, route, routed_experts  # noqa: E402
 from ddtree_jax.rope import rope_cos_sin  # noqa: E402
 from experiments.bench_engine import bytes_of, expert_share, random_state  # noqa: E402
 from experiments.bench_util import (measure_copy_bandwidth, measure_torch_copy_bandwidth, print_table,  # noqa: E402
                                     tie_to, time_fn, traced_call_time, write_result)
 
 
-def build_layer(size: str):
+def layer_config(size: str):
     if size == "full":
-        cfg = k26_config(dtype="bfloat16")
-    else:
-        cfg = tiny_config(dtype="bfloat16", quant=QuantConfig(group_size=32), hidden_size=256,
-                          moe_intermediate_size=256)
-    idx = cfg.first_k_dense_replace  # the first MoE layer
+        return k26_config(dtype="bfloat16")
+    return tiny_config(dtype="bfloat16", quant=QuantConfig(group_size=32), hidden_size=256, moe_intermediate_size=256)
+
+
+def abstract_layer(cfg, local_of: int | None = None):
+    """(graphdef, abstract state) of the first MoE layer; with ``local_of`` G, of what one device of a 1xG mesh
+    holds of it under ``DEFAULT_RULES``: every array cut to its shard's shape (``memory_plan.shard_shape``; a mesh
+    axis that does not divide is refused), under a graphdef built for H / G heads, so the attention reshapes to
+    its local heads. The experts are the first E / G of the stack (routed by ``expert_offset``), the shared
+    expert's FFN width is cut, and what the rules replicate (the router, q_a, kv_a, the norms) stays whole."""
+    idx = cfg.first_k_dense_replace
     gdef, abstract = nnx.split(nnx.eval_shape(lambda: DecoderLayer(cfg, idx, ShapeOnlyRngs())))
+    if not local_of:
+        return gdef, abstract
+    if cfg.num_heads % local_of:
+        raise ValueError(f"--local-of {local_of} does not divide the {cfg.num_heads} heads")
+    local_cfg = dataclasses.replace(cfg, num_heads=cfg.num_heads // local_of)
+    gdef = nnx.graphdef(nnx.eval_shape(lambda: DecoderLayer(local_cfg, idx, ShapeOnlyRngs())))
+    mesh_shape = {"data": 1, "model": local_of}
+
+    def local(variable):
+        axes = variable.get_metadata()["logical_axes"]
+        cut = lambda a: jax.ShapeDtypeStruct(shard_shape(a.shape, axes, mesh_shape, DEFAULT_RULES, exact=True),  # noqa: E731
+                                             a.dtype)
+        return variable.replace(jax.tree.map(cut, variable.get_value()))
+
+    return gdef, jax.tree.map(local, abstract, is_leaf=lambda v: isinstance(v, nnx.Variable))
+
+
+def build_layer(size: str, local_of: int | None = None):
+    """(config, the first MoE layer with random weights in the kernels' layout); ``local_of``: one device's
+    share of it (``abstract_layer``)."""
+    cfg = layer_config(size)
+    gdef, abstract = abstract_layer(cfg, local_of)
     layer = prepare_for_kernels(nnx.merge(gdef, random_state(abstract, 0)))
     return cfg, layer
+
+
+def busiest_device(ids, num_experts: int, devices: int) -> dict:
+    """Routing ids [M, K] over experts split evenly over ``devices`` (expert parallelism): per device the
+    distinct experts the tokens touch and the (token, expert) pairs it computes, and the device with the most
+    distinct experts (the most weight bytes read; ties: the most pairs, then the lowest index), whose share of
+    a layer at small M the all-reduce after it waits for."""
+    ids = np.asarray(ids)
+    owner = ids // (num_experts // devices)
+    distinct = [int(np.unique(ids[owner == d]).size) for d in range(devices)]
+    pairs = [int((owner == d).sum()) for d in range(devices)]
+    device = max(range(devices), key=lambda d: (distinct[d], pairs[d], -d))
+    return {"device": device, "distinct": distinct, "pairs": pairs}
+
+
+def random_ids(cfg, m: int) -> jax.Array:
+    """Routing ids [M, K] for the parts that fix them: uniform over the experts (repeats allowed)."""
+    return jax.random.randint(jax.random.key(2), (m, cfg.num_experts_per_tok), 0, cfg.n_routed_experts)
+
+
+def local_routing(cfg, layer, m: int, devices: int) -> tuple[Runtime, dict]:
+    """For a layer built with ``local_of`` = devices: a Runtime whose routed experts are the busiest device's
+    (``busiest_device`` over ``random_ids``), and that device's load. Its ``routed_fn`` computes the local
+    experts' share (``expert_offset``, as under the mesh's shard_map) for those ids, whatever the router picked
+    (the router still runs, and its weights are used), tied to the activations so each call redoes the sort."""
+    ids = random_ids(cfg, m)
+    load = busiest_device(ids, cfg.n_routed_experts, devices)
+    offset = load["device"] * (cfg.n_routed_experts // devices)
+    base = default_routed_fn(layer.mlp.w13.get_value(), expert_shards=devices)
+
+    def routed_fn(x, _ids, weights, w13, w2):
+        return base(x, tie_to(ids, x), weights, w13, w2, expert_offset=offset)
+
+    return Runtime(routed_fn=routed_fn), load
 
 
 def parts(cfg, layer, m: int, prefix: int, rt: Runtime = Runtime()):
@@ -71,9 +135,9 @@ def parts(cfg, layer, m: int, prefix: int, rt: Runtime = Runtime()):
     kv = kv.astype(jnp.dtype(cfg.dtype))
     lengths, mask = jnp.array([prefix]), causal_mask(1, m)
     moe = layer.mlp
-    ids, weights = route(jnp.zeros((m, cfg.hidden_size), jnp.float32) + 0.01 * jnp.arange(m)[:, None],
-                         moe.router.get_value(), moe.router_bias.get_value(), cfg)
-    ids = jax.random.randint(jax.random.key(2), ids.shape, 0, cfg.n_routed_experts)  # distinct enough
+    weights = route(jnp.zeros((m, cfg.hidden_size), jnp.float32) + 0.01 * jnp.arange(m)[:, None],
+                    moe.router.get_value(), moe.router_bias.get_value(), cfg)[1]
+    ids = random_ids(cfg, m)
     flat = lambda x: x.reshape(m, cfg.hidden_size)  # noqa: E731
 
     def router(lay, x, top_k_method):
@@ -87,14 +151,14 @@ def parts(cfg, layer, m: int, prefix: int, rt: Runtime = Runtime()):
 
     def routed(mod, x, aux):  # ids tied to x: each step sorts them (fixed ids would be sorted once per chain)
         y = routed_experts(flat(x), tie_to(aux[0], x), aux[1], mod.w13.get_value(), mod.w2.get_value(),
-                           mesh=rt.mesh, rules=rt.rules)
+                           mesh=rt.mesh, rules=rt.rules, routed_fn=rt.routed_fn)
         return x + y.reshape(x.shape).astype(x.dtype)
 
     return {
         "layer": (lambda lay, x, aux: lay(x, cos, sin, aux, lengths, mask, rt)[0], kv),
         "attention": (lambda lay, x, aux: x + lay.attn(lay.input_norm(x), cos, sin, aux, lengths, mask, rt)[0], kv),
-        "moe": (lambda lay, x, aux: x + lay.mlp(lay.post_norm(x), mesh=rt.mesh, rules=rt.rules).astype(x.dtype),
-                None),
+        "moe": (lambda lay, x, aux: x + lay.mlp(lay.post_norm(x), mesh=rt.mesh, rules=rt.rules,
+                                                routed_fn=rt.routed_fn).astype(x.dtype), None),
         "router": (lambda lay, x, aux: router(lay, x, "auto"), None),  # the model's default top-k
         "router_sort": (lambda lay, x, aux: router(lay, x, "sort"), None),  # the two top-k methods (A/B)
         "router_compare": (lambda lay, x, aux: router(lay, x, "compare"), None),
@@ -152,6 +216,9 @@ def main(argv=None):
     p.add_argument("--commit", default=None)
     p.add_argument("--out", default=None)
     p.add_argument("--mesh", default=None, help="DATAxMODEL, e.g. 1x2: run the layer sharded over that mesh")
+    p.add_argument("--local-of", type=int, default=None, metavar="G",
+                   help="time on one device what one device of a 1xG mesh computes (abstract_layer): its heads, "
+                        "shared-expert width and experts, routed as the busiest device's; the collectives left out")
     p.add_argument("--calls", type=int, default=8, help="unrolled steps of the traced chain")
     p.add_argument("--no-loop", action="store_true", help="on a GPU, skip the fori_loop timing (us_loop): half the run")
     p.add_argument("--parts", default="", help="comma list of the parts to time (layer, attention, moe, router, "
@@ -163,12 +230,22 @@ def main(argv=None):
              "router_logits_bf16", "router_logits_x9", "routed_experts", "shared_expert", "elementwise", "dispatched"}
     if wanted - known:
         p.error(f"unknown parts {sorted(wanted - known)}; known: {sorted(known)}")
+    if args.local_of is not None and (args.local_of < 2 or args.mesh):
+        p.error(f"--local-of takes a device count of at least 2, without --mesh; got {args.local_of}"
+                + (f" with --mesh {args.mesh}" if args.mesh else ""))
     traced = jax.default_backend() == "gpu"  # a CPU trace holds host thunks, not a device timeline
     started = time.perf_counter()  # the script's own seconds per phase go to the log (device time is scarce)
     bandwidth = measure_torch_copy_bandwidth() or measure_copy_bandwidth()
-    cfg, layer = build_layer(args.size)
+    try:
+        cfg, layer = build_layer(args.size, args.local_of)
+    except ValueError as e:
+        p.error(str(e))
     gdef, state = nnx.split(layer)
     rt, memory = Runtime(), None
+    if args.local_of:
+        memory = {"held": bytes_of(state), "planned_per_device": sum(v["per_device"] for v in param_bytes(
+            abstract_layer(cfg)[1], {"data": 1, "model": args.local_of}, DEFAULT_RULES).values())}
+        print("one device's weights", memory, flush=True)
     if args.mesh:
         mesh_shape = parse_mesh(args.mesh)
         mesh = make_mesh(**mesh_shape)
@@ -190,16 +267,23 @@ def main(argv=None):
     def save(rows):
         payload = {"config": {"size": args.size, "prefix": args.prefix, "iters": args.iters, "repeats": args.repeats,
                               "calls": args.calls, "traced": traced, "loop": not (traced and args.no_loop),
-                              "dtype": cfg.dtype, "mesh": args.mesh},
+                              "dtype": cfg.dtype, "mesh": args.mesh, "local_of": args.local_of},
                    "copy_bw_Bps": bandwidth, "rows": rows, "weights_per_device": memory}
         if args.commit:
             payload["commit"] = args.commit
-        name = f"bench_layer_{args.size}" + (f"_mesh{args.mesh}" if args.mesh else "")
+        name = f"bench_layer_{args.size}" + (f"_mesh{args.mesh}" if args.mesh else "") \
+            + (f"_local{args.local_of}" if args.local_of else "")
         print("wrote", write_result(name, payload, args.out), flush=True)
 
     for m in [int(v) for v in args.ms.split(",")]:
         x = (0.1 * jax.random.normal(jax.random.key(m), (1, m, cfg.hidden_size), jnp.float32)).astype(cfg.dtype)
         routed_bytes = expert_share(cfg, m) * experts_bytes
+        load = None
+        if args.local_of:  # the busiest device's distinct experts, of the E / G it holds
+            rt, load = local_routing(cfg, layer, m, args.local_of)
+            routed_bytes = load["distinct"][load["device"]] / layer.mlp.w13.get_value().shape[0] * experts_bytes
+            print(f"M={m}: device {load['device']} is the busiest: distinct experts per device {load['distinct']}, "
+                  f"pairs {load['pairs']}", flush=True)
         kv_bytes = (args.prefix + m) * cfg.latent_dim * jnp.dtype(cfg.dtype).itemsize
         # sharded: the weights split over the model axis (an even share per device; at small M the
         # busiest device's experts decide), the latent cache read whole by every device
@@ -226,6 +310,8 @@ def main(argv=None):
                 continue
             t = trace["span_s"] if trace else t_loop
             row = {"M": m, "part": name, "us": 1e6 * t, "us_loop": t_loop and 1e6 * t_loop}
+            if load:
+                row["routing"] = load
             if trace:  # where the part's device time goes: its slowest kernels, µs per call (per device)
                 row["kernels"] = [[k, launches, round(1e6 * sec, 2)] for k, launches, sec in trace["kernels"][:40]]
                 row.update(us_repeats=[round(1e6 * v, 2) for v in trace["span_repeats_s"]],

@@ -1,0 +1,98 @@
+"""bench_layer's one-device share of a sharded layer (``--local-of``): what it holds and how it routes."""
+
+import dataclasses
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from ddtree_jax.memory_plan import param_bytes, shard_shape
+from ddtree_jax.sharding import DEFAULT_RULES
+from experiments import bench_layer
+
+
+@pytest.mark.parametrize("devices", [2, 4])
+def test_local_layer_holds_one_devices_shards(devices):
+    """Every array of the local layer has the shape of its shard on a 1xG mesh, so it holds exactly the planner's
+    bytes per device; the attention's arrays are those of a layer built for H / G heads."""
+    cfg = bench_layer.layer_config("tiny")
+    _, full = bench_layer.abstract_layer(cfg)
+    _, local = bench_layer.abstract_layer(cfg, devices)
+    mesh_shape = {"data": 1, "model": devices}
+    planned = sum(v["per_device"] for v in param_bytes(full, mesh_shape, DEFAULT_RULES).values())
+    assert sum(v["per_device"] for v in param_bytes(local, {"data": 1, "model": 1}, DEFAULT_RULES).values()) \
+        == planned
+    full_leaves = dict(full.flat_state())
+    cut = 0
+    for path, variable in local.flat_state():
+        axes = full_leaves[path].get_metadata()["logical_axes"]
+        for whole, mine in zip(jax.tree.leaves(full_leaves[path].get_value()), jax.tree.leaves(variable.get_value())):
+            assert mine.shape == shard_shape(whole.shape, axes, mesh_shape, DEFAULT_RULES)
+            cut += mine.shape != whole.shape
+    assert cut >= 6  # q_b, kv_b, o_proj, the experts (words and scales), the shared expert
+    assert local["mlp"]["router"].get_value().shape == full["mlp"]["router"].get_value().shape
+    assert local["mlp"]["w13"].get_value().packed.shape[0] == cfg.n_routed_experts // devices
+    _, by_heads = bench_layer.abstract_layer(dataclasses.replace(cfg, num_heads=cfg.num_heads // devices))
+    mine = dict(local["attn"].flat_state())
+    for path, variable in by_heads["attn"].flat_state():
+        assert variable.get_value().shape == mine[path].get_value().shape, path
+
+
+def test_local_layer_refuses_a_count_that_does_not_divide():
+    cfg = bench_layer.layer_config("tiny")
+    with pytest.raises(ValueError, match="does not divide the 4 heads"):
+        bench_layer.abstract_layer(cfg, 3)
+    with pytest.raises(ValueError, match="does not divide dimension 8"):  # 8 experts over 16 devices
+        bench_layer.abstract_layer(dataclasses.replace(cfg, num_heads=16), 16)
+
+
+def test_busiest_device_counts_distinct_experts_then_pairs():
+    # 8 experts over 4 devices (2 each): device 1 holds experts 2-3, device 3 experts 6-7
+    ids = np.array([[2, 3], [2, 6], [6, 6]])
+    load = bench_layer.busiest_device(ids, 8, 4)
+    assert load == {"device": 1, "distinct": [0, 2, 0, 1], "pairs": [0, 3, 0, 3]}
+    # a tie in distinct experts goes to the device with more pairs, then to the lowest index
+    assert bench_layer.busiest_device(np.array([[0, 2], [2, 4]]), 8, 4)["device"] == 1
+    assert bench_layer.busiest_device(np.array([[0, 2]]), 8, 4)["device"] == 0
+
+
+def test_local_routing_computes_the_busiest_devices_experts(monkeypatch):
+    """The local Runtime's routed_fn takes the fixed ids (not the router's) and the busiest device's offset."""
+    cfg, layer = bench_layer.build_layer("tiny", 4)
+    seen = {}
+
+    def spy(w13, expert_shards):
+        def fn(x, ids, weights, w13, w2, expert_offset):
+            seen.update(ids=np.asarray(ids), offset=int(expert_offset), shards=expert_shards)
+            return np.zeros(x.shape, np.float32)
+        return fn
+
+    monkeypatch.setattr(bench_layer, "default_routed_fn", spy)
+    rt, load = bench_layer.local_routing(cfg, layer, 5, 4)
+    x = np.ones((5, cfg.hidden_size), np.float32)
+    rt.routed_fn(x, np.zeros((5, 2), np.int32), np.ones((5, 2), np.float32), None, None)
+    np.testing.assert_array_equal(seen["ids"], np.asarray(bench_layer.random_ids(cfg, 5)))
+    assert seen["offset"] == load["device"] * cfg.n_routed_experts // 4 and seen["shards"] == 4
+    assert sum(load["pairs"]) == 5 * cfg.num_experts_per_tok
+
+
+def test_local_run_writes_its_routing_and_weights(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench_layer, "measure_torch_copy_bandwidth", lambda: 1e11)
+    bench_layer.main(["--size", "tiny", "--local-of", "4", "--ms", "2", "--iters", "1", "--repeats", "1",
+                      "--parts", "layer,routed_experts", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "bench_layer_tiny_local4.json").read_text())
+    assert result["config"]["local_of"] == 4
+    assert result["weights_per_device"]["held"] == result["weights_per_device"]["planned_per_device"]
+    rows = {r["part"]: r for r in result["rows"]}
+    assert set(rows) == {"layer", "routed_experts"} and rows["layer"]["routing"] == rows["routed_experts"]["routing"]
+    load = rows["layer"]["routing"]
+    assert sum(load["pairs"]) == 2 * 2 and load["distinct"][load["device"]] == max(load["distinct"])
+    assert all(np.isfinite(r["us"]) and r["floor_us"] > 0 for r in rows.values())
+
+
+def test_local_of_refuses_a_mesh_and_one_device(capsys):
+    for argv in (["--local-of", "1"], ["--local-of", "2", "--mesh", "1x2"]):
+        with pytest.raises(SystemExit):
+            bench_layer.main(["--size", "tiny"] + argv)
+        assert "--local-of takes a device count of at least 2" in capsys.readouterr().err
