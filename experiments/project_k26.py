@@ -1,15 +1,26 @@
-"""Projected full-size K2.6 decode on an 8-GPU mesh from per-layer measurements on 1 and 2 GPUs (issue #7).
+"""Projected full-size K2.6 decode on an 8-GPU mesh from per-layer measurements on 1 and 2 GPUs, or of one
+device's share of the layer on one GPU (issue #7).
 
     PYTHONPATH=. python experiments/project_k26.py \
         --one experiments/results/bench_layer_h200.json [more files of other M] \
         --two experiments/results/bench_layer_h200x2_mesh1x2.json [...] \
         [--eval experiments/results/eval_grid_h200.json] [--gpus 8] [--figure span|busy] [--out DIR]
+    PYTHONPATH=. python experiments/project_k26.py --local bench_layer_full_local8.json [...] \
+        --allreduce-us 0,10,20 [--eval ...] [--figure span|busy] [--out DIR]
 
-A projection, not a measurement. It is only as good as these assumptions, which the output repeats:
+A projection, not a measurement. It is only as good as these assumptions, which the output repeats.
+The fit (--one / --two):
 - Per MoE layer at G GPUs, t_G(M) = a(M) + b(M) / G, fitted exactly through the measured 1- and 2-GPU
   times of the whole layer (``bench_layer.py`` part "layer"). a holds what sharding does not divide
   (launches, small ops, the collectives as they cost at G = 2), b what it does (weight bytes). At G = 8
   the collectives span 8 GPUs, so a is a lower bound there.
+One device's share (--local):
+- Per MoE layer at G GPUs, t_G(M) = the layer as one device of a 1xG mesh computes it (``bench_layer.py
+  --local-of G``: its heads, shared-expert width and experts, the router and replicated projections whole,
+  the busiest device's experts for uniform random routing), timed alone on one GPU, plus the layer's
+  ALLREDUCES_PER_LAYER all-reduces at each assumed cost in --allreduce-us: they were not measured on G GPUs.
+  Devices that wait for the busiest at each all-reduce are assumed not to add more.
+Both:
 - A step of M tokens costs num_layers * t_G(M): the dense first layer is counted as a MoE layer (an
   upper bound for it); the LM head, the embedding and the drafter are left out (a lower bound for the step).
 - Between measured M the time is interpolated linearly; outside them nothing is projected.
@@ -31,9 +42,23 @@ import sys
 from experiments import bench_util
 
 K26_LAYERS = 61
+# a MoE layer's collectives on a ("data", "model") mesh at the default rules: one all-reduce of the attention's
+# output and one (a tuple) of the routed and shared experts' shares (the compiled HLO on 8 host devices;
+# tests/test_bench_layer.py counts them)
+ALLREDUCES_PER_LAYER = 2
 
 
 FIGURES = {"span": "us", "busy": "busy_us"}
+
+
+def assumptions(kind: str) -> str:
+    """The module docstring's assumptions of the fit ("fit") or of one device's share ("local"), then those of
+    both."""
+    text = __doc__.split("assumptions, which the output repeats.")[1]
+    fit_part, rest = text.split("One device's share (--local):")
+    local_part, both = rest.split("Both:")
+    own = fit_part.split("The fit (--one / --two):")[1] if kind == "fit" else local_part
+    return (own.strip() + "\n" + both.strip()).replace("ALLREDUCES_PER_LAYER", str(ALLREDUCES_PER_LAYER))
 
 
 def layer_times(result: dict, figure: str = "span") -> dict[int, float]:
@@ -93,18 +118,30 @@ def fit(one: dict[int, float], two: dict[int, float]) -> dict[int, tuple[float, 
     return {m: (2 * two[m] - one[m], 2 * (one[m] - two[m])) for m in common}
 
 
-def layer_time(coeffs: dict[int, tuple[float, float]], m: int, gpus: int) -> float:
-    """Projected µs per layer at M tokens on ``gpus`` GPUs: the fit at measured M, linear between them.
-    Raises ValueError outside the measured range (no extrapolation)."""
-    ms = sorted(coeffs)
+def interpolate(at: dict[int, float], m: int) -> float:
+    """The value at M of points measured at some M: exact where measured, linear between them; ValueError
+    outside the measured range (no extrapolation)."""
+    ms = sorted(at)
     if not ms[0] <= m <= ms[-1]:
         raise ValueError(f"M={m} is outside the measured range [{ms[0]}, {ms[-1]}]")
-    at = {k: a + b / gpus for k, (a, b) in coeffs.items()}
     if m in at:
         return at[m]
     hi = next(k for k in ms if k > m)
     lo = max(k for k in ms if k < m)
     return at[lo] + (at[hi] - at[lo]) * (m - lo) / (hi - lo)
+
+
+def layer_time(coeffs: dict[int, tuple[float, float]], m: int, gpus: int) -> float:
+    """Projected µs per layer at M tokens on ``gpus`` GPUs: the fit at measured M, linear between them.
+    Raises ValueError outside the measured range (no extrapolation)."""
+    return interpolate({k: a + b / gpus for k, (a, b) in coeffs.items()}, m)
+
+
+def local_layer_time(local: dict, m: int, allreduce_us: float, figure: str = "span") -> float:
+    """µs per layer at M tokens on G GPUs from one device's share of the layer timed alone (``bench_layer
+    --local-of G``, the busiest device's experts), plus the ALLREDUCES_PER_LAYER all-reduces that the share
+    leaves out, at ``allreduce_us`` each (an assumption: they were not measured on G GPUs)."""
+    return interpolate(layer_times(local, figure), m) + ALLREDUCES_PER_LAYER * allreduce_us
 
 
 def taus(result: dict) -> dict[int, float]:
@@ -147,16 +184,34 @@ def check_comparable(one: dict, two: dict) -> None:
 
 def project(one: dict, two: dict, tau_by_budget: dict[int, float], gpus: int, layers: int = K26_LAYERS,
             streams=(1, 10), allow_mixed: bool = False, figure: str = "span") -> list[dict]:
+    """AR and DDTree rows from the a + b / G fit through the 1- and 2-GPU layer times."""
     if not allow_mixed:
         check_comparable(one, two)
     coeffs = fit(layer_times(one, figure), layer_times(two, figure))
+    return project_rows(lambda m: layer_time(coeffs, m, gpus), tau_by_budget, layers, streams)
+
+
+def project_local(local: dict, allreduce_us: float, tau_by_budget: dict[int, float], layers: int = K26_LAYERS,
+                  streams=(1, 10), figure: str = "span") -> list[dict]:
+    """AR and DDTree rows from one device's share of the layer (``local_layer_time``) on G = its
+    ``config.local_of`` GPUs."""
+    if not local.get("config", {}).get("local_of"):
+        raise ValueError(f"{local.get('name', 'result')} is not a bench_layer --local-of result")
+    if allreduce_us < 0:
+        raise ValueError(f"allreduce_us must be >= 0, got {allreduce_us}")
+    return project_rows(lambda m: local_layer_time(local, m, allreduce_us, figure), tau_by_budget, layers, streams)
+
+
+def project_rows(layer_us_at, tau_by_budget: dict[int, float], layers: int, streams) -> list[dict]:
+    """AR at one stream and DDTree at each stream count and budget: M, µs per layer (``layer_us_at(M)``; a
+    ValueError there becomes the row's note), the step and tokens/s."""
     rows = []
     cases = [("AR", 1, None)] + [("DDTree", s, b) for s in streams for b in sorted(tau_by_budget)]
     for mode, s, budget in cases:
         m = s if budget is None else s * (budget + 1)
         row = dict(mode=mode, streams=s, budget=budget, M=m)
         try:
-            t = layer_time(coeffs, m, gpus)
+            t = layer_us_at(m)
         except ValueError as e:
             rows.append(dict(row, note=str(e)))
             continue
@@ -168,8 +223,12 @@ def project(one: dict, two: dict, tau_by_budget: dict[int, float], gpus: int, la
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--one", required=True, nargs="+", help="bench_layer JSON on one GPU (several: their M combined)")
-    ap.add_argument("--two", required=True, nargs="+", help="bench_layer JSON on a 1x2 mesh (likewise)")
+    ap.add_argument("--one", nargs="+", help="bench_layer JSON on one GPU (several: their M combined)")
+    ap.add_argument("--two", nargs="+", help="bench_layer JSON on a 1x2 mesh (likewise)")
+    ap.add_argument("--local", nargs="+", help="instead of --one / --two: bench_layer --local-of G JSON (one device's "
+                    "share of the layer), projected to G GPUs with --allreduce-us")
+    ap.add_argument("--allreduce-us", default=None,
+                    help="with --local: comma list of assumed µs per all-reduce on G GPUs, one projection each")
     ap.add_argument("--eval", default=None, help="eval_grid JSON with the trained pair's tau per budget")
     ap.add_argument("--gpus", type=int, default=8)
     ap.add_argument("--out", default=None)
@@ -180,6 +239,16 @@ def main(argv=None):
                     help="the layer time fitted: the trace's span, or each device's summed kernel time")
     args = ap.parse_args(argv)
     load = lambda p: json.load(open(p))  # noqa: E731
+    if args.local:
+        if args.one or args.two or args.allreduce_us is None:
+            ap.error("--local takes --allreduce-us and neither --one nor --two")
+        try:
+            costs = [float(v) for v in args.allreduce_us.split(",")]
+        except ValueError:
+            ap.error(f"--allreduce-us must be a comma list of numbers, got {args.allreduce_us!r}")
+        return main_local(args, combine_results([load(p) for p in args.local], args.local, args.allow_mixed), costs)
+    if not (args.one and args.two) or args.allreduce_us is not None:
+        ap.error("the fit takes --one and --two (and no --allreduce-us), or pass --local")
     one = combine_results([load(p) for p in args.one], args.one, args.allow_mixed)
     two = combine_results([load(p) for p in args.two], args.two, args.allow_mixed)
     tau = taus(load(args.eval)) if args.eval else {}
@@ -189,7 +258,7 @@ def main(argv=None):
                                one_timing=timing_of(one), two_timing=timing_of(two),
                                one_commit=one.get("commit"), two_commit=two.get("commit"),
                                mixed=args.allow_mixed, figure=args.figure),
-                   assumptions=__doc__.split("assumptions, which the output repeats:")[1].strip(),
+                   assumptions=assumptions("fit"),
                    fit={m: dict(a_us=a, b_us=b) for m, (a, b) in fit(layer_times(one, args.figure),
                                                                         layer_times(two, args.figure)).items()},
                    rows=rows)
@@ -197,6 +266,25 @@ def main(argv=None):
     print("wrote", bench_util.write_result(f"project_k26_{args.gpus}gpu{suffix}", payload, args.out))
     bench_util.print_table(rows, ["mode", "streams", "budget", "M", "layer_us", "step_ms", "tokens_per_step", "tok_s",
                                   "note"])
+    return 0
+
+
+def main_local(args, local: dict, costs: list[float]) -> int:
+    """``--local``: one projection per assumed all-reduce cost, from one device's share of the layer."""
+    gpus = local.get("config", {}).get("local_of")
+    tau = taus(json.load(open(args.eval))) if args.eval else {}
+    rows = []
+    for cost in costs:
+        rows += [dict(r, allreduce_us=cost) for r in project_local(local, cost, tau, figure=args.figure)]
+    payload = dict(kind="projection, not a measurement", gpus=gpus, layers=K26_LAYERS,
+                   inputs=dict(local=args.local, eval=args.eval, timing=timing_of(local), commit=local.get("commit"),
+                               mixed=args.allow_mixed, figure=args.figure),
+                   assumptions=assumptions("local"),
+                   local_layer_us=layer_times(local, args.figure), rows=rows)
+    suffix = "" if args.figure == "span" else f"_{args.figure}"
+    print("wrote", bench_util.write_result(f"project_k26_{gpus}gpu_local{suffix}", payload, args.out))
+    bench_util.print_table(rows, ["allreduce_us", "mode", "streams", "budget", "M", "layer_us", "step_ms",
+                                  "tokens_per_step", "tok_s", "note"])
     return 0
 
 

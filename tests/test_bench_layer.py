@@ -6,6 +6,7 @@ import json
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from ddtree_jax.memory_plan import param_bytes, shard_shape
 from ddtree_jax.sharding import DEFAULT_RULES
@@ -96,3 +97,24 @@ def test_local_of_refuses_a_mesh_and_one_device(capsys):
         with pytest.raises(SystemExit):
             bench_layer.main(["--size", "tiny"] + argv)
         assert "--local-of takes a device count of at least 2" in capsys.readouterr().err
+
+
+def test_a_sharded_moe_layer_has_the_all_reduces_the_projection_adds(host_devices):
+    """What ``--local-of`` leaves out: on a 1x4 mesh of host devices the compiled MoE layer holds exactly
+    ``project_k26.ALLREDUCES_PER_LAYER`` all-reduces (the attention's output; the routed and shared experts'
+    shares as one tuple) and no other collective."""
+    import re
+
+    from ddtree_jax.model import Runtime
+    from ddtree_jax.sharding import make_mesh, shard_state
+    from experiments.project_k26 import ALLREDUCES_PER_LAYER
+    cfg, layer = bench_layer.build_layer("tiny")
+    mesh = make_mesh(data=1, model=4, devices=host_devices[:4])
+    rt = Runtime(mesh=mesh)
+    gdef, state = nnx.split(layer)
+    state = shard_state(state, mesh, rt.rules)
+    step, kv = bench_layer.parts(cfg, layer, 1, 64, rt)["layer"]
+    x = jax.numpy.zeros((1, 1, cfg.hidden_size), cfg.dtype)
+    hlo = jax.jit(lambda st, x, kv: step(nnx.merge(gdef, st), x, kv)).lower(state, x, kv).compile().as_text()
+    assert len(re.findall(r"\ball-reduce(?:-start)?\(", hlo)) == ALLREDUCES_PER_LAYER
+    assert not re.search(r"\b(all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(", hlo)

@@ -1,5 +1,7 @@
 """The 8-GPU projection's arithmetic (issue #7): the a + b/G fit, interpolation, no extrapolation."""
 
+import json
+
 import pytest
 
 from experiments import project_k26 as P
@@ -120,3 +122,37 @@ def test_combined_files_must_share_their_settings():
     with pytest.raises(ValueError, match="different settings"):
         P.combine_results([a, b], ["a.json", "b.json"])
     assert P.layer_times(P.combine_results([a, b], ["a.json", "b.json"], allow_mixed=True)) == {1: 300.0, 90: 1800.0}
+
+
+def local_result(times, devices=8, **kw):
+    return dict(result(times, local_of=devices), **kw)
+
+
+def test_local_projection_adds_the_all_reduces_to_one_devices_share():
+    local = local_result({1: 100.0, 9: 140.0})
+    rows = P.project_local(local, 10.0, {8: 2.5}, layers=61, streams=(1,))
+    ar, tree = rows
+    assert ar["layer_us"] == pytest.approx(100.0 + P.ALLREDUCES_PER_LAYER * 10.0)
+    assert ar["tok_s"] == pytest.approx(1e6 / (61 * 120.0))
+    assert tree["M"] == 9 and tree["tok_s"] == pytest.approx(2.5 * 1e6 / (61 * 160.0))
+    assert P.project_local(local, 0.0, {}, streams=(1,))[0]["layer_us"] == 100.0
+    with pytest.raises(ValueError, match="not a bench_layer --local-of result"):
+        P.project_local(result({1: 100.0}), 10.0, {})
+    with pytest.raises(ValueError, match="allreduce_us must be >= 0"):
+        P.project_local(local, -1.0, {})
+
+
+def test_local_main_projects_each_assumed_cost(tmp_path, capsys):
+    path = tmp_path / "local.json"
+    path.write_text(json.dumps(local_result({1: 100.0, 9: 140.0}, commit="abc")))
+    assert P.main(["--local", str(path), "--allreduce-us", "0,10", "--out", str(tmp_path)]) == 0
+    out = json.loads((tmp_path / "project_k26_8gpu_local.json").read_text())
+    assert out["gpus"] == 8 and out["inputs"]["commit"] == "abc"
+    assert [(r["allreduce_us"], r["layer_us"]) for r in out["rows"]] == [(0.0, 100.0), (10.0, 120.0)]
+    assert "busiest device" in out["assumptions"] and "a(M) + b(M) / G" not in out["assumptions"]
+    for argv in (["--local", str(path)], ["--local", str(path), "--one", str(path), "--allreduce-us", "1"],
+                 ["--local", str(path), "--allreduce-us", "x"], ["--one", str(path), "--two", str(path),
+                                                                   "--allreduce-us", "1"], ["--one", str(path)]):
+        with pytest.raises(SystemExit):
+            P.main(argv)
+    assert "--allreduce-us must be a comma list of numbers" in capsys.readouterr().err
