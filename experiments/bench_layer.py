@@ -20,6 +20,14 @@ alone (routing fixed); the shared expert alone. Also the layer as one dispatched
 Runtime carries the mesh); it then also reports the weight bytes each device actually holds against
 the memory planner's prediction (``memory_plan.param_bytes``), and the floors are per device. On CPU:
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8 ... --size tiny --mesh 1x4``.
+
+``--local-of G`` times, on one device, what one device of a 1xG mesh computes of the layer
+(``abstract_layer``): every weight cut to its shard's shape (H / G heads, the shared expert's FFN width / G,
+E / G experts; the router, q_a, kv_a and the norms whole), so it holds exactly the planner's bytes per device.
+The routed experts are the busiest device's for uniform random routing ids (``busiest_device``: the most
+distinct experts), whatever the router picks. The layer's two all-reduces (``project_k26.ALLREDUCES_PER_LAYER``)
+are left out, so its activations are not the sharded layer's, only its work; ``project_k26.py --local`` adds
+them at assumed costs. For issue #7 while no G-GPU machine is lent.
 """
 
 from __future__ import annotations
