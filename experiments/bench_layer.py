@@ -275,7 +275,8 @@ def main(argv=None):
     def save(rows):
         payload = {"config": {"size": args.size, "prefix": args.prefix, "iters": args.iters, "repeats": args.repeats,
                               "calls": args.calls, "traced": traced, "loop": not (traced and args.no_loop),
-                              "dtype": cfg.dtype, "mesh": args.mesh, "local_of": args.local_of},
+                              "dtype": cfg.dtype, "mesh": args.mesh, "local_of": args.local_of,
+                              "hidden_size": cfg.hidden_size},
                    "copy_bw_Bps": bandwidth, "rows": rows, "weights_per_device": memory}
         if args.commit:
             payload["commit"] = args.commit

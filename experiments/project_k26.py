@@ -6,7 +6,7 @@ device's share of the layer on one GPU (issue #7).
         --two experiments/results/bench_layer_h200x2_mesh1x2.json [...] \
         [--eval experiments/results/eval_grid_h200.json] [--gpus 8] [--figure span|busy] [--out DIR]
     PYTHONPATH=. python experiments/project_k26.py --local bench_layer_full_local8.json [...] \
-        --allreduce-us 0,10,20 [--eval ...] [--figure span|busy] [--out DIR]
+        --allreduce-us 0,10,20 --allreduce-gbps 300 [--eval ...] [--figure span|busy] [--out DIR]
 
 A projection, not a measurement. It is only as good as these assumptions, which the output repeats.
 The fit (--one / --two):
@@ -18,8 +18,10 @@ One device's share (--local):
 - Per MoE layer at G GPUs, t_G(M) = the layer as one device of a 1xG mesh computes it (``bench_layer.py
   --local-of G``: its heads, shared-expert width and experts, the router and replicated projections whole,
   the busiest device's experts for uniform random routing), timed alone on one GPU, plus the layer's
-  ALLREDUCES_PER_LAYER all-reduces at each assumed cost in --allreduce-us: they were not measured on G GPUs.
-  Devices that wait for the busiest at each all-reduce are assumed not to add more.
+  layer's all-reduces (``allreduce_time``, a ring model): ALLREDUCES_PER_LAYER latencies at each assumed
+  --allreduce-us, and 2 (G - 1) / G of ALLREDUCED_ROWS_PER_TOKEN x M x D f32 values through each device at an
+  assumed --allreduce-gbps. They were not measured on G GPUs. Devices that wait for the busiest at each
+  all-reduce are assumed not to add more.
 Both:
 - A step of M tokens costs num_layers * t_G(M): the dense first layer is counted as a MoE layer (an
   upper bound for it); the LM head, the embedding and the drafter are left out (a lower bound for the step).
@@ -46,6 +48,7 @@ K26_LAYERS = 61
 # output and one (a tuple) of the routed and shared experts' shares (the compiled HLO on 8 host devices;
 # tests/test_bench_layer.py counts them)
 ALLREDUCES_PER_LAYER = 2
+ALLREDUCED_ROWS_PER_TOKEN = 3  # f32 rows of D values a token sends through them: the attention's, and the experts' two
 
 
 FIGURES = {"span": "us", "busy": "busy_us"}
@@ -58,7 +61,8 @@ def assumptions(kind: str) -> str:
     fit_part, rest = text.split("One device's share (--local):")
     local_part, both = rest.split("Both:")
     own = fit_part.split("The fit (--one / --two):")[1] if kind == "fit" else local_part
-    return (own.strip() + "\n" + both.strip()).replace("ALLREDUCES_PER_LAYER", str(ALLREDUCES_PER_LAYER))
+    return (own.strip() + "\n" + both.strip()).replace("ALLREDUCES_PER_LAYER", str(ALLREDUCES_PER_LAYER)).replace(
+        "ALLREDUCED_ROWS_PER_TOKEN", str(ALLREDUCED_ROWS_PER_TOKEN))
 
 
 def layer_times(result: dict, figure: str = "span") -> dict[int, float]:
@@ -137,11 +141,21 @@ def layer_time(coeffs: dict[int, tuple[float, float]], m: int, gpus: int) -> flo
     return interpolate({k: a + b / gpus for k, (a, b) in coeffs.items()}, m)
 
 
-def local_layer_time(local: dict, m: int, allreduce_us: float, figure: str = "span") -> float:
+def allreduce_time(m: int, hidden: int, gpus: int, latency_us: float, bus_gbps: float) -> float:
+    """µs of a MoE layer's all-reduces at M tokens on G GPUs by the ring model: ALLREDUCES_PER_LAYER latencies,
+    plus each device sending and receiving 2 (G - 1) / G of the ALLREDUCED_ROWS_PER_TOKEN * M * D f32 values at
+    ``bus_gbps`` GB/s."""
+    nbytes = ALLREDUCED_ROWS_PER_TOKEN * m * hidden * 4 * 2 * (gpus - 1) / gpus
+    return ALLREDUCES_PER_LAYER * latency_us + nbytes / (bus_gbps * 1e3)
+
+
+def local_layer_time(local: dict, m: int, latency_us: float, bus_gbps: float, figure: str = "span") -> float:
     """µs per layer at M tokens on G GPUs from one device's share of the layer timed alone (``bench_layer
-    --local-of G``, the busiest device's experts), plus the ALLREDUCES_PER_LAYER all-reduces that the share
-    leaves out, at ``allreduce_us`` each (an assumption: they were not measured on G GPUs)."""
-    return interpolate(layer_times(local, figure), m) + ALLREDUCES_PER_LAYER * allreduce_us
+    --local-of G``, the busiest device's experts), plus the all-reduces that the share leaves out
+    (``allreduce_time``: assumed, not measured on G GPUs)."""
+    config = local.get("config", {})
+    return interpolate(layer_times(local, figure), m) + allreduce_time(m, config["hidden_size"], config["local_of"],
+                                                                       latency_us, bus_gbps)
 
 
 def taus(result: dict) -> dict[int, float]:
@@ -191,15 +205,19 @@ def project(one: dict, two: dict, tau_by_budget: dict[int, float], gpus: int, la
     return project_rows(lambda m: layer_time(coeffs, m, gpus), tau_by_budget, layers, streams)
 
 
-def project_local(local: dict, allreduce_us: float, tau_by_budget: dict[int, float], layers: int = K26_LAYERS,
-                  streams=(1, 10), figure: str = "span") -> list[dict]:
+def project_local(local: dict, latency_us: float, bus_gbps: float, tau_by_budget: dict[int, float],
+                  layers: int = K26_LAYERS, streams=(1, 10), figure: str = "span") -> list[dict]:
     """AR and DDTree rows from one device's share of the layer (``local_layer_time``) on G = its
-    ``config.local_of`` GPUs."""
-    if not local.get("config", {}).get("local_of"):
-        raise ValueError(f"{local.get('name', 'result')} is not a bench_layer --local-of result")
-    if allreduce_us < 0:
-        raise ValueError(f"allreduce_us must be >= 0, got {allreduce_us}")
-    return project_rows(lambda m: local_layer_time(local, m, allreduce_us, figure), tau_by_budget, layers, streams)
+    ``config.local_of`` GPUs, the all-reduces at ``latency_us`` each and ``bus_gbps``."""
+    config = local.get("config", {})
+    if not config.get("local_of") or not config.get("hidden_size"):
+        raise ValueError(f"{local.get('name', 'result')} is not a bench_layer --local-of result (with its "
+                         "hidden_size)")
+    if latency_us < 0 or bus_gbps <= 0:
+        raise ValueError(f"the all-reduce latency must be >= 0 and its bandwidth > 0, got {latency_us} µs and "
+                         f"{bus_gbps} GB/s")
+    return project_rows(lambda m: local_layer_time(local, m, latency_us, bus_gbps, figure), tau_by_budget, layers,
+                        streams)
 
 
 def project_rows(layer_us_at, tau_by_budget: dict[int, float], layers: int, streams) -> list[dict]:
@@ -226,9 +244,12 @@ def main(argv=None):
     ap.add_argument("--one", nargs="+", help="bench_layer JSON on one GPU (several: their M combined)")
     ap.add_argument("--two", nargs="+", help="bench_layer JSON on a 1x2 mesh (likewise)")
     ap.add_argument("--local", nargs="+", help="instead of --one / --two: bench_layer --local-of G JSON (one device's "
-                    "share of the layer), projected to G GPUs with --allreduce-us")
+                    "share of the layer), projected to G GPUs with --allreduce-us and --allreduce-gbps")
     ap.add_argument("--allreduce-us", default=None,
-                    help="with --local: comma list of assumed µs per all-reduce on G GPUs, one projection each")
+                    help="with --local: comma list of assumed latencies (µs) of one all-reduce on G GPUs, one "
+                         "projection each")
+    ap.add_argument("--allreduce-gbps", type=float, default=None,
+                    help="with --local: the all-reduces' assumed bus bandwidth, GB/s (ring model, allreduce_time)")
     ap.add_argument("--eval", default=None, help="eval_grid JSON with the trained pair's tau per budget")
     ap.add_argument("--gpus", type=int, default=8)
     ap.add_argument("--out", default=None)
@@ -240,15 +261,15 @@ def main(argv=None):
     args = ap.parse_args(argv)
     load = lambda p: json.load(open(p))  # noqa: E731
     if args.local:
-        if args.one or args.two or args.allreduce_us is None:
-            ap.error("--local takes --allreduce-us and neither --one nor --two")
+        if args.one or args.two or args.allreduce_us is None or args.allreduce_gbps is None:
+            ap.error("--local takes --allreduce-us and --allreduce-gbps, and neither --one nor --two")
         try:
             costs = [float(v) for v in args.allreduce_us.split(",")]
         except ValueError:
             ap.error(f"--allreduce-us must be a comma list of numbers, got {args.allreduce_us!r}")
         return main_local(args, combine_results([load(p) for p in args.local], args.local, args.allow_mixed), costs)
-    if not (args.one and args.two) or args.allreduce_us is not None:
-        ap.error("the fit takes --one and --two (and no --allreduce-us), or pass --local")
+    if not (args.one and args.two) or args.allreduce_us is not None or args.allreduce_gbps is not None:
+        ap.error("the fit takes --one and --two (and no --allreduce-us / --allreduce-gbps), or pass --local")
     one = combine_results([load(p) for p in args.one], args.one, args.allow_mixed)
     two = combine_results([load(p) for p in args.two], args.two, args.allow_mixed)
     tau = taus(load(args.eval)) if args.eval else {}
@@ -275,10 +296,12 @@ def main_local(args, local: dict, costs: list[float]) -> int:
     tau = taus(json.load(open(args.eval))) if args.eval else {}
     rows = []
     for cost in costs:
-        rows += [dict(r, allreduce_us=cost) for r in project_local(local, cost, tau, figure=args.figure)]
+        rows += [dict(r, allreduce_us=cost) for r in project_local(local, cost, args.allreduce_gbps, tau,
+                                                                   figure=args.figure)]
     payload = dict(kind="projection, not a measurement", gpus=gpus, layers=K26_LAYERS,
                    inputs=dict(local=args.local, eval=args.eval, timing=timing_of(local), commit=local.get("commit"),
-                               mixed=args.allow_mixed, figure=args.figure),
+                               mixed=args.allow_mixed, figure=args.figure, allreduce_latencies_us=costs,
+                               allreduce_bus_gbps=args.allreduce_gbps),
                    assumptions=assumptions("local"),
                    local_layer_us=layer_times(local, args.figure), rows=rows)
     suffix = "" if args.figure == "span" else f"_{args.figure}"

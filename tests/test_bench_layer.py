@@ -102,12 +102,12 @@ def test_local_of_refuses_a_mesh_and_one_device(capsys):
 def test_a_sharded_moe_layer_has_the_all_reduces_the_projection_adds(host_devices):
     """What ``--local-of`` leaves out: on a 1x4 mesh of host devices the compiled MoE layer holds exactly
     ``project_k26.ALLREDUCES_PER_LAYER`` all-reduces (the attention's output; the routed and shared experts'
-    shares as one tuple) and no other collective."""
+    shares as one tuple), of the f32 values ``project_k26.allreduce_time`` counts, and no other collective."""
     import re
 
     from ddtree_jax.model import Runtime
     from ddtree_jax.sharding import make_mesh, shard_state
-    from experiments.project_k26 import ALLREDUCES_PER_LAYER
+    from experiments.project_k26 import ALLREDUCED_ROWS_PER_TOKEN, ALLREDUCES_PER_LAYER
     cfg, layer = bench_layer.build_layer("tiny")
     mesh = make_mesh(data=1, model=4, devices=host_devices[:4])
     rt = Runtime(mesh=mesh)
@@ -116,5 +116,12 @@ def test_a_sharded_moe_layer_has_the_all_reduces_the_projection_adds(host_device
     step, kv = bench_layer.parts(cfg, layer, 1, 64, rt)["layer"]
     x = jax.numpy.zeros((1, 1, cfg.hidden_size), cfg.dtype)
     hlo = jax.jit(lambda st, x, kv: step(nnx.merge(gdef, st), x, kv)).lower(state, x, kv).compile().as_text()
-    assert len(re.findall(r"\ball-reduce(?:-start)?\(", hlo)) == ALLREDUCES_PER_LAYER
+    op = r" all-reduce(?:-start)?\("  # the op, not an instruction named after it
+    reduces = [line for line in hlo.splitlines() if re.search(op, line)]
+    assert len(reduces) == ALLREDUCES_PER_LAYER
+    # what they carry: ALLREDUCED_ROWS_PER_TOKEN f32 rows of D values for the one token
+    shapes = [s for line in reduces for s in re.findall(r"(\w+)\[([\d,]*)\]", re.split(op, line)[0].split("=", 1)[1])]
+    assert {dtype for dtype, _ in shapes} == {"f32"}
+    assert sum(int(np.prod([int(d) for d in dims.split(",")])) for _, dims in shapes) \
+        == ALLREDUCED_ROWS_PER_TOKEN * cfg.hidden_size
     assert not re.search(r"\b(all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(", hlo)

@@ -124,35 +124,49 @@ def test_combined_files_must_share_their_settings():
     assert P.layer_times(P.combine_results([a, b], ["a.json", "b.json"], allow_mixed=True)) == {1: 300.0, 90: 1800.0}
 
 
-def local_result(times, devices=8, **kw):
-    return dict(result(times, local_of=devices), **kw)
+
+def local_result(times, devices=8, hidden=1000, **kw):
+    return dict(result(times, local_of=devices, hidden_size=hidden), **kw)
+
+
+def test_all_reduces_cost_their_latencies_and_the_ring_bytes():
+    # 8 GPUs, M = 10, D = 1000: 3 rows of f32 per token, each device sends and receives 2 * 7/8 of them
+    nbytes = 3 * 10 * 1000 * 4 * 2 * 7 / 8
+    assert P.allreduce_time(10, 1000, 8, 5.0, 100.0) == pytest.approx(2 * 5.0 + nbytes / 100e3)
+    assert P.allreduce_time(10, 1000, 1, 5.0, 100.0) == 10.0  # nothing crosses a single device
 
 
 def test_local_projection_adds_the_all_reduces_to_one_devices_share():
     local = local_result({1: 100.0, 9: 140.0})
-    rows = P.project_local(local, 10.0, {8: 2.5}, layers=61, streams=(1,))
+    rows = P.project_local(local, 10.0, 1e9, {8: 2.5}, layers=61, streams=(1,))  # the bytes cost ~nothing
     ar, tree = rows
     assert ar["layer_us"] == pytest.approx(100.0 + P.ALLREDUCES_PER_LAYER * 10.0)
     assert ar["tok_s"] == pytest.approx(1e6 / (61 * 120.0))
     assert tree["M"] == 9 and tree["tok_s"] == pytest.approx(2.5 * 1e6 / (61 * 160.0))
-    assert P.project_local(local, 0.0, {}, streams=(1,))[0]["layer_us"] == 100.0
+    slow = P.project_local(local, 0.0, 100.0, {}, streams=(1,))[0]["layer_us"]
+    assert slow == pytest.approx(100.0 + P.allreduce_time(1, 1000, 8, 0.0, 100.0)) and slow > 100.0
     with pytest.raises(ValueError, match="not a bench_layer --local-of result"):
-        P.project_local(result({1: 100.0}), 10.0, {})
-    with pytest.raises(ValueError, match="allreduce_us must be >= 0"):
-        P.project_local(local, -1.0, {})
+        P.project_local(result({1: 100.0}), 10.0, 100.0, {})
+    with pytest.raises(ValueError, match="latency must be >= 0 and its bandwidth > 0"):
+        P.project_local(local, -1.0, 100.0, {})
+    with pytest.raises(ValueError, match="latency must be >= 0 and its bandwidth > 0"):
+        P.project_local(local, 1.0, 0.0, {})
 
 
-def test_local_main_projects_each_assumed_cost(tmp_path, capsys):
+def test_local_main_projects_each_assumed_latency(tmp_path, capsys):
     path = tmp_path / "local.json"
     path.write_text(json.dumps(local_result({1: 100.0, 9: 140.0}, commit="abc")))
-    assert P.main(["--local", str(path), "--allreduce-us", "0,10", "--out", str(tmp_path)]) == 0
+    assert P.main(["--local", str(path), "--allreduce-us", "0,10", "--allreduce-gbps", "1e9",
+                   "--out", str(tmp_path)]) == 0
     out = json.loads((tmp_path / "project_k26_8gpu_local.json").read_text())
-    assert out["gpus"] == 8 and out["inputs"]["commit"] == "abc"
-    assert [(r["allreduce_us"], r["layer_us"]) for r in out["rows"]] == [(0.0, 100.0), (10.0, 120.0)]
+    assert out["gpus"] == 8 and out["inputs"]["commit"] == "abc" and out["inputs"]["allreduce_bus_gbps"] == 1e9
+    assert [(r["allreduce_us"], round(r["layer_us"], 3)) for r in out["rows"]] == [(0.0, 100.0), (10.0, 120.0)]
     assert "busiest device" in out["assumptions"] and "a(M) + b(M) / G" not in out["assumptions"]
-    for argv in (["--local", str(path)], ["--local", str(path), "--one", str(path), "--allreduce-us", "1"],
-                 ["--local", str(path), "--allreduce-us", "x"], ["--one", str(path), "--two", str(path),
-                                                                   "--allreduce-us", "1"], ["--one", str(path)]):
+    bad = [["--local", str(path)], ["--local", str(path), "--allreduce-us", "1"],
+           ["--local", str(path), "--one", str(path), "--allreduce-us", "1", "--allreduce-gbps", "1"],
+           ["--local", str(path), "--allreduce-us", "x", "--allreduce-gbps", "1"],
+           ["--one", str(path), "--two", str(path), "--allreduce-gbps", "1"], ["--one", str(path)]]
+    for argv in bad:
         with pytest.raises(SystemExit):
             P.main(argv)
     assert "--allreduce-us must be a comma list of numbers" in capsys.readouterr().err
