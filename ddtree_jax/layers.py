@@ -51,8 +51,8 @@ class RMSNorm(nnx.Module):
 ONE_TOKEN_PAD_ROWS = 2
 
 
-def dot(x: jax.Array, w: jax.Array, spec: str) -> jax.Array:
-    """einsum with f32 accumulation, result in x.dtype.
+def dot(x: jax.Array, w: jax.Array, spec: str, out_dtype=None) -> jax.Array:
+    """einsum with f32 accumulation, result in ``out_dtype`` (default x.dtype).
 
     On CUDA a product of one token by a weight (every axis of x that is not contracted with w has size 1,
     and w shares no batch axis with x) runs padded with a zero row to ``ONE_TOKEN_PAD_ROWS`` tokens and
@@ -63,22 +63,23 @@ def dot(x: jax.Array, w: jax.Array, spec: str) -> jax.Array:
     padding changes no result's value beyond the order of its f32 sum.
     """
     w = w.astype(x.dtype)
+    out_dtype = x.dtype if out_dtype is None else out_dtype
     axis = _one_token_axis(spec, x.shape)
     if axis is None:
-        return _plain_dot(x, w, spec)
-    return lax.platform_dependent(x, w, cuda=lambda x, w: _padded_dot(x, w, spec, axis),
-                                  default=lambda x, w: _plain_dot(x, w, spec))
+        return _plain_dot(x, w, spec, out_dtype)
+    return lax.platform_dependent(x, w, cuda=lambda x, w: _padded_dot(x, w, spec, axis, out_dtype),
+                                  default=lambda x, w: _plain_dot(x, w, spec, out_dtype))
 
 
-def _plain_dot(x: jax.Array, w: jax.Array, spec: str) -> jax.Array:
-    return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+def _plain_dot(x: jax.Array, w: jax.Array, spec: str, out_dtype) -> jax.Array:
+    return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32).astype(out_dtype)
 
 
-def _padded_dot(x: jax.Array, w: jax.Array, spec: str, axis: tuple[int, int]) -> jax.Array:
+def _padded_dot(x: jax.Array, w: jax.Array, spec: str, axis: tuple[int, int], out_dtype) -> jax.Array:
     """``_plain_dot`` of one token with x padded by zero rows along axis[0], the result sliced along axis[1]."""
     pads = [(0, 0)] * x.ndim
     pads[axis[0]] = (0, ONE_TOKEN_PAD_ROWS - 1)
-    return lax.slice_in_dim(_plain_dot(jnp.pad(x, pads), w, spec), 0, 1, axis=axis[1])
+    return lax.slice_in_dim(_plain_dot(jnp.pad(x, pads), w, spec, out_dtype), 0, 1, axis=axis[1])
 
 
 def _one_token_axis(spec: str, x_shape: tuple[int, ...]) -> tuple[int, int] | None:
@@ -109,6 +110,11 @@ class SwiGLU(nnx.Module):
         self.down = declare(rngs, (hidden, dim), ("ffn", "embed"), dtype, std=std)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        gate = dot(x, self.gate.get_value(), "...d,df->...f")
-        up = dot(x, self.up.get_value(), "...d,df->...f")
-        return dot(jax.nn.silu(gate) * up, self.down.get_value(), "...f,fd->...d")
+        return swiglu(x, self.gate.get_value(), self.up.get_value(), self.down.get_value())
+
+
+def swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, out_dtype=None) -> jax.Array:
+    """down(silu(x gate) * x up): x [..., D], gate and up [D, F], down [F, D] -> [..., D] in ``out_dtype``
+    (default x.dtype; f32 keeps the last product's sums unrounded, e.g. a partial sum over a slice of F)."""
+    hidden = jax.nn.silu(dot(x, gate, "...d,df->...f")) * dot(x, up, "...d,df->...f")
+    return dot(hidden, down, "...f,fd->...d", out_dtype)

@@ -25,7 +25,7 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
 from ddtree_jax.config import ModelConfig
-from ddtree_jax.layers import SwiGLU, declare
+from ddtree_jax.layers import SwiGLU, declare, swiglu
 from ddtree_jax.quant import QuantArray, expert_slice, quantize_array
 from ddtree_jax.sharding import ShardingRules
 from ddtree_jax.topk import top_k
@@ -184,6 +184,13 @@ class MoE(nnx.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         ids, weights = route(flat, self.router.get_value(), self.router_bias.get_value(), self.cfg)
+        shared = None if self.shared is None else (self.shared.gate.get_value(), self.shared.up.get_value(),
+                                                   self.shared.down.get_value())
+        if shared is not None and shares_experts_axis(shared, mesh, rules):
+            # one psum of the routed and shared experts' shares (GSPMD's own would all-reduce each apart)
+            y = routed_experts(flat, ids, weights, self.w13.get_value(), self.w2.get_value(), mesh=mesh, rules=rules,
+                               routed_fn=routed_fn, shared=shared).astype(x.dtype)
+            return y.reshape(shape)
         y = routed_experts(flat, ids, weights, self.w13.get_value(), self.w2.get_value(), mesh=mesh, rules=rules,
                            routed_fn=routed_fn).astype(x.dtype)
         if self.shared is not None:
@@ -191,18 +198,34 @@ class MoE(nnx.Module):
         return y.reshape(shape)
 
 
+def shares_experts_axis(shared, mesh: Mesh | None, rules: ShardingRules | None) -> bool:
+    """Whether the shared expert's FFN width is split over the mesh axis of the routed experts, evenly (the
+    default rules: both over "model"), so that ``routed_experts`` can add its share before the one psum."""
+    axis = None if mesh is None or rules is None else rules.mesh_axis("experts")
+    if axis is None or mesh.shape[axis] == 1 or rules.mesh_axis("ffn") != axis:
+        return False
+    return shared[0].shape[1] % mesh.shape[axis] == 0
+
+
 def routed_experts(x, expert_ids, expert_weights, w13, w2, *, mesh: Mesh | None = None,
-                   rules: ShardingRules | None = None, routed_fn: Callable | None = None) -> jax.Array:
+                   rules: ShardingRules | None = None, routed_fn: Callable | None = None, shared=None) -> jax.Array:
     """The one entry point for routed-expert compute. Returns y [M, D] f32.
 
     Without a mesh (or with the experts axis unsharded) it runs ``routed_fn`` (default: chosen by the
     weights' type, ``default_routed_fn``) on all experts. With experts sharded over a mesh axis it runs
     expert-parallel under shard_map: tokens and routing are replicated, each device computes its own
     experts' share, and one psum over the expert axis (M x D f32 per device) adds the shares.
+    ``shared``: the shared expert's (gate [D, F], up [D, F], down [F, D]), added to y; under the mesh its F
+    must split over the experts' axis (``shares_experts_axis``), and each device adds its slice's f32 share
+    before the psum.
     """
     axis = None if mesh is None or rules is None else rules.mesh_axis("experts")
     if axis is None or mesh.shape[axis] == 1:
-        return (routed_fn or default_routed_fn(w13))(x, expert_ids, expert_weights, w13, w2)
+        y = (routed_fn or default_routed_fn(w13))(x, expert_ids, expert_weights, w13, w2)
+        return y if shared is None else y + swiglu(x, *shared, out_dtype=jnp.float32)
+    if shared is not None and not shares_experts_axis(shared, mesh, rules):
+        raise ValueError(f"the shared expert's FFN width ({shared[0].shape[1]}) must split over the experts' mesh "
+                         f"axis {axis!r} (rules put 'ffn' on {rules.mesh_axis('ffn')!r}) to share its psum")
     n = mesh.shape[axis]
     routed_fn = routed_fn or default_routed_fn(w13, expert_shards=n)
     num_experts = w13.shape[0]
@@ -212,16 +235,20 @@ def routed_experts(x, expert_ids, expert_weights, w13, w2, *, mesh: Mesh | None 
     expert_spec = jax.tree.map(lambda _: PartitionSpec(axis), w13)
     expert_spec2 = jax.tree.map(lambda _: PartitionSpec(axis), w2)
 
-    def shard_body(x, ids, weights, w13_local, w2_local):
+    def shard_body(x, ids, weights, w13_local, w2_local, *shared_local):
         offset = jax.lax.axis_index(axis) * local
         y = routed_fn(x, ids, weights, w13_local, w2_local, expert_offset=offset)
+        if shared_local:
+            y = y + swiglu(x, *shared_local, out_dtype=jnp.float32)
         return jax.lax.psum(y, axis)
 
+    shared_specs = () if shared is None else (PartitionSpec(None, axis), PartitionSpec(None, axis),
+                                              PartitionSpec(axis, None))
     return jax.shard_map(
         shard_body, mesh=mesh,
-        in_specs=(PartitionSpec(), PartitionSpec(), PartitionSpec(), expert_spec, expert_spec2),
+        in_specs=(PartitionSpec(), PartitionSpec(), PartitionSpec(), expert_spec, expert_spec2) + shared_specs,
         out_specs=PartitionSpec(), check_vma=False,
-    )(x, expert_ids, expert_weights, w13, w2)
+    )(x, expert_ids, expert_weights, w13, w2, *(shared or ()))
 
 
 def _moe_layers(model: nnx.Module):

@@ -45,10 +45,10 @@ from experiments import bench_util
 
 K26_LAYERS = 61
 # a MoE layer's collectives on a ("data", "model") mesh at the default rules: one all-reduce of the attention's
-# output and one (a tuple) of the routed and shared experts' shares (the compiled HLO on 8 host devices;
-# tests/test_bench_layer.py counts them)
+# output and one of the routed and shared experts' shares, summed first (``moe.routed_experts``; the compiled HLO
+# on host devices, tests/test_bench_layer.py counts them)
 ALLREDUCES_PER_LAYER = 2
-ALLREDUCED_ROWS_PER_TOKEN = 3  # f32 rows of D values a token sends through them: the attention's, and the experts' two
+ALLREDUCED_ROWS_PER_TOKEN = 2  # f32 rows of D values a token sends through them: the attention's, the experts'
 
 
 FIGURES = {"span": "us", "busy": "busy_us"}

@@ -102,7 +102,7 @@ def test_local_of_refuses_a_mesh_and_one_device(capsys):
 def test_a_sharded_moe_layer_has_the_all_reduces_the_projection_adds(host_devices):
     """What ``--local-of`` leaves out: on a 1x4 mesh of host devices the compiled MoE layer holds exactly
     ``project_k26.ALLREDUCES_PER_LAYER`` all-reduces (the attention's output; the routed and shared experts'
-    shares as one tuple), of the f32 values ``project_k26.allreduce_time`` counts, and no other collective."""
+    shares, summed before it), of the f32 values ``project_k26.allreduce_time`` counts, and no other collective."""
     import re
 
     from ddtree_jax.model import Runtime

@@ -317,10 +317,10 @@ def test_one_token_dot_padding(spec, x_shape, w_shape, axis):
     rng = np.random.default_rng(len(spec))
     x = jnp.asarray(rng.standard_normal(x_shape), jnp.float32)
     w = jnp.asarray(rng.standard_normal(w_shape), jnp.float32)
-    want = _plain_dot(x, w, spec)
+    want = _plain_dot(x, w, spec, x.dtype)
     np.testing.assert_allclose(np.asarray(dot(x, w, spec)), np.asarray(want), rtol=1e-6, atol=1e-6)
     if axis is not None:
-        got = _padded_dot(x, w, spec, axis)
+        got = _padded_dot(x, w, spec, axis, x.dtype)
         assert got.shape == want.shape
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
 

@@ -170,6 +170,32 @@ def test_experts_that_do_not_split_over_the_mesh_are_refused(host_devices):
         routed_experts(x, ids, weights, jnp.ones((e, 2 * f, d)), jnp.ones((e, d, f)), mesh=mesh, rules=DEFAULT_RULES)
 
 
+def test_the_shared_experts_share_rides_the_experts_psum(host_devices):
+    """With the shared expert's (gate, up, down), routed_experts adds it: alone, routed + SwiGLU; on a 2x4 mesh,
+    each device's FFN slice inside the experts' shard_map, one psum for both, the same sum; refused where the
+    rules put the FFN width on another axis than the experts."""
+    from ddtree_jax.layers import swiglu
+    from ddtree_jax.moe import routed_experts, routed_experts_xla
+    from ddtree_jax.sharding import ShardingRules
+    rng = np.random.default_rng(7)
+    e, f, d, fs, m = 8, 8, 16, 12, 3
+    x = jnp.asarray(rng.standard_normal((m, d)), jnp.float32)
+    ids = jnp.asarray(rng.integers(0, e, (m, 2)), jnp.int32)
+    weights = jnp.asarray(rng.random((m, 2)), jnp.float32)
+    w13, w2 = (jnp.asarray(0.3 * rng.standard_normal(s), jnp.float32) for s in ((e, 2 * f, d), (e, d, f)))
+    shared = tuple(jnp.asarray(0.3 * rng.standard_normal(s), jnp.float32) for s in ((d, fs), (d, fs), (fs, d)))
+    want = routed_experts_xla(x, ids, weights, w13, w2) + swiglu(x, *shared)
+    alone = routed_experts(x, ids, weights, w13, w2, shared=shared)
+    np.testing.assert_allclose(np.asarray(alone), np.asarray(want), rtol=1e-6, atol=1e-6)
+    mesh = make_mesh(data=2, model=4, devices=host_devices)
+    sharded = jax.jit(lambda *a: routed_experts(*a, mesh=mesh, rules=DEFAULT_RULES, shared=shared))(
+        x, ids, weights, w13, w2)
+    np.testing.assert_allclose(np.asarray(sharded), np.asarray(want), rtol=1e-5, atol=1e-5)
+    other = ShardingRules(rules=(("experts", "model"), ("ffn", "data")))
+    with pytest.raises(ValueError, match="FFN width \\(12\\) must split over the experts' mesh axis 'model'"):
+        routed_experts(x, ids, weights, w13, w2, mesh=mesh, rules=other, shared=shared)
+
+
 def test_fuse_silu_is_refused_for_the_planar_layout():
     """fuse_silu=True asks for a 'tiles' storage; with layout 'planar' it is refused, not silently dropped."""
     with pytest.raises(ValueError, match="fuse_silu is a property of the 'tiles' layout, not 'planar'"):
