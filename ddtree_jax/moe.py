@@ -186,14 +186,11 @@ class MoE(nnx.Module):
         ids, weights = route(flat, self.router.get_value(), self.router_bias.get_value(), self.cfg)
         shared = None if self.shared is None else (self.shared.gate.get_value(), self.shared.up.get_value(),
                                                    self.shared.down.get_value())
-        if shared is not None and shares_experts_axis(shared, mesh, rules):
-            # one psum of the routed and shared experts' shares (GSPMD's own would all-reduce each apart)
-            y = routed_experts(flat, ids, weights, self.w13.get_value(), self.w2.get_value(), mesh=mesh, rules=rules,
-                               routed_fn=routed_fn, shared=shared).astype(x.dtype)
-            return y.reshape(shape)
+        # split like the experts, the shared expert's share rides their psum (GSPMD would all-reduce it apart)
+        with_experts = shared is not None and shares_experts_axis(shared, mesh, rules)
         y = routed_experts(flat, ids, weights, self.w13.get_value(), self.w2.get_value(), mesh=mesh, rules=rules,
-                           routed_fn=routed_fn).astype(x.dtype)
-        if self.shared is not None:
+                           routed_fn=routed_fn, shared=shared if with_experts else None).astype(x.dtype)
+        if shared is not None and not with_experts:
             y = y + self.shared(flat)
         return y.reshape(shape)
 

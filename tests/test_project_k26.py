@@ -130,8 +130,8 @@ def local_result(times, devices=8, hidden=1000, **kw):
 
 
 def test_all_reduces_cost_their_latencies_and_the_ring_bytes():
-    # 8 GPUs, M = 10, D = 1000: 3 rows of f32 per token, each device sends and receives 2 * 7/8 of them
-    nbytes = 3 * 10 * 1000 * 4 * 2 * 7 / 8
+    # 8 GPUs, M = 10, D = 1000: the layer's rows of f32 per token, each device sends and receives 2 * 7/8 of them
+    nbytes = P.ALLREDUCED_ROWS_PER_TOKEN * 10 * 1000 * 4 * 2 * 7 / 8
     assert P.allreduce_time(10, 1000, 8, 5.0, 100.0) == pytest.approx(2 * 5.0 + nbytes / 100e3)
     assert P.allreduce_time(10, 1000, 1, 5.0, 100.0) == 10.0  # nothing crosses a single device
 
