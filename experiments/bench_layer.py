@@ -24,8 +24,9 @@ the memory planner's prediction (``memory_plan.param_bytes``), and the floors ar
 ``--local-of G`` times, on one device, what one device of a 1xG mesh computes of the layer
 (``abstract_layer``): every weight cut to its shard's shape (H / G heads, the shared expert's FFN width / G,
 E / G experts; the router, q_a, kv_a and the norms whole), so it holds exactly the planner's bytes per device.
-The routed experts are the busiest device's for uniform random routing ids (``busiest_device``: the most
-distinct experts), whatever the router picks. The layer's two all-reduces (``project_k26.ALLREDUCES_PER_LAYER``)
+The routed experts are the busiest device's for uniform random routing ids, K distinct a token
+(``busiest_device``: the most distinct experts), whatever the router picks. The layer's two all-reduces
+(``project_k26.ALLREDUCES_PER_LAYER``)
 are left out, so its activations are not the sharded layer's, only its work; ``project_k26.py --local`` adds
 them at assumed costs. For issue #7 while no G-GPU machine is lent.
 """
@@ -113,16 +114,22 @@ def busiest_device(ids, num_experts: int, devices: int) -> dict:
 
 
 def random_ids(cfg, m: int) -> jax.Array:
-    """Routing ids [M, K] for the parts that fix them: uniform over the experts (repeats allowed)."""
+    """Routing ids [M, K] for the parts that fix them: uniform over the experts (a token may repeat one)."""
     return jax.random.randint(jax.random.key(2), (m, cfg.num_experts_per_tok), 0, cfg.n_routed_experts)
+
+
+def distinct_ids(cfg, m: int) -> np.ndarray:
+    """Routing ids [M, K] as a router picks them, K distinct experts a token, uniform over the experts."""
+    rng = np.random.default_rng(2)
+    return np.stack([rng.choice(cfg.n_routed_experts, cfg.num_experts_per_tok, replace=False) for _ in range(m)])
 
 
 def local_routing(cfg, layer, m: int, devices: int) -> tuple[Runtime, dict]:
     """For a layer built with ``local_of`` = devices: a Runtime whose routed experts are the busiest device's
-    (``busiest_device`` over ``random_ids``), and that device's load. Its ``routed_fn`` computes the local
+    (``busiest_device`` over ``distinct_ids``), and that device's load. Its ``routed_fn`` computes the local
     experts' share (``expert_offset``, as under the mesh's shard_map) for those ids, whatever the router picked
     (the router still runs, and its weights are used), tied to the activations so each call redoes the sort."""
-    ids = random_ids(cfg, m)
+    ids = jnp.asarray(distinct_ids(cfg, m), jnp.int32)
     load = busiest_device(ids, cfg.n_routed_experts, devices)
     offset = load["device"] * (cfg.n_routed_experts // devices)
     base = default_routed_fn(layer.mlp.w13.get_value(), expert_shards=devices)
