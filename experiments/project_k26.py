@@ -79,7 +79,7 @@ def layer_times(result: dict, figure: str = "span") -> dict[int, float]:
     return {r["M"]: r[FIGURES[figure]] for r in rows}
 
 
-SETTINGS = ("size", "prefix", "dtype", "mesh")  # the bench_layer config that the fit's inputs must share
+SETTINGS = ("size", "prefix", "dtype", "mesh", "local_of")  # the bench_layer config that combined inputs must share
 
 
 def settings_of(result: dict) -> dict:

@@ -170,3 +170,11 @@ def test_local_main_projects_each_assumed_latency(tmp_path, capsys):
         with pytest.raises(SystemExit):
             P.main(argv)
     assert "--allreduce-us must be a comma list of numbers" in capsys.readouterr().err
+
+
+def test_local_results_of_other_device_counts_do_not_combine():
+    four, eight = local_result({1: 90.0}, devices=4), local_result({9: 140.0}, devices=8)
+    with pytest.raises(ValueError, match="different settings"):
+        P.combine_results([four, eight], ["four", "eight"])
+    both = P.combine_results([local_result({1: 90.0}), eight], ["a", "b"])
+    assert P.layer_times(both) == {1: 90.0, 9: 140.0}
