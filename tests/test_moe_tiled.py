@@ -303,6 +303,30 @@ def test_kernel_chosen_when_lowered_for_cuda(dtype, kernel):
     assert MGPU_CALL not in staged.lower(lowering_platforms=("cpu",)).as_text()
 
 
+def test_sharded_bf16_model_lowers_for_cuda_with_the_shared_expert_beside_the_kernel(host_devices, monkeypatch):
+    """Lowered for CUDA on a 1x4 host mesh (nothing runs): the experts' shard_map holds the Mosaic GPU MoE kernel
+    and, since session 69, each device's slice of the shared expert (its one-token dots' CUDA branch included)
+    before the one psum; the CPU tests run only the twins there."""
+    from ddtree_jax import moe
+    cfg = tiny_config(dtype="bfloat16", **TCFG)
+    mesh = make_mesh(data=1, model=4, devices=host_devices[:4])
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: prepare_for_kernels(KimiModel(cfg, nnx.Rngs(0)))))
+    local_shared, swiglu = [], moe.swiglu
+
+    def spy(x, gate, up, down, out_dtype=None):
+        local_shared.append((gate.shape, down.shape))
+        return swiglu(x, gate, up, down, out_dtype)
+
+    monkeypatch.setattr(moe, "swiglu", spy)
+    rt = Runtime(mesh=mesh, rules=DEFAULT_RULES)
+    toks = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    text = jax.jit(lambda s, t: _forward(graphdef, s, t, rt)).trace(state, toks).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert MGPU_CALL in text and "stablehlo.all_reduce" in text
+    f, d = cfg.shared_intermediate_size // 4, cfg.hidden_size
+    assert local_shared and set(local_shared) == {((d, f), (f, d))}  # traced inside the shard_map: local slices
+
+
 @pytest.mark.parametrize("rows,n,stages,split,out_layout,inflight", [
     (64, 8, 2, 1, "rows", None), (128, 16, 3, 2, "rows", 1), (128, 64, 2, 1, "rows", None),
     (64, 8, 2, 1, "tokens", 0), (128, 32, 2, 2, "tokens", 2)])
