@@ -56,6 +56,7 @@ from ddtree_jax.sharding import DEFAULT_RULES, make_mesh, shard_state  # noqa: E
 from ddtree_jax.moe import default_routed_fn, prepare_for_kernels, route, routed_experts  # noqa: E402
 from ddtree_jax.rope import rope_cos_sin  # noqa: E402
 from experiments.bench_engine import bytes_of, expert_share, random_state  # noqa: E402
+from experiments.bench_moe import routing  # noqa: E402
 from experiments.bench_util import (measure_copy_bandwidth, measure_torch_copy_bandwidth, print_table,  # noqa: E402
                                     tie_to, time_fn, traced_call_time, write_result)
 
@@ -119,9 +120,9 @@ def random_ids(cfg, m: int) -> jax.Array:
 
 
 def distinct_ids(cfg, m: int) -> np.ndarray:
-    """Routing ids [M, K] as a router picks them, K distinct experts a token, uniform over the experts."""
-    rng = np.random.default_rng(2)
-    return np.stack([rng.choice(cfg.n_routed_experts, cfg.num_experts_per_tok, replace=False) for _ in range(m)])
+    """Routing ids [M, K] as a router picks them, K distinct experts a token, uniform over the experts
+    (``bench_moe.routing``'s uniform draw)."""
+    return np.asarray(routing(m, "uniform", 2, cfg.n_routed_experts, cfg.num_experts_per_tok)[0])
 
 
 def local_routing(cfg, layer, m: int, devices: int) -> tuple[Runtime, dict]:
