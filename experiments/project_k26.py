@@ -17,7 +17,7 @@ The fit (--one / --two):
 One device's share (--local):
 - Per MoE layer at G GPUs, t_G(M) = the layer as one device of a 1xG mesh computes it (``bench_layer.py
   --local-of G``: its heads, shared-expert width and experts, the router and replicated projections whole,
-  the busiest device's experts for uniform random routing), timed alone on one GPU, plus the layer's
+  the busiest device's experts for uniform random routing), timed alone on one GPU, plus the
   layer's all-reduces (``allreduce_time``, a ring model): ALLREDUCES_PER_LAYER latencies at each assumed
   --allreduce-us, and 2 (G - 1) / G of ALLREDUCED_ROWS_PER_TOKEN x M x D f32 values through each device at an
   assumed --allreduce-gbps. They were not measured on G GPUs. Devices that wait for the busiest at each
