@@ -14,6 +14,10 @@ layer; attention (input norm, MLA projections, absorbed attention, output projec
 MoE (post norm, router, routed experts, shared expert, residual); the router alone; the routed experts
 alone (routing fixed); the shared expert alone. Also the layer as one dispatched call (as
 ``bench_engine.py --sections kernel`` times it). Floors: bytes the part must read / copy bandwidth.
+Every part routes the M tokens by uniform random ids, K distinct experts a token (``uniform_routing``),
+whatever the random router picks, and its floor counts the experts those ids touch. Before session 70 the
+layer took the router's picks, fewer experts than the floors counted by ``expert_share`` (up to 123 % of the
+"floor" at M = 90 on an H100).
 
 ``--mesh DxM`` places the layer on a (data, model) mesh of D*M devices by the project's sharding rules
 (routed experts split over "model", attention heads and FFN width too) and runs it sharded (the
@@ -55,7 +59,7 @@ from ddtree_jax.model import DecoderLayer, Runtime, causal_mask  # noqa: E402
 from ddtree_jax.sharding import DEFAULT_RULES, make_mesh, shard_state  # noqa: E402
 from ddtree_jax.moe import default_routed_fn, prepare_for_kernels, route, routed_experts  # noqa: E402
 from ddtree_jax.rope import rope_cos_sin  # noqa: E402
-from experiments.bench_engine import bytes_of, expert_share, random_state  # noqa: E402
+from experiments.bench_engine import bytes_of, random_state  # noqa: E402
 from experiments.bench_moe import routing  # noqa: E402
 from experiments.bench_util import (measure_copy_bandwidth, measure_torch_copy_bandwidth, print_table,  # noqa: E402
                                     tie_to, time_fn, traced_call_time, write_result)
@@ -114,31 +118,31 @@ def busiest_device(ids, num_experts: int, devices: int) -> dict:
     return {"device": device, "distinct": distinct, "pairs": pairs}
 
 
-def random_ids(cfg, m: int) -> jax.Array:
-    """Routing ids [M, K] for the parts that fix them: uniform over the experts (a token may repeat one)."""
-    return jax.random.randint(jax.random.key(2), (m, cfg.num_experts_per_tok), 0, cfg.n_routed_experts)
-
-
 def distinct_ids(cfg, m: int) -> np.ndarray:
     """Routing ids [M, K] as a router picks them, K distinct experts a token, uniform over the experts
     (``bench_moe.routing``'s uniform draw)."""
     return np.asarray(routing(m, "uniform", 2, cfg.n_routed_experts, cfg.num_experts_per_tok)[0])
 
 
-def local_routing(cfg, layer, m: int, devices: int) -> tuple[Runtime, dict]:
-    """For a layer built with ``local_of`` = devices: a Runtime whose routed experts are the busiest device's
-    (``busiest_device`` over ``distinct_ids``), and that device's load. Its ``routed_fn`` computes the local
-    experts' share (``expert_offset``, as under the mesh's shard_map) for those ids, whatever the router picked
-    (the router still runs, and its weights are used), tied to the activations so each call redoes the sort."""
+def uniform_routing(cfg, layer, m: int, rt: Runtime = Runtime(),
+                    local_of: int | None = None) -> tuple[Runtime, dict]:
+    """``rt`` with a ``routed_fn`` that routes the M tokens by ``distinct_ids``, whatever the router picks (the
+    router still runs, and its weights are used), the ids tied to the activations so each call redoes the sort;
+    and the load of the devices that split the experts (``busiest_device``: one device, the mesh's experts axis,
+    or ``local_of``). A random router's picks are not uniform (it touched fewer experts than uniform ids would,
+    so the floors overstated its reads), so every run routes this way since session 70.
+    With ``local_of`` G (a layer built by ``abstract_layer(cfg, G)``, no mesh) it computes the busiest device's
+    share alone (its ``expert_offset``); under a mesh, each device its own (the offset ``routed_experts`` passes)."""
     ids = jnp.asarray(distinct_ids(cfg, m), jnp.int32)
+    devices = local_of or (rt.mesh.shape[rt.rules.mesh_axis("experts")] if rt.mesh is not None else 1)
     load = busiest_device(ids, cfg.n_routed_experts, devices)
-    offset = load["device"] * (cfg.n_routed_experts // devices)
     base = default_routed_fn(layer.mlp.w13.get_value(), expert_shards=devices)
+    fixed = {"expert_offset": load["device"] * (cfg.n_routed_experts // devices)} if local_of else {}
 
-    def routed_fn(x, _ids, weights, w13, w2):
-        return base(x, tie_to(ids, x), weights, w13, w2, expert_offset=offset)
+    def routed_fn(x, _ids, weights, w13, w2, **offset):
+        return base(x, tie_to(ids, x), weights, w13, w2, **fixed, **offset)
 
-    return Runtime(routed_fn=routed_fn), load
+    return dataclasses.replace(rt, routed_fn=routed_fn), load
 
 
 def parts(cfg, layer, m: int, prefix: int, rt: Runtime = Runtime()):
@@ -153,7 +157,7 @@ def parts(cfg, layer, m: int, prefix: int, rt: Runtime = Runtime()):
     moe = layer.mlp
     weights = route(jnp.zeros((m, cfg.hidden_size), jnp.float32) + 0.01 * jnp.arange(m)[:, None],
                     moe.router.get_value(), moe.router_bias.get_value(), cfg)[1]
-    ids = random_ids(cfg, m)
+    ids = jnp.asarray(distinct_ids(cfg, m), jnp.int32)  # what ``uniform_routing``'s routed_fn uses
     flat = lambda x: x.reshape(m, cfg.hidden_size)  # noqa: E731
 
     def router(lay, x, top_k_method):
@@ -294,23 +298,21 @@ def main(argv=None):
 
     for m in [int(v) for v in args.ms.split(",")]:
         x = (0.1 * jax.random.normal(jax.random.key(m), (1, m, cfg.hidden_size), jnp.float32)).astype(cfg.dtype)
-        routed_bytes = expert_share(cfg, m) * experts_bytes
-        load = None
-        if args.local_of:  # the busiest device's distinct experts, of the E / G it holds
-            rt, load = local_routing(cfg, layer, m, args.local_of)
-            routed_bytes = load["distinct"][load["device"]] / layer.mlp.w13.get_value().shape[0] * experts_bytes
-            print(f"M={m}: device {load['device']} is the busiest: distinct experts per device {load['distinct']}, "
-                  f"pairs {load['pairs']}", flush=True)
+        rt_m, load = uniform_routing(cfg, layer, m, rt, args.local_of)
+        # the busiest device's distinct experts, of those its stack holds (all E, E / G with --local-of)
+        routed_bytes = load["distinct"][load["device"]] / layer.mlp.w13.get_value().shape[0] * experts_bytes
+        print(f"M={m}: device {load['device']} is the busiest: distinct experts per device {load['distinct']}, "
+              f"pairs {load['pairs']}", flush=True)
         kv_bytes = (args.prefix + m) * cfg.latent_dim * jnp.dtype(cfg.dtype).itemsize
-        # sharded: the weights split over the model axis (an even share per device; at small M the
-        # busiest device's experts decide), the latent cache read whole by every device
+        # sharded: the other weights split evenly over the model axis, the routed experts those of the busiest
+        # device, the latent cache read whole by every device
         n = rt.mesh.shape["model"] if rt.mesh is not None else 1
-        floors = {"layer": (rest_bytes + shared_bytes + routed_bytes) / n + router_all_bytes + kv_bytes,
+        floors = {"layer": (rest_bytes + shared_bytes) / n + routed_bytes + router_all_bytes + kv_bytes,
                   "attention": bytes_of(nnx.state(layer.attn)) / n + kv_bytes,
-                  "moe": (shared_bytes + routed_bytes) / n + router_all_bytes, "routed_experts": routed_bytes / n,
+                  "moe": shared_bytes / n + routed_bytes + router_all_bytes, "routed_experts": routed_bytes,
                   "shared_expert": shared_bytes / n, "router_logits": router_bytes, "router_logits_x9": router_bytes,
                   "router_logits_bf16": router_bytes / 2}
-        for name, (step, aux) in parts(cfg, layer, m, args.prefix, rt).items():
+        for name, (step, aux) in parts(cfg, layer, m, args.prefix, rt_m).items():
             if wanted and name not in wanted:
                 continue
             if rt.mesh is not None:  # inputs on every device up front: else each call copies them over (P2P)
@@ -327,8 +329,7 @@ def main(argv=None):
                 continue
             t = trace["span_s"] if trace else t_loop
             row = {"M": m, "part": name, "us": 1e6 * t, "us_loop": t_loop and 1e6 * t_loop}
-            if load:
-                row["routing"] = load
+            row["routing"] = load
             if trace:  # where the part's device time goes: its slowest kernels, µs per call (per device)
                 row["kernels"] = [[k, launches, round(1e6 * sec, 2)] for k, launches, sec in trace["kernels"][:40]]
                 row.update(us_repeats=[round(1e6 * v, 2) for v in trace["span_repeats_s"]],
@@ -344,9 +345,9 @@ def main(argv=None):
             save(rows)  # after every part, so that a run cut short keeps what it measured
         if wanted and "dispatched" not in wanted:
             continue
-        single = jax.jit(lambda st, x, aux: parts(cfg, nnx.merge(gdef, st), m, args.prefix, rt)["layer"][0](
+        single = jax.jit(lambda st, x, aux: parts(cfg, nnx.merge(gdef, st), m, args.prefix, rt_m)["layer"][0](
             nnx.merge(gdef, st), x, aux))
-        kv = parts(cfg, layer, m, args.prefix, rt)["layer"][1]
+        kv = parts(cfg, layer, m, args.prefix, rt_m)["layer"][1]
         t_single = time_fn(single, state, x, kv, repeats=args.repeats)["median_s"]
         rows.append({"M": m, "part": "layer, one dispatched call", "us": 1e6 * t_single,
                      "floor_us": 1e6 * floors["layer"] / bandwidth,

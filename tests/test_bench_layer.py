@@ -1,4 +1,5 @@
-"""bench_layer's one-device share of a sharded layer (``--local-of``): what it holds and how it routes."""
+"""bench_layer's one-device share of a sharded layer (``--local-of``): what it holds; how every run routes
+(``uniform_routing``) and the floors that routing gives."""
 
 import dataclasses
 import json
@@ -58,25 +59,70 @@ def test_busiest_device_counts_distinct_experts_then_pairs():
     assert bench_layer.busiest_device(np.array([[0, 2]]), 8, 4)["device"] == 0
 
 
-def test_local_routing_computes_the_busiest_devices_experts(monkeypatch):
-    """The local Runtime's routed_fn takes the fixed ids (not the router's) and the busiest device's offset."""
-    cfg, layer = bench_layer.build_layer("tiny", 4)
+def spy_routed_fn(monkeypatch):
+    """Replaces bench_layer's ``default_routed_fn``; returns the dict each call's ids, offset and shards go to."""
     seen = {}
 
     def spy(w13, expert_shards):
-        def fn(x, ids, weights, w13, w2, expert_offset):
-            seen.update(ids=np.asarray(ids), offset=int(expert_offset), shards=expert_shards)
+        def fn(x, ids, weights, w13, w2, **offset):
+            seen.update(ids=np.asarray(ids), shards=expert_shards, **{k: int(v) for k, v in offset.items()})
             return np.zeros(x.shape, np.float32)
         return fn
 
     monkeypatch.setattr(bench_layer, "default_routed_fn", spy)
-    rt, load = bench_layer.local_routing(cfg, layer, 5, 4)
+    return seen
+
+
+def test_local_routing_computes_the_busiest_devices_experts(monkeypatch):
+    """The local Runtime's routed_fn takes the fixed ids (not the router's) and the busiest device's offset."""
+    cfg, layer = bench_layer.build_layer("tiny", 4)
+    seen = spy_routed_fn(monkeypatch)
+    rt, load = bench_layer.uniform_routing(cfg, layer, 5, local_of=4)
     x = np.ones((5, cfg.hidden_size), np.float32)
     rt.routed_fn(x, np.zeros((5, 2), np.int32), np.ones((5, 2), np.float32), None, None)
     np.testing.assert_array_equal(seen["ids"], bench_layer.distinct_ids(cfg, 5))
     assert all(len(set(row)) == cfg.num_experts_per_tok for row in seen["ids"])  # as a router picks them
-    assert seen["offset"] == load["device"] * cfg.n_routed_experts // 4 and seen["shards"] == 4
+    assert seen["expert_offset"] == load["device"] * cfg.n_routed_experts // 4 and seen["shards"] == 4
     assert sum(load["pairs"]) == 5 * cfg.num_experts_per_tok
+
+
+def test_one_device_and_mesh_routing_take_the_same_ids(monkeypatch, host_devices):
+    """Without --local-of the ids are the same uniform ones: on one device all experts, no offset; under a mesh
+    each device's offset as ``routed_experts`` passes it, the load counted over the experts' axis."""
+    from ddtree_jax.model import Runtime
+    from ddtree_jax.sharding import make_mesh
+    cfg, layer = bench_layer.build_layer("tiny")
+    seen = spy_routed_fn(monkeypatch)
+    x, dummy = np.ones((5, cfg.hidden_size), np.float32), (np.zeros((5, 2), np.int32), np.ones((5, 2), np.float32))
+    rt, load = bench_layer.uniform_routing(cfg, layer, 5)
+    assert rt.mesh is None and load["device"] == 0 and load["pairs"] == [5 * cfg.num_experts_per_tok]
+    assert load["distinct"] == [np.unique(bench_layer.distinct_ids(cfg, 5)).size]
+    rt.routed_fn(x, *dummy, None, None)
+    assert seen.keys() == {"ids", "shards"} and seen["shards"] == 1
+    np.testing.assert_array_equal(seen["ids"], bench_layer.distinct_ids(cfg, 5))
+    mesh_rt = Runtime(mesh=make_mesh(data=1, model=4, devices=host_devices[:4]))
+    rt, load = bench_layer.uniform_routing(cfg, layer, 5, mesh_rt)
+    assert rt.mesh is mesh_rt.mesh and len(load["distinct"]) == 4
+    rt.routed_fn(x, *dummy, None, None, expert_offset=8)
+    assert seen["expert_offset"] == 8 and seen["shards"] == 4
+
+
+def test_sharded_uniform_routing_equals_unsharded(host_devices):
+    """The MoE part under uniform routing on a 1x4 host mesh (each device its experts, one psum) equals it on
+    one device: the ids reach every device's share alike."""
+    from ddtree_jax.model import Runtime
+    from ddtree_jax.sharding import make_mesh, shard_state
+    cfg, layer = bench_layer.build_layer("tiny")
+    gdef, state = nnx.split(layer)
+    x = (0.1 * jax.random.normal(jax.random.key(3), (1, 5, cfg.hidden_size))).astype(cfg.dtype)
+    outs = []
+    for mesh in (None, make_mesh(data=1, model=4, devices=host_devices[:4])):
+        rt, _ = bench_layer.uniform_routing(cfg, layer, 5, Runtime(mesh=mesh))
+        st = state if mesh is None else shard_state(state, mesh, rt.rules)
+        step, aux = bench_layer.parts(cfg, layer, 5, 64, rt)["moe"]
+        outs.append(np.asarray(jax.jit(lambda st, x: step(nnx.merge(gdef, st), x, aux))(st, x), np.float32))
+    np.testing.assert_allclose(outs[1], outs[0], rtol=2e-2, atol=2e-3)
+    assert np.abs(outs[0] - np.asarray(x, np.float32)).max() > 0  # the MoE added something
 
 
 def test_local_run_writes_its_routing_and_weights(tmp_path, monkeypatch):
@@ -91,6 +137,21 @@ def test_local_run_writes_its_routing_and_weights(tmp_path, monkeypatch):
     load = rows["layer"]["routing"]
     assert sum(load["pairs"]) == 2 * 2 and load["distinct"][load["device"]] == max(load["distinct"])
     assert all(np.isfinite(r["us"]) and r["floor_us"] > 0 for r in rows.values())
+
+
+def test_one_device_run_floors_count_the_experts_its_ids_touch(tmp_path, monkeypatch):
+    """Without --local-of the routed experts' floor is the bytes of the distinct experts the uniform ids touch
+    (not ``expert_share``'s expectation), and the row says which."""
+    from experiments.bench_engine import bytes_of
+    monkeypatch.setattr(bench_layer, "measure_torch_copy_bandwidth", lambda: 1e11)
+    bench_layer.main(["--size", "tiny", "--ms", "3", "--iters", "1", "--repeats", "1", "--parts", "routed_experts",
+                      "--out", str(tmp_path)])
+    (row,) = json.loads((tmp_path / "bench_layer_tiny.json").read_text())["rows"]
+    cfg, layer = bench_layer.build_layer("tiny")
+    touched = np.unique(bench_layer.distinct_ids(cfg, 3)).size
+    assert row["routing"]["distinct"] == [touched] and touched < cfg.n_routed_experts
+    experts = bytes_of((layer.mlp.w13.get_value(), layer.mlp.w2.get_value()))
+    assert row["floor_us"] == pytest.approx(1e6 * touched / cfg.n_routed_experts * experts / 1e11)
 
 
 def test_local_of_refuses_a_mesh_and_one_device(capsys):
