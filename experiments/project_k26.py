@@ -283,11 +283,7 @@ def main(argv=None):
                    fit={m: dict(a_us=a, b_us=b) for m, (a, b) in fit(layer_times(one, args.figure),
                                                                         layer_times(two, args.figure)).items()},
                    rows=rows)
-    suffix = "" if args.figure == "span" else f"_{args.figure}"
-    print("wrote", bench_util.write_result(f"project_k26_{args.gpus}gpu{suffix}", payload, args.out))
-    bench_util.print_table(rows, ["mode", "streams", "budget", "M", "layer_us", "step_ms", "tokens_per_step", "tok_s",
-                                  "note"])
-    return 0
+    return write_projection(f"project_k26_{args.gpus}gpu", payload, args)
 
 
 def main_local(args, local: dict, costs: list[float]) -> int:
@@ -304,10 +300,15 @@ def main_local(args, local: dict, costs: list[float]) -> int:
                                allreduce_bus_gbps=args.allreduce_gbps),
                    assumptions=assumptions("local"),
                    local_layer_us=layer_times(local, args.figure), rows=rows)
+    return write_projection(f"project_k26_{gpus}gpu_local", payload, args, first=["allreduce_us"])
+
+
+def write_projection(name: str, payload: dict, args, first=()) -> int:
+    """Writes the payload as NAME[_FIGURE].json under --out and prints its rows (``first`` columns leading)."""
     suffix = "" if args.figure == "span" else f"_{args.figure}"
-    print("wrote", bench_util.write_result(f"project_k26_{gpus}gpu_local{suffix}", payload, args.out))
-    bench_util.print_table(rows, ["allreduce_us", "mode", "streams", "budget", "M", "layer_us", "step_ms",
-                                  "tokens_per_step", "tok_s", "note"])
+    print("wrote", bench_util.write_result(name + suffix, payload, args.out))
+    bench_util.print_table(payload["rows"], [*first, "mode", "streams", "budget", "M", "layer_us", "step_ms",
+                                             "tokens_per_step", "tok_s", "note"])
     return 0
 
 
