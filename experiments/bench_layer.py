@@ -22,7 +22,9 @@ layer took the router's picks, fewer experts than the floors counted by ``expert
 ``--mesh DxM`` places the layer on a (data, model) mesh of D*M devices by the project's sharding rules
 (routed experts split over "model", attention heads and FFN width too) and runs it sharded (the
 Runtime carries the mesh); it then also reports the weight bytes each device actually holds against
-the memory planner's prediction (``memory_plan.param_bytes``), and the floors are per device. On CPU:
+the memory planner's prediction (``memory_plan.param_bytes``), and the floors count one device's bytes (its
+shards, replicated weights whole, the busiest device's experts; before session 70 replicated ones were divided
+too). On CPU:
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8 ... --size tiny --mesh 1x4``.
 
 ``--local-of G`` times, on one device, what one device of a 1xG mesh computes of the layer
@@ -275,12 +277,15 @@ def main(argv=None):
         memory = weight_bytes_per_device(state, mesh_shape)
         print("weights per device", memory, flush=True)
     print(f"setup {time.perf_counter() - started:.1f} s (copy bandwidth, weights, repack)", flush=True)
-    moe_bytes = bytes_of(nnx.state(layer.mlp))
-    rest_bytes = bytes_of(state) - moe_bytes
-    shared_bytes = bytes_of(nnx.state(layer.mlp.shared))
-    experts_bytes = bytes_of((layer.mlp.w13.get_value(), layer.mlp.w2.get_value()))  # the routed experts, all
-    # the router's weight and bias as stored, read in full by every token; replicated, so not split over a mesh
-    router_all_bytes = moe_bytes - shared_bytes - experts_bytes
+    # the bytes one device holds (under a mesh: of its shards, the busiest device's; the shards are even)
+    on_device = lambda tree: max(held_bytes_per_device(tree).values())  # noqa: E731
+    moe_bytes = on_device(nnx.state(layer.mlp))
+    rest_bytes = on_device(state) - moe_bytes  # the attention and the norms
+    attention_bytes = on_device(nnx.state(layer.attn))
+    shared_bytes = on_device(nnx.state(layer.mlp.shared))
+    experts_bytes = bytes_of((layer.mlp.w13.get_value(), layer.mlp.w2.get_value()))  # the stack, every device's
+    # the router's weight and bias as stored, read in full by every token (replicated)
+    router_all_bytes = on_device((layer.mlp.router.get_value(), layer.mlp.router_bias.get_value()))
     router_bytes = layer.mlp.router.get_value().size * 4  # the router's dot alone: its weight as f32
     rows = []
 
@@ -304,13 +309,11 @@ def main(argv=None):
         print(f"M={m}: device {load['device']} is the busiest: distinct experts per device {load['distinct']}, "
               f"pairs {load['pairs']}", flush=True)
         kv_bytes = (args.prefix + m) * cfg.latent_dim * jnp.dtype(cfg.dtype).itemsize
-        # sharded: the other weights split evenly over the model axis, the routed experts those of the busiest
-        # device, the latent cache read whole by every device
-        n = rt.mesh.shape["model"] if rt.mesh is not None else 1
-        floors = {"layer": (rest_bytes + shared_bytes) / n + routed_bytes + router_all_bytes + kv_bytes,
-                  "attention": bytes_of(nnx.state(layer.attn)) / n + kv_bytes,
-                  "moe": shared_bytes / n + routed_bytes + router_all_bytes, "routed_experts": routed_bytes,
-                  "shared_expert": shared_bytes / n, "router_logits": router_bytes, "router_logits_x9": router_bytes,
+        # per device: its shards of the other weights, the busiest device's routed experts, the latent cache whole
+        floors = {"layer": rest_bytes + shared_bytes + routed_bytes + router_all_bytes + kv_bytes,
+                  "attention": attention_bytes + kv_bytes,
+                  "moe": shared_bytes + routed_bytes + router_all_bytes, "routed_experts": routed_bytes,
+                  "shared_expert": shared_bytes, "router_logits": router_bytes, "router_logits_x9": router_bytes,
                   "router_logits_bf16": router_bytes / 2}
         for name, (step, aux) in parts(cfg, layer, m, args.prefix, rt_m).items():
             if wanted and name not in wanted:

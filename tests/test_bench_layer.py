@@ -154,6 +154,22 @@ def test_one_device_run_floors_count_the_experts_its_ids_touch(tmp_path, monkeyp
     assert row["floor_us"] == pytest.approx(1e6 * touched / cfg.n_routed_experts * experts / 1e11)
 
 
+def test_a_sharded_runs_floors_are_one_devices_share(tmp_path, monkeypatch, host_devices):
+    """The per-device floors of the layer sharded over a 1x4 host mesh equal those of ``--local-of 4`` (which holds
+    exactly one device's shards): replicated weights counted whole, split ones by their shard, the busiest
+    device's experts."""
+    monkeypatch.setattr(bench_layer, "measure_torch_copy_bandwidth", lambda: 1e11)
+    floors = []
+    for flag, name in ((["--mesh", "1x4"], "mesh1x4"), (["--local-of", "4"], "local4")):
+        bench_layer.main(["--size", "tiny", "--ms", "2", "--iters", "1", "--repeats", "1",
+                          "--parts", "layer,attention,moe", "--out", str(tmp_path)] + flag)
+        rows = json.loads((tmp_path / f"bench_layer_tiny_{name}.json").read_text())["rows"]
+        floors.append({r["part"]: r["floor_us"] for r in rows})
+    assert set(floors[0]) == {"layer", "attention", "moe"}
+    for part, floor in floors[0].items():
+        assert floor == pytest.approx(floors[1][part]), part
+
+
 def test_local_of_refuses_a_mesh_and_one_device(capsys):
     for argv in (["--local-of", "1"], ["--local-of", "2", "--mesh", "1x2"]):
         with pytest.raises(SystemExit):
