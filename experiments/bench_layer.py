@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gzip
 import os
 import sys
 import time
@@ -228,6 +229,13 @@ def unrolled(gdef, step):
     return chain
 
 
+def write_hlo(text: str, path: str) -> None:
+    """One compiled program's optimized HLO, gzipped (a full layer's chain is megabytes of text)."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with gzip.open(path, "wt") as f:
+        f.write(text)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--size", choices=["full", "tiny"], default="full")
@@ -246,7 +254,11 @@ def main(argv=None):
     p.add_argument("--parts", default="", help="comma list of the parts to time (layer, attention, moe, router, "
                    "router_sort, router_compare, router_logits, router_logits_bf16, router_logits_x9, routed_experts, "
                    "shared_expert, elementwise, and dispatched: the layer as one dispatched call); default all")
+    p.add_argument("--hlo", action="store_true", help="also write each traced chain's optimized HLO to "
+                   "OUT/hlo_<name>_<part>_M<m>.txt.gz (its fusions are the trace's kernel names; no extra compile)")
     args = p.parse_args(argv)
+    if args.hlo and not args.out:
+        p.error("--hlo needs --out")
     wanted = {v for v in args.parts.split(",") if v}
     known = {"layer", "attention", "moe", "router", "router_sort", "router_compare", "router_logits",
              "router_logits_bf16", "router_logits_x9", "routed_experts", "shared_expert", "elementwise", "dispatched"}
@@ -297,9 +309,11 @@ def main(argv=None):
                    "copy_bw_Bps": bandwidth, "rows": rows, "weights_per_device": memory}
         if args.commit:
             payload["commit"] = args.commit
-        name = f"bench_layer_{args.size}" + (f"_mesh{args.mesh}" if args.mesh else "") \
+        print("wrote", write_result(result_name(), payload, args.out), flush=True)
+
+    def result_name():
+        return f"bench_layer_{args.size}" + (f"_mesh{args.mesh}" if args.mesh else "") \
             + (f"_local{args.local_of}" if args.local_of else "")
-        print("wrote", write_result(name, payload, args.out), flush=True)
 
     for m in [int(v) for v in args.ms.split(",")]:
         x = (0.1 * jax.random.normal(jax.random.key(m), (1, m, cfg.hidden_size), jnp.float32)).astype(cfg.dtype)
@@ -325,8 +339,12 @@ def main(argv=None):
             try:
                 t_loop = None if traced and args.no_loop else \
                     time_fn(fn, state, x, aux, repeats=args.repeats)["median_s"] / args.iters
-                trace = traced_call_time(None, (state, x, aux), args.calls, chain=unrolled(gdef, step)) \
+                program = unrolled(gdef, step)(None, args.calls)  # one jitted chain: --hlo reads its compile
+                trace = traced_call_time(None, (state, x, aux), args.calls, chain=lambda *_: program) \
                     if traced else None
+                if args.hlo:  # on a GPU the compile the trace made; on a CPU one more compile
+                    write_hlo(program.lower(state, x, aux).compile().as_text(),
+                              os.path.join(args.out, f"hlo_{result_name()}_{name}_M{m}.txt.gz"))
             except Exception as e:  # noqa: BLE001 - keep the other parts
                 print(f"{name} M={m} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
                 continue

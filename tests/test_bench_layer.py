@@ -2,6 +2,7 @@
 (``uniform_routing``) and the floors that routing gives."""
 
 import dataclasses
+import gzip
 import json
 
 import jax
@@ -125,10 +126,13 @@ def test_sharded_uniform_routing_equals_unsharded(host_devices):
     assert np.abs(outs[0] - np.asarray(x, np.float32)).max() > 0  # the MoE added something
 
 
-def test_local_run_writes_its_routing_and_weights(tmp_path, monkeypatch):
+def test_local_run_writes_its_routing_weights_and_hlo(tmp_path, monkeypatch):
     monkeypatch.setattr(bench_layer, "measure_torch_copy_bandwidth", lambda: 1e11)
     bench_layer.main(["--size", "tiny", "--local-of", "4", "--ms", "2", "--iters", "1", "--repeats", "1",
-                      "--parts", "layer,routed_experts", "--out", str(tmp_path)])
+                      "--parts", "layer,routed_experts", "--out", str(tmp_path), "--hlo", "--calls", "2"])
+    for part in ("layer", "routed_experts"):  # the timed chain's optimized HLO: two calls of the part
+        with gzip.open(tmp_path / f"hlo_bench_layer_tiny_local4_{part}_M2.txt.gz", "rt") as f:
+            assert f.read().startswith("HloModule")
     result = json.loads((tmp_path / "bench_layer_tiny_local4.json").read_text())
     assert result["config"]["local_of"] == 4
     assert result["weights_per_device"]["held"] == result["weights_per_device"]["planned_per_device"]
@@ -170,11 +174,13 @@ def test_a_sharded_runs_floors_are_one_devices_share(tmp_path, monkeypatch, host
         assert floor == pytest.approx(floors[1][part]), part
 
 
-def test_local_of_refuses_a_mesh_and_one_device(capsys):
-    for argv in (["--local-of", "1"], ["--local-of", "2", "--mesh", "1x2"]):
+def test_local_of_refuses_a_mesh_and_one_device_and_hlo_an_out(capsys):
+    for argv, says in ((["--local-of", "1"], "--local-of takes a device count of at least 2"),
+                       (["--local-of", "2", "--mesh", "1x2"], "--local-of takes a device count of at least 2"),
+                       (["--hlo"], "--hlo needs --out")):
         with pytest.raises(SystemExit):
             bench_layer.main(["--size", "tiny"] + argv)
-        assert "--local-of takes a device count of at least 2" in capsys.readouterr().err
+        assert says in capsys.readouterr().err
 
 
 def test_a_sharded_moe_layer_has_the_all_reduces_the_projection_adds(host_devices):
