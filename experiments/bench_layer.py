@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gzip
 import os
 import sys
@@ -127,19 +128,21 @@ def distinct_ids(cfg, m: int) -> np.ndarray:
     return np.asarray(routing(m, "uniform", 2, cfg.n_routed_experts, cfg.num_experts_per_tok)[0])
 
 
-def uniform_routing(cfg, layer, m: int, rt: Runtime = Runtime(),
-                    local_of: int | None = None) -> tuple[Runtime, dict]:
+def uniform_routing(cfg, layer, m: int, rt: Runtime = Runtime(), local_of: int | None = None,
+                    moe_tuning: dict | None = None) -> tuple[Runtime, dict]:
     """``rt`` with a ``routed_fn`` that routes the M tokens by ``distinct_ids``, whatever the router picks (the
     router still runs, and its weights are used), the ids tied to the activations so each call redoes the sort;
     and the load of the devices that split the experts (``busiest_device``: one device, the mesh's experts axis,
     or ``local_of``). A random router's picks are not uniform (it touched fewer experts than uniform ids would,
     so the floors overstated its reads), so every run routes this way since session 70.
     With ``local_of`` G (a layer built by ``abstract_layer(cfg, G)``, no mesh) it computes the busiest device's
-    share alone (its ``expert_offset``); under a mesh, each device its own (the offset ``routed_experts`` passes)."""
+    share alone (its ``expert_offset``); under a mesh, each device its own (the offset ``routed_experts`` passes).
+    ``moe_tuning``: keyword arguments for the routed-expert function (``routed_experts_tiled``'s split, tile, ...)
+    in place of its defaults, to compare a setting inside the layer."""
     ids = jnp.asarray(distinct_ids(cfg, m), jnp.int32)
     devices = local_of or (rt.mesh.shape[rt.rules.mesh_axis("experts")] if rt.mesh is not None else 1)
     load = busiest_device(ids, cfg.n_routed_experts, devices)
-    base = default_routed_fn(layer.mlp.w13.get_value(), expert_shards=devices)
+    base = functools.partial(default_routed_fn(layer.mlp.w13.get_value(), expert_shards=devices), **(moe_tuning or {}))
     fixed = {"expert_offset": load["device"] * (cfg.n_routed_experts // devices)} if local_of else {}
 
     def routed_fn(x, _ids, weights, w13, w2, **offset):
@@ -229,6 +232,18 @@ def unrolled(gdef, step):
     return chain
 
 
+def parse_tuning(text: str) -> dict:
+    """'split=1,mma_in_flight=None,widths=one' -> {"split": 1, "mma_in_flight": None, "widths": "one"}; ValueError
+    for an item that is not K=V."""
+    tuning = {}
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise ValueError(f"--moe-tuning item {item!r} is not KEY=VALUE")
+        tuning[key] = int(value) if value.lstrip("-").isdigit() else None if value == "None" else value
+    return tuning
+
+
 def write_hlo(text: str, path: str) -> None:
     """One compiled program's optimized HLO, gzipped (a full layer's chain is megabytes of text)."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -254,11 +269,17 @@ def main(argv=None):
     p.add_argument("--parts", default="", help="comma list of the parts to time (layer, attention, moe, router, "
                    "router_sort, router_compare, router_logits, router_logits_bf16, router_logits_x9, routed_experts, "
                    "shared_expert, elementwise, and dispatched: the layer as one dispatched call); default all")
+    p.add_argument("--moe-tuning", default="", metavar="K=V,...",
+                   help="routed_experts_tiled keyword arguments in place of its defaults, e.g. split=1 (ints, None)")
     p.add_argument("--hlo", action="store_true", help="also write each traced chain's optimized HLO to "
                    "OUT/hlo_<name>_<part>_M<m>.txt.gz (its fusions are the trace's kernel names; no extra compile)")
     args = p.parse_args(argv)
     if args.hlo and not args.out:
         p.error("--hlo needs --out")
+    try:
+        moe_tuning = parse_tuning(args.moe_tuning)
+    except ValueError as e:
+        p.error(str(e))
     wanted = {v for v in args.parts.split(",") if v}
     known = {"layer", "attention", "moe", "router", "router_sort", "router_compare", "router_logits",
              "router_logits_bf16", "router_logits_x9", "routed_experts", "shared_expert", "elementwise", "dispatched"}
@@ -305,7 +326,7 @@ def main(argv=None):
         payload = {"config": {"size": args.size, "prefix": args.prefix, "iters": args.iters, "repeats": args.repeats,
                               "calls": args.calls, "traced": traced, "loop": not (traced and args.no_loop),
                               "dtype": cfg.dtype, "mesh": args.mesh, "local_of": args.local_of,
-                              "hidden_size": cfg.hidden_size},
+                              "moe_tuning": moe_tuning, "hidden_size": cfg.hidden_size},
                    "copy_bw_Bps": bandwidth, "rows": rows, "weights_per_device": memory}
         if args.commit:
             payload["commit"] = args.commit
@@ -317,7 +338,7 @@ def main(argv=None):
 
     for m in [int(v) for v in args.ms.split(",")]:
         x = (0.1 * jax.random.normal(jax.random.key(m), (1, m, cfg.hidden_size), jnp.float32)).astype(cfg.dtype)
-        rt_m, load = uniform_routing(cfg, layer, m, rt, args.local_of)
+        rt_m, load = uniform_routing(cfg, layer, m, rt, args.local_of, moe_tuning)
         # the busiest device's distinct experts, of those its stack holds (all E, E / G with --local-of)
         routed_bytes = load["distinct"][load["device"]] / layer.mlp.w13.get_value().shape[0] * experts_bytes
         print(f"M={m}: device {load['device']} is the busiest: distinct experts per device {load['distinct']}, "

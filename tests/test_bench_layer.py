@@ -60,13 +60,17 @@ def test_busiest_device_counts_distinct_experts_then_pairs():
     assert bench_layer.busiest_device(np.array([[0, 2]]), 8, 4)["device"] == 0
 
 
+TUNING = ("split", "mma_in_flight", "widths")
+
+
 def spy_routed_fn(monkeypatch):
     """Replaces bench_layer's ``default_routed_fn``; returns the dict each call's ids, offset and shards go to."""
     seen = {}
 
     def spy(w13, expert_shards):
         def fn(x, ids, weights, w13, w2, **offset):
-            seen.update(ids=np.asarray(ids), shards=expert_shards, **{k: int(v) for k, v in offset.items()})
+            seen.update(ids=np.asarray(ids), shards=expert_shards,
+                        **{k: v if k in TUNING else int(v) for k, v in offset.items()})
             return np.zeros(x.shape, np.float32)
         return fn
 
@@ -85,6 +89,19 @@ def test_local_routing_computes_the_busiest_devices_experts(monkeypatch):
     assert all(len(set(row)) == cfg.num_experts_per_tok for row in seen["ids"])  # as a router picks them
     assert seen["expert_offset"] == load["device"] * cfg.n_routed_experts // 4 and seen["shards"] == 4
     assert sum(load["pairs"]) == 5 * cfg.num_experts_per_tok
+
+
+def test_moe_tuning_reaches_the_routed_experts(monkeypatch, capsys):
+    assert bench_layer.parse_tuning("split=1,mma_in_flight=None,widths=one") == {
+        "split": 1, "mma_in_flight": None, "widths": "one"}
+    cfg, layer = bench_layer.build_layer("tiny", 4)
+    seen = spy_routed_fn(monkeypatch)
+    rt, _ = bench_layer.uniform_routing(cfg, layer, 5, local_of=4, moe_tuning={"split": 1, "mma_in_flight": None})
+    rt.routed_fn(np.ones((5, cfg.hidden_size), np.float32), np.zeros((5, 2), np.int32), np.ones((5, 2)), None, None)
+    assert seen["split"] == 1 and seen["mma_in_flight"] is None and seen["shards"] == 4
+    with pytest.raises(SystemExit):
+        bench_layer.main(["--size", "tiny", "--moe-tuning", "split"])
+    assert "--moe-tuning item 'split' is not KEY=VALUE" in capsys.readouterr().err
 
 
 def test_one_device_and_mesh_routing_take_the_same_ids(monkeypatch, host_devices):
