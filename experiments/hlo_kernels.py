@@ -107,6 +107,8 @@ def main(argv=None):
     ap.add_argument("--part", default="layer")
     ap.add_argument("--m", type=int, required=True)
     ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--by-function", action="store_true",
+                    help="also sum the µs by the function of each kernel's most frequent source line")
     args = ap.parse_args(argv)
     rows = [r for r in json.load(open(args.result))["rows"] if r.get("part") == args.part and r.get("M") == args.m]
     if not rows or "kernels" not in rows[0]:
@@ -114,11 +116,14 @@ def main(argv=None):
     opener = gzip.open if args.hlo.endswith(".gz") else open
     with opener(args.hlo, "rt") as f:
         hlo = parse_hlo(f.read())
-    total = 0.0
+    total, by_function = 0.0, collections.defaultdict(lambda: [0.0, 0])
     print(f"{'µs':>7} {'launches':>8}  kernel / op / shape / fused ops / source lines")
     for name, launches, us in rows[0]["kernels"][:args.top]:
         d = describe(hlo, name)
         total += us
+        function = re.sub(r":\d+ \((.*)\)$", r" \1", d["lines"].most_common(1)[0][0]) if d["lines"] else name
+        by_function[function][0] += us
+        by_function[function][1] += 1
         ops = " ".join(f"{k}x{v}" if v > 1 else k for k, v in d["ops"].most_common(6))
         lines = "; ".join(line for line, _ in d["lines"].most_common(3))
         print(f"{us:7.2f} {launches:8}  {name}  [{d['op'] or 'not in the HLO'}] {d['shape'][:48]}")
@@ -126,6 +131,10 @@ def main(argv=None):
             print(f"{'':18}{ops}  <- {lines or '?'}")
     print(f"{total:7.2f} µs over the {min(args.top, len(rows[0]['kernels']))} kernels listed; the row's span "
           f"{rows[0]['us']:.2f}")
+    if args.by_function:
+        print(f"\n{'µs':>7} {'kernels':>7}  function (a kernel's most frequent source line's; else its name)")
+        for function, (us, count) in sorted(by_function.items(), key=lambda kv: -kv[1][0]):
+            print(f"{us:7.2f} {count:7}  {function}")
 
 
 if __name__ == "__main__":
