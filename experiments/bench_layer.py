@@ -58,6 +58,7 @@ from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from ddtree_jax.config import QuantConfig, k26_config, tiny_config  # noqa: E402
 from ddtree_jax.hf_loader import ShapeOnlyRngs  # noqa: E402
+from ddtree_jax.layers import dot  # noqa: E402
 from ddtree_jax.memory_plan import held_bytes_per_device, param_bytes, parse_mesh, shard_shape  # noqa: E402
 from ddtree_jax.model import DecoderLayer, Runtime, causal_mask  # noqa: E402
 from ddtree_jax.sharding import DEFAULT_RULES, make_mesh, shard_state  # noqa: E402
@@ -67,6 +68,10 @@ from experiments.bench_engine import bytes_of, random_state  # noqa: E402
 from experiments.bench_moe import routing  # noqa: E402
 from experiments.bench_util import (measure_copy_bandwidth, measure_torch_copy_bandwidth, print_table,  # noqa: E402
                                     tie_to, time_fn, traced_call_time, write_result)
+
+
+PARTS = ("layer", "attention", "moe", "router", "router_sort", "router_compare", "router_logits", "router_logits_bf16",
+         "router_logits_bf16_pad", "router_logits_x9", "routed_experts", "shared_expert", "elementwise", "dispatched")
 
 
 def layer_config(size: str):
@@ -198,6 +203,11 @@ def parts(cfg, layer, m: int, prefix: int, rt: Runtime = Runtime()):
         "router_logits_x9": (lambda lay, x, aux: router_logits(
             lay, x, aux, precision=jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X9),
                              moe.router.get_value().astype(jnp.float32)),
+        # the bf16 dot through ``layers.dot``: on CUDA one token runs padded to two rows (XLA turns a one-row dot
+        # into a multiply and a reduce); the same as router_logits_bf16 from two tokens on
+        "router_logits_bf16_pad": (lambda lay, x, aux: x + (1e-6 * dot(flat(x).astype(jnp.bfloat16), aux, "md,ed->me",
+                                                                      out_dtype=jnp.float32).sum()).astype(x.dtype),
+                                   moe.router.get_value().astype(jnp.bfloat16)),
         "routed_experts": (lambda lay, x, aux: routed(lay.mlp, x, aux), (ids, weights)),
         "shared_expert": (lambda lay, x, aux: x + lay.mlp.shared(x).astype(x.dtype), None),
         "elementwise": (lambda lay, x, aux: x + 1e-6 * x, None),
@@ -266,9 +276,8 @@ def main(argv=None):
                         "shared-expert width and experts, routed as the busiest device's; the collectives left out")
     p.add_argument("--calls", type=int, default=8, help="unrolled steps of the traced chain")
     p.add_argument("--no-loop", action="store_true", help="on a GPU, skip the fori_loop timing (us_loop): half the run")
-    p.add_argument("--parts", default="", help="comma list of the parts to time (layer, attention, moe, router, "
-                   "router_sort, router_compare, router_logits, router_logits_bf16, router_logits_x9, routed_experts, "
-                   "shared_expert, elementwise, and dispatched: the layer as one dispatched call); default all")
+    p.add_argument("--parts", default="", help=f"comma list of the parts to time ({', '.join(PARTS)}; dispatched: "
+                   "the layer as one dispatched call); default all")
     p.add_argument("--moe-tuning", default="", metavar="K=V,...",
                    help="routed_experts_tiled keyword arguments in place of its defaults, e.g. split=1 (ints, None)")
     p.add_argument("--hlo", action="store_true", help="also write each traced chain's optimized HLO to "
@@ -281,8 +290,7 @@ def main(argv=None):
     except ValueError as e:
         p.error(str(e))
     wanted = {v for v in args.parts.split(",") if v}
-    known = {"layer", "attention", "moe", "router", "router_sort", "router_compare", "router_logits",
-             "router_logits_bf16", "router_logits_x9", "routed_experts", "shared_expert", "elementwise", "dispatched"}
+    known = set(PARTS)
     if wanted - known:
         p.error(f"unknown parts {sorted(wanted - known)}; known: {sorted(known)}")
     if args.local_of is not None and (args.local_of < 2 or args.mesh):
@@ -349,7 +357,7 @@ def main(argv=None):
                   "attention": attention_bytes + kv_bytes,
                   "moe": shared_bytes + routed_bytes + router_all_bytes, "routed_experts": routed_bytes,
                   "shared_expert": shared_bytes, "router_logits": router_bytes, "router_logits_x9": router_bytes,
-                  "router_logits_bf16": router_bytes / 2}
+                  "router_logits_bf16": router_bytes / 2, "router_logits_bf16_pad": router_bytes / 2}
         for name, (step, aux) in parts(cfg, layer, m, args.prefix, rt_m).items():
             if wanted and name not in wanted:
                 continue

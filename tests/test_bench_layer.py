@@ -226,3 +226,10 @@ def test_a_sharded_moe_layer_has_the_all_reduces_the_projection_adds(host_device
     assert sum(int(np.prod([int(d) for d in dims.split(",")])) for _, dims in shapes) \
         == ALLREDUCED_ROWS_PER_TOKEN * cfg.hidden_size
     assert not re.search(r"\b(all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(", hlo)
+
+
+
+def test_every_part_is_known():
+    """``PARTS`` (what --parts accepts) names exactly ``parts()``'s steps and the dispatched call."""
+    cfg, layer = bench_layer.build_layer("tiny")
+    assert set(bench_layer.parts(cfg, layer, 1, 16)) | {"dispatched"} == set(bench_layer.PARTS)

@@ -305,6 +305,7 @@ def test_latent_attention_leaves_an_axis_that_does_not_divide_replicated(b, h, h
     ("...d,df->...f", (1, 16), (16, 24), (0, 0)),          # the shared expert on flat tokens
     ("btd,dw->btw", (1, 1, 16), (16, 24), (0, 0)),
     ("td,dhk->hkt", (1, 16), (16, 2, 8), (0, 2)),           # the token axis moves: sliced where the result has it
+    ("md,ed->me", (1, 16), (24, 16), (0, 0)),               # the router's bf16 dot (bench_layer's padded variant)
     ("...d,df->...f", (1, 3, 16), (16, 24), None),         # three tokens: not padded
     ("bthn,lhn->bthl", (1, 1, 2, 8), (4, 2, 8), None),     # heads shared with w (absorbed MLA): not padded
     ("bths,bshv->bthv", (1, 1, 2, 4), (1, 4, 2, 8), None),
