@@ -66,8 +66,8 @@ from ddtree_jax.moe import default_routed_fn, prepare_for_kernels, route, routed
 from ddtree_jax.rope import rope_cos_sin  # noqa: E402
 from experiments.bench_engine import bytes_of, random_state  # noqa: E402
 from experiments.bench_moe import routing  # noqa: E402
-from experiments.bench_util import (measure_copy_bandwidth, measure_torch_copy_bandwidth, print_table,  # noqa: E402
-                                    tie_to, time_fn, traced_call_time, write_result)
+from experiments.bench_util import (measure_copy_bandwidth, measure_torch_copy_bandwidth, parse_settings,  # noqa: E402
+                                    print_table, tie_to, time_fn, traced_call_time, write_result)
 
 
 PARTS = ("layer", "attention", "moe", "router", "router_sort", "router_compare", "router_logits", "router_logits_bf16",
@@ -242,18 +242,6 @@ def unrolled(gdef, step):
     return chain
 
 
-def parse_tuning(text: str) -> dict:
-    """'split=1,mma_in_flight=None,widths=one' -> {"split": 1, "mma_in_flight": None, "widths": "one"}; ValueError
-    for an item that is not K=V."""
-    tuning = {}
-    for item in filter(None, text.split(",")):
-        key, sep, value = item.partition("=")
-        if not sep or not key.isidentifier():
-            raise ValueError(f"--moe-tuning item {item!r} is not KEY=VALUE")
-        tuning[key] = int(value) if value.lstrip("-").isdigit() else None if value == "None" else value
-    return tuning
-
-
 def write_hlo(text: str, path: str) -> None:
     """One compiled program's optimized HLO, gzipped (a full layer's chain is megabytes of text)."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -279,14 +267,15 @@ def main(argv=None):
     p.add_argument("--parts", default="", help=f"comma list of the parts to time ({', '.join(PARTS)}; dispatched: "
                    "the layer as one dispatched call); default all")
     p.add_argument("--moe-tuning", default="", metavar="K=V,...",
-                   help="routed_experts_tiled keyword arguments in place of its defaults, e.g. split=1 (ints, None)")
+                   help="routed_experts_tiled keyword arguments in place of its defaults, e.g. split=1 (ints, None); "
+                   "the result file's name carries them")
     p.add_argument("--hlo", action="store_true", help="also write each traced chain's optimized HLO to "
                    "OUT/hlo_<name>_<part>_M<m>.txt.gz (its fusions are the trace's kernel names; no extra compile)")
     args = p.parse_args(argv)
     if args.hlo and not args.out:
         p.error("--hlo needs --out")
     try:
-        moe_tuning = parse_tuning(args.moe_tuning)
+        moe_tuning = parse_settings(args.moe_tuning, "--moe-tuning")
     except ValueError as e:
         p.error(str(e))
     wanted = {v for v in args.parts.split(",") if v}
@@ -340,9 +329,10 @@ def main(argv=None):
             payload["commit"] = args.commit
         print("wrote", write_result(result_name(), payload, args.out), flush=True)
 
-    def result_name():
+    def result_name():  # a tuned run gets its own file beside the default's
         return f"bench_layer_{args.size}" + (f"_mesh{args.mesh}" if args.mesh else "") \
-            + (f"_local{args.local_of}" if args.local_of else "")
+            + (f"_local{args.local_of}" if args.local_of else "") \
+            + "".join(f"_{k}{v}" for k, v in moe_tuning.items())
 
     for m in [int(v) for v in args.ms.split(",")]:
         x = (0.1 * jax.random.normal(jax.random.key(m), (1, m, cfg.hidden_size), jnp.float32)).astype(cfg.dtype)

@@ -146,11 +146,10 @@ def main(argv=None):
     rows = []
 
     def parse_cfg(s):
-        cfg = {}
-        for kv in filter(None, s.split(",")):
-            k_, v = kv.split("=")
-            cfg[k_] = int(v) if v.lstrip("-").isdigit() else None if v == "None" else v
-        return cfg
+        try:
+            return bench_util.parse_settings(s, "config")
+        except ValueError as e:
+            ap.error(str(e))
 
     configs = [parse_cfg(c) for c in args.configs.split(";")] if args.configs else [{}]
     sweep = [parse_cfg(c) for c in args.sweep.split(";")] if args.sweep else []

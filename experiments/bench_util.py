@@ -445,6 +445,19 @@ def measure_traced_bf16_peak(sizes: tuple[int, ...] = (8192, 16384), calls: int 
     return _best_square_matmul_rate(sizes, lambda a, b: traced_call_time(jnp.dot, (a, b), calls)["span_s"])
 
 
+def parse_settings(text: str, what: str = "setting") -> dict[str, Any]:
+    """'split=1,mma_in_flight=None,widths=one' -> {"split": 1, "mma_in_flight": None, "widths": "one"}: a
+    benchmark's keyword arguments from the command line (ints, None, else strings); ValueError naming ``what``
+    for an item that is not KEY=VALUE."""
+    settings: dict[str, Any] = {}
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise ValueError(f"{what} item {item!r} is not KEY=VALUE")
+        settings[key] = int(value) if value.lstrip("-").isdigit() else None if value == "None" else value
+    return settings
+
+
 def write_result(name: str, payload: dict[str, Any], out_dir: str | None = None) -> str:
     """Writes ``<out_dir>/<name>.json`` with provenance fields added; returns the path."""
     out_dir = out_dir or RESULTS_DIR

@@ -91,9 +91,10 @@ def test_local_routing_computes_the_busiest_devices_experts(monkeypatch):
     assert sum(load["pairs"]) == 5 * cfg.num_experts_per_tok
 
 
-def test_moe_tuning_reaches_the_routed_experts(monkeypatch, capsys):
-    assert bench_layer.parse_tuning("split=1,mma_in_flight=None,widths=one") == {
-        "split": 1, "mma_in_flight": None, "widths": "one"}
+def test_moe_tuning_reaches_the_routed_experts(tmp_path, monkeypatch, capsys):
+    from experiments.bench_util import parse_settings
+    assert parse_settings("split=1,mma_in_flight=None,widths=one,offset=-2") == {
+        "split": 1, "mma_in_flight": None, "widths": "one", "offset": -2}
     cfg, layer = bench_layer.build_layer("tiny", 4)
     seen = spy_routed_fn(monkeypatch)
     rt, _ = bench_layer.uniform_routing(cfg, layer, 5, local_of=4, moe_tuning={"split": 1, "mma_in_flight": None})
@@ -102,6 +103,12 @@ def test_moe_tuning_reaches_the_routed_experts(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         bench_layer.main(["--size", "tiny", "--moe-tuning", "split"])
     assert "--moe-tuning item 'split' is not KEY=VALUE" in capsys.readouterr().err
+    monkeypatch.undo()  # the real routed experts: a tuned run's file is its own, and says how it was tuned
+    monkeypatch.setattr(bench_layer, "measure_torch_copy_bandwidth", lambda: 1e11)
+    bench_layer.main(["--size", "tiny", "--local-of", "4", "--ms", "1", "--iters", "1", "--repeats", "1",
+                      "--parts", "routed_experts", "--moe-tuning", "split=1", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "bench_layer_tiny_local4_split1.json").read_text())
+    assert result["config"]["moe_tuning"] == {"split": 1} and len(result["rows"]) == 1
 
 
 def test_one_device_and_mesh_routing_take_the_same_ids(monkeypatch, host_devices):

@@ -40,3 +40,13 @@ def test_width_floor_is_the_larger_of_bytes_and_flops():
     assert f["flops_floor_ms"] > f["bytes_floor_ms"] and f["floor_ms"] == f["flops_floor_ms"]
     narrow = width_floors(384, 8, 4096, 7168, 4.2e12, 800e12)
     assert narrow["floor_ms"] == narrow["bytes_floor_ms"] > narrow["flops_floor_ms"]
+
+
+def test_a_config_that_is_not_key_value_is_refused(monkeypatch, capsys):
+    monkeypatch.setattr(bench_moe.bench_util, "measure_copy_bandwidth", lambda *a, **k: 1e11)
+    monkeypatch.setattr(bench_moe.bench_util, "measure_torch_copy_bandwidth", lambda *a, **k: None)
+    for dim in ("E", "D", "F", "K"):  # main rebinds the module's dims from --dims
+        monkeypatch.setattr(bench_moe, dim, getattr(bench_moe, dim))
+    with pytest.raises(SystemExit):
+        bench_moe.main(["--dims", "8,512,256,2", "--ms", "3", "--tiled-configs", "split=1;split"])
+    assert "config item 'split' is not KEY=VALUE" in capsys.readouterr().err
