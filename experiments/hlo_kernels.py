@@ -2,7 +2,9 @@
 call) joined to the optimized HLO of the same compile (``bench_layer.py --hlo``), so that a fusion such as
 ``loop_pad_fusion_39`` reads as "pad at layers.py:81 (_padded_dot)".
 
-    python experiments/hlo_kernels.py RESULT.json HLO.txt.gz --part layer --m 1 [--top 40]
+    python experiments/hlo_kernels.py RESULT.json HLO.txt.gz --row part=layer,M=1 [--top 40] [--by-function]
+
+--row picks the result's row by its fields (``bench_layer``: part and M; ``bench_moe``: M, routing, impl).
 
 For each kernel of the row: its µs per call, its HLO op (a fusion's kind, or a custom call's target), its
 result shape, the ops inside a fusion (counted by kind; parameters, bitcasts, constants and tuples left out)
@@ -17,7 +19,12 @@ import argparse
 import collections
 import gzip
 import json
+import os
 import re
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from experiments.bench_util import parse_settings  # noqa: E402
 
 TABLE_ROW = re.compile(r"^(\d+) (.*)$")
 FIELD = re.compile(r"(\w+)=(-?\d+)")
@@ -104,15 +111,19 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("result", help="a benchmark's JSON whose rows hold 'kernels' ([name, launches, µs]) ")
     ap.add_argument("hlo", help="the optimized HLO of the traced chain (.txt or .txt.gz)")
-    ap.add_argument("--part", default="layer")
-    ap.add_argument("--m", type=int, required=True)
+    ap.add_argument("--row", required=True, metavar="K=V,...", help="the row's fields, e.g. part=layer,M=1")
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--by-function", action="store_true",
                     help="also sum the µs by the function of each kernel's most frequent source line")
     args = ap.parse_args(argv)
-    rows = [r for r in json.load(open(args.result))["rows"] if r.get("part") == args.part and r.get("M") == args.m]
-    if not rows or "kernels" not in rows[0]:
-        ap.error(f"{args.result} has no traced row of part {args.part!r} at M = {args.m}")
+    try:
+        want = parse_settings(args.row, "--row")
+    except ValueError as e:
+        ap.error(str(e))
+    rows = [r for r in json.load(open(args.result))["rows"] if all(r.get(k) == v for k, v in want.items())]
+    if len(rows) != 1 or "kernels" not in rows[0]:
+        ap.error(f"{args.result} has {len(rows)} rows with {want}" + (", without kernels" if rows else "")
+                 + ": name one traced row")
     opener = gzip.open if args.hlo.endswith(".gz") else open
     with opener(args.hlo, "rt") as f:
         hlo = parse_hlo(f.read())

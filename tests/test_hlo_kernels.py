@@ -5,6 +5,7 @@ import json
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 from ddtree_jax.layers import rms_norm
 from experiments import hlo_kernels
@@ -33,9 +34,20 @@ def test_the_command_prints_each_kernel_with_its_source(tmp_path, capsys):
     fusions = [r["name"] for recs in hlo["computations"].values() for r in recs if r["op"] == "fusion"]
     kernels = [[hlo_kernels.kernel_key(n), 1.0, 2.5] for n in fusions] + [["some_cublas_gemm", 1.0, 1.0]]
     (tmp_path / "r.json").write_text(json.dumps({"rows": [{"M": 1, "part": "layer", "us": 9.0, "kernels": kernels}]}))
-    hlo_kernels.main([str(tmp_path / "r.json"), str(tmp_path / "hlo.txt"), "--m", "1", "--by-function"])
+    hlo_kernels.main([str(tmp_path / "r.json"), str(tmp_path / "hlo.txt"), "--row", "part=layer,M=1", "--by-function"])
     out = capsys.readouterr().out
     by_function = out.split("function (a kernel's")[1]
     assert "layers.py rms_norm" in by_function and "1.00       1  some_cublas_gemm" in by_function
     assert "layers.py:" in out and "some_cublas_gemm  [not in the HLO]" in out
     assert f"{2.5 * len(fusions) + 1.0:7.2f} µs over the {len(kernels)} kernels listed" in out
+
+
+def test_the_command_asks_for_exactly_one_traced_row(tmp_path, capsys):
+    rows = [{"M": 1, "part": "layer", "us": 1.0, "kernels": []}, {"M": 1, "part": "moe", "us": 1.0}]
+    (tmp_path / "r.json").write_text(json.dumps({"rows": rows}))
+    (tmp_path / "hlo.txt").write_text("HloModule m\n")
+    for row, says in (("M=1", "has 2 rows with {'M': 1}"), ("part=moe,M=1", "1 rows with {'part': 'moe', 'M': 1}, "
+                                                                            "without kernels"), ("M", "is not KEY")):
+        with pytest.raises(SystemExit):
+            hlo_kernels.main([str(tmp_path / "r.json"), str(tmp_path / "hlo.txt"), "--row", row])
+        assert says in capsys.readouterr().err
