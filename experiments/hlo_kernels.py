@@ -4,7 +4,8 @@ call) joined to the optimized HLO of the same compile (``bench_layer.py --hlo``)
 
     python experiments/hlo_kernels.py RESULT.json HLO.txt.gz --row part=layer,M=1 [--top 40] [--by-function]
 
---row picks the result's row by its fields (``bench_layer``: part and M; ``bench_moe``: M, routing, impl).
+--row picks the result's one row by its fields (``bench_layer``'s: part and M). The HLO must be the compile the
+trace timed (``bench_layer --hlo`` writes it): another compile numbers its fusions differently.
 
 For each kernel of the row: its µs per call, its HLO op (a fusion's kind, or a custom call's target), its
 result shape, the ops inside a fusion (counted by kind; parameters, bitcasts, constants and tuples left out)
