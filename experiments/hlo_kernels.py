@@ -32,6 +32,7 @@ FIELD = re.compile(r"(\w+)=(-?\d+)")
 COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$")
 INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.+?) ([\w\-]+)\((.*)$")
 SKIPPED_OPS = {"parameter", "bitcast", "constant", "get-tuple-element", "tuple"}
+ANCHOR_OPS = ("dot", "custom-call", "gather", "scatter", "sort")  # what a fusion is for, where it holds one
 OWN_CODE = ("ddtree_jax/", "pallas_kernels/")
 
 
@@ -95,17 +96,20 @@ def own_line(frames: dict, frame_id: int | None) -> str | None:
 
 
 def describe(hlo: dict, kernel: str) -> dict:
-    """One kernel name -> {op, shape, ops (Counter of the fused ops' kinds), lines (Counter of own_line)}; op is
-    None where the HLO holds no instruction of that name."""
+    """One kernel name -> {op, shape, ops (Counter of the fused ops' kinds), lines (Counter of own_line), anchor (the
+    line of its first dot, custom call, gather, scatter or sort, else its most frequent line; None without lines)};
+    op is None where the HLO holds no instruction of that name."""
     rec = hlo["instructions"].get(kernel_key(kernel))
     if rec is None:
-        return {"op": None, "shape": "", "ops": collections.Counter(), "lines": collections.Counter()}
+        return {"op": None, "shape": "", "ops": collections.Counter(), "lines": collections.Counter(), "anchor": None}
     inner = hlo["computations"].get(rec["calls"], []) if rec["calls"] else [rec]
     ops = collections.Counter(r["op"] for r in inner if r["op"] not in SKIPPED_OPS)
     lines = collections.Counter(filter(None, (own_line(hlo["frames"], r["frame"]) for r in inner)))
     if not lines and own_line(hlo["frames"], rec["frame"]):
         lines[own_line(hlo["frames"], rec["frame"])] += 1
-    return {"op": rec["target"] or rec["op"], "shape": rec["shape"], "ops": ops, "lines": lines}
+    heavy = [own_line(hlo["frames"], r["frame"]) for r in inner if r["op"] in ANCHOR_OPS]
+    anchor = next(filter(None, heavy), None) or (lines.most_common(1)[0][0] if lines else None)
+    return {"op": rec["target"] or rec["op"], "shape": rec["shape"], "ops": ops, "lines": lines, "anchor": anchor}
 
 
 def main(argv=None):
@@ -115,7 +119,8 @@ def main(argv=None):
     ap.add_argument("--row", required=True, metavar="K=V,...", help="the row's fields, e.g. part=layer,M=1")
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--by-function", action="store_true",
-                    help="also sum the µs by the function of each kernel's most frequent source line")
+                    help="also sum the µs by each kernel's anchor function (its dot's, gather's, ...; else its most "
+                         "frequent source line's)")
     args = ap.parse_args(argv)
     try:
         want = parse_settings(args.row, "--row")
@@ -133,7 +138,7 @@ def main(argv=None):
     for name, launches, us in rows[0]["kernels"][:args.top]:
         d = describe(hlo, name)
         total += us
-        function = re.sub(r":\d+ \((.*)\)$", r" \1", d["lines"].most_common(1)[0][0]) if d["lines"] else name
+        function = re.sub(r":\d+ \((.*)\)$", r" \1", d["anchor"]) if d["anchor"] else name
         by_function[function][0] += us
         by_function[function][1] += 1
         ops = " ".join(f"{k}x{v}" if v > 1 else k for k, v in d["ops"].most_common(6))
@@ -144,7 +149,7 @@ def main(argv=None):
     print(f"{total:7.2f} µs over the {min(args.top, len(rows[0]['kernels']))} kernels listed; the row's span "
           f"{rows[0]['us']:.2f}")
     if args.by_function:
-        print(f"\n{'µs':>7} {'kernels':>7}  function (a kernel's most frequent source line's; else its name)")
+        print(f"\n{'µs':>7} {'kernels':>7}  function (a kernel's anchor line's; else its name)")
         for function, (us, count) in sorted(by_function.items(), key=lambda kv: -kv[1][0]):
             print(f"{us:7.2f} {count:7}  {function}")
 

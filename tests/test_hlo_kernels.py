@@ -51,3 +51,46 @@ def test_the_command_asks_for_exactly_one_traced_row(tmp_path, capsys):
         with pytest.raises(SystemExit):
             hlo_kernels.main([str(tmp_path / "r.json"), str(tmp_path / "hlo.txt"), "--row", row])
         assert says in capsys.readouterr().err
+
+
+HAND_WRITTEN = """HloModule m
+
+FileNames
+1 "/repo/ddtree_jax/layers.py"
+
+FunctionNames
+1 "rms_norm"
+2 "_plain_dot"
+
+FileLocations
+1 {file_name_id=1 function_name_id=1 line=37 end_line=37 column=1 end_column=2}
+2 {file_name_id=1 function_name_id=2 line=75 end_line=75 column=1 end_column=2}
+
+StackFrames
+1 {file_location_id=1 parent_frame_id=1}
+2 {file_location_id=2 parent_frame_id=2}
+
+%fused_dot (p0: bf16[2,64], p1: bf16[64,32]) -> f32[2,32] {
+  %p0 = bf16[2,64]{1,0} parameter(0)
+  %m1 = bf16[2,64]{1,0} multiply(%p0, %p0), metadata={op_name="mul" stack_frame_id=1}
+  %m2 = bf16[2,64]{1,0} multiply(%m1, %p0), metadata={op_name="mul" stack_frame_id=1}
+  %p1 = bf16[64,32]{1,0} parameter(1)
+  ROOT %d = f32[2,32]{1,0} dot(%m2, %p1), lhs_contracting_dims={1}, metadata={op_name="dot" stack_frame_id=2}
+}
+
+ENTRY %main (a: bf16[2,64], b: bf16[64,32]) -> f32[2,32] {
+  %a = bf16[2,64]{1,0} parameter(0)
+  %b = bf16[64,32]{1,0} parameter(1)
+  ROOT %gemm_fusion_dot.7 = f32[2,32]{1,0} fusion(%a, %b), kind=kCustom, calls=%fused_dot
+}
+"""
+
+
+def test_a_fusion_is_anchored_at_its_dot_not_its_most_frequent_line():
+    """A GEMM fusion with the norm's scaling as its prologue is the dot's kernel (two multiplies from rms_norm, one
+    dot): read back by the trace's name, with '.' as '_'."""
+    d = hlo_kernels.describe(hlo_kernels.parse_hlo(HAND_WRITTEN), "gemm_fusion_dot_7")
+    assert d["op"] == "fusion" and d["shape"].startswith("f32[2,32]")
+    assert d["ops"] == {"multiply": 2, "dot": 1}
+    assert d["lines"].most_common(1)[0][0] == "layers.py:37 (rms_norm)"
+    assert d["anchor"] == "layers.py:75 (_plain_dot)"
