@@ -1,6 +1,7 @@
 """Which source lines each kernel of a traced chain runs: a benchmark's kernel table (name, launches, µs per
-call) joined to the optimized HLO of the same compile (``bench_layer.py --hlo``), so that a fusion such as
-``loop_pad_fusion_39`` reads as "pad at layers.py:81 (_padded_dot)".
+call) joined to the optimized HLO of the same compile (``bench_layer.py --hlo``), so that a fusion named like
+``loop_pad_fusion_39`` reads as the lines it runs (``layers.py:37 (rms_norm)``, ``rope.py:69
+(apply_rope_interleaved)``).
 
     python experiments/hlo_kernels.py RESULT.json HLO.txt.gz --row part=layer,M=1 [--top 40] [--by-function]
 
@@ -140,7 +141,7 @@ def main(argv=None):
         total += us
         function = re.sub(r":\d+ \((.*)\)$", r" \1", d["anchor"]) if d["anchor"] else name
         by_function[function][0] += us
-        by_function[function][1] += 1
+        by_function[function][1] += launches
         ops = " ".join(f"{k}x{v}" if v > 1 else k for k, v in d["ops"].most_common(6))
         lines = "; ".join(line for line, _ in d["lines"].most_common(3))
         print(f"{us:7.2f} {launches:8}  {name}  [{d['op'] or 'not in the HLO'}] {d['shape'][:48]}")
@@ -149,9 +150,9 @@ def main(argv=None):
     print(f"{total:7.2f} µs over the {min(args.top, len(rows[0]['kernels']))} kernels listed; the row's span "
           f"{rows[0]['us']:.2f}")
     if args.by_function:
-        print(f"\n{'µs':>7} {'kernels':>7}  function (a kernel's anchor line's; else its name)")
-        for function, (us, count) in sorted(by_function.items(), key=lambda kv: -kv[1][0]):
-            print(f"{us:7.2f} {count:7}  {function}")
+        print(f"\n{'µs':>7} {'launches':>8}  function (a kernel's anchor line's; else its name)")
+        for function, (us, launches) in sorted(by_function.items(), key=lambda kv: -kv[1][0]):
+            print(f"{us:7.2f} {launches:8.3g}  {function}")
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ def test_the_command_prints_each_kernel_with_its_source(tmp_path, capsys):
     hlo_kernels.main([str(tmp_path / "r.json"), str(tmp_path / "hlo.txt"), "--row", "part=layer,M=1", "--by-function"])
     out = capsys.readouterr().out
     by_function = out.split("function (a kernel's")[1]
-    assert "layers.py rms_norm" in by_function and "1.00       1  some_cublas_gemm" in by_function
+    assert "layers.py rms_norm" in by_function and "1.00        1  some_cublas_gemm" in by_function
     assert "layers.py:" in out and "some_cublas_gemm  [not in the HLO]" in out
     assert f"{2.5 * len(fusions) + 1.0:7.2f} µs over the {len(kernels)} kernels listed" in out
 
