@@ -175,9 +175,10 @@ def parts(cfg, layer, m: int, prefix: int, rt: Runtime = Runtime()):
         weights = route(flat(x), lay.mlp.router.get_value(), lay.mlp.router_bias.get_value(), cfg, top_k_method)[1]
         return x + (1e-6 * weights.sum()).astype(x.dtype)
 
-    def router_logits(lay, x, weight, **dot):  # the router's dot alone (``route``'s first line), by variant
-        logits = jnp.einsum("md,ed->me", flat(x).astype(weight.dtype), weight, preferred_element_type=jnp.float32,
-                            **dot)
+    def router_logits(lay, x, weight, padded=False, **precision):  # the router's dot alone (``route``'s first
+        xs = flat(x).astype(weight.dtype)  # line), by variant; padded: through ``layers.dot``
+        logits = dot(xs, weight, "md,ed->me", out_dtype=jnp.float32) if padded else jnp.einsum(
+            "md,ed->me", xs, weight, preferred_element_type=jnp.float32, **precision)
         return x + (1e-6 * logits.sum()).astype(x.dtype)
 
     def routed(mod, x, aux):  # ids tied to x: each step sorts them (fixed ids would be sorted once per chain)
@@ -205,8 +206,7 @@ def parts(cfg, layer, m: int, prefix: int, rt: Runtime = Runtime()):
                              moe.router.get_value().astype(jnp.float32)),
         # the bf16 dot through ``layers.dot``: on CUDA one token runs padded to two rows (XLA turns a one-row dot
         # into a multiply and a reduce); the same as router_logits_bf16 from two tokens on
-        "router_logits_bf16_pad": (lambda lay, x, aux: x + (1e-6 * dot(flat(x).astype(jnp.bfloat16), aux, "md,ed->me",
-                                                                      out_dtype=jnp.float32).sum()).astype(x.dtype),
+        "router_logits_bf16_pad": (lambda lay, x, aux: router_logits(lay, x, aux, padded=True),
                                    moe.router.get_value().astype(jnp.bfloat16)),
         "routed_experts": (lambda lay, x, aux: routed(lay.mlp, x, aux), (ids, weights)),
         "shared_expert": (lambda lay, x, aux: x + lay.mlp.shared(x).astype(x.dtype), None),
@@ -279,9 +279,8 @@ def main(argv=None):
     except ValueError as e:
         p.error(str(e))
     wanted = {v for v in args.parts.split(",") if v}
-    known = set(PARTS)
-    if wanted - known:
-        p.error(f"unknown parts {sorted(wanted - known)}; known: {sorted(known)}")
+    if wanted - set(PARTS):
+        p.error(f"unknown parts {sorted(wanted - set(PARTS))}; known: {sorted(PARTS)}")
     if args.local_of is not None and (args.local_of < 2 or args.mesh):
         p.error(f"--local-of takes a device count of at least 2, without --mesh; got {args.local_of}"
                 + (f" with --mesh {args.mesh}" if args.mesh else ""))

@@ -127,7 +127,8 @@ def main(argv=None):
         want = parse_settings(args.row, "--row")
     except ValueError as e:
         ap.error(str(e))
-    rows = [r for r in json.load(open(args.result))["rows"] if all(r.get(k) == v for k, v in want.items())]
+    with open(args.result) as f:
+        rows = [r for r in json.load(f)["rows"] if all(r.get(k) == v for k, v in want.items())]
     if len(rows) != 1 or "kernels" not in rows[0]:
         ap.error(f"{args.result} has {len(rows)} rows with {want}" + (", without kernels" if rows else "")
                  + ": name one traced row")
