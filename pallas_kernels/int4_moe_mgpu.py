@@ -447,7 +447,7 @@ def grouped_int4_matmul(x_chunks, w, s, tile_expert, tile_rows=None, *, tokens_p
     nt = tile_expert.shape[0]
     ragged = tile_rows is not None
 
-    def body(te_ref, tr_ref, x_ref, w_ref, s_ref, o_ref):
+    def int4_gemm_body(te_ref, tr_ref, x_ref, w_ref, s_ref, o_ref):
         if dependent_launch:  # wait before the first read (tile_expert too), then free the next grid's launch
             plgpu.griddepcontrol_wait()
             plgpu.griddepcontrol_launch_dependents()
@@ -495,7 +495,7 @@ def grouped_int4_matmul(x_chunks, w, s, tile_expert, tile_rows=None, *, tokens_p
             pl.when(e >= 0)(lambda: program(n, t * n))
 
     kernel = plgpu.kernel(
-        body,
+        int4_gemm_body,
         out_type=jax.ShapeDtypeStruct((out_dim // 2 // chunk, p, chunk), jnp.bfloat16) if fused else
         jax.ShapeDtypeStruct((split,) + ((p, out_dim) if tokens_out else (out_dim, p)), out_dtype),
         grid=(nt, nb, split), grid_names=("tile", "rows", "split"),

@@ -135,6 +135,7 @@ def test_default_kernel_is_narrow_up_to_32_rows_and_its_shared_memory_count():
                             (1, 64, 1024, False), (3, 2, 1024, False), (1, 8, 1000, True)]:
         text = f.trace(*k26_spec(2, T, H, S)).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text and ("narrow_body" in text) == narrow, (T, H, S)
+        assert ("attention_body" in text) == (not narrow), (T, H, S)  # the 64-row kernel's own trace name
         assert (M.default_kernel_name(T, H, K26["C"], K26["L"]) == "narrow") == narrow, (T, H)
     name = functools.partial(M.default_kernel_name, C=K26["C"], L=K26["L"])
     assert (name(9, 8), name(8, 8), name(1, 64), name(3, 2)) == ("tail", "tiles", "tiles", "tiles")
