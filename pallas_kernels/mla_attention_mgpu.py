@@ -239,9 +239,9 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     col_layout = plgpu.Layout.WGMMA.reduce(0)  # a vector along the tail's sᵀ and oᵀ columns (its rows)
 
-    def attention_body(plen_ref, q_ref, kv_ref, tkv_ref, bits_ref, o_ref, lse_ref, qo_smem, k_smem, bits_smem, p_smem,
-             stat_smem, tail_smem, pt_smem, q_bar, k_bars, bits_bars, consumed_bars, done_bar, p_ready, p_free,
-             qt_bar, rope_free, merge_bars, weights_bar):
+    def attention_body(plen_ref, q_ref, kv_ref, tkv_ref, bits_ref, o_ref, lse_ref, qo_smem, k_smem, bits_smem,
+                       p_smem, stat_smem, tail_smem, pt_smem, q_bar, k_bars, bits_bars, consumed_bars, done_bar,
+                       p_ready, p_free, qt_bar, rope_free, merge_bars, weights_bar):
         # stat rows: 0 the step's alpha, 1 the final l (shared scores), 2 the LSE; with peer_merge in split 1, 1 and 3
         # the merge's weights
         lse_smem = stat_smem.at[2]
