@@ -377,7 +377,8 @@ def engine_config(mode: str, args, eos_ids=()) -> EngineConfig:
 
 
 def check_fits(args, modes: Sequence[str], prompts, target, drafter, eos_ids=()) -> None:
-    """Before anything is compiled: ``--top-k``, ``--stop-ids`` and ``--logit-bias`` against the vocabulary,
+    """Before anything is compiled: ``--top-k`` and the token ids of ``--prompt-ids``, ``--stop-ids``, ``--bad-ids``,
+    ``--allowed-ids`` and ``--logit-bias`` against the vocabulary,
     ``--min-new-tokens`` against the stops it holds back (``eos_ids``, ``--stop-ids``), the DDTree budget against the
     drafter's depth and the vocabulary, and ``--capacity`` against every mode's need (``required_capacity``);
     ValueError naming what is needed."""
@@ -387,7 +388,8 @@ def check_fits(args, modes: Sequence[str], prompts, target, drafter, eos_ids=())
     except ValueError as e:
         raise ValueError(f"--top-k: {e} (the target's vocabulary)") from None
     allowed = [] if args.allowed_ids is None else [args.allowed_ids]
-    for flag, values in (("--stop-ids", args.stop_ids), ("--bad-ids", args.bad_ids), ("--allowed-ids", allowed)):
+    for flag, values in (("--prompt-ids", args.prompt_ids or []), ("--stop-ids", args.stop_ids),
+                         ("--bad-ids", args.bad_ids), ("--allowed-ids", allowed)):
         for i, text in enumerate(values):
             outside = [t for t in parse_ids(text, i, flag) if t >= target.cfg.vocab_size]
             if outside:
@@ -538,6 +540,8 @@ def run_mode(target, drafter, mode, args, prompts, tokenizer, eos_ids):
 
 
 def main(argv=None):
+    """Runs the command line ``argv``. A flag refused on its own, or against the loaded models (``check_fits``),
+    exits with argparse's usage error (status 2) before anything is compiled."""
     args = parse_args(argv)
     with jax.default_matmul_precision(args.matmul_precision):
         return _main(args)
@@ -545,9 +549,12 @@ def main(argv=None):
 
 def _main(args):
     target, drafter, tokenizer, eos_ids = load_pair(args)
-    prompts, prompt_source = read_prompts(args, tokenizer)
     modes = modes_of(args)
-    check_fits(args, modes, prompts, target, drafter, eos_ids)
+    try:
+        prompts, prompt_source = read_prompts(args, tokenizer)
+        check_fits(args, modes, prompts, target, drafter, eos_ids)
+    except ValueError as e:
+        build_parser().error(str(e))
     print(f"target: {args.target}  layers={target.cfg.num_layers} hidden={target.cfg.hidden_size} "
           f"experts={target.cfg.n_routed_experts} int4={target.cfg.quant is not None}  drafter: {args.drafter}  "
           f"device: {jax.devices()[0].device_kind}  jax {jax.__version__}")

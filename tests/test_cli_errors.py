@@ -111,6 +111,23 @@ def test_capacity_too_small_is_refused_with_the_capacity_needed():
     run_decode.check_fits(args, run_decode.modes_of(args), [[1, 2, 3]], target, drafter)
 
 
+def test_prompt_ids_are_checked_against_the_vocabulary_before_decoding():
+    args = run_decode.parse_args(RANDOM + ["--drafter", "random", "--prompt-ids", "1 2", "--prompt-ids", "3 7"])
+    target, drafter = fake_pair(vocab=8)
+    run_decode.check_fits(args, run_decode.modes_of(args), [[1, 2], [3, 7]], target, drafter)
+    args.prompt_ids.append("0 8 9")
+    with pytest.raises(ValueError, match=r"--prompt-ids #3 holds \[8, 9\], outside the target's vocabulary \[0, 8\)"):
+        run_decode.check_fits(args, run_decode.modes_of(args), [[1, 2], [3, 7], [0, 8, 9]], target, drafter)
+
+
+def test_checks_against_the_loaded_models_exit_as_usage_errors(capsys):
+    """main refuses what only the models can judge (here a --capacity below the need) like a bad flag: argparse's
+    error and exit status 2, no traceback, before anything is compiled."""
+    argv = RANDOM + ["--drafter", "random", "--mode", "ddtree", "--prompt-ids", "1 2 3", "--capacity", "8"]
+    err = refused(run_decode.main, argv, capsys)
+    assert "error: --capacity 8 is too small" in err and "Traceback" not in err
+
+
 def test_budget_is_checked_against_the_drafter_before_decoding():
     args = run_decode.parse_args(RANDOM + ["--drafter", "random", "--mode", "ddtree", "--budget", "100",
                                            "--prompt-ids", "1"])
