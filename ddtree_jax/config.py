@@ -108,6 +108,15 @@ class ModelConfig:
                                 f"num_experts_per_tok={self.num_experts_per_tok}")
         if self.qk_rope_head_dim % 2:
             problems.append("qk_rope_head_dim must be even")
+        if self.quant is not None:  # the routed experts' in-dims, grouped
+            for name in ("hidden_size", "moe_intermediate_size"):
+                if getattr(self, name) % self.quant.group_size:
+                    problems.append(f"{name}={getattr(self, name)} is not a multiple of the quantization "
+                                    f"group_size {self.quant.group_size}")
+        if self.rope.kind == "yarn":
+            for name in ("factor", "beta_fast", "beta_slow"):
+                if not getattr(self.rope, name) > 0:
+                    problems.append(f"yarn rope {name}={getattr(self.rope, name)} must be > 0")
         if self.num_nextn_predict_layers < 0:
             problems.append(f"num_nextn_predict_layers={self.num_nextn_predict_layers} must be >= 0")
         if not 0 <= self.first_k_dense_replace <= self.num_layers:
@@ -176,7 +185,7 @@ class ModelConfig:
                                   f"DeepseekV3Config default is {TRANSFORMERS_DEFAULTS[key]}, other tools differ)")
             return raw[key]
 
-        rope_raw = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        rope_raw = hf_rope_section(raw)
         theta = float(rope_raw.get("rope_theta", raw.get("rope_theta", 10000.0)))
         kind = rope_raw.get("rope_type", rope_raw.get("type", "default"))
         if kind not in ("yarn", "default"):
@@ -189,12 +198,14 @@ class ModelConfig:
             kind=kind,
             factor=float(rope_raw.get("factor", 1.0)),
             original_max_position=int(
-                rope_raw.get("original_max_position_embeddings", raw.get("max_position_embeddings", 4096))
+                rope_raw.get("original_max_position_embeddings") or raw.get("max_position_embeddings") or 4096
             ),
-            beta_fast=float(rope_raw.get("beta_fast", 32.0)),
-            beta_slow=float(rope_raw.get("beta_slow", 1.0)),
-            mscale=float(rope_raw.get("mscale") or 0.0),  # absent = 0: HF then derives the amplitude from factor alone
-            mscale_all_dim=float(rope_raw.get("mscale_all_dim", 0.0)),
+            # as transformers reads them: a null or 0 beta is its default, a null mscale is absent (0: HF then
+            # derives the amplitude from factor alone)
+            beta_fast=float(rope_raw.get("beta_fast") or 32.0),
+            beta_slow=float(rope_raw.get("beta_slow") or 1.0),
+            mscale=float(rope_raw.get("mscale") or 0.0),
+            mscale_all_dim=float(rope_raw.get("mscale_all_dim") or 0.0),
             attention_factor=None if rope_raw.get("attention_factor") is None else float(rope_raw["attention_factor"]),
         )
         if rope_raw.get("truncate", True) is not True:
@@ -270,6 +281,17 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     if scale <= 1:
         return 1.0
     return 0.1 * mscale * math.log(scale) + 1.0
+
+
+def hf_rope_section(raw: dict[str, Any]) -> dict[str, Any]:
+    """An HF config's RoPE section: ``rope_parameters`` (transformers 5) or ``rope_scaling`` (earlier files).
+    A config with both, differing, is refused: transformers 5 reads ``rope_scaling`` and drops the other,
+    other tools read ``rope_parameters``, so either choice would silently change the frequencies for someone."""
+    parameters, scaling = raw.get("rope_parameters"), raw.get("rope_scaling")
+    if parameters and scaling and parameters != scaling:
+        raise ConfigError(f"config.json has both rope_parameters {parameters} and rope_scaling {scaling}, and they "
+                          "differ; keep one (transformers 5 reads rope_scaling, other tools rope_parameters)")
+    return parameters or scaling or {}
 
 
 def k26_config(dtype: str = "bfloat16", quantized: bool = True) -> ModelConfig:

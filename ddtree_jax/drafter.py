@@ -30,7 +30,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from ddtree_jax.checks import as_int32
-from ddtree_jax.config import ConfigError, RopeConfig, yarn_mscale
+from ddtree_jax.config import ConfigError, RopeConfig, hf_rope_section, yarn_mscale
 from ddtree_jax.layers import RMSNorm, SwiGLU, declare, dot
 from ddtree_jax.rope import apply_rope_half, rope_cos_sin
 from ddtree_jax.safetensors_io import CheckpointError, checked_array, iter_tensors
@@ -202,7 +202,7 @@ class DrafterConfig:
 
 def _rope_from_hf(raw: dict[str, Any], legacy_yarn_amplitude: bool) -> RopeConfig:
     """RoPE as transformers reads a Qwen3 config (absent mscale fields are None, i.e. falsy)."""
-    rope_raw = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    rope_raw = hf_rope_section(raw)
     theta = float(rope_raw.get("rope_theta", raw.get("rope_theta", 10000.0)))
     kind = rope_raw.get("rope_type", rope_raw.get("type", "default"))
     if kind not in ("yarn", "default"):

@@ -259,7 +259,13 @@ def iter_hf_params(path: str, cfg: ModelConfig, flat_abstract: dict[tuple, nnx.V
         if rest in attn_rules:
             sub, transform = attn_rules[rest]
             value = file.get(name)
-            yield prepare(("layers", layer) + sub, transform(value) if transform else value, name)
+            if transform:
+                try:
+                    value = transform(value)
+                except ValueError as e:  # a reshape to the config's heads: the shape check below comes too late
+                    raise CheckpointError(f"{name}: shape {tuple(value.shape)} does not fit the config's "
+                                          f"{cfg.num_heads} heads ({e})") from None
+            yield prepare(("layers", layer) + sub, value, name)
             continue
         expert = _EXPERT.match(rest)
         fused = _FUSED.match(rest)

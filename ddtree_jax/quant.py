@@ -43,14 +43,27 @@ def parse_quantization_config(raw: dict[str, Any] | None):
         raise ConfigError(f"expected exactly one compressed-tensors config group, found {len(groups)}")
     (group,) = groups.values()
     weights = group.get("weights") or {}
-    if group.get("input_activations") is not None:
-        raise ConfigError("activation quantization is not supported (weight-only INT4 expected)")
+    for key in ("input_activations", "output_activations"):
+        if group.get(key) is not None:
+            raise ConfigError(f"activation quantization is not supported ({key} {group[key]}; weight-only INT4 "
+                              "expected)")
+    if group.get("format") not in (None, "pack-quantized"):
+        raise ConfigError(f"unsupported config group format {group['format']!r}: only 'pack-quantized'")
+    for key in ("kv_cache_scheme", "sparsity_config", "moe_sparsity_config", "transform_config"):
+        if raw.get(key):  # each would change the numbers; none is implemented, so none may pass unread
+            raise ConfigError(f"quantization_config {key} is not supported, got {raw[key]}")
     num_bits = weights.get("num_bits")
     if num_bits != 4 or weights.get("type", "int") != "int":
         raise ConfigError(f"unsupported weight quantization num_bits={num_bits} type={weights.get('type')!r}")
     if not weights.get("symmetric", True):  # absent: compressed-tensors' default, symmetric
         raise ConfigError("asymmetric INT4 (zero points) is not supported")
-    if weights.get("strategy") != "group":
+    if weights.get("dynamic"):
+        raise ConfigError("dynamic weight quantization is not supported (stored scales expected)")
+    if weights.get("actorder") is not None:
+        raise ConfigError(f"activation ordering actorder={weights['actorder']!r} is not supported")
+    # absent with a group size: compressed-tensors infers the group strategy
+    strategy = weights.get("strategy") or ("group" if weights.get("group_size") else None)
+    if strategy != "group":
         raise ConfigError(f"unsupported quantization strategy {weights.get('strategy')!r}: only 'group'")
     group_size = int(weights.get("group_size") or 0)
     if group_size <= 0 or group_size % PACK_FACTOR:

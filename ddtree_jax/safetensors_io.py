@@ -41,6 +41,7 @@ class SafetensorsFile:
             except json.JSONDecodeError as e:
                 raise CheckpointError(f"{path}: malformed safetensors header: {e}") from None
         header.pop("__metadata__", None)
+        _check_layout(path, header)
         self.header = header
         self.data_start = 8 + header_len
         self.size = size
@@ -76,13 +77,40 @@ class SafetensorsFile:
         return np.memmap(self.path, dtype=dtype, mode="r", offset=self.data_start + begin, shape=shape)
 
 
+def _check_layout(path: str, header: dict) -> None:
+    """The tensors' byte ranges, as the safetensors format requires: each [begin, end) with 0 <= begin <= end,
+    laid end to end from 0 without gaps or overlaps (so no two tensors alias, none reads the header)."""
+    spans = []
+    for name, info in header.items():
+        try:
+            begin, end = (int(v) for v in info["data_offsets"])
+            info["dtype"], tuple(info["shape"])
+        except (TypeError, KeyError, ValueError):
+            raise CheckpointError(f"{path}: malformed header entry for tensor {name!r}: {info}") from None
+        if not 0 <= begin <= end:
+            raise CheckpointError(f"{path}: tensor {name!r} has invalid data_offsets [{begin}, {end}]")
+        spans.append((begin, end, name))
+    at = 0
+    for begin, end, name in sorted(spans):
+        if begin != at:
+            raise CheckpointError(f"{path}: tensor {name!r} starts at data byte {begin}, expected {at} (the "
+                                  "tensors' data_offsets overlap or leave a gap)")
+        at = end
+
+
 def checkpoint_files(directory: str) -> list[str]:
     """The shard files of an HF checkpoint directory (index order if an index exists)."""
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"{directory}: not a directory")
     index = os.path.join(directory, "model.safetensors.index.json")
     if os.path.exists(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-        files = list(dict.fromkeys(weight_map.values()))
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            files = list(dict.fromkeys(weight_map.values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{index}: malformed index (a JSON object with a 'weight_map' of tensor "
+                                  f"name to shard file expected): {e!r}") from None
         missing = [n for n in files if not os.path.exists(os.path.join(directory, n))]
         if missing:
             raise CheckpointError(f"{directory}: index names missing shard files {missing}")
@@ -134,4 +162,11 @@ def checked_array(tensor_name: str, leaf, abstract_leaf) -> np.ndarray:
         raise CheckpointError(f"{tensor_name}: dtype {leaf.dtype} != int32")
     if target != np.int32 and not np.issubdtype(leaf.dtype, np.floating) and leaf.dtype != ml_dtypes.bfloat16:
         raise CheckpointError(f"{tensor_name}: dtype {leaf.dtype} is not a float type")
-    return np.ascontiguousarray(leaf, dtype=target)
+    with np.errstate(over="ignore"):  # float16's overflow, counted and refused below
+        out = np.ascontiguousarray(leaf, dtype=target)
+    if target == np.float16 and leaf.dtype != np.float16:  # the one float target narrower in range than its source
+        overflow = int(np.count_nonzero(np.isinf(out) & ~np.isinf(leaf)))
+        if overflow:
+            raise CheckpointError(f"{tensor_name}: {overflow} values overflow float16 (|x| > 65504); load it in "
+                                  "bfloat16 or float32")
+    return out

@@ -34,6 +34,7 @@ import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from ddtree_jax.checkpoint import convert_hf_checkpoint  # noqa: E402
+from ddtree_jax.hf_loader import hf_model_config  # noqa: E402
 from ddtree_jax.safetensors_io import SafetensorsFile, checkpoint_files, save_file  # noqa: E402
 
 MIB = 2**20
@@ -285,7 +286,11 @@ def main(argv=None) -> dict:
         if args.result:
             print("wrote", write_result(args.result, result))
         return result
-    files = checkpoint_files(args.hf)
+    try:  # the directory given read as a checkpoint (its config and shard list) before the conversion starts
+        files = checkpoint_files(args.hf)
+        hf_model_config(args.hf, dtype=args.dtype)
+    except ValueError as e:  # ConfigError, CheckpointError
+        parser.error(f"--hf {args.hf}: {e}")
     shard_sizes = {os.path.basename(f): os.path.getsize(f) for f in files}
     total_tensors = sum(len(SafetensorsFile(f).keys()) for f in files)
     rss_before = peak_rss_bytes()

@@ -1,0 +1,177 @@
+"""HF checkpoints read as transformers and compressed-tensors read them, or refused by name: RoPE sections, the
+quantization config's parts this engine does not implement, safetensors byte ranges, float16 overflow, shapes
+that do not fit the heads, and a directory that is not a checkpoint."""
+
+import copy
+import json
+import os
+import struct
+
+import numpy as np
+import pytest
+from transformers import DeepseekV3Config
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from cli_helpers import refused
+from hf_reference import edited_copy, tiny_hf_model
+from int4_reference import ct_quantization_config
+from ddtree_jax.config import ConfigError, ModelConfig
+from ddtree_jax.hf_loader import load_hf_model
+from ddtree_jax.quant import parse_quantization_config
+from ddtree_jax.rope import rope_inv_freq
+from ddtree_jax.safetensors_io import CheckpointError, SafetensorsFile, checkpoint_files
+from experiments.convert_checkpoint import main as convert_main
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hf_ok")
+    tiny_hf_model(seed=0).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture
+def raw(hf_dir):
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        return json.load(f)
+
+
+def transformers_rope(raw):
+    """transformers' inverse frequencies and cos/sin amplitude for an HF config dict."""
+    hf = DeepseekV3Config.from_dict(copy.deepcopy(raw))
+    inv_freq, amplitude = ROPE_INIT_FUNCTIONS[hf.rope_parameters["rope_type"]](hf)
+    return inv_freq.numpy(), float(amplitude)
+
+
+@pytest.mark.parametrize("field, value", [("beta_fast", None), ("beta_fast", 0), ("beta_slow", None),
+                                          ("beta_slow", 0), ("mscale_all_dim", None), ("mscale", None)])
+def test_null_or_zero_yarn_fields_read_as_transformers_reads_them(raw, field, value):
+    raw["rope_parameters"][field] = value
+    cfg = ModelConfig.from_hf_dict(copy.deepcopy(raw))
+    inv_freq, amplitude = rope_inv_freq(cfg.rope, cfg.qk_rope_head_dim)
+    hf_inv_freq, hf_amplitude = transformers_rope(raw)
+    np.testing.assert_array_max_ulp(inv_freq, hf_inv_freq, maxulp=1)
+    assert amplitude == pytest.approx(hf_amplitude, abs=1e-7)
+
+
+def test_a_negative_yarn_beta_is_refused(raw):
+    raw["rope_parameters"]["beta_slow"] = -1.0
+    with pytest.raises(ConfigError, match="beta_slow=-1.0 must be > 0"):
+        ModelConfig.from_hf_dict(raw)
+
+
+def test_rope_parameters_and_rope_scaling_that_differ_are_refused(raw):
+    raw["rope_scaling"] = dict(raw["rope_parameters"], factor=2 * raw["rope_parameters"]["factor"])
+    with pytest.raises(ConfigError, match="both rope_parameters .* and rope_scaling"):
+        ModelConfig.from_hf_dict(raw)
+    raw["rope_scaling"] = dict(raw["rope_parameters"])  # the same section twice is one section
+    assert ModelConfig.from_hf_dict(raw).rope == ModelConfig.from_hf_dict(
+        {k: v for k, v in raw.items() if k != "rope_scaling"}).rope
+
+
+def test_drafter_rope_sections_that_differ_are_refused():
+    from ddtree_jax.drafter import _rope_from_hf
+    section = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 1e4}
+    with pytest.raises(ConfigError, match="both rope_parameters"):
+        _rope_from_hf({"rope_parameters": section, "rope_scaling": dict(section, factor=8.0)}, False)
+
+
+GROUP_KEYS = ("output_activations", "format")  # set in the config group; the rest at the config's top level
+
+
+def quant_config(**changes):
+    raw = ct_quantization_config()
+    for key, value in changes.items():
+        (raw["config_groups"]["group_0"] if key in GROUP_KEYS else raw)[key] = value
+    return raw
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"output_activations": {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True}},
+     r"activation quantization is not supported \(output_activations"),
+    ({"kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}},
+     "kv_cache_scheme is not supported"),
+    ({"transform_config": {"config_groups": {"u": {"type": "hadamard"}}}}, "transform_config is not supported"),
+    ({"sparsity_config": {"format": "sparse-24-bitmask"}}, "sparsity_config is not supported"),
+    ({"format": "float-quantized"}, "config group format 'float-quantized'"),
+])
+def test_quantization_parts_the_engine_does_not_implement_are_refused(changes, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_quantization_config(quant_config(**changes))
+
+
+@pytest.mark.parametrize("weights, message", [({"dynamic": True}, "dynamic weight quantization"),
+                                              ({"actorder": "group"}, "actorder='group'")])
+def test_weight_schemes_the_engine_does_not_implement_are_refused(weights, message):
+    raw = quant_config()
+    raw["config_groups"]["group_0"]["weights"].update(weights)
+    with pytest.raises(ConfigError, match=message):
+        parse_quantization_config(raw)
+
+
+def test_an_absent_strategy_with_a_group_size_is_the_group_strategy():
+    """compressed-tensors infers it (``QuantizationArgs(num_bits=4, group_size=32).strategy`` is GROUP)."""
+    raw = quant_config()
+    del raw["config_groups"]["group_0"]["weights"]["strategy"]
+    assert parse_quantization_config(raw).group_size == 32
+
+
+def test_a_group_size_that_does_not_divide_the_expert_in_dims_is_refused_by_name(raw):
+    raw["quantization_config"] = ct_quantization_config(group_size=2 * raw["moe_intermediate_size"])
+    with pytest.raises(ConfigError, match="moe_intermediate_size=.* is not a multiple of the quantization group_size"):
+        ModelConfig.from_hf_dict(raw)
+
+
+def write_safetensors(path, header, data: bytes):
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)) + blob + data)
+    return str(path)
+
+
+@pytest.mark.parametrize("offsets, message", [
+    ([[0, 16], [0, 16]], "overlap or leave a gap"),      # two tensors over the same bytes
+    ([[0, 16], [24, 40]], "overlap or leave a gap"),     # a gap
+    ([[-8, 8], [8, 24]], r"invalid data_offsets \[-8, 8\]"),  # the header's last bytes read as data
+    ([[16, 0], [16, 32]], r"invalid data_offsets \[16, 0\]"),
+])
+def test_safetensors_byte_ranges_must_lie_end_to_end(tmp_path, offsets, message):
+    header = {name: {"dtype": "F32", "shape": [4], "data_offsets": span} for name, span in zip("xy", offsets)}
+    path = write_safetensors(tmp_path / "m.safetensors", header, bytes(40))
+    with pytest.raises(CheckpointError, match=message):
+        SafetensorsFile(path)
+
+
+def test_float16_overflow_is_refused_by_tensor_name(hf_dir, tmp_path):
+    name = "model.layers.1.self_attn.kv_b_proj.weight"
+
+    def edit(tensors):
+        tensors[name] = tensors[name].copy()
+        tensors[name][0, 0] = 1e6
+    path = edited_copy(hf_dir, tmp_path / "m", edit)
+    with pytest.raises(CheckpointError, match=r"kv_b_proj\.weight: 1 values overflow float16"):
+        load_hf_model(path, dtype="float16")
+    load_hf_model(path, dtype="float32")  # the same file in a wide dtype loads
+
+
+@pytest.mark.parametrize("projection", ["q_b_proj", "kv_b_proj", "o_proj"])
+def test_a_projection_that_does_not_fit_the_heads_is_named(hf_dir, tmp_path, projection):
+    name = f"model.layers.1.self_attn.{projection}.weight"
+    path = edited_copy(hf_dir, tmp_path / "m", lambda t: t.update({name: np.concatenate([t[name], t[name][:1]])}))
+    with pytest.raises(CheckpointError, match=name.replace(".", r"\.") + ": shape"):
+        load_hf_model(path, dtype="float32")
+
+
+def test_a_directory_that_is_not_a_checkpoint_is_named(tmp_path, capsys):
+    with pytest.raises(CheckpointError, match="not a directory"):
+        checkpoint_files(str(tmp_path / "nowhere"))
+    (tmp_path / "model.safetensors.index.json").write_text('{"metadata": {}}')
+    with pytest.raises(CheckpointError, match=r"model\.safetensors\.index\.json: malformed index"):
+        checkpoint_files(str(tmp_path))
+    out = str(tmp_path / "out")
+    assert "--hf /no/such: /no/such: not a directory" in refused(convert_main, ["--hf", "/no/such", "--out", out],
+                                                                 capsys)
+    os.remove(tmp_path / "model.safetensors.index.json")
+    write_safetensors(tmp_path / "model.safetensors", {}, b"")
+    assert "no config.json" in refused(convert_main, ["--hf", str(tmp_path), "--out", out], capsys)
