@@ -113,19 +113,27 @@ class TokenHistory:
     recent: jax.Array | None  # [B, K] int32: the prompt's and output's last K tokens, PAD before the first (bad words)
 
 
+PENALTY_RANGE = 2.0  # frequency and presence penalties lie in [-2, 2], as vLLM and OpenAI's API take them
+LOGIT_BIAS_RANGE = 100.0  # logit bias amounts in [-100, 100], as OpenAI's API takes them
+
+
 def check_repetition_penalty(penalty) -> float:
-    """repetition_penalty as a finite float > 0 (1: off); ValueError otherwise (NaN included)."""
+    """repetition_penalty as a float that is finite and > 0 in float32, where it is applied (1: off); ValueError
+    otherwise (NaN included)."""
     if not is_number(penalty):
         raise ValueError(f"repetition_penalty must be a number > 0 (1: off), got {penalty!r}")
-    if not (np.isfinite(penalty) and penalty > 0):
-        raise ValueError(f"repetition_penalty must be finite and > 0 (1: off), got {penalty}")
+    with np.errstate(over="ignore", under="ignore"):
+        as_applied = np.float32(penalty)
+    if not (np.isfinite(as_applied) and as_applied > 0):
+        raise ValueError(f"repetition_penalty must be finite and > 0 in float32 (1: off), got {penalty}")
     return float(penalty)
 
 
 def check_additive_penalty(name: str, penalty) -> float:
-    """frequency_penalty or presence_penalty as a finite float (0: off; negative ones favour repeats)."""
-    if not is_number(penalty) or not np.isfinite(penalty):
-        raise ValueError(f"{name} must be a finite number (0: off), got {penalty!r}")
+    """frequency_penalty or presence_penalty as a float in [-2, 2] (0: off; negative ones favour repeats)."""
+    if not is_number(penalty) or not -PENALTY_RANGE <= penalty <= PENALTY_RANGE:
+        raise ValueError(f"{name} must be a number in [-{PENALTY_RANGE:g}, {PENALTY_RANGE:g}] (0: off), "
+                         f"got {penalty!r}")
     return float(penalty)
 
 
@@ -153,8 +161,8 @@ def check_min_new_tokens(min_new_tokens) -> int:
 
 def check_logit_bias(logit_bias, vocab_size: int | None = None) -> tuple[tuple[int, float], ...]:
     """A mapping {token id: amount} or a sequence of (token id, amount) pairs -> the pairs, ids ascending. Ids are
-    integers >= 0 (below ``vocab_size`` where given), each at most once; amounts finite numbers (a ban is a large
-    negative amount such as -100). ValueError otherwise."""
+    integers >= 0 (below ``vocab_size`` where given), each at most once; amounts numbers in [-100, 100] (a ban:
+    -100). ValueError otherwise."""
     example = "e.g. {13: -100.0, 42: 2.5}"
     if isinstance(logit_bias, dict):
         pairs = list(logit_bias.items())
@@ -171,8 +179,9 @@ def check_logit_bias(logit_bias, vocab_size: int | None = None) -> tuple[tuple[i
             raise ValueError(f"logit_bias's token ids must be integers >= 0, got {token!r}")
         if vocab_size is not None and token >= vocab_size:
             raise ValueError(f"logit_bias's token id {token} is outside the vocabulary [0, {vocab_size})")
-        if not is_number(amount) or not np.isfinite(amount):
-            raise ValueError(f"logit_bias[{token}] must be a finite number (a ban: e.g. -100), got {amount!r}")
+        if not is_number(amount) or not -LOGIT_BIAS_RANGE <= amount <= LOGIT_BIAS_RANGE:
+            raise ValueError(f"logit_bias[{token}] must be a number in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}] "
+                             f"(a ban: -100), got {amount!r}")
         if int(token) in checked:
             raise ValueError(f"logit_bias gives token {token} twice")
         checked[int(token)] = float(amount)

@@ -97,11 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repetition-penalty", type=float, default=1.0,
                    help="transformers' repetition penalty over the prompt and output tokens, greedy too (1: off)")
     p.add_argument("--frequency-penalty", type=float, default=0.0,
-                   help="subtracted from a token's logit per time it is in the output, greedy too (0: off)")
+                   help="subtracted from a token's logit per time it is in the output, greedy too; in [-2, 2] (0: off)")
     p.add_argument("--presence-penalty", type=float, default=0.0,
-                   help="subtracted once from the logit of a token in the output, greedy too (0: off)")
+                   help="subtracted once from the logit of a token in the output, greedy too; in [-2, 2] (0: off)")
     p.add_argument("--logit-bias", action="append", default=[], metavar="ID:AMOUNT",
-                   help="added to token ID's logit before sampling, greedy too (repeatable; e.g. 13:-100 bans 13)")
+                   help="added to token ID's logit before sampling, greedy too; in [-100, 100] (repeatable; "
+                        "e.g. 13:-100 bans 13)")
     p.add_argument("--allowed-ids", default=None, metavar="IDS",
                    help="space-separated token ids: only these may be generated, greedy too (default: all)")
     p.add_argument("--bad-ids", action="append", default=[], metavar="IDS",

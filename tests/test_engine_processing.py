@@ -196,7 +196,7 @@ def test_processing_settings_refused(models):
         EngineConfig(min_new_tokens=5)
     with pytest.raises(ValueError, match="min_new_tokens=9 passes max_new_tokens=8"):
         EngineConfig(min_new_tokens=9, max_new_tokens=8, eos_ids=(1,))
-    with pytest.raises(ValueError, match=r"presence_penalty must be a finite number \(0: off\), got nan"):
+    with pytest.raises(ValueError, match=r"presence_penalty must be a number in \[-2, 2\] \(0: off\), got nan"):
         EngineConfig(presence_penalty=float("nan"))
     with pytest.raises(ValueError, match="logprobs_mode='processed' says which log-probabilities to keep: give "
                                          "logprobs=True too"):

@@ -140,8 +140,8 @@ def test_switches_read_what_the_sampled_streams_use():
     (dict(top_k=[1, 2, 3, 10_000]), r"stream 3's top_k must be at most the vocabulary's"),
     (dict(min_p=[0.1, 0.2]), r"min_p must be one number or a sequence of one per stream \(4\)"),
     (dict(repetition_penalty=[1.0, 1.0, 0.0, 1.0]), r"stream 2's repetition_penalty must be finite and > 0"),
-    (dict(frequency_penalty=float("inf")), r"frequency_penalty must be a finite number"),
-    (dict(presence_penalty=[0, 0, "x", 0]), r"stream 2's presence_penalty must be a finite number"),
+    (dict(frequency_penalty=float("inf")), r"frequency_penalty must be a number in \[-2, 2\]"),
+    (dict(presence_penalty=[0, 0, "x", 0]), r"stream 2's presence_penalty must be a number in \[-2, 2\]"),
     (dict(min_new_tokens=[0, NEW + 1, 0, 0]), rf"stream 1's min_new_tokens={NEW + 1} passes max_new_tokens={NEW}"),
     (dict(min_new_tokens=[0, 3, 0, 0], max_new_tokens=[4, 2, 4, 4]), r"stream 1's min_new_tokens=3 passes "
                                                                     r"max_new_tokens=2"),
@@ -150,7 +150,7 @@ def test_switches_read_what_the_sampled_streams_use():
                                         r"\(4\), got 2 of them"),
     (dict(logit_bias=[None, {1: 2.0}, {64: 1.0}, {}]), r"stream 2's logit_bias's token id 64 is outside the "
                                                        r"vocabulary \[0, 64\)"),
-    (dict(logit_bias=[None, None, None, {3: float("nan")}]), r"stream 3's logit_bias\[3\] must be a finite number"),
+    (dict(logit_bias=[None, None, None, {3: float("nan")}]), r"stream 3's logit_bias\[3\] must be a number in \[-100"),
     (dict(logit_bias={-1: 2.0}), r"logit_bias's token ids must be integers >= 0, got -1"),
     (dict(logit_bias=[(1, 2.0), 3]), r"logit_bias must hold \(token id, amount\) pairs"),
     (dict(stop_token_ids=[[1], None]), r"stop_token_ids must be one sequence of token ids .* one per stream \(4\), "

@@ -293,7 +293,8 @@ def test_logit_bias_normalised(bias, want):
 @pytest.mark.parametrize("bias,message", [
     ([(1, 1.0), (1, 2.0)], "gives token 1 twice"), ({-1: 1.0}, "ids must be integers >= 0"),
     ({True: 1.0}, "ids must be integers >= 0"), ({1.0: 1.0}, "ids must be integers >= 0"),
-    ({1: float("inf")}, r"logit_bias\[1\] must be a finite number"), ({1: "2"}, r"logit_bias\[1\] must be a finite"),
+    ({1: float("inf")}, r"logit_bias\[1\] must be a number in"), ({1: "2"}, r"logit_bias\[1\] must be a number in"),
+    ({1: 100.5}, r"logit_bias\[1\] must be a number in \[-100, 100\]"), ({1: -1e39}, r"logit_bias\[1\] must be"),
     ([1, 2], r"\(token id, amount\) pairs"), ([(1, 2, 3)], "pairs"), (1.0, "must be a mapping"),
     ({W: 1.0}, rf"token id {W} is outside the vocabulary \[0, {W}\)")])
 def test_bad_logit_bias_refused(bias, message):
@@ -303,15 +304,17 @@ def test_bad_logit_bias_refused(bias, message):
 
 @pytest.mark.parametrize("bad,message", [(0.0, "must be finite and > 0"), (-1.2, "must be finite and > 0"),
                                          (float("nan"), "must be finite and > 0"), (float("inf"), "must be finite"),
-                                         (True, "must be a number"), ("1.2", "must be a number")])
+                                         (True, "must be a number"), ("1.2", "must be a number"),
+                                         (1e-46, "must be finite and > 0 in float32"),  # 0 as applied
+                                         (1e39, "must be finite and > 0 in float32")])  # inf as applied
 def test_bad_repetition_penalty_refused(bad, message):
     with pytest.raises(ValueError, match=f"repetition_penalty {message}"):
         pr.check_repetition_penalty(bad)
 
 
-@pytest.mark.parametrize("bad", [float("nan"), float("inf"), True, "0.5", None])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), True, "0.5", None, 2.01, -2.5, 1e39])
 def test_bad_additive_penalty_refused(bad):
-    with pytest.raises(ValueError, match=r"frequency_penalty must be a finite number \(0: off\)"):
+    with pytest.raises(ValueError, match=r"frequency_penalty must be a number in \[-2, 2\] \(0: off\)"):
         pr.check_additive_penalty("frequency_penalty", bad)
 
 
