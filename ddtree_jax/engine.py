@@ -40,7 +40,7 @@ from ddtree_jax.drafter import (DFlashDrafter, DraftCache, check_drafter_target,
 from ddtree_jax.model import KimiModel, Runtime
 from ddtree_jax.processors import (LogitProcessing, TokenHistory, check_additive_penalty, check_allowed_token_ids,
                                    check_logit_bias, check_min_new_tokens, check_repetition_penalty, extend_history,
-                                   process_logits, start_history)
+                                   mark_no_token, process_logits, start_history)
 from ddtree_jax.sampling import check_min_p, check_top_k, check_top_p, sampled_logits
 from ddtree_jax.stream_settings import (NUMBERS, SEED_LIMIT, StreamSettings, Switches, check_seed,  # noqa: F401
                                         check_settings, check_temperature, check_temperatures, check_token_limits,
@@ -51,8 +51,9 @@ from ddtree_jax.scores import (TokenScores, empty_scores, per_stream_slices, sco
 from ddtree_jax.serving import Finished, ServeUpdate, serve, serve_updates
 from ddtree_jax.summary import summarize, summary
 from ddtree_jax.sharding import named_sharding, place, shard_state
-from ddtree_jax.stopping import (CACHE_FULL, EOS, MAX_TOKENS, RUNNING, STATUS_NAMES, STOP_SEQUENCE,  # noqa: F401
-                                 STOP_STRING, STOP_TOKEN, check_id_sequences, check_stop_sequences, stop_and_emit)
+from ddtree_jax.stopping import (CACHE_FULL, EOS, MAX_TOKENS, NO_TOKEN, NO_TOKEN_ID, RUNNING,  # noqa: F401
+                                 STATUS_NAMES, STOP_SEQUENCE, STOP_STRING, STOP_TOKEN, check_id_sequences,
+                                 check_stop_sequences, stop_and_emit)
 from ddtree_jax.stop_strings import (StopStringTabler, StopTables, advance, check_stream_stop_strings, start_states)
 from ddtree_jax.tree import PAD, accept_tokens, build_tree, chain_tree, check_budget, sample_target_tokens
 
@@ -515,12 +516,12 @@ def _prefill(target_def, target_state, drafter_def, drafter_state, cache, draft_
     key, sub = _split_per_stream(key)
     history = start_history(processing, tokens, lengths, cfg.vocab_size)
     processed = process_logits(last[:, None], processing, settings, history, jnp.zeros((b,), jnp.int32))  # [B, 1, W]
-    bonus = sample_target_tokens(processed, temperature, sub, **filters)[:, 0]
-    history = extend_history(history, bonus[:, None], jnp.ones((b,), jnp.int32))
+    bonus = mark_no_token(sample_target_tokens(processed, temperature, sub, **filters), processed, processing)[:, 0]
+    history = extend_history(history, bonus[:, None], (bonus != NO_TOKEN_ID).astype(jnp.int32))
     dm = cfg.hidden_size
     n_taps = max(len(taps), 1)
     state = DecodeState(
-        cache=cache, draft_cache=draft_cache, bonus=bonus,
+        cache=cache, draft_cache=draft_cache, bonus=_a_token(bonus),
         ctx_taps=jnp.zeros((n_taps, b, depth + 1, dm), jnp.dtype(cfg.dtype)),
         ctx_counts=jnp.zeros((b,), jnp.int32), ctx_start=lengths,
         out_tokens=jnp.full((b, max_new_tokens), PAD, jnp.int32),
@@ -570,7 +571,13 @@ def _target_tokens(logits, tree, state: DecodeState, temperature, key):
     each node's place (``processors``), the argmax or a draw (``sample_target_tokens``) at ``temperature``
     (``_static_if_greedy``'s). Returns (tokens, the processed logits)."""
     processed = process_logits(logits, state.processing, state.settings, state.history, state.num_out, tree)
-    return sample_target_tokens(processed, temperature, key, **state.switches.filters(state.settings)), processed
+    tokens = sample_target_tokens(processed, temperature, key, **state.switches.filters(state.settings))
+    return mark_no_token(tokens, processed, state.processing), processed
+
+
+def _a_token(bonus):
+    """The next round's root: a stream that stopped at NO_TOKEN_ID keeps a real id there (its rounds are masked)."""
+    return jnp.where(bonus == NO_TOKEN_ID, 0, bonus)
 
 
 def _scores_of(raw, processed, tokens, temperature, logprobs: str | None, top_logprobs: int,
@@ -622,7 +629,7 @@ def _round(target, drafter, state: DecodeState, ecfg: EngineConfig, runtime: Run
         state.settings.eos_ids)
     tau_hist = state.tau_hist.at[jnp.arange(b), acc.num_accepted + 1].add(active.astype(jnp.int32))
     return dataclasses.replace(
-        state, cache=cache, draft_cache=draft_cache, bonus=jnp.where(active, acc.next_token, state.bonus),
+        state, cache=cache, draft_cache=draft_cache, bonus=jnp.where(active, _a_token(acc.next_token), state.bonus),
         ctx_taps=ctx_taps, ctx_counts=n_commit, ctx_start=start, out_tokens=out_tokens, out_scores=out_scores,
         num_out=num_out, history=extend_history(state.history, acc.emitted, num_out - state.num_out),
         stop_states=stop_states, status=status, rounds=state.rounds + active.astype(jnp.int32), tau_hist=tau_hist,

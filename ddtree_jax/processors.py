@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax.checks import is_integer, is_number, is_token_id
+from ddtree_jax.stopping import NO_TOKEN_ID
 from ddtree_jax.stream_settings import StreamSettings, sequence_table
 from ddtree_jax.tree import PAD, Tree
 
@@ -74,6 +75,13 @@ class LogitProcessing:
         """Whether min_new_tokens holds EOS ids or streams' stop token ids back (it also holds back stop sequences:
         ``stopping``)."""
         return self.min_new_tokens and (bool(self.eos_ids) or self.stream_stop_ids or self.stream_eos)
+
+    @property
+    def bans(self) -> bool:
+        """Whether a place's logits may all end at -inf (``mark_no_token``): where the allowed ids are few, the bad
+        words and min_new_tokens' hold-back may ban every one of them."""
+        return (bool(self.allowed_token_ids) or self.stream_allowed or bool(self.bad_words)
+                or bool(self.stream_bad_words) or self.holds_eos)
 
     @property
     def changes_logits(self) -> bool:
@@ -338,6 +346,15 @@ def process_logits(logits: jax.Array, processing: LogitProcessing, settings: Str
         if processing.presence_penalty:
             logits = logits - jnp.where(counts > 0, per_stream(settings.presence_penalty), 0.0)
     return logits
+
+
+def mark_no_token(tokens: jax.Array, processed: jax.Array, processing: LogitProcessing) -> jax.Array:
+    """tokens [B, T] taken from the processed logits [B, T, W], with ``stopping.NO_TOKEN_ID`` where a row holds no
+    finite logit: the processing banned every token there, so the argmax or a draw would be a banned token (the
+    stream then stops there, status NO_TOKEN). Unchanged where the processing bans nothing."""
+    if not processing.bans:
+        return tokens
+    return jnp.where((processed > -jnp.inf).any(-1), tokens, NO_TOKEN_ID)
 
 
 def _ban_bad_words(logits, bad_words, windows):

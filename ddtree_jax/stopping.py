@@ -1,6 +1,7 @@
 """How a stream stops: an EOS, one of its own stop token ids, a stop sequence of ids, a stop string
-(``stop_strings``), its token limit, or a full cache; and the cut of a round's emitted tokens at the first of them
-(``stop_and_emit``).
+(``stop_strings``), its token limit, a full cache, or a place where its logit processing left no token (its allowed
+ids all banned there by its bad words or held back by min_new_tokens); and the cut of a round's emitted tokens at
+the first of them (``stop_and_emit``).
 
 Shapes: B streams, E tokens emitted this round, N output slots (max_new_tokens), M stop token ids a stream.
 """
@@ -16,9 +17,11 @@ from ddtree_jax.scores import append_scores
 from ddtree_jax.stream_settings import sequence_table
 from ddtree_jax.tree import PAD
 
-RUNNING, EOS, MAX_TOKENS, CACHE_FULL, STOP_SEQUENCE, STOP_STRING, STOP_TOKEN = 0, 1, 2, 3, 4, 5, 6
+RUNNING, EOS, MAX_TOKENS, CACHE_FULL, STOP_SEQUENCE, STOP_STRING, STOP_TOKEN, NO_TOKEN = 0, 1, 2, 3, 4, 5, 6, 7
 STATUS_NAMES = {RUNNING: "running", EOS: "eos", MAX_TOKENS: "max_new_tokens", CACHE_FULL: "cache_full",
-                STOP_SEQUENCE: "stop_sequence", STOP_STRING: "stop_string", STOP_TOKEN: "stop_token"}
+                STOP_SEQUENCE: "stop_sequence", STOP_STRING: "stop_string", STOP_TOKEN: "stop_token",
+                NO_TOKEN: "no_token"}
+NO_TOKEN_ID = -2  # the target's "token" at a place whose processed logits are all -inf: never emitted, never matched
 
 
 def check_stop_sequences(stop_sequences) -> tuple[tuple[int, ...], ...]:
@@ -52,8 +55,8 @@ def stop_and_emit(state, emitted, n_emit, active, eos_ids, emitted_scores=None, 
     a row among the stream's generated ones, earlier rounds' included; the static ``stop_sequences``, and each
     stream's own ``stream_stop_sequences``, a ``stream_settings.StreamWords``, where given) or a stop string
     (``string_ends`` [B, E], where given), the last two not within the first min_new_tokens generated (one number,
-    or [B]: each stream's), or that reaches the stream's token limit, and updates status. Returns (out_tokens,
-    out_scores, num_out, status)."""
+    or [B]: each stream's), or that reaches the stream's token limit; cut before a ``NO_TOKEN_ID`` (status
+    NO_TOKEN); and updates status. Returns (out_tokens, out_scores, num_out, status)."""
     b, width = emitted.shape
     k = jnp.arange(width)[None, :]
     in_round = k < n_emit[:, None]
@@ -68,12 +71,13 @@ def stop_and_emit(state, emitted, n_emit, active, eos_ids, emitted_scores=None, 
         is_stop |= ends_stream_stop_sequence(state.out_tokens, state.num_out, emitted, stream_stop_sequences)
     is_stop &= past_min
     is_string = jnp.zeros((b, width), bool) if string_ends is None else string_ends & past_min
-    ends = (is_eos | is_stop_token | is_stop | is_string) & in_round
+    no_token = emitted == NO_TOKEN_ID
+    ends = ((is_eos | is_stop_token | is_stop | is_string) & ~no_token | no_token) & in_round
     first_end = jnp.argmax(ends, axis=1)
     hit_end = ends.any(1) & (first_end < room)  # an end past the token limit is never emitted
-    n_emit = jnp.where(hit_end, first_end + 1, n_emit)
-    ended_by_eos, ended_by_token, ended_by_sequence = (jnp.take_along_axis(x, first_end[:, None], axis=1)[:, 0]
-                                                       for x in (is_eos, is_stop_token, is_stop))
+    ended_by_eos, ended_by_token, ended_by_sequence, ended_by_no_token = (
+        jnp.take_along_axis(x, first_end[:, None], axis=1)[:, 0] for x in (is_eos, is_stop_token, is_stop, no_token))
+    n_emit = jnp.where(hit_end, first_end + 1 - ended_by_no_token, n_emit)  # the end emitted, unless it is no token
     hit_limit = n_emit >= room
     n_emit = jnp.where(active, jnp.minimum(n_emit, room), 0)
     slots = jnp.where(k < n_emit[:, None], state.num_out[:, None] + k, state.out_tokens.shape[1])  # else dropped
@@ -84,8 +88,8 @@ def stop_and_emit(state, emitted, n_emit, active, eos_ids, emitted_scores=None, 
         if emitted_scores is None:
             raise ValueError("the state keeps scores: emitted_scores is needed")
         out_scores = append_scores(out_scores, emitted_scores, rows, slots)
-    end_status = jnp.select([ended_by_eos, ended_by_token, ended_by_sequence], [EOS, STOP_TOKEN, STOP_SEQUENCE],
-                            STOP_STRING)
+    end_status = jnp.select([ended_by_no_token, ended_by_eos, ended_by_token, ended_by_sequence],
+                            [NO_TOKEN, EOS, STOP_TOKEN, STOP_SEQUENCE], STOP_STRING)
     status = jnp.where(active & hit_end, end_status, jnp.where(active & hit_limit, MAX_TOKENS, state.status))
     return out, out_scores, state.num_out + n_emit, status
 

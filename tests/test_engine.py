@@ -15,8 +15,8 @@ from flax import nnx
 
 from ddtree_jax.config import QuantConfig, tiny_config
 from ddtree_jax.drafter import DFlashDrafter, tiny_drafter_config
-from ddtree_jax.engine import (CACHE_FULL, EOS, MAX_TOKENS, RUNNING, STOP_SEQUENCE, STOP_STRING, STOP_TOKEN, Engine,
-                               EngineConfig, check_seed, required_capacity, summarize)
+from ddtree_jax.engine import (CACHE_FULL, EOS, MAX_TOKENS, NO_TOKEN, NO_TOKEN_ID, RUNNING, STOP_SEQUENCE, STOP_STRING,
+                               STOP_TOKEN, Engine, EngineConfig, check_seed, required_capacity, summarize)
 from ddtree_jax.stopping import check_id_sequences, stop_and_emit
 from ddtree_jax.stream_settings import stream_sequences
 from ddtree_jax.cache import init_cache
@@ -437,12 +437,14 @@ def ref_stop_and_emit(out, out_logprobs, num_out, status, emitted, emitted_logpr
     log-probabilities) until it has appended an EOS (status eos) or one of its ``stop_ids`` (status stop_token), or,
     as its (min_new_tokens + 1)-th token or
     later, a token with which its generated tokens end in one of ``stop_sequences`` (status stop_sequence) or that
-    ``string_ends`` marks (status stop_string), or reaches max_new tokens (status max_new_tokens); others are
-    unchanged."""
+    ``string_ends`` marks (status stop_string), or reaches max_new tokens (status max_new_tokens), and stops without
+    appending it at a NO_TOKEN_ID (status no_token); others are unchanged."""
     out, out_logprobs = list(out), list(out_logprobs)
     if not active:
         return out, out_logprobs, num_out, status
     for e, (token, logprob) in enumerate(zip(emitted[:n_emit], emitted_logprobs)):
+        if token == NO_TOKEN_ID:
+            return out, out_logprobs, num_out, NO_TOKEN
         out[num_out], out_logprobs[num_out] = token, logprob
         num_out += 1
         if token in eos_ids:
@@ -477,8 +479,9 @@ def test_stop_and_emit_equals_a_token_by_token_reference():
     cases += [((3,), ((1, 1, 1), (6,), (0, 3), (7, 2, 7), (2, 4)), 0, False, False, True),
               ((), ((2, 4, 6, 1), (5,), (6, 6)), 2, True, True, True)]
     cases += [((), ((2, 4),), 0, False, False, False, True)]  # with each stream's own EOS ids (the case's compiled out)
+    cases += [((3,), ((2, 4),), 2, True, True, False, False, True)]  # with places where no token was left
     for eos_ids, stop_sequences, min_new_tokens, strings, *flags in cases:
-        own, own_sequences, own_eos = (flags + [False] * 3)[:3]
+        own, own_sequences, own_eos, no_token = (flags + [False] * 4)[:4]
         per_stream = [stop_sequences] * b
         if own_sequences:
             per_stream = [tuple(stop_sequences[j] for j in rng.choice(len(stop_sequences), n, replace=False))
@@ -489,6 +492,8 @@ def test_stop_and_emit_equals_a_token_by_token_reference():
         status = np.where(active, RUNNING, rng.choice([EOS, MAX_TOKENS, CACHE_FULL], b))
         n_emit = rng.integers(1, width + 1, b)
         emitted = rng.integers(0, 8, (b, width))
+        for s in np.flatnonzero(rng.random(b) < 0.4) if no_token else ():
+            emitted[s, rng.integers(n_emit[s])] = NO_TOKEN_ID
         emitted_logprobs = -rng.random((b, width), np.float32)
         kept = np.arange(max_new) < num_out[:, None]
         out = np.where(kept, rng.integers(0, 8, (b, max_new)), PAD)
@@ -543,6 +548,8 @@ def test_stop_and_emit_equals_a_token_by_token_reference():
             assert statuses[STOP_TOKEN] >= 10, statuses
         if own_eos or eos_ids:
             assert statuses[EOS] >= 10, statuses
+        if no_token:
+            assert statuses[NO_TOKEN] >= 10, statuses
         spanning = [s for s in range(b) if got_status[s] == STOP_SEQUENCE and active[s]
                     and any(got_num[s] - num_out[s] < len(seq) and list(got_out[s][:got_num[s]][-len(seq):]) ==
                             list(seq) for seq in per_stream[s])]

@@ -217,3 +217,24 @@ def test_processing_settings_refused(models):
     assert EngineConfig(logit_bias={5: 1, 3: -2.0}) == EngineConfig(logit_bias=[(3, -2), (5, 1.0)])
     assert EngineConfig(logit_bias={5: 1}).processing == LogitProcessing(logit_bias=((5, 1.0),))
     assert EngineConfig(presence_penalty=0.5).processing == LogitProcessing(presence_penalty=True)
+
+
+@pytest.mark.parametrize("mode,budget,temperature", [("ar", 1, 0.0), ("dflash", 1, 1.0), ("ddtree", 16, 0.0),
+                                                     ("ddtree", 16, 1.0)])
+def test_a_place_where_every_allowed_token_is_banned_stops_the_stream_there(models, ar_reference, mode, budget,
+                                                                            temperature):
+    """Streams 0-3 may emit only 5 and 9, and their bad words ban 9 always and 5 after a 5: they emit one 5 (none
+    where the prompt ends with 5) and stop with status "no_token", greedy or sampled, where the argmax or a draw
+    over a row of -inf would have emitted a banned token. Streams 4-7, in the same batch, decode as plain AR."""
+    target, drafter = models
+    contradictory = 4
+    allowed = [(5, 9)] * contradictory + [None] * 4
+    bad_words = [((5, 5), (9,))] * contradictory + [None] * 4
+    engine = Engine(target, drafter if mode != "ar" else None,
+                    EngineConfig(mode=mode, budget=budget, max_new_tokens=NEW, capacity=64))
+    res = engine.generate(PROMPTS[:8], temperature, seed=3, allowed_token_ids=allowed, bad_words=bad_words)
+    for prompt, tokens, status in zip(PROMPTS[:contradictory], res["tokens"], res["status"]):
+        assert (tokens, status) == ([] if prompt[-1] == 5 else [5], "no_token")
+    if temperature == 0.0:
+        assert res["tokens"][contradictory:] == ar_reference[contradictory:8]
+    assert res["status"][contradictory:] == ["max_new_tokens"] * 4
