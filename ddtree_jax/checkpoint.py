@@ -305,6 +305,13 @@ def restore_model(path: str, cfg: ModelConfig | None = None, mesh: Mesh | None =
                     placed[key] = _lookup(restored, base)
     finally:
         checkpointer.close()
+    if cfg.dtype == "float16" != stored.dtype:  # the one cast that can overflow: refuse what became inf
+        for key, value in placed.items():
+            for leaf in jax.tree.leaves(value):
+                if leaf.dtype == jnp.float16 and not bool(jnp.isfinite(leaf).all()):
+                    raise CheckpointError(f"{path}: parameter {'.'.join(map(str, key))} overflows float16 (|x| > "
+                                          f"65504) when cast from the stored {stored.dtype}; restore it in bfloat16 "
+                                          "or float32")
     state = nnx.State.from_flat_path({k: flat_abstract[k].replace(placed[k]) for k in flat_abstract})
     return nnx.merge(graphdef, state)
 

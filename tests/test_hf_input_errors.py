@@ -175,3 +175,18 @@ def test_a_directory_that_is_not_a_checkpoint_is_named(tmp_path, capsys):
     os.remove(tmp_path / "model.safetensors.index.json")
     write_safetensors(tmp_path / "model.safetensors", {}, b"")
     assert "no config.json" in refused(convert_main, ["--hf", str(tmp_path), "--out", out], capsys)
+
+
+def test_restoring_in_float16_refuses_a_parameter_that_overflows(tmp_path):
+    import dataclasses
+
+    from ddtree_jax.checkpoint import restore_model, save_model
+    from ddtree_jax.config import tiny_config
+    from tests.test_checkpoint import random_model
+
+    model = random_model(tiny_config(dtype="float32"))
+    model.embed.value = model.embed.value.at[3, 1].set(1e6)
+    save_model(model, str(tmp_path / "ck"))
+    with pytest.raises(CheckpointError, match=r"parameter embed overflows float16 .* from the stored float32"):
+        restore_model(str(tmp_path / "ck"), dataclasses.replace(model.cfg, dtype="float16"))
+    assert float(restore_model(str(tmp_path / "ck")).embed.value[3, 1]) == 1e6
