@@ -58,6 +58,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -347,8 +348,10 @@ def _dequant_planar(planar, scale_gm, bw: int, dtype):
 # Tile size and the combine (XLA), shared by kernel and twin
 # ----------------------------------------------------------------------------------------------
 def default_tile(m: int, k: int, e: int, smallest: int = 16, largest: int = 64) -> int:
-    """Tokens per tile: about the mean pairs per active expert, a power of two in [smallest, largest]."""
-    mean = m * k / min(e, m * k)
+    """Tokens per tile: about the mean pairs per active expert, a power of two in [smallest, largest]
+    (``smallest`` when there are no pairs)."""
+    busy = min(e, m * k)
+    mean = m * k / busy if busy else 0.0
     return int(min(largest, max(smallest, 1 << max(0, math.ceil(math.log2(max(mean, 1.0)))))))
 
 
@@ -361,27 +364,53 @@ def _combine(y_rows, row_token, m: int, dtype):
 # ----------------------------------------------------------------------------------------------
 # Pure-JAX twin (also the CPU production path)
 # ----------------------------------------------------------------------------------------------
-def _kernel_tiling(m: int, k: int, weights: Int4ExpertWeights, tile, block_n1: int, block_n2: int, split1, split2,
-                   design: str) -> tuple[int, int, int, int, int]:
-    """``int4_moe``'s tiling, checked: (T tokens per tile, gate/up rows and down rows per program, split1, split2)."""
-    e_n, f, d = weights.num_experts, weights.d_ff, weights.d_model
-    t = tile or default_tile(m, k, e_n)
-    bn1, bn2 = min(block_n1, f), min(block_n2, d)
-    if f % bn1 or d % bn2:
-        raise ValueError(f"block_n1={bn1} must divide F={f} and block_n2={bn2} must divide D={d}")
-    bw13, bw2 = weights.w13_block_words, weights.w2_block_words
-    busy = min(e_n, m * k)  # tiles expected to have work
-    s1 = split1 or _default_split(busy * (f // bn1), d // (PACK * bw13))
-    s2 = split2 or _default_split(busy * (d // bn2), f // (PACK * bw2))
-    if (d // (PACK * bw13)) % s1 or (f // (PACK * bw2)) % s2:
-        raise ValueError(f"split1={s1} / split2={s2} must divide the K-block counts")
+DEQUANT_MODES = ("asm", "magic", "int")
+PROBES = ("", "dq_once", "no_dot", "glue")
+
+
+def _positive_int(name: str, value) -> int:
+    """``value`` as a Python int >= 1 (any integer scalar, not a bool or a float), else a ValueError naming ``name``."""
+    try:
+        number = operator.index(value) if not isinstance(value, bool) else 0
+    except TypeError:
+        number = 0
+    if number < 1:
+        raise ValueError(f"{name}={value!r} must be a positive int")
+    return number
+
+
+def _kernel_tiling(m: int, k: int, weights: Int4ExpertWeights, tile, block_n1, block_n2, split1, split2,
+                   design: str, dequant, probe: str) -> tuple[int, int, int, int, int]:
+    """``int4_moe``'s tiling, checked: (T tokens per tile, gate/up rows and down rows per program, split1, split2).
+    A row block left None is the largest power of two <= 64 dividing its dimension (F, or D), so weights that
+    only the twin can take (``kernel_tiling_error``) tile too."""
     if design not in ("join", "planes"):
         raise ValueError(f"unknown design {design!r}")
+    if dequant is not None and dequant not in DEQUANT_MODES:
+        raise ValueError(f"unknown dequant mode {dequant!r}; expected None or one of {DEQUANT_MODES}")
+    if probe not in PROBES:
+        raise ValueError(f"unknown probe {probe!r}; expected one of {PROBES}")
+    e_n, f, d = weights.num_experts, weights.d_ff, weights.d_model
+    t = default_tile(m, k, e_n) if tile is None else _positive_int("tile", tile)
+    bn1 = math.gcd(f, 64) if block_n1 is None else _positive_int("block_n1", block_n1)
+    bn2 = math.gcd(d, 64) if block_n2 is None else _positive_int("block_n2", block_n2)
+    if f % bn1:
+        raise ValueError(f"block_n1={bn1} must divide F={f}")
+    if d % bn2:
+        raise ValueError(f"block_n2={bn2} must divide D={d}")
+    blocks1, blocks2 = d // (PACK * weights.w13_block_words), f // (PACK * weights.w2_block_words)
+    busy = min(e_n, m * k)  # tiles expected to have work
+    s1 = _default_split(busy * (f // bn1), blocks1) if split1 is None else _positive_int("split1", split1)
+    s2 = _default_split(busy * (d // bn2), blocks2) if split2 is None else _positive_int("split2", split2)
+    if blocks1 % s1:
+        raise ValueError(f"split1={s1} must divide the {blocks1} K-blocks of the gate/up GEMM")
+    if blocks2 % s2:
+        raise ValueError(f"split2={s2} must divide the {blocks2} K-blocks of the down GEMM")
     return t, bn1, bn2, s1, s2
 
 
 def int4_moe_ref(x, expert_ids, expert_weights, weights: Int4ExpertWeights, *, interpret: bool = False,
-                 tile: int | None = None, block_n1: int = 64, block_n2: int = 64, num_warps: int = 4,
+                 tile: int | None = None, block_n1: int | None = None, block_n2: int | None = None, num_warps: int = 4,
                  num_stages: int = 3, split1: int | None = None, split2: int | None = None,
                  dequant: str | None = None, design: str = "planes", probe: str = "",
                  expert_offset: int | jax.Array = 0, out_dtype=None):
@@ -392,14 +421,17 @@ def int4_moe_ref(x, expert_ids, expert_weights, weights: Int4ExpertWeights, *, i
     ``out_dtype`` (default x.dtype; the sum over experts is f32 either way). ``weights`` hold experts
     expert_offset .. expert_offset + E - 1; pairs routed elsewhere contribute nothing. The kernel's tuning
     (``block_n*``, ``split*``, ``design``) is checked as the kernel checks it and does not change the result
-    (nor do ``interpret``, ``num_warps``, ``num_stages``, ``dequant``); a ``probe``, wrong on purpose, is refused.
+    (nor do ``interpret``, ``num_warps``, ``num_stages``, a known ``dequant``); a ``probe``, wrong on purpose, is
+    refused. M = 0 tokens give y [0, D].
     """
-    del interpret, num_warps, num_stages, dequant
+    del interpret, num_warps, num_stages
     m, d, k = check_moe_inputs(x, expert_ids, expert_weights, weights.d_model)
     e_n, f = weights.num_experts, weights.d_ff
-    t = _kernel_tiling(m, k, weights, tile, block_n1, block_n2, split1, split2, design)[0]
+    t = _kernel_tiling(m, k, weights, tile, block_n1, block_n2, split1, split2, design, dequant, probe)[0]
     if probe:
         raise ValueError(f"probe={probe!r} times a kernel that computes something else on purpose; the twin has none")
+    if m == 0:
+        return jnp.zeros((0, d), out_dtype or x.dtype)
     row_token, row_weight, tile_expert, num_tiles, _ = route_narrow(expert_ids - expert_offset, expert_weights, e_n, t)
     x_pad = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)])[row_token]  # [P, D]
     dt = x.dtype
@@ -579,7 +611,7 @@ def _default_split(programs: int, nblk: int, target: int = 528) -> int:
 
 
 def int4_moe(x, expert_ids, expert_weights, weights: Int4ExpertWeights, *, interpret: bool = False,
-             tile: int | None = None, block_n1: int = 64, block_n2: int = 64, num_warps: int = 4,
+             tile: int | None = None, block_n1: int | None = None, block_n2: int | None = None, num_warps: int = 4,
              num_stages: int = 3, split1: int | None = None, split2: int | None = None,
              dequant: str | None = None, design: str = "planes", probe: str = "",
              expert_offset: int | jax.Array = 0, out_dtype=None):
@@ -590,7 +622,8 @@ def int4_moe(x, expert_ids, expert_weights, weights: Int4ExpertWeights, *, inter
     in ``out_dtype`` (default x.dtype).
 
     Tuning: tile (T, tokens per tile; default from M), block_n1 (gate/up rows per program, each of gate
-    and up), block_n2 (down rows per program), num_warps, num_stages, split1/split2 (split-K factors of
+    and up), block_n2 (down rows per program; both default to the largest power of two <= 64 dividing F,
+    resp. D), num_warps, num_stages, split1/split2 (split-K factors of
     the two GEMMs, dividing their 256-column block counts; default: smallest giving >= 528 programs;
     partial sums are added in XLA), dequant ("asm" on GPU, "magic" in interpret mode by default), probe
     (benchmark only, wrong results: "dq_once" dequantises one nibble plane per block, "no_dot" replaces
@@ -600,10 +633,13 @@ def int4_moe(x, expert_ids, expert_weights, weights: Int4ExpertWeights, *, inter
     """
     m, d, k = check_moe_inputs(x, expert_ids, expert_weights, weights.d_model)
     e_n, f, grp = weights.num_experts, weights.d_ff, weights.group_size
-    t, bn1, bn2, s1, s2 = _kernel_tiling(m, k, weights, tile, block_n1, block_n2, split1, split2, design)
+    t, bn1, bn2, s1, s2 = _kernel_tiling(m, k, weights, tile, block_n1, block_n2, split1, split2, design, dequant,
+                                         probe)
     mode = dequant or ("magic" if interpret else "asm")
     if interpret and mode == "asm":
         raise ValueError("dequant='asm' needs a GPU (inline PTX); use 'magic' or 'int' in interpret mode")
+    if m == 0:
+        return jnp.zeros((0, d), out_dtype or x.dtype)
     dt = jnp.bfloat16 if x.dtype == jnp.bfloat16 else jnp.float32
     row_token, row_weight, tile_expert, _, _ = route_narrow(expert_ids - expert_offset, expert_weights, e_n, t)
     nt = tile_expert.shape[0]
@@ -651,15 +687,16 @@ def routed_experts(x, expert_ids, expert_weights, weights: Int4ExpertWeights, *,
     (``lax.platform_dependent``), not from environment or global state, so one jitted program runs on a
     CPU host and on the H200. Activations other than bf16, and weights the kernel cannot tile
     (``kernel_tiling_error``), run the twin on every platform. ``interpret=True`` forces the kernel
-    through the Pallas interpreter on every platform (tests); ``tuning`` goes to ``int4_moe``.
+    through the Pallas interpreter on every platform (tests); ``tuning`` goes to ``int4_moe`` and to the
+    twin, which checks it as the kernel does on every platform.
     """
     kw = dict(out_dtype=out_dtype)
     offset = jnp.asarray(expert_offset, jnp.int32)
     if interpret:
         return int4_moe(x, expert_ids, expert_weights, weights, interpret=True, expert_offset=offset, **kw, **tuning)
     if x.dtype != jnp.bfloat16 or kernel_tiling_error(weights) is not None:
-        return int4_moe_ref(x, expert_ids, expert_weights, weights, expert_offset=offset, **kw)
+        return int4_moe_ref(x, expert_ids, expert_weights, weights, expert_offset=offset, **kw, **tuning)
     return jax.lax.platform_dependent(
         x, expert_ids, expert_weights, weights, offset,
         cuda=lambda *a: int4_moe(*a[:4], expert_offset=a[4], **kw, **tuning),
-        default=lambda *a: int4_moe_ref(*a[:4], expert_offset=a[4], **kw))
+        default=lambda *a: int4_moe_ref(*a[:4], expert_offset=a[4], **kw, **tuning))

@@ -644,7 +644,7 @@ def tile_layout(m: int, k: int, e: int, widths: str | None = None, tile: int | N
     one_width = tiled_default_tile(-(-m * k // shards), 1, e)
     auto_widths, auto_tile = ("one", one_width) if per_pair else default_widths(m, k, e, shards)
     widths = widths or auto_widths
-    return widths, tile or (auto_tile if widths == auto_widths else one_width)
+    return widths, (auto_tile if widths == auto_widths else one_width) if tile is None else tile
 
 
 def check_kernel_config(w13: TiledInt4, w2: TiledInt4, n: int, stages: int, split13: int, split2: int,
@@ -659,9 +659,9 @@ def check_kernel_config(w13: TiledInt4, w2: TiledInt4, n: int, stages: int, spli
         if smem_bytes(leaf.rows, n, stages) > SMEM_LIMIT:
             raise ValueError(f"tile={n}, stages={stages} need {smem_bytes(leaf.rows, n, stages)} bytes of shared "
                              f"memory at {leaf.rows} rows (limit {SMEM_LIMIT})")
-        if (leaf.shape[2] // STEP) % split:
-            raise ValueError(f"split={split} must divide the {leaf.shape[2] // STEP} pipeline steps of a "
-                             f"[{leaf.shape[1]}, {leaf.shape[2]}] stack")
+        if not isinstance(split, int) or split < 1 or (leaf.shape[2] // STEP) % split:
+            raise ValueError(f"split={split!r} must be a positive int dividing the {leaf.shape[2] // STEP} pipeline "
+                             f"steps of a [{leaf.shape[1]}, {leaf.shape[2]}] stack")
 
 
 def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: TiledInt4, *,
@@ -727,8 +727,8 @@ def routed_experts_tiled(x, expert_ids, expert_weights, w13: TiledInt4, w2: Tile
     if not isinstance(expert_shards, int) or expert_shards < 1:
         raise ValueError(f"expert_shards must be a positive int, got {expert_shards!r}")
     widths, n = tile_layout(m, k, e_n, widths, tile, per_pair, expert_shards)
-    split13, split2 = (split, split) if split else (default_split(m, k, e_n, w13, shards=expert_shards),
-                                                    default_split(m, k, e_n, w2, shards=expert_shards))
+    split13, split2 = (split, split) if split is not None else (
+        default_split(m, k, e_n, w13, shards=expert_shards), default_split(m, k, e_n, w2, shards=expert_shards))
     check_kernel_config(w13, w2, n, stages, split13, split2, ragged=widths == "ragged")  # every platform: one contract
     if chunk not in CHUNKS or d % chunk or f % chunk:
         raise ValueError(f"chunk={chunk} must be one of {CHUNKS} dividing D={d} and F={f}")

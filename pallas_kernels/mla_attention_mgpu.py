@@ -93,7 +93,7 @@ from pallas_kernels.mla_attention_plan import (ROWS, TAIL_ROWS, block_steps, che
 from pallas_kernels.mla_kernel_inputs import (check_in_place_inputs, pack_bits, pad_tree_latents, tree_inputs,
                                               unpack_bits)
 from pallas_kernels.split_combine import combine_splits, merge_lse
-from pallas_kernels.tree_attention import _LN2, _LOG2E, _NUM_SMS_H200, _check_shapes, fold_rows
+from pallas_kernels.tree_attention import _LN2, _LOG2E, _NUM_SMS_H200, _check_shapes, fold_rows, tuning_int
 
 __all__ = ["tree_attention_mgpu", "split_attention", "split_attention_ref", "tree_inputs", "pad_tree_latents",
            "check_in_place_inputs", "default_splits", "dense_split_partials", "pack_bits", "unpack_bits",
@@ -156,6 +156,22 @@ def check_peer_merge(peer_merge, num_splits: int, rows: int, valid_rows, share_s
     return bool(peer_merge)
 
 
+def check_split_tuning(block_k, stages, num_splits) -> tuple[int, int]:
+    """(BK, NS): :func:`split_attention`'s block_k, stages and num_splits, checked as the kernel needs them (its
+    twin, :func:`split_attention_ref`, checks them alike); a ValueError naming the one that fails."""
+    block_k, stages, num_splits = (tuning_int(name, value) for name, value in
+                                   (("block_k", block_k), ("stages", stages), ("num_splits", num_splits)))
+    # p.v's K (the keys) spans whole 128-byte swizzle groups; 32-key blocks need 64-byte swizzles on every wgmma
+    # operand, and were 10-43 % slower (experiments/RESULTS.md, session 50)
+    if block_k not in (64, 128, 256):
+        raise ValueError(f"block_k={block_k} must be 64, 128 or 256")
+    if stages < 2:
+        raise ValueError(f"stages={stages} must be >= 2")
+    if num_splits < 1:
+        raise ValueError(f"num_splits={num_splits} must be >= 1")
+    return block_k, num_splits
+
+
 def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, kv_lora_rank, block_k=64,
                     stages=2, num_splits=1, share_scores=True, valid_rows=None, profile_dir=None, profile_regions=0,
                     profile_names=None, first_block_alone=None, pv_first=True, store_early=True, peer_merge=False):
@@ -204,18 +220,10 @@ def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, 
     """
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.mosaic_gpu is not available in this JAX")
-    BK, NS = int(block_k), int(num_splits)
+    BK, NS = check_split_tuning(block_k, stages, num_splits)
     L = kv_lora_rank
     LH = L // 2
     WB = BK // WORD  # mask words per block
-    # p.v's K (the keys) spans whole 128-byte swizzle groups; 32-key blocks need 64-byte swizzles on every wgmma
-    # operand, and were 10-43 % slower (experiments/RESULTS.md, session 50)
-    if BK not in (64, 128, 256):
-        raise ValueError(f"block_k={BK} must be 64, 128 or 256")
-    if stages < 2:
-        raise ValueError(f"stages={stages} must be >= 2")
-    if NS < 1:
-        raise ValueError(f"num_splits={NS} must be >= 1")
     R, C = q_rows.shape[1], q_rows.shape[-1]
     tail = tail_rows_of(R)
     if R % ROWS and not tail:
@@ -574,10 +582,11 @@ def split_attention_ref(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, sca
     signature and outputs, split ranges, bf16 partials and the -inf LSE of empty rows included). With
     ``peer_merge`` (checked as the kernel checks it) the two splits take the kernel's shares and are merged: o
     [1, B, V, L], lse [1, B, V]. The profiler and the schedule's options (``stages``, ``share_scores``,
-    ``profile_*``, ``first_block_alone``, ``pv_first``, ``store_early``) do not change the outputs and are unused.
-    Dense [NS, B, R, S + TP] f32 scores: for tests and small shapes."""
-    del stages, profile_dir, profile_regions, profile_names, first_block_alone, pv_first, store_early
-    BK, NS = int(block_k), int(num_splits)
+    ``profile_*``, ``first_block_alone``, ``pv_first``, ``store_early``) do not change the outputs and are unused;
+    ``block_k``, ``stages`` and ``num_splits`` are checked as :func:`split_attention` checks them
+    (``check_split_tuning``). Dense [NS, B, R, S + TP] f32 scores: for tests and small shapes."""
+    del profile_dir, profile_regions, profile_names, first_block_alone, pv_first, store_early
+    BK, NS = check_split_tuning(block_k, stages, num_splits)
     B, R, C, S, TP = check_in_place_inputs(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, BK, "split_attention_ref")
     peer_merge = check_peer_merge(peer_merge, NS, R, valid_rows, share_scores)
     plen = jnp.clip(prefix_len.astype(jnp.int32), 0, S)  # a traced prefix_len, which cannot be checked

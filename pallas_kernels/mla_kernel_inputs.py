@@ -53,6 +53,8 @@ def tree_inputs(tree_kv, tree_mask, heads: int, rows: int, block_k: int = 64):
 def check_prefix_len(prefix_len, B: int, S: int, name: str) -> None:
     """prefix_len must be [B] integers; where it is concrete, each in [0, S] (a traced one is clamped to it by the
     kernels and twins, as they cannot raise). Otherwise a ValueError naming ``name``."""
+    if not (hasattr(prefix_len, "shape") and hasattr(prefix_len, "dtype")):
+        raise ValueError(f"{name}: prefix_len must be an integer array [B]={B}, got a {type(prefix_len).__name__}")
     if prefix_len.shape != (B,):
         raise ValueError(f"{name}: prefix_len must be [B]={B}, got {prefix_len.shape}")
     if not jnp.issubdtype(prefix_len.dtype, jnp.integer):

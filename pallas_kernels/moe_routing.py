@@ -190,13 +190,17 @@ def route_per_pair(expert_ids, num_experts: int, tile: int):
 
     expert_ids int32 [M, K] local ids. Returns row_token int32 [P = Q N] (M for padding rows), tile_expert
     int32 [Q] (-1 for a pair held elsewhere: its tile is skipped) and pair_row int32 [M, K] (P for pairs
-    with no row).
+    with no row). With no pairs (Q = 0) there is one idle tile (tile_expert [-1]), as the kernels take no
+    empty grid.
     """
     m, k = expert_ids.shape
-    q, p = m * k, m * k * tile
+    q = m * k
+    nt = max(q, 1)
+    p = nt * tile
     flat = expert_ids.reshape(-1).astype(jnp.int32)
     local = (flat >= 0) & (flat < num_experts)
     rows = jnp.arange(p, dtype=jnp.int32)
-    row_token = jnp.where(rows % tile == 0, rows // (tile * k), m).astype(jnp.int32)
+    row_token = jnp.where((rows % tile == 0) & (rows < q * tile), rows // (tile * max(k, 1)), m).astype(jnp.int32)
     pair_row = jnp.where(local, jnp.arange(q, dtype=jnp.int32) * tile, p).reshape(m, k)
-    return row_token, jnp.where(local, flat, -1), pair_row
+    tile_expert = jnp.concatenate([jnp.where(local, flat, -1), jnp.full((nt - q,), -1, jnp.int32)])
+    return row_token, tile_expert, pair_row

@@ -59,6 +59,7 @@ the dispatcher's default on CUDA wherever it can run; this one serves the dims i
 from __future__ import annotations
 
 import functools
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -70,8 +71,8 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels.mla_kernel_inputs import check_prefix_len
 from pallas_kernels.split_combine import combine_splits
 
-__all__ = ["tree_attention", "tree_attention_ref", "mla_attention", "default_config", "kernel_supports",
-           "fold_rows"]
+__all__ = ["tree_attention", "tree_attention_ref", "mla_attention", "default_config", "kernel_config",
+           "check_tuning", "kernel_supports", "fold_rows", "tuning_int", "TUNING_KEYWORDS"]
 
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
@@ -86,7 +87,23 @@ def _pow2_ceil(x: int) -> int:
 
 
 def _is_pow2(x: int) -> bool:
-    return x > 0 and (x & (x - 1)) == 0
+    return isinstance(x, (int, np.integer)) and x > 0 and (x & (x - 1)) == 0
+
+
+def tuning_int(name: str, value) -> int:
+    """``value`` as a Python int (any integer scalar, not a bool or a float), else a ValueError naming ``name``."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name}={value!r} must be an int") from None
+
+
+def _empty_result(B, T, H, L, dtype, return_lse):
+    """The outputs when there is nothing to attend (B, T or H is 0)."""
+    out = jnp.zeros((B, T, H, L), dtype)
+    return (out, jnp.zeros((B, T, H), jnp.float32)) if return_lse else out
 
 
 def fold_rows(q, multiple: int) -> jax.Array:
@@ -135,23 +152,33 @@ def _twin_chunk(B, T, H, S, budget_bytes=1 << 28):
 
 
 def tree_attention_ref(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, kv_lora_rank,
-                       interpret=False, return_lse=False, chunk=None, **unused_tuning):
-    """Pure-JAX twin of :func:`tree_attention` (same signature; ``interpret``/tuning are ignored).
+                       interpret=False, return_lse=False, chunk=None, **tuning):
+    """Pure-JAX twin of :func:`tree_attention` (same signature). ``interpret`` is ignored; the kernel's tuning
+    keywords (``TUNING_KEYWORDS``) that are given are checked as the kernel checks them (:func:`check_tuning`)
+    and do not change the result; other keywords are ignored.
 
     Memory: the prefix is scanned in chunks of ``chunk`` slots (default: the largest power of two,
     16..4096, with an f32 score block [B, T, H, chunk] <= 256 MiB) with an online softmax, up to the
     longest prefix in the batch (a while loop with a data-dependent trip count), so it never
     materialises [B, H, T, S] scores. The tree tail is one dense [B, T, H, T] masked block. Dots take
     the inputs' dtype with f32 accumulation (HIGHEST precision for f32 inputs); softmax is f32.
-    Rows at or beyond prefix_len are zeroed before use, so NaN garbage there cannot leak.
+    Rows at or beyond prefix_len are zeroed before use, so NaN garbage there cannot leak. A row that sees
+    no key (possible only under jit, with a traced mask) gets out 0 and lse -inf, as in the kernels.
     """
-    del interpret, unused_tuning
+    del interpret
     B, T, H, C, S = _check_shapes(q, cache_kv, prefix_len, tree_kv, tree_mask, kv_lora_rank)
     L = kv_lora_rank
+    check_tuning(H, **{name: value for name, value in tuning.items() if name in TUNING_KEYWORDS})
+    if chunk is not None:
+        chunk = tuning_int("chunk", chunk)
+        if chunk < 1:
+            raise ValueError(f"chunk={chunk} must be >= 1")
+    if B * T * H == 0:
+        return _empty_result(B, T, H, L, q.dtype, return_lse)
     f32 = jnp.float32
     prec = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     plen = jnp.clip(prefix_len.astype(jnp.int32), 0, S)
-    chunk = int(chunk) if chunk else _twin_chunk(B, T, H, S)
+    chunk = chunk or _twin_chunk(B, T, H, S)
     chunk = min(chunk, S) if S > 0 else 1
     cdt = cache_kv.dtype
     qc = q.astype(cdt)
@@ -190,9 +217,11 @@ def tree_attention_ref(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, kv
     s_t = jnp.where(tree_mask[:, :, None, :], s_t, -jnp.inf)
     m, l, acc = update(carry, s_t, tk[..., :L])
 
-    out = (acc / l[..., None]).astype(q.dtype)
+    empty = l == 0.0
+    l_safe = jnp.where(empty, 1.0, l)
+    out = (acc / l_safe[..., None]).astype(q.dtype)
     if return_lse:
-        return out, m + jnp.log(l)
+        return out, jnp.where(empty, -jnp.inf, m + jnp.log(l_safe))
     return out
 
 
@@ -210,7 +239,7 @@ def default_config(B, T, H, S, C, L, dtype=jnp.bfloat16, num_sms=_NUM_SMS_H200, 
     tiles) or 8 blocks (smaller tiles).
     """
     N = T * H
-    block_rows = min(64, max(16, _pow2_ceil(N))) if block_rows is None else int(block_rows)
+    block_rows = min(64, max(16, _pow2_ceil(N))) if block_rows is None else tuning_int("block_rows", block_rows)
     if not (_is_pow2(block_rows) and block_rows >= 16 and (H % block_rows == 0 or block_rows % H == 0)):
         raise ValueError(f"block_rows={block_rows} must be a power of two >= 16 dividing or divided by H={H}")
     # H200 sweep (experiments/bench_tree_attention.py): 64-row tiles want 8 warps (the 64x512 f32
@@ -218,12 +247,43 @@ def default_config(B, T, H, S, C, L, dtype=jnp.bfloat16, num_sms=_NUM_SMS_H200, 
     wide = block_rows >= 64
     block_k = (64 if wide else 32) if jnp.dtype(dtype).itemsize <= 2 else 32
     tiles = -(-N // block_rows)
-    progs = tiles * B
+    progs = max(1, tiles * B)
     nblk = max(1, S // block_k)
     min_blocks = 4 if wide else 8
     num_splits = max(1, min(-(-2 * num_sms // progs), nblk // min_blocks, 64))
     return dict(block_rows=block_rows, block_k=block_k, block_t=min(64, max(16, _pow2_ceil(T))),
                 num_splits=num_splits, num_warps=8 if wide else 4, num_stages=2)
+
+
+TUNING_KEYWORDS = ("block_rows", "block_k", "block_t", "num_splits", "num_warps", "num_stages")
+
+
+def check_tuning(H, *, block_rows=None, block_k=None, block_t=None, num_splits=None, num_warps=None,
+                 num_stages=None) -> dict:
+    """The tuning keywords of :func:`tree_attention` that are given (not None), checked as the kernel needs them
+    for H heads (a ValueError naming the one that fails): block_rows a power of two >= 16 that H divides or
+    divides, block_k and block_t powers of two >= 16, num_splits, num_warps and num_stages ints >= 1. Returns
+    them as ints; an unknown keyword is a TypeError."""
+    given = dict(block_rows=block_rows, block_k=block_k, block_t=block_t, num_splits=num_splits,
+                 num_warps=num_warps, num_stages=num_stages)
+    given = {name: tuning_int(name, value) for name, value in given.items() if value is not None}
+    rows = given.get("block_rows")
+    if rows is not None and not (_is_pow2(rows) and rows >= 16 and (H % rows == 0 or rows % H == 0)):
+        raise ValueError(f"block_rows={rows} must be a power of two >= 16 dividing or divided by H={H}")
+    for name in ("block_k", "block_t"):
+        if not (_is_pow2(given.get(name, 16)) and given.get(name, 16) >= 16):
+            raise ValueError(f"{name}={given[name]} must be a power of two >= 16")
+    for name in ("num_splits", "num_warps", "num_stages"):
+        if given.get(name, 1) < 1:
+            raise ValueError(f"{name}={given[name]} must be >= 1")
+    return given
+
+
+def kernel_config(B, T, H, S, C, L, dtype=jnp.bfloat16, **tuning) -> dict:
+    """:func:`tree_attention`'s configuration: :func:`default_config` with the tuning keywords given in their
+    place, each checked by :func:`check_tuning`."""
+    given = check_tuning(H, **tuning)
+    return {**default_config(B, T, H, S, C, L, dtype, block_rows=given.get("block_rows")), **given}
 
 
 def _kernel(plen_ref, q_ref, cache_ref, tkv_ref, mask_ref, *out_refs, R, H, L, RD, BK, BT, NT,
@@ -321,9 +381,10 @@ def tree_attention(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, kv_lor
                    num_splits=None, num_warps=None, num_stages=None):
     """MLA tree-verify attention, Pallas-Triton kernel. Shapes and semantics: module docstring.
 
-    Tuning keywords (defaults from :func:`default_config`): block_rows (a power of two >= 16, by default
-    at most 64; H must divide it or be a multiple of it), block_k (prefix keys per step), block_t (tail keys per step),
-    num_splits (split-KV factor; 1 = no combine pass), num_warps, num_stages.
+    Tuning keywords (defaults from :func:`default_config`, checked by :func:`kernel_config`): block_rows (a power
+    of two >= 16, by default at most 64; H must divide it or be a multiple of it), block_k (prefix keys per step),
+    block_t (tail keys per step), num_splits (split-KV factor >= 1; 1 = no combine pass), num_warps, num_stages.
+    B, T or H of 0 gives empty outputs.
     Requirements: L and C - L are powers of two >= 16 (K2.6: 512 and 64). S need not be a multiple
     of block_k (the cache is then padded, which costs a copy; keep capacity a multiple of 64).
     ``interpret=True`` runs the kernel through the Pallas HLO interpreter (CPU tests).
@@ -333,14 +394,11 @@ def tree_attention(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, kv_lor
     RD = C - L
     if not (_is_pow2(L) and _is_pow2(RD) and L >= 16 and RD >= 16):
         raise ValueError(f"kernel needs power-of-two L={L} and C-L={RD}, both >= 16; use the twin")
-    cfg = default_config(B, T, H, S, C, L, cache_kv.dtype, block_rows=block_rows)
-    for k, v in dict(block_k=block_k, block_t=block_t, num_splits=num_splits,
-                     num_warps=num_warps, num_stages=num_stages).items():
-        if v is not None:
-            cfg[k] = int(v)
+    cfg = kernel_config(B, T, H, S, C, L, cache_kv.dtype, block_rows=block_rows, block_k=block_k, block_t=block_t,
+                        num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
+    if B * T * H == 0:
+        return _empty_result(B, T, H, L, q.dtype, return_lse)
     R, BK, BT, NS = cfg["block_rows"], cfg["block_k"], cfg["block_t"], cfg["num_splits"]
-    if not (_is_pow2(BK) and _is_pow2(BT) and BK >= 16 and BT >= 16):
-        raise ValueError("block_k and block_t must be powers of two >= 16")
     dt = cache_kv.dtype
     f32 = jnp.float32
 
@@ -431,8 +489,9 @@ def mla_attention(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, kv_lora
     "mgpu" is the Mosaic GPU kernel (``pallas_kernels.mla_attention_mgpu``), "triton" this module's
     kernel, and "auto" (default) the Mosaic GPU kernel wherever it takes the dtype and dims, else
     Triton. Tuning keywords go to the chosen kernel (their presence with "auto" picks Triton, whose
-    keywords they are). With "auto", dims no kernel takes use the twin everywhere; an explicit backend
-    that cannot take them raises. ``interpret=True`` forces the Triton kernel through the Pallas
+    keywords they are); with "auto" or "triton" they are checked on every platform (:func:`check_tuning`).
+    With "auto", dims no kernel takes use the twin everywhere; an explicit backend that cannot take them
+    raises. B, T or H of 0 gives empty outputs. ``interpret=True`` forces the Triton kernel through the Pallas
     interpreter on every platform (tests). Since the Mosaic kernel took the tree tail in (session 5) it
     beat Triton at every measured shape, also below 64 query rows, which it pads to one 64-row tile:
     T = 1, H = 8 at B = 16, 8K prefix 0.074 vs 0.092 ms, at B = 1, 64K 0.087 vs 0.125 ms
@@ -456,6 +515,10 @@ def mla_attention(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, kv_lora
     if backend == "triton" and not triton_ok:
         raise ValueError(f"the Triton kernel cannot take q {q.shape} with kv_lora_rank={kv_lora_rank} "
                          f"(block_rows={tuning.get('block_rows')})")
+    if backend != "mgpu":  # Triton's keywords: checked on every platform, as that kernel checks them
+        check_tuning(q.shape[2], **tuning)
+    if 0 in q.shape[:3]:  # nothing to attend (B, T or H is 0): the twin's empty outputs, no kernel
+        return tree_attention_ref(*args, **kw)
     if backend == "mgpu" or (backend == "auto" and not mgpu_problem and not tuning):
         kernel = functools.partial(mgpu.tree_attention_mgpu, **kw, **tuning)
     elif triton_ok:

@@ -222,8 +222,8 @@ def test_default_split_counts_only_tiles_that_can_have_work(m):
     too few for 528 programs, so kernel 1 splits its 28 K-blocks. The tile is ``default_tile`` unless one is given."""
     e, d, f, k = K26_DIMS
     wts = k26_abstract_weights()
-    t, bn1, bn2, s1, s2 = _kernel_tiling(m, k, wts, None, 64, 64, None, None, "planes")
-    assert t == default_tile(m, k, e) and _kernel_tiling(m, k, wts, 8, 64, 64, None, None, "planes")[0] == 8
+    t, bn1, bn2, s1, s2 = _kernel_tiling(m, k, wts, None, 64, 64, None, None, "planes", None, "")
+    assert t == default_tile(m, k, e) and _kernel_tiling(m, k, wts, 8, 64, 64, None, None, "planes", None, "")[0] == 8
     busy = min(e, m * k)
     for programs, nblk, s in ((busy * (f // bn1), d // 256, s1), (busy * (d // bn2), f // 256, s2)):
         assert _default_split(programs, nblk) == s, (programs, nblk, s)
@@ -286,7 +286,7 @@ def test_repack_and_layer_refuse_each_stack_they_cannot_hold():
             Int4ExpertWeights.from_leaves(a, b)
     x, ids, wts = jnp.ones((3, 64), jnp.float32), jnp.zeros((3, 1), jnp.int32), jnp.ones((3, 1), jnp.float32)
     with pytest.raises(ValueError, match="the twin has none"):
-        int4_moe_ref(x, ids, wts, layer, probe="no_scale")
+        int4_moe_ref(x, ids, wts, layer, probe="dq_once")
 
 
 @pytest.mark.parametrize("offset", [0, 3, 6])

@@ -293,7 +293,7 @@ def test_shapes_that_do_not_fit_are_refused_by_name():
             with pytest.raises(ValueError, match=match):
                 fn(*args, scale=SCALE, kv_lora_rank=rank)
     for tuning in (dict(block_k=24), dict(block_t=8)):  # the kernel's key blocks: powers of two >= 16
-        with pytest.raises(ValueError, match="block_k and block_t must be powers of two"):
+        with pytest.raises(ValueError, match=r"block_[kt]=\d+ must be a power of two >= 16"):
             tree_attention(q, cache, plen, tkv, mask, scale=SCALE, kv_lora_rank=16, interpret=True, **tuning)
 
 
