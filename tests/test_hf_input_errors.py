@@ -14,13 +14,15 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from cli_helpers import refused
 from hf_reference import edited_copy, tiny_hf_model
-from int4_reference import ct_quantization_config
-from ddtree_jax.config import ConfigError, ModelConfig
-from ddtree_jax.hf_loader import load_hf_model
-from ddtree_jax.quant import parse_quantization_config
-from ddtree_jax.rope import rope_inv_freq
-from ddtree_jax.safetensors_io import CheckpointError, SafetensorsFile, checkpoint_files
-from experiments.convert_checkpoint import main as convert_main
+
+pytest.importorskip("compressed_tensors")  # the quantization configs are built with it (the GPU image lacks it)
+from int4_reference import ct_quantization_config  # noqa: E402
+from ddtree_jax.config import ConfigError, ModelConfig  # noqa: E402
+from ddtree_jax.hf_loader import load_hf_model  # noqa: E402
+from ddtree_jax.quant import parse_quantization_config  # noqa: E402
+from ddtree_jax.rope import rope_inv_freq  # noqa: E402
+from ddtree_jax.safetensors_io import CheckpointError, SafetensorsFile, checkpoint_files  # noqa: E402
+from experiments.convert_checkpoint import main as convert_main  # noqa: E402
 
 
 @pytest.fixture(scope="module")
