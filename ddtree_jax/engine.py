@@ -627,7 +627,8 @@ def _round(target, drafter, state: DecodeState, ecfg: EngineConfig, runtime: Run
         _static_eos_ids(ecfg, state.settings), emitted_scores, _static_stop_sequences(ecfg, state.settings),
         state.settings.min_new_tokens, string_ends, state.settings.stop_ids, state.settings.stop_sequences,
         state.settings.eos_ids)
-    tau_hist = state.tau_hist.at[jnp.arange(b), acc.num_accepted + 1].add(active.astype(jnp.int32))
+    # the tokens the round emitted, after stop_and_emit's cut (an EOS, a stop, the token limit, no token)
+    tau_hist = state.tau_hist.at[jnp.arange(b), num_out - state.num_out].add(active.astype(jnp.int32))
     return dataclasses.replace(
         state, cache=cache, draft_cache=draft_cache, bonus=jnp.where(active, _a_token(acc.next_token), state.bonus),
         ctx_taps=ctx_taps, ctx_counts=n_commit, ctx_start=start, out_tokens=out_tokens, out_scores=out_scores,

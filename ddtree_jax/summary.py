@@ -37,9 +37,9 @@ def summary(tokens: list[list[int]], status: list[str], rounds: np.ndarray, tau_
     together). With
     ``EngineConfig(logprobs=True)``, logprobs holds each token's log-probability (``logprobs_mode``: under the
     target, or under what it was taken from), and with ``top_logprobs=n`` top_logprobs its n likeliest
-    [token, log-probability] pairs (``scores.scores_lists``); else None."""
-    num = np.array([len(t) for t in tokens])
-    emitted_in_rounds = num - 1  # the first token comes from prefill
+    [token, log-probability] pairs (``scores.scores_lists``); else None. round_tokens: the tokens of the rounds."""
+    num = np.array([len(t) for t in tokens], np.int64)
+    emitted_in_rounds = np.maximum(num - 1, 0)  # the first token comes from prefill (none: stopped there, no_token)
     return {
         "tokens": tokens,
         "logprobs": logprobs, "top_logprobs": top_logprobs,
@@ -50,6 +50,7 @@ def summary(tokens: list[list[int]], status: list[str], rounds: np.ndarray, tau_
         "tau_per_stream": (emitted_in_rounds / np.maximum(rounds, 1)).tolist(),
         "tau_hist": tau_hist.sum(0).tolist(),
         "new_tokens": int(num.sum()),
+        "round_tokens": int(emitted_in_rounds.sum()),
         "prefill_s": prefill_s,
         "decode_s": decode_s,
         "tokens_per_s": float(emitted_in_rounds.sum() / decode_s) if decode_s > 0 else float("nan"),

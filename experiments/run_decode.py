@@ -466,7 +466,7 @@ def merge_results(results):
     tokens = [t for r in results for t in r["tokens"]]
     status = [s for r in results for s in r["status"]]
     rounds = sum(sum(r["rounds"]) for r in results)
-    emitted = sum(r["new_tokens"] - len(r["tokens"]) for r in results)  # minus the prefill token per stream
+    emitted = sum(r["round_tokens"] for r in results)  # the prefill's token per stream excluded
     decode_s = sum(r["decode_s"] for r in results)
     new_tokens = sum(r["new_tokens"] for r in results)
     metrics = {

@@ -234,7 +234,8 @@ def test_logprobs_flag_reaches_the_engine_and_the_mean_weighs_every_token():
     def result(logprobs):
         return {"tokens": [[0] * len(lp) for lp in logprobs], "status": ["eos"] * len(logprobs), "rounds": [1],
                 "batch_rounds": 1,
-                "new_tokens": sum(map(len, logprobs)), "decode_s": 1.0, "prefill_s": 0.0, "tau_hist": [0, 1],
+                "new_tokens": sum(map(len, logprobs)), "round_tokens": sum(len(lp) - 1 for lp in logprobs),
+                "decode_s": 1.0, "prefill_s": 0.0, "tau_hist": [0, 1],
                 "logprobs": logprobs}
 
     _, _, metrics = run_decode.merge_results([result([[-1.0, -1.0, -1.0]]), result([[-5.0]])])

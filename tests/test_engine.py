@@ -568,8 +568,8 @@ def test_tokens_per_s_excludes_the_prefill_token():
     assert res["tau_mean"] == (4 + 2) / 3
     from experiments.run_decode import merge_results  # run_decode's tok/s (and speedup_vs_ar) over batches
 
-    other = dict(res, tokens=[[1]], new_tokens=1, rounds=[0], batch_rounds=0, decode_s=1.0, prefill_s=1.0,
-                 tau_hist=[0] * 5)
+    other = dict(res, tokens=[[1]], new_tokens=1, round_tokens=0, rounds=[0], batch_rounds=0, decode_s=1.0,
+                 prefill_s=1.0, tau_hist=[0] * 5)
     _, _, metrics = merge_results([res, other])  # a stream that stopped after its prefill token adds none
     assert metrics["new_tokens"] == 9 and metrics["decode_s"] == 3.0
     assert metrics["tokens_per_s"] == 6 / 3.0 and metrics["tau"] == 6 / 3 and metrics["round_tokens"] == 6
@@ -587,6 +587,20 @@ def test_tau_over_one_round_and_over_none():
     assert one["tau_mean"] == 3.0 and one["tau_per_stream"] == [3.0]
     none = summarize(state([1, 1], [0, 0]), prefill_s=1.0, decode_s=1.0)
     assert none["tau_mean"] == 0.0 and none["tau_per_stream"] == [0.0, 0.0]
+    no_token = summarize(state([0, 6], [0, 5]), prefill_s=1.0, decode_s=1.0)  # stopped at the prefill with no token
+    assert no_token["tau_mean"] == 1.0 and no_token["tau_per_stream"] == [0.0, 1.0]
+    assert no_token["round_tokens"] == 5 and no_token["tokens_per_s"] == 5.0
+
+
+@pytest.mark.parametrize("mode,budget", [("dflash", 1), ("ddtree", 16)])
+def test_tau_hist_counts_the_tokens_each_round_emitted(models, mode, budget):
+    """tau_hist[k] counts stream-rounds that emitted k tokens, after the cut at the token limit: with 2 new tokens a
+    stream, every stream's one round emits 1 whatever the walk accepted, so the histogram agrees with tau."""
+    target, drafter = models
+    res = Engine(target, drafter, EngineConfig(mode=mode, budget=budget, max_new_tokens=2, capacity=64)).generate(
+        PROMPTS[:16])
+    assert sum(k * n for k, n in enumerate(res["tau_hist"])) == res["round_tokens"] == 16
+    assert res["tau_hist"][1] == sum(res["rounds"]) == 16
 
 
 def test_bad_budget_refused():

@@ -135,7 +135,8 @@ def test_decode_tokens_per_s_counts_the_rounds_tokens_only():
 
     def generate(batch, temperature, seed):
         return {"tokens": [[1, 2, 3, 4]] * len(batch), "status": ["max_new_tokens"] * len(batch),
-                "rounds": [3] * len(batch), "batch_rounds": 3, "new_tokens": 4 * len(batch), "decode_s": 0.5,
+                "rounds": [3] * len(batch), "batch_rounds": 3, "new_tokens": 4 * len(batch),
+                "round_tokens": 3 * len(batch), "decode_s": 0.5,
                 "prefill_s": 9.0,
                 "tau_hist": [0, 0, 0, 0, 0]}
 
