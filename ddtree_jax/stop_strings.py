@@ -40,6 +40,11 @@ def check_stop_strings(stop_strings) -> tuple[str, ...]:
     for i, text in enumerate(stop_strings):
         if not isinstance(text, str) or not text:
             raise ValueError(f"stop_strings[{i}] must be a non-empty string, got {text!r}")
+        try:
+            text.encode("utf-8")  # its bytes are what the tables match
+        except UnicodeEncodeError:
+            raise ValueError(f"stop_strings[{i}] cannot be encoded as UTF-8 (a lone surrogate?), got {text!r}"
+                             ) from None
     return tuple(stop_strings)
 
 
@@ -79,7 +84,8 @@ def kmp_automaton(pattern: bytes) -> np.ndarray:
 
 class StopStringTabler:
     """Tables stop strings over one vocabulary, whose token i decodes to ``token_bytes[i]``: each string's tables
-    are built once and kept (host numpy), and a batch's strings are stacked into one StopTables (``tables``)."""
+    are built once and kept (host numpy; the last STRINGS_KEPT strings', so that a server taking its users' strings
+    holds a bounded number), and a batch's strings are stacked into one StopTables (``tables``)."""
 
     def __init__(self, token_bytes: Sequence[bytes]):
         self.vocab_size = w = len(token_bytes)
@@ -89,7 +95,7 @@ class StopStringTabler:
         for row, i in enumerate(self._order):
             self._padded[row, :lengths[i]] = np.frombuffer(token_bytes[i], np.uint8)
         self._active = (lengths[:, None] > np.arange(self._padded.shape[1])[None, :]).sum(0)  # tokens with byte j
-        self._kept: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self._kept: collections.OrderedDict = collections.OrderedDict()  # the last STRINGS_KEPT strings' tables
         self._stacked: collections.OrderedDict = collections.OrderedDict()  # the last STACKS_KEPT batches' tables
 
     def string_tables(self, text: str) -> tuple[np.ndarray, np.ndarray]:
@@ -107,6 +113,9 @@ class StopStringTabler:
             next_state, completes = np.empty_like(state), np.empty_like(found)
             next_state[:, self._order], completes[:, self._order] = state, found
             self._kept[text] = (next_state, completes)
+            if len(self._kept) > STRINGS_KEPT:
+                self._kept.popitem(last=False)
+        self._kept.move_to_end(text)
         return self._kept[text]
 
     def tables(self, stop_strings: Sequence[str], round_up: bool = False) -> StopTables:
@@ -135,6 +144,7 @@ class StopStringTabler:
 
 
 STACKS_KEPT = 4
+STRINGS_KEPT = 64
 """A tabler keeps the stacked tables of the last 4 batches' strings (host numpy), for batches that repeat them."""
 
 

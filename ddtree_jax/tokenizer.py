@@ -44,6 +44,8 @@ class HFTokenizer:
         from tokenizers import Tokenizer
 
         self._tok = Tokenizer.from_file(path)
+        self._tok.no_truncation()  # a tokenizer.json may ask for either: a prompt is encoded whole, as it is
+        self._tok.no_padding()
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text).ids

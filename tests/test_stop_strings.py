@@ -83,7 +83,8 @@ def test_kmp_automaton_states_are_the_longest_matched_prefix():
 
 @pytest.mark.parametrize("bad,message", [("\n", "must be a sequence of strings"), ([""], r"stop_strings\[0\] must be a "
                                                                                           "non-empty string"),
-                                         (["a", 3], r"stop_strings\[1\] must be a non-empty string")])
+                                         (["a", 3], r"stop_strings\[1\] must be a non-empty string"),
+                                         (["a", "b\udcff"], r"stop_strings\[1\] cannot be encoded as UTF-8")])
 def test_bad_stop_strings_refused(bad, message):
     with pytest.raises(ValueError, match=message):
         st.check_stop_strings(bad)
@@ -101,6 +102,22 @@ def test_token_bytes_join_to_the_decoded_text():
         ids = tokenizer.encode(text)
         assert b"".join(token_bytes[i] for i in ids) == tokenizer.decode(ids).encode("utf-8")
     assert shipped.token_bytes(4096)[0] == b""  # <|endoftext|>: decode skips it
+
+
+def test_a_tokenizer_json_asking_for_truncation_or_padding_still_encodes_the_whole_prompt(tmp_path):
+    from tokenizers import Tokenizer
+
+    path = os.path.join(ROOT, "checkpoints", "target", "tokenizer.json")
+    text = "def f(x):\n    return x * 2  # a prompt longer than eight tokens"
+    want = load_tokenizer(os.path.dirname(path), 4096).encode(text)
+    for name, setting in (("truncating", lambda t: t.enable_truncation(max_length=8)),
+                          ("padding", lambda t: t.enable_padding(length=len(want) + 16, pad_id=0))):
+        tokenizer = Tokenizer.from_file(path)
+        setting(tokenizer)
+        (tmp_path / name).mkdir()
+        tokenizer.save(str(tmp_path / name / "tokenizer.json"))
+        assert load_tokenizer(str(tmp_path / name), 4096).encode(text) == want, name
+    assert len(want) > 8
 
 
 class FakeTokenizer:
@@ -210,6 +227,16 @@ def test_bad_per_stream_stop_strings_refused(models):
                                          r"Engine\(..., tokenizer=...\)"):
         bare.prefill(PROMPTS[:2], stop_strings=("ab",))
     assert bare.generate(PROMPTS[:2], stop_strings=())["status"] == ["max_new_tokens"] * 2
+
+
+def test_the_tabler_keeps_a_bounded_number_of_strings():
+    tabler = st.StopStringTabler([bytes([i]) for i in range(256)])
+    first = tabler.string_tables("s0")
+    for i in range(1, 3 * st.STRINGS_KEPT):
+        tabler.string_tables(f"s{i}")
+        tabler.string_tables("s0")  # used again and again: kept
+    assert len(tabler._kept) == st.STRINGS_KEPT and tabler.string_tables("s0") is first
+    assert "s1" not in tabler._kept
 
 
 def test_a_tablers_batch_tables_are_each_strings_own_padded():
