@@ -200,8 +200,13 @@ def check_args(args) -> None:
     for flag, path in (("--target", args.target), ("--drafter", args.drafter)):
         if path not in (None, "random") and not os.path.isdir(path):
             raise ValueError(f"{flag} {path!r} is neither a directory nor 'random'")
-    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
-        raise ValueError(f"--json {args.json!r}: its directory does not exist")
+    if args.json is not None:
+        if not args.json.strip():
+            raise ValueError("--json must name a file, got an empty string")
+        if os.path.isdir(args.json):
+            raise ValueError(f"--json {args.json!r} is a directory: name the report's file")
+        if not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+            raise ValueError(f"--json {args.json!r}: its directory does not exist")
     if args.commit is not None:
         if not args.json:
             raise ValueError("--commit is recorded in the --json report; give --json too")
@@ -513,8 +518,12 @@ def warm_up_all(jobs: Sequence[tuple[Engine, list, float]], workers: int) -> tup
                      "xla_compile_s_sum": sum(compiles)}
 
 
-def run_mode(target, drafter, mode, args, prompts, tokenizer, eos_ids):
-    engine = Engine(target, drafter if mode != "ar" else None, engine_config(mode, args, eos_ids), tokenizer=tokenizer)
+def build_engine(target, drafter, mode, args, tokenizer, eos_ids) -> Engine:
+    """The engine of one mode (the drafter unused in AR)."""
+    return Engine(target, drafter if mode != "ar" else None, engine_config(mode, args, eos_ids), tokenizer=tokenizer)
+
+
+def run_mode(engine: Engine, mode, args, prompts, tokenizer):
     streams = args.streams if args.streams is not None else len(prompts)
     if args.continuous:
         seeds = list(range(args.seed, args.seed + len(prompts)))  # prompt i's own (batch_seeds')
@@ -551,9 +560,12 @@ def main(argv=None):
 def _main(args):
     target, drafter, tokenizer, eos_ids = load_pair(args)
     modes = modes_of(args)
-    try:
+    try:  # every check that reads the models, the prompts or the engines, before anything is compiled
         prompts, prompt_source = read_prompts(args, tokenizer)
         check_fits(args, modes, prompts, target, drafter, eos_ids)
+        engines = {mode: build_engine(target, drafter, mode, args, tokenizer, eos_ids) for mode in modes}
+        for engine in engines.values():
+            engine.check_requests(prompts, args.temperature, args.seed)
     except ValueError as e:
         build_parser().error(str(e))
     print(f"target: {args.target}  layers={target.cfg.num_layers} hidden={target.cfg.hidden_size} "
@@ -567,7 +579,7 @@ def _main(args):
     report = {"args": vars(args), "environment": environment,
               "prompt_source": prompt_source, "prompts": [[int(t) for t in p] for p in prompts], "runs": {}}
     for mode in modes:
-        report["runs"][mode] = run_mode(target, drafter, mode, args, prompts, tokenizer, eos_ids)
+        report["runs"][mode] = run_mode(engines[mode], mode, args, prompts, tokenizer)
     print()
     scores = f" {'logprob/tok':>12} {'perplexity':>11}" if args.logprobs else ""
     print(f"{'mode':>8} {'tau':>6} {'tok/round':>10} {'tok/s':>9} {'rounds':>7} {'compile s':>10}" + scores)

@@ -61,6 +61,8 @@ RANDOM = ["--target", "random"]
     (["--target", "/no/such/model"], "--target '/no/such/model' is neither a directory nor 'random'"),
     (["--drafter", "/no/such/drafter"], "--drafter '/no/such/drafter' is neither a directory nor 'random'"),
     (["--json", "/no/such/dir/out.json"], "its directory does not exist"),
+    (["--json", ""], "--json must name a file, got an empty string"),
+    (["--json", "."], "--json '.' is a directory: name the report's file"),
     (["--stop-ids", "1 2", "--stop-ids", "3 x"], "--stop-ids #2 must be space-separated token ids >= 0, got '3 x'"),
     (["--stop-ids", " "], "--stop-ids #1 must be space-separated token ids"),
     (["--repetition-penalty", "0"], "--repetition-penalty: repetition_penalty must be finite and > 0 in float32"),
@@ -125,6 +127,13 @@ def test_checks_against_the_loaded_models_exit_as_usage_errors(capsys):
     error and exit status 2 (not a ValueError's traceback), before anything is compiled."""
     argv = RANDOM + ["--drafter", "random", "--mode", "ddtree", "--prompt-ids", "1 2 3", "--capacity", "8"]
     assert "error: --capacity 8 is too small" in refused(run_decode.main, argv, capsys)
+
+
+def test_what_the_engines_refuse_exits_as_a_usage_error_before_decoding(capsys):
+    """A capacity past the target's positions, which only the engine checks, is refused as a usage error (it was a
+    traceback from the first mode's engine)."""
+    argv = RANDOM + ["--mode", "ar", "--prompt-ids", "1 2", "--max-new-tokens", "2", "--capacity", "4096"]
+    assert "error: capacity=4096 passes the target's max_position_embeddings" in refused(run_decode.main, argv, capsys)
 
 
 def test_budget_is_checked_against_the_drafter_before_decoding():

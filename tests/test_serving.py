@@ -211,9 +211,12 @@ def test_run_decode_continuous_gives_each_prompt_its_batched_tokens(models):
     for p in prompts:
         argv += ["--prompt-ids", " ".join(map(str, p))]
     tokenizer = None  # no stop strings, and an AR run draws no tree
-    batched = run_decode.run_mode(target, None, "ar", run_decode.parse_args(argv), prompts, tokenizer, ())
-    served = run_decode.run_mode(target, None, "ar", run_decode.parse_args(argv + ["--continuous"]), prompts,
-                                 tokenizer, ())
+    runs = {}
+    for name, args in (("batched", run_decode.parse_args(argv)),
+                       ("served", run_decode.parse_args(argv + ["--continuous"]))):
+        engine = run_decode.build_engine(target, None, "ar", args, tokenizer, ())
+        runs[name] = run_decode.run_mode(engine, "ar", args, prompts, tokenizer)
+    batched, served = runs["batched"], runs["served"]
     assert (served["tokens"], served["status"]) == (batched["tokens"], batched["status"])
     metrics = served["metrics"]
     assert metrics["continuous"] and not batched["metrics"]["continuous"]
