@@ -248,7 +248,8 @@ class Engine:
         sequence of one per stream (None: the config's), fixed in the state for every round after it;
         ``logit_bias`` one mapping {token id: amount} for every stream or a sequence of one (or None: the config's)
         per stream (``stream_settings.stream_logit_bias``); ``stop_strings`` one sequence of strings for every
-        stream or one per stream (``check_stream_stop_strings``; they need the engine's tokenizer);
+        stream or one (or None: the config's) per stream (``check_stream_stop_strings``; they need the engine's
+        tokenizer);
         ``stop_token_ids`` one sequence of token ids for every stream or one (or None) per stream, each a token that
         ends its stream (status "stop_token") beside the config's EOS ids and, like them, is held back by
         min_new_tokens (``stream_settings.stream_stop_ids``); ``allowed_token_ids`` one sequence of token ids for
@@ -287,7 +288,8 @@ class Engine:
                                        "bad_words"),
             stop_sequences=stream_sequences(stop_sequences, n, self.cfg.vocab_size, ecfg.stop_sequences,
                                             check_id_sequences, "stop_sequences"))
-        strings = check_stream_stop_strings(ecfg.stop_strings if stop_strings is None else stop_strings, n)
+        strings = check_stream_stop_strings(ecfg.stop_strings if stop_strings is None else stop_strings, n,
+                                            ecfg.stop_strings)
         for i, (least, limit) in enumerate(zip(settings.min_new_tokens.tolist(), limits.tolist())):
             try:
                 ecfg.check_min_new_tokens(least, limit, strings[i], **self._own_sets(settings, i))

@@ -109,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="space-separated token ids (repeatable): the last is never generated right after the others "
                         "(one id: never), greedy too")
     p.add_argument("--min-new-tokens", type=int, default=0,
-                   help="no EOS and no --stop-ids sequence ends a stream within its first N tokens (0: off)")
+                   help="no EOS, no --stop-ids sequence and no --stop string ends a stream within its first N "
+                        "tokens (0: off)")
     p.add_argument("--stop-ids", action="append", default=[],
                    help="space-separated token ids (repeatable): a stream stops once it has generated them in a row "
                         "(kept in its output, like the EOS)")

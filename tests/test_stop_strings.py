@@ -200,6 +200,10 @@ def test_each_stream_stops_on_its_own_strings(models, mode):
     assert list(zip(res["tokens"], res["status"])) == [cut(tokens, (own[3],)) for tokens in ar]
     res = engine.generate(prompts)  # the config's string
     assert list(zip(res["tokens"], res["status"])) == [cut(tokens, (own[5],)) for tokens in ar]
+    mixed = [None, (own[1],), None, (own[3],), None, ()]  # None: the config's string, as other per-stream settings
+    res = engine.generate(prompts, stop_strings=mixed)
+    assert list(zip(res["tokens"], res["status"])) == [cut(tokens, (own[5],) if strings is None else strings)
+                                                       for tokens, strings in zip(ar, mixed)]
     other = [(own[1],), (own[0],), (), (own[3], "ab"), (own[4],), ("c",)]  # 6 strings, 5 above: S 8, Q 4 both
     with bench_util.counting_compiles() as compiles:
         res = engine.generate(prompts, stop_strings=other)
