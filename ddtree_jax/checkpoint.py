@@ -196,12 +196,30 @@ class CheckpointWriter:
             self.abort()
 
 
-def _stored(value, storage_dtype):
-    """``value`` as written: float arrays cast to ``storage_dtype`` (None: unchanged); INT4 QuantArrays
-    and integer arrays always unchanged."""
+STORAGE_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def _check_storage_dtype(storage_dtype) -> None:
+    if storage_dtype is not None and str(jnp.dtype(storage_dtype)) not in STORAGE_DTYPES:
+        raise CheckpointError(f"storage_dtype {storage_dtype!r} must be one of {STORAGE_DTYPES} (None: as held)")
+
+
+def _refuse_float16_overflow(what: str, name: str, value, source_dtype) -> None:
+    """CheckpointError where a cast to float16 (the one float cast here that can overflow) made a value inf."""
+    if jnp.dtype(value.dtype) == jnp.float16 and jnp.dtype(source_dtype) != jnp.float16 and not bool(
+            jnp.isfinite(value).all()):
+        raise CheckpointError(f"{what}: parameter {name} overflows float16 (|x| > 65504) when cast from "
+                              f"{jnp.dtype(source_dtype).name}; use bfloat16 or float32")
+
+
+def _stored(name: str, value, storage_dtype):
+    """``value`` as written: float arrays cast to ``storage_dtype`` (None: unchanged; CheckpointError where float16
+    cannot hold a value); INT4 QuantArrays and integer arrays always unchanged."""
     if storage_dtype is None or not hasattr(value, "dtype") or not jnp.issubdtype(value.dtype, jnp.floating):
         return value
-    return value.astype(storage_dtype)
+    stored = value.astype(storage_dtype)
+    _refuse_float16_overflow("saving", name, stored, value.dtype)
+    return stored
 
 
 def save_model(model_or_state: KimiModel | nnx.State, path: str, metadata: dict[str, Any] | None = None, *,
@@ -220,9 +238,11 @@ def save_model(model_or_state: KimiModel | nnx.State, path: str, metadata: dict[
         state = model_or_state
         if cfg is None:
             raise ValueError("save_model of a bare nnx.State needs cfg=")
+    _check_storage_dtype(storage_dtype)
     grouped: dict[str, dict[tuple, Any]] = {}
     for key, variable in flat_params(state).items():
-        grouped.setdefault(part_name(key), {})[key] = _stored(variable.get_value(), storage_dtype)
+        grouped.setdefault(part_name(key), {})[key] = _stored(".".join(map(str, key)), variable.get_value(),
+                                                               storage_dtype)
     if storage_dtype is not None:
         metadata = dict(metadata or {}, storage_dtype=str(jnp.dtype(storage_dtype)))
     with CheckpointWriter(path, cfg, metadata) as writer:
@@ -305,13 +325,9 @@ def restore_model(path: str, cfg: ModelConfig | None = None, mesh: Mesh | None =
                     placed[key] = _lookup(restored, base)
     finally:
         checkpointer.close()
-    if cfg.dtype == "float16" != stored.dtype:  # the one cast that can overflow: refuse what became inf
-        for key, value in placed.items():
-            for leaf in jax.tree.leaves(value):
-                if leaf.dtype == jnp.float16 and not bool(jnp.isfinite(leaf).all()):
-                    raise CheckpointError(f"{path}: parameter {'.'.join(map(str, key))} overflows float16 (|x| > "
-                                          f"65504) when cast from the stored {stored.dtype}; restore it in bfloat16 "
-                                          "or float32")
+    for key, value in placed.items():
+        for leaf in jax.tree.leaves(value):
+            _refuse_float16_overflow(path, ".".join(map(str, key)), leaf, stored.dtype)
     state = nnx.State.from_flat_path({k: flat_abstract[k].replace(placed[k]) for k in flat_abstract})
     return nnx.merge(graphdef, state)
 
@@ -425,9 +441,10 @@ def save_drafter(drafter, path: str, metadata: dict[str, Any] | None = None, *,
     dirs. A save that fails or is killed before the commit leaves the previous drafter restorable."""
     if os.path.exists(path) and not os.path.isdir(path):
         raise CheckpointError(f"{path}: exists and is not a directory")
+    _check_storage_dtype(storage_dtype)
+    names = {".".join(str(p) for p in k): v.get_value() for k, v in nnx.state(drafter).flat_state()}
+    flat = {name: np.asarray(_stored(name, value, storage_dtype)) for name, value in names.items()}
     os.makedirs(path, exist_ok=True)
-    flat = {".".join(str(p) for p in k): np.asarray(_stored(v.get_value(), storage_dtype))
-            for k, v in nnx.state(drafter).flat_state()}
     if storage_dtype is not None:
         metadata = dict(metadata or {}, storage_dtype=str(jnp.dtype(storage_dtype)))
     index = {"format": DRAFTER_FORMAT, "config": drafter_config_to_dict(drafter.cfg), "metadata": metadata or {},
@@ -493,7 +510,9 @@ def restore_drafter(path: str, dtype: str | None = None, mesh: Mesh | None = Non
         value = np.asarray(restored[names[key]])
         if tuple(value.shape) != tuple(want.shape):
             raise CheckpointError(f"{path}: {names[key]} has shape {value.shape}, config needs {want.shape}")
-        value = value.astype(want.dtype)
+        with np.errstate(over="ignore"):  # float16's overflow, refused below
+            value = value.astype(want.dtype)
+        _refuse_float16_overflow(path, names[key], value, restored[names[key]].dtype)
         if mesh is not None:
             value = jax.device_put(value, named_sharding(mesh, rules or DEFAULT_RULES,
                                                          variable.get_metadata()["logical_axes"]))

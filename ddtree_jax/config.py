@@ -113,10 +113,7 @@ class ModelConfig:
                 if getattr(self, name) % self.quant.group_size:
                     problems.append(f"{name}={getattr(self, name)} is not a multiple of the quantization "
                                     f"group_size {self.quant.group_size}")
-        if self.rope.kind == "yarn":
-            for name in ("factor", "beta_fast", "beta_slow"):
-                if not getattr(self.rope, name) > 0:
-                    problems.append(f"yarn rope {name}={getattr(self.rope, name)} must be > 0")
+        problems += rope_problems(self.rope)
         if self.num_nextn_predict_layers < 0:
             problems.append(f"num_nextn_predict_layers={self.num_nextn_predict_layers} must be >= 0")
         if not 0 <= self.first_k_dense_replace <= self.num_layers:
@@ -281,6 +278,14 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     if scale <= 1:
         return 1.0
     return 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_problems(rope: RopeConfig) -> list[str]:
+    """What makes a RoPE setting unusable (each read would give non-finite frequencies or a log of <= 0): theta,
+    and for YaRN its factor, betas and original context, must be > 0."""
+    names = ("theta",) + (("factor", "beta_fast", "beta_slow", "original_max_position") if rope.kind == "yarn" else ())
+    return [f"{rope.kind} rope {name}={getattr(rope, name)} must be > 0" for name in names
+            if not getattr(rope, name) > 0]
 
 
 def hf_rope_section(raw: dict[str, Any]) -> dict[str, Any]:

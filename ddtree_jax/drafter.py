@@ -30,7 +30,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from ddtree_jax.checks import as_int32
-from ddtree_jax.config import ConfigError, RopeConfig, hf_rope_section, yarn_mscale
+from ddtree_jax.config import ConfigError, RopeConfig, hf_rope_section, rope_problems, yarn_mscale
 from ddtree_jax.layers import RMSNorm, SwiGLU, declare, dot
 from ddtree_jax.rope import apply_rope_half, rope_cos_sin
 from ddtree_jax.safetensors_io import CheckpointError, checked_array, iter_tensors
@@ -104,6 +104,7 @@ class DrafterConfig:
             problems.append(f"mask_token_id={self.mask_token_id} outside the vocabulary [0, {self.vocab_size})")
         if self.rope.kind not in ("yarn", "default"):
             problems.append(f"rope kind {self.rope.kind!r} not in yarn/default")
+        problems += rope_problems(self.rope)
         if self.dtype not in ("bfloat16", "float32", "float16"):
             problems.append(f"dtype {self.dtype!r} not in bfloat16/float32/float16")
         if problems:
@@ -212,7 +213,8 @@ def _rope_from_hf(raw: dict[str, Any], legacy_yarn_amplitude: bool) -> RopeConfi
     if rope_raw.get("truncate", True) is not True:
         raise ConfigError("rope 'truncate: false' is not supported")
     max_pos = int(raw.get("max_position_embeddings", 32768))
-    original = int(rope_raw.get("original_max_position_embeddings") or max_pos)
+    original = rope_raw.get("original_max_position_embeddings")  # absent or null: max_position_embeddings
+    original = max_pos if original is None else int(original)
     if rope_raw.get("factor") is None:
         raise ConfigError("drafter yarn rope section lacks required field 'factor' (transformers refuses it too; "
                           "no default is assumed)")

@@ -301,8 +301,14 @@ def test_bad_config_raises(change, message):
     ({"rope_scaling": {**YARN, "truncate": False}}, "truncate: false"),
     ({"hidden_act": "gelu"}, "unsupported hidden_act 'gelu'"),
     ({"attention_bias": True}, "attention_bias=true"),
+    ({"rope_scaling": {**YARN, "factor": 0.0}}, r"yarn rope factor=0.0 must be > 0"),
+    ({"rope_scaling": {**YARN, "factor": -2.0}}, r"yarn rope factor=-2.0 must be > 0"),
+    ({"rope_scaling": {**YARN, "beta_fast": -5}}, r"yarn rope beta_fast=-5.0 must be > 0"),
+    ({"rope_scaling": {**YARN, "original_max_position_embeddings": 0}}, r"yarn rope original_max_position=0 must be"),
+    ({"rope_theta": 0}, r"rope theta=0.0 must be > 0"),
 ], ids=["odd-head-dim", "zero-eps", "negative-tap", "is-causal", "causal", "embedding-scale", "output-multiplier",
-        "softcapping", "no-truncate", "gelu", "attention-bias"])
+        "softcapping", "no-truncate", "gelu", "attention-bias", "yarn-factor-0", "yarn-factor-negative",
+        "yarn-beta-negative", "yarn-original-0", "theta-0"])
 def test_unsupported_drafter_settings_raise(change, message):
     raw = {**copy.deepcopy(HF_CONFIG), **change}
     with pytest.raises(ConfigError, match=message):

@@ -189,6 +189,28 @@ def test_restoring_in_float16_refuses_a_parameter_that_overflows(tmp_path):
     model = random_model(tiny_config(dtype="float32"))
     model.embed.value = model.embed.value.at[3, 1].set(1e6)
     save_model(model, str(tmp_path / "ck"))
-    with pytest.raises(CheckpointError, match=r"parameter embed overflows float16 .* from the stored float32"):
+    with pytest.raises(CheckpointError, match=r"parameter embed overflows float16 .* from float32"):
         restore_model(str(tmp_path / "ck"), dataclasses.replace(model.cfg, dtype="float16"))
     assert float(restore_model(str(tmp_path / "ck")).embed.value[3, 1]) == 1e6
+
+
+def test_drafter_restored_in_float16_and_float16_storage_refuse_overflow_and_storage_must_be_float(tmp_path):
+    from flax import nnx
+
+    from ddtree_jax.checkpoint import restore_drafter, save_drafter, save_model
+    from ddtree_jax.config import tiny_config
+    from ddtree_jax.drafter import DFlashDrafter, tiny_drafter_config
+    from tests.test_checkpoint import random_model
+
+    drafter = DFlashDrafter(tiny_drafter_config(tiny_config(), dtype="float32"), nnx.Rngs(0))
+    drafter.norm.weight.set_value(drafter.norm.weight.get_value().at[0].set(1e6))
+    save_drafter(drafter, str(tmp_path / "d"))
+    with pytest.raises(CheckpointError, match=r"parameter norm\.weight overflows float16 .* from float32"):
+        restore_drafter(str(tmp_path / "d"), dtype="float16")
+    with pytest.raises(CheckpointError, match=r"saving: parameter norm\.weight overflows float16"):
+        save_drafter(drafter, str(tmp_path / "d16"), storage_dtype="float16")
+    model = random_model(tiny_config(dtype="float32"))
+    for save, what in ((save_drafter, drafter), (save_model, model)):
+        with pytest.raises(CheckpointError, match=r"storage_dtype 'int8' must be one of"):
+            save(what, str(tmp_path / "int8"), storage_dtype="int8")
+    assert not (tmp_path / "d16").exists() and not (tmp_path / "int8").exists()  # refused before writing
