@@ -57,9 +57,10 @@ def shard_shape(shape: Sequence[int], logical_axes: Sequence[str | None], mesh_s
 
 
 def bytes_per_device(shape: Sequence[int], dtype, logical_axes: Sequence[str | None], mesh_shape: dict[str, int],
-                     rules: ShardingRules) -> int:
-    """Bytes of the largest shard of an array [shape] with ``logical_axes`` on a mesh of ``mesh_shape``."""
-    return array_bytes(shard_shape(shape, logical_axes, mesh_shape, rules), dtype)
+                     rules: ShardingRules, *, exact: bool = False) -> int:
+    """Bytes of the largest shard of an array [shape] with ``logical_axes`` on a mesh of ``mesh_shape`` (``exact``:
+    as ``shard_shape``)."""
+    return array_bytes(shard_shape(shape, logical_axes, mesh_shape, rules, exact=exact), dtype)
 
 
 def array_bytes(shape: Sequence[int], dtype) -> int:
@@ -99,7 +100,7 @@ def param_bytes(state: nnx.State, mesh_shape: dict[str, int], rules: ShardingRul
             parts = [(_category(tuple(path), value), value)]
         for cat, leaf in parts:
             out[cat]["total"] += array_bytes(leaf.shape, leaf.dtype)
-            out[cat]["per_device"] += bytes_per_device(leaf.shape, leaf.dtype, axes, mesh_shape, rules)
+            out[cat]["per_device"] += bytes_per_device(leaf.shape, leaf.dtype, axes, mesh_shape, rules, exact=True)
     return out
 
 
@@ -110,15 +111,16 @@ def target_cache_arrays(cfg: ModelConfig, dtype=None) -> tuple:
 
 
 def cache_arrays_bytes(arrays: tuple, mesh_shape: dict[str, int], rules: ShardingRules, *, streams: int = 1,
-                       capacity: int = 1) -> dict[str, int]:
+                       capacity: int = 1, exact: bool = True) -> dict[str, int]:
     """{total, per_device} bytes of cache ``arrays`` ((copies, one-token shape, dtype, logical axes) each) grown to
     ``streams`` streams of ``capacity`` tokens; per_device is the largest shard, as ``rules`` place "batch" and
-    "seq"."""
+    "seq" (``exact``: a ValueError where a mesh axis does not divide a dimension, as JAX refuses to place it; off
+    for a rate per token of one stream)."""
     out = {"total": 0, "per_device": 0}
     for copies, one_token, dtype, axes in arrays:
         shape = [streams if a == "batch" else capacity if a == "seq" else d for d, a in zip(one_token, axes)]
         out["total"] += copies * array_bytes(shape, dtype)
-        out["per_device"] += copies * bytes_per_device(shape, dtype, axes, mesh_shape, rules)
+        out["per_device"] += copies * bytes_per_device(shape, dtype, axes, mesh_shape, rules, exact=exact)
     return out
 
 
@@ -149,12 +151,13 @@ class MemoryPlan:
     @property
     def cache_per_token(self) -> dict[str, int]:
         """The target's cache for one token of one stream: {total, per_device}."""
-        return cache_arrays_bytes(self.target_cache, self.mesh_shape, self.rules)
+        return cache_arrays_bytes(self.target_cache, self.mesh_shape, self.rules, exact=False)
 
     @property
     def drafter_cache_per_token(self) -> dict[str, int] | None:
         """The drafter's K/V cache for one token of one stream, or None without a drafter."""
-        return cache_arrays_bytes(self.drafter_cache, self.mesh_shape, self.rules) if self.drafter_cache else None
+        return (cache_arrays_bytes(self.drafter_cache, self.mesh_shape, self.rules, exact=False)
+                if self.drafter_cache else None)
 
     def weight_bytes(self, key: str = "per_device") -> int:
         total = sum(v[key] for v in self.weights.values())

@@ -47,6 +47,9 @@ class ShardingRules:
         unknown = set(names) - set(LOGICAL_AXES)
         if unknown:
             raise ValueError(f"unknown logical axes {sorted(unknown)}; known: {LOGICAL_AXES}")
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:  # only the first would ever be read
+            raise ValueError(f"logical axes {repeated} are given more than one rule")
         for _, mesh_axis in self.rules:
             if mesh_axis is not None and mesh_axis not in MESH_AXES:
                 raise ValueError(f"unknown mesh axis {mesh_axis!r}; known: {MESH_AXES}")
@@ -93,6 +96,9 @@ DEFAULT_RULES = ShardingRules(
 def make_mesh(data: int = 1, model: int | None = None, devices=None) -> Mesh:
     """A ("data", "model") mesh; ``model`` defaults to all devices not used by ``data``."""
     devices = list(jax.devices() if devices is None else devices)
+    for name, size in (("data", data), ("model", model)):
+        if size is not None and not (isinstance(size, (int, np.integer)) and size >= 1):
+            raise ValueError(f"mesh axis {name} must be an int >= 1, got {size!r}")
     if model is None:
         if len(devices) % data:
             raise ValueError(f"{len(devices)} devices do not split into data={data}")

@@ -88,3 +88,26 @@ def test_a_prepared_model_plans_its_kernel_layout_as_int4(layout):
                         DEFAULT_RULES)
     assert before["experts_int4"]["total"] > 0
     assert {c: v["total"] for c, v in after.items()} == {c: v["total"] for c, v in before.items()}
+
+
+def test_a_plan_refuses_a_placement_jax_would_refuse(tmp_path, capsys):
+    """A mesh axis that does not divide a weight (3 model devices, 4 heads) or the streams (3 over data 2): the plan
+    refuses it, as JAX's placement does (it printed a plan of uneven shards before), and so does plan_memory.py,
+    as a usage error; --config without --drafter plans the target alone (not the K2.6 preset drafter)."""
+    from cli_helpers import refused
+    from experiments import plan_memory as cli
+    from hf_reference import tiny_hf_model
+
+    cfg = tiny_config()
+    with pytest.raises(ValueError, match="does not divide"):
+        plan_memory(cfg, parse_mesh("1x3"))
+    with pytest.raises(ValueError, match="mesh axis 'data' of size 2 does not divide dimension 3"):
+        plan_memory(cfg, parse_mesh("2x1")).cache_bytes(capacity=4, streams=3)
+    assert "--streams 3: mesh axis 'data' of size 2 does not divide" in refused(cli.main, ["--mesh", "2x8", "--streams",
+                                                                                     "3"], capsys)
+    for argv in (["--streams", "0"], ["--capacity", "-5"], ["--hbm-gib", "0"], ["--drafter", str(tmp_path)]):
+        refused(cli.main, argv, capsys)
+    tiny_hf_model(seed=0).config.save_pretrained(str(tmp_path))  # a config.json alone
+    result = cli.main(["--config", str(tmp_path), "--mesh", "1x1", "--capacity", "16", "--hbm-gib", "1e-6"])
+    assert result["drafter_weights"] is None
+    assert "they do not fit this mesh" in capsys.readouterr().out

@@ -18,6 +18,8 @@ def test_rules_name_only_known_axes():
     with pytest.raises(ValueError, match="unknown logical axis 'head'"):
         DEFAULT_RULES.mesh_axis("head")
     assert DEFAULT_RULES.mesh_axis("seq") is None and DEFAULT_RULES.mesh_axis(None) is None
+    with pytest.raises(ValueError, match=r"logical axes \['vocab'\] are given more than one rule"):
+        ShardingRules(rules=(("vocab", "model"), ("vocab", "data")))
 
 
 def test_a_mesh_axis_shards_one_dimension_only():
@@ -35,6 +37,9 @@ def test_make_mesh_sizes_and_errors(host_devices):
         make_mesh(data=3, devices=host_devices)
     with pytest.raises(ValueError, match="mesh 3x3 needs 9 devices, have 8"):
         make_mesh(data=3, model=3, devices=host_devices)
+    for data, model, name in ((0, None, "data"), (0, 8, "data"), (2, 0, "model"), (1.5, 2, "data")):
+        with pytest.raises(ValueError, match=f"mesh axis {name} must be an int >= 1"):
+            make_mesh(data=data, model=model, devices=host_devices)
 
 
 def test_parse_mesh():
