@@ -239,6 +239,7 @@ def save_model(model_or_state: KimiModel | nnx.State, path: str, metadata: dict[
         if cfg is None:
             raise ValueError("save_model of a bare nnx.State needs cfg=")
     _check_storage_dtype(storage_dtype)
+    _check_state_fits(state, cfg)
     grouped: dict[str, dict[tuple, Any]] = {}
     for key, variable in flat_params(state).items():
         grouped.setdefault(part_name(key), {})[key] = _stored(".".join(map(str, key)), variable.get_value(),
@@ -249,6 +250,23 @@ def save_model(model_or_state: KimiModel | nnx.State, path: str, metadata: dict[
         for name, params in grouped.items():
             _save_part(writer, name, params)
         writer.commit()
+
+
+def _check_state_fits(state: nnx.State, cfg: ModelConfig) -> None:
+    """CheckpointError unless ``state`` holds exactly the parameters ``cfg`` declares, in their shapes: a checkpoint
+    whose config does not describe its arrays could never be restored."""
+    _, abstract = abstract_model(cfg)
+    want, have = flat_params(abstract), flat_params(state)
+    name = lambda key: ".".join(map(str, key))  # noqa: E731
+    extra, missing = sorted(map(name, set(have) - set(want))), sorted(map(name, set(want) - set(have)))
+    if extra or missing:
+        raise CheckpointError(f"the state does not match the config: {len(missing)} parameters missing (e.g. "
+                              f"{missing[:3]}), {len(extra)} not in the config (e.g. {extra[:3]})")
+    for key, variable in want.items():
+        shapes = [tuple(leaf.shape) for leaf in jax.tree.leaves(variable.get_value())]
+        held = [tuple(leaf.shape) for leaf in jax.tree.leaves(have[key].get_value())]
+        if shapes != held:
+            raise CheckpointError(f"parameter {name(key)} has shape(s) {held}, the config declares {shapes}")
 
 
 def _save_part(writer: CheckpointWriter, name: str, params: dict[tuple, Any]) -> None:

@@ -214,3 +214,23 @@ def test_drafter_restored_in_float16_and_float16_storage_refuse_overflow_and_sto
         with pytest.raises(CheckpointError, match=r"storage_dtype 'int8' must be one of"):
             save(what, str(tmp_path / "int8"), storage_dtype="int8")
     assert not (tmp_path / "d16").exists() and not (tmp_path / "int8").exists()  # refused before writing
+
+
+def test_saving_a_state_under_a_config_that_does_not_describe_it_is_refused(tmp_path):
+    """Such a checkpoint was committed and could never be restored (Orbax's shape error at restore)."""
+    import dataclasses
+
+    from flax import nnx
+
+    from ddtree_jax.checkpoint import save_model
+    from ddtree_jax.config import tiny_config
+    from tests.test_checkpoint import random_model
+
+    model = random_model(tiny_config(dtype="float32"))
+    other = dataclasses.replace(model.cfg, vocab_size=model.cfg.vocab_size + 8)
+    with pytest.raises(CheckpointError, match=r"parameter embed has shape\(s\) \[\(\d+, \d+\)\], the config declares"):
+        save_model(nnx.state(model), str(tmp_path / "ck"), cfg=other)
+    fewer = dataclasses.replace(model.cfg, num_layers=model.cfg.num_layers - 1)
+    with pytest.raises(CheckpointError, match=r"parameters missing .* not in the config"):
+        save_model(nnx.state(model), str(tmp_path / "ck"), cfg=fewer)
+    assert not (tmp_path / "ck").exists()
