@@ -124,7 +124,7 @@ def build_models(args):
         dcfg = dataclasses.replace(k26_drafter_config(dtype="bfloat16"), target_layer_ids=taps,
                                    num_target_layers=args.layers)
     else:
-        cfg = tiny_config(dtype="float32", quant=QuantConfig(group_size=32), vocab_size=512, num_layers=4,
+        cfg = tiny_config(dtype="float32", quant=QuantConfig(group_size=32), vocab_size=512, num_layers=args.layers,
                           hidden_size=256, moe_intermediate_size=256)  # the smallest D, F the INT4 kernels tile
         dcfg = tiny_drafter_config(cfg, block_size=8)
     target_def, target_abs = nnx.split(nnx.eval_shape(lambda: KimiModel(cfg, ShapeOnlyRngs())))
@@ -146,7 +146,7 @@ def bench_engine(target, drafter, args, deadline, rows):
         if time.time() > deadline:
             print(f"skipping {mode} streams={streams}: time budget")
             continue
-        ecfg = EngineConfig(mode=mode, budget=max(budget, 1), max_new_tokens=args.new_tokens,
+        ecfg = EngineConfig(mode=mode, budget=budget, max_new_tokens=args.new_tokens,
                             capacity=args.prompt_len + args.new_tokens + 64, rounds_per_dispatch=args.new_tokens)
         engine = Engine(target, drafter if mode != "ar" else None, ecfg)
         prompts = [rng.integers(0, vocab, args.prompt_len).tolist() for _ in range(streams)]
@@ -538,8 +538,12 @@ def main(argv=None):
         args.prefill_chunks = check_lengths(args.prefill_chunks, "--prefill-chunks", 0)
     except ValueError as e:
         p.error(str(e))
-    if args.repeats < 1:
-        p.error(f"--repeats {args.repeats}: must be at least 1")
+    for flag, value, least in (("--repeats", args.repeats, 1), ("--budget", args.budget, 1),
+                               ("--layers", args.layers, 2)):  # 2 layers: the first dense, one MoE
+        if value < least:
+            p.error(f"{flag} {value}: must be at least {least}")
+    if not args.time_budget_s > 0:
+        p.error(f"--time-budget-s {args.time_budget_s}: must be > 0")
     if args.hlo and (not args.out or "round_split" not in args.sections.split(",")):
         p.error("--hlo writes the round split's phases into --out: give --out and section round_split")
     if args.prepare_kernels and "kernel" in args.sections.split(","):

@@ -384,6 +384,9 @@ def main(argv=None):
     sub.add_parser("prompts", help="write experiments/heldout_prompts.json (run_decode's default prompts) from the "
                                    "pinned held-out files")
     args = p.parse_args(argv)
+    least = 256 + len(SPECIAL_TOKENS)  # the byte alphabet and the special tokens come first
+    if args.cmd == "tokenizer" and args.vocab < least:
+        p.error(f"--vocab {args.vocab}: the byte alphabet and the special tokens alone take {least}")
     if args.cmd == "prompts":
         payload = write_shipped_prompts()
         print(f"wrote {PROMPTS_PATH}: {len(payload['prompts'])} prompts, tokenizer {payload['tokenizer']}")

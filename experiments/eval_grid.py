@@ -539,7 +539,11 @@ def _main(args):
     t_start = time.perf_counter()
     pair = load_pair(args.target, args.drafter, args.dtype, args.seed)
     if args.prompts_file:
-        prompts, prompt_meta = read_prompts_file(args.prompts_file, pair, args.num_prompts)
+        try:
+            prompts, prompt_meta = read_prompts_file(args.prompts_file, pair, args.num_prompts)
+        except (OSError, ValueError) as e:  # a missing, malformed or too short file: a usage error
+            print(f"eval_grid.py: error: --prompts-file: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
     else:
         prompts, prompt_meta = heldout_prompts(pair, args.num_prompts, args.seed)
     if args.export_prompts:

@@ -24,6 +24,7 @@ per-position accuracy on held-out text, measured on the drafter as restored), ``
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import hashlib
 import json
@@ -309,6 +310,14 @@ def check_drafter_args(args) -> None:
         raise ValueError(f"--eval-seqs must be a multiple of {EVAL_BATCH} (evaluate's batch), got {args.eval_seqs}")
     if not (math.isfinite(args.gamma) and args.gamma > 0):
         raise ValueError(f"--gamma must be finite and > 0, got {args.gamma}")
+    overrides = set(json.loads(args.config))
+    flags = sorted(overrides & {"block_size", "mask_token_id", "vocab_size", "dtype", "target_layer_ids"})
+    if flags:
+        raise ValueError(f"--config cannot set {flags}: --block-size, the tokenizer's mask token and vocabulary, "
+                         "the target's dtype and taps set them")
+    unknown = sorted(overrides - {f.name for f in dataclasses.fields(DrafterConfig)})
+    if unknown:
+        raise ValueError(f"--config names no DrafterConfig field: {unknown}")
 
 
 def drafter_resume_key(args, info: dict) -> dict:
@@ -367,7 +376,7 @@ def train(args, argv=None):
     t_def, t_state = nnx.split(target)
     n_params = sum(x.size for x in jax.tree.leaves(params))
     weights = jnp.asarray(decay_weights(dcfg.block_size, args.gamma))
-    before = evaluate(drafter, target, eval_taps, eval_seqs, args.prompt_len, weights)
+    before = evaluate(drafter, target, eval_taps, eval_seqs, args.prompt_len, weights, num_anchors=args.num_anchors)
     tx = make_optimizer(weight_decay=0.01)
     opt_state = tx.init(params)
     resume_key = drafter_resume_key(args, info)
@@ -401,7 +410,7 @@ def train(args, argv=None):
     save_drafter(nnx.merge(d_def, params), args.out, metadata={"trained_by": "experiments/train_drafter.py"},
                  storage_dtype=None if args.storage_dtype == dcfg.dtype else args.storage_dtype)
     drafter = restore_drafter(args.out, dtype=dcfg.dtype)  # evaluate the drafter as shipped
-    after = evaluate(drafter, target, eval_taps, eval_seqs, args.prompt_len, weights)
+    after = evaluate(drafter, target, eval_taps, eval_seqs, args.prompt_len, weights, num_anchors=args.num_anchors)
     metrics = {"steps": steps_done, "batch": args.batch, "train_seconds": sum(h["seconds"] for h in history),
                "runs": history, "data_seconds": data_s,
                "params": int(n_params), "final_train_loss": float(np.mean([c["loss"] for c in curve[-20:]])),

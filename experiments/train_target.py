@@ -49,7 +49,7 @@ import orbax.checkpoint as ocp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from ddtree_jax.cache import init_cache  # noqa: E402
-from ddtree_jax.config import ModelConfig, QuantConfig, RopeConfig  # noqa: E402
+from ddtree_jax.config import ConfigError, ModelConfig, QuantConfig, RopeConfig  # noqa: E402
 from ddtree_jax.model import KimiModel, Runtime, causal_mask  # noqa: E402
 from ddtree_jax.moe import MoE, route  # noqa: E402
 from ddtree_jax.quant import QuantArray, quantize_array  # noqa: E402
@@ -544,6 +544,14 @@ def check_target_args(args) -> None:
             raise ValueError(f"{flag} must be >= {least}, got {value}")
     if not (math.isfinite(args.bias_rate) and args.bias_rate >= 0):
         raise ValueError(f"--bias-rate must be finite and >= 0 (0 disables), got {args.bias_rate}")
+    overrides = json.loads(args.config)
+    flags = sorted(set(overrides) & {"vocab_size", "dtype"})
+    if flags:
+        raise ValueError(f"--config cannot set {flags}: the vocabulary is the tokenizer's, the dtype --dtype's")
+    try:  # the config as train builds it (a placeholder vocabulary): a bad field is a usage error, not a traceback
+        small_target_config(256, args.dtype, **overrides)
+    except (TypeError, ConfigError) as e:
+        raise ValueError(f"--config: {e}") from None
 
 
 def minutes_left(minutes: float | None, history: list[dict]) -> float | None:
@@ -596,6 +604,15 @@ def parse_args(argv=None):
     return args
 
 
+def target_resume_key(args, info: dict) -> dict:
+    """What a resumed target run must agree with: the schedule (--max-epochs included: it fixes a --minutes run's
+    length), the model flags, the corpus (``data_hash``) and the tokenizer that cut it (``info`` of
+    ``prepare_rows``)."""
+    key = {k: getattr(args, k) for k in ("steps", "minutes", "max_epochs", "batch", "seq", "lr", "warmup",
+                                         "bias_rate", "bias_every", "seed", "dtype", "config")}
+    return dict(key, data_hash=info["data_hash"], tokenizer_sha256=info["tokenizer_sha256"])
+
+
 def main(argv=None):
     args = parse_args(argv)
     with jax.default_matmul_precision(args.matmul_precision):
@@ -607,6 +624,9 @@ def train(args, argv=None):
     tokenizer = load_tokenizer_json(args.tokenizer)
     train_rows, held_rows, info = prepare_rows(tokenizer, args.seq, tokenizer_path=args.tokenizer,
                                                tokens_path=args.tokens, allow_mismatch=args.allow_mismatch)
+    if len(train_rows) < args.batch:
+        raise ValueError(f"--batch {args.batch} is more than the {len(train_rows)} training rows of "
+                         f"{args.seq + 1} tokens (--seq {args.seq})")
     if len(held_rows) < args.eval_rows:
         raise ValueError(f"--eval-rows {args.eval_rows} is more than the {len(held_rows)} held-out rows of "
                          f"{args.seq + 1} tokens")
@@ -617,10 +637,8 @@ def train(args, argv=None):
     n_params = sum(x.size for x in jax.tree.leaves(params))
     tx = make_optimizer()
     opt_state = tx.init(params)
-    resume_key = {k: getattr(args, k) for k in ("steps", "minutes", "batch", "seq", "lr", "warmup", "bias_rate",
-                                               "bias_every", "seed", "dtype", "config")}
+    resume_key = target_resume_key(args, info)
     runtime = TRAIN_RUNTIME if args.experts == "dense" else Runtime(attention="naive", matmul_precision=None)
-    resume_key["data_hash"] = info["data_hash"]
     (params, opt_state), start, total_steps, curve, history = restore_run(
         state_dir, (params, opt_state), resume_key, planned_steps(args))
     print(f"target: {n_params / 1e6:.2f}M params, {info['train_rows']} train rows x {args.seq + 1}, "

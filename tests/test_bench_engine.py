@@ -78,7 +78,10 @@ def test_bad_sections_and_kernel_ms_are_refused_before_any_model_is_built(capsys
                          (["--sections", "no_host_sync"], "put round_split before it"),
                          (["--sections", "layer,layer"], "twice"),
                          (["--kernel-ms", "1,70"], "M=70"), (["--kernel-ms", "0"], "at least 1"),
-                         (["--kernel-ms", "1,x"], "comma-separated integers"), (["--repeats", "0"], "at least 1")):
+                         (["--kernel-ms", "1,x"], "comma-separated integers"), (["--repeats", "0"], "at least 1"),
+                         (["--budget", "0"], "--budget 0: must be at least 1"),
+                         (["--layers", "1"], "--layers 1: must be at least 2"),
+                         (["--time-budget-s", "-5"], "--time-budget-s -5.0: must be > 0")):
         with pytest.raises(SystemExit) as exit_:
             bench_engine.main(bad)
         out, err = capsys.readouterr()
@@ -118,3 +121,10 @@ def test_prefill_section_reports_each_block_size(tmp_path, monkeypatch):
     for flag, bad in (("--prefill-lens", "0"), ("--prefill-chunks", "-1"), ("--prefill-chunks", "x")):
         with pytest.raises(SystemExit):
             bench_engine.main(["--sections", "prefill", flag, bad])
+
+
+def test_layers_sets_the_tiny_target_too():
+    import argparse
+
+    target, drafter = bench_engine.build_models(argparse.Namespace(size="tiny", layers=2))
+    assert target.cfg.num_layers == 2 and drafter.cfg.num_target_layers == 2

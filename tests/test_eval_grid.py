@@ -144,3 +144,19 @@ def test_decode_tokens_per_s_counts_the_rounds_tokens_only():
                                    block_size=1, depth=0)
     record = eval_grid.time_passes(engine, [[[5], [6]]], temperature=0.0, repeats=1)
     assert record["new_tokens"] == 8 and record["decode_tokens_per_s"] == 6 / 0.5
+
+
+def test_a_prompts_file_that_cannot_be_read_is_a_usage_error(pair, tmp_path, monkeypatch, capsys):
+    """A missing file or one with fewer prompts than asked: argparse's status 2 and the flag named, not a
+    traceback after the pair is loaded."""
+    import json
+
+    monkeypatch.setattr(eval_grid, "load_pair", lambda *a: pair)
+    short = tmp_path / "short.json"
+    short.write_text(json.dumps({"format": eval_grid.PROMPTS_FORMAT, "tokenizer": pair.tokenizer_id,
+                                 "prompts": [[1, 2, 3]]}))
+    for path, message in ((tmp_path / "none.json", "No such file"), (short, "has 1 prompts, 16 asked for")):
+        with pytest.raises(SystemExit) as exit_:
+            eval_grid.main(["--prompts-file", str(path), "--no-plots"])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and "error: --prompts-file: " in err and message in err, err

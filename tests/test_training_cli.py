@@ -47,6 +47,9 @@ SHARED = [
     (["--seq", "0"], "--seq must be >= 1"),
     (["--bias-every", "0"], "--bias-every must be >= 1"),
     (["--bias-rate", "-0.1"], "--bias-rate must be finite and >= 0"),
+    (["--config", '{"dtype": "bfloat16"}'], "--config cannot set ['dtype']"),
+    (["--config", '{"num_layerz": 2}'], "--config: "),
+    (["--config", '{"num_layers": 0}'], "--config: invalid ModelConfig: first_k_dense_replace outside"),
 ])
 def test_target_flags_are_refused_before_any_work(argv, message, capsys):
     assert message in refused(tt.parse_args, argv, capsys)
@@ -62,6 +65,8 @@ def test_target_flags_are_refused_before_any_work(argv, message, capsys):
     (["--prompt-len", "0"], "--prompt-len must be >= 1"),
     (["--gen-streams", "0"], "--gen-streams must be >= 1"),
     (["--new-tokens", "22"], "--new-tokens must be >= 23"),  # 16 anchors + block 8 - 1
+    (["--config", '{"block_size": 4}'], "--config cannot set ['block_size']"),
+    (["--config", '{"num_layer": 1}'], "--config names no DrafterConfig field: ['num_layer']"),
 ])
 def test_drafter_flags_are_refused_before_any_work(argv, message, capsys):
     assert message in refused(td.parse_args, argv, capsys)
@@ -158,6 +163,17 @@ def test_drafter_resume_key_covers_target_contents_data_and_tokenizer(tmp_path):
     assert json.loads(json.dumps(key)) == key
 
 
+def test_target_resume_key_covers_the_tokenizer_and_max_epochs():
+    """A resume with another tokenizer (same vocabulary size) or another --max-epochs had gone on silently."""
+    args = tt.parse_args(["--minutes", "5", "--max-epochs", "0.5"])
+    info = {"data_hash": "d1", "tokenizer_sha256": "t1"}
+    key = tt.target_resume_key(args, info)
+    assert tt.target_resume_key(args, dict(info, tokenizer_sha256="t2")) != key
+    assert tt.target_resume_key(tt.parse_args(["--minutes", "5", "--max-epochs", "2"]), info) != key
+    assert tt.target_resume_key(args, dict(info, data_hash="d2")) != key
+    assert json.loads(json.dumps(key)) == key
+
+
 # ------------------------------------------------------------------------------------------- data info
 def _corpus(tmp_path):
     root = str(tmp_path / "lib")
@@ -217,3 +233,20 @@ def test_convert_make_random_reads_its_flags(tmp_path):
     files = convert_checkpoint.main(["--make-random", str(tmp_path / "hf"), "--shards", "2", "--layers", "2"])["files"]
     assert len(files) == 2
 
+
+
+def test_a_tokenizer_vocabulary_below_the_byte_alphabet_is_refused(tmp_path, capsys):
+    """It was raised to 258 silently (the byte alphabet and the two special tokens)."""
+    assert "--vocab 10: the byte alphabet and the special tokens alone take 258" in refused(
+        data_lib.main, ["tokenizer", "--vocab", "10", "--out", str(tmp_path)], capsys)
+
+
+def test_a_batch_larger_than_the_training_rows_is_refused_before_the_model(tmp_path, monkeypatch):
+    """It ended in a ZeroDivisionError at the first step (no whole batch per epoch)."""
+    info = {"data_hash": "d", "tokenizer_sha256": "t", "train_rows": 3, "heldout_rows": 32}
+    monkeypatch.setattr(tt, "load_tokenizer_json", lambda path: None)
+    monkeypatch.setattr(tt, "prepare_rows", lambda *a, **k: (np.zeros((3, 17)), np.zeros((32, 17)), info))
+    monkeypatch.setattr(tt, "KimiModel", None)  # never reached
+    args = tt.parse_args(["--batch", "4", "--seq", "16", "--out", str(tmp_path / "out")])
+    with pytest.raises(ValueError, match=r"--batch 4 is more than the 3 training rows of 17 tokens \(--seq 16\)"):
+        tt.train(args)
