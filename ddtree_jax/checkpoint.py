@@ -263,8 +263,8 @@ def _check_state_fits(state: nnx.State, cfg: ModelConfig) -> None:
         raise CheckpointError(f"the state does not match the config: {len(missing)} parameters missing (e.g. "
                               f"{missing[:3]}), {len(extra)} not in the config (e.g. {extra[:3]})")
     for key, variable in want.items():
-        shapes = [tuple(leaf.shape) for leaf in jax.tree.leaves(variable.get_value())]
-        held = [tuple(leaf.shape) for leaf in jax.tree.leaves(have[key].get_value())]
+        shapes = [tuple(leaf.shape) for _, leaf in _leaf_items(key, variable.get_value())]
+        held = [tuple(leaf.shape) for _, leaf in _leaf_items(key, have[key].get_value())]  # refuses kernel layouts
         if shapes != held:
             raise CheckpointError(f"parameter {name(key)} has shape(s) {held}, the config declares {shapes}")
 
