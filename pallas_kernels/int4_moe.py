@@ -58,7 +58,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import operator
 
 import jax
 import jax.numpy as jnp
@@ -67,6 +66,7 @@ from jax.experimental import pallas as pl
 from jax.sharding import NamedSharding, PartitionSpec
 
 from pallas_kernels.moe_routing import check_moe_inputs, route_narrow
+from pallas_kernels.tuning import tuning_int
 
 try:  # Triton backend params (present in 0.10.2 and 0.11.x, deprecated in 0.11).
     from jax.experimental.pallas import triton as pltriton
@@ -368,17 +368,6 @@ DEQUANT_MODES = ("asm", "magic", "int")
 PROBES = ("", "dq_once", "no_dot", "glue")
 
 
-def _positive_int(name: str, value) -> int:
-    """``value`` as a Python int >= 1 (any integer scalar, not a bool or a float), else a ValueError naming ``name``."""
-    try:
-        number = operator.index(value) if not isinstance(value, bool) else 0
-    except TypeError:
-        number = 0
-    if number < 1:
-        raise ValueError(f"{name}={value!r} must be a positive int")
-    return number
-
-
 def _kernel_tiling(m: int, k: int, weights: Int4ExpertWeights, tile, block_n1, block_n2, split1, split2,
                    design: str, dequant, probe: str) -> tuple[int, int, int, int, int]:
     """``int4_moe``'s tiling, checked: (T tokens per tile, gate/up rows and down rows per program, split1, split2).
@@ -391,17 +380,17 @@ def _kernel_tiling(m: int, k: int, weights: Int4ExpertWeights, tile, block_n1, b
     if probe not in PROBES:
         raise ValueError(f"unknown probe {probe!r}; expected one of {PROBES}")
     e_n, f, d = weights.num_experts, weights.d_ff, weights.d_model
-    t = default_tile(m, k, e_n) if tile is None else _positive_int("tile", tile)
-    bn1 = math.gcd(f, 64) if block_n1 is None else _positive_int("block_n1", block_n1)
-    bn2 = math.gcd(d, 64) if block_n2 is None else _positive_int("block_n2", block_n2)
+    t = default_tile(m, k, e_n) if tile is None else tuning_int("tile", tile, positive=True)
+    bn1 = math.gcd(f, 64) if block_n1 is None else tuning_int("block_n1", block_n1, positive=True)
+    bn2 = math.gcd(d, 64) if block_n2 is None else tuning_int("block_n2", block_n2, positive=True)
     if f % bn1:
         raise ValueError(f"block_n1={bn1} must divide F={f}")
     if d % bn2:
         raise ValueError(f"block_n2={bn2} must divide D={d}")
     blocks1, blocks2 = d // (PACK * weights.w13_block_words), f // (PACK * weights.w2_block_words)
     busy = min(e_n, m * k)  # tiles expected to have work
-    s1 = _default_split(busy * (f // bn1), blocks1) if split1 is None else _positive_int("split1", split1)
-    s2 = _default_split(busy * (d // bn2), blocks2) if split2 is None else _positive_int("split2", split2)
+    s1 = _default_split(busy * (f // bn1), blocks1) if split1 is None else tuning_int("split1", split1, positive=True)
+    s2 = _default_split(busy * (d // bn2), blocks2) if split2 is None else tuning_int("split2", split2, positive=True)
     if blocks1 % s1:
         raise ValueError(f"split1={s1} must divide the {blocks1} K-blocks of the gate/up GEMM")
     if blocks2 % s2:

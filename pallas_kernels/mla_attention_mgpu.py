@@ -93,7 +93,8 @@ from pallas_kernels.mla_attention_plan import (ROWS, TAIL_ROWS, block_steps, che
 from pallas_kernels.mla_kernel_inputs import (check_in_place_inputs, pack_bits, pad_tree_latents, tree_inputs,
                                               unpack_bits)
 from pallas_kernels.split_combine import combine_splits, merge_lse
-from pallas_kernels.tree_attention import _LN2, _LOG2E, _NUM_SMS_H200, _check_shapes, fold_rows, tuning_int
+from pallas_kernels.tree_attention import _LN2, _LOG2E, _NUM_SMS_H200, _check_shapes, fold_rows
+from pallas_kernels.tuning import tuning_int
 
 __all__ = ["tree_attention_mgpu", "split_attention", "split_attention_ref", "tree_inputs", "pad_tree_latents",
            "check_in_place_inputs", "default_splits", "dense_split_partials", "pack_bits", "unpack_bits",

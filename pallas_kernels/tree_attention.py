@@ -59,7 +59,6 @@ the dispatcher's default on CUDA wherever it can run; this one serves the dims i
 from __future__ import annotations
 
 import functools
-import operator
 
 import jax
 import jax.numpy as jnp
@@ -70,9 +69,10 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.mla_kernel_inputs import check_prefix_len
 from pallas_kernels.split_combine import combine_splits
+from pallas_kernels.tuning import tuning_int
 
 __all__ = ["tree_attention", "tree_attention_ref", "mla_attention", "default_config", "kernel_config",
-           "check_tuning", "kernel_supports", "fold_rows", "tuning_int", "TUNING_KEYWORDS"]
+           "check_tuning", "kernel_supports", "fold_rows", "TUNING_KEYWORDS"]
 
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
@@ -88,16 +88,6 @@ def _pow2_ceil(x: int) -> int:
 
 def _is_pow2(x: int) -> bool:
     return isinstance(x, (int, np.integer)) and x > 0 and (x & (x - 1)) == 0
-
-
-def tuning_int(name: str, value) -> int:
-    """``value`` as a Python int (any integer scalar, not a bool or a float), else a ValueError naming ``name``."""
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        return operator.index(value)
-    except TypeError:
-        raise ValueError(f"{name}={value!r} must be an int") from None
 
 
 def _empty_result(B, T, H, L, dtype, return_lse):
