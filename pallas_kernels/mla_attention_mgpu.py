@@ -173,6 +173,17 @@ def check_split_tuning(block_k, stages, num_splits) -> tuple[int, int]:
     return block_k, num_splits
 
 
+def check_tuning(*, block_k=64, stages=None, num_splits=None, num_sms=_NUM_SMS_H200, **rest) -> None:
+    """:func:`tree_attention_mgpu`'s tuning keywords, checked before any lowering (``mla_attention`` calls this on
+    every platform, as it checks Triton's): block_k, stages and num_splits as :func:`check_split_tuning` needs
+    them (None: the kernel's own), num_sms a positive int; a keyword it does not take is a TypeError."""
+    unknown = sorted(set(rest) - {"share_scores", "kernel", "combine", "tail"})
+    if unknown:
+        raise TypeError(f"tree_attention_mgpu takes no tuning keyword {', '.join(map(repr, unknown))}")
+    check_split_tuning(block_k, 2 if stages is None else stages, 1 if num_splits is None else num_splits)
+    tuning_int("num_sms", num_sms, positive=True)
+
+
 def split_attention(q_rows, cache_kv, prefix_len, tree_kv, tree_bits, *, scale, kv_lora_rank, block_k=64,
                     stages=2, num_splits=1, share_scores=True, valid_rows=None, profile_dir=None, profile_regions=0,
                     profile_names=None, first_block_alone=None, pv_first=True, store_early=True, peer_merge=False):

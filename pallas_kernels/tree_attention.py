@@ -479,7 +479,7 @@ def mla_attention(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, kv_lora
     "mgpu" is the Mosaic GPU kernel (``pallas_kernels.mla_attention_mgpu``), "triton" this module's
     kernel, and "auto" (default) the Mosaic GPU kernel wherever it takes the dtype and dims, else
     Triton. Tuning keywords go to the chosen kernel (their presence with "auto" picks Triton, whose
-    keywords they are); with "auto" or "triton" they are checked on every platform (:func:`check_tuning`).
+    keywords they are); they are checked on every platform (:func:`check_tuning`, or the Mosaic kernel's).
     With "auto", dims no kernel takes use the twin everywhere; an explicit backend that cannot take them
     raises. B, T or H of 0 gives empty outputs. ``interpret=True`` forces the Triton kernel through the Pallas
     interpreter on every platform (tests). Since the Mosaic kernel took the tree tail in (session 5) it
@@ -505,7 +505,9 @@ def mla_attention(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, kv_lora
     if backend == "triton" and not triton_ok:
         raise ValueError(f"the Triton kernel cannot take q {q.shape} with kv_lora_rank={kv_lora_rank} "
                          f"(block_rows={tuning.get('block_rows')})")
-    if backend != "mgpu":  # Triton's keywords: checked on every platform, as that kernel checks them
+    if backend == "mgpu":  # each kernel's keywords: checked on every platform, as that kernel checks them
+        mgpu.check_tuning(**tuning)
+    else:
         check_tuning(q.shape[2], **tuning)
     if 0 in q.shape[:3]:  # nothing to attend (B, T or H is 0): the twin's empty outputs, no kernel
         return tree_attention_ref(*args, **kw)

@@ -163,6 +163,24 @@ def test_mla_attention_checks_triton_tuning_on_every_platform():
                                                                           np.float32))
 
 
+@pytest.mark.parametrize("bad,error,match", [
+    (dict(block_k=48), ValueError, "block_k=48 must be 64, 128 or 256"), (dict(stages=1), ValueError, "stages=1"),
+    (dict(num_splits=0), ValueError, "num_splits=0 must be >= 1"), (dict(num_sms=0), ValueError, "num_sms=0"),
+    (dict(num_splits=2.0), ValueError, "num_splits=2.0 must be an int"),
+    (dict(blok_k=64), TypeError, "no tuning keyword 'blok_k'")])
+def test_mla_attention_checks_mosaic_tuning_on_every_platform(bad, error, match):
+    """backend="mgpu" hands its keywords to the Mosaic kernel, which the CPU never lowers: checked up front, as
+    the Triton kernel's are, rather than running the twin on the CPU and failing only on a GPU."""
+    args = attention_args()
+    for fn in (mla_attention, jax.jit(lambda *a: mla_attention(*a, **KW, backend="mgpu", **bad))):
+        with pytest.raises(error, match=match):
+            fn(*args, **KW, backend="mgpu", **bad) if fn is mla_attention else fn(*args)
+    good = dict(block_k=128, stages=3, num_splits=2, num_sms=132, share_scores=False, tail=False)
+    got = mla_attention(*args, **KW, backend="mgpu", **good)  # the twin on the CPU
+    np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                  np.asarray(tree_attention_ref(*args, **KW), np.float32))
+
+
 @pytest.mark.parametrize("bad,match", [
     (dict(num_splits=0), r"num_splits=0 must be >= 1"), (dict(num_splits=-1), r"num_splits=-1 must be >= 1"),
     (dict(block_k=7), "block_k=7 must be a power of two"), (dict(block_t=8), "block_t=8 must be a power of two"),
