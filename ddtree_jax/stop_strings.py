@@ -53,8 +53,7 @@ def check_stream_stop_strings(stop_strings, streams: int, default: Sequence[str]
     ``("\\n\\n",)``) or a sequence of one such (or None: ``default``, the config's) per stream (e.g.
     ``[("\\n",), (), None, ("</s>", "User:")]``); ValueError otherwise."""
     if isinstance(stop_strings, (list, tuple)) and stop_strings and all(
-            isinstance(item, (list, tuple)) or item is None for item in stop_strings) and any(
-            item is not None for item in stop_strings):
+            isinstance(item, (list, tuple)) or item is None for item in stop_strings):
         stop_strings = [default if item is None else item for item in stop_strings]
         if len(stop_strings) != streams:
             raise ValueError(f"stop_strings must be one sequence of strings or one per stream ({streams}), got "

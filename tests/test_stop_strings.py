@@ -204,6 +204,8 @@ def test_each_stream_stops_on_its_own_strings(models, mode):
     res = engine.generate(prompts, stop_strings=mixed)
     assert list(zip(res["tokens"], res["status"])) == [cut(tokens, (own[5],) if strings is None else strings)
                                                        for tokens, strings in zip(ar, mixed)]
+    res = engine.generate(prompts, stop_strings=[None] * 6)  # every stream the config's (refused before)
+    assert list(zip(res["tokens"], res["status"])) == [cut(tokens, (own[5],)) for tokens in ar]
     other = [(own[1],), (own[0],), (), (own[3], "ab"), (own[4],), ("c",)]  # 6 strings, 5 above: S 8, Q 4 both
     with bench_util.counting_compiles() as compiles:
         res = engine.generate(prompts, stop_strings=other)
