@@ -15,6 +15,7 @@ from ddtree_jax.checkpoint import (INDEX_FILE, checkpoint_config, read_index, re
 from ddtree_jax.config import QuantConfig, tiny_config
 from ddtree_jax.hf_loader import abstract_model, load_hf_model
 from ddtree_jax.memory_plan import parse_mesh, plan_memory, state_bytes
+from ddtree_jax.moe import route
 from ddtree_jax.model import causal_mask
 from ddtree_jax.quant import QuantArray
 from ddtree_jax.safetensors_io import CheckpointError
@@ -77,11 +78,20 @@ def test_bfloat16_storage_of_a_float32_model(tmp_path):
     assert restored.cfg == cfg and read_index(str(tmp_path / "ck"))["metadata"]["storage_dtype"] == "bfloat16"
     rounded = jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(x.dtype) if x.dtype == jnp.float32 else x,
                            nnx.state(model))
-    for (key, a), (_, b) in zip(sorted(rounded.flat_state()), sorted(nnx.state(restored).flat_state())):
+    for (key, a), (_, b), (_, exact) in zip(sorted(rounded.flat_state()), sorted(nnx.state(restored).flat_state()),
+                                            sorted(nnx.state(model).flat_state())):
+        if key[-1] in ("router", "router_bias"):  # the routing parameters are stored as they are
+            a = exact
         for x, y in zip(jax.tree.leaves(a.get_value()), jax.tree.leaves(b.get_value())):
             assert x.dtype == y.dtype, key  # float32 again, INT4 words and scales untouched
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=str(key))
     assert not np.array_equal(np.asarray(model.embed.get_value()), np.asarray(restored.embed.get_value()))
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((512, cfg.hidden_size)), jnp.float32)
+    mlp, back = model.layers[1].mlp, restored.layers[1].mlp
+    bias = mlp.router_bias.get_value()  # random normal: far from bfloat16's grid
+    assert not np.array_equal(np.asarray(bias.astype(jnp.bfloat16).astype(jnp.float32)), np.asarray(bias))
+    np.testing.assert_array_equal(np.asarray(route(x, mlp.router.get_value(), bias, cfg)[0]),
+                                  np.asarray(route(x, back.router.get_value(), back.router_bias.get_value(), cfg)[0]))
     drafter = DFlashDrafter(tiny_drafter_config(cfg), nnx.Rngs(3))
     save_drafter(drafter, str(tmp_path / "d"), storage_dtype="bfloat16")
     back = restore_drafter(str(tmp_path / "d"))
