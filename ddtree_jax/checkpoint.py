@@ -60,11 +60,21 @@ def config_to_dict(cfg: ModelConfig) -> dict[str, Any]:
     return out
 
 
+def _nested_config(cls, raw, what: str):
+    """``cls(**raw)`` for a stored nested config (rope, quant); CheckpointError naming what is wrong with it."""
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"stored {what} config must be a JSON object, got {raw!r}")
+    unknown = sorted(set(raw) - {f.name for f in dataclasses.fields(cls)})
+    if unknown:
+        raise CheckpointError(f"stored {what} config has unknown fields {unknown}")
+    return cls(**raw)
+
+
 def config_from_dict(raw: dict[str, Any]) -> ModelConfig:
     """Inverse of ``config_to_dict``."""
     raw = dict(raw)
-    raw["rope"] = RopeConfig(**raw["rope"])
-    raw["quant"] = None if raw.get("quant") is None else QuantConfig(**raw["quant"])
+    raw["rope"] = _nested_config(RopeConfig, raw.get("rope"), "RoPE")
+    raw["quant"] = None if raw.get("quant") is None else _nested_config(QuantConfig, raw["quant"], "quant")
     raw["eos_token_ids"] = tuple(raw.get("eos_token_ids", ()))
     names = {f.name for f in dataclasses.fields(ModelConfig)}
     unknown = set(raw) - names
@@ -127,20 +137,39 @@ def _write_json_atomic(path: str, payload: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def _read_json_index(path: str, name: str, fmt: str, what: str) -> dict[str, Any]:
+def _read_json_index(path: str, name: str, fmt: str, what: str, fields: dict[str, type]) -> dict[str, Any]:
+    """The JSON record ``path/name`` of format ``fmt`` holding ``fields`` (name -> JSON type); CheckpointError
+    naming the file where it is absent, not JSON, of another format or lacks a field."""
     file = os.path.join(path, name)
     if not os.path.exists(file):
         raise CheckpointError(f"{path}: not a ddtree-jax {what} (no {name})")
     with open(file) as f:
-        index = json.load(f)
-    if index.get("format") != fmt:
-        raise CheckpointError(f"{path}: unknown {what} format {index.get('format')!r} (expected {fmt!r})")
+        try:
+            index = json.load(f)
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{file}: not JSON ({e})") from None
+    if not isinstance(index, dict) or index.get("format") != fmt:
+        found = index.get("format") if isinstance(index, dict) else index
+        raise CheckpointError(f"{path}: unknown {what} format {found!r} (expected {fmt!r})")
+    for field, kind in fields.items():
+        if not isinstance(index.get(field), kind):
+            raise CheckpointError(f"{file}: field {field!r} must be a JSON {kind.__name__}, got "
+                                  f"{index.get(field)!r}")
     return index
 
 
 def read_index(path: str) -> dict[str, Any]:
-    """The commit record of a checkpoint directory (format, model_config, metadata, data, parts)."""
-    return _read_json_index(path, INDEX_FILE, FORMAT, "checkpoint")
+    """The commit record of a checkpoint directory (format, model_config, metadata, data, parts), its data
+    directory's name and parts checked."""
+    index = _read_json_index(path, INDEX_FILE, FORMAT, "checkpoint",
+                             {"model_config": dict, "data": str, "parts": dict})
+    if not _DATA_DIR.match(index["data"]):
+        raise CheckpointError(f"{path}: {INDEX_FILE} names data dir {index['data']!r}, expected "
+                              "'data-<32 hex digits>'")
+    for part, names in index["parts"].items():
+        if not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+            raise CheckpointError(f"{path}: {INDEX_FILE} part {part!r} must list parameter names, got {names!r}")
+    return index
 
 
 class CheckpointWriter:
@@ -319,6 +348,10 @@ def restore_model(path: str, cfg: ModelConfig | None = None, mesh: Mesh | None =
     missing = [".".join(str(p) for p in k) for k in flat_abstract if ".".join(str(p) for p in k) not in stored_params]
     if missing:
         raise CheckpointError(f"{path}: checkpoint lacks {len(missing)} parameters, e.g. {missing[:5]}")
+    extra = sorted(stored_params - {".".join(str(p) for p in k) for k in flat_abstract})
+    if extra:  # its record's config describes fewer parameters than it holds: restoring would drop them
+        raise CheckpointError(f"{path}: checkpoint holds {len(extra)} parameters its config does not declare, "
+                              f"e.g. {extra[:5]}")
     placed: dict[tuple, Any] = {}
     checkpointer = ocp.StandardCheckpointer()
     try:
@@ -372,6 +405,8 @@ def convert_hf_checkpoint(hf_dir: str, out_dir: str, *, dtype: str = "bfloat16",
     largest number of bytes buffered at once, and the number of parts.
     """
     cfg = hf_model_config(hf_dir, dtype=dtype)
+    if os.path.isdir(out_dir) and os.path.samefile(hf_dir, out_dir):
+        raise CheckpointError(f"{out_dir} is the HF checkpoint's own directory: convert into one of its own")
     _check_no_foreign_tokenizer_files(hf_dir, out_dir)  # before hours of conversion, not after
     _, abstract = abstract_model(cfg)
     flat_abstract = flat_params(abstract)
@@ -449,7 +484,7 @@ def drafter_config_from_dict(raw: dict[str, Any]):
     unknown = set(raw) - {f.name for f in dataclasses.fields(DrafterConfig)}
     if unknown:
         raise CheckpointError(f"stored drafter config has unknown fields {sorted(unknown)}")
-    raw["rope"] = RopeConfig(**raw["rope"])
+    raw["rope"] = _nested_config(RopeConfig, raw.get("rope"), "drafter RoPE")
     raw["target_layer_ids"] = tuple(raw["target_layer_ids"])
     return DrafterConfig(**raw)
 
@@ -503,7 +538,7 @@ def restore_drafter(path: str, dtype: str | None = None, mesh: Mesh | None = Non
     from ddtree_jax.drafter import DFlashDrafter
     from ddtree_jax.hf_loader import ShapeOnlyRngs
 
-    index = _read_json_index(path, DRAFTER_INDEX_FILE, DRAFTER_FORMAT, "drafter checkpoint")
+    index = _read_json_index(path, DRAFTER_INDEX_FILE, DRAFTER_FORMAT, "drafter checkpoint", {"config": dict})
     params_name = index.get("params", "params")  # absent: the layout before atomic saves
     if not isinstance(params_name, str) or not _DRAFTER_PARAMS_DIR.match(params_name):
         raise CheckpointError(f"{path}: {DRAFTER_INDEX_FILE} names params dir {params_name!r}, expected "

@@ -167,6 +167,46 @@ def test_restore_config_checks(tmp_path):
         restore_model(str(tmp_path))
 
 
+def test_a_malformed_commit_record_is_refused_by_name(tmp_path):
+    """A commit record edited or damaged by hand: refused with its path, never a truncated model, another
+    checkpoint's data or a bare KeyError / JSONDecodeError / TypeError."""
+    import json
+
+    path = str(tmp_path / "ck")
+    save_model(random_model(tiny_config()), path)
+    record = os.path.join(path, INDEX_FILE)
+    good = open(record).read()
+
+    def edited(change):
+        raw = json.loads(good)
+        change(raw)
+        with open(record, "w") as f:
+            json.dump(raw, f)
+
+    def fewer_layers(raw):
+        raw["model_config"]["num_layers"] -= 1
+    cases = [
+        (fewer_layers, r"holds 1[0-9] parameters its config does not declare, e.g. \['layers\.2\."),
+        (lambda raw: raw.update(data="../other/" + raw["data"]), r"names data dir '\.\./other/data-"),
+        (lambda raw: raw.pop("parts"), r"field 'parts' must be a JSON dict, got None"),
+        (lambda raw: raw.pop("data"), "field 'data' must be a JSON str, got None"),
+        (lambda raw: raw["parts"].update(embed="embed"), r"part 'embed' must list parameter names"),
+        (lambda raw: raw["model_config"]["rope"].update(foo=1), r"stored RoPE config has unknown fields \['foo'\]"),
+        (lambda raw: raw["model_config"].pop("rope"), "stored RoPE config must be a JSON object, got None"),
+    ]
+    for change, match in cases:
+        edited(change)
+        with pytest.raises(CheckpointError, match=match):
+            restore_model(path)
+    with open(record, "w") as f:
+        f.write(good[:-20])
+    with pytest.raises(CheckpointError, match=f"{INDEX_FILE}: not JSON"):
+        restore_model(path)
+    with open(record, "w") as f:
+        f.write(good)
+    assert_same_state(restore_model(path), random_model(tiny_config()))
+
+
 @jax.jit(static_argnames=("graphdef",))
 def _logits(graphdef, state, tokens):
     model = nnx.merge(graphdef, state)
@@ -220,6 +260,11 @@ def test_convert_refuses_an_out_dir_with_tokenizer_files_the_source_lacks(tmp_pa
     os.remove(os.path.join(out, "tokenizer.json"))
     for _ in range(2):  # re-converting the same source into the same directory still works
         assert convert_hf_checkpoint(hf_dir, out, dtype="float32")["tokenizer_files"] == ["tiktoken.model"]
+    before = sorted(os.listdir(hf_dir))
+    for same in (hf_dir, os.path.join(hf_dir, ".")):  # before, it committed there, then failed copying the tokenizer
+        with pytest.raises(CheckpointError, match="is the HF checkpoint's own directory"):
+            convert_hf_checkpoint(hf_dir, same, dtype="float32")
+    assert sorted(os.listdir(hf_dir)) == before
 
 
 def _drafter_dirs(path):
