@@ -22,10 +22,10 @@ read faster than XLA's, so a point with a ceiling below the goal shows the goal 
 GPU's own libraries reach there, not that it is impossible.
 
 Timing: a chain of 8 calls, each one's prefix lengths depending on the last one's output (``bench_tree_attention``'s
-``chained``), over enough cache copies to leave L2; from the profiler's trace, per call, the summed durations of
-the op's own kernels (reductions for the read; cuBLAS's and XLA's GEMM kernels for the products, without the
-casts and masks between them): gaps and glue left out, so the ceilings lean high. Every kernel the chain ran is
-recorded per row.
+``chained``), rotating over its cache copies (at B·P <= 6.8K the 8 copies read fit the L2: ``chain_cache_bytes``);
+from the profiler's trace, per call, the summed durations of the op's own kernels (reductions for the read;
+cuBLAS's and XLA's GEMM kernels for the products, without the casts and masks between them): gaps and glue
+left out, so the ceilings lean high. Every kernel the chain ran is recorded per row.
 
 ``--against JSON...`` takes the op's grid results (``bench_tree_attention --points issue``) and prints each
 point's op % beside its ceiling and what holds it below the goal: ``size`` where the ceiling does,
