@@ -4,6 +4,7 @@ masked attention beside it yields every column (a bug there once turned every XL
 import math
 
 from experiments import bench_tree_attention as bench
+from experiments import bench_util
 from pallas_kernels.tree_attention import tree_attention_ref
 
 
@@ -18,6 +19,9 @@ def test_bench_point_with_trace_and_xla(monkeypatch):
         assert math.isfinite(row[key]), key      # repeat a µs-sized op's can come out below zero (CI did once)
     assert row["rel_err"] < 1e-2  # the twin on bf16 inputs against itself in f32
     assert math.isclose(row["speedup"], row["xla_ms"] / row["ms"])
+    # one copy is 2·1·64·576 bytes, so 16 copies are made and the chain of 8 calls reads 8: well inside the L2
+    assert (row["cache_copies"], row["chain_cache_bytes"], row["l2_fits_chain"]) == (16, 8 * 2 * 64 * 576, True)
+    assert bench.chain_cache_bytes(16, 65536, bench_util.rotating_copies(2 * 16 * 65536 * 576)) == 2 * 16 * 65536 * 576
 
 
 def test_kernel_names_take_integer_keywords():
