@@ -194,9 +194,7 @@ class ModelConfig:
             theta=theta,
             kind=kind,
             factor=float(rope_raw.get("factor", 1.0)),
-            original_max_position=int(
-                rope_raw.get("original_max_position_embeddings") or raw.get("max_position_embeddings") or 4096
-            ),
+            original_max_position=hf_original_max_position(raw, rope_raw, raw.get("max_position_embeddings") or 4096),
             # as transformers reads them: a null or 0 beta is its default, a null mscale is absent (0: HF then
             # derives the amplitude from factor alone)
             beta_fast=float(rope_raw.get("beta_fast") or 32.0),
@@ -286,6 +284,21 @@ def rope_problems(rope: RopeConfig) -> list[str]:
     names = ("theta",) + (("factor", "beta_fast", "beta_slow", "original_max_position") if rope.kind == "yarn" else ())
     return [f"{rope.kind} rope {name}={getattr(rope, name)} must be > 0" for name in names
             if not getattr(rope, name) > 0]
+
+
+def hf_original_max_position(raw: dict[str, Any], rope_raw: dict[str, Any], default: int) -> int:
+    """YaRN's pretraining length as transformers 5 reads an HF config: a top-level
+    ``original_max_position_embeddings`` (as Phi-3 saves it) first, else the RoPE section's, else ``default``
+    (max_position_embeddings). Both given and differing is refused: earlier transformers and other tools read the
+    section's, so either choice would silently change the frequencies for someone."""
+    top, section = raw.get("original_max_position_embeddings"), rope_raw.get("original_max_position_embeddings")
+    if top is not None and section is not None and top != section:
+        raise ConfigError(f"config.json has original_max_position_embeddings {top} at the top level and {section} "
+                          "in its RoPE section; keep one (transformers 5 reads the top-level one)")
+    value = top if top is not None else section if section is not None else default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+        raise ConfigError(f"original_max_position_embeddings must be an integer, got {value!r}")
+    return int(value)
 
 
 def hf_rope_section(raw: dict[str, Any]) -> dict[str, Any]:

@@ -30,7 +30,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from ddtree_jax.checks import as_int32
-from ddtree_jax.config import ConfigError, RopeConfig, hf_rope_section, rope_problems, yarn_mscale
+from ddtree_jax.config import (ConfigError, RopeConfig, hf_original_max_position, hf_rope_section, rope_problems,
+                               yarn_mscale)
 from ddtree_jax.layers import RMSNorm, SwiGLU, declare, dot
 from ddtree_jax.rope import apply_rope_half, rope_cos_sin
 from ddtree_jax.safetensors_io import CheckpointError, checked_array, iter_tensors
@@ -213,8 +214,7 @@ def _rope_from_hf(raw: dict[str, Any], legacy_yarn_amplitude: bool) -> RopeConfi
     if rope_raw.get("truncate", True) is not True:
         raise ConfigError("rope 'truncate: false' is not supported")
     max_pos = int(raw.get("max_position_embeddings", 32768))
-    original = rope_raw.get("original_max_position_embeddings")  # absent or null: max_position_embeddings
-    original = max_pos if original is None else int(original)
+    original = hf_original_max_position(raw, rope_raw, max_pos)
     if rope_raw.get("factor") is None:
         raise ConfigError("drafter yarn rope section lacks required field 'factor' (transformers refuses it too; "
                           "no default is assumed)")

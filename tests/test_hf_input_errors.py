@@ -71,6 +71,27 @@ def test_rope_parameters_and_rope_scaling_that_differ_are_refused(raw):
         {k: v for k, v in raw.items() if k != "rope_scaling"}).rope
 
 
+def test_a_top_level_original_max_position_is_read_as_transformers_reads_it(raw):
+    """transformers 5 takes a top-level original_max_position_embeddings over the RoPE section's (for yarn); both,
+    differing, are refused (earlier readers take the section's). Before, the top-level one was ignored."""
+    from ddtree_jax.drafter import _rope_from_hf
+
+    section = raw["rope_parameters"]
+    raw["original_max_position_embeddings"] = section.pop("original_max_position_embeddings", None) or 32
+    raw["original_max_position_embeddings"] //= 2  # not max_position_embeddings, the fallback
+    cfg = ModelConfig.from_hf_dict(copy.deepcopy(raw))
+    assert cfg.rope.original_max_position == raw["original_max_position_embeddings"]
+    inv_freq, amplitude = rope_inv_freq(cfg.rope, cfg.qk_rope_head_dim)
+    hf_inv_freq, hf_amplitude = transformers_rope(raw)
+    np.testing.assert_array_max_ulp(inv_freq, hf_inv_freq, maxulp=1)
+    assert amplitude == pytest.approx(hf_amplitude, abs=1e-7)
+    assert _rope_from_hf(copy.deepcopy(raw), False).original_max_position == raw["original_max_position_embeddings"]
+    section["original_max_position_embeddings"] = 2 * raw["original_max_position_embeddings"]
+    for read in (ModelConfig.from_hf_dict, lambda r: _rope_from_hf(r, False)):
+        with pytest.raises(ConfigError, match="original_max_position_embeddings .* at the top level and .* in its"):
+            read(copy.deepcopy(raw))
+
+
 def test_drafter_rope_sections_that_differ_are_refused():
     from ddtree_jax.drafter import _rope_from_hf
     section = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 1e4}
