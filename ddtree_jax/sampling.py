@@ -171,19 +171,44 @@ def _check_concrete(values, check_one, name: str) -> None:
             raise ValueError(f"per-stream {name}: {e}") from None
 
 
+TEMPERATURE_RANGE = (2.0**-126, 2.0**126)
+"""The temperatures > 0 that sample: float32 holds each and its reciprocal as normal numbers. Below, float32 has
+only subnormals or 0 (flushed on devices); above, XLA's x / T as x * (1 / T) turned a banned token's -inf into NaN,
+which the draw then picked."""
+
+
+def check_hot_temperature(temperature: float) -> float:
+    """A sampling temperature > 0 in TEMPERATURE_RANGE, as a float; ValueError naming the range otherwise."""
+    low, high = TEMPERATURE_RANGE
+    if not low <= temperature <= high:
+        raise ValueError(f"temperature must be 0 (greedy) or in [{low:.3g}, {high:.3g}] (float32 and its reciprocal "
+                         f"normal), got {temperature}")
+    return float(temperature)
+
+
+def scaled_logits(logits: jax.Array, temperature) -> jax.Array:
+    """logits [B, ..., W] f32 over ``temperature`` (a Python float, or [B, 1, ..., 1]; each > 0), each row less its
+    largest finite value first: the same softmax and filters, and no logit overflows to +inf at a small temperature
+    (40 / 1e-37 did, and the draw then took the first +inf token, not the argmax). -inf stays -inf."""
+    largest = jnp.max(logits, axis=-1, keepdims=True)
+    return (logits - jnp.where(jnp.isfinite(largest), largest, 0.0)) / temperature
+
+
 def sampled_logits(logits: jax.Array, temperature, top_k=0, top_p=1.0, min_p=0.0, **per_stream_top_k) -> jax.Array:
     """logits [B, R, W] -> the logits each row's token is taken from: ``truncate(logits / temperature)`` where the
     stream's temperature (a Python number, or [B] and maybe traced) is > 0, the logits themselves where it is <= 0
     (greedy: their argmax, which every filter keeps). The filters are ``truncate``'s, with its ``top_k_ceiling``
-    and ``top_k_in_every_row`` for a per-stream top_k."""
+    and ``top_k_in_every_row`` for a per-stream top_k. A Python temperature > 0 must lie in TEMPERATURE_RANGE; the
+    logits are scaled less each row's largest (``scaled_logits``)."""
     logits = logits.astype(jnp.float32)
     if _is_python_number(temperature):
         if temperature <= 0:
             return logits
-        return truncate(logits / jnp.float32(temperature), top_k, top_p, min_p=min_p, **per_stream_top_k)
+        scaled = scaled_logits(logits, jnp.float32(check_hot_temperature(temperature)))
+        return truncate(scaled, top_k, top_p, min_p=min_p, **per_stream_top_k)
     temp = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), logits.shape[:1])[:, None, None]
     hot = temp > 0
-    return jnp.where(hot, truncate(logits / jnp.where(hot, temp, 1.0), top_k, top_p, min_p=min_p,
+    return jnp.where(hot, truncate(scaled_logits(logits, jnp.where(hot, temp, 1.0)), top_k, top_p, min_p=min_p,
                                    **per_stream_top_k), logits)
 
 

@@ -22,6 +22,7 @@ import jax
 import numpy as np
 
 from ddtree_jax.checks import is_integer, is_number
+from ddtree_jax.sampling import check_hot_temperature
 
 PENALTIES = ("repetition_penalty", "frequency_penalty", "presence_penalty")
 NUMBERS = ("top_k", "top_p", "min_p") + PENALTIES + ("min_new_tokens",)
@@ -316,12 +317,12 @@ def _as_python(value):
 
 
 def check_temperature(temperature) -> float:
-    """The sampling temperature as a float: finite and >= 0 (0: greedy); ValueError otherwise."""
+    """The sampling temperature as a float: 0 (greedy) or in ``sampling.TEMPERATURE_RANGE``; ValueError otherwise."""
     if not is_number(temperature):
         raise ValueError(f"temperature must be a number, got {temperature!r}")
     if not np.isfinite(temperature) or temperature < 0:
         raise ValueError(f"temperature must be finite and >= 0 (0: greedy), got {temperature}")
-    return float(temperature)
+    return check_hot_temperature(temperature) if temperature > 0 else 0.0
 
 
 def check_temperatures(temperature, streams: int) -> np.ndarray:

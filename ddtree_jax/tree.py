@@ -57,7 +57,7 @@ import numpy as np
 from jax import lax
 
 from ddtree_jax.checks import as_int32
-from ddtree_jax.sampling import truncate
+from ddtree_jax.sampling import check_hot_temperature, scaled_logits, truncate
 from ddtree_jax.topk import top_k
 
 MAX_BUDGET = 4096
@@ -460,10 +460,11 @@ def sample_target_tokens(target_logits, temperature, key, top_k=0, top_p=1.0, mi
 
     ``temperature``: scalar or [B] (per stream), may be traced. Where it is > 0 the token is a
     sample from softmax(truncate(logits / temperature)); where it is <= 0 it is the argmax (greedy). A Python
-    number computes only the path it takes and must be finite (ValueError for NaN / inf); a traced one
-    computes both, and the sample's B*T*W random draws cost far more than the argmax. A traced value
-    cannot be checked under jit: NaN acts as greedy and +inf samples uniformly (callers validate on the
-    host, e.g. ``engine.check_temperature``).
+    number computes only the path it takes and must be finite (ValueError for NaN / inf), where > 0 in
+    ``sampling.TEMPERATURE_RANGE``; a traced one computes both, and the sample's B*T*W random draws cost far more
+    than the argmax. A traced value cannot be checked under jit: NaN acts as greedy and values outside the range
+    may draw wrongly (callers validate on the host, e.g. ``stream_settings.check_temperature``). The logits are
+    scaled less each row's largest (``sampling.scaled_logits``).
     ``top_k`` (0: off), ``top_p`` (1: off), ``min_p`` (0: off): the filters of ``sampling.truncate`` (the sample
     only; the argmax always survives them), each a Python number or one per stream ([B], with truncate's
     ``top_k_ceiling`` and ``top_k_in_every_row`` for top_k).
@@ -476,13 +477,13 @@ def sample_target_tokens(target_logits, temperature, key, top_k=0, top_p=1.0, mi
             raise ValueError(f"temperature must be finite (<= 0: greedy), got {temperature}")
         if temperature <= 0:
             return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        scaled = truncate(logits / jnp.float32(temperature), top_k, top_p, min_p=min_p, **per_stream_top_k)
-        return _categorical(key, scaled).astype(jnp.int32)
+        scaled = scaled_logits(logits, jnp.float32(check_hot_temperature(temperature)))
+        return _categorical(key, truncate(scaled, top_k, top_p, min_p=min_p, **per_stream_top_k)).astype(jnp.int32)
     b = logits.shape[0]
     temp = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (b,))
     hot = temp > 0
     safe = jnp.where(hot, temp, 1.0)
-    sampled = _categorical(key, truncate(logits / safe[:, None, None], top_k, top_p, min_p=min_p,
+    sampled = _categorical(key, truncate(scaled_logits(logits, safe[:, None, None]), top_k, top_p, min_p=min_p,
                                          **per_stream_top_k))
     greedy = jnp.argmax(logits, axis=-1)
     return jnp.where(hot[:, None], sampled, greedy).astype(jnp.int32)

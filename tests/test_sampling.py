@@ -256,3 +256,30 @@ def test_bad_per_stream_filters_refused(kwargs, message):
         sampling.truncate(jnp.zeros((2, 3, 30)), **kwargs)
     with pytest.raises(ValueError, match="per-stream filters need logits"):
         sampling.truncate(jnp.zeros((30,)), top_p=np.array([0.5]))
+
+
+def test_temperatures_at_the_edges_of_float32_sample_as_their_limits_or_are_refused():
+    """A temperature of 1e-37 (a normal float32) takes the argmax, as its limit T -> 0+ does, through every filter:
+    before, 45 / 1e-37 overflowed to +inf and the draw took the first +inf token, or min-p's inf - inf dropped the
+    row and gave token 0. Temperatures whose float32 or reciprocal is not normal are refused on the host; before,
+    1e38 turned a banned token's -inf into NaN, which the draw picked."""
+    from ddtree_jax.stream_settings import check_temperature
+
+    logits = jnp.asarray([[[1.0, 40.0, 45.0, -3.0, 5.0], [1.0, 2.0, -jnp.inf, -jnp.inf, 0.5]]])
+    keys = jax.random.split(jax.random.key(0), 8)
+    for filters in ((0, 1.0, 0.0), (0, 1.0, 0.1), (0, 0.9, 0.0), (2, 1.0, 0.0)):
+        for temperature in (1e-37, jnp.full((1,), 1e-37, jnp.float32)):
+            draw = jax.vmap(lambda k, t=temperature, f=filters: tr.sample_target_tokens(logits, t, k, *f))
+            draws = np.asarray(draw(keys))
+            np.testing.assert_array_equal(draws, np.broadcast_to([[2, 1]], draws.shape), err_msg=str(filters))
+            kept = np.isfinite(np.asarray(sampling.sampled_logits(logits, temperature, *filters)))
+            assert kept[0, [0, 1], [2, 1]].all() and not kept[0, 1, 2:4].any()
+    big = jnp.full((1,), sampling.TEMPERATURE_RANGE[1], jnp.float32)  # the largest: banned tokens stay banned
+    draws = np.asarray(jax.vmap(lambda k: tr.sample_target_tokens(logits, big, k))(jax.random.split(keys[0], 64)))
+    assert set(draws[:, 0, 1].tolist()) <= {0, 1, 4} and len(set(draws[:, 0, 0].tolist())) > 1
+    for bad in (1e-39, 1e-45, 1e38, 1e39):
+        for check in (check_temperature, lambda t: tr.sample_target_tokens(logits, t, keys[0]),
+                      lambda t: sampling.sampled_logits(logits, t)):
+            with pytest.raises(ValueError, match=r"temperature must be 0 \(greedy\) or in \[1.18e-38, 8.51e\+37\]"):
+                check(bad)
+    assert check_temperature(sampling.TEMPERATURE_RANGE[0]) == 2.0**-126 and check_temperature(0) == 0.0
