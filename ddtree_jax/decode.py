@@ -108,7 +108,8 @@ def prefill_blocks(model: KimiModel, cache: LatentCache, tokens: jax.Array, leng
 
     Each block's queries see the stream's cache (its earlier blocks included) and the block's own causal past,
     so the result is the one-block forward's up to float rounding. Only each prompt's last row reaches the head.
-    A stream whose length lies outside [1, P] is flagged in ``overflow``, not written, and gets NaN logits. The
+    A stream whose length lies outside [1, P], or whose prompt would pass the cache's capacity, is flagged in
+    ``overflow``, not written (no block of it, whatever ``chunk``), and gets NaN logits. The
     last block is padded with id 0 where P is not a multiple of ``chunk``. ``on_taps(carry, taps [n, B, Pc, D],
     positions [B, Pc], counts [B], offset)`` folds each block's tapped outputs (rows counts[b].. are padding) into
     ``taps_carry``, e.g. the drafter's context.
@@ -118,7 +119,7 @@ def prefill_blocks(model: KimiModel, cache: LatentCache, tokens: jax.Array, leng
     size, blocks = prefill_block_shape(p, chunk)
     tokens = jnp.pad(tokens, ((0, 0), (0, blocks * size - p)))
     start = cache.lengths
-    bad_length = (lengths < 1) | (lengths > p)
+    bad_length = (lengths < 1) | (lengths > p) | (start + lengths > cache.capacity)  # refused in every block
     last_row = jnp.clip(lengths - 1, 0, p - 1)
     rows = jnp.broadcast_to(jnp.arange(size, dtype=jnp.int32), (b, size))
 
@@ -153,7 +154,8 @@ def prefill(graphdef: nnx.GraphDef, state: nnx.State, cache: LatentCache, tokens
     included, must lie in [0, W): host ids (numpy, lists) are checked here (``check_tokens``, ValueError).
     Device arrays are not read back (that would stall a decode loop) and traced ones cannot raise: a stream
     with an id outside [0, W), negative ones included, gets NaN logits (its rows are written, as NaN), and
-    a stream whose length lies outside [1, P] is flagged in ``overflow``, not written, and gets NaN logits.
+    a stream whose length lies outside [1, P], or whose prompt would pass the capacity, is flagged in
+    ``overflow``, not written, and gets NaN logits.
     """
     if np.ndim(tokens) != 2 or np.shape(tokens)[0] != cache.batch:
         raise ValueError(f"tokens must be [B, P] with B = {cache.batch} (the cache's streams), got {np.shape(tokens)}")

@@ -85,7 +85,8 @@ def test_prompts_are_padded_to_the_smallest_bucket_that_holds_them():
 def test_a_chunked_prefill_equals_the_one_block_prefill(split_model, chunk):
     """Prompts prefilled ``chunk`` tokens a block (the last block padded where 16 is not a multiple of it) give the
     one-block prefill's last logits, cache rows, lengths and taps, on a fresh cache and on top of a filled one; a
-    stream whose length lies outside [1, P] is refused alike (flagged, unwritten, NaN logits)."""
+    stream whose length lies outside [1, P], or whose prompt would pass the capacity, is refused alike (flagged,
+    unwritten, NaN logits)."""
     cfg, graphdef, state = split_model
     rng = np.random.default_rng(chunk)
     ids = rng.integers(0, cfg.vocab_size, (5, 16)).astype(np.int32)
@@ -104,6 +105,11 @@ def test_a_chunked_prefill_equals_the_one_block_prefill(split_model, chunk):
     whole_on_top = prefill(graphdef, state, whole[1], ids[::-1], lengths[::-1])
     got_on_top = prefill(graphdef, state, got[1], ids[::-1], lengths[::-1], chunk=chunk)
     pairs.append((host(got_on_top), host(whole_on_top)))
+    # a third prompt on top: stream 2's (26 + 16 rows) would pass the capacity of 40, so no block of it is written
+    # (before, blocks that still fit were, and its length moved on)
+    full = np.full((5,), 16, np.int32)
+    pairs.append((host(prefill(graphdef, state, got_on_top[1], ids, full, chunk=chunk)),
+                  host(prefill(graphdef, state, whole_on_top[1], ids, full))))
     for got_here, want in pairs:
         np.testing.assert_array_equal(got_here["overflow"], want["overflow"])
         np.testing.assert_array_equal(got_here["lengths"], want["lengths"])
@@ -116,6 +122,9 @@ def test_a_chunked_prefill_equals_the_one_block_prefill(split_model, chunk):
         np.testing.assert_allclose(got_taps[:, b, :n[b]], want_taps[:, b, :n[b]], rtol=1e-5, atol=1e-5)
     assert pairs[0][0]["overflow"].tolist() == [False] * 4 + [True] and np.isnan(pairs[0][0]["last"][4]).all()
     assert pairs[1][0]["overflow"].tolist() == [True] + [False] * 4 and np.isnan(pairs[1][0]["last"][0]).all()
+    assert pairs[2][0]["overflow"].tolist() == [False, False, True, False, False]
+    assert pairs[2][0]["lengths"].tolist() == [17, 39, 26, 39, 17] and np.isnan(pairs[2][0]["last"][2]).all()
+    np.testing.assert_array_equal(pairs[2][0]["kv"][:, 2], pairs[1][0]["kv"][:, 2])  # stream 2 untouched
 
 
 @pytest.mark.parametrize("chunk,message", [(0, ">= 1"), (-4, ">= 1"), (2.5, "an integer"), (True, "an integer"),
