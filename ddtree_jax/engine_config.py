@@ -65,9 +65,9 @@ class EngineConfig:
             object.__setattr__(self, name, int(value))
         if self.mode == "ddtree":
             check_budget(self.budget)
-        for name in ("max_new_tokens", "capacity", "rounds_per_dispatch"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_new_tokens", "capacity", "rounds_per_dispatch"):  # int32 on the device
+            if not 1 <= getattr(self, name) < 2**31:
+                raise ValueError(f"{name} must be in [1, 2**31 - 1], got {getattr(self, name)}")
         eos_ids = tuple(self.eos_ids) if isinstance(self.eos_ids, (list, tuple)) else None
         if eos_ids is None or not all(is_token_id(i) for i in eos_ids):
             raise ValueError(f"eos_ids must be a sequence of token ids >= 0, got {self.eos_ids!r}")

@@ -221,7 +221,10 @@ def test_engine_config_and_engine_refuse_bad_values():
     from ddtree_jax.engine import Engine, EngineConfig
     from ddtree_jax.model import KimiModel
     for kw, match in [(dict(max_new_tokens=4.5), "max_new_tokens must be an integer"),
-                      (dict(capacity=0), "capacity must be >= 1"), (dict(budget=True), "budget must be an integer"),
+                      (dict(capacity=0), r"capacity must be in \[1, 2\*\*31 - 1\], got 0"),
+                      (dict(max_new_tokens=2**31), r"max_new_tokens must be in \[1, 2\*\*31 - 1\], got 2147483648"),
+                      (dict(capacity=2**40), "capacity must be in"), (dict(rounds_per_dispatch=2**31), "rounds_per"),
+                      (dict(budget=True), "budget must be an integer"),
                       (dict(eos_ids=(3, -1)), "eos_ids"), (dict(eos_ids=5), "eos_ids"),
                       (dict(logprobs=1), "logprobs must be True or False, got 1"),
                       (dict(logprobs="raw"), "logprobs must be True or False"),
