@@ -50,7 +50,8 @@ def token_scores(logits, tokens, top: int) -> TokenScores:
     if not top:
         return TokenScores(picked - log_norm, None, None)
     b, r, w = logits.shape
-    values, ids = topk.top_k(logits.reshape(b * r, w), top)
+    # one zero (-0.0 as +0.0, not "+ 0.0", which jit folds away) so that ties go lower id first for every method
+    values, ids = topk.top_k(jnp.where(logits == 0.0, 0.0, logits).reshape(b * r, w), top)
     return TokenScores(picked - log_norm, ids.reshape(b, r, top),
                        values.reshape(b, r, top) - log_norm[..., None])
 

@@ -119,3 +119,17 @@ def test_build_tree_over_a_large_vocabulary_with_every_method():
     np.testing.assert_array_equal(np.asarray(trees["auto"].parents[0]), r_par)
     np.testing.assert_array_equal(np.asarray(trees["auto"].depths[0]), r_dep)
     np.testing.assert_array_equal(np.asarray(trees["auto"].logprob[0]), r_lp)
+
+
+@pytest.mark.parametrize("vocab", [16, 1000, 9000])  # top_k's "auto" takes each method at some size
+def test_token_scores_rank_signed_zeros_as_one_value_lower_id_first(vocab):
+    """``scores.token_scores``' top tokens: equal values lower id first, -0.0 and +0.0 included (lax.top_k ranks
+    +0.0 first, so at 1000 tokens they came out [5, 2]); jitted too, where "+ 0.0" would be folded away."""
+    from ddtree_jax.scores import token_scores
+
+    logits = np.full((3, 1, vocab), -5.0, np.float32)
+    logits[:, 0, 2], logits[:, 0, 5] = -0.0, 0.0
+    tokens = jnp.zeros((3, 1), jnp.int32)
+    for fn in (token_scores, jax.jit(token_scores, static_argnums=2)):
+        scores = fn(jnp.asarray(logits), tokens, 2)
+        assert np.asarray(scores.top_tokens).reshape(3, 2).tolist() == [[2, 5]] * 3
