@@ -218,7 +218,7 @@ class ModelConfig:
             raise ConfigError(f"unsupported topk_method {raw.get('topk_method')!r} (only noaux_tc)")
         if raw.get("scoring_func", "sigmoid") != "sigmoid":
             raise ConfigError(f"unsupported scoring_func {raw.get('scoring_func')!r} (only sigmoid)")
-        if raw.get("hidden_act", "silu") != "silu":
+        if raw.get("hidden_act", "silu") not in SILU_NAMES:
             raise ConfigError(f"unsupported hidden_act {raw.get('hidden_act')!r} (only silu)")
         if raw.get("attention_bias", False):
             raise ConfigError("attention_bias=true is not supported")
@@ -248,7 +248,8 @@ class ModelConfig:
             num_experts_per_tok=int(need("num_experts_per_tok")),
             n_group=n_group,
             topk_group=topk_group,
-            first_k_dense_replace=int(raw.get("first_k_dense_replace") or 0),
+            # transformers makes layer i dense where i < first_k_dense_replace: past the last layer, all are
+            first_k_dense_replace=min(int(raw.get("first_k_dense_replace") or 0), int(need("num_hidden_layers"))),
             routed_scaling_factor=float(need_no_default("routed_scaling_factor")),
             norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
             rms_norm_eps=float(need("rms_norm_eps")),
@@ -284,6 +285,10 @@ def rope_problems(rope: RopeConfig) -> list[str]:
     names = ("theta",) + (("factor", "beta_fast", "beta_slow", "original_max_position") if rope.kind == "yarn" else ())
     return [f"{rope.kind} rope {name}={getattr(rope, name)} must be > 0" for name in names
             if not getattr(rope, name) > 0]
+
+
+SILU_NAMES = ("silu", "swish")
+"""The ``hidden_act`` names that transformers' ACT2FN maps to SiLU, the only activation the models here take."""
 
 
 def hf_original_max_position(raw: dict[str, Any], rope_raw: dict[str, Any], default: int) -> int:

@@ -30,8 +30,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from ddtree_jax.checks import as_int32
-from ddtree_jax.config import (ConfigError, RopeConfig, hf_original_max_position, hf_rope_section, rope_problems,
-                               yarn_mscale)
+from ddtree_jax.config import (SILU_NAMES, ConfigError, RopeConfig, hf_original_max_position, hf_rope_section,
+                               rope_problems, yarn_mscale)
 from ddtree_jax.layers import RMSNorm, SwiGLU, declare, dot
 from ddtree_jax.rope import apply_rope_half, rope_cos_sin
 from ddtree_jax.safetensors_io import CheckpointError, checked_array, iter_tensors
@@ -152,7 +152,7 @@ class DrafterConfig:
 
         if raw.get("attention_bias", False):
             raise ConfigError("attention_bias=true is not supported")
-        if raw.get("hidden_act", "silu") != "silu":
+        if raw.get("hidden_act", "silu") not in SILU_NAMES:
             raise ConfigError(f"unsupported hidden_act {raw.get('hidden_act')!r} (only silu)")
         if "sliding_attention" in (raw.get("layer_types") or []) or raw.get("use_sliding_window", False):
             raise ConfigError("sliding-window drafter layers are not supported")

@@ -256,6 +256,10 @@ def iter_hf_params(path: str, cfg: ModelConfig, flat_abstract: dict[tuple, nnx.V
                 continue  # a multi-token-prediction layer: not used
             raise CheckpointError(f"{name}: layer {layer} is past num_hidden_layers={cfg.num_layers} and its "
                                   f"{cfg.num_nextn_predict_layers} multi-token-prediction layer(s)")
+        if cfg.n_shared_experts == 0 and rest.startswith("mlp.shared_experts."):
+            if file.get(name).size:  # transformers saves a model without shared experts with empty ones
+                raise CheckpointError(f"{name}: a shared-expert tensor that is not empty, but n_shared_experts is 0")
+            continue
         if rest in attn_rules:
             sub, transform = attn_rules[rest]
             value = file.get(name)

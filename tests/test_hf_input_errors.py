@@ -186,6 +186,14 @@ def test_a_projection_that_does_not_fit_the_heads_is_named(hf_dir, tmp_path, pro
         load_hf_model(path, dtype="float32")
 
 
+def test_shared_experts_that_are_not_empty_are_refused_where_the_config_has_none(hf_dir, tmp_path, raw):
+    path = edited_copy(hf_dir, tmp_path / "m", lambda tensors: None)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(dict(raw, n_shared_experts=0), f)
+    with pytest.raises(CheckpointError, match=r"shared_experts\..*not empty, but n_shared_experts is 0"):
+        load_hf_model(path, dtype="float32")
+
+
 def test_a_directory_that_is_not_a_checkpoint_is_named(tmp_path, capsys):
     with pytest.raises(CheckpointError, match="not a directory"):
         checkpoint_files(str(tmp_path / "nowhere"))

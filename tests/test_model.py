@@ -170,6 +170,18 @@ def test_model_without_q_lora_matches_torch(tmp_path_factory):
     assert rel_err(full_forward(model, tokens).logits, hf_logits_and_hidden(hf, tokens)[0]) <= 1e-4
 
 
+@pytest.mark.parametrize("overrides", [dict(n_shared_experts=0), dict(num_hidden_layers=2, first_k_dense_replace=3),
+                                       dict(hidden_act="swish")], ids=["no-shared-experts", "all-dense", "swish"])
+def test_configs_transformers_takes_load_and_match_torch(tmp_path_factory, overrides):
+    """Before, each was refused: no shared experts (transformers saves them as empty tensors), a
+    first_k_dense_replace past the last layer (every layer dense, as in a cut-down DeepSeek-V3) and "swish" (SiLU
+    in transformers' ACT2FN)."""
+    hf, model = _load_pair(tmp_path_factory, **overrides)
+    assert model.cfg.first_k_dense_replace <= model.cfg.num_layers
+    tokens = np.random.default_rng(7).integers(0, hf.config.vocab_size, (2, 7))
+    assert rel_err(full_forward(model, tokens).logits, hf_logits_and_hidden(hf, tokens)[0]) <= 1e-4
+
+
 def test_absorbed_equals_naive(pair):
     _, model = pair
     tokens = np.random.default_rng(1).integers(0, model.cfg.vocab_size, (3, 9))
