@@ -432,7 +432,9 @@ class Engine:
 
     def generate(self, prompts: Sequence[Sequence[int]], temperature=0.0, seed=0, max_new_tokens=None, *,
                  slots: int | None = None, **settings) -> dict:
-        """Returns per-stream tokens, statuses and metrics (compile time is separate from run time). ``settings``:
+        """Returns per-stream tokens, statuses and metrics. prefill_s and decode_s (and the rates from them) are this
+        call's wall times: a first call at new shapes or settings includes their compilation (``run_decode.warm_up``
+        or ``serving.warm_up`` first, to time decoding alone). ``settings``:
         ``prefill``'s per-stream ones (top_k, top_p, min_p, the penalties, min_new_tokens, logit_bias, stop_strings,
         stop_token_ids, allowed_token_ids, bad_words, stop_sequences, eos_ids).
         ``slots``: None decodes every prompt at once; a number decodes them in that many streams (``serve``), with

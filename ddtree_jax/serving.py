@@ -5,9 +5,9 @@ The N requests are checked once (``Engine.check_requests``), and what the progra
 the logit processing, the stop strings' tables) is read from all N: every admission's prefill and every dispatch
 runs the programs that one batch of all N would run, and a request's tokens are the ones ``Engine.generate`` gives
 it among all N (its key is its own: ``stream_keys``). An admission prefills the waiting requests in a batch of their
-own (its size rounded up to a power of two, so that few sizes compile) and writes its streams into the free slots
-of the decode state (``admit``); while requests wait, a dispatch ends at the round in which a stream stops
-(``Engine.dispatch``'s floor).
+own (its size rounded up to a power of two, so that few sizes compile, at most the free slots) and writes its
+streams into the free slots of the decode state (``admit``); while requests wait, a dispatch ends at the round in
+which a stream stops (``Engine.dispatch``'s floor).
 
 Shapes: B slots (streams of the decode state), n streams of an admission, N requests.
 """

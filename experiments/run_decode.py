@@ -10,7 +10,8 @@ shipped tokenizer and ``--seed 0`` the first 16 of that cut come from ``experime
 are the pinned prompts whatever this machine's Python).
 ``--target``: an HF checkpoint directory (config.json + safetensors), a ddtree-jax Orbax checkpoint
 (``experiments/convert_checkpoint.py``), or ``random`` (a tiny random K2-architecture model with INT4
-experts). ``--drafter``: an HF DFlash drafter directory or ``random``.
+experts). ``--drafter``: an HF DFlash drafter directory, a ddtree-jax drafter checkpoint (the shipped default) or
+``random``.
 """
 
 from __future__ import annotations
