@@ -120,24 +120,28 @@ def truncate(scaled: jax.Array, top_k=0, top_p=1.0, top_p_method: str = "auto", 
         return jnp.broadcast_to(values.reshape(shape[:1] + (1,) * (len(shape) - 2)), shape[:-1]).reshape(-1, 1)
 
     best = None  # the row's K largest values, largest first, -inf past the row's own top-k
+    k = None  # [R, 1]: each row's per-stream top_k
     if per_stream["top_k"]:
         k = row_values(top_k, jnp.int32)
         best, _ = topk.top_k(rows, top_k_ceiling)  # [R, K]
         kth = jnp.take_along_axis(best, jnp.maximum(k, 1) - 1, axis=-1)
         edge = jnp.where(k > 0, kth, neg_inf)
         rows = jnp.where(rows >= edge, rows, neg_inf)
-        best = jnp.where(best >= edge, best, neg_inf) if top_k_in_every_row else None
+        best = jnp.where(best >= edge, best, neg_inf)
     elif top_k:
         best, _ = topk.top_k(rows, top_k)  # [R, K], largest first
         rows = jnp.where(rows >= best[:, -1:], rows, neg_inf)
     if filters_top_p:
         p = row_values(top_p, jnp.float32) if per_stream["top_p"] else top_p
-        if top_p_method == "auto":
-            top_p_method = "sort" if best is not None or rows.shape[-1] <= SORT_MAX_VALUES else "search"
-        if top_p_method == "sort":
-            edge = nucleus_edge_by_sort(rows, p, best)
-        else:
+        ranked_in_some_rows = k is not None and not top_k_in_every_row
+        if top_p_method == "auto" and ranked_in_some_rows and rows.shape[-1] > SORT_MAX_VALUES:
+            # each row as it would go alone: its K best ranked where its top_k is on, else the search; the rows'
+            # edges can differ by a token between the two (the masses' sums round differently)
+            edge = jnp.where(k > 0, nucleus_edge_by_sort(rows, p, best), nucleus_edge_by_search(rows, p))
+        elif top_p_method == "search" or (top_p_method == "auto" and best is None and rows.shape[-1] > SORT_MAX_VALUES):
             edge = nucleus_edge_by_search(rows, p)
+        else:
+            edge = nucleus_edge_by_sort(rows, p, None if ranked_in_some_rows else best)
         if per_stream["top_p"]:
             edge = jnp.where(p < 1, edge, neg_inf)  # top_p = 1 keeps every token, whatever the sums' rounding
         rows = jnp.where(rows >= edge, rows, neg_inf)

@@ -283,3 +283,24 @@ def test_temperatures_at_the_edges_of_float32_sample_as_their_limits_or_are_refu
             with pytest.raises(ValueError, match=r"temperature must be 0 \(greedy\) or in \[1.18e-38, 8.51e\+37\]"):
                 check(bad)
     assert check_temperature(sampling.TEMPERATURE_RANGE[0]) == 2.0**-126 and check_temperature(0) == 0.0
+
+
+def test_a_mixed_batch_keeps_what_each_stream_keeps_alone_past_the_sort_size():
+    """Past SORT_MAX_VALUES, a stream with top_k and top_p ranks its K best for the nucleus alone, and one without
+    top_k searches; in a batch of both (``top_k_in_every_row`` False), each row still takes its own way. Before, every
+    row searched, and the edge moved by a token against the stream alone wherever top_p lay on the masses' sums
+    (here top_p is the sum of the 3 likeliest of 4, where the two sums round apart in some rows)."""
+    vocab = sampling.SORT_MAX_VALUES + 808
+    rng = np.random.default_rng(0)
+    for _ in range(16):
+        logits = np.full((2, 1, vocab), -30.0, np.float32)
+        logits[0, 0, rng.choice(vocab, 4, replace=False)] = rng.normal(size=4)
+        logits[1, 0] = rng.normal(size=vocab)
+        kept = np.where(logits[0, 0] >= np.sort(logits[0, 0])[-4], logits[0, 0], -np.inf)
+        probs = np.sort(np.asarray(jax.nn.softmax(jnp.asarray(kept))))[::-1]
+        top_p = float(np.cumsum(probs[:4].astype(np.float32))[2])
+        mixed = np.asarray(sampling.truncate(jnp.asarray(logits), jnp.asarray([4, 0]), jnp.asarray([top_p, 0.9]),
+                                             top_k_ceiling=4))
+        for b, (top_k, p) in enumerate([(4, top_p), (0, 0.9)]):
+            alone = np.asarray(sampling.truncate(jnp.asarray(logits[b:b + 1]), top_k, p))
+            np.testing.assert_array_equal(np.isfinite(mixed[b]), np.isfinite(alone[0]), err_msg=f"stream {b}")
