@@ -2,8 +2,9 @@
 
 The drafter proposes, in one pass, a distribution for each of the Tb-1 positions after the bonus token.
 Conditioning (notes ``dflash_ddtree.md`` §1): the target's layer outputs at ``target_layer_ids`` for the
-committed context tokens are concatenated on features, projected by ``fc`` and normed by
-``hidden_norm``; every draft layer turns these context features into extra keys/values with its own
+committed context tokens (the last layer's after the target's final norm where ``last_tap_after_norm``, as the
+reference reads transformers' hidden states: ``target_taps``) are concatenated on features, projected by
+``fc`` and normed by ``hidden_norm``; every draft layer turns these context features into extra keys/values with its own
 k/v projections (k_norm + RoPE on the keys; no input norm, no draft layer computation for context).
 Queries come only from the block [bonus, MASK x (Tb-1)]; attention is non-causal inside the block and
 sees every committed context row. Embedding and LM head are the target's (``KimiModel.embed_tokens``
@@ -76,6 +77,9 @@ class DrafterConfig:
     vocab_size: int
     dtype: str = "bfloat16"
     num_target_layers: int | None = None  # when known, taps are checked against it
+    # a tap of the target's last layer is its output after the final norm, as the reference reads it
+    # (transformers' hidden_states[-1]); False: before it, as drafters trained here before session 76 were
+    last_tap_after_norm: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
@@ -191,6 +195,7 @@ class DrafterConfig:
             vocab_size=int(need("vocab_size")),
             dtype=dtype,
             num_target_layers=num_target_layers,
+            last_tap_after_norm=True,  # the reference's hidden_states[layer_id + 1]: after the norm for the last
         )
 
     @classmethod
@@ -238,7 +243,8 @@ def k26_drafter_config(dtype: str = "bfloat16", legacy_yarn_amplitude: bool = Fa
                       attention_factor=yarn_mscale(64.0) if legacy_yarn_amplitude else None)
     return DrafterConfig(hidden_size=7168, intermediate_size=18432, num_layers=6, num_heads=64, num_kv_heads=8,
                          head_dim=128, rms_norm_eps=1e-6, rope=rope, target_layer_ids=(1, 12, 24, 35, 47, 58),
-                         block_size=8, mask_token_id=163838, vocab_size=163840, dtype=dtype, num_target_layers=61)
+                         block_size=8, mask_token_id=163838, vocab_size=163840, dtype=dtype, num_target_layers=61,
+                         last_tap_after_norm=True)  # an HF drafter's convention (its taps end at 58 of 61 anyway)
 
 
 def tiny_drafter_config(target_cfg, *, block_size: int = 4, dtype: str | None = None, **overrides) -> DrafterConfig:
@@ -251,6 +257,13 @@ def tiny_drafter_config(target_cfg, *, block_size: int = 4, dtype: str | None = 
                 dtype=dtype or target_cfg.dtype, num_target_layers=target_cfg.num_layers)
     base.update(overrides)
     return DrafterConfig(**base)
+
+
+def target_taps(cfg: DrafterConfig, num_target_layers: int) -> tuple[int, ...]:
+    """The target's ``tap_layers`` that give this drafter its context features, in ``target_layer_ids`` order: each
+    id, and for the last layer with ``last_tap_after_norm`` the model's final-norm tap (index num_target_layers)."""
+    last = num_target_layers - 1
+    return tuple(num_target_layers if i == last and cfg.last_tap_after_norm else i for i in cfg.target_layer_ids)
 
 
 def check_drafter_target(cfg: DrafterConfig, target_cfg) -> None:
@@ -559,5 +572,5 @@ def load_hf_drafter(path: str, *, dtype: str = "bfloat16", legacy_yarn_amplitude
 
 
 __all__ = ["DrafterConfig", "DraftCache", "DFlashDrafter", "init_draft_cache", "draft_logits", "load_hf_drafter",
-           "k26_drafter_config", "tiny_drafter_config", "build_target_layer_ids", "check_drafter_target",
+           "k26_drafter_config", "tiny_drafter_config", "build_target_layer_ids", "check_drafter_target", "target_taps",
            "draft_attention_xla", "block_tokens", "hf_tensor_layout", "draft_cache_axes", "DRAFT_CACHE_AXES"]

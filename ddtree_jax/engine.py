@@ -36,7 +36,7 @@ from ddtree_jax.decode import pad_checked, pad_prompts, prefill_blocks
 from ddtree_jax.engine_config import (LOGPROBS_MODES, MODES, EngineConfig, required_capacity,  # noqa: F401
                                       tree_depth)
 from ddtree_jax.drafter import (DFlashDrafter, DraftCache, check_drafter_target, draft_cache_axes, draft_logits,
-                                init_draft_cache)
+                                init_draft_cache, target_taps)
 from ddtree_jax.model import KimiModel, Runtime
 from ddtree_jax.processors import (LogitProcessing, TokenHistory, check_additive_penalty, check_allowed_token_ids,
                                    check_logit_bias, check_min_new_tokens, check_repetition_penalty, extend_history,
@@ -211,7 +211,7 @@ class Engine:
         self.depth = tree_depth(ecfg, self.block_size)
         if ecfg.mode == "ddtree":
             check_budget(ecfg.budget, self.block_size - 1, self.cfg.vocab_size)
-        self.taps = tuple(self.dcfg.target_layer_ids) if self.dcfg and ecfg.mode != "ar" else ()
+        self.taps = target_taps(self.dcfg, self.cfg.num_layers) if self.dcfg and ecfg.mode != "ar" else ()
 
     def _stop_tabler(self, strings, vocab_size: int) -> StopStringTabler:
         """The tabler of stop strings over the tokenizer's bytes (made at the first use)."""

@@ -186,7 +186,7 @@ def apply_layer(graphdef, state, x, cos, sin, cache_kv, prefix_len, tree_mask, r
 class ForwardOutput:
     logits: jax.Array  # [B, T, W] f32 ([B, R, W] at the forward's logit_rows)
     block_kv: jax.Array  # [NL, B, T, C]: latents of the block tokens, to commit
-    taps: jax.Array | None  # [n_taps, B, T, D]: outputs of the requested layers (pre final norm)
+    taps: jax.Array | None  # [n_taps, B, T, D]: outputs of the requested layers (pre final norm; FINAL_NORM_TAP after)
 
 
 class KimiModel(nnx.Module):
@@ -207,7 +207,9 @@ class KimiModel(nnx.Module):
 
         tokens, positions [B, T] int32; cache: committed latents (lengths = visible prefix);
         tree_mask [B, T, T] bool (causal for prefill/chains, ancestor-or-self for trees).
-        tap_layers: 0-based layer indices whose outputs are returned in ``taps``.
+        tap_layers: 0-based layer indices whose outputs are returned in ``taps``, before the final norm; the index
+        ``num_layers`` (``final_norm_tap``) returns the last layer's output after it, as transformers'
+        ``hidden_states[-1]``.
         logit_rows [B, R] int32 in [0, T): the logits only at these rows of each stream ([B, R, W]; a prefill needs
         its last row alone), or None: at every row ([B, T, W]).
         Token ids must lie in [0, W): callers validate on the host (``check_tokens``).
@@ -226,8 +228,9 @@ class KimiModel(nnx.Module):
                 raise ValueError(f"logit_rows must be [B, R] with B = {np.shape(tokens)[0]}, got "
                                  f"{np.shape(logit_rows)}")
         for layer in tap_layers:
-            if not 0 <= layer < cfg.num_layers:
-                raise ValueError(f"tap layer {layer} outside [0, {cfg.num_layers})")
+            if not 0 <= layer <= cfg.num_layers:
+                raise ValueError(f"tap layer {layer} outside [0, {cfg.num_layers}] ({cfg.num_layers}: the last "
+                                 "layer's output after the final norm)")
         if len(set(tap_layers)) != len(tap_layers):
             raise ValueError(f"tap_layers {tuple(tap_layers)} names a layer twice")
         x = jnp.take(self.embed.get_value(), tokens, axis=0)
@@ -238,6 +241,8 @@ class KimiModel(nnx.Module):
             block_kv.append(kv)
             if i in tap_layers:
                 taps.append(x)
+        if cfg.num_layers in tap_layers:
+            taps.append(self.norm(x))
         if taps:
             taps = jnp.stack([taps[sorted(tap_layers).index(i)] for i in tap_layers])
         else:

@@ -43,7 +43,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from ddtree_jax.checkpoint import drafter_config_to_dict, restore_drafter, save_drafter  # noqa: E402
-from ddtree_jax.drafter import DFlashDrafter, DrafterConfig, check_drafter_target  # noqa: E402
+from ddtree_jax.drafter import DFlashDrafter, DrafterConfig, check_drafter_target, target_taps  # noqa: E402
 from ddtree_jax.engine import Engine, EngineConfig  # noqa: E402
 from ddtree_jax.layers import dot  # noqa: E402
 from ddtree_jax.model import KimiModel  # noqa: E402
@@ -365,8 +365,8 @@ def train(args, argv=None):
     eval_seqs = generate_continuations(target, cut_prompts(held_rows, args.eval_seqs, args.prompt_len, args.seed + 1),
                                        args.new_tokens, streams=args.gen_streams, progress=bar.update)
     bar.close()
-    taps = compute_taps(target, seqs, dcfg.target_layer_ids)
-    eval_taps = compute_taps(target, eval_seqs, dcfg.target_layer_ids)
+    taps = compute_taps(target, seqs, target_taps(dcfg, target.cfg.num_layers))
+    eval_taps = compute_taps(target, eval_seqs, target_taps(dcfg, target.cfg.num_layers))
     data_s = time.perf_counter() - t0
     print(f"data: {len(seqs)} train / {len(eval_seqs)} held-out sequences of {width} tokens "
           f"({args.new_tokens} generated), taps {taps.shape}, {data_s:.0f}s")

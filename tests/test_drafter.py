@@ -236,7 +236,7 @@ def test_kimi_config_and_preset():
     tiny = tiny_drafter_config(tiny_config())
     assert tiny.hidden_size == 64 and tiny.target_layer_ids == (0, 2) and tiny.mask_token_id == 255
     assert DrafterConfig.from_hf_dict(HF_CONFIG, dtype="float32") == tiny_drafter_config(tiny_config()).replace(
-        rope=DrafterConfig.from_hf_dict(HF_CONFIG).rope)
+        rope=DrafterConfig.from_hf_dict(HF_CONFIG).rope, last_tap_after_norm=True)
 
 
 @pytest.mark.parametrize("legacy", [False, True])
@@ -326,6 +326,25 @@ def test_config_defaults_and_precedence_follow_the_reference():
     assert (cfg.head_dim, cfg.rms_norm_eps) == (Qwen3Config().head_dim, Qwen3Config().rms_norm_eps)
     assert (cfg.block_size, cfg.mask_token_id) == (8, 255)
     assert build_target_layer_ids(36, 1) == (18,) and build_target_layer_ids(61, 1) == (30,)
+
+
+def test_an_hf_drafter_reads_the_target_last_layer_after_the_final_norm(tmp_path):
+    """The reference reads transformers' hidden_states[layer_id + 1], whose last entry is after the target's final
+    norm: an HF drafter maps a tap of the last layer to the model's final-norm tap (index num_layers); drafters saved
+    here keep the convention they were trained with (a record without the field: before the norm)."""
+    from ddtree_jax.checkpoint import drafter_config_from_dict, drafter_config_to_dict, restore_drafter, save_drafter
+    from ddtree_jax.drafter import target_taps
+
+    raw = copy.deepcopy(HF_CONFIG)
+    raw["dflash_config"] = dict(raw.get("dflash_config") or {}, target_layer_ids=[0, 2])
+    cfg = DrafterConfig.from_hf_dict(raw)
+    assert cfg.last_tap_after_norm and target_taps(cfg, 3) == (0, 3) and target_taps(cfg, 4) == (0, 2)
+    assert target_taps(cfg.replace(last_tap_after_norm=False), 3) == (0, 2)
+    old_record = {k: v for k, v in drafter_config_to_dict(cfg).items() if k != "last_tap_after_norm"}
+    assert not drafter_config_from_dict(old_record).last_tap_after_norm
+    drafter = DFlashDrafter(tiny_drafter_config(tiny_config(), last_tap_after_norm=True), nnx.Rngs(0))
+    save_drafter(drafter, str(tmp_path / "d"))
+    assert restore_drafter(str(tmp_path / "d")).cfg.last_tap_after_norm
 
 
 @pytest.mark.parametrize("rope_fields", [

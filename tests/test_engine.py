@@ -127,12 +127,20 @@ def test_the_round_builds_ddtree_over_the_drafts_log_probabilities(models):
     assert tree["depths"].max() > 1  # deeper than one level: the ranking across depths was exercised
 
 
-def test_draft_cache_holds_the_committed_text_at_its_positions(models):
+@pytest.mark.parametrize("after_norm", [False, True], ids=["pre-norm-last-tap", "hf-last-tap"])
+def test_draft_cache_holds_the_committed_text_at_its_positions(models, after_norm):
     """After DDTree rounds the drafter's cache equals, row for row, one append of the committed text's target
     features from a plain causal forward at positions 0..n-1: each round's context rows reach the drafter at
     the right positions, from the accepted target rows, none skipped or repeated (an off-by-one there costs
-    only acceptance, which the greedy-equality tests cannot see)."""
+    only acceptance, which the greedy-equality tests cannot see). The tiny drafter taps the target's last layer:
+    with ``last_tap_after_norm`` (HF drafters) that feature is the layer's output after the final norm, as the
+    reference reads transformers' hidden_states[-1]; before, it was the output before the norm for every drafter."""
     target, drafter = models
+    if after_norm:
+        drafter = DFlashDrafter(tiny_drafter_config(target.cfg, last_tap_after_norm=True), nnx.Rngs(1))
+    last = target.cfg.num_layers - 1
+    assert last in drafter.cfg.target_layer_ids
+    want_taps = tuple(last + 1 if after_norm and i == last else i for i in drafter.cfg.target_layer_ids)
     prompts = PROMPTS[:4]
     engine = Engine(target, drafter, EngineConfig(mode="ddtree", budget=16, max_new_tokens=NEW, capacity=64))
     state = engine.run(engine.prefill(prompts))
@@ -145,7 +153,7 @@ def test_draft_cache_holds_the_committed_text_at_its_positions(models):
         tokens[b, :lengths[b]] = list(prompt) + out[b, :lengths[b] - len(prompt)].tolist()
     positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), tokens.shape)
     ref = target(jnp.asarray(tokens), positions, init_cache(target.cfg, len(prompts), width),
-                 causal_mask(len(prompts), width), tap_layers=engine.taps, runtime=Runtime())
+                 causal_mask(len(prompts), width), tap_layers=want_taps, runtime=Runtime())
     k, v = drafter.context_kv(ref.taps, positions)
     for b, n in enumerate(lengths):
         np.testing.assert_allclose(cache.k[:, b, :n], k[:, b, :n], rtol=1e-4, atol=1e-4)

@@ -413,12 +413,12 @@ def test_repeated_tap_layer_is_refused(taps):
         prefill(graphdef, state, init_cache(cfg, 1, 8), tokens, jnp.array([3]), tap_layers=taps)
 
 
-@pytest.mark.parametrize("taps", [(3,), (0, -1)])
+@pytest.mark.parametrize("taps", [(4,), (0, -1)])  # 3: the last layer's output after the final norm
 def test_tap_layer_outside_the_model_is_refused(taps):
     from flax import nnx
     from ddtree_jax.model import KimiModel, causal_mask
     cfg = tiny_config()  # 3 layers
     model = nnx.eval_shape(lambda: KimiModel(cfg, nnx.Rngs(0)))  # refused before any weight is read
-    with pytest.raises(ValueError, match=r"tap layer -?\d outside \[0, 3\)"):
+    with pytest.raises(ValueError, match=r"tap layer -?\d outside \[0, 3\] \(3: the last layer's output after"):
         model(jnp.ones((1, 3), jnp.int32), jnp.arange(3)[None], init_cache(cfg, 1, 8), causal_mask(1, 3),
               tap_layers=taps)

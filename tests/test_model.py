@@ -94,12 +94,13 @@ def test_logits_and_hidden_states_match_torch(any_pair, attention):
     tokens = np.random.default_rng(0).integers(0, hf.config.vocab_size, (2, 11))
     ref_logits, ref_hidden = hf_logits_and_hidden(hf, tokens)
     n = model.cfg.num_layers
-    out = full_forward(model, tokens, Runtime(attention=attention), taps=tuple(range(n)))
+    out = full_forward(model, tokens, Runtime(attention=attention), taps=tuple(range(n + 1)))
     assert rel_err(out.logits, ref_logits) <= 1e-4
     for i in range(n - 1):  # HF hidden_states[i+1] is layer i's output; the last one is final-normed
         assert rel_err(out.taps[i], ref_hidden[i + 1]) <= 1e-4, f"layer {i}"
     last = rms_norm(out.taps[n - 1], model.norm.weight.value, model.cfg.rms_norm_eps)
     assert rel_err(last, ref_hidden[n]) <= 1e-4
+    assert rel_err(out.taps[n], ref_hidden[n]) <= 1e-4  # tap index n: after the final norm, as HF's
 
 
 def test_a_block_of_the_wrong_shape_or_dtype_is_refused_by_name():
