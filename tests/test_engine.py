@@ -705,6 +705,12 @@ def test_sharded_engine_matches(models, host_devices):
     assert sharded_per_stream["status"] == plain_per_stream["status"]
     for b in range(len(prompts)):
         np.testing.assert_allclose(got["logprobs"][b], want["logprobs"][b], rtol=1e-5, atol=1e-5)
+    # a batch the mesh's 4 ways cannot split is refused by name (before, JAX's IndivisibleError from placing the
+    # caches); served in slots, any number runs
+    with pytest.raises(ValueError, match="3 streams must be a multiple of the 4 ways the mesh splits the streams"):
+        engine.generate(prompts[:3])
+    alone = Engine(target, drafter, options, tokenizer=tokenizer).generate(prompts[:3])
+    assert engine.generate(prompts[:3], slots=4)["tokens"] == alone["tokens"]
 
 
 def chi2_two_sample_pvalue(a, b, categories):
