@@ -281,12 +281,14 @@ def switches_of(temperature: np.ndarray, settings: StreamSettings, vocab_size: i
 
 def check_settings(streams: int, given: dict, defaults: dict, checks: dict) -> StreamSettings:
     """The batch's StreamSettings (numpy): ``given[name]`` (None: ``defaults[name]``, the config's) is one value for
-    every stream or a sequence of one per stream, each passed through ``checks[name]``; ValueError naming the
-    setting and the stream otherwise."""
+    every stream or a sequence of one (or None: the config's) per stream, each passed through ``checks[name]``;
+    ValueError naming the setting and the stream otherwise."""
     values = {}
     for name in NUMBERS:
         value = given.get(name)
         value = defaults[name] if value is None else value
+        if isinstance(value, (list, tuple)):  # a stream's None: the config's, as for the per-stream token sets
+            value = [defaults[name] if item is None else item for item in value]
         values[name] = np.asarray(per_stream(value, streams, name, "one number", checks[name]), _dtype(name))
     return StreamSettings(**values)
 

@@ -215,3 +215,20 @@ def test_min_new_tokens_per_stream_needs_something_to_hold_back(models):
         only_stops.prefill(PROMPTS[:2], min_new_tokens=[2, 0], stop_token_ids=[6, 5])
     with pytest.raises(TypeError, match="top_n"):
         engine.generate(PROMPTS[:2], top_n=3)
+
+
+def test_a_streams_none_among_per_stream_numbers_is_the_configs(models):
+    """top_k=[None, 5, ...]: the None stream takes the config's number, as a None does among the per-stream token
+    sets (logit_bias, allowed_token_ids, ...); before, it was refused as not a number."""
+    target, drafter = models
+    engine = Engine(target, drafter, config("ddtree", 8, top_k=3, top_p=0.9, repetition_penalty=1.3,
+                                            min_new_tokens=2))
+    given = dict(top_k=[None, 5], top_p=[0.5, None], min_p=(None, 0.1), repetition_penalty=[None, 1.1],
+                 frequency_penalty=[0.2, None], presence_penalty=[None, None], min_new_tokens=[None, 1])
+    want = dict(top_k=[3, 5], top_p=[0.5, 0.9], min_p=[0.0, 0.1], repetition_penalty=[1.3, 1.1],
+                frequency_penalty=[0.2, 0.0], presence_penalty=[0.0, 0.0], min_new_tokens=[2, 1])
+    got = engine.check_requests(PROMPTS[:2], **given).settings
+    for name, values in want.items():
+        np.testing.assert_allclose(np.asarray(getattr(got, name)), values, rtol=1e-6, err_msg=name)
+    with pytest.raises(ValueError, match="stream 1's top_k must be an integer"):
+        engine.check_requests(PROMPTS[:2], top_k=[2, "5"])
