@@ -60,13 +60,18 @@ def config_to_dict(cfg: ModelConfig) -> dict[str, Any]:
     return out
 
 
+def _refuse_unknown_fields(cls, raw: dict, what: str) -> None:
+    """CheckpointError naming the fields of a stored config dict that dataclass ``cls`` does not have."""
+    unknown = sorted(set(raw) - {f.name for f in dataclasses.fields(cls)})
+    if unknown:
+        raise CheckpointError(f"stored {what} config has unknown fields {unknown}")
+
+
 def _nested_config(cls, raw, what: str):
     """``cls(**raw)`` for a stored nested config (rope, quant); CheckpointError naming what is wrong with it."""
     if not isinstance(raw, dict):
         raise CheckpointError(f"stored {what} config must be a JSON object, got {raw!r}")
-    unknown = sorted(set(raw) - {f.name for f in dataclasses.fields(cls)})
-    if unknown:
-        raise CheckpointError(f"stored {what} config has unknown fields {unknown}")
+    _refuse_unknown_fields(cls, raw, what)
     return cls(**raw)
 
 
@@ -76,10 +81,7 @@ def config_from_dict(raw: dict[str, Any]) -> ModelConfig:
     raw["rope"] = _nested_config(RopeConfig, raw.get("rope"), "RoPE")
     raw["quant"] = None if raw.get("quant") is None else _nested_config(QuantConfig, raw["quant"], "quant")
     raw["eos_token_ids"] = tuple(raw.get("eos_token_ids", ()))
-    names = {f.name for f in dataclasses.fields(ModelConfig)}
-    unknown = set(raw) - names
-    if unknown:
-        raise CheckpointError(f"stored model config has unknown fields {sorted(unknown)}")
+    _refuse_unknown_fields(ModelConfig, raw, "model")
     return ModelConfig(**raw)
 
 
@@ -481,9 +483,7 @@ def drafter_config_from_dict(raw: dict[str, Any]):
     from ddtree_jax.drafter import DrafterConfig
 
     raw = dict(raw)
-    unknown = set(raw) - {f.name for f in dataclasses.fields(DrafterConfig)}
-    if unknown:
-        raise CheckpointError(f"stored drafter config has unknown fields {sorted(unknown)}")
+    _refuse_unknown_fields(DrafterConfig, raw, "drafter")
     raw["rope"] = _nested_config(RopeConfig, raw.get("rope"), "drafter RoPE")
     raw["target_layer_ids"] = tuple(raw["target_layer_ids"])
     return DrafterConfig(**raw)

@@ -48,7 +48,7 @@ from ddtree_jax.stream_settings import (NUMBERS, SEED_LIMIT, StreamSettings, Swi
                                         stream_sequences, stream_stop_ids, switches_of, uniform_settings)
 from ddtree_jax.scores import (TokenScores, empty_scores, per_stream_slices, scores_lists,
                                token_scores)
-from ddtree_jax.serving import Finished, ServeUpdate, serve, serve_updates, stream_shards
+from ddtree_jax.serving import Finished, ServeUpdate, check_split, serve, serve_updates, stream_shards
 from ddtree_jax.summary import summarize, summary
 from ddtree_jax.sharding import named_sharding, place, shard_state
 from ddtree_jax.stopping import (CACHE_FULL, EOS, MAX_TOKENS, NO_TOKEN, NO_TOKEN_ID, RUNNING,  # noqa: F401
@@ -324,10 +324,8 @@ class Engine:
         return self._dispatch_program(_run_rounds.lower, state, 0)
 
     def _empty_caches(self, b: int) -> tuple[LatentCache, DraftCache | None]:
-        shards = stream_shards(self.runtime)
-        if b % shards:  # before, JAX's IndivisibleError from placing the caches, naming neither
-            raise ValueError(f"{b} streams must be a multiple of the {shards} ways the mesh splits the streams (each "
-                             "device holds an equal part of them); generate(..., slots=...) takes any number")
+        # before, JAX's IndivisibleError from placing the caches, naming neither
+        check_split(f"{b} streams", b, stream_shards(self.runtime), "; generate(..., slots=...) takes any number")
         cache = init_cache(self.cfg, b, self.ecfg.capacity)
         return cache, init_draft_cache(self.dcfg, b, self.ecfg.capacity) if self.taps else None
 

@@ -52,10 +52,15 @@ def check_slots(slots, data_shards: int) -> int:
     """``slots`` as an int >= 1 that ``data_shards`` (``stream_shards``) divides; ValueError otherwise."""
     if not is_integer(slots) or slots < 1:
         raise ValueError(f"slots must be an integer >= 1, got {slots!r}")
-    if slots % data_shards:
-        raise ValueError(f"slots={slots} must be a multiple of the {data_shards} ways the mesh splits the streams: "
-                         "each device holds an equal part of them")
+    check_split(f"slots={slots}", slots, data_shards)
     return int(slots)
+
+
+def check_split(what: str, streams: int, data_shards: int, hint: str = "") -> None:
+    """ValueError unless ``data_shards`` (``stream_shards``) divides ``streams``, naming them as ``what``."""
+    if streams % data_shards:
+        raise ValueError(f"{what} must be a multiple of the {data_shards} ways the mesh splits the streams: each "
+                         f"device holds an equal part of them{hint}")
 
 
 def stream_shards(runtime: Runtime) -> int:
