@@ -134,6 +134,8 @@ def check_args(p, args) -> tuple[dict, list[int], list[str]]:
     for name in ("streams", "prompt_len", "budget", "new_tokens", "capacity"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.prefill_chunk < 0:
+        p.error(f"--prefill-chunk must be at least 1, or 0 for one block, got {args.prefill_chunk}")
     return mesh_shape, layers, programs
 
 
@@ -169,7 +171,7 @@ def main(argv=None):
         start = time.perf_counter()
         target, drafter = abstract_models(cfg, dcfg)
         ecfg = EngineConfig(mode="ddtree", budget=args.budget, max_new_tokens=args.new_tokens,
-                            capacity=args.capacity, prefill_chunk=args.prefill_chunk)
+                            capacity=args.capacity, prefill_chunk=args.prefill_chunk or None)
         engine = Engine(target, drafter, ecfg, runtime=runtime)
         prompts = np.random.default_rng(0).integers(0, cfg.vocab_size, (args.streams, args.prompt_len)).tolist()
         build_s = time.perf_counter() - start

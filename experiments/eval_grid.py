@@ -492,20 +492,23 @@ def plot_tau(records: Sequence[dict]):
 
 
 def plot_tau_hist(records: Sequence[dict]):
-    """Share of rounds that emitted k tokens (k = accepted + bonus), DFlash and each DDTree budget, at the
-    fewest streams measured."""
-    fig, panels = _panels(records, "tokens emitted per round")
+    """Share of rounds that emitted k tokens (k = accepted + bonus, after the cut at an end or the token limit),
+    DFlash and each DDTree budget, at the fewest streams measured. Records written before 8cae686 hold
+    ``tau_hist_accepted`` instead (k accepted, before the cut); their plot says so."""
+    key = "tau_hist" if all("tau_hist" in r for r in records) else "tau_hist_accepted"
+    counted = "emitted" if key == "tau_hist" else "accepted"
+    fig, panels = _panels(records, f"tokens {counted} per round")
     s = min(r["streams"] for r in records)
     for ax, t in panels:
         rows = _select(records, temperature=t, streams=s, mode="dflash") + sorted(
             _select(records, temperature=t, streams=s, mode="ddtree"), key=lambda r: r["budget"])
         width = 0.8 / max(len(rows), 1)
         for j, r in enumerate(rows):
-            h = np.asarray(r["tau_hist"], float)
+            h = np.asarray(r[key], float)
             k = np.arange(len(h))
             ax.bar(k[1:] + (j - (len(rows) - 1) / 2) * width, h[1:] / max(h.sum(), 1), width,
                    label=("DFlash" if r["mode"] == "dflash" else f"DDTree-{r['budget']}") + f" (tau {r['tau']:.2f})")
-        ax.set_xlabel(f"tokens emitted in a round ({_streams(s)})")
+        ax.set_xlabel(f"tokens {counted} in a round{'' if key == 'tau_hist' else ', before the cut'} ({_streams(s)})")
         ax.set_ylabel("share of rounds")
         ax.legend(fontsize=7)
     fig.tight_layout()

@@ -23,8 +23,10 @@ One device's share (--local):
   assumed --allreduce-gbps. They were not measured on G GPUs. Devices that wait for the busiest at each
   all-reduce are assumed not to add more.
 Both:
-- A step of M tokens costs num_layers * t_G(M): the dense first layer is counted as a MoE layer (an
-  upper bound for it); the LM head, the embedding and the drafter are left out (a lower bound for the step).
+- A step of M tokens costs num_layers * t_G(M): the dense first layer is counted as a MoE layer (about
+  equal at one token: a device's dense share is 99 MB, a MoE layer's 91 MB when its busiest device holds 3 of
+  the 8 experts; an upper bound once that device holds 4 or more); the LM head, the embedding and the
+  drafter are left out (a lower bound for the step).
 - Between measured M the time is interpolated linearly; outside them nothing is projected.
 - ``--figure busy`` fits the summed kernel time (of the device with the longest span) instead of the
   trace's span (traced inputs only): the layer as if the GPU never waited between kernels, so the fitted

@@ -75,9 +75,19 @@ def test_a_tiny_run_holds_the_planned_bytes(tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--layers", "2,x"], "integers"), (["--layers", "0"], "at least 1"), (["--programs", "prefill,verify"], "choose"),
     (["--streams", "0"], "--streams must be"), (["--mesh", "4x8"], "needs 32 devices"), (["--mesh", "8"], "DATAxMODEL"),
+    (["--prefill-chunk", "-1"], "--prefill-chunk must be"),
 ])
 def test_bad_arguments_are_refused_before_any_model_is_built(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
         compile_mesh.main(["--size", "tiny", *argv])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and message in err, err
+
+
+def test_prefill_chunk_zero_lowers_one_block(tmp_path):
+    """``--prefill-chunk 0`` is the help's "one block" (the engine's None), as in run_decode.py."""
+    _mesh()
+    rows = compile_mesh.main(["--mesh", "1x2", "--size", "tiny", "--layers", "1", "--streams", "1",
+                              "--prompt-len", "12", "--new-tokens", "4", "--capacity", "32", "--budget", "2",
+                              "--prefill-chunk", "0", "--programs", "prefill", "--out", str(tmp_path)])
+    assert [(r["layers"], r["program"]) for r in rows] == [(1, "prefill")]

@@ -49,6 +49,8 @@ def test_concurrent_compile_matches_serial(pair):
         assert {k: c[k] for k in SAME} == {k: s[k] for k in SAME}, eval_grid.label(s)
         assert c["compiles_while_timed"] == 0 and s["compiles_while_timed"] == 0, eval_grid.label(s)
     assert eval_grid.assert_lossless(serial) == 3  # AR at 2 streams, DDTree at 1 and 2
+    for r in serial:  # the histogram weighs the tokens the rounds emitted
+        assert sum(k * n for k, n in enumerate(r["tau_hist"])) == round(r["tau"] * r["rounds"]), eval_grid.label(r)
     assert c_sum["compiles_overlapped"] and c_sum["compile_workers"] == 2 and c_sum["xla_compiles"] > 0
     assert not s_sum["compiles_overlapped"] and s_sum["compile_workers"] == 1 and s_sum["xla_compiles"] > 0
     assert s_sum["compile_wall_s"] == pytest.approx(sum(r["compile_s"] for r in serial), rel=0.05)
@@ -160,3 +162,46 @@ def test_a_prompts_file_that_cannot_be_read_is_a_usage_error(pair, tmp_path, mon
             eval_grid.main(["--prompts-file", str(path), "--no-plots"])
         err = capsys.readouterr().err
         assert exit_.value.code == 2 and "error: --prompts-file: " in err and message in err, err
+
+
+def _histogram_key(record):
+    keys = {"tau_hist", "tau_hist_accepted"} & set(record)
+    assert len(keys) == 1, eval_grid.label(record)
+    return keys.pop()
+
+
+def test_shipped_grids_histograms_count_what_their_names_say():
+    """A shipped grid's ``tau_hist`` counts stream-rounds by the tokens they emitted, so it weighs up to the
+    tokens the rounds emitted (tau x rounds); grids written before the engine counted that way call theirs
+    ``tau_hist_accepted`` and say so at the top."""
+    import glob
+    import json
+    import os
+
+    paths = sorted(glob.glob(os.path.join(os.path.dirname(eval_grid.__file__), "results", "eval_*.json")))
+    grids = [(p, json.load(open(p))) for p in paths]
+    grids = [(p, d) for p, d in grids if "results" in d]
+    assert len(grids) >= 3, paths
+    for path, grid_json in grids:
+        for r in grid_json["results"]:
+            key = _histogram_key(r)
+            weighed = sum(k * n for k, n in enumerate(r[key]))
+            assert sum(r[key]) == r["rounds"], (path, eval_grid.label(r))
+            if key == "tau_hist":
+                assert weighed == round(r["tau"] * r["rounds"]), (path, eval_grid.label(r))
+            else:
+                assert weighed >= round(r["tau"] * r["rounds"]) and "8cae686" in grid_json["tau_hist_note"], path
+
+
+@pytest.mark.parametrize("key, label", [("tau_hist", "tokens emitted in a round"),
+                                        ("tau_hist_accepted", "tokens accepted in a round, before the cut")])
+def test_the_histogram_plot_names_what_it_counts(key, label):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [{"temperature": 0.0, "mode": "ddtree", "budget": 8, "streams": 1, "tau": 2.0, key: [0, 1, 1]}]
+    fig = eval_grid.plot_tau_hist(records)
+    assert fig.axes[0].get_xlabel().startswith(label), fig.axes[0].get_xlabel()
+    plt.close(fig)
