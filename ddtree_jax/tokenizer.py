@@ -104,6 +104,26 @@ KIMI_PATTERN = "|".join([
     r"\s+",
 ])
 KIMI_NUM_RESERVED_SPECIAL = 256  # K2.x reserves this many ids after the ranks for special tokens
+# K2.x's tokenization_kimi.py encodes a text in parts: 400,000 characters at most, each cut further so that no
+# part holds a run of more than 25,000 whitespace or non-whitespace characters; pieces never cross a cut.
+KIMI_MAX_ENCODE_CHARS = 400_000
+KIMI_MAX_RUN_CHARS = 25_000
+
+
+def split_long_runs(text: str, max_run: int = KIMI_MAX_RUN_CHARS) -> list[str]:
+    """``text`` cut before every character that would make a run of like characters (all whitespace, or all
+    not) longer than ``max_run``; the parts join to ``text``."""
+    parts, start, run, in_space = [], 0, 0, text[:1].isspace()
+    for i, char in enumerate(text):
+        if char.isspace() != in_space:
+            in_space, run = char.isspace(), 1
+            continue
+        run += 1
+        if run > max_run:
+            parts.append(text[start:i])
+            start, run = i, 1
+    parts.append(text[start:])
+    return parts
 
 
 def read_tiktoken_ranks(path: str) -> dict[bytes, int]:
@@ -125,11 +145,12 @@ class TiktokenTokenizer:
     """Byte-level BPE from tiktoken-format ranks (K2.x's ``tiktoken.model``), in pure Python.
 
     ranks: {token bytes: id}; special: {id: text} (ids after the ranks; K2.x names them in
-    ``tokenizer_config.json``'s ``added_tokens_decoder``, the rest are ``<|reserved_token_i|>``).
-    Encoding: the text is split by ``pattern`` (needs the ``regex`` package for K2's pattern); each
-    piece is a token if its bytes are one, else its bytes are merged pairwise, always the adjacent
-    pair whose joined bytes have the lowest rank, until no joined pair is a token.
-    ``encode(text, allow_special=True)`` also maps the special-token texts found in ``text`` to ids.
+    ``tokenizer_config.json``'s ``added_tokens_decoder``, the rest are ``<|reserved_token_<id>|>``).
+    Encoding, as K2.x's ``tokenization_kimi.py`` encodes: the text is cut into parts (``KIMI_MAX_ENCODE_CHARS``,
+    ``split_long_runs``); in each, special-token texts map to their ids (unless ``allow_special=False``: then
+    they are plain text), and the rest is split by ``pattern`` (needs the ``regex`` package for K2's pattern);
+    each piece is a token if its bytes are one, else its bytes are merged pairwise, always the adjacent pair
+    whose joined bytes have the lowest rank, until no joined pair is a token.
     """
 
     def __init__(self, ranks: dict[bytes, int], special: dict[int, str] | None = None,
@@ -149,7 +170,7 @@ class TiktokenTokenizer:
     def from_dir(cls, model_dir: str, pattern: str = KIMI_PATTERN) -> "TiktokenTokenizer":
         ranks = read_tiktoken_ranks(os.path.join(model_dir, "tiktoken.model"))
         base = len(ranks)
-        special = {base + i: f"<|reserved_token_{i}|>" for i in range(KIMI_NUM_RESERVED_SPECIAL)}
+        special = {i: f"<|reserved_token_{i}|>" for i in range(base, base + KIMI_NUM_RESERVED_SPECIAL)}
         config = os.path.join(model_dir, "tokenizer_config.json")
         if os.path.exists(config):
             with open(config) as f:
@@ -176,17 +197,17 @@ class TiktokenTokenizer:
             raise ValueError(f"bytes {missing[0]!r} have no rank (not a byte-complete tiktoken file)")
         return [self.ranks[p] for p in parts]
 
-    def encode(self, text: str, allow_special: bool = False) -> list[int]:
-        chunks = self._special_split.split(text) if allow_special and self._special_split else [text]
+    def encode(self, text: str, allow_special: bool = True) -> list[int]:
         ids: list[int] = []
-        for chunk in chunks:
-            if not chunk:
-                continue
-            if allow_special and chunk in self.special_ids:
-                ids.append(self.special_ids[chunk])
-                continue
-            for piece in self._pattern.findall(chunk):
-                ids.extend(self._merge(piece.encode("utf-8")))
+        for start in range(0, len(text), KIMI_MAX_ENCODE_CHARS):
+            for part in split_long_runs(text[start:start + KIMI_MAX_ENCODE_CHARS]):
+                chunks = self._special_split.split(part) if allow_special and self._special_split else [part]
+                for chunk in chunks:
+                    if allow_special and chunk in self.special_ids:
+                        ids.append(self.special_ids[chunk])
+                        continue
+                    for piece in self._pattern.findall(chunk):
+                        ids.extend(self._merge(piece.encode("utf-8")))
         return ids
 
     def token_bytes(self, vocab_size: int) -> list[bytes]:

@@ -84,7 +84,8 @@ def test_kmp_automaton_states_are_the_longest_matched_prefix():
 @pytest.mark.parametrize("bad,message", [("\n", "must be a sequence of strings"), ([""], r"stop_strings\[0\] must be a "
                                                                                           "non-empty string"),
                                          (["a", 3], r"stop_strings\[1\] must be a non-empty string"),
-                                         (["a", "b\udcff"], r"stop_strings\[1\] cannot be encoded as UTF-8")])
+                                         (["a", "b\udcff"], r"stop_strings\[1\] cannot be encoded as UTF-8"),
+                                         (["\ufffdx"], r"stop_strings\[0\] holds U\+FFFD")])
 def test_bad_stop_strings_refused(bad, message):
     with pytest.raises(ValueError, match=message):
         st.check_stop_strings(bad)

@@ -207,8 +207,44 @@ def test_tiktoken_format_tokenizer(tmp_path):
     assert ids == [ranks[b"hello"], ranks[b" wor"], ord("l"), ord("d")]
     for text in ["hello world", "héllo 世界 12345\n\n  x", ""]:
         assert tok.decode(tok.encode(text)) == text
-    assert tok.encode("[BOS]hello", allow_special=True) == [len(ranks), ranks[b"hello"]]
+    # special-token texts are their ids unless asked otherwise, as K2's tokenization_kimi.py encodes
+    assert tok.encode("[BOS]hello") == [len(ranks), ranks[b"hello"]]
+    assert tok.encode("[BOS]hello", allow_special=False) == [*b"[BOS]", ranks[b"hello"]]
     assert tok.decode([len(ranks)]) == "[BOS]" and tok.vocab_size == len(ranks) + 256
+    # the unnamed reserved slots are named by their ids, as K2 names them
+    reserved = len(ranks) + 8
+    assert tok.decode([reserved]) == f"<|reserved_token_{reserved}|>"
+    assert tok.encode(f"<|reserved_token_{reserved}|>") == [reserved]
+
+
+def test_split_long_runs_cuts_runs_past_the_limit():
+    from ddtree_jax.tokenizer import split_long_runs
+
+    assert split_long_runs("", 3) == [""] and split_long_runs("abc de", 3) == ["abc de"]
+    assert split_long_runs("abcd  efgh", 3) == ["abc", "d  efg", "h"]
+    assert split_long_runs("a     b", 2) == ["a  ", "  ", " b"]
+    text = "x y" * 5 + "z" * 10 + "\n" * 7
+    for limit in (1, 2, 3, 7):
+        parts = split_long_runs(text, limit)
+        assert "".join(parts) == text and all(parts)
+
+
+def test_tiktoken_encodes_in_kimis_parts():
+    """K2's tokenizer cuts a run of more than 25,000 like characters, and a text at every 400,000 characters,
+    and no piece crosses a cut: the pieces at a cut are tokenized apart."""
+    from ddtree_jax.tokenizer import KIMI_MAX_ENCODE_CHARS, KIMI_MAX_RUN_CHARS
+
+    ranks = {bytes([i]): i for i in range(256)}
+    ranks.update({b"ab": 256, b" ab": 257})
+    tok = TiktokenTokenizer(ranks)
+    run = "x" * (KIMI_MAX_RUN_CHARS - 1) + "ab"  # its 'b' is the run's 25,001st character
+    assert tok.encode(run) == [ord("x")] * (KIMI_MAX_RUN_CHARS - 1) + [ord("a"), ord("b")]
+    assert tok.encode(run[1:]) == [ord("x")] * (KIMI_MAX_RUN_CHARS - 2) + [256]
+    text = "ab " * (KIMI_MAX_ENCODE_CHARS // 3 + 1)  # the cut at 400,000 falls between an 'a' and its 'b'
+    assert text[KIMI_MAX_ENCODE_CHARS - 1:KIMI_MAX_ENCODE_CHARS + 1] == "ab"
+    ids = tok.encode(text)
+    assert ids == tok.encode(text[:KIMI_MAX_ENCODE_CHARS]) + tok.encode(text[KIMI_MAX_ENCODE_CHARS:])
+    assert ids.count(257) == len(text) // 3 - 2 and tok.decode(ids) == text
 
 
 # ------------------------------------------------------------------------------------------- target
