@@ -6,6 +6,7 @@ neither file is refused."""
 from __future__ import annotations
 
 import base64
+import heapq
 import json
 import os
 
@@ -180,18 +181,43 @@ class TiktokenTokenizer:
         return cls(ranks, special, pattern)
 
     def _merge(self, piece: bytes) -> list[int]:
+        """BPE over one piece: the adjacent pair of parts whose joined bytes have the lowest rank (leftmost among
+        equal ranks) joins first, until no joined pair is a token. A heap of candidate pairs keyed (rank, start)
+        finds that pair in O(log n) (a scan per join is quadratic: minutes for a long Han run); a candidate
+        whose parts have changed since it was pushed is skipped."""
         if piece in self.ranks:
             return [self.ranks[piece]]
-        parts = [piece[i:i + 1] for i in range(len(piece))]
-        while len(parts) > 1:
-            best, best_rank = -1, None
-            for i in range(len(parts) - 1):
-                r = self.ranks.get(parts[i] + parts[i + 1])
-                if r is not None and (best_rank is None or r < best_rank):
-                    best, best_rank = i, r
-            if best < 0:
-                break
-            parts[best:best + 2] = [parts[best] + parts[best + 1]]
+        n = len(piece)
+        end = list(range(1, n + 1))  # end[s]: where the part starting at s ends (while s starts a part)
+        after = list(range(1, n + 1))  # after[s]: the next part's start (n: none)
+        before = list(range(-1, n - 1))  # before[s]: the previous part's start (-1: none)
+        alive = [True] * n
+        heap: list[tuple[int, int, int]] = []
+
+        def push(s: int) -> None:
+            t = after[s]
+            if t < n:
+                rank = self.ranks.get(piece[s:end[t]])
+                if rank is not None:
+                    heapq.heappush(heap, (rank, s, end[t]))
+
+        for s in range(n - 1):
+            push(s)
+        while heap:
+            _, s, stop = heapq.heappop(heap)
+            t = after[s] if alive[s] else n
+            if t >= n or end[t] != stop:
+                continue  # stale: s or its neighbour has been joined since
+            end[s], after[s], alive[t] = stop, after[t], False
+            if after[s] < n:
+                before[after[s]] = s
+            if before[s] >= 0:
+                push(before[s])
+            push(s)
+        parts, s = [], 0
+        while s < n:
+            parts.append(piece[s:end[s]])
+            s = after[s]
         missing = [p for p in parts if p not in self.ranks]
         if missing:
             raise ValueError(f"bytes {missing[0]!r} have no rank (not a byte-complete tiktoken file)")

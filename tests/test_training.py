@@ -395,3 +395,29 @@ def test_eval_probe_spans_the_heldout_rows_past_the_final_eval():
     assert len(tt.probe_rows(held, eval_rows=268, count=32)) == 32
     with pytest.raises(ValueError, match="only 31 of the 300 held-out rows are left"):
         tt.probe_rows(held, eval_rows=269, count=32)
+
+
+def _scan_bpe(ranks, piece):
+    """The plain BPE: scan every adjacent pair, join the lowest-ranked (leftmost of equals), repeat."""
+    if piece in ranks:
+        return [ranks[piece]]
+    parts = [piece[i:i + 1] for i in range(len(piece))]
+    while True:
+        joined = [(ranks[a + b], i) for i, (a, b) in enumerate(zip(parts, parts[1:])) if a + b in ranks]
+        if not joined:
+            return [ranks[p] for p in parts]
+        _, i = min(joined)
+        parts[i:i + 2] = [parts[i] + parts[i + 1]]
+
+
+def test_tiktoken_merge_matches_the_plain_scan():
+    rng = np.random.default_rng(0)
+    for _ in range(150):
+        alphabet = b"abc"[:rng.integers(1, 4)]
+        ranks = {bytes([i]): i for i in range(256)}
+        for _ in range(rng.integers(0, 40)):
+            ranks.setdefault(bytes(rng.choice(list(alphabet), rng.integers(2, 7))), len(ranks))
+        tok = TiktokenTokenizer(ranks)
+        for _ in range(10):
+            piece = bytes(rng.choice(list(alphabet), rng.integers(1, 40)))
+            assert tok._merge(piece) == _scan_bpe(ranks, piece), (sorted(ranks.items())[256:], piece)
