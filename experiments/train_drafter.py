@@ -49,10 +49,10 @@ from ddtree_jax.layers import dot  # noqa: E402
 from ddtree_jax.model import KimiModel  # noqa: E402
 from ddtree_jax.rope import apply_rope_half, rope_cos_sin  # noqa: E402
 from experiments import data as data_lib  # noqa: E402
-from experiments.train_target import (TRAIN_RUNTIME, add_training_args, check_training_args,  # noqa: E402
-                                      lm_forward, load_tokenizer_json, make_optimizer, minutes_left,
-                                      planned_steps, restore_run, save_run, scaled_update, stopped_early,
-                                      training_loop, write_curve)
+from experiments.train_target import (TRAIN_RUNTIME, add_training_args, as_dtypes,  # noqa: E402
+                                      check_training_args, float32_master, lm_forward, load_tokenizer_json,
+                                      make_optimizer, minutes_left, planned_steps, restore_run, save_run,
+                                      scaled_update, stopped_early, training_loop, write_curve)
 
 EVAL_BATCH = 16  # sequences per evaluation forward (``evaluate``)
 
@@ -145,6 +145,14 @@ def sample_anchors(rng: np.random.Generator, batch: int, num_anchors: int, lo: i
                    axis=1).astype(np.int32)
 
 
+def step_batch(seed: int, step: int, num_seqs: int, batch: int, num_anchors: int, lo: int, hi: int):
+    """Step ``step``'s draw: (``batch`` distinct sequence indices, their anchors [B, N] in [lo, hi]), a function
+    of (seed, step) alone, so that a resumed run trains on the batches an uninterrupted one would."""
+    rng = np.random.default_rng([seed, 1000, step])
+    idx = rng.choice(num_seqs, batch, replace=False)
+    return idx, sample_anchors(rng, batch, num_anchors, lo, hi)
+
+
 def block_inputs(seqs: jax.Array, anchors: jax.Array, block_size: int, mask_token_id: int):
     """seqs [B, S], anchors [B, N] -> (block tokens [B, N*Bs], labels [B, N, Bs]) where labels[b, n, k]
     = seqs[b, anchors[b, n] + k] and the block is [seqs[anchor], MASK, ...]."""
@@ -169,16 +177,17 @@ def drafter_loss(drafter, target, taps, seqs, anchors, weights):
     return loss, jnp.argmax(logits, -1) == labels
 
 
-def make_train_step(drafter_def, target_def, tx, weights):
+def make_train_step(drafter_def, target_def, tx, weights, dtypes=None):
     """Returns jitted step(params, opt_state, target_state, taps, seqs, anchors, lr)
-    -> (params, opt_state, loss, per-slot accuracy [Bs])."""
+    -> (params, opt_state, loss, per-slot accuracy [Bs]). params: the drafter's state, or its float32 master
+    copy with the drafter's ``dtypes`` (``train_target.float32_master``)."""
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def step(params, opt_state, target_state, taps, seqs, anchors, lr):
         target = nnx.merge(target_def, target_state)
 
         def loss_fn(p):
-            return drafter_loss(nnx.merge(drafter_def, p), target, taps, seqs, anchors, weights)
+            return drafter_loss(nnx.merge(drafter_def, as_dtypes(p, dtypes)), target, taps, seqs, anchors, weights)
 
         (loss, correct), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
         params, opt_state = scaled_update(tx, grads, opt_state, params, lr)
@@ -375,6 +384,7 @@ def train(args, argv=None):
     d_def, params = nnx.split(drafter)
     t_def, t_state = nnx.split(target)
     n_params = sum(x.size for x in jax.tree.leaves(params))
+    params, dtypes = float32_master(params)
     weights = jnp.asarray(decay_weights(dcfg.block_size, args.gamma))
     before = evaluate(drafter, target, eval_taps, eval_seqs, args.prompt_len, weights, num_anchors=args.num_anchors)
     tx = make_optimizer(weight_decay=0.01)
@@ -382,13 +392,12 @@ def train(args, argv=None):
     resume_key = drafter_resume_key(args, info)
     (params, opt_state), start, total_steps, curve, history = restore_run(
         state_dir, (params, opt_state), resume_key, planned_steps(args))
-    step_fn = make_train_step(d_def, t_def, tx, weights)
-    rng = np.random.default_rng(args.seed + 1000 + start)  # a resumed run draws fresh (not replayed) batches
+    step_fn = make_train_step(d_def, t_def, tx, weights, dtypes)
     live = {"params": params, "opt_state": opt_state}
 
     def run_step(step, lr):
-        idx = rng.choice(len(seqs), args.batch, replace=False)
-        anchors = sample_anchors(rng, args.batch, args.num_anchors, args.prompt_len, width - dcfg.block_size)
+        idx, anchors = step_batch(args.seed, step, len(seqs), args.batch, args.num_anchors, args.prompt_len,
+                                  width - dcfg.block_size)
         live["params"], live["opt_state"], loss, acc = step_fn(
             live["params"], live["opt_state"], t_state, jnp.asarray(taps[:, idx]), jnp.asarray(seqs[idx]),
             jnp.asarray(anchors), jnp.float32(lr))
@@ -407,7 +416,8 @@ def train(args, argv=None):
     if stopped_early(steps_done, total_steps, state_dir):
         return None
     history = history + [{"start_step": start, "end_step": steps_done, "seconds": train_s}]
-    save_drafter(nnx.merge(d_def, params), args.out, metadata={"trained_by": "experiments/train_drafter.py"},
+    save_drafter(nnx.merge(d_def, as_dtypes(params, dtypes)), args.out,
+                 metadata={"trained_by": "experiments/train_drafter.py"},
                  storage_dtype=None if args.storage_dtype == dcfg.dtype else args.storage_dtype)
     drafter = restore_drafter(args.out, dtype=dcfg.dtype)  # evaluate the drafter as shipped
     after = evaluate(drafter, target, eval_taps, eval_seqs, args.prompt_len, weights, num_anchors=args.num_anchors)

@@ -163,9 +163,11 @@ def make_optimizer(weight_decay: float = 0.1, clip: float = 1.0):
 
 
 def lr_schedule(steps: int, lr: float, warmup: int):
-    """Linear warmup over ``warmup`` steps, then cosine decay to lr/10 at ``steps``. The warmup part does
-    not depend on ``steps``."""
-    return optax.warmup_cosine_decay_schedule(0.0, lr, max(warmup, 1), max(steps, warmup + 1), lr * 0.1)
+    """Linear warmup over ``warmup`` steps (0: none, step 0 at ``lr``), then cosine decay to lr/10 at ``steps``.
+    The warmup part does not depend on ``steps``."""
+    if warmup == 0:
+        return optax.cosine_decay_schedule(lr, max(steps, 1), alpha=0.1)
+    return optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1), lr * 0.1)
 
 
 def scaled_update(tx, grads, opt_state, params, lr):
@@ -179,13 +181,28 @@ def _is_router_bias(path) -> bool:
     return any(getattr(k, "key", None) == "router_bias" for k in path)
 
 
-def make_train_step(graphdef, tx, runtime: Runtime = TRAIN_RUNTIME):
+def float32_master(params):
+    """(float32 copies of ``params``' float leaves, each leaf's own dtype). Training updates the copies and runs
+    the model on them cast back (``as_dtypes``): a bfloat16 param near 1.0 drops any update below half its ulp,
+    2^-9, so at the learning rates used here (3e-4..3e-3 a step) RMSNorm weights would stop training."""
+    dtypes = jax.tree.map(lambda x: x.dtype, params)
+    return jax.tree.map(lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                        params), dtypes
+
+
+def as_dtypes(params, dtypes):
+    """``params`` cast to ``dtypes`` (a tree of dtypes like it, from ``float32_master``); None: as they are."""
+    return params if dtypes is None else jax.tree.map(lambda x, d: x.astype(d), params, dtypes)
+
+
+def make_train_step(graphdef, tx, runtime: Runtime = TRAIN_RUNTIME, dtypes=None):
     """Returns jitted step(params, opt_state, rows [B, T+1], lr) -> (params, opt_state, loss).
 
-    params: the model's ``nnx.Param`` state. router_bias gets no gradient update (see ``make_bias_update``)."""
+    params: the model's ``nnx.Param`` state, or its float32 master copy with the model's ``dtypes``
+    (``float32_master``). router_bias gets no gradient update (see ``make_bias_update``)."""
 
     def loss_fn(params, rows):
-        model = nnx.merge(graphdef, params)
+        model = nnx.merge(graphdef, as_dtypes(params, dtypes))
         out = lm_forward(model, rows[:, :-1], runtime)
         return token_nll(out.logits, rows[:, 1:]).mean()
 
@@ -277,14 +294,15 @@ def training_loop(run_step, *, start: int, total_steps: int | None, minutes: flo
     return curve, step, total_steps, time.perf_counter() - t0
 
 
-def make_bias_update(graphdef, rate: float, runtime: Runtime = TRAIN_RUNTIME):
+def make_bias_update(graphdef, rate: float, runtime: Runtime = TRAIN_RUNTIME, dtypes=None):
     """Returns jitted update(params, rows [B, T+1]) -> (params, loads [num_moe, E]): DeepSeek-V3's
-    gradient-free balancing, bias_e += rate * sign(mean load - load_e), per MoE layer."""
+    gradient-free balancing, bias_e += rate * sign(mean load - load_e), per MoE layer (loads of the model in
+    ``dtypes``, as ``make_train_step``)."""
 
     @jax.jit
     def update(params, rows):
+        loads = expert_load(nnx.merge(graphdef, as_dtypes(params, dtypes)), rows[:, :-1], runtime)
         model = nnx.merge(graphdef, params)
-        loads = expert_load(model, rows[:, :-1], runtime)
         moe = [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE)]
         for j, mlp in enumerate(moe):
             mlp.router_bias.value = mlp.router_bias.value + rate * jnp.sign(loads[j].mean() - loads[j])
@@ -293,14 +311,15 @@ def make_bias_update(graphdef, rate: float, runtime: Runtime = TRAIN_RUNTIME):
     return update
 
 
-def make_nll_eval(graphdef, rows: np.ndarray, batch: int = 8, runtime: Runtime = TRAIN_RUNTIME):
+def make_nll_eval(graphdef, rows: np.ndarray, batch: int = 8, runtime: Runtime = TRAIN_RUNTIME, dtypes=None):
     """Returns evaluate(state) -> mean per-token NLL (nats) over all rows [N, T+1] (inputs rows[:, :-1],
-    labels rows[:, 1:]) of the model ``nnx.merge(graphdef, state)``, in chunks of ``batch`` rows (a last,
-    shorter chunk holds the remainder); compiled once per chunk shape, reusable."""
+    labels rows[:, 1:]) of the model ``nnx.merge(graphdef, state)`` (``state`` cast to ``dtypes``, as
+    ``make_train_step``), in chunks of ``batch`` rows (a last, shorter chunk holds the remainder); compiled once
+    per chunk shape, reusable."""
 
     @jax.jit
     def nll(state, chunk):
-        m = nnx.merge(graphdef, state)
+        m = nnx.merge(graphdef, as_dtypes(state, dtypes))
         return token_nll(lm_forward(m, chunk[:, :-1], runtime).logits, chunk[:, 1:]).sum()
 
     chunks = [jnp.asarray(rows[i:i + batch]) for i in range(0, len(rows), batch)]
@@ -635,6 +654,7 @@ def train(args, argv=None):
     model = KimiModel(cfg, nnx.Rngs(args.seed))
     graphdef, params = nnx.split(model)  # every variable is an nnx.Param
     n_params = sum(x.size for x in jax.tree.leaves(params))
+    params, dtypes = float32_master(params)
     tx = make_optimizer()
     opt_state = tx.init(params)
     resume_key = target_resume_key(args, info)
@@ -643,10 +663,10 @@ def train(args, argv=None):
         state_dir, (params, opt_state), resume_key, planned_steps(args))
     print(f"target: {n_params / 1e6:.2f}M params, {info['train_rows']} train rows x {args.seq + 1}, "
           f"{info['heldout_rows']} held-out rows; data hash {info['data_hash'][:12]}")
-    step_fn = make_train_step(graphdef, tx, runtime)
-    bias_fn = make_bias_update(graphdef, args.bias_rate, runtime) if args.bias_rate > 0 else None
+    step_fn = make_train_step(graphdef, tx, runtime, dtypes)
+    bias_fn = make_bias_update(graphdef, args.bias_rate, runtime, dtypes) if args.bias_rate > 0 else None
     live = {"params": params, "opt_state": opt_state, "max_load": float("nan")}
-    heldout_eval = make_nll_eval(graphdef, probe) if args.eval_every else None
+    heldout_eval = make_nll_eval(graphdef, probe, dtypes=dtypes) if args.eval_every else None
     per_epoch = len(train_rows) // args.batch
 
     def run_step(step, lr):
@@ -674,7 +694,7 @@ def train(args, argv=None):
     params = live["params"]
     if stopped_early(steps_done, total_steps, state_dir):
         return None
-    model = nnx.merge(graphdef, params)
+    model = nnx.merge(graphdef, as_dtypes(params, dtypes))
 
     qmodel = quantize_experts(model)
     from ddtree_jax.checkpoint import restore_model, save_model

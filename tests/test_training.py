@@ -421,3 +421,48 @@ def test_tiktoken_merge_matches_the_plain_scan():
         for _ in range(10):
             piece = bytes(rng.choice(list(alphabet), rng.integers(1, 40)))
             assert tok._merge(piece) == _scan_bpe(ranks, piece), (sorted(ranks.items())[256:], piece)
+
+
+def test_bfloat16_models_train_through_a_float32_master_copy():
+    """A bfloat16 model's params would drop Adam steps below half an ulp (RMSNorm weights near 1.0 stayed exactly
+    1.0 at lr 1e-3); the trainers keep float32 masters and run the model on them cast back."""
+    _, params = nnx.split(_tiny_target(dtype="bfloat16"))
+    graphdef = nnx.graphdef(_tiny_target(dtype="bfloat16"))
+    master, dtypes = tt.float32_master(params)
+    assert {x.dtype for x in jax.tree.leaves(params)} >= {jnp.dtype(jnp.bfloat16)}
+    assert {x.dtype for x in jax.tree.leaves(master)} == {jnp.dtype(jnp.float32)}
+    tx = tt.make_optimizer()
+    step = tt.make_train_step(graphdef, tx, dtypes=dtypes)
+    rows = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 17)), jnp.int32)
+    start = [np.asarray(x) for x in jax.tree.leaves(master)]
+    opt_state = tx.init(master)
+    for _ in range(3):
+        master, opt_state, loss = step(master, opt_state, rows, jnp.float32(1e-3))
+    assert np.isfinite(float(loss))
+    norms = [(k, np.asarray(v.value)) for k, v in master.flat_state() if "norm" in "/".join(map(str, k))]
+    assert norms
+    before = dict(zip([k for k, _ in master.flat_state()], start))
+    for k, value in norms:
+        assert np.all(value != before[k]), k
+    cast = tt.as_dtypes(master, dtypes)
+    assert [x.dtype for x in jax.tree.leaves(cast)] == [x.dtype for x in jax.tree.leaves(params)]
+
+
+def test_no_warmup_starts_at_the_full_rate():
+    assert float(tt.lr_schedule(300, 3e-3, 0)(0)) == pytest.approx(3e-3)
+    assert float(tt.lr_schedule(300, 3e-3, 0)(300)) == pytest.approx(3e-4)
+    assert float(tt.lr_schedule(300, 3e-3, 10)(0)) == 0.0
+    assert float(tt.lr_schedule(300, 3e-3, 10)(10)) == pytest.approx(3e-3)
+
+
+def test_a_drafter_steps_batch_depends_on_its_step_alone():
+    """A resumed drafter run draws what an uninterrupted one draws at each step (it used to reseed at the resume)."""
+    draws = [td.step_batch(0, step, 50, 4, 3, 8, 40) for step in range(6)]
+    again = [td.step_batch(0, step, 50, 4, 3, 8, 40) for step in (3, 4, 5)]
+    for (idx, anchors), (idx2, anchors2) in zip(draws[3:], again):
+        np.testing.assert_array_equal(idx, idx2)
+        np.testing.assert_array_equal(anchors, anchors2)
+    assert len({tuple(idx) for idx, _ in draws}) == 6  # fresh batches every step
+    for idx, anchors in draws:
+        assert len(set(idx)) == 4 and anchors.shape == (4, 3) and anchors.min() >= 8 and anchors.max() <= 40
+        assert np.all(np.diff(anchors, axis=1) > 0)
