@@ -133,8 +133,11 @@ class MLA(nnx.Module):
         return dot(o, self.o.get_value(), "bthv,hvd->btd"), block_kv
 
     def _naive_attention(self, q_nope, q_pe, cache_kv, prefix_len, block_kv, tree_mask, w_uk, w_uv):
-        """Per-head keys/values expanded from the latents, as the HF reference computes them."""
+        """Per-head keys/values expanded from the latents, as the HF reference computes them. Cache rows at or past
+        a stream's prefix_len may hold anything (NaN included): zeroed, as a weight of 0 times NaN is NaN."""
         cfg = self.cfg
+        s = cache_kv.shape[1]
+        cache_kv = jnp.where((jnp.arange(s)[None, :] < prefix_len[:, None])[..., None], cache_kv, 0)
         kv_all = jnp.concatenate([cache_kv, block_kv.astype(cache_kv.dtype)], axis=1)  # [B, S+T, C]
         latent, k_pe = kv_all[..., : cfg.kv_lora_rank], kv_all[..., cfg.kv_lora_rank:]
         k_nope = dot(latent, w_uk, "bsl,lhn->bshn")
@@ -142,7 +145,6 @@ class MLA(nnx.Module):
         scores = (dot(q_nope, k_nope, "bthn,bshn->bths").astype(jnp.float32)
                   + jnp.einsum("bthr,bsr->bths", q_pe, k_pe, preferred_element_type=jnp.float32))
         scores = scores * cfg.softmax_scale
-        s = cache_kv.shape[1]
         visible_prefix = jnp.arange(s)[None, None, :] < prefix_len[:, None, None]  # [B,1,S]
         visible_prefix = jnp.broadcast_to(visible_prefix, tree_mask.shape[:2] + (s,))
         visible = jnp.concatenate([visible_prefix, tree_mask], axis=-1)  # [B,T,S+T]

@@ -191,6 +191,22 @@ def test_absorbed_equals_naive(pair):
     assert rel_err(a, b) <= 1e-5
 
 
+def test_both_attentions_ignore_what_lies_past_the_prefix(pair):
+    """Cache rows at or past a stream's length may hold anything (NaN included): naive attention gave NaN logits
+    there (probability 0 times a NaN value), absorbed attention none."""
+    import dataclasses
+
+    _, model = pair
+    cache = init_cache(model.cfg, 2, 8)
+    cache = dataclasses.replace(cache, kv=cache.kv.at[:, 0, 3:].set(jnp.nan).at[:, 1, 0:].set(jnp.nan),
+                                lengths=jnp.array([3, 0], jnp.int32))
+    tokens, positions = jnp.array([[3, 4], [5, 6]]), jnp.array([[3, 4], [0, 1]])
+    logits = {att: np.asarray(model(tokens, positions, cache, causal_mask(2, 2),
+                                    runtime=Runtime(attention=att)).logits) for att in ("absorbed", "naive")}
+    assert np.isfinite(logits["absorbed"]).all() and np.isfinite(logits["naive"]).all()
+    assert rel_err(logits["naive"], logits["absorbed"]) <= 1e-5
+
+
 def test_cached_decode_equals_full_forward(pair):
     """Ragged prompts prefilled together, then token-by-token decode: every logit row equals the
     full-sequence forward of that stream."""
