@@ -267,10 +267,12 @@ def load_tokens(path: str, *, tokenizer_path: str | None = None) -> tuple[np.nda
 
 
 def eval_prompts(tokenizer, texts: Sequence[tuple[str, str]], n: int = 64, min_tokens: int = 64,
-                 max_tokens: int = 256, seed: int = 0) -> list[dict]:
-    """``n`` prompts cut from held-out texts at line boundaries, each ``min_tokens..max_tokens`` tokens.
+                 max_tokens: int = 256, seed: int = 0, exclude: Sequence[str] = ()) -> list[dict]:
+    """``n`` prompts cut from held-out texts at line boundaries, each ``min_tokens..max_tokens`` tokens, none
+    found verbatim in any of ``exclude`` (the training texts: held-out files can share text with training ones,
+    e.g. two tests' common fixture).
 
-    Deterministic for a given (texts, tokenizer, seed): a seeded RNG picks a file and a start line, and
+    Deterministic for a given (texts, tokenizer, seed, exclude): a seeded RNG picks a file and a start line, and
     lines are added while the prompt stays <= max_tokens. Returns [{"path", "line", "text", "ids"}].
     """
     rng = random.Random(seed)
@@ -289,7 +291,7 @@ def eval_prompts(tokenizer, texts: Sequence[tuple[str, str]], n: int = 64, min_t
             if len(cand_ids) > max_tokens:
                 break
             text, ids = cand, cand_ids
-        if len(ids) >= min_tokens:
+        if len(ids) >= min_tokens and not any(text in other for other in exclude):
             out.append({"path": path, "line": start, "text": text, "ids": list(map(int, ids))})
     if len(out) < n:
         raise ValueError(f"could only cut {len(out)} of {n} prompts of {min_tokens}-{max_tokens} tokens")
@@ -309,10 +311,12 @@ def tokenizer_file_fingerprint(model_dir: str) -> str | None:
 
 def cut_heldout_prompts(tokenizer, n: int, *, seed: int, min_tokens: int, max_tokens: int,
                         allow_mismatch: bool = False) -> list[dict]:
-    """``eval_prompts`` over this machine's held-out files (``load_texts``; a stdlib other than the pinned one is
-    refused, or warned about and used with ``allow_mismatch``)."""
+    """``eval_prompts`` over this machine's held-out files, none of whose text is in a training file (``load_texts``;
+    a stdlib other than the pinned one is refused, or warned about and used with ``allow_mismatch``)."""
     held, _ = load_texts("heldout", allow_mismatch=allow_mismatch)
-    return eval_prompts(tokenizer, held, n=n, min_tokens=min_tokens, max_tokens=max_tokens, seed=seed)
+    train, _ = load_texts("train", allow_mismatch=allow_mismatch)
+    return eval_prompts(tokenizer, held, n=n, min_tokens=min_tokens, max_tokens=max_tokens, seed=seed,
+                        exclude=[text for _, text in train])
 
 
 def write_shipped_prompts(path: str = PROMPTS_PATH, tokenizer_dir: str = SHIPPED_TOKENIZER_DIR) -> dict:

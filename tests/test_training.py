@@ -18,7 +18,7 @@ from ddtree_jax.config import tiny_config
 from ddtree_jax.drafter import DFlashDrafter, init_draft_cache, tiny_drafter_config
 from ddtree_jax.model import KimiModel, causal_mask
 from ddtree_jax.moe import routed_experts_xla
-from ddtree_jax.tokenizer import HFTokenizer, TiktokenTokenizer, load_tokenizer
+from ddtree_jax.tokenizer import ByteTokenizer, HFTokenizer, TiktokenTokenizer, load_tokenizer
 from experiments import data as data_lib
 from experiments import train_drafter as td
 from experiments import train_target as tt
@@ -149,6 +149,29 @@ def test_shipped_prompts_are_the_pinned_cut():
     again = data_lib.cut_heldout_prompts(tokenizer, count, **cut)
     assert [(q["path"], q["line"], q["text"]) for q in again] == \
         [(q["path"], q["line"], q["text"]) for q in shipped["prompts"]]
+
+
+def test_no_shipped_prompt_is_training_text():
+    """Held-out files can share text with training ones (test_sunau.py's fixture is in test_wave.py): the cut skips
+    a prompt found verbatim in a training file."""
+    manifest = data_lib.load_manifest()
+    if manifest["python_version"] != data_lib.python_version():
+        pytest.skip(f"the training texts are the pinned stdlib's (Python {manifest['python_version']})")
+    train, _ = data_lib.load_texts("train")
+    with open(data_lib.PROMPTS_PATH, encoding="utf-8") as f:
+        shipped = json.load(f)
+    for q in shipped["prompts"]:
+        assert not any(q["text"] in text for _, text in train), q["path"]
+
+
+def test_prompts_found_in_the_excluded_texts_are_skipped():
+    texts = [(f"f{i}.py", "".join(f"line {i} {j}\n" for j in range(40))) for i in range(4)]
+    tokenizer = ByteTokenizer(256)
+    kept = data_lib.eval_prompts(tokenizer, texts, n=6, min_tokens=20, max_tokens=60, seed=1)
+    path = kept[0]["path"]
+    skipped = data_lib.eval_prompts(tokenizer, texts, n=6, min_tokens=20, max_tokens=60, seed=1,
+                                    exclude=["prefix\n" + dict(texts)[path]])
+    assert len(skipped) == 6 and all(q["path"] != path for q in skipped)
 
 
 def test_shipped_prompts_answer_only_for_their_cut(tmp_path):
