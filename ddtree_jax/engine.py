@@ -290,9 +290,15 @@ class Engine:
                                             check_id_sequences, "stop_sequences"))
         strings = check_stream_stop_strings(ecfg.stop_strings if stop_strings is None else stop_strings, n,
                                             ecfg.stop_strings)
+        own_least = ([False] * n if min_new_tokens is None else [True] * n if np.ndim(min_new_tokens) == 0
+                     else [item is not None for item in min_new_tokens])
         for i, (least, limit) in enumerate(zip(settings.min_new_tokens.tolist(), limits.tolist())):
+            sets = self._own_sets(settings, i)
+            if least and not own_least[i] and not ecfg.holds_back(strings[i], sets["stop_ids"],
+                                                                  sets["stop_sequences"], sets["eos_ids"]):
+                settings.min_new_tokens[i] = least = 0  # the config's, for a stream with nothing to hold back
             try:
-                ecfg.check_min_new_tokens(least, limit, strings[i], **self._own_sets(settings, i))
+                ecfg.check_min_new_tokens(least, limit, strings[i], **sets)
             except ValueError as e:
                 raise ValueError(f"stream {i}'s {e}") from None
         stop_tables, stop_applies = self._batch_stop_strings(strings)

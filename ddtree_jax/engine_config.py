@@ -123,9 +123,17 @@ class EngineConfig:
         if min_new_tokens and allowed and set(allowed) <= held:
             raise ValueError(f"min_new_tokens={min_new_tokens} holds back every allowed token "
                              f"{list(allowed)}: they are all EOS ids or stop token ids")
-        if min_new_tokens and not (held or stop_sequences or stop_strings):
+        if min_new_tokens and not self.holds_back(stop_strings, stop_ids, stop_sequences, eos_ids):
             raise ValueError(f"min_new_tokens={min_new_tokens} holds back EOS ids, stop token ids and stop sequences: "
                              "give eos_ids, stop_token_ids, stop_sequences or stop_strings")
+
+    def holds_back(self, stop_strings: tuple[str, ...] | None = None, stop_ids: Sequence[int] = (),
+                   stop_sequences: Sequence[Sequence[int]] | None = None, eos_ids: Sequence[int] | None = None) -> bool:
+        """Whether a stream with these stop settings (None: the config's) has anything min_new_tokens holds back."""
+        stop_strings = self.stop_strings if stop_strings is None else stop_strings
+        stop_sequences = self.stop_sequences if stop_sequences is None else stop_sequences
+        held = set(self.eos_ids if eos_ids is None else eos_ids) | set(stop_ids)
+        return bool(held or stop_sequences or stop_strings)
 
     @property
     def settings(self) -> dict:

@@ -125,15 +125,18 @@ PENALTY_RANGE = 2.0  # frequency and presence penalties lie in [-2, 2], as vLLM 
 LOGIT_BIAS_RANGE = 100.0  # logit bias amounts in [-100, 100], as OpenAI's API takes them
 
 
+# A seen token's logit is divided (positive) or multiplied (negative) by the penalty in float32: within this range
+# any logit below 2^107 in size stays finite (a penalty of 1e-38 made positive logits +inf, picked as a tie).
+REPETITION_PENALTY_RANGE = (2.0**-20, 2.0**20)
+
+
 def check_repetition_penalty(penalty) -> float:
-    """repetition_penalty as a float that is finite and > 0 in float32, where it is applied (1: off); ValueError
-    otherwise (NaN included)."""
-    if not is_number(penalty):
-        raise ValueError(f"repetition_penalty must be a number > 0 (1: off), got {penalty!r}")
-    with np.errstate(over="ignore", under="ignore"):
-        as_applied = np.float32(penalty)
-    if not (np.isfinite(as_applied) and as_applied > 0):
-        raise ValueError(f"repetition_penalty must be finite and > 0 in float32 (1: off), got {penalty}")
+    """repetition_penalty as a float in REPETITION_PENALTY_RANGE (1: off); ValueError naming the range otherwise
+    (NaN included)."""
+    low, high = REPETITION_PENALTY_RANGE
+    if not is_number(penalty) or not low <= penalty <= high:
+        raise ValueError(f"repetition_penalty must be a number in [2^-20, 2^20] (1: off; > 1 discourages repeats), "
+                         f"got {penalty!r}")
     return float(penalty)
 
 

@@ -198,12 +198,13 @@ def stream_id_lists(value, streams: int, vocab_size: int, name: str, default) ->
 
 
 def _numpy_as_lists(value):
-    """``value`` with numpy arrays (it, or its items) as nested lists of Python ints, the forms the parsers read."""
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    if isinstance(value, (list, tuple)):
-        return [item.tolist() if isinstance(item, np.ndarray) else item for item in value]
-    return value
+    """``value`` with numpy arrays (it, or its items) as nested lists of Python ints and sets (of token ids, as
+    ``EngineConfig`` takes them) as lists, the forms the parsers read."""
+    def as_list(item):
+        return item.tolist() if isinstance(item, np.ndarray) else list(item) if isinstance(item, (set, frozenset)) \
+            else item
+    value = as_list(value)
+    return [as_list(item) for item in value] if isinstance(value, (list, tuple)) else value
 
 
 def stream_items(value, streams: int, name: str, one: str, is_item) -> list[tuple[str, object]]:

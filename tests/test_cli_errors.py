@@ -65,7 +65,7 @@ RANDOM = ["--target", "random"]
     (["--json", "."], "--json '.' is a directory: name the report's file"),
     (["--stop-ids", "1 2", "--stop-ids", "3 x"], "--stop-ids #2 must be space-separated token ids >= 0, got '3 x'"),
     (["--stop-ids", " "], "--stop-ids #1 must be space-separated token ids"),
-    (["--repetition-penalty", "0"], "--repetition-penalty: repetition_penalty must be finite and > 0 in float32"),
+    (["--repetition-penalty", "0"], "--repetition-penalty: repetition_penalty must be a number in [2^-20, 2^20]"),
     (["--frequency-penalty", "nan"], "--frequency-penalty: frequency_penalty must be a number in [-2, 2] (0: off)"),
     (["--presence-penalty", "inf"], "--presence-penalty: presence_penalty must be a number in [-2, 2] (0: off)"),
     (["--min-new-tokens", "-2"], "--min-new-tokens: min_new_tokens must be >= 0 (0: off), got -2"),

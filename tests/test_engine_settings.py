@@ -139,7 +139,7 @@ def test_switches_read_what_the_sampled_streams_use():
     (dict(top_k=[1, 2, -3, 0]), r"stream 2's top_k must be >= 0"),
     (dict(top_k=[1, 2, 3, 10_000]), r"stream 3's top_k must be at most the vocabulary's"),
     (dict(min_p=[0.1, 0.2]), r"min_p must be one number or a sequence of one per stream \(4\)"),
-    (dict(repetition_penalty=[1.0, 1.0, 0.0, 1.0]), r"stream 2's repetition_penalty must be finite and > 0"),
+    (dict(repetition_penalty=[1.0, 1.0, 0.0, 1.0]), r"stream 2's repetition_penalty must be a number in"),
     (dict(frequency_penalty=float("inf")), r"frequency_penalty must be a number in \[-2, 2\]"),
     (dict(presence_penalty=[0, 0, "x", 0]), r"stream 2's presence_penalty must be a number in \[-2, 2\]"),
     (dict(min_new_tokens=[0, NEW + 1, 0, 0]), rf"stream 1's min_new_tokens={NEW + 1} passes max_new_tokens={NEW}"),
@@ -194,8 +194,28 @@ def test_token_sets_read_numpy_arrays_as_lists():
     as_arrays = stream_allowed_ids([np.array([1, 2, 3]), None], 2, 64, (4,))
     as_lists = stream_allowed_ids([[1, 2, 3], None], 2, 64, (4,))
     assert all(np.array_equal(a, b) for a, b in zip(as_arrays.__dict__.values(), as_lists.__dict__.values()))
+    as_sets = stream_allowed_ids([{3, 1, 2}, None], 2, 64, (4,))  # sets, as EngineConfig takes them
+    assert all(np.array_equal(a, b) for a, b in zip(as_sets.__dict__.values(), as_lists.__dict__.values()))
+    assert np.array_equal(stream_stop_ids(frozenset({5, 3}), 2, 64), stream_stop_ids([5, 3], 2, 64))
     words = stream_sequences(np.array([[5, 6], [7, 8]]), 3, 64, (), check_id_sequences, "bad_words")
     assert words.lengths.tolist() == [[2, 2]] * 3 and words.tokens[0].tolist() == [[5, 6], [7, 8]]
+
+
+def test_the_configs_min_new_tokens_spares_a_stream_with_nothing_to_hold_back(models):
+    """vLLM takes min_tokens beside ignore_eos: a stream given ``eos_ids=[]`` (and no stops) under the config's
+    min_new_tokens decodes as with its own 0; a value the caller gave that stream is still refused."""
+    target, drafter = models
+    engine = Engine(target, drafter, EngineConfig(mode="ddtree", budget=8, max_new_tokens=NEW, capacity=64,
+                                                  eos_ids=(0,), min_new_tokens=4))
+    requests = engine.check_requests(PROMPTS[:2], eos_ids=[[], None])
+    assert requests.settings.min_new_tokens.tolist() == [0, 4]
+    spared = engine.generate(PROMPTS[:2], eos_ids=[[], None])
+    own_zero = engine.generate(PROMPTS[:2], eos_ids=[[], None], min_new_tokens=[0, None])
+    assert spared["tokens"] == own_zero["tokens"] and spared["status"] == own_zero["status"]
+    with pytest.raises(ValueError, match="stream 0's min_new_tokens=4 holds back EOS ids"):
+        engine.check_requests(PROMPTS[:2], eos_ids=[[], None], min_new_tokens=[4, None])
+    with pytest.raises(ValueError, match="stream 0's min_new_tokens=3 holds back EOS ids"):
+        engine.check_requests(PROMPTS[:2], eos_ids=[[], None], min_new_tokens=3)
 
 
 def test_min_new_tokens_per_stream_needs_something_to_hold_back(models):

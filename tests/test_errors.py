@@ -228,7 +228,7 @@ def test_engine_config_and_engine_refuse_bad_values():
                       (dict(eos_ids=(3, -1)), "eos_ids"), (dict(eos_ids=5), "eos_ids"),
                       (dict(logprobs=1), "logprobs must be True or False, got 1"),
                       (dict(logprobs="raw"), "logprobs must be True or False"),
-                      (dict(repetition_penalty=0), "repetition_penalty must be finite and > 0"),
+                      (dict(repetition_penalty=0), "repetition_penalty must be a number in"),
                       (dict(repetition_penalty="1.1"), "repetition_penalty must be a number"),
                       (dict(logprobs=True, top_logprobs=-1), "top_logprobs must be an integer >= 0"),
                       (dict(logprobs=True, top_logprobs=2.0), "top_logprobs must be an integer >= 0"),
