@@ -153,6 +153,24 @@ SPLIT_SHAPES = [(8, 1, 1, 65536), (8, 1, 8, 65536), (64, 1, 1, 8192), (64, 1, 1,
 SWEEP_SPLITS = [0.25, 4.0]
 
 
+def tree_parents(B, T) -> np.ndarray:
+    """The point's random trees, int32 [B, T]: node i's parent drawn uniformly from 0..i-1 (seeded by B and T)."""
+    rng = np.random.default_rng(T * 1000 + B)
+    return np.array([[-1] + [int(rng.integers(0, i)) for i in range(1, T)] for _ in range(B)], np.int32)
+
+
+def tree_visible_pairs(B, T) -> int:
+    """The (node, tree key) pairs the point's ancestor-or-self masks let through, over its B trees: each node sees
+    the depth + 1 nodes of its path from the root."""
+    parents, total = tree_parents(B, T), 0
+    for row in parents:
+        depth = np.zeros(T, np.int64)
+        for i in range(1, T):
+            depth[i] = depth[row[i]] + 1
+        total += int(depth.sum()) + T
+    return total
+
+
 def make_inputs(key, H, B, T, P, copies, padded_tree=False):
     """``padded_tree``: the tree latents padded with zeros to whole 64-key blocks, as the model hands them to
     the attention (the Mosaic GPU kernels read them in place)."""
@@ -161,9 +179,7 @@ def make_inputs(key, H, B, T, P, copies, padded_tree=False):
     tkv = jax.random.normal(ks[1], (B, T, C), jnp.bfloat16)
     if padded_tree:
         tkv = M.pad_tree_latents(tkv)
-    rng = np.random.default_rng(T * 1000 + B)
-    parents = np.array([[-1] + [int(rng.integers(0, i)) for i in range(1, T)] for _ in range(B)], np.int32)
-    anc = make_tree(np.zeros((B, T), np.int32), parents, max_depth=T - 1).visibility  # ancestor-or-self
+    anc = make_tree(np.zeros((B, T), np.int32), tree_parents(B, T), max_depth=T - 1).visibility  # ancestor-or-self
     caches = [jax.random.normal(k, (B, P, C), jnp.bfloat16) for k in ks[4:]]
     plen = jnp.full((B,), P, jnp.int32)
     return q, caches, plen, tkv, anc
@@ -271,11 +287,29 @@ def chained_parts(prepare, step, n):
     return jax.jit(run)
 
 
-def roofline(H, B, T, P, bw, peak):
+def roofline(H, B, T, P, bw, peak, visible=None):
+    """(bytes, FLOPs, bound, floor seconds) of a point: the prefix, queries, tree latents and output move once;
+    each head of each node multiplies its query with every prefix key and each tree key its mask shows (``visible``
+    pairs, by default those of the point's trees, ``tree_visible_pairs``), 576 + 512 multiply-adds a pair. Rows
+    written before session 77 counted all T tree keys of every node (``rows_of`` recounts them)."""
+    visible = tree_visible_pairs(B, T) if visible is None else visible
     nbytes = 2 * (B * P * C + B * T * H * C + B * T * C + B * T * H * L)
-    flops = 2 * B * T * H * (P + T) * (C + L)
+    flops = 2 * H * (B * T * P + visible) * (C + L)
     t_mem, t_cmp = nbytes / bw, flops / peak
     return nbytes, flops, ("memory" if t_mem >= t_cmp else "compute"), max(t_mem, t_cmp)
+
+
+def masked_floor(row: dict, payload: dict) -> dict:
+    """A grid row of a result file (``payload``: its bandwidth and peak) with its FLOPs, bound and floor counted
+    over the tree keys its mask shows (``roofline``), where it counted all T (rows before session 77:
+    ``dense_flops`` then keeps the old count); other rows as they are."""
+    if "flops" not in row or "bytes" not in row or "copy_bw_Bps" not in payload:
+        return row
+    bw, peak = payload["copy_bw_Bps"], payload["bf16_peak_flops"]
+    _, flops, bound, floor_s = roofline(row["H"], row["B"], row["T"], row["P"], bw, peak)
+    if flops == row["flops"]:
+        return row
+    return dict(row, dense_flops=row["flops"], flops=flops, bound=bound, floor_ms=floor_s * 1e3)
 
 
 def time_op(fn, inputs, est_s, repeats, chain=chained):
@@ -408,12 +442,14 @@ def bench_point(H, B, T, P, cfg, bw, peak, with_xla=True, check=True, repeats=5,
 
 def rows_of(paths) -> list[dict]:
     """The rows of result files, one per kernel and point (``kernel``, H, B, T, P): a later file's row replaces an
-    earlier one's (a rerun of some points after a whole grid), in the order the points first appear."""
+    earlier one's (a rerun of some points after a whole grid), in the order the points first appear; each grid
+    row's floor counted over the tree keys its mask shows (``masked_floor``)."""
     latest = {}
     for path in paths:
         with open(path) as f:
-            for r in json.load(f)["rows"]:
-                latest[(r.get("kernel"), r["H"], r["B"], r["T"], r["P"])] = r
+            payload = json.load(f)
+        for r in payload["rows"]:
+            latest[(r.get("kernel"), r["H"], r["B"], r["T"], r["P"])] = masked_floor(r, payload)
     return list(latest.values())
 
 

@@ -159,6 +159,22 @@ def dependent_chain(fn: Callable, n: int, rotate: bool = False) -> Callable:
     return jax.jit(run)
 
 
+def dispatched_chain(fn: Callable, n: int) -> Callable:
+    """n calls y = fn(y), each its own dispatch of the jitted ``fn`` reading the whole previous output, from
+    Python (not one program: inside one, XLA may fuse an elementwise ``fn``'s calls, or recompute the element
+    ``dependent_chain`` passes on, so that several calls share one read); returns every output. For device
+    timing from a trace of calls long against a launch; ``fn``'s output must be a valid input."""
+    fn = jax.jit(fn)
+
+    def run(y):
+        outs = []
+        for _ in range(n):
+            y = fn(y)
+            outs.append(y)
+        return outs
+    return run
+
+
 def chained_call_time(fn: Callable, args: tuple, n_long: int = 17, n_short: int = 1, repeats: int = 5) -> float:
     """Seconds per call of ``fn(*args)`` on the device: a ``dependent_chain`` of n_long calls and one of
     n_short, timed separately; their difference over the extra calls cancels the program's launch and
@@ -327,10 +343,11 @@ def measure_copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 20) -> float:
 
 def measure_traced_copy_bandwidth(nbytes: int = 1 << 30, calls: int = 8) -> float:
     """Copy bandwidth in bytes/s (reads + writes) timed like the kernels: XLA's a+1 over ``nbytes``,
-    device time from a profiler trace of a dependent chain (``traced_call_time``). On the H200 this is
-    4.84 TB/s against PyTorch's 4.23 (event-timed, launches included); benchmarks quote both."""
+    device time from a profiler trace of a ``dispatched_chain`` (``traced_call_time``). Until session 77 it was
+    timed over a ``dependent_chain``, whose a+1 calls XLA could fuse to share reads: 4.07-4.12 TB/s on an H100
+    (peak 3.35), 4.70-4.86 on the H200."""
     x = jnp.arange(nbytes // 4, dtype=jnp.float32)
-    return 2 * nbytes / traced_call_time(lambda a: a + 1.0, (x,), calls)["span_s"]
+    return 2 * nbytes / traced_call_time(lambda a: a + 1.0, (x,), calls, chain=dispatched_chain)["span_s"]
 
 
 def measure_torch_copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 20) -> float | None:

@@ -180,3 +180,39 @@ def test_flags_that_would_be_ignored_are_refused(monkeypatch, capsys):
         with pytest.raises(SystemExit) as exc:
             bench.main()
         assert exc.value.code == 2 and message in capsys.readouterr().err, argv
+
+
+def test_the_flop_floor_counts_the_tree_keys_the_mask_shows(tmp_path):
+    """Each node multiplies with the prefix and its ancestors-or-self, not all T tree keys (a chain's node i sees
+    i + 1 of them, a star's leaves 2): rows written before session 77 counted all T, and ``rows_of`` recounts them."""
+    import json
+
+    import numpy as np
+
+    from ddtree_jax.tree import make_tree
+
+    H, B, T, P, C, L = 8, 2, 16, 1024, bench.C, bench.L
+    chain = B * T * (T + 1) // 2
+    star = B * (1 + 2 * (T - 1))
+    for visible in (chain, star):
+        _, flops, _, _ = bench.roofline(H, B, T, P, 1e12, 1e15, visible=visible)
+        assert flops == 2 * H * (B * T * P + visible) * (C + L)
+    parents = bench.tree_parents(B, T)
+    mask = np.asarray(make_tree(np.zeros((B, T), np.int32), parents, max_depth=T - 1).visibility)
+    assert bench.tree_visible_pairs(B, T) == int(mask.sum()) < B * T * T
+    assert bench.roofline(H, B, T, P, 1e12, 1e15) == bench.roofline(H, B, T, P, 1e12, 1e15, visible=int(mask.sum()))
+    # a stored row with the dense count: its floor, bound and FLOPs recounted with the file's yardsticks
+    bw, peak = 4.2e12, 8.1e14
+    nbytes, _, _, _ = bench.roofline(H, B, T, P, bw, peak)
+    dense = 2 * B * T * H * (P + T) * (C + L)
+    row = dict(kernel="mgpu", H=H, B=B, T=T, P=P, bytes=nbytes, flops=dense, bound="compute",
+               floor_ms=max(nbytes / bw, dense / peak) * 1e3, op_ms=0.01)
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"copy_bw_Bps": bw, "bf16_peak_flops": peak, "rows": [row]}))
+    (got,) = bench.rows_of([str(path)])
+    _, flops, bound, floor_s = bench.roofline(H, B, T, P, bw, peak)
+    assert got["flops"] == flops < dense == got["dense_flops"] and got["bound"] == bound
+    assert got["floor_ms"] == floor_s * 1e3 < row["floor_ms"]
+    (again,) = bench.rows_of([str(path)])  # a row already counted this way stays as it is
+    path.write_text(json.dumps({"copy_bw_Bps": bw, "bf16_peak_flops": peak, "rows": [dict(got)]}))
+    assert bench.rows_of([str(path)]) == [got] and again == got
