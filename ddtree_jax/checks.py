@@ -35,7 +35,18 @@ def check_int(name: str, values, shape: tuple[int, ...] | None = None) -> None:
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(values.shape)}")
 
 
+INT32_RANGE = (-2**31, 2**31 - 1)
+
+
 def as_int32(name: str, values, shape: tuple[int, ...] | None = None) -> jax.Array:
-    """``values`` as an int32 array once ``check_int`` has passed it."""
+    """``values`` as an int32 array once ``check_int`` has passed it; a host value (list or numpy) outside int32's
+    range is a ValueError naming ``name`` (a cast would wrap it: 2**32 + 3 read as 3). A JAX array is the caller's
+    to keep in range (reading its values would move it to the host, and a traced one has none)."""
     check_int(name, values, shape)
+    if not isinstance(values, jax.Array):
+        host = np.asarray(values)
+        low, high = INT32_RANGE
+        if host.size and (host.min() < low or host.max() > high):
+            bad = host.min() if host.min() < low else host.max()
+            raise ValueError(f"{name} must lie in int32's range [-2**31, 2**31 - 1], got {bad}")
     return jnp.asarray(values).astype(jnp.int32)

@@ -39,11 +39,7 @@ def pad_prompts(prompts: Sequence[Sequence[int]], *, vocab_size: int, capacity: 
     Returns tokens [B, P] int32 and lengths [B] int32. ``reserve`` cache slots must remain free after
     the prompt (e.g. one decode block); a prompt that does not fit is refused, never truncated.
     """
-    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (Sequence, np.ndarray)):
-        raise ValueError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
-    if len(prompts) == 0:
-        raise ValueError("no prompts given")
-    prompts = [_token_ids(p, i) for i, p in enumerate(prompts)]
+    prompts = [_token_ids(p, i) for i, p in enumerate(check_prompt_list(prompts))]
     lengths = np.array([len(p) for p in prompts], np.int32)
     if (lengths == 0).any():
         raise ValueError(f"empty prompt at index {int(np.argmin(lengths))}")
@@ -68,11 +64,25 @@ def pad_checked(prompts: Sequence[np.ndarray], *, capacity: int, pad_id: int = 0
     return tokens, lengths
 
 
+def check_prompt_list(prompts):
+    """``prompts`` as a non-empty sequence of prompts (a list, tuple or array of them; a JAX array is read to the
+    host); ValueError for a string, a generator, None or an empty one (each prompt is checked by ``pad_prompts``)."""
+    if isinstance(prompts, jax.Array):
+        prompts = np.asarray(prompts)
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (Sequence, np.ndarray)):
+        raise ValueError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
+    if len(prompts) == 0:
+        raise ValueError("no prompts given")
+    return prompts
+
+
 def _token_ids(prompt, index: int) -> np.ndarray:
     """One prompt as a 1-D integer array; ValueError for text, floats, bools or nesting (never truncated)."""
     problem = f"prompt {index} must be a list of integer token ids (a list of lists for several prompts), got "
     if isinstance(prompt, (str, bytes)):
         raise ValueError(problem + f"{prompt!r:.80}")
+    if isinstance(prompt, (list, tuple)) and any(isinstance(t, (bool, np.bool_)) for t in prompt):
+        raise ValueError(problem + f"{prompt!r:.80}")  # numpy would read [5, True] as [5, 1]
     try:
         ids = np.asarray(prompt)
     except ValueError:  # ragged nesting

@@ -32,7 +32,7 @@ import numpy as np
 from flax import nnx
 
 from ddtree_jax.cache import CACHE_AXES, LatentCache, commit, init_cache
-from ddtree_jax.decode import pad_checked, pad_prompts, prefill_blocks
+from ddtree_jax.decode import check_prompt_list, pad_checked, pad_prompts, prefill_blocks
 from ddtree_jax.engine_config import (LOGPROBS_MODES, MODES, EngineConfig, required_capacity,  # noqa: F401
                                       tree_depth)
 from ddtree_jax.drafter import (DFlashDrafter, DraftCache, check_drafter_target, draft_cache_axes, draft_logits,
@@ -272,6 +272,7 @@ class Engine:
                        eos_ids=None) -> Requests:
         """``prefill``'s arguments checked on the host, with what the programs compile for them (``Requests``)."""
         ecfg = self.ecfg
+        prompts = check_prompt_list(prompts)
         n = len(prompts)
         temperature, keys = check_temperatures(temperature, n), stream_keys(seed, n)
         limits = check_token_limits(max_new_tokens, n, ecfg.max_new_tokens)
@@ -379,8 +380,19 @@ class Engine:
         return state
 
     def dispatch(self, state: DecodeState, running_floor: int = 0) -> DecodeState:
-        """One dispatch of rounds (``_run_rounds``; the state is donated)."""
+        """One dispatch of rounds (``_run_rounds``; the state is donated). ValueError for a state this engine did
+        not prefill (another mode or depth) or one already donated to an earlier dispatch."""
+        self._check_state(state)
         return self._dispatch_program(_run_rounds, state, running_floor)
+
+    def _check_state(self, state: DecodeState) -> None:
+        if (state.draft_cache is None) != (not self.taps) or state.tau_hist.shape[1] != self.depth + 2:
+            raise ValueError(f"this DecodeState was prefilled by another engine (draft depth "
+                             f"{state.tau_hist.shape[1] - 2}, drafter {'none' if state.draft_cache is None else 'yes'}"
+                             f"), not by this {self.ecfg.mode} engine of depth {self.depth}")
+        if any(isinstance(leaf, jax.Array) and leaf.is_deleted() for leaf in jax.tree.leaves(state)):
+            raise ValueError("this DecodeState was donated to an earlier run or dispatch, which returned the state to "
+                             "go on with")
 
     def _dispatch_program(self, program, state: DecodeState, running_floor: int):
         """``program`` (``_run_rounds``, or its ``.lower``) called on the state."""

@@ -153,7 +153,8 @@ def tree_attention_ref(q, cache_kv, prefix_len, tree_kv, tree_mask, *, scale, kv
     materialises [B, H, T, S] scores. The tree tail is one dense [B, T, H, T] masked block. Dots take
     the inputs' dtype with f32 accumulation (HIGHEST precision for f32 inputs); softmax is f32.
     Rows at or beyond prefix_len are zeroed before use, so NaN garbage there cannot leak. A row that sees
-    no key (possible only under jit, with a traced mask) gets out 0 and lse -inf, as in the kernels.
+    no key (possible only under jit, with a traced mask) gets out 0 and lse -inf, as in the kernels, but for the
+    Mosaic GPU op at T = 1, which takes the one-node mask as [[True]], the only valid one (``tree_inputs``).
     """
     del interpret
     B, T, H, C, S = _check_shapes(q, cache_kv, prefix_len, tree_kv, tree_mask, kv_lora_rank)

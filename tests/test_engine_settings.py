@@ -6,6 +6,7 @@ stream."""
 
 import numpy as np
 import pytest
+from flax import nnx
 
 from ddtree_jax.engine import Engine, EngineConfig
 from ddtree_jax.stream_settings import NUMBERS, OFF, Switches, switches_of, uniform_settings
@@ -252,3 +253,31 @@ def test_a_streams_none_among_per_stream_numbers_is_the_configs(models):
         np.testing.assert_allclose(np.asarray(getattr(got, name)), values, rtol=1e-6, err_msg=name)
     with pytest.raises(ValueError, match="stream 1's top_k must be an integer"):
         engine.check_requests(PROMPTS[:2], top_k=[2, "5"])
+
+
+def test_misused_inputs_get_named_errors(models):
+    """A donated state run again, another engine's state, a generator of prompts, a bool among a prompt's ids and
+    a length past int32 (which a cast wrapped: 2**32 + 3 prefilled 3 tokens) are refused by name."""
+    from ddtree_jax.cache import init_cache
+    from ddtree_jax.decode import pad_prompts, prefill
+
+    target, drafter = models
+    engine = Engine(target, drafter, config("ddtree", 8))
+    state = engine.prefill(PROMPTS[:2])
+    done = engine.run(state)
+    with pytest.raises(ValueError, match="donated to an earlier run or dispatch"):
+        engine.run(state)
+    ar = Engine(target, drafter, EngineConfig(mode="ar", max_new_tokens=NEW, capacity=64))
+    with pytest.raises(ValueError, match="prefilled by another engine"):
+        ar.run(engine.prefill(PROMPTS[:2]))
+    assert done.out_tokens.shape[0] == 2
+    with pytest.raises(ValueError, match="prompts must be a list of token-id lists, got generator"):
+        engine.generate(p for p in PROMPTS[:2])
+    with pytest.raises(ValueError, match="prompts must be a list of token-id lists, got NoneType"):
+        engine.generate(None)
+    with pytest.raises(ValueError, match="prompt 0 must be a list of integer token ids"):
+        pad_prompts([[5, True, 7]], vocab_size=64, capacity=64)
+    tokens = np.array([[5, 6, 7, 8]], np.int32)
+    for lengths in (np.array([2**32 + 3]), [2**32 + 3]):
+        with pytest.raises(ValueError, match=r"lengths must lie in int32's range"):
+            prefill(*nnx.split(target), init_cache(target.cfg, 1, 16), tokens, lengths)
