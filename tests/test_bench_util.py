@@ -19,6 +19,23 @@ def test_dependent_chain_feeds_each_output_into_the_next_call():
     np.testing.assert_allclose(np.stack(outs), [[2.0, 2.0], [4.0, 2.0], [8.0, 2.0]])
 
 
+def test_dispatched_chain_reads_each_whole_output_in_the_next_call(monkeypatch):
+    """The traced copy's chain: n separate dispatches, each reading the whole previous output, so no two calls can
+    share a read (inside one program XLA fused an elementwise chain's calls, or recomputed the element
+    ``dependent_chain`` passes on); ``measure_traced_copy_bandwidth`` times its a+1 over it."""
+    x = jnp.arange(8, dtype=jnp.float32)
+    outs = bench_util.dispatched_chain(lambda a: a * 2.0, 3)(x)
+    assert [o.tolist() for o in outs] == [(x * 2).tolist(), (x * 4).tolist(), (x * 8).tolist()]
+    seen = {}
+
+    def fake(fn, args, calls, chain=None, **kw):
+        seen["chain"] = chain
+        return {"span_s": 1.0}
+    monkeypatch.setattr(bench_util, "traced_call_time", fake)
+    assert bench_util.measure_traced_copy_bandwidth(1 << 12, 2) == 2 * (1 << 12)
+    assert seen["chain"] is bench_util.dispatched_chain
+
+
 def test_rotating_copies_read_past_the_l2():
     """Enough copies that together they hold more than reads_over_l2 times the L2, at least one, at most ``most``:
     the ladder's 4-block points (16 x 2K keys, 37.7 MB) take 4 copies of a 60 MiB L2, its 64-block ones 1."""
