@@ -81,7 +81,8 @@ def _token_ids(prompt, index: int) -> np.ndarray:
     problem = f"prompt {index} must be a list of integer token ids (a list of lists for several prompts), got "
     if isinstance(prompt, (str, bytes)):
         raise ValueError(problem + f"{prompt!r:.80}")
-    if isinstance(prompt, (list, tuple)) and any(isinstance(t, (bool, np.bool_)) for t in prompt):
+    if isinstance(prompt, (list, tuple)) and any(isinstance(t, (bool, np.bool_)) or getattr(t, "dtype", None) == bool
+                                                 for t in prompt):
         raise ValueError(problem + f"{prompt!r:.80}")  # numpy would read [5, True] as [5, 1]
     try:
         ids = np.asarray(prompt)

@@ -184,7 +184,7 @@ def stream_id_lists(value, streams: int, vocab_size: int, name: str, default) ->
     sequence of one sequence (or None: ``default``) per stream; every id in [0, vocab_size). ValueError naming
     ``name`` and the stream otherwise."""
     one = "one sequence of token ids (e.g. [13, 42])"
-    value = _numpy_as_lists(value)
+    value = _numpy_as_lists(value, sets=True)
     if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
         raise ValueError(f"{name} must be {one} or a sequence of one per stream, got {value!r}")
     rows = []
@@ -197,12 +197,13 @@ def stream_id_lists(value, streams: int, vocab_size: int, name: str, default) ->
     return rows
 
 
-def _numpy_as_lists(value):
-    """``value`` with numpy arrays (it, or its items) as nested lists of Python ints and sets (of token ids, as
-    ``EngineConfig`` takes them) as lists, the forms the parsers read."""
+def _numpy_as_lists(value, sets: bool = False):
+    """``value`` with numpy arrays (it, or its items) as nested lists of Python ints, the forms the parsers read;
+    ``sets``: Python sets too (of token ids, unordered as ``EngineConfig`` takes them; never a sequence's order)."""
     def as_list(item):
-        return item.tolist() if isinstance(item, np.ndarray) else list(item) if isinstance(item, (set, frozenset)) \
-            else item
+        if isinstance(item, np.ndarray):
+            return item.tolist()
+        return list(item) if sets and isinstance(item, (set, frozenset)) else item
     value = as_list(value)
     return [as_list(item) for item in value] if isinstance(value, (list, tuple)) else value
 

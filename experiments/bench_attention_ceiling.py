@@ -109,7 +109,7 @@ def ceiling_point(H, B, T, P, bw, peak) -> dict:
     nbytes, flops, bound, floor_s = roofline(H, B, T, P, bw, peak)
     cache_bytes = 2 * B * P * C
     inputs, copies = point_inputs(H, B, T, P)
-    row = dict(H=H, B=B, T=T, P=P, bound=bound, floor_ms=floor_s * 1e3, cache_copies=copies)
+    row = dict(H=H, B=B, T=T, P=P, bound=bound, bytes=nbytes, flops=flops, floor_ms=floor_s * 1e3, cache_copies=copies)
     read = op_time(read_prefixes, inputs, "read")
     row.update(read_ms=read["ms"], read_pct_bw=100 * cache_bytes / (read["ms"] / 1e3) / bw, read_timed=read["timed"],
                read_kernels=read["kernels"])

@@ -328,7 +328,8 @@ def bench_parts(H, B, T, P, bw, peak, repeats=5):
     """The Mosaic GPU op and its parts (``mgpu_parts``) at one point: ms of each, whole op first."""
     nbytes, flops, bound, floor_s = roofline(H, B, T, P, bw, peak)
     inputs, copies = point_inputs(H, B, T, P)
-    row = dict(H=H, B=B, T=T, P=P, bound=bound, floor_ms=floor_s * 1e3, kernel="mgpu_parts", cache_copies=copies)
+    row = dict(H=H, B=B, T=T, P=P, bound=bound, bytes=nbytes, flops=flops, floor_ms=floor_s * 1e3, kernel="mgpu_parts",
+               cache_copies=copies)
     whole = jax.jit(functools.partial(tree_attention_mgpu, scale=SCALE, kv_lora_rank=L, kernel=M.split_attention))
     row["ms"] = time_op(whole, inputs, floor_s, repeats)[0] * 1e3
     for name, (prepare, step) in mgpu_parts(H, B, T, P).items():

@@ -198,6 +198,8 @@ def test_token_sets_read_numpy_arrays_as_lists():
     as_sets = stream_allowed_ids([{3, 1, 2}, None], 2, 64, (4,))  # sets, as EngineConfig takes them
     assert all(np.array_equal(a, b) for a, b in zip(as_sets.__dict__.values(), as_lists.__dict__.values()))
     assert np.array_equal(stream_stop_ids(frozenset({5, 3}), 2, 64), stream_stop_ids([5, 3], 2, 64))
+    with pytest.raises(ValueError, match="must be a non-empty sequence"):  # a sequence's order is not a set's
+        stream_sequences([{3, 59}], 3, 64, (), check_id_sequences, "bad_words")
     words = stream_sequences(np.array([[5, 6], [7, 8]]), 3, 64, (), check_id_sequences, "bad_words")
     assert words.lengths.tolist() == [[2, 2]] * 3 and words.tokens[0].tolist() == [[5, 6], [7, 8]]
 
@@ -275,8 +277,9 @@ def test_misused_inputs_get_named_errors(models):
         engine.generate(p for p in PROMPTS[:2])
     with pytest.raises(ValueError, match="prompts must be a list of token-id lists, got NoneType"):
         engine.generate(None)
-    with pytest.raises(ValueError, match="prompt 0 must be a list of integer token ids"):
-        pad_prompts([[5, True, 7]], vocab_size=64, capacity=64)
+    for flag in (True, np.bool_(True), np.array(True)):
+        with pytest.raises(ValueError, match="prompt 0 must be a list of integer token ids"):
+            pad_prompts([[5, flag, 7]], vocab_size=64, capacity=64)
     tokens = np.array([[5, 6, 7, 8]], np.int32)
     for lengths in (np.array([2**32 + 3]), [2**32 + 3]):
         with pytest.raises(ValueError, match=r"lengths must lie in int32's range"):
