@@ -215,7 +215,9 @@ def iter_hf_params(path: str, cfg: ModelConfig, flat_abstract: dict[tuple, nnx.V
                 checked.scale.astype(value.scale.dtype), value.scale, equal_nan=True):
             raise CheckpointError(f"{tensor_name}: weight_scale stored as {value.scale.dtype}, not exactly "
                                   f"representable in the model's scale dtype {checked.scale.dtype} (every dequantised "
-                                  f"expert weight would change)")
+                                  f"expert weight would change); INT4 experts here keep bfloat16 scales, as K2.x "
+                                  f"ships them: a checkpoint quantized from a float16 or float32 model is not "
+                                  f"supported")
         if key[-1] == "router" and checked.dtype != np.float32 and not np.array_equal(
                 checked.astype(value.dtype), value):
             raise CheckpointError(f"{tensor_name}: stored as {value.dtype}, not exactly representable in the "

@@ -220,6 +220,15 @@ def logits(model, tokens):
     return np.asarray(_logits(graphdef, state, jnp.asarray(tokens)))
 
 
+def test_convert_warns_of_a_missing_tokenizer(tmp_path, capsys):
+    """Converting a directory without a tokenizer works (memory sweeps convert random checkpoints) but says that
+    run_decode.py will refuse the result until one is copied there."""
+    hf_dir, out = str(tmp_path / "hf"), str(tmp_path / "out")
+    random_hf_checkpoint(hf_dir, dims=dict(TINY_HF_DIMS, num_hidden_layers=1), shards=1)
+    convert_main(["--hf", hf_dir, "--out", out, "--dtype", "float32", "--no-progress"])
+    assert f"warning: {hf_dir} has no tokenizer (tokenizer.json or tiktoken.model)" in capsys.readouterr().err
+
+
 def test_convert_multi_shard_checkpoint(tmp_path):
     hf_dir, out = str(tmp_path / "hf"), str(tmp_path / "out")
     files = random_hf_checkpoint(hf_dir, dims=TINY_HF_DIMS, shards=4)

@@ -311,3 +311,11 @@ def test_model_dir_without_tokenizer_is_refused(tmp_path):
     with pytest.raises(FileNotFoundError, match="no such directory"):
         load_tokenizer(str(tmp_path / "missing"), 512)
     assert isinstance(load_tokenizer(None, 512), ByteTokenizer)  # the random model, which has no directory
+
+
+def test_a_target_without_a_tokenizer_is_refused_before_it_is_loaded(tmp_path, capsys):
+    """A model directory with no tokenizer file: a usage error naming it at once, not after reading the model."""
+    (tmp_path / "config.json").write_text("{}")
+    message = refused(run_decode.parse_args, ["--target", str(tmp_path), "--mode", "ar", "--prompt-ids", "1 2"],
+                      capsys)
+    assert f"--target {str(tmp_path)!r} has no tokenizer (tokenizer.json or tiktoken.model)" in message
