@@ -242,7 +242,7 @@ def project_rows(layer_us_at, tau_by_budget: dict[int, float], layers: int, stre
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("--one", nargs="+", help="bench_layer JSON on one GPU (several: their M combined)")
     ap.add_argument("--two", nargs="+", help="bench_layer JSON on a 1x2 mesh (likewise)")
     ap.add_argument("--local", nargs="+", help="instead of --one / --two: bench_layer --local-of G JSON (one device's "

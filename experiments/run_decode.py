@@ -94,7 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a prompt's prefill runs in blocks of this many tokens, bounding its memory by the block, "
                         "not the prompt (0: the whole prompt in one block; default %(default)s)")
     p.add_argument("--seed", type=int, default=0,
-                   help=f"prompt i samples with seed + i, whatever --streams (all in [0, {SEED_LIMIT}))")
+                   help=f"prompt i samples with seed + i, whatever --streams (all in [0, {SEED_LIMIT})); it also "
+                        "cuts the held-out prompts (0: the shipped ones, experiments/heldout_prompts.json; another "
+                        "seed cuts others from this machine's stdlib) and seeds --target/--drafter random")
     p.add_argument("--repetition-penalty", type=float, default=1.0,
                    help="transformers' repetition penalty over the prompt and output tokens, greedy too (1: off)")
     p.add_argument("--frequency-penalty", type=float, default=0.0,
