@@ -306,8 +306,22 @@ def iter_hf_params(path: str, cfg: ModelConfig, flat_abstract: dict[tuple, nnx.V
 
     missing = [k for k in flat_abstract if k not in done]
     if missing:
-        names = [".".join(str(p) for p in k) for k in missing[:5]]
+        names = [_hf_name(k, attn_rules, text_prefix) for k in missing[:5]]
         raise CheckpointError(f"checkpoint is missing {len(missing)} parameters, e.g. {names}")
+
+
+def _hf_name(key: tuple, attn_rules: dict, text_prefix: str) -> str:
+    """The checkpoint tensor a state path reads (``iter_hf_params``' mapping backwards; alternatives joined by
+    ' or '), else the path itself."""
+    fixed = {("lm_head",): "lm_head.weight", ("embed",): "model.embed_tokens.weight",
+             ("norm", "weight"): "model.norm.weight"}
+    if key in fixed:
+        return text_prefix + fixed[key]
+    if len(key) > 2 and key[0] == "layers":
+        hf = [name for name, (path, _) in attn_rules.items() if path == tuple(key[2:])]
+        if hf:
+            return " or ".join(f"{text_prefix}model.layers.{key[1]}.{name}" for name in hf)
+    return ".".join(str(p) for p in key)
 
 
 def hf_model_config(path: str, *, dtype: str = "bfloat16") -> ModelConfig:

@@ -263,3 +263,12 @@ def test_saving_a_state_under_a_config_that_does_not_describe_it_is_refused(tmp_
     with pytest.raises(CheckpointError, match=r"parameters missing .* not in the config"):
         save_model(nnx.state(model), str(tmp_path / "ck"), cfg=fewer)
     assert not (tmp_path / "ck").exists()
+
+
+@pytest.mark.parametrize("name", ["model.layers.1.mlp.gate.e_score_correction_bias",
+                                  "model.layers.0.self_attn.kv_a_layernorm.weight", "model.norm.weight"])
+def test_a_missing_tensor_is_named_as_the_checkpoint_names_it(hf_dir, tmp_path, name):
+    """It was named by the engine's own path (``layers.1.mlp.router_bias``)."""
+    path = edited_copy(hf_dir, tmp_path / "m", lambda tensors: tensors.pop(name))
+    with pytest.raises(CheckpointError, match=r"missing 1 parameters, e\.g\. \['" + name.replace(".", r"\.") + "'"):
+        load_hf_model(path, dtype="float32")
