@@ -114,8 +114,6 @@ class EngineConfig:
         or holding back every allowed token. ``stop_strings``, ``stop_sequences``: the stream's (None: the config's);
         ``stop_ids``: its own stop token ids; ``allowed``: its allowed token ids (None: the config's; empty: all);
         ``eos_ids``: its EOS ids (None: the config's)."""
-        stop_strings = self.stop_strings if stop_strings is None else stop_strings
-        stop_sequences = self.stop_sequences if stop_sequences is None else stop_sequences
         allowed = self.allowed_token_ids if allowed is None else allowed
         if min_new_tokens > limit:
             raise ValueError(f"min_new_tokens={min_new_tokens} passes max_new_tokens={limit}")

@@ -260,15 +260,21 @@ TOKENIZER_FILES = ("tokenizer.json", "tiktoken.model")
 TOKENIZER_DIR_FILES = TOKENIZER_FILES + ("tokenizer_config.json",)
 
 
+def tokenizer_file(model_dir: str) -> str | None:
+    """The file of ``TOKENIZER_FILES`` that ``load_tokenizer`` reads from ``model_dir`` (the first it has), or None."""
+    return next((name for name in TOKENIZER_FILES if os.path.exists(os.path.join(model_dir, name))), None)
+
+
 def load_tokenizer(model_dir: str | None, vocab_size: int):
     """``tokenizer.json`` (HF tokenizers) if ``model_dir`` has one, else ``tiktoken.model`` (K2.x
     format); UTF-8 bytes when ``model_dir`` is None (a random model). FileNotFoundError for a
     directory with neither: its text would otherwise be silently mis-encoded."""
     if model_dir is None:
         return ByteTokenizer(vocab_size)
-    if os.path.exists(os.path.join(model_dir, "tokenizer.json")):
-        return HFTokenizer(os.path.join(model_dir, "tokenizer.json"))
-    if os.path.exists(os.path.join(model_dir, "tiktoken.model")):
+    name = tokenizer_file(model_dir)
+    if name == "tokenizer.json":
+        return HFTokenizer(os.path.join(model_dir, name))
+    if name == "tiktoken.model":
         return TiktokenTokenizer.from_dir(model_dir)
     where = "" if os.path.isdir(model_dir) else " (no such directory)"
     raise FileNotFoundError(f"no tokenizer in {model_dir}{where}: looked for {' and '.join(TOKENIZER_FILES)}; "

@@ -159,16 +159,15 @@ def tree_parents(B, T) -> np.ndarray:
     return np.array([[-1] + [int(rng.integers(0, i)) for i in range(1, T)] for _ in range(B)], np.int32)
 
 
+def tree_mask(B, T):
+    """The point's ancestor-or-self masks, bool [B, T, T] (``tree_parents``)."""
+    return make_tree(np.zeros((B, T), np.int32), tree_parents(B, T), max_depth=T - 1).visibility
+
+
+@functools.lru_cache(maxsize=None)
 def tree_visible_pairs(B, T) -> int:
-    """The (node, tree key) pairs the point's ancestor-or-self masks let through, over its B trees: each node sees
-    the depth + 1 nodes of its path from the root."""
-    parents, total = tree_parents(B, T), 0
-    for row in parents:
-        depth = np.zeros(T, np.int64)
-        for i in range(1, T):
-            depth[i] = depth[row[i]] + 1
-        total += int(depth.sum()) + T
-    return total
+    """The (node, tree key) pairs the point's masks let through, over its B trees."""
+    return int(np.asarray(tree_mask(B, T)).sum())
 
 
 def make_inputs(key, H, B, T, P, copies, padded_tree=False):
@@ -179,7 +178,7 @@ def make_inputs(key, H, B, T, P, copies, padded_tree=False):
     tkv = jax.random.normal(ks[1], (B, T, C), jnp.bfloat16)
     if padded_tree:
         tkv = M.pad_tree_latents(tkv)
-    anc = make_tree(np.zeros((B, T), np.int32), tree_parents(B, T), max_depth=T - 1).visibility  # ancestor-or-self
+    anc = tree_mask(B, T)
     caches = [jax.random.normal(k, (B, P, C), jnp.bfloat16) for k in ks[4:]]
     plen = jnp.full((B,), P, jnp.int32)
     return q, caches, plen, tkv, anc

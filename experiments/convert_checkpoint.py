@@ -291,8 +291,8 @@ def main(argv=None) -> dict:
         hf_model_config(args.hf, dtype=args.dtype)
     except ValueError as e:  # ConfigError, CheckpointError
         parser.error(f"--hf {args.hf}: {e}")
-    from ddtree_jax.tokenizer import TOKENIZER_FILES
-    if not any(os.path.exists(os.path.join(args.hf, name)) for name in TOKENIZER_FILES):
+    from ddtree_jax.tokenizer import TOKENIZER_FILES, tokenizer_file
+    if tokenizer_file(args.hf) is None:
         print(f"convert_checkpoint.py: warning: {args.hf} has no tokenizer ({' or '.join(TOKENIZER_FILES)}); "
               f"run_decode.py refuses {args.out} until one is copied there", file=sys.stderr)
     shard_sizes = {os.path.basename(f): os.path.getsize(f) for f in files}

@@ -302,11 +302,10 @@ def tokenizer_file_fingerprint(model_dir: str) -> str | None:
     """``"<file>:sha256:<hex>"`` of the tokenizer file ``load_tokenizer`` reads from ``model_dir``
     (``tokenizer.json``, else ``tiktoken.model``); None where it has neither (a model without a directory takes
     the byte tokenizer)."""
-    for name in ("tokenizer.json", "tiktoken.model"):
-        path = os.path.join(model_dir, name)
-        if os.path.exists(path):
-            return f"{name}:sha256:{_file_sha256(path)}"
-    return None
+    from ddtree_jax.tokenizer import tokenizer_file
+
+    name = tokenizer_file(model_dir)
+    return None if name is None else f"{name}:sha256:{_file_sha256(os.path.join(model_dir, name))}"
 
 
 def cut_heldout_prompts(tokenizer, n: int, *, seed: int, min_tokens: int, max_tokens: int,

@@ -48,7 +48,7 @@ from ddtree_jax.processors import (check_additive_penalty, check_logit_bias, che
                                    check_repetition_penalty)
 from ddtree_jax.sampling import check_min_p, check_top_k, check_top_p  # noqa: E402
 from ddtree_jax.stop_strings import check_stop_strings  # noqa: E402
-from ddtree_jax.tokenizer import TOKENIZER_FILES, load_tokenizer  # noqa: E402
+from ddtree_jax.tokenizer import TOKENIZER_FILES, load_tokenizer, tokenizer_file  # noqa: E402
 from ddtree_jax.tree import check_budget  # noqa: E402
 from experiments import bench_util  # noqa: E402
 
@@ -204,8 +204,7 @@ def check_args(args) -> None:
     for flag, path in (("--target", args.target), ("--drafter", args.drafter)):
         if path not in (None, "random") and not os.path.isdir(path):
             raise ValueError(f"{flag} {path!r} is neither a directory nor 'random'")
-    if args.target != "random" and not any(os.path.exists(os.path.join(args.target, name))
-                                           for name in TOKENIZER_FILES):
+    if args.target != "random" and tokenizer_file(args.target) is None:
         raise ValueError(f"--target {args.target!r} has no tokenizer ({' or '.join(TOKENIZER_FILES)}): copy the "
                          "model's tokenizer file there")
     if args.json is not None:
